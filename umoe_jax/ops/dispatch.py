@@ -70,27 +70,24 @@ def combine(y_slots: jax.Array, gates: jax.Array) -> jax.Array:
   return out.astype(y_slots.dtype)
 
 
-def route_to_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, num_experts: int,
-                     expert_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
-  """Applies per-row experts and returns the gate-weighted sum for every token.
+def apply_experts(x: jax.Array, plan: DispatchPlan, gates: jax.Array,
+                  expert_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+  """Runs per-row experts along a dispatch plan and returns the gate-weighted sum per token.
 
     out[n] = sum_k gates[n, k] * Expert_{expert_ids[n, k]}(x[n] or x[n, k])
 
   Args:
     x: [N, D] or [N, K, D] (see `permute`).
-    expert_ids: [N, K] int.
+    plan: `make_plan(expert_ids [N, K], E)`.
     gates: [N, K].
-    num_experts: E.
     expert_fn: `(rows [M, D] sorted by expert, group_sizes [E]) -> [M, D_out]`.
   Returns:
     [N, D_out].
   """
-  n, k = expert_ids.shape
-  plan = make_plan(expert_ids, num_experts)
+  n, k = gates.shape
   with jax.named_scope("dispatch"):
     rows = permute(x, plan, k)                                           # [M, D]
-  with jax.named_scope("experts"):
-    y_sorted = expert_fn(rows, plan.group_sizes)                         # [M, D_out]
+  y_sorted = expert_fn(rows, plan.group_sizes)                           # [M, D_out]
   with jax.named_scope("combine"):
     y = unpermute(y_sorted, plan).reshape(n, k, -1)                      # [N, K, D_out]
     return combine(y, gates)

@@ -1,0 +1,86 @@
+"""The paper's model family and the defaults every experiment shares.
+
+Each `configs/<family>_<scale>.py` is `get_config()` = `experiment(family, scale)`. Families follow
+Table 1 of the UMoE paper (official configs in github.com/ysngki/UMoE, `model_libs/configs/`):
+
+  dense     multi-head attention + dense MLP                       (small-GPT / 1B-GPT-1024)
+  ffn_moe   multi-head attention + fine-grained MoE FFN + 1 shared (small-vanilla-ffnMoE / 1B-ffnMoE)
+  umoe      pre-mixing attention MoE + MoE FFN, one expert pool    (small-vanilla-UMoE / 1B-UMoE)
+
+Scales: base (d=768, 12 layers), large (d=2048, 24 layers), tiny (trains on a CPU in minutes).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+# Shape of each scale: width, depth, attention head dim, dense FFN width, MoE pool.
+SCALES = {
+    "tiny": dict(d_model=128, n_layers=4, max_seq_len=256, vocab_size=512, head_dim=32,
+                 d_ff=512, n_experts=16, d_expert=32, k_ffn=4, k_att=2, q_lora_rank=8,
+                 att_experts=15),
+    "base": dict(d_model=768, n_layers=12, max_seq_len=1024, vocab_size=32000, head_dim=192,
+                 d_ff=3072, n_experts=128, d_expert=192, k_ffn=15, k_att=3, q_lora_rank=16,
+                 att_experts=116),
+    "large": dict(d_model=2048, n_layers=24, max_seq_len=1024, vocab_size=32000, head_dim=512,
+                  d_ff=5632, n_experts=64, d_expert=512, k_ffn=10, k_att=3, q_lora_rank=36,
+                  att_experts=57),
+}
+
+
+def model_defaults() -> ml_collections.ConfigDict:
+  """Every model key with its default (mirrors umoe_jax.config.ModelConfig)."""
+  return ml_collections.ConfigDict(dict(
+      vocab_size=32000, d_model=768, n_layers=12, max_seq_len=1024, norm_eps=1e-6,
+      rope_theta=10000.0, rope_layout="interleaved", init_std=0.02,
+      param_dtype="float32", compute_dtype="bfloat16", gmm_backend="auto",
+      attention=dict(kind="mha", n_heads=4, head_dim=64, v_head_dim=64, top_k=3,
+                     n_shared_experts=1,
+                     q_lora_rank=ml_collections.config_dict.placeholder(int),
+                     q_lora_norm=True),
+      ffn=dict(kind="dense", d_ff=0, top_k=2, n_shared_experts=1),
+      moe=dict(n_experts=0, d_expert=0, activation="silu", share_pool=True),
+      router=dict(kind="topk_softmax", renormalize=False, balance_loss="seq_aux",
+                  balance_coef=0.001),
+  ))
+
+
+def model(family: str, scale: str) -> ml_collections.ConfigDict:
+  """The model section for one row of the paper's Table 1 at one scale."""
+  if scale not in SCALES:
+    raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
+  s = SCALES[scale]
+  m = model_defaults()
+  m.vocab_size, m.d_model, m.n_layers, m.max_seq_len = (
+      s["vocab_size"], s["d_model"], s["n_layers"], s["max_seq_len"])
+  # Dense multi-head attention: 4 heads of head_dim (q/k and v), as in every official config.
+  m.attention.n_heads = 4
+  m.attention.head_dim = s["head_dim"]
+  m.attention.v_head_dim = s["head_dim"]
+  m.ffn.d_ff = s["d_ff"]
+  if family == "dense":
+    pass
+  elif family == "ffn_moe":
+    m.ffn.kind = "moe"
+    m.ffn.top_k = s["k_ffn"]
+    m.moe.n_experts, m.moe.d_expert = s["n_experts"], s["d_expert"]
+  elif family in ("umoe", "umoe_att"):
+    m.attention.kind = "premix"
+    m.attention.top_k = s["k_att"]
+    m.attention.q_lora_rank = s["q_lora_rank"]
+    m.moe.d_expert = s["d_expert"]
+    if family == "umoe":
+      m.ffn.kind = "moe"
+      m.ffn.top_k = s["k_ffn"]
+      m.moe.n_experts = s["n_experts"]
+    else:  # attention-only MoE: a dense FFN, more attention experts to match parameters
+      m.moe.n_experts = s["att_experts"]
+  else:
+    raise ValueError(f"unknown model family {family!r}; valid: dense, ffn_moe, umoe, umoe_att")
+  return m
+
+
+def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
+  """A full experiment config: model + (later) data, training, mesh."""
+  config = ml_collections.ConfigDict()
+  config.model = model(family, scale)
+  return config

@@ -1,0 +1,203 @@
+"""Typed, validated model configuration.
+
+Config files (`configs/*.py`) are ml_collections ConfigDicts, convenient for command-line overrides.
+Modules never read a ConfigDict: `model_config(cfg.model)` turns it into the frozen dataclasses
+below once, rejecting unknown keys, wrong types and impossible combinations with an error that names
+the key and the value (`ConfigError`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping, Optional
+
+ACTIVATIONS = ("silu", "gelu", "relu", "none")
+ROPE_LAYOUTS = ("interleaved", "half")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A configuration key or value is wrong; the message names both."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  """How tokens pick experts (see `umoe_jax.model.routers`)."""
+  kind: str = "topk_softmax"          # a name in ROUTERS
+  renormalize: bool = False           # divide top-k gates by their sum (official UMoE: False)
+  balance_loss: str = "seq_aux"       # "seq_aux" (DeepSeek, per sequence), "switch", or "none"
+  balance_coef: float = 0.001
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """The routed expert pool of a layer: E two-matrix MLPs D -> F -> D."""
+  n_experts: int = 0                  # E; 0 = the layer has no routed experts
+  d_expert: int = 0                   # F = d_e
+  activation: str = "silu"
+  share_pool: bool = True             # attention and FFN of a layer route into the same experts
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Attention sub-layer. `kind` names an entry of `ATTENTIONS`."""
+  kind: str = "mha"
+  n_heads: int = 4                    # mha: heads
+  head_dim: int = 64                  # query/key head dim d_k (RoPE over all of it)
+  v_head_dim: int = 64                # mha: value head dim
+  top_k: int = 3                      # premix: routed experts (query heads) per token, k_att
+  n_shared_experts: int = 1           # premix: always-on expert of width n_shared * d_expert
+  q_lora_rank: Optional[int] = 16     # premix: rank r of routed queries; None = full per-expert W_q
+  q_lora_norm: bool = True            # premix: RMSNorm on the rank-r code (official code); False = Eq. 11
+
+
+@dataclasses.dataclass(frozen=True)
+class FFNConfig:
+  """FFN sub-layer: a dense MLP or a routed MoE (into the layer's pool)."""
+  kind: str = "dense"                 # "dense" or "moe"
+  d_ff: int = 0                       # dense hidden width
+  top_k: int = 2                      # moe: k_ffn
+  n_shared_experts: int = 1           # moe: always-on expert of width n_shared * d_expert
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only LM."""
+  vocab_size: int = 32000
+  d_model: int = 768
+  n_layers: int = 12
+  max_seq_len: int = 1024
+  norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_layout: str = "interleaved"    # DeepSeek's interleaved pairs; "half" = GPT-NeoX/Llama split
+  init_std: float = 0.02
+  param_dtype: str = "float32"
+  compute_dtype: str = "bfloat16"
+  gmm_backend: str = "auto"           # a name in umoe_jax.ops.gmm.BACKENDS or "auto"
+  attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+  ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+  router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+
+  @property
+  def attention_uses_experts(self) -> bool:
+    from umoe_jax.model.attention import ATTENTIONS  # late: model imports config
+    return getattr(ATTENTIONS.get(self.attention.kind), "uses_expert_pool", False)
+
+  @property
+  def ffn_uses_experts(self) -> bool:
+    return self.ffn.kind == "moe"
+
+
+# ----------------------------------------------------------------------------------------------
+# ConfigDict -> dataclasses, with errors that name key and value.
+
+
+def _to_plain(obj: Any) -> Any:
+  if hasattr(obj, "to_dict"):
+    return obj.to_dict()
+  return obj
+
+
+def _coerce(value: Any, annotation: Any, path: str) -> Any:
+  origin = typing.get_origin(annotation)
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(annotation)
+    if value is None and type(None) in args:
+      return None
+    (inner,) = [a for a in args if a is not type(None)]
+    return _coerce(value, inner, path)
+  if dataclasses.is_dataclass(annotation):
+    return _build(annotation, value, path)
+  if annotation is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{path}={value!r}: expected true/false")
+    return value
+  if annotation is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{path}={value!r}: expected an integer")
+    return value
+  if annotation is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{path}={value!r}: expected a number")
+    return float(value)
+  if annotation is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{path}={value!r}: expected a string")
+    return value
+  return value
+
+
+def _build(cls, values: Any, path: str):
+  values = _to_plain(values)
+  if not isinstance(values, Mapping):
+    raise ConfigError(f"{path}={values!r}: expected a mapping of {cls.__name__} fields")
+  hints = typing.get_type_hints(cls)
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - fields)
+  if unknown:
+    raise ConfigError(f"unknown key {path}.{unknown[0]} (={values[unknown[0]]!r}); "
+                      f"valid keys of {path}: {', '.join(sorted(fields))}")
+  kwargs = {k: _coerce(v, hints[k], f"{path}.{k}") for k, v in values.items()}
+  return cls(**kwargs)
+
+
+def _check(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def validate(cfg: ModelConfig) -> ModelConfig:
+  """Checks values and combinations; returns `cfg` unchanged when all is well."""
+  from umoe_jax.model.attention import ATTENTIONS
+  from umoe_jax.model.routers import ROUTERS
+  from umoe_jax.ops.gmm import BACKENDS
+
+  for key in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
+    _check(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)!r} must be positive")
+  _check(cfg.rope_layout in ROPE_LAYOUTS,
+         f"model.rope_layout={cfg.rope_layout!r}; valid: {', '.join(ROPE_LAYOUTS)}")
+  for key in ("param_dtype", "compute_dtype"):
+    _check(getattr(cfg, key) in DTYPES, f"model.{key}={getattr(cfg, key)!r}; valid: {', '.join(DTYPES)}")
+  _check(cfg.norm_eps > 0, f"model.norm_eps={cfg.norm_eps!r} must be positive")
+  _check(cfg.gmm_backend == "auto" or cfg.gmm_backend in BACKENDS,
+         f"model.gmm_backend={cfg.gmm_backend!r}; valid: auto, {', '.join(BACKENDS.names())}")
+
+  att, ffn, moe, router = cfg.attention, cfg.ffn, cfg.moe, cfg.router
+  _check(att.kind in ATTENTIONS, f"model.attention.kind={att.kind!r}; valid: {', '.join(ATTENTIONS.names())}")
+  _check(att.head_dim > 0 and att.head_dim % 2 == 0,
+         f"model.attention.head_dim={att.head_dim!r} must be a positive even number (RoPE rotates pairs)")
+  ATTENTIONS.get(att.kind).validate(cfg)
+
+  _check(ffn.kind in ("dense", "moe"), f"model.ffn.kind={ffn.kind!r}; valid: dense, moe")
+  if ffn.kind == "dense":
+    _check(ffn.d_ff > 0, f"model.ffn.d_ff={ffn.d_ff!r} must be set (> 0) for a dense FFN")
+  else:
+    _check(ffn.top_k >= 1, f"model.ffn.top_k={ffn.top_k!r} must be >= 1")
+    _check(ffn.n_shared_experts >= 0, f"model.ffn.n_shared_experts={ffn.n_shared_experts!r} must be >= 0")
+
+  if cfg.attention_uses_experts or cfg.ffn_uses_experts:
+    _check(moe.n_experts > 0, f"model.moe.n_experts={moe.n_experts!r} must be set (> 0) for routed experts")
+    _check(moe.d_expert > 0, f"model.moe.d_expert={moe.d_expert!r} must be set (> 0) for routed experts")
+    _check(moe.activation in ACTIVATIONS,
+           f"model.moe.activation={moe.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+    if cfg.ffn_uses_experts:
+      _check(ffn.top_k <= moe.n_experts,
+             f"model.ffn.top_k={ffn.top_k} exceeds model.moe.n_experts={moe.n_experts}")
+    _check(router.kind in ROUTERS, f"model.router.kind={router.kind!r}; valid: {', '.join(ROUTERS.names())}")
+    _check(router.balance_loss in ("seq_aux", "switch", "none"),
+           f"model.router.balance_loss={router.balance_loss!r}; valid: seq_aux, switch, none")
+    _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
+  return cfg
+
+
+def model_config(cfg: Any) -> ModelConfig:
+  """Builds and validates a `ModelConfig` from a ConfigDict / mapping (`config.model`)."""
+  if isinstance(cfg, ModelConfig):
+    return validate(cfg)
+  return validate(_build(ModelConfig, cfg, "model"))
+
+
+def to_dict(cfg: ModelConfig) -> dict:
+  return dataclasses.asdict(cfg)

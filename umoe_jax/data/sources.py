@@ -1,0 +1,265 @@
+"""Document sources: files on disk (or the built-in corpus) -> a grain dataset of documents.
+
+A document is a `str` (raw text sources) or a 1-D integer `np.ndarray` of token ids (pre-tokenized
+ArrayRecord shards, no EOS). Two families, chosen by how cheaply one document can be read alone:
+
+* Indexed (`text`, `builtin`, `arrayrecord`): any document is one cheap read, so the source is a
+  `grain.MapDataset` of documents with a **global shuffle** (a fresh permutation every epoch).
+  `text` means one document per file (a directory is walked recursively; hidden files skipped).
+* Streamed (`parquet`, `jsonl`): documents live in compressed row groups / long files, so reading one
+  at random would decode ~1000. These are cut into *chunks* (a parquet row group; a 64 MiB byte
+  range of a JSON-lines file), the list of chunks is globally shuffled, `interleave_cycle_length`
+  chunks are read round-robin, and documents are then shuffled inside a window of `shuffle_window`
+  documents (`grain.experimental.WindowShuffleIterDataset`). Order is still a pure function of the
+  seed; the shuffle is just local within the window.
+
+Process sharding (each JAX process reads only its share): indexed sources take documents
+`[process_index::process_count]`; streamed sources take chunks `[process_index::process_count]` when
+there are at least as many chunks as processes, otherwise every process reads every chunk and keeps
+documents `[process_index::process_count]` of each. Shares are disjoint and together cover the data;
+their sizes can differ by a chunk, so processes reach the end of an epoch at different steps (use
+`num_epochs=None` for training and stop on a step count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import json
+import os
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from umoe_jax.data import builtin
+
+SOURCES = ("builtin", "parquet", "jsonl", "text", "arrayrecord")
+
+INDEXED_SOURCES = ("builtin", "text", "arrayrecord")
+JSONL_CHUNK_BYTES = 64 << 20  # Large enough that chunk bookkeeping is free, small enough to shard.
+ARRAYRECORD_SUFFIX = ".array_record"
+METADATA_FILE = "metadata.json"
+
+
+# ----------------------------------------------------------------------------------------------
+# File resolution and validation.
+
+
+def resolve_files(path: str, suffixes: Sequence[str] = (), *, key: str = "data.train_path") -> list[str]:
+  """A file, a directory (walked recursively for `suffixes`; all files if empty) or a glob -> sorted files.
+
+  Raises FileNotFoundError naming `path` (and the config `key` it came from) when nothing matches.
+  """
+  if not path:
+    raise ValueError(f"{key} is empty; set it to a file, directory or glob")
+  path = os.path.expanduser(path)
+  if os.path.isfile(path):
+    return [path]
+  if os.path.isdir(path):
+    files = []
+    for root, dirs, names in os.walk(path):
+      dirs[:] = [d for d in dirs if not d.startswith(".")]
+      files += [os.path.join(root, n) for n in names
+                if not n.startswith(".") and (not suffixes or n.endswith(tuple(suffixes)))]
+    if not files:
+      raise FileNotFoundError(f"{key}={path!r}: directory has no {'/'.join(suffixes) or ''} files")
+    return sorted(files)
+  if glob.has_magic(path):
+    files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+    if not files:
+      raise FileNotFoundError(f"{key}={path!r}: glob matches no files")
+    return files
+  raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
+
+
+def read_metadata(files: Sequence[str]) -> dict[str, Any]:
+  """The `metadata.json` written by `prepare` next to the ArrayRecord shards."""
+  meta_path = os.path.join(os.path.dirname(files[0]), METADATA_FILE)
+  if not os.path.isfile(meta_path):
+    raise FileNotFoundError(f"{meta_path!r} missing: ArrayRecord shards must come from "
+                            "`python -m umoe_jax.data.prepare`")
+  with open(meta_path) as f:
+    return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunks of streamed sources. Frozen dataclasses: hashable, picklable (grain worker processes).
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """A unit read in one go: a parquet row group (`index`) or a jsonl byte range [`start`, `stop`)."""
+  kind: str
+  path: str
+  index: int = 0
+  start: int = 0
+  stop: int = 0
+  doc_offset: int = 0  # Keep documents [doc_offset::doc_stride] (process sharding of few chunks).
+  doc_stride: int = 1
+
+
+def _parquet_chunks(files: Sequence[str], text_field: str) -> list[Chunk]:
+  import pyarrow.parquet as pq
+
+  chunks = []
+  for path in files:
+    meta = pq.ParquetFile(path)  # Reads only the footer.
+    names = meta.schema_arrow.names
+    if text_field not in names:
+      raise ValueError(f"parquet file {path!r} has no column {text_field!r} (data.text_field); "
+                       f"columns: {names}")
+    chunks += [Chunk("parquet", path, index=rg) for rg in range(meta.num_row_groups)]
+  return chunks
+
+
+def _jsonl_chunks(files: Sequence[str], text_field: str) -> list[Chunk]:
+  chunks = []
+  for path in files:
+    with open(path, "rb") as f:  # Fail early on the first record rather than in a reader thread.
+      first = next((line for line in f if line.strip()), None)
+    if first is not None:
+      _jsonl_text(first, text_field, path)
+    size = os.path.getsize(path)
+    chunks += [Chunk("jsonl", path, start=s, stop=min(s + JSONL_CHUNK_BYTES, size))
+               for s in range(0, size, JSONL_CHUNK_BYTES)]
+  return chunks
+
+
+def _jsonl_text(line: bytes, text_field: str, path: str) -> str:
+  record = json.loads(line)
+  if not isinstance(record, dict) or text_field not in record:
+    keys = list(record) if isinstance(record, dict) else type(record).__name__
+    raise ValueError(f"JSON-lines file {path!r} has a record without field {text_field!r} "
+                     f"(data.text_field); record keys: {keys}")
+  return record[text_field]
+
+
+def read_chunk(chunk: Chunk, text_field: str) -> list[str]:
+  """All non-empty documents of one chunk, in file order (after the chunk's doc striding)."""
+  if chunk.kind == "parquet":
+    import pyarrow.parquet as pq
+    table = pq.ParquetFile(chunk.path).read_row_group(chunk.index, columns=[text_field])
+    texts = table.column(0).to_pylist()
+  else:
+    texts = []
+    with open(chunk.path, "rb") as f:
+      # A line belongs to the chunk holding its first byte: skip the tail of a line that started
+      # in the previous chunk (seeking one byte back keeps a line that starts exactly at `start`).
+      if chunk.start > 0:
+        f.seek(chunk.start - 1)
+        f.readline()
+      while f.tell() < chunk.stop:
+        line = f.readline()
+        if not line:
+          break
+        if line.strip():
+          texts.append(_jsonl_text(line, text_field, chunk.path))
+  texts = texts[chunk.doc_offset::chunk.doc_stride]
+  return [t for t in texts if t]  # Null / empty documents would only add a stray EOS.
+
+
+def _chunk_documents(chunk: Chunk, text_field: str) -> grain.IterDataset:
+  # Single-threaded: the interleave already reads chunks in a background thread.
+  return grain.MapDataset.source(read_chunk(chunk, text_field)).to_iter_dataset(
+      grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexed sources: a sequence of items plus a function reading one item.
+
+
+def _read_text_file(path: str) -> str:
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeTokens:
+  dtype: str
+
+  def __call__(self, record: bytes) -> np.ndarray:
+    return np.frombuffer(record, dtype=self.dtype)
+
+
+def _indexed(config, path: str, key: str, split: str) -> tuple[Any, Any]:
+  """(random-access items, read function) for an indexed source."""
+  if config.source == "builtin":
+    return builtin.document_names("validation" if split == "eval" else "train"), builtin.read_document
+  if config.source == "text":
+    return resolve_files(path, key=key), _read_text_file
+  files = resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)
+  meta = read_metadata(files)
+  return grain.sources.ArrayRecordDataSource(files), _DecodeTokens(meta["dtype"])
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def check_source(name: str) -> None:
+  if name not in SOURCES:
+    raise ValueError(f"unknown data.source {name!r}; valid choices: {', '.join(SOURCES)}")
+
+
+def split_path(config, split: str) -> tuple[str, str]:
+  """(path, config key) of the "train" or "eval" split."""
+  key = "train_path" if split == "train" else "eval_path"
+  return config.get(key, ""), f"data.{key}"
+
+
+def document_dataset(config, *, split: str, seed: int, shuffle: bool, num_epochs: int | None,
+                     process_index: int = 0, process_count: int = 1,
+                     cycle_length: int | None = None) -> grain.MapDataset | grain.IterDataset:
+  """Documents of this process's share, shuffled by `seed`, repeated `num_epochs` (None: forever).
+
+  Returns a `grain.MapDataset` (indexed sources) or `grain.IterDataset` (streamed sources) whose
+  elements are `str` or `np.ndarray` token arrays (see module docstring).
+  """
+  check_source(config.source)
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
+  path, key = split_path(config, split)
+  seed = int(seed) % 2**32  # grain's index shuffle takes 32-bit seeds.
+
+  if config.source in INDEXED_SOURCES:
+    items, read = _indexed(config, path, key, split)
+    ds = grain.MapDataset.source(items)[process_index::process_count]
+    if len(ds) == 0:
+      raise ValueError(f"{key}={path!r} ({config.source}) has {len(items)} documents, fewer than "
+                       f"process_count={process_count}")
+    if shuffle:
+      ds = ds.shuffle(seed=seed)
+    # repeat *after* shuffle: grain then reseeds the permutation for every epoch.
+    return ds.repeat(num_epochs).map(read)
+
+  files = resolve_files(path, (".parquet",) if config.source == "parquet" else (), key=key)
+  make_chunks = _parquet_chunks if config.source == "parquet" else _jsonl_chunks
+  chunks = make_chunks(files, config.text_field)
+  if not chunks:
+    raise ValueError(f"{key}={path!r} ({config.source}) holds no data")
+  if len(chunks) >= process_count:
+    chunks = chunks[process_index::process_count]
+  else:
+    chunks = [dataclasses.replace(c, doc_offset=process_index, doc_stride=process_count)
+              for c in chunks]
+  ds = grain.MapDataset.source(chunks)
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat(num_epochs).map(functools.partial(_chunk_documents, text_field=config.text_field))
+  cycle = cycle_length or config.get("interleave_cycle_length", 4)
+  ds = grain.experimental.InterleaveIterDataset(ds, cycle_length=cycle)
+  if shuffle and config.shuffle_window > 1:
+    ds = grain.experimental.WindowShuffleIterDataset(
+        ds, window_size=config.shuffle_window, seed=(seed + 1) % 2**32)
+  return ds
+
+
+def count_documents(config, split: str = "train") -> int | None:
+  """Number of documents of a split when it is known without reading the text (for progress bars)."""
+  path, key = split_path(config, split)
+  if config.source in INDEXED_SOURCES:
+    return len(_indexed(config, path, key, split)[0])
+  if config.source == "parquet":
+    import pyarrow.parquet as pq
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in resolve_files(path, (".parquet",), key=key))
+  return None

@@ -1,0 +1,49 @@
+"""Dense multi-head attention (the dense and FFN-MoE baselines)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.layers import Linear
+from umoe_jax.model.rope import apply_rope
+from umoe_jax.parallel import rules as ax
+
+
+@ATTENTIONS.register("mha")
+class MultiHeadAttention(nnx.Module):
+  """H heads; q, k [.., H, Dk] with RoPE over all of Dk; v [.., H, Dv]; output projection H*Dv -> D."""
+
+  uses_expert_pool = False
+
+  @classmethod
+  def validate(cls, cfg: ModelConfig) -> None:
+    from umoe_jax.config import ConfigError
+    if cfg.attention.n_heads < 1:
+      raise ConfigError(f"model.attention.n_heads={cfg.attention.n_heads!r} must be >= 1")
+    if cfg.attention.v_head_dim < 1:
+      raise ConfigError(f"model.attention.v_head_dim={cfg.attention.v_head_dim!r} must be >= 1")
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    att = cfg.attention
+    self.cfg = cfg
+    self.n_heads, self.head_dim, self.v_head_dim = att.n_heads, att.head_dim, att.v_head_dim
+    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
+    d = cfg.d_model
+    self.q_proj = Linear(d, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
+    self.k_proj = Linear(d, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
+    self.v_proj = Linear(d, att.n_heads * att.v_head_dim, (ax.EMBED, ax.HEADS), **kw)
+    self.o_proj = Linear(att.n_heads * att.v_head_dim, d, (ax.HEADS, ax.EMBED), **kw)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None):
+    """x [B, T, D] -> (y [B, T, D], {})."""
+    del experts
+    b, t, _ = x.shape
+    rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
+    q = apply_rope(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
+    k = apply_rope(self.k_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
+    v = self.v_proj(x).reshape(b, t, self.n_heads, self.v_head_dim)
+    o = causal_attention(q, k, v, positions, positions)                          # [B, T, H, Dv]
+    return self.o_proj(o.reshape(b, t, -1)), {}

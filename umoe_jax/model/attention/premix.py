@@ -1,0 +1,125 @@
+"""Pre-mixing attention MoE (UMoE, arXiv 2505.07260): mix first, then apply FFN-like experts.
+
+For every token t the router picks K experts; expert i gets its own query
+
+    q_i = x W_q_res + RMSNorm_r(x W_a^i) W_b^i        (the RMSNorm is the official code's; Eq. 11 has none)
+
+and one always-on query q_s = x W_q_shared. All queries attend over a single key head K = X W_k (RoPE
+over all of d_k) and mix the normed layer input itself (values = X, no value projection):
+
+    m_i = softmax(q_i K^T / sqrt(d_k)) X            [D]
+    y   = sum_i g_i E_i(m_i) + E_shared(m_s)
+
+The mixed vector of query i goes to the expert i whose query produced it, so the dispatch plan of the
+router is computed once and used twice: for the routed low-rank queries and for the experts.
+E_i are the routed experts of the layer's pool (shared with the FFN in UMoE).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from umoe_jax.config import ConfigError, ModelConfig
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.layers import MLP, Linear, RMSNorm, make_param, normal_init
+from umoe_jax.model.rope import apply_rope
+from umoe_jax.model.routers import make_router
+from umoe_jax.ops import dispatch
+from umoe_jax.ops.gmm import gmm
+from umoe_jax.parallel import rules as ax
+
+
+@ATTENTIONS.register("premix")
+class PreMixAttention(nnx.Module):
+  """UMoE attention: routed low-rank expert queries, one key head, values = hidden states."""
+
+  uses_expert_pool = True
+
+  @classmethod
+  def validate(cls, cfg: ModelConfig) -> None:
+    att = cfg.attention
+    if att.top_k < 1:
+      raise ConfigError(f"model.attention.top_k={att.top_k!r} must be >= 1")
+    if cfg.moe.n_experts and att.top_k > cfg.moe.n_experts:
+      raise ConfigError(f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
+    if att.n_shared_experts < 0:
+      raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
+    if att.q_lora_rank is not None and att.q_lora_rank < 1:
+      raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    att, moe = cfg.attention, cfg.moe
+    self.cfg = cfg
+    self.top_k, self.head_dim, self.n_experts = att.top_k, att.head_dim, moe.n_experts
+    dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+    kw = dict(std=cfg.init_std, rngs=rngs, **dt)
+    d, dk = cfg.d_model, att.head_dim
+    self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
+                              rngs=rngs)
+    self.k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
+    self.shared_q_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw) if att.n_shared_experts else None
+    init = normal_init(cfg.init_std)
+    if att.q_lora_rank is None:
+      # Full per-expert queries W_q^i [E, D, Dk] (the official code's q_lora_rank=None branch).
+      self.q_res_proj = None
+      self.q_a = None
+      self.q_a_norm = None
+      self.q_b = make_param(rngs, init, (moe.n_experts, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
+                            cfg.param_dtype)
+    else:
+      r = att.q_lora_rank
+      self.q_res_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
+      self.q_a = make_param(rngs, init, (moe.n_experts, d, r), (ax.EXPERT, ax.EMBED, ax.LORA),
+                            cfg.param_dtype)
+      self.q_a_norm = (RMSNorm(r, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+                       if att.q_lora_norm else None)
+      self.q_b = make_param(rngs, init, (moe.n_experts, r, dk), (ax.EXPERT, ax.LORA, ax.HEAD_DIM),
+                            cfg.param_dtype)
+    self.shared_expert = (
+        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, **kw)
+        if att.n_shared_experts else None)
+
+  def _routed_queries(self, x_flat: jax.Array, plan: dispatch.DispatchPlan) -> jax.Array:
+    """x [N, D] -> per-slot expert queries [N, K, Dk] (without the residual query)."""
+    dt, backend = self.cfg.compute_dtype, self.cfg.gmm_backend
+    rows = dispatch.permute(x_flat.astype(dt), plan, self.top_k)                  # [M, D]
+    if self.q_a is None:
+      q = gmm(rows, self.q_b.value.astype(dt), plan.group_sizes, backend=backend)   # [M, Dk]
+    else:
+      code = gmm(rows, self.q_a.value.astype(dt), plan.group_sizes, backend=backend)  # [M, r]
+      if self.q_a_norm is not None:
+        code = self.q_a_norm(code)
+      q = gmm(code, self.q_b.value.astype(dt), plan.group_sizes, backend=backend)   # [M, Dk]
+    return dispatch.unpermute(q, plan).reshape(x_flat.shape[0], self.top_k, -1)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None):
+    """x [B, T, D] (normed layer input) -> (y [B, T, D], {"attention": RouterOutput})."""
+    if experts is None:
+      raise ValueError("pre-mixing attention needs the layer's expert pool (experts=...)")
+    b, t, d = x.shape
+    n, k = b * t, self.top_k
+    x = x.astype(self.cfg.compute_dtype)
+    route = self.router(x)                                                        # ids/gates [B,T,K]
+    ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
+    plan = dispatch.make_plan(ids, self.n_experts)
+
+    with jax.named_scope("queries"):
+      q = self._routed_queries(x.reshape(n, d), plan).reshape(b, t, k, -1)        # [B, T, K, Dk]
+      if self.q_res_proj is not None:
+        q = q + self.q_res_proj(x)[:, :, None, :]
+      if self.shared_q_proj is not None:
+        q = jnp.concatenate([self.shared_q_proj(x)[:, :, None, :], q], axis=2)    # [B, T, 1+K, Dk]
+      rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
+      q = apply_rope(q, positions, **rope)
+      key = apply_rope(self.k_proj(x), positions, **rope)[:, :, None, :]          # [B, T, 1, Dk]
+
+    with jax.named_scope("mix"):
+      mixed = causal_attention(q, key, x[:, :, None, :], positions, positions)    # [B, T, 1+K, D]
+
+    n_shared = 1 if self.shared_q_proj is not None else 0
+    routed = experts.route(mixed[:, :, n_shared:].reshape(n, k, d), ids, gates, plan)  # [N, D]
+    y = routed.reshape(b, t, d)
+    if self.shared_expert is not None:
+      y = y + self.shared_expert(mixed[:, :, 0])
+    return y, {"attention": route}
