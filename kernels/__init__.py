@@ -1,0 +1,40 @@
+"""GPU kernels for umoe-jax. Importing this package registers the kernel backends of `umoe_jax.ops.gmm`.
+
+Backends (all `platforms=("gpu",)`):
+  "mosaic"  Pallas Mosaic GPU (wgmma + TMA, pipelined), kernels/mgpu_gmm.py
+  "triton"  Triton through jax-triton, kernels/triton_gmm.py
+
+Every import here is guarded: on a CPU-only machine (no Triton, no jax_triton, a jax whose Pallas
+Mosaic GPU API differs) importing this package must never fail; a backend whose module cannot load is
+simply not registered, and `available()` keeps `auto` off a backend that cannot run here.
+"""
+from __future__ import annotations
+
+import logging
+
+from umoe_jax.ops import gmm as _gmm_api
+
+from kernels import tuning  # noqa: F401  (pure Python)
+
+_log = logging.getLogger(__name__)
+
+# auto priority: higher wins. Set from the H200 measurements in BENCHMARKS.md.
+AUTO_PRIORITY = {"triton": 20, "mosaic": 10}
+
+
+def _register(name, module_name, gmm_attr, tgmm_attr):
+  if name in _gmm_api.BACKENDS:
+    return
+  try:
+    import importlib
+    mod = importlib.import_module(module_name)
+  except Exception as e:  # noqa: BLE001  (never break the import on machines without the toolchain)
+    _log.debug("gmm backend %s not registered: %r", name, e)
+    return
+  _gmm_api.BACKENDS.register(name)(_gmm_api.GmmBackend(
+      gmm=getattr(mod, gmm_attr), tgmm=getattr(mod, tgmm_attr), platforms=("gpu",),
+      auto_priority=AUTO_PRIORITY[name], available=mod.available))
+
+
+_register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm")
+_register("mosaic", "kernels.mgpu_gmm", "mgpu_gmm", "mgpu_tgmm")

@@ -1,0 +1,379 @@
+"""Grouped expert matmul benchmark at the UMoE shapes (T = 32*1024 tokens), one GPU.
+
+  python bench/gmm.py [--sweep] [--backends triton,mosaic] [--no-torch] [--out DIR]
+
+Prints, per shape, TFLOP/s of: a dense matmul of equal FLOPs, our kernels fwd and fwd+bwd (fwd + input
+grad + weight grad = 3x the forward FLOPs), JAX's shipped Mosaic GPU ragged_dot fwd, jax.lax.ragged_dot
+fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-dispatch cost against
+the expert matmuls; a short table last. Full results go to $OUT (or --out) as gmm_results.json.
+--sweep times every candidate tile config of kernels/tuning.py's CANDIDATES and reports the best per
+(backend, op, shape): the rows to paste into tuning.TABLE.
+Group sizes: Dirichlet(alpha=4) as in shared/anchors/grouped_matmul_anchors.py. Inputs are random bf16.
+JAX timings: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure), median of 10 runs;
+torch: CUDA events, median of 20 (as the anchors).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+T = 32 * 1024
+SHAPES = [  # name, M, K, N, G
+    ("base-up", T * 15, 768, 192, 128),
+    ("base-down", T * 15, 192, 768, 128),
+    ("base-att", T * 3, 768, 192, 128),
+    ("large-up", T * 10, 2048, 512, 64),
+    ("large-down", T * 10, 512, 2048, 64),
+]
+# One H200, TFLOP/s (shared/anchors): dense, torch fwd, torch fwd+bwd, jax mgpu ragged_dot fwd.
+ANCHORS = {
+    "base-up": dict(dense=611, torch_f=433, torch_fb=259, mgpu=389),
+    "base-down": dict(dense=539, torch_f=333, torch_fb=334, mgpu=170),
+    "base-att": dict(dense=580, torch_f=315, torch_fb=198, mgpu=329),
+    "large-up": dict(dense=766, torch_f=679, torch_fb=448, mgpu=607),
+    "large-down": dict(dense=754, torch_f=526, torch_fb=531, mgpu=382),
+}
+
+
+def group_sizes(M, E, seed=0):
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.ones(E) * 4.0)
+  gs = np.floor(p * M).astype(np.int32)
+  gs[-1] += M - gs.sum()
+  return gs
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def jax_ms(f, *args, iterations=10):
+  """Median kernel time in ms (CUPTI); falls back to wall clock around block_until_ready."""
+  import jax
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    f(*args)  # compile + warm up
+    _, t = profiler.measure(f, iterations=iterations)(*args)
+    if t is not None:
+      return float(np.median(t))
+  except Exception as e:  # noqa: BLE001
+    log("  cupti timing failed, wall clock:", repr(e)[:120])
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iterations):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append((time.perf_counter() - t0) * 1e3)
+  return float(np.median(ts))
+
+
+def torch_part(shapes):
+  import torch
+  rows = {}
+  for name, M, K, N, E in shapes:
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.cumsum(torch.tensor(group_sizes(M, E), device="cuda"), 0).to(torch.int32)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def timeit(f, n=20):
+      f(); f(); torch.cuda.synchronize()
+      st = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+      en = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+      for i in range(n):
+        st[i].record(); f(); en[i].record()
+      torch.cuda.synchronize()
+      return float(np.median([s.elapsed_time(e) for s, e in zip(st, en)])) / 1e3
+
+    fl = 2.0 * M * K * N
+    with torch.no_grad():
+      t_f = timeit(lambda: torch._grouped_mm(x, w, offs=offs))
+    try:
+      def fb():
+        y = torch._grouped_mm(x, w, offs=offs)
+        torch.autograd.backward(y, dy)
+      fb_tf = 3 * fl / timeit(fb) / 1e12
+    except Exception as e:  # noqa: BLE001
+      fb_tf = float("nan")
+      log("torch bwd failed:", repr(e)[:200])
+    rows[name] = dict(torch_f=fl / t_f / 1e12, torch_fb=fb_tf)
+    log(f"  torch {name}: fwd {rows[name]['torch_f']:.0f}  fwd+bwd {fb_tf:.0f}")
+    del x, w, dy
+    torch.cuda.empty_cache()
+  return rows
+
+
+def make_inputs(M, K, N, E, seed=0):
+  import jax
+  import jax.numpy as jnp
+  kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (M, K), jnp.bfloat16)
+  w = (jax.random.normal(kw, (E, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kd, (M, N), jnp.bfloat16)
+  return x, w, dy, jnp.asarray(group_sizes(M, E))
+
+
+def quick_check(be, x, w, dy, gs, cfgs=None):
+  """Relative error of fwd/dgrad/wgrad on a slice of the real inputs vs float32 XLA ragged_dot."""
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.ops import gmm as G
+  m = 8192
+  g = gs.shape[0]
+  gs_s = jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.asarray(gs))]), m - 100)),
+                     jnp.int32)  # last 100 rows padding
+  xs, dys = x[:m], dy[:m]
+  f32 = lambda a: a.astype(jnp.float32)
+  errs = {}
+  cfgs = cfgs or {}
+  out = be.gmm(xs, w, gs_s, transpose_rhs=False, out_dtype=jnp.bfloat16, **cfgs.get("gmm", {}))
+  ref = G._xla_gmm(f32(xs), f32(w), gs_s, transpose_rhs=False, out_dtype=jnp.float32)
+  errs["fwd"] = float(jnp.linalg.norm(f32(out) - ref) / jnp.linalg.norm(ref))
+  out = be.gmm(dys, w, gs_s, transpose_rhs=True, out_dtype=jnp.bfloat16, **cfgs.get("gmm_t", {}))
+  ref = G._xla_gmm(f32(dys), f32(w), gs_s, transpose_rhs=True, out_dtype=jnp.float32)
+  errs["dgrad"] = float(jnp.linalg.norm(f32(out) - ref) / jnp.linalg.norm(ref))
+  out = be.tgmm(xs, dys, gs_s, num_groups=g, out_dtype=jnp.float32, **cfgs.get("tgmm", {}))
+  ref = G._xla_tgmm(f32(xs), f32(dys), gs_s, num_groups=g, out_dtype=jnp.float32)
+  errs["wgrad"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+  return errs
+
+
+def sweep(backend_name, shapes, results):
+  import jax
+  import jax.numpy as jnp
+  from kernels import tuning
+  mod = {"triton": "kernels.triton_gmm", "mosaic": "kernels.mgpu_gmm"}[backend_name]
+  import importlib
+  kmod = importlib.import_module(mod)
+  best_rows = {}
+  for name, M, K, N, E in shapes:
+    x, w, dy, gs = make_inputs(M, K, N, E)
+    fl = 2.0 * M * K * N
+    for op, (kc, no) in (("gmm", (K, N)), ("gmm_t", (N, K)), ("tgmm", (K, N))):
+      best = (0.0, None)
+      for cfg in tuning.candidates(backend_name, op, kc, no):
+        try:
+          if op == "tgmm":
+            f = jax.jit(functools.partial(kmod.TGMM, out_dtype=jnp.bfloat16, num_groups=E, config=cfg))
+            args = (x, dy, gs)
+          else:
+            f = jax.jit(functools.partial(kmod.GMM, transpose_rhs=(op == "gmm_t"), out_dtype=jnp.bfloat16,
+                                          config=cfg))
+            args = (x, w, gs) if op == "gmm" else (dy, w, gs)
+          tf = fl / (jax_ms(f, *args) / 1e3) / 1e12
+        except Exception as e:  # noqa: BLE001
+          log(f"  sweep {backend_name} {name} {op} {cfg}: FAILED {repr(e)[:300]}")
+          continue
+        log(f"  sweep {backend_name} {name} {op} {cfg}: {tf:.0f} TFLOP/s")
+        results.setdefault("sweep", []).append(dict(backend=backend_name, shape=name, op=op,
+                                                    cfg=str(cfg), tflops=tf))
+        if tf > best[0]:
+          best = (tf, cfg)
+      best_rows[(backend_name, op, kc, no)] = best
+      log(f"BEST {backend_name} {name} {op}: {best[1]} {best[0]:.0f}")
+    del x, w, dy
+  log("TABLE rows:")
+  for key, (tf, cfg) in best_rows.items():
+    log(f"  {key!r}: {cfg!r},  # {tf:.0f} TFLOP/s")
+  return best_rows
+
+
+def dispatch_part(ours_backend, results):
+  """Token dispatch (plan + permute + unpermute + combine) vs the expert matmuls it feeds."""
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.ops import dispatch as D
+  from umoe_jax.ops import gmm as G
+  out = {}
+  for name, D_, H, E, K in (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10)):
+    n = T
+    kx, ke, kg, kw1, kw2 = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(kx, (n, D_), jnp.bfloat16)
+    logits = jax.random.normal(ke, (n, E)) + jnp.log(jnp.asarray(
+        np.random.default_rng(0).dirichlet(np.ones(E) * 4.0), jnp.float32))
+    ids = jax.lax.top_k(logits, K)[1].astype(jnp.int32)
+    gates = jax.nn.softmax(jax.random.normal(kg, (n, K)), -1).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(kw1, (E, D_, H)) / np.sqrt(D_)).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(kw2, (E, H, D_)) / np.sqrt(H)).astype(jnp.bfloat16)
+
+    def experts(rows, gs, w1, w2):
+      h = G.gmm(rows, w1, gs, backend=ours_backend)
+      return G.gmm(jax.nn.relu(h), w2, gs, backend=ours_backend)
+
+    def dispatch_only(x, ids, gates, y_sorted):
+      plan = D.make_plan(ids, E)
+      rows = D.permute(x, plan, K)
+      y = D.unpermute(y_sorted, plan).reshape(n, K, -1)
+      return rows, D.combine(y, gates)
+
+    def full(x, ids, gates, w1, w2):
+      plan = D.make_plan(ids, E)
+      return D.apply_experts(x, plan, gates, lambda r, gs: experts(r, gs, w1, w2))
+
+    plan = jax.jit(lambda i: D.make_plan(i, E))(ids)
+    rows = jax.jit(lambda x, p: D.permute(x, p, K))(x, plan)
+    y_sorted = jax.random.normal(kx, (n * K, D_), jnp.bfloat16)
+    t_disp = jax_ms(jax.jit(dispatch_only), x, ids, gates, y_sorted)
+    t_plan = jax_ms(jax.jit(lambda i: D.make_plan(i, E)), ids)
+    t_exp = jax_ms(jax.jit(experts), rows, plan.group_sizes, w1, w2)
+    t_full = jax_ms(jax.jit(full), x, ids, gates, w1, w2)
+    loss = lambda x, g, w1, w2: jnp.sum(full(x, ids, g, w1, w2).astype(jnp.float32))
+    t_full_fb = jax_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), x, gates, w1, w2)
+    loss_e = lambda r, w1, w2: jnp.sum(experts(r, plan.group_sizes, w1, w2).astype(jnp.float32))
+    t_exp_fb = jax_ms(jax.jit(jax.grad(loss_e, argnums=(0, 1, 2))), rows, w1, w2)
+    out[name] = dict(dispatch_fwd_ms=t_disp, plan_ms=t_plan, experts_fwd_ms=t_exp, layer_fwd_ms=t_full,
+                     layer_fwd_bwd_ms=t_full_fb, experts_fwd_bwd_ms=t_exp_fb,
+                     dispatch_frac_fwd=(t_full - t_exp) / t_exp,
+                     dispatch_frac_fwd_bwd=(t_full_fb - t_exp_fb) / t_exp_fb)
+    log(f"  dispatch {name}: dispatch-only fwd {t_disp:.3f} ms (plan {t_plan:.3f}), experts fwd {t_exp:.3f} ms, "
+        f"layer fwd {t_full:.3f} ms -> dispatch = {100 * out[name]['dispatch_frac_fwd']:.0f}% of experts; "
+        f"fwd+bwd layer {t_full_fb:.3f} vs experts {t_exp_fb:.3f} -> "
+        f"{100 * out[name]['dispatch_frac_fwd_bwd']:.0f}%")
+  results["dispatch"] = out
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--sweep-backends", default="triton")
+  ap.add_argument("--backends", default="triton,mosaic")
+  ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+  ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--no-baselines", action="store_true")
+  ap.add_argument("--no-dispatch", action="store_true")
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+  results = {"shapes": {}, "argv": sys.argv}
+
+  torch_rows = {}
+  if not args.no_torch:
+    try:
+      torch_rows = torch_part(shapes)
+    except Exception as e:  # noqa: BLE001
+      log("torch part skipped:", repr(e)[:200])
+    import gc
+    gc.collect()
+    try:
+      import torch
+      torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+      pass
+
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.ops import gmm as G
+  G.register_builtin_kernels()
+  results["device"] = str(jax.devices()[0].device_kind)
+  results["jax"] = jax.__version__
+  backends = [b for b in args.backends.split(",") if b in G.BACKENDS and G.BACKENDS.get(b).available()]
+  log("backends:", backends, "device:", results["device"])
+
+  if args.sweep:
+    for b in args.sweep_backends.split(","):
+      if b in backends:
+        try:
+          results.setdefault("best", {})[b] = {str(k): [v[0], str(v[1])]
+                                               for k, v in sweep(b, shapes, results).items()}
+        except Exception:  # noqa: BLE001
+          log(traceback.format_exc())
+    _save(args.out, results)
+
+  for name, M, K, N, E in shapes:
+    fl = 2.0 * M * K * N
+    tf = lambda ms: fl / (ms / 1e3) / 1e12
+    row = dict(torch_rows.get(name, {}))
+    x, w, dy, gs = make_inputs(M, K, N, E)
+    if not args.no_baselines:
+      row["dense"] = tf(jax_ms(jax.jit(lambda a, b: a @ b), x, w[0]))
+      try:
+        row["lax_ragged_dot"] = tf(jax_ms(jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g)), x, w, gs))
+      except Exception as e:  # noqa: BLE001
+        row["lax_ragged_dot"] = float("nan")
+        log(f"  lax.ragged_dot {name}: {type(e).__name__} {str(e)[:100]}")
+      try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+        best = 0.0
+        for bn in (128, 192, 256):
+          if N % bn:
+            continue
+          f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, block_m=128, block_n=bn, block_k=64,
+                                        max_concurrent_steps=4, grid_block_n=1))
+          try:
+            best = max(best, tf(jax_ms(lambda a, b, g: f(a, b, group_sizes=g), x, w, gs)))
+          except Exception as e:  # noqa: BLE001
+            log(f"  mgpu ragged_dot bn={bn}: {repr(e)[:120]}")
+        row["jax_mgpu_fwd"] = best
+      except Exception as e:  # noqa: BLE001
+        log("  mgpu ragged_dot failed:", repr(e)[:200])
+    for b in backends:
+      be = G.BACKENDS.get(b)
+      try:
+        errs = quick_check(be, x, w, dy, gs)
+        row[f"{b}_err"] = errs
+        bad = [k for k, v in errs.items() if not v < 1e-2]
+        if bad:
+          log(f"  {b} {name}: WRONG {errs}")
+          row[f"{b}_fwd"] = row[f"{b}_fwd_bwd"] = float("nan")
+          continue
+        f = jax.jit(lambda a, bb, g, b=b: G.gmm(a, bb, g, backend=b))
+        row[f"{b}_fwd"] = tf(jax_ms(f, x, w, gs))
+        fb = jax.jit(lambda a, bb, g, d, b=b: jax.vjp(lambda a_, b_: G.gmm(a_, b_, g, backend=b), a, bb)[1](d))
+        row[f"{b}_fwd_bwd"] = 3 * tf(jax_ms(fb, x, w, gs, dy))
+        # Parts of the backward, for the notes.
+        fd = jax.jit(lambda d, bb, g, b=b: be.gmm(d, bb, g, transpose_rhs=True, out_dtype=jnp.bfloat16))
+        row[f"{b}_dgrad"] = tf(jax_ms(fd, dy, w, gs))
+        fw = jax.jit(lambda a, d, g, b=b: be.tgmm(a, d, g, num_groups=E, out_dtype=jnp.bfloat16))
+        row[f"{b}_wgrad"] = tf(jax_ms(fw, x, dy, gs))
+        log(f"  {b} {name}: fwd {row[f'{b}_fwd']:.0f} fwd+bwd {row[f'{b}_fwd_bwd']:.0f} "
+            f"(dgrad {row[f'{b}_dgrad']:.0f}, wgrad {row[f'{b}_wgrad']:.0f}) err {errs}")
+      except Exception:  # noqa: BLE001
+        log(f"  {b} {name} FAILED:\n{traceback.format_exc()[-1500:]}")
+    results["shapes"][name] = row
+    del x, w, dy
+    _save(args.out, results)
+
+  if not args.no_dispatch and backends:
+    try:
+      dispatch_part(backends[0], results)
+    except Exception:  # noqa: BLE001
+      log("dispatch part failed:", traceback.format_exc()[-1500:])
+    _save(args.out, results)
+
+  # Short table last.
+  log("\nTFLOP/s (anchor in brackets); fb = fwd+bwd (3x fwd FLOPs)")
+  hdr = f"{'shape':11s} {'dense':>9s} {'torch f':>9s} {'torch fb':>9s} {'mgpu f':>9s} {'lax.rd':>6s}"
+  for b in backends:
+    hdr += f" {b[:6] + ' f':>8s} {b[:6] + ' fb':>9s}"
+  log(hdr)
+  for name, *_ in shapes:
+    r, a = results["shapes"].get(name, {}), ANCHORS[name]
+    g = lambda k: r.get(k, float("nan"))
+    line = (f"{name:11s} {g('dense'):4.0f}[{a['dense']}] {g('torch_f'):4.0f}[{a['torch_f']}] "
+            f"{g('torch_fb'):4.0f}[{a['torch_fb']}] {g('jax_mgpu_fwd'):4.0f}[{a['mgpu']}] "
+            f"{g('lax_ragged_dot'):6.0f}")
+    for b in backends:
+      line += f" {g(b + '_fwd'):8.0f} {g(b + '_fwd_bwd'):9.0f}"
+    log(line)
+  for k, v in results.get("dispatch", {}).items():
+    log(f"dispatch {k}: fwd {100 * v['dispatch_frac_fwd']:.0f}% / fwd+bwd {100 * v['dispatch_frac_fwd_bwd']:.0f}% "
+        f"of the expert matmuls")
+
+
+def _save(out_dir, results):
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "gmm_results.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()

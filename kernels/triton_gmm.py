@@ -1,0 +1,259 @@
+"""Grouped matmul kernels in Triton, called from JAX through jax-triton (backend "triton").
+
+Three raw ops, matching `umoe_jax.ops.gmm.GmmBackend`:
+  gmm      out[rows of g] = a[rows of g] @ w[g]        (a [M,K], w [G,K,N] -> [M,N])
+  gmm^T    out[rows of g] = a[rows of g] @ w[g].T      (a [M,N], w [G,K,N] -> [M,K])  same kernel, strides swapped
+  tgmm     out[g] = a[rows of g].T @ b[rows of g]      (a [M,K], b [M,N] -> [G,K,N])
+
+Schedule (gmm): M is cut into *group-aligned* row tiles: group g owns cdiv(size_g, BM) tiles that start at
+its first row, so a tile never mixes groups; the rows past sum(group_sizes) form one more segment whose
+tiles just write zeros. Every program recomputes this schedule itself from group_sizes (a prefix sum over
+at most a few hundred ints in registers), so no extra XLA launches run before the kernel. Grid =
+(upper bound on row tiles) x (column tiles), column tile fastest so that the column tiles of one row tile
+run together and its rows are read from HBM once; programs past the real tile count exit at once.
+
+Output column tiles may be two power-of-two pieces (BN + BN2, e.g. 128 + 64 = 192) because Triton blocks
+must be powers of two while the expert widths here (192, 768) are not.
+
+tgmm: one program per (group, K tile, N tile) accumulating over the group's rows in BM-row chunks; rows
+outside the group are masked to zero in both operands; empty groups write zeros.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels import tuning
+
+try:  # Triton is only on GPU machines; this module must still import elsewhere.
+  import triton
+  import triton.language as tl
+  HAVE_TRITON = True
+except Exception:  # noqa: BLE001
+  HAVE_TRITON = False
+
+try:
+  import jax_triton as jt
+  HAVE_JAX_TRITON = True
+except Exception:  # noqa: BLE001
+  HAVE_JAX_TRITON = False
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def split_width(width: int) -> tuple[int, int]:
+  """A tile width as (power of two, power of two or 0): 192 -> (128, 64), 256 -> (256, 0)."""
+  hi = 1 << (int(width).bit_length() - 1)
+  rest = width - hi
+  if rest == 0:
+    return hi, 0
+  if rest & (rest - 1):
+    raise ValueError(f"tile width {width} is not a power of two or a sum of two powers of two")
+  return hi, rest
+
+
+if HAVE_TRITON:
+
+  @triton.jit
+  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, o_ptr,
+                  M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, G: tl.constexpr,
+                  GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr, s_bn: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+                  N_TILES: tl.constexpr):
+    # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
+    pid = tl.program_id(0)
+    pid_m = pid // N_TILES
+    pid_n = pid % N_TILES
+
+    # --- schedule: which group / rows this row tile covers.
+    offs_g = tl.arange(0, GP)
+    sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
+    total = tl.sum(sizes, axis=0)
+    sizes = tl.where(offs_g == G, tl.maximum(M - total, 0), sizes)  # the zero-output tail segment
+    tiles = (sizes + BM - 1) // BM
+    cum_tiles = tl.cumsum(tiles, axis=0)
+    num_tiles = tl.sum(tiles, axis=0)
+    g = tl.sum((cum_tiles <= pid_m).to(tl.int32), axis=0)
+    cum_sizes = tl.cumsum(sizes, axis=0)
+    sel = offs_g == g
+    seg_end = tl.sum(tl.where(sel, cum_sizes, 0), axis=0)
+    seg_start = seg_end - tl.sum(tl.where(sel, sizes, 0), axis=0)
+    first_tile = tl.sum(tl.where(sel, cum_tiles - tiles, 0), axis=0)
+    row0 = seg_start + (pid_m - first_tile) * BM
+    row_end = tl.minimum(seg_end, row0 + BM)
+
+    offs_m = row0 + tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
+    rows_ld = tl.minimum(offs_m, M - 1)  # rows past the tile's end are computed but never stored
+    a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
+    b_base = b_ptr + g.to(tl.int64) * s_bg
+    b_ptrs = b_base + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if BN2 > 0:
+      offs_n2 = pid_n * (BN + BN2) + BN + tl.arange(0, BN2)
+      b2_ptrs = b_base + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
+      acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+
+    if (pid_m < num_tiles) & (g < G):
+      for ks in range(0, (KC + BK - 1) // BK):
+        k_mask = offs_k < KC - ks * BK
+        if KC % BK == 0:
+          a = tl.load(a_ptrs)
+        else:
+          a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        if (KC % BK == 0) and (NO % (BN + BN2) == 0):
+          b = tl.load(b_ptrs)
+        else:
+          b = tl.load(b_ptrs, mask=k_mask[:, None] & (offs_n[None, :] < NO), other=0.0)
+        acc = tl.dot(a, b, acc)
+        if BN2 > 0:
+          if (KC % BK == 0) and (NO % (BN + BN2) == 0):
+            b2 = tl.load(b2_ptrs)
+          else:
+            b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & (offs_n2[None, :] < NO), other=0.0)
+          acc2 = tl.dot(a, b2, acc2)
+          b2_ptrs += BK * s_bk
+        a_ptrs += BK
+        b_ptrs += BK * s_bk
+
+    if pid_m < num_tiles:
+      row_mask = offs_m < row_end
+      o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
+      tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < NO))
+      if BN2 > 0:
+        o2_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n2[None, :]
+        tl.store(o2_ptrs, acc2.to(o_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (offs_n2[None, :] < NO))
+
+  @triton.jit
+  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, o_ptr,
+                   M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                   BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr):
+    # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N].
+    pid = tl.program_id(0)
+    g = pid // (K_TILES * N_TILES)
+    rest = pid % (K_TILES * N_TILES)
+    pid_k = rest // N_TILES
+    pid_n = rest % N_TILES
+
+    offs_g = tl.arange(0, GP)
+    sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
+    cum = tl.cumsum(sizes, axis=0)
+    sel = offs_g == g
+    end = tl.minimum(tl.sum(tl.where(sel, cum, 0), axis=0), M)
+    start = tl.minimum(end - tl.sum(tl.where(sel, sizes, 0), axis=0), end)
+
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
+    offs_r = tl.arange(0, BM)
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    if BN2 > 0:
+      offs_n2 = pid_n * (BN + BN2) + BN + tl.arange(0, BN2)
+      acc2 = tl.zeros((BK, BN2), dtype=tl.float32)
+    steps = (end - start + BM - 1) // BM
+    for s in range(0, steps):
+      rows = start + s * BM + offs_r
+      rmask = rows < end
+      rows64 = rows.to(tl.int64)
+      if K % BK == 0:
+        a = tl.load(a_ptr + rows64[:, None] * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+      else:
+        a = tl.load(a_ptr + rows64[:, None] * K + offs_k[None, :],
+                    mask=rmask[:, None] & (offs_k[None, :] < K), other=0.0)
+      if N % (BN + BN2) == 0:
+        b = tl.load(b_ptr + rows64[:, None] * N + offs_n[None, :], mask=rmask[:, None], other=0.0)
+      else:
+        b = tl.load(b_ptr + rows64[:, None] * N + offs_n[None, :],
+                    mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
+      at = tl.trans(a)
+      acc = tl.dot(at, b, acc)
+      if BN2 > 0:
+        if N % (BN + BN2) == 0:
+          b2 = tl.load(b_ptr + rows64[:, None] * N + offs_n2[None, :], mask=rmask[:, None], other=0.0)
+        else:
+          b2 = tl.load(b_ptr + rows64[:, None] * N + offs_n2[None, :],
+                       mask=rmask[:, None] & (offs_n2[None, :] < N), other=0.0)
+        acc2 = tl.dot(at, b2, acc2)
+
+    o_base = o_ptr + g.to(tl.int64) * (K * N)
+    kmask = offs_k < K
+    tl.store(o_base + offs_k[:, None] * N + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=kmask[:, None] & (offs_n[None, :] < N))
+    if BN2 > 0:
+      tl.store(o_base + offs_k[:, None] * N + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
+               mask=kmask[:, None] & (offs_n2[None, :] < N))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch geometry (pure Python: tested on CPU).
+
+
+def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict:
+  bn, bn2 = split_width(cfg.bn)
+  n_tiles = -(-no // cfg.bn)
+  m_tiles = -(-m // cfg.bm) + g + 1  # group-aligned tiles never exceed this (tail segment included)
+  return dict(grid=(m_tiles * n_tiles,), BM=cfg.bm, BN=bn, BN2=bn2, BK=cfg.bk, N_TILES=n_tiles,
+              GP=_pow2_at_least(g + 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
+  # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step.
+  bn, bn2 = split_width(cfg.bn)
+  k_tiles = -(-k // cfg.bm)
+  n_tiles = -(-n // cfg.bn)
+  return dict(grid=(g * k_tiles * n_tiles,), BK=cfg.bm, BN=bn, BN2=bn2, BM=cfg.bk,
+              K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g),
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# JAX entry points.
+
+
+def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
+  m = lhs.shape[0]
+  g, k, n = rhs.shape
+  kc, no = (n, k) if transpose_rhs else (k, n)
+  strides = (k * n, 1, n) if transpose_rhs else (k * n, n, 1)  # (g, contraction, output col)
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  cfg = config or tuning.lookup("triton", "gmm_t" if transpose_rhs else "gmm", m, kc, no, g)
+  launch = gmm_launch(m, kc, no, g, cfg)
+  grid = launch.pop("grid")
+  return jt.triton_call(
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), kernel=_gmm_kernel,
+      out_shape=jax.ShapeDtypeStruct((m, no), out_dtype), grid=grid,
+      M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], **launch)
+
+
+def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None):
+  m, k = lhs.shape
+  n = rhs.shape[1]
+  g = int(num_groups or group_sizes.shape[0])
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  cfg = config or tuning.lookup("triton", "tgmm", m, k, n, g)
+  launch = tgmm_launch(m, k, n, g, cfg)
+  grid = launch.pop("grid")
+  return jt.triton_call(
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), kernel=_tgmm_kernel,
+      out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
+      M=m, K=k, N=n, G=g, **launch)
+
+
+def available() -> bool:
+  if not (HAVE_TRITON and HAVE_JAX_TRITON):
+    return False
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+GMM = triton_gmm
+TGMM = triton_tgmm

@@ -1,0 +1,94 @@
+"""Per-shape tile sizes for the grouped-matmul kernels, measured offline (bench/gmm.py --sweep) on an H200.
+
+Nothing is tuned at call time: `lookup` reads this table, keyed by (backend, op, contraction dim,
+output dim), with M bucketed to a power of two when the table has an M-specific row; a shape not in
+the table gets `default_config`, a safe choice for any shape.
+
+Ops: "gmm" (lhs [M,K] @ w[g] [K,N]), "gmm_t" (lhs [M,N] @ w[g].T), "tgmm" (lhs[g].T @ rhs[g]).
+For gmm/gmm_t: kc = contraction dim, no = output dim. For tgmm: kc = K (rows of the output tile),
+no = N (output cols); bm/bn then give the output tile and bk the rows accumulated per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  bm: int
+  bn: int
+  bk: int
+  num_warps: int = 8
+  num_stages: int = 3
+  # Mosaic GPU only: pipeline depth and column-block grouping of the persistent schedule.
+  grid_block_n: int = 1
+
+
+# (backend, op, kc, no) -> config. Filled from the H200 sweeps recorded in BENCHMARKS.md.
+TABLE: dict[tuple[str, str, int, int], TileConfig] = {}
+
+
+def _width_ok(w: int) -> bool:
+  hi = 1 << (w.bit_length() - 1)
+  rest = w - hi
+  return rest == 0 or (rest & (rest - 1)) == 0
+
+
+def default_config(backend: str, op: str, m: int, kc: int, no: int, g: int) -> TileConfig:
+  """A sane tile for any shape: wide output tiles where the output width allows."""
+  del m, g
+  if backend == "triton":
+    if op == "tgmm":
+      bm = 128 if kc >= 128 else 64
+      bn = no if no in (64, 128, 192, 256) else (128 if no >= 128 else 64)
+      return TileConfig(bm=bm, bn=bn, bk=64, num_warps=8, num_stages=3)
+    bn = no if no in (64, 128, 192, 256) else (256 if no % 256 == 0 else 128 if no >= 128 else 64)
+    bk = 64
+    return TileConfig(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=3 if bn > 128 else 4)
+  # mosaic
+  if op == "tgmm":
+    bn = 128 if no % 128 == 0 else 64
+    return TileConfig(bm=64 if kc % 128 else 128, bn=bn, bk=64, num_stages=4)
+  bn = 256 if no % 256 == 0 else 192 if no % 192 == 0 else 128 if no % 128 == 0 else 64
+  return TileConfig(bm=128, bn=bn, bk=64, num_stages=4)
+
+
+def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
+           table: Optional[dict] = None) -> TileConfig:
+  table = TABLE if table is None else table
+  cfg = table.get((backend, op, int(kc), int(no)))
+  if cfg is None:
+    cfg = default_config(backend, op, m, kc, no, g)
+  if backend == "triton" and not _width_ok(cfg.bn):
+    raise ValueError(f"triton tile width {cfg.bn} must be a power of two or a sum of two")
+  return cfg
+
+
+def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
+  """Tile configs the offline sweep (bench/gmm.py --sweep) tries for one (op, kc, no)."""
+  out = [default_config(backend, op, 0, kc, no, 0)]
+  if backend == "triton":
+    if op == "tgmm":
+      widths = sorted({w for w in (64, 128, 192, 256) if w <= max(no, 64) and _width_ok(w)})
+      for bm, bn, bk, nw, ns in ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4),
+                                 (128, 256, 64, 8, 3), (128, 192, 64, 8, 3), (256, 128, 64, 8, 3)):
+        if bn in widths or bn <= no:
+          out.append(TileConfig(bm, bn, bk, nw, ns))
+    else:
+      for bm, bn, bk, nw, ns in ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+                                 (64, 256, 64, 4, 4), (128, 192, 64, 8, 3), (256, 128, 64, 8, 3),
+                                 (128, 64, 64, 4, 4), (128, 192, 64, 8, 4), (64, 192, 64, 4, 4)):
+        if bn <= max(no, 64) and (no % bn == 0 or bn == 64 or no < bn):
+          out.append(TileConfig(bm, bn, bk, nw, ns))
+  else:
+    for bm, bn, ns, gbn in ((128, 128, 4, 1), (128, 256, 3, 1), (128, 192, 4, 1), (128, 128, 4, 2),
+                            (64, 256, 4, 1)):
+      if no % bn == 0:
+        out.append(TileConfig(bm, bn, 64, num_stages=ns, grid_block_n=gbn))
+  seen, uniq = set(), []
+  for c in out:
+    if c not in seen:
+      seen.add(c)
+      uniq.append(c)
+  return uniq
