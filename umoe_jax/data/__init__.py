@@ -1,0 +1,50 @@
+"""Training data: sources, tokenizers, packing and the grain pipeline (see pipeline.py for the flow).
+
+Public API (what the trainer calls)::
+
+    from umoe_jax import data
+    cfg = data.default_data_config()          # ml_collections.ConfigDict; configs/ override fields
+    tok = data.load_tokenizer(cfg)            # .vocab_size, .eos_id, .encode, .decode
+    data.check_vocab(tok, model_vocab_size)   # ValueError if the tokenizer is larger than the model
+    it = data.make_train_iterator(cfg, seq_len=1024, global_batch_size=64, seed=0,
+                                  process_index=jax.process_index(), process_count=jax.process_count())
+    batch = next(it)                          # {"inputs": int32 [B, T], "targets": int32 [B, T]}
+    evals = data.make_eval_batches(cfg, seq_len=1024, global_batch_size=64, num_batches=20, ...)
+
+`it` is a `grain.DatasetIterator`: checkpoint it with Orbax as an extra item (see checkpoint.py).
+Pre-tokenize a large corpus once with `python -m umoe_jax.data.prepare` (see prepare.py).
+"""
+from __future__ import annotations
+
+from ml_collections import ConfigDict, config_dict
+
+from umoe_jax.data.checkpoint import restore_args, save_args
+from umoe_jax.data.pipeline import load_tokenizer, make_eval_batches, make_train_iterator
+from umoe_jax.data.sources import SOURCES
+from umoe_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab
+
+__all__ = [
+    "ByteTokenizer", "HFTokenizer", "SOURCES", "Tokenizer", "check_vocab", "default_data_config",
+    "load_tokenizer", "make_eval_batches", "make_train_iterator", "restore_args", "save_args",
+]
+
+
+def default_data_config() -> ConfigDict:
+  """Defaults: the built-in corpus with the byte tokenizer, so training runs with no downloads."""
+  return ConfigDict(dict(
+      # builtin | parquet | jsonl | text | arrayrecord (sources.py says what each expects).
+      source="builtin",
+      # File, directory (walked recursively) or glob. Ignored by "builtin" (it has its own split).
+      train_path="",
+      eval_path="",
+      text_field="text",         # Column (parquet) / key (jsonl) holding the document text.
+      tokenizer="byte",          # "byte" (V=257, EOS=256) or a path to a Hugging Face tokenizer.json.
+      eos_token="",              # Override the EOS token of a tokenizer.json ("" = auto-detect).
+      shuffle=True,              # Global shuffle (indexed sources) / chunks + window (streamed ones).
+      shuffle_window=10_000,     # Documents per shuffle window for parquet / jsonl.
+      interleave_cycle_length=4,  # parquet row groups / jsonl chunks read round-robin.
+      num_epochs=config_dict.placeholder(int),  # None: repeat forever (reshuffled every epoch).
+      read_threads=4,            # Threads reading + tokenizing documents of indexed sources.
+      worker_count=0,            # >0: that many grain worker processes (mp_prefetch).
+      prefetch_batches=2,        # With worker_count=0: batches a background thread prepares ahead.
+  ))
