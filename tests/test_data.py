@@ -1,0 +1,320 @@
+"""Tests of umoe_jax.data: packing, determinism, resume, process sharding, prepare, sources, errors.
+
+Small corpora are written to tmp_path; tests on the real linux-docs corpus and GPT-2 tokenizer need
+`<repo>/../shared` and skip without it. The built-in source needs nothing.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from umoe_jax import data
+from umoe_jax.data import pipeline, prepare, sources
+
+SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+LINUX_DOCS = SHARED / "corpora" / "linux-docs"
+GPT2 = SHARED / "tokenizers" / "gpt2" / "tokenizer.json"
+needs_shared = pytest.mark.skipif(
+    not LINUX_DOCS.is_dir() or not GPT2.is_file(),
+    reason=f"shared data not found at {SHARED} (fresh clone without ../shared)")
+
+# Distinct, variable-length documents, including multi-byte UTF-8 and one longer than seq_len.
+DOCS = [f"doc {i}: " + "abcdefghij"[: i % 10] * (i % 4 + 1) + ("é∑" if i % 3 == 0 else "")
+        for i in range(40)] + ["L" * 200]
+
+
+def _cfg(**overrides):
+  cfg = data.default_data_config()
+  cfg.update(overrides)
+  return cfg
+
+
+def _write_text_dir(root: pathlib.Path, docs=DOCS) -> pathlib.Path:
+  root.mkdir()
+  for i, d in enumerate(docs):
+    (root / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+  return root
+
+
+def _write_parquet(path: pathlib.Path, docs=DOCS, row_group_size=7, column="text") -> pathlib.Path:
+  pq.write_table(pa.table({column: docs, "id": [str(i) for i in range(len(docs))]}), path,
+                 row_group_size=row_group_size)
+  return path
+
+
+def _write_jsonl(path: pathlib.Path, docs=DOCS, field="body") -> pathlib.Path:
+  path.write_text("".join(json.dumps({field: d, "n": i}) + "\n" for i, d in enumerate(docs)))
+  return path
+
+
+def _byte_stream(docs) -> list[int]:
+  out = []
+  for d in docs:
+    out += list(d.encode("utf-8")) + [256]
+  return out
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _same(a, b) -> bool:
+  return len(a) == len(b) and all(
+      (x["inputs"] == y["inputs"]).all() and (x["targets"] == y["targets"]).all() for x, y in zip(a, b))
+
+
+def _all_batches(cfg, seq_len, batch):
+  it = data.make_train_iterator(cfg, seq_len=seq_len, global_batch_size=batch, seed=0)
+  out = list(it)
+  it.close()
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing.
+
+
+def test_packing_is_the_eos_separated_stream_in_order(tmp_path):
+  cfg = _cfg(source="text", train_path=str(_write_text_dir(tmp_path / "docs")), shuffle=False,
+             num_epochs=1)
+  seq_len, batch = 16, 3
+  batches = _all_batches(cfg, seq_len, batch)
+  for b in batches:
+    assert set(b) == {"inputs", "targets"}
+    assert b["inputs"].shape == b["targets"].shape == (batch, seq_len)
+    assert b["inputs"].dtype == b["targets"].dtype == np.int32
+    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+  expected = _byte_stream(DOCS)
+  rows = len(expected) // (seq_len + 1) // batch * batch  # Only the incomplete tail is dropped.
+  got = list(pipeline.iterate_tokens(batches))
+  assert len(got) == rows * (seq_len + 1)
+  assert got == expected[:len(got)]
+  # EOS sits exactly after each document, nowhere else.
+  eos_positions = [i for i, t in enumerate(got) if t == 256]
+  assert eos_positions == [i for i, t in enumerate(expected[:len(got)]) if t == 256]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_streamed_sources_give_the_same_stream_as_text(tmp_path, monkeypatch, kind):
+  # Tiny jsonl chunks: documents straddle many chunk boundaries; each must be read exactly once.
+  monkeypatch.setattr(sources, "JSONL_CHUNK_BYTES", 97)
+  path = (_write_parquet(tmp_path / "d.parquet") if kind == "parquet"
+          else _write_jsonl(tmp_path / "d.jsonl"))
+  cfg = _cfg(source=kind, train_path=str(path), text_field="text" if kind == "parquet" else "body",
+             shuffle=False, num_epochs=1, interleave_cycle_length=1)
+  got = list(pipeline.iterate_tokens(_all_batches(cfg, 8, 2)))
+  assert got == _byte_stream(DOCS)[:len(got)]
+  assert len(got) > len(_byte_stream(DOCS)) - 2 * 9
+
+
+# ----------------------------------------------------------------------------------------------
+# Determinism and resume.
+
+
+def test_same_seed_same_batches_different_seed_different():
+  cfg = _cfg()  # builtin corpus, byte tokenizer
+  kw = dict(seq_len=64, global_batch_size=4)
+  a = _take(data.make_train_iterator(cfg, seed=0, **kw), 4)
+  b = _take(data.make_train_iterator(cfg, seed=0, **kw), 4)
+  c = _take(data.make_train_iterator(cfg, seed=1, **kw), 4)
+  assert _same(a, b)
+  assert not _same(a, c)
+
+
+@pytest.mark.parametrize("kind", ["builtin", "parquet"])
+def test_resume_from_json_state_matches_uninterrupted_run(tmp_path, kind):
+  cfg = _cfg(prefetch_batches=2)
+  if kind == "parquet":  # Streamed path: chunk shuffle + interleave + window shuffle.
+    cfg.update(dict(source="parquet", train_path=str(_write_parquet(tmp_path / "d.parquet")),
+                    shuffle_window=8, num_epochs=None))
+  kw = dict(seq_len=8, global_batch_size=2, seed=5)
+  reference = _take(data.make_train_iterator(cfg, **kw), 40)  # Several epochs of the small parquet.
+  for consumed in (0, 3, 17):
+    it = data.make_train_iterator(cfg, **kw)
+    _take(it, consumed)
+    state = json.loads(json.dumps(it.get_state()))  # What an Orbax checkpoint stores.
+    fresh = data.make_train_iterator(cfg, **kw)
+    fresh.set_state(state)
+    assert _same(_take(fresh, 6), reference[consumed:consumed + 6]), consumed
+
+
+def test_resume_through_orbax_checkpoint_manager(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  cfg = _cfg()
+  kw = dict(seq_len=32, global_batch_size=2, seed=3)
+  reference = _take(data.make_train_iterator(cfg, **kw), 12)
+
+  it = data.make_train_iterator(cfg, **kw)
+  _take(it, 7)
+  with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data",)) as mngr:  # async by default
+    mngr.save(7, args=ocp.args.Composite(data=data.save_args(it)))
+    _take(it, 2)  # The run goes on while the checkpoint finishes.
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data",)) as mngr:
+    fresh = data.make_train_iterator(cfg, **kw)
+    mngr.restore(mngr.latest_step(), args=ocp.args.Composite(data=data.restore_args(fresh)))
+  assert _same(_take(fresh, 5), reference[7:12])
+
+
+# ----------------------------------------------------------------------------------------------
+# Process sharding.
+
+
+def _documents(cfg, process_index, process_count):
+  ds = sources.document_dataset(cfg, split="train", seed=7, shuffle=True, num_epochs=1,
+                                process_index=process_index, process_count=process_count)
+  if hasattr(ds, "to_iter_dataset"):
+    ds = ds.to_iter_dataset()
+  return list(ds)
+
+
+@pytest.mark.parametrize("kind,row_group_size", [("text", 0), ("parquet", 5), ("parquet", 1000)])
+def test_processes_read_disjoint_shares_that_cover_the_data(tmp_path, kind, row_group_size):
+  # parquet/1000 is one row group for two processes: every process reads it and keeps every
+  # second document.
+  path = (_write_text_dir(tmp_path / "docs") if kind == "text"
+          else _write_parquet(tmp_path / "d.parquet", row_group_size=row_group_size))
+  cfg = _cfg(source=kind, train_path=str(path), shuffle_window=4)
+  shares = [_documents(cfg, p, 2) for p in range(2)]
+  assert not set(shares[0]) & set(shares[1])
+  assert sorted(shares[0] + shares[1]) == sorted(DOCS)
+
+  # The batches each process gets: per-process batch = global / process_count, different data.
+  its = [data.make_train_iterator(cfg, seq_len=8, global_batch_size=4, seed=0, process_index=p,
+                                  process_count=2) for p in range(2)]
+  b0, b1 = next(its[0]), next(its[1])
+  assert b0["inputs"].shape == b1["inputs"].shape == (2, 8)
+  assert not (b0["inputs"] == b1["inputs"]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare -> ArrayRecord -> load.
+
+
+def test_prepare_round_trip_equals_on_the_fly_tokenization(tmp_path):
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  raw = _cfg(source="jsonl", train_path=str(jsonl), eval_path=str(jsonl), text_field="body")
+  out = tmp_path / "prepared"
+  meta = prepare.prepare(raw, str(out), split="train", num_shards=1, progress=False)
+  assert meta["num_documents"] == len(DOCS) and meta["dtype"] == "uint16"
+  assert meta["num_tokens"] == len(_byte_stream(DOCS)) - len(DOCS)
+  rec = _cfg(source="arrayrecord", train_path=str(out), eval_path=str(out))
+  kw = dict(seq_len=8, global_batch_size=2, num_batches=1000)
+  assert _same(data.make_eval_batches(rec, **kw), data.make_eval_batches(raw, **kw))
+
+  # Several shards: same documents (dealt round-robin), and training reads them all.
+  out3 = tmp_path / "prepared3"
+  prepare.main(["--source=jsonl", f"--input={jsonl}", "--text_field=body", f"--output_dir={out3}",
+                "--num_shards=3"])
+  assert len(list(out3.glob("*.array_record"))) == 3
+  docs = _documents(_cfg(source="arrayrecord", train_path=str(out3)), 0, 1)
+  assert sorted(bytes(d.astype(np.uint8)).decode() for d in docs) == sorted(DOCS)
+  with pytest.raises(FileExistsError, match="overwrite"):
+    prepare.prepare(raw, str(out3), progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Real data (../shared) and the built-in source.
+
+
+@needs_shared
+def test_linux_docs_parquet_with_gpt2_tokenizer(tmp_path):
+  cfg = _cfg(source="parquet", train_path=str(LINUX_DOCS), tokenizer=str(GPT2),
+             eval_path=str(LINUX_DOCS / "validation-00000-of-00001.parquet"))
+  tok = data.load_tokenizer(cfg)
+  assert (tok.vocab_size, tok.eos_id) == (50257, 50256)
+  assert tok.encode("Hello world") == [15496, 995]
+  data.check_vocab(tok, 50304)
+  # Directory -> both parquet files; train reads its own path, eval its own.
+  assert len(sources.resolve_files(str(LINUX_DOCS), (".parquet",))) == 2
+  texts = pq.read_table(LINUX_DOCS / "validation-00000-of-00001.parquet").column("text").to_pylist()
+  for text in texts[:3]:
+    assert tok.decode(tok.encode(text)) == text
+
+  evals = data.make_eval_batches(cfg, seq_len=256, global_batch_size=4, num_batches=2)
+  assert len(evals) == 2
+  stream = list(pipeline.iterate_tokens(evals))
+  expected = tok.encode(texts[0]) + [tok.eos_id] + tok.encode(texts[1]) + [tok.eos_id]
+  n = min(len(stream), len(expected))
+  assert stream[:n] == expected[:n]
+
+  it = data.make_train_iterator(cfg, seq_len=128, global_batch_size=2, seed=0)
+  b = next(it)
+  assert b["inputs"].max() < tok.vocab_size
+  assert len(tok.decode(b["inputs"][0])) > 100
+
+
+@needs_shared
+def test_prepared_linux_docs_validation_matches_parquet(tmp_path):
+  parquet = str(LINUX_DOCS / "validation-00000-of-00001.parquet")
+  raw = _cfg(source="parquet", eval_path=parquet, tokenizer=str(GPT2))
+  prepare.prepare(raw, str(tmp_path / "val"), split="eval", num_shards=1, progress=False)
+  rec = _cfg(source="arrayrecord", train_path=str(tmp_path / "val"), eval_path=str(tmp_path / "val"),
+             tokenizer=str(GPT2))
+  kw = dict(seq_len=512, global_batch_size=8, num_batches=5)
+  assert _same(data.make_eval_batches(rec, **kw), data.make_eval_batches(raw, **kw))
+
+
+def test_builtin_source_needs_no_files():
+  cfg = data.default_data_config()
+  assert cfg.source == "builtin" and cfg.tokenizer == "byte"
+  tok = data.load_tokenizer(cfg)
+  assert (tok.vocab_size, tok.eos_id) == (257, 256)
+  assert tok.decode(tok.encode("naïve ∑ text")) == "naïve ∑ text"
+  b = next(data.make_train_iterator(cfg, seq_len=1024, global_batch_size=2, seed=0))
+  assert b["inputs"].shape == (2, 1024) and b["inputs"].max() <= 256
+  evals = data.make_eval_batches(cfg, seq_len=1024, global_batch_size=2, num_batches=3)
+  again = data.make_eval_batches(cfg, seq_len=1024, global_batch_size=2, num_batches=3)
+  assert len(evals) == 3 and _same(evals, again)  # The same held-out batches every eval.
+  # Held-out documents are not training documents.
+  train = {n for n, _ in data.builtin.document_names("train")}
+  assert not train & {n for n, _ in data.builtin.document_names("validation")}
+
+
+def test_eval_batches_stop_when_eval_data_runs_out(tmp_path):
+  cfg = _cfg(source="text", eval_path=str(_write_text_dir(tmp_path / "docs")))
+  evals = data.make_eval_batches(cfg, seq_len=16, global_batch_size=2, num_batches=10_000)
+  assert 0 < len(evals) == len(_byte_stream(DOCS)) // 17 // 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs name the bad value.
+
+
+def _train(cfg):
+  return data.make_train_iterator(cfg, seq_len=8, global_batch_size=2, seed=0)
+
+
+def test_errors_name_the_bad_value(tmp_path):
+  missing = str(tmp_path / "nope.parquet")
+  with pytest.raises(FileNotFoundError, match="nope.parquet"):
+    _train(_cfg(source="parquet", train_path=missing))
+  with pytest.raises(FileNotFoundError, match=r"\*\.zzz"):
+    _train(_cfg(source="jsonl", train_path=str(tmp_path / "*.zzz")))
+  with pytest.raises(ValueError, match="data.train_path"):
+    _train(_cfg(source="parquet", train_path=""))
+  wrong_col = _write_parquet(tmp_path / "c.parquet", column="content")
+  with pytest.raises(ValueError, match="'text'.*columns: \\['content'"):
+    _train(_cfg(source="parquet", train_path=str(wrong_col)))
+  with pytest.raises(ValueError, match="'body'"):
+    _train(_cfg(source="jsonl", train_path=str(_write_jsonl(tmp_path / "d.jsonl", field="txt")),
+                text_field="body"))
+  with pytest.raises(ValueError, match="'hdfs'.*builtin"):
+    _train(_cfg(source="hdfs"))
+  bad_tok = tmp_path / "tokenizer.json"
+  bad_tok.write_text("{not json")
+  with pytest.raises(ValueError, match="tokenizer.json"):
+    data.load_tokenizer(_cfg(tokenizer=str(bad_tok)))
+  with pytest.raises(FileNotFoundError, match="missing.json"):
+    data.load_tokenizer(_cfg(tokenizer=str(tmp_path / "missing.json")))
+  with pytest.raises(ValueError, match="257 tokens.*vocab_size is 256"):
+    data.check_vocab(data.ByteTokenizer(), 256)
+  with pytest.raises(ValueError, match="global_batch_size=3"):
+    data.make_train_iterator(_cfg(), seq_len=8, global_batch_size=3, seed=0, process_count=2)
+  with pytest.raises(ValueError, match="data.eval_path"):
+    data.make_eval_batches(_cfg(source="parquet"), seq_len=8, global_batch_size=2, num_batches=1)
