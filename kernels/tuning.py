@@ -26,7 +26,22 @@ class TileConfig:
 
 
 # (backend, op, kc, no) -> config. Filled from the H200 sweeps recorded in BENCHMARKS.md.
-TABLE: dict[tuple[str, str, int, int], TileConfig] = {}
+_C = TileConfig
+TABLE: dict[tuple[str, str, int, int], TileConfig] = {
+    # H200 sweep 2026-11-29 (bench/gmm.py --sweep), TFLOP/s at the bench shape in the comment.
+    ("triton", "gmm", 768, 192): _C(128, 192, 64, 8, 4),     # base-up 417, base-att 342
+    ("triton", "gmm_t", 192, 768): _C(128, 256, 64, 8, 3),   # base-up dgrad 256
+    ("triton", "tgmm", 768, 192): _C(128, 192, 64, 8, 3),    # base-up wgrad 422
+    ("triton", "gmm", 192, 768): _C(128, 256, 64, 8, 3),     # base-down 258
+    ("triton", "gmm_t", 768, 192): _C(128, 192, 64, 8, 4),   # base-down dgrad 425
+    ("triton", "tgmm", 192, 768): _C(64, 128, 64, 4, 4),     # base-down wgrad 401
+    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 3),    # large-up 676
+    ("triton", "gmm_t", 512, 2048): _C(128, 256, 64, 8, 3),  # large-up dgrad 495
+    ("triton", "tgmm", 2048, 512): _C(128, 256, 64, 8, 3),   # large-up wgrad 729
+    ("triton", "gmm", 512, 2048): _C(128, 256, 64, 8, 3),    # large-down 496
+    ("triton", "gmm_t", 2048, 512): _C(128, 256, 64, 8, 3),  # large-down dgrad 675
+    ("triton", "tgmm", 512, 2048): _C(128, 256, 64, 8, 3),   # large-down wgrad 708
+}
 
 
 def _width_ok(w: int) -> bool:
@@ -67,7 +82,7 @@ def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
 
 def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
   """Tile configs the offline sweep (bench/gmm.py --sweep) tries for one (op, kc, no)."""
-  out = [default_config(backend, op, 0, kc, no, 0)]
+  out = [TABLE.get((backend, op, kc, no)) or default_config(backend, op, 0, kc, no, 0)]
   if backend == "triton":
     if op == "tgmm":
       widths = sorted({w for w in (64, 128, 192, 256) if w <= max(no, 64) and _width_ok(w)})
@@ -76,9 +91,11 @@ def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
         if bn in widths or bn <= no:
           out.append(TileConfig(bm, bn, bk, nw, ns))
     else:
-      for bm, bn, bk, nw, ns in ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
-                                 (64, 256, 64, 4, 4), (128, 192, 64, 8, 3), (256, 128, 64, 8, 3),
-                                 (128, 64, 64, 4, 4), (128, 192, 64, 8, 4), (64, 192, 64, 4, 4)):
+      # Round 2: more CTAs per SM (fewer stages / narrower tiles) to overlap one tile's epilogue with
+      # another's main loop, which matters when the contraction is short (K = 192: 3 steps).
+      for bm, bn, bk, nw, ns in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 128, 64, 4, 2),
+                                 (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 4),
+                                 (128, 192, 64, 8, 5), (64, 192, 64, 4, 2), (128, 256, 64, 8, 2)):
         if bn <= max(no, 64) and (no % bn == 0 or bn == 64 or no < bn):
           out.append(TileConfig(bm, bn, bk, nw, ns))
   else:
