@@ -106,7 +106,7 @@ def test_streamed_sources_give_the_same_stream_as_text(tmp_path, monkeypatch, ki
   path = (_write_parquet(tmp_path / "d.parquet") if kind == "parquet"
           else _write_jsonl(tmp_path / "d.jsonl"))
   cfg = _cfg(source=kind, train_path=str(path), text_field="text" if kind == "parquet" else "body",
-             shuffle=False, num_epochs=1, interleave_cycle_length=1)
+             shuffle=False, num_epochs=1)
   got = list(pipeline.iterate_tokens(_all_batches(cfg, 8, 2)))
   assert got == _byte_stream(DOCS)[:len(got)]
   assert len(got) > len(_byte_stream(DOCS)) - 2 * 9
@@ -224,7 +224,7 @@ def test_prepare_round_trip_equals_on_the_fly_tokenization(tmp_path):
 
 @needs_shared
 def test_linux_docs_parquet_with_gpt2_tokenizer(tmp_path):
-  cfg = _cfg(source="parquet", train_path=str(LINUX_DOCS), tokenizer=str(GPT2),
+  cfg = _cfg(source="parquet", train_path=str(LINUX_DOCS), tokenizer=str(GPT2), shuffle_window=64,
              eval_path=str(LINUX_DOCS / "validation-00000-of-00001.parquet"))
   tok = data.load_tokenizer(cfg)
   assert (tok.vocab_size, tok.eos_id) == (50257, 50256)

@@ -42,7 +42,6 @@ def default_data_config() -> ConfigDict:
       eos_token="",              # Override the EOS token of a tokenizer.json ("" = auto-detect).
       shuffle=True,              # Global shuffle (indexed sources) / chunks + window (streamed ones).
       shuffle_window=10_000,     # Documents per shuffle window for parquet / jsonl.
-      interleave_cycle_length=4,  # parquet row groups / jsonl chunks read round-robin.
       num_epochs=config_dict.placeholder(int),  # None: repeat forever (reshuffled every epoch).
       read_threads=4,            # Threads reading + tokenizing documents of indexed sources.
       worker_count=0,            # >0: that many grain worker processes (mp_prefetch).

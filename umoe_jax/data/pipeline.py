@@ -121,8 +121,7 @@ def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
 
 def batched_dataset(data_config, *, split: str, seq_len: int, batch_size: int, seed: int,
                     shuffle: bool, num_epochs: int | None, process_index: int = 0,
-                    process_count: int = 1, cycle_length: int | None = None,
-                    tokenizer: Tokenizer | None = None) -> grain.IterDataset:
+                    process_count: int = 1, tokenizer: Tokenizer | None = None) -> grain.IterDataset:
   """The `grain.IterDataset` of per-process batches {"inputs", "targets"}: int32 [batch_size, seq_len].
 
   No prefetching or worker processes; `make_train_iterator` adds those.
@@ -132,7 +131,7 @@ def batched_dataset(data_config, *, split: str, seq_len: int, batch_size: int, s
   tok = tokenizer or load_tokenizer(data_config)
   docs = sources.document_dataset(
       data_config, split=split, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
-      process_index=process_index, process_count=process_count, cycle_length=cycle_length)
+      process_index=process_index, process_count=process_count)
   ds = docs.map(_Tokenize(tok))
   if isinstance(ds, grain.MapDataset):
     # Reader threads read and tokenize documents ahead of the packer, keeping their order.
@@ -182,7 +181,7 @@ def make_eval_batches(data_config, *, seq_len: int, global_batch_size: int, num_
   ds = batched_dataset(
       data_config, split="eval", seq_len=seq_len,
       batch_size=per_process_batch_size(global_batch_size, process_count), seed=0, shuffle=False,
-      num_epochs=1, process_index=process_index, process_count=process_count, cycle_length=1)
+      num_epochs=1, process_index=process_index, process_count=process_count)
   it = iter(ds)
   batches = list(itertools.islice(it, num_batches))
   it.close()

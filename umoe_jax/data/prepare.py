@@ -61,10 +61,8 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
   tok = make_tokenizer(data_config.tokenizer, data_config.get("eos_token", ""))
   dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32).newbyteorder("<")
 
-  # The same document stream the loader reads: unshuffled, one pass, one process, chunks one after
-  # another (cycle_length=1), i.e. file order.
-  docs = sources.document_dataset(data_config, split=split, seed=0, shuffle=False, num_epochs=1,
-                                  cycle_length=1)
+  # The same document stream the loader reads: unshuffled, one pass, one process: file order.
+  docs = sources.document_dataset(data_config, split=split, seed=0, shuffle=False, num_epochs=1)
   if isinstance(docs, grain.MapDataset):
     docs = docs.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
   total = sources.count_documents(data_config, split)

@@ -8,10 +8,11 @@ ArrayRecord shards, no EOS). Two families, chosen by how cheaply one document ca
   `text` means one document per file (a directory is walked recursively; hidden files skipped).
 * Streamed (`parquet`, `jsonl`): documents live in compressed row groups / long files, so reading one
   at random would decode ~1000. These are cut into *chunks* (a parquet row group; a 64 MiB byte
-  range of a JSON-lines file), the list of chunks is globally shuffled, `interleave_cycle_length`
-  chunks are read round-robin, and documents are then shuffled inside a window of `shuffle_window`
-  documents (`grain.experimental.WindowShuffleIterDataset`). Order is still a pure function of the
-  seed; the shuffle is just local within the window.
+  range of a JSON-lines file); the list of chunks is globally shuffled, chunks are read one after
+  another (two reader threads decode ahead) and flattened into documents, and the documents are
+  shuffled inside a window of `shuffle_window` documents
+  (`grain.experimental.WindowShuffleIterDataset`); a window of 10,000 spans ~10 FineWeb row groups.
+  Order is still a pure function of the seed; the shuffle is just local within the window.
 
 Process sharding (each JAX process reads only its share): indexed sources take documents
 `[process_index::process_count]`; streamed sources take chunks `[process_index::process_count]` when
@@ -65,7 +66,7 @@ def resolve_files(path: str, suffixes: Sequence[str] = (), *, key: str = "data.t
     if not files:
       raise FileNotFoundError(f"{key}={path!r}: directory has no {'/'.join(suffixes) or ''} files")
     return sorted(files)
-  if glob.has_magic(path):
+  if any(c in path for c in "*?["):
     files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
     if not files:
       raise FileNotFoundError(f"{key}={path!r}: glob matches no files")
@@ -159,10 +160,12 @@ def read_chunk(chunk: Chunk, text_field: str) -> list[str]:
   return [t for t in texts if t]  # Null / empty documents would only add a stray EOS.
 
 
-def _chunk_documents(chunk: Chunk, text_field: str) -> grain.IterDataset:
-  # Single-threaded: the interleave already reads chunks in a background thread.
-  return grain.MapDataset.source(read_chunk(chunk, text_field)).to_iter_dataset(
-      grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+class _Documents(grain.experimental.FlatMapTransform):
+  """A chunk's list of documents -> its documents one by one (FlatMapIterDataset)."""
+  max_fan_out = 0  # Only MapDataset.flat_map uses it; the IterDataset form takes any fan-out.
+
+  def flat_map(self, documents: list[str]) -> list[str]:
+    return documents
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,8 +211,8 @@ def split_path(config, split: str) -> tuple[str, str]:
 
 
 def document_dataset(config, *, split: str, seed: int, shuffle: bool, num_epochs: int | None,
-                     process_index: int = 0, process_count: int = 1,
-                     cycle_length: int | None = None) -> grain.MapDataset | grain.IterDataset:
+                     process_index: int = 0, process_count: int = 1
+                     ) -> grain.MapDataset | grain.IterDataset:
   """Documents of this process's share, shuffled by `seed`, repeated `num_epochs` (None: forever).
 
   Returns a `grain.MapDataset` (indexed sources) or `grain.IterDataset` (streamed sources) whose
@@ -245,9 +248,12 @@ def document_dataset(config, *, split: str, seed: int, shuffle: bool, num_epochs
   ds = grain.MapDataset.source(chunks)
   if shuffle:
     ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs).map(functools.partial(_chunk_documents, text_field=config.text_field))
-  cycle = cycle_length or config.get("interleave_cycle_length", 4)
-  ds = grain.experimental.InterleaveIterDataset(ds, cycle_length=cycle)
+  ds = ds.repeat(num_epochs).map(functools.partial(read_chunk, text_field=config.text_field))
+  # Reader threads decode the next chunks while documents of the current one are consumed. The
+  # flat map's state is (position in the chunk list, index inside the chunk): a restore re-reads
+  # one chunk.
+  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=2))
+  ds = grain.experimental.FlatMapIterDataset(ds, _Documents())
   if shuffle and config.shuffle_window > 1:
     ds = grain.experimental.WindowShuffleIterDataset(
         ds, window_size=config.shuffle_window, seed=(seed + 1) % 2**32)
