@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from umoe_jax.parallel.rules import DEFAULT_RULES
+
 # Shape of each scale: width, depth, attention head dim, dense FFN width, MoE pool.
 SCALES = {
     "tiny": dict(d_model=128, n_layers=4, max_seq_len=256, vocab_size=512, head_dim=32,
@@ -83,4 +85,12 @@ def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
   """A full experiment config: model + (later) data, training, mesh."""
   config = ml_collections.ConfigDict()
   config.model = model(family, scale)
+  # Parallelism (umoe_jax.parallel): mesh sizes per axis (-1 = the remaining devices) and the
+  # logical-axis -> mesh-axes table, as [name, axes] pairs (axes: a mesh axis, a list, or None).
+  config.mesh = dict(data=-1, fsdp=1, tensor=1, expert=1)
+  config.sharding_rules = [[name, list(axes) if isinstance(axes, tuple) else axes]
+                           for name, axes in DEFAULT_RULES]
+  # Expert parallelism: None = dropless (worst-case buffers); a float = per-pair capacity factor,
+  # overflow rows are dropped and counted.
+  config.expert_parallel = dict(capacity_factor=ml_collections.config_dict.placeholder(float))
   return config
