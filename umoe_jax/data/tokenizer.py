@@ -63,6 +63,8 @@ class HFTokenizer:
   def __init__(self, path: str, eos_token: str = ""):
     import tokenizers  # Imported lazily: the byte tokenizer needs nothing.
 
+    if os.path.isdir(path):  # Accept the folder of a Hugging Face tokenizer too.
+      path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path!r} (data.tokenizer)")
     try:
