@@ -84,11 +84,13 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     w.close()
 
   path, _ = sources.split_path(data_config, split)
+  builtin_split = "validation" if split == "eval" else "train"
   meta = dict(
       format="one record per document: little-endian token ids, no EOS; document i in shard i % N",
       tokenizer=data_config.tokenizer, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
       dtype=dtype.name, num_documents=num_docs, num_tokens=num_tokens, num_shards=num_shards,
-      source=data_config.source, input=path or f"builtin:{'validation' if split == 'eval' else 'train'}", text_field=data_config.text_field)
+      source=data_config.source, input=path or f"builtin:{builtin_split}",
+      text_field=data_config.text_field)
   with open(meta_path, "w") as f:
     json.dump(meta, f, indent=2)
   return meta
