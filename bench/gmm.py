@@ -147,7 +147,7 @@ def quick_check(be, x, w, dy, gs, cfgs=None):
   return errs
 
 
-def sweep(backend_name, shapes, results):
+def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
   import jax
   import jax.numpy as jnp
   from kernels import tuning
@@ -160,6 +160,8 @@ def sweep(backend_name, shapes, results):
     fl = 2.0 * M * K * N
     for op, (kc, no) in (("gmm", (K, N)), ("gmm_t", (N, K)), ("tgmm", (K, N))):
       best = (0.0, None)
+      if op not in ops:
+        continue
       for cfg in tuning.candidates(backend_name, op, kc, no):
         try:
           if op == "tgmm":
@@ -179,6 +181,8 @@ def sweep(backend_name, shapes, results):
         if tf > best[0]:
           best = (tf, cfg)
       best_rows[(backend_name, op, kc, no)] = best
+      if best[1] is not None:  # the timed section below then runs the tuned config
+        tuning.TABLE[(backend_name, op, kc, no)] = best[1]
       log(f"BEST {backend_name} {name} {op}: {best[1]} {best[0]:.0f}")
     del x, w, dy
   log("TABLE rows:")
@@ -258,6 +262,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
+  ap.add_argument("--sweep-ops", default="triton:gmm,gmm_t,tgmm;mosaic:gmm,gmm_t,tgmm")
   ap.add_argument("--backends", default="triton,mosaic")
   ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
   ap.add_argument("--no-torch", action="store_true")
@@ -291,12 +296,13 @@ def main():
   backends = [b for b in args.backends.split(",") if b in G.BACKENDS and G.BACKENDS.get(b).available()]
   log("backends:", backends, "device:", results["device"])
 
+  sweep_ops = {kv.split(":")[0]: tuple(kv.split(":")[1].split(",")) for kv in args.sweep_ops.split(";")}
   if args.sweep:
     for b in args.sweep_backends.split(","):
       if b in backends:
         try:
           results.setdefault("best", {})[b] = {str(k): [v[0], str(v[1])]
-                                               for k, v in sweep(b, shapes, results).items()}
+                                               for k, v in sweep(b, shapes, results, sweep_ops.get(b, ())).items()}
         except Exception:  # noqa: BLE001
           log(traceback.format_exc())
     _save(args.out, results)

@@ -61,12 +61,15 @@ def default_config(backend: str, op: str, m: int, kc: int, no: int, g: int) -> T
     bn = no if no in (64, 128, 192, 256) else (256 if no % 256 == 0 else 128 if no >= 128 else 64)
     bk = 64
     return TileConfig(bm=128, bn=bn, bk=bk, num_warps=8, num_stages=3 if bn > 128 else 4)
-  # mosaic
+  # mosaic: one warpgroup holds the (bm, bn) float32 accumulator, so bm * bn <= 128 * 128 * 1.5.
   if op == "tgmm":
-    bn = 128 if no % 128 == 0 else 64
-    return TileConfig(bm=64 if kc % 128 else 128, bn=bn, bk=64, num_stages=4)
-  bn = 256 if no % 256 == 0 else 192 if no % 192 == 0 else 128 if no % 128 == 0 else 64
-  return TileConfig(bm=128, bn=bn, bk=64, num_stages=4)
+    return TileConfig(bm=128 if kc % 128 == 0 else 64, bn=128 if no % 128 == 0 else 64, bk=64,
+                      num_stages=4)
+  if no % 256 == 0:
+    return TileConfig(bm=64, bn=256, bk=64, num_stages=4)
+  if no % 192 == 0:
+    return TileConfig(bm=64, bn=192, bk=64, num_stages=4)
+  return TileConfig(bm=128 if no % 128 == 0 else 64, bn=128 if no % 128 == 0 else 64, bk=64, num_stages=4)
 
 
 def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
@@ -99,10 +102,14 @@ def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
         if bn <= max(no, 64) and (no % bn == 0 or bn == 64 or no < bn):
           out.append(TileConfig(bm, bn, bk, nw, ns))
   else:
-    for bm, bn, ns, gbn in ((128, 128, 4, 1), (128, 256, 3, 1), (128, 192, 4, 1), (128, 128, 4, 2),
-                            (64, 256, 4, 1)):
-      if no % bn == 0:
-        out.append(TileConfig(bm, bn, 64, num_stages=ns, grid_block_n=gbn))
+    if op == "tgmm":
+      for bm, bn, bk, ns in ((128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4), (128, 128, 32, 6)):
+        if kc % bm == 0 and no % bn == 0:
+          out.append(TileConfig(bm, bn, bk, num_stages=ns))
+    else:
+      for bm, bn, ns in ((64, 256, 4), (128, 128, 4), (64, 192, 4), (128, 192, 3), (128, 128, 6)):
+        if no % bn == 0:
+          out.append(TileConfig(bm, bn, 64, num_stages=ns))
   seen, uniq = set(), []
   for c in out:
     if c not in seen:
