@@ -147,6 +147,9 @@ def quick_check(be, x, w, dy, gs, cfgs=None):
   return errs
 
 
+MAX_CANDS = 12
+
+
 def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
   import jax
   import jax.numpy as jnp
@@ -162,7 +165,7 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
       best = (0.0, None)
       if op not in ops:
         continue
-      for cfg in tuning.candidates(backend_name, op, kc, no):
+      for cfg in tuning.candidates(backend_name, op, kc, no)[:MAX_CANDS]:
         try:
           if op == "tgmm":
             f = jax.jit(functools.partial(kmod.TGMM, out_dtype=jnp.bfloat16, num_groups=E, config=cfg))

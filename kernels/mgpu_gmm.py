@@ -73,9 +73,10 @@ def _gmm_kernel_call(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg):
   m, kc = lhs.shape
   g, k, n = rhs.shape
   no = k if transpose_rhs else n
-  bm, bn, bk, stages = cfg.bm, cfg.bn, cfg.bk, max(2, cfg.num_stages)
+  bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
   n_tiles = no // bn
   k_steps = kc // bk
+  stages = max(2, min(cfg.num_stages, k_steps))
   n_items = schedule.max_row_block_items(m, bm, g)
   items = schedule.row_block_items(group_sizes, m, bm)
 
