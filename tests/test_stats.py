@@ -1,0 +1,182 @@
+"""umoe_jax.stats: parameter counts, MACs, KV-cache bytes against the paper and hand computations.
+
+Only abstract models (shapes, no memory) are built; the whole module runs in well under a minute.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from umoe_jax import stats  # noqa: E402
+
+
+def load(name):
+  return stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+
+
+# Total parameters: the official configs (reference report §2.1/2.2), vocab 32,000.
+PARAM_TARGETS = {
+    "dense_base": 134.1e6, "ffn_moe_base": 535.2e6, "umoe_base": 540.5e6,
+    "dense_large": 1087.5e6, "ffn_moe_large": 3808.5e6, "umoe_large": 3676.4e6,
+}
+# Forward MACs, 4 x 1024 tokens: base = the paper's Table 1 (as recomputed in the report, §2.4);
+# large = the report's own computation (not in the paper).
+MAC_TARGETS = {
+    "dense_base": 525.9e9, "ffn_moe_base": 530.7e9, "umoe_base": 617.5e9,
+    "dense_large": 4598e9, "ffn_moe_large": 4611e9, "umoe_large": 4754e9,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARAM_TARGETS))
+def test_params_match_paper_and_analytic_breakdown(name):
+  cfg = load(name)
+  total = stats.total_params(cfg)                                   # counted on the real model
+  assert abs(total - PARAM_TARGETS[name]) <= 1e-3 * PARAM_TARGETS[name], total
+  assert stats.param_mismatches(cfg) == {}                          # every component agrees
+  assert stats.total_params(cfg, from_model=False) == total
+
+
+@pytest.mark.parametrize("name", sorted(MAC_TARGETS))
+def test_forward_macs_match_targets(name):
+  macs = stats.forward_macs(load(name), batch=4, seq_len=1024)
+  assert abs(macs - MAC_TARGETS[name]) <= 1e-2 * MAC_TARGETS[name], macs / 1e9
+  assert stats.forward_flops(load(name), 4, 1024) == 2 * macs
+
+
+def test_umoe_base_macs_by_hand():
+  b, t, d, v, layers, e, f, dk, r, ka, kf = 4, 1024, 768, 32000, 12, 128, 192, 192, 16, 3, 15
+  per_token = (2 * d * e                       # two routers
+               + 3 * d * dk                    # key, shared query, residual query
+               + ka * (d * r + r * dk)         # top-k routed low-rank queries only
+               + (ka + 1) * 2 * d * f          # attention: routed + always-on experts
+               + (kf + 1) * 2 * d * f)         # FFN: routed + always-on experts
+  pairs = (ka + 1) * (dk + d)                  # 1 + k_att query heads: q.k^T over d_k, a.X over d
+  expected = layers * (b * t * per_token + b * t * t * pairs) + b * t * d * v
+  assert stats.forward_macs(load("umoe_base"), b, t) == expected
+  # causal: only the T(T+1)/2 visible pairs
+  causal = layers * (b * t * per_token + b * t * (t + 1) // 2 * pairs) + b * t * d * v
+  assert stats.forward_macs(load("umoe_base"), b, t, causal=True) == causal
+
+
+def test_train_flops_per_token_is_three_forwards():
+  cfg = load("dense_base")
+  fwd_per_token = stats.forward_macs(cfg, 1, 1024) / 1024
+  assert stats.train_flops_per_token(cfg, 1024) == pytest.approx(6 * fwd_per_token)
+  assert stats.train_flops_per_token(cfg, 1024, causal=True) < stats.train_flops_per_token(cfg, 1024)
+
+
+def test_active_params_by_hand():
+  d, layers, f = 768, 12, 192
+  expert = 2 * d * f
+  ffn_moe = load("ffn_moe_base")
+  assert stats.active_params(ffn_moe) == stats.total_params(ffn_moe) - layers * (128 - 15) * expert
+  umoe = load("umoe_base")
+  query = d * 16 + 16 * 192                    # one routed low-rank query (W_a^i, W_b^i)
+  inactive = layers * ((128 - (3 + 15)) * expert + (128 - 3) * query)
+  assert stats.active_params(umoe) == stats.total_params(umoe) - inactive
+  dense = load("dense_base")
+  assert stats.active_params(dense) == stats.total_params(dense)
+  emb = 2 * 32000 * d
+  assert stats.active_params(umoe, non_embedding=True) == stats.active_params(umoe) - emb
+
+
+def test_kv_bytes_by_hand():
+  umoe, dense = load("umoe_base"), load("dense_base")
+  assert sum(stats.kv_cache_values_per_token(umoe).values()) == 192 + 768 == 960
+  assert sum(stats.kv_cache_values_per_token(dense).values()) == 2 * 4 * 192 == 1536
+  assert stats.kv_cache_bytes_per_token(umoe) == {"per_layer": 960 * 2, "total": 960 * 2 * 12}
+  assert stats.kv_cache_bytes_per_token(dense, "float32") == {"per_layer": 1536 * 4,
+                                                              "total": 1536 * 4 * 12}
+  large = load("umoe_large")
+  assert stats.kv_cache_bytes_per_token(large)["total"] == (512 + 2048) * 2 * 24
+
+
+@pytest.mark.parametrize("name", ["dense_tiny", "ffn_moe_tiny", "umoe_tiny", "umoe_base"])
+def test_kv_bytes_match_what_the_model_cache_allocates(name):
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.config import model_config
+  cfg = model_config(load(name).model)
+  batch, slots = 2, 16
+  try:
+    from umoe_jax.model.cache import init_cache
+  except ImportError:
+    init_cache = None
+  if init_cache is not None:
+    # The decoding cache, shapes only: its bytes per token are what the statistics report.
+    for dtype in ("bfloat16", "float32"):
+      cache = jax.eval_shape(lambda: init_cache(cfg, batch, slots, dtype))
+      allocated = sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(cache.layers))
+      assert allocated == batch * slots * stats.kv_cache_bytes_per_token(cfg, dtype)["total"]
+  else:
+    # No cache API: what the model's projections produce per token and layer (mha: keys H*d_k and
+    # values H*d_v; premix: one key d_k and the normed hidden state d as the value).
+    from flax import nnx
+    from umoe_jax.model import abstract_model
+    att = abstract_model(cfg).layers[0].attention
+    width = lambda lin: nnx.state(lin, nnx.Param)["kernel"].get_value().shape[-1]
+    value = width(att.v_proj) if cfg.attention.kind == "mha" else cfg.d_model
+    assert sum(stats.kv_cache_values_per_token(cfg).values()) == width(att.k_proj) + value
+
+
+def test_unknown_attention_kind_names_the_fix():
+  with pytest.raises(ValueError, match="ATTENTION_STATS.register"):
+    stats.attention_stats("no_such_kind")
+
+
+def test_table_mentions_the_figures():
+  s = stats.model_stats(load("umoe_base"), batch=4, seq_len=1024, name="umoe_base")
+  assert s["params"]["check"] == "ok" and s["kv_cache"]["check"] in ("ok", "skipped")
+  table = stats.format_table(s)
+  for text in ("540.49M", "617.52G", "960 values", "attention_routed", "ok"):
+    assert text in table
+  json.dumps(s)                                                   # JSON-ready
+
+
+def _cli(*runs):
+  """Runs `python -m umoe_jax.stats ARGS` for each ARGS concurrently; parsed JSON outputs."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, "-m", "umoe_jax.stats", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for args in runs]
+  outs = []
+  for proc in procs:
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 0, stderr[-2000:]
+    outs.append(json.loads(stdout))
+  return outs
+
+
+def test_cli_json_and_override():
+  base, two = _cli(["--config=configs/umoe_tiny.py", "--json"],
+                   ["--config=configs/umoe_tiny.py", "--config.model.n_layers=2", "--json",
+                    "--batch=2", "--seq_len=128"])
+  cfg = load("umoe_tiny")
+  assert base["params"]["total"] == stats.total_params(cfg)
+  assert base["params"]["check"] == two["params"]["check"] == "ok"
+  assert base["macs"]["forward"] == stats.forward_macs(cfg, 4, cfg.model.max_seq_len)
+  assert two["overrides"] == {"model.n_layers": 2} and two["model"]["n_layers"] == 2
+
+  # Everything outside the layers (embedding, LM head, final norm) stays; the layers halve.
+  m = cfg.model
+  outside = 2 * m.vocab_size * m.d_model + m.d_model
+  layers = m.n_layers
+  assert two["params"]["total"] - outside == (base["params"]["total"] - outside) * 2 // layers
+  assert two["params"]["active"] - outside == (base["params"]["active"] - outside) * 2 // layers
+  assert two["kv_cache"]["bytes_per_token"] == base["kv_cache"]["bytes_per_token"] * 2 // layers
+  head = 2 * 128 * m.d_model * m.vocab_size
+  per_layer_macs = stats.forward_macs(cfg, 2, 128) - head
+  assert two["macs"]["forward"] - head == per_layer_macs * 2 // layers
+
+
+def test_model_zoo_doc_is_current():
+  with open(os.path.join(ROOT, "docs", "model_zoo.md")) as f:
+    doc = f.read()
+  assert stats.zoo_markdown(os.path.join(ROOT, "configs")) in doc, (
+      "docs/model_zoo.md is stale: regenerate the table with `python -m umoe_jax.stats --zoo`")
