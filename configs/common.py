@@ -81,10 +81,39 @@ def model(family: str, scale: str) -> ml_collections.ConfigDict:
   return m
 
 
+# Training defaults per scale, over umoe_jax.train.config.default_train_config() (the official
+# recipe: AdamW 4e-4, b2 0.95, wd 0.01, 5% warmup, cosine, clip 1.0). base / large follow the
+# official run: 1024 sequences x 1024 tokens per step (~1M tokens), 50k steps (~52B tokens),
+# gradient checkpointing, 8 accumulation steps. tiny trains on a CPU in minutes on the built-in
+# byte-level corpus (a larger peak LR: a few hundred steps only).
+TRAIN_SCALES = {
+    "tiny": dict(global_batch_size=8, seq_len=128, num_steps=300, learning_rate=2e-3,
+                 log_every=10, eval_every=100, eval_batches=4),
+    "base": dict(global_batch_size=1024, seq_len=1024, num_steps=50_000, grad_accum_steps=8,
+                 remat=True),
+    "large": dict(global_batch_size=1024, seq_len=1024, num_steps=50_000, grad_accum_steps=8,
+                  remat=True),
+}
+CHECKPOINT_SCALES = {
+    "tiny": dict(every=100, keep=2),
+    "base": dict(every=1000, keep=3),
+    "large": dict(every=1000, keep=3),
+}
+
+
 def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
-  """A full experiment config: model + (later) data, training, mesh."""
+  """A full experiment config: model, data, training, checkpoint, log and parallelism sections."""
+  from umoe_jax import data
+  from umoe_jax.train import config as train_config
+
   config = ml_collections.ConfigDict()
   config.model = model(family, scale)
+  config.data = data.default_data_config()
+  config.train = train_config.default_train_config()
+  config.train.update(TRAIN_SCALES[scale])
+  config.checkpoint = train_config.default_checkpoint_config()
+  config.checkpoint.update(CHECKPOINT_SCALES[scale])
+  config.log = train_config.default_log_config()
   # Parallelism (umoe_jax.parallel): mesh sizes per axis (-1 = the remaining devices) and the
   # logical-axis -> mesh-axes table, as [name, axes] pairs (axes: a mesh axis, a list, or None).
   config.mesh = dict(data=-1, fsdp=1, tensor=1, expert=1)

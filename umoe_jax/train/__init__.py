@@ -1,0 +1,16 @@
+"""Training: config sections and checks, optimizer, train state, the jitted step, checkpoints,
+metrics and the loop.
+
+    from umoe_jax import train
+    train.run(config, workdir)      # what `python train.py --config=... --workdir=...` calls
+
+Modules: config (sections, up-front validation), optimizer (AdamW, schedule, decay mask), state
+(TrainState, init, shardings), step (train_step / loss), checkpoint (Orbax manager, resume order),
+metrics (TensorBoard, JSONL, console, MFU), loop (`run`).
+"""
+
+
+def run(config, workdir, **kwargs):
+  """`umoe_jax.train.loop.run` (imported lazily so that config files stay cheap to load)."""
+  from umoe_jax.train.loop import run as _run
+  return _run(config, workdir, **kwargs)

@@ -1,0 +1,180 @@
+"""The trainer's config sections (`train`, `checkpoint`, `log`) and the up-front check of a whole config.
+
+An experiment config (`configs/common.py: experiment()`) is a ConfigDict with the sections
+
+  model        umoe_jax.config.ModelConfig fields (validated by `umoe_jax.config.model_config`)
+  data         umoe_jax.data.default_data_config() fields
+  train        default_train_config() below
+  checkpoint   default_checkpoint_config() below
+  log          default_log_config() below
+  mesh, sharding_rules   parallelism (umoe_jax.parallel), optional
+
+`validate(config)` runs before anything is built or read, and raises `ConfigError` naming the key and
+value for: an unknown key in any section, a missing data file, a tokenizer larger than the model's
+vocabulary, a sequence length past the model's RoPE limit (`model.max_seq_len`), and impossible
+training values (batch not divisible by accumulation steps, ...).
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from umoe_jax.config import ConfigError, ModelConfig, model_config
+
+# Top-level sections an experiment config may have. `mesh`, `sharding_rules`, `expert_parallel`
+# belong to umoe_jax.parallel and are checked there.
+SECTIONS = ("model", "data", "train", "checkpoint", "log", "mesh", "sharding_rules", "expert_parallel")
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def default_train_config() -> ml_collections.ConfigDict:
+  """Optimisation and loop defaults: the official UMoE recipe (umoe.md §2.3) at base scale."""
+  return ml_collections.ConfigDict(dict(
+      seed=0,                      # parameter init, data order and the RNG carried in the state
+      global_batch_size=1024,      # sequences per optimizer step, over all processes
+      seq_len=1024,                # tokens per sequence (<= model.max_seq_len)
+      num_steps=50_000,            # optimizer steps (the cosine schedule ends here)
+      learning_rate=4e-4,          # peak LR (official README)
+      warmup_steps=config_dict.placeholder(int),  # None: warmup_ratio * num_steps
+      warmup_ratio=0.05,           # official: 5% linear warmup (DeepSpeed's is log-shaped)
+      min_lr_ratio=1e-4,           # cosine floor / peak (DeepSpeed WarmupCosineLR cos_min_ratio)
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.01,           # AdamW, decoupled; never applied to norm scales
+      grad_clip=1.0,               # global-norm clipping; 0 disables
+      grad_accum_steps=1,          # micro-batches per step (scan inside the jitted step)
+      remat=False,                 # recompute each decoder block in the backward pass
+      on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
+      log_every=50,                # steps between console / TensorBoard / JSONL records
+      eval_every=1000,             # steps between validation passes; 0 disables
+      eval_batches=20,             # held-out batches per validation pass
+      eval_batch_size=config_dict.placeholder(int),  # None: global_batch_size // grad_accum_steps
+  ))
+
+
+def default_checkpoint_config() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      every=1000,                  # steps between saves (a last one is always written at the end)
+      keep=3,                      # newest checkpoints kept
+      async_save=True,             # write in a background thread while training continues
+      init_from="",                # params of a converted checkpoint, used when the workdir has none
+  ))
+
+
+def default_log_config() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      tensorboard=True,            # event files in <workdir>/tensorboard
+      jsonl=True,                  # <workdir>/metrics.jsonl, one JSON object per record
+      peak_flops=config_dict.placeholder(float),  # per device, for MFU; None: table by device kind
+  ))
+
+
+def _check(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def _check_keys(section: Any, defaults: ml_collections.ConfigDict, name: str) -> None:
+  keys = set(section.keys()) if hasattr(section, "keys") else set()
+  unknown = sorted(keys - set(defaults.keys()))
+  if unknown:
+    raise ConfigError(f"unknown key {name}.{unknown[0]} (={section[unknown[0]]!r}); "
+                      f"valid keys of {name}: {', '.join(sorted(defaults.keys()))}")
+  missing = sorted(set(defaults.keys()) - keys)
+  if missing:
+    raise ConfigError(f"config section {name} lacks key {name}.{missing[0]} "
+                      f"(build configs with configs/common.py: experiment())")
+
+
+def _path_exists(path: str) -> bool:
+  path = os.path.expanduser(path)
+  return os.path.exists(path) or (glob.has_magic(path) and bool(glob.glob(path, recursive=True)))
+
+
+def check_train(train: Any, model: ModelConfig) -> None:
+  t = train
+  _check(t.seq_len > 0, f"train.seq_len={t.seq_len!r} must be positive")
+  _check(t.seq_len <= model.max_seq_len,
+         f"train.seq_len={t.seq_len} exceeds model.max_seq_len={model.max_seq_len} (the RoPE / "
+         f"position limit of the model); lower train.seq_len or raise model.max_seq_len")
+  _check(t.num_steps > 0, f"train.num_steps={t.num_steps!r} must be positive")
+  _check(t.grad_accum_steps >= 1, f"train.grad_accum_steps={t.grad_accum_steps!r} must be >= 1")
+  _check(t.global_batch_size > 0 and t.global_batch_size % t.grad_accum_steps == 0,
+         f"train.global_batch_size={t.global_batch_size} must be a positive multiple of "
+         f"train.grad_accum_steps={t.grad_accum_steps}")
+  _check(t.learning_rate > 0, f"train.learning_rate={t.learning_rate!r} must be positive")
+  _check(t.warmup_steps is None or 0 <= t.warmup_steps <= t.num_steps,
+         f"train.warmup_steps={t.warmup_steps!r} must be in [0, train.num_steps={t.num_steps}]")
+  _check(0 <= t.warmup_ratio <= 1, f"train.warmup_ratio={t.warmup_ratio!r} must be in [0, 1]")
+  _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio!r} must be in [0, 1]")
+  _check(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1={t.b1!r}, train.b2={t.b2!r} must be in [0, 1)")
+  _check(t.eps > 0, f"train.eps={t.eps!r} must be positive")
+  _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay!r} must be >= 0")
+  _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip!r} must be >= 0 (0 disables clipping)")
+  _check(t.on_nonfinite in NONFINITE_POLICIES,
+         f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
+  _check(t.log_every >= 1, f"train.log_every={t.log_every!r} must be >= 1")
+  _check(t.eval_every >= 0, f"train.eval_every={t.eval_every!r} must be >= 0 (0 disables)")
+  _check(t.eval_every == 0 or t.eval_batches >= 1,
+         f"train.eval_batches={t.eval_batches!r} must be >= 1 when train.eval_every > 0")
+  _check(t.eval_batch_size is None or t.eval_batch_size > 0,
+         f"train.eval_batch_size={t.eval_batch_size!r} must be positive (or None)")
+
+
+def check_checkpoint(ckpt: Any) -> None:
+  _check(ckpt.every >= 1, f"checkpoint.every={ckpt.every!r} must be >= 1")
+  _check(ckpt.keep >= 1, f"checkpoint.keep={ckpt.keep!r} must be >= 1")
+  _check(not ckpt.init_from or os.path.isdir(os.path.expanduser(ckpt.init_from)),
+         f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
+
+
+def check_data(data_cfg: Any, train: Any, model: ModelConfig):
+  """Data paths exist and the tokenizer fits the model; returns the tokenizer."""
+  from umoe_jax import data as data_lib
+
+  _check_keys(data_cfg, data_lib.default_data_config(), "data")
+  _check(data_cfg.source in data_lib.SOURCES,
+         f"data.source={data_cfg.source!r}; valid: {', '.join(data_lib.SOURCES)}")
+  if data_cfg.source != "builtin":
+    _check(bool(data_cfg.train_path), f"data.train_path is empty; data.source={data_cfg.source!r} "
+           "needs a file, directory or glob")
+    _check(_path_exists(data_cfg.train_path),
+           f"data.train_path={data_cfg.train_path!r}: no such file, directory or glob match")
+    if train.eval_every > 0:
+      _check(bool(data_cfg.eval_path), f"data.eval_path is empty but train.eval_every="
+             f"{train.eval_every}; set data.eval_path to held-out data or train.eval_every=0")
+      _check(_path_exists(data_cfg.eval_path),
+             f"data.eval_path={data_cfg.eval_path!r}: no such file, directory or glob match")
+  try:
+    tokenizer = data_lib.load_tokenizer(data_cfg)
+    data_lib.check_vocab(tokenizer, model.vocab_size)
+  except (ValueError, OSError) as e:
+    raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r}: {e}") from e
+  return tokenizer
+
+
+def validate(config: ml_collections.ConfigDict) -> ModelConfig:
+  """Checks a whole experiment config before anything is built; returns the ModelConfig.
+
+  Raises ConfigError (a ValueError) naming the offending key and value.
+  """
+  unknown = sorted(set(config.keys()) - set(SECTIONS))
+  if unknown:
+    raise ConfigError(f"unknown config key {unknown[0]!r}; valid top-level keys: {', '.join(SECTIONS)}")
+  for name in ("model", "data", "train", "checkpoint", "log"):
+    _check(name in config, f"config lacks the {name!r} section (use configs/common.py: experiment())")
+  model = model_config(config.model)
+  _check_keys(config.train, default_train_config(), "train")
+  _check_keys(config.checkpoint, default_checkpoint_config(), "checkpoint")
+  _check_keys(config.log, default_log_config(), "log")
+  check_train(config.train, model)
+  check_checkpoint(config.checkpoint)
+  _check(config.log.peak_flops is None or config.log.peak_flops > 0,
+         f"log.peak_flops={config.log.peak_flops!r} must be positive (or None)")
+  check_data(config.data, config.train, model)
+  return model
