@@ -1,0 +1,2 @@
+"""Interoperability with other implementations: `official` imports checkpoints of the official
+PyTorch UMoE code (github.com/ysngki/UMoE); `python -m umoe_jax.interop.official --help`."""
