@@ -3,7 +3,8 @@
 Golden fixtures in tests/data/official/<name>/ were made by tools/make_official_fixtures.py with the
 official modeling code (github.com/ysngki/UMoE, commit in PROVENANCE.json): tiny random float32 models
 of the dense (small-GPT), FFN-MoE, UMoE and UMoE-Att configs in the default ("unsloth") expert weight
-layout, UMoE-Att with its own MoE FFN, and UMoE in the "megatron" layout; each holds the official config.json, model.safetensors,
+layout, UMoE-Att with its own MoE FFN, UMoE with full per-expert queries (q_lora_rank=None), and UMoE
+in the "megatron" layout; each holds the official config.json, model.safetensors,
 tokens.npy and the official logits.npy.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flax import nnx  # noqa: E402
 from umoe_jax.interop import official  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "data", "official")
-FIXTURES = ("dense", "ffn_moe", "umoe", "umoe_att", "umoe_att_moe_ffn", "umoe_megatron")
+FIXTURES = ("dense", "ffn_moe", "umoe", "umoe_att", "umoe_att_moe_ffn", "umoe_full_q", "umoe_megatron")
 TOL = 1e-4
 EXPECTED_KINDS = {  # fixture -> (attention.kind, ffn.kind, expert layout named by its config.json)
     "dense": ("mha", "dense", "unsloth"),         # no grouped weights; the current code writes the flag
@@ -37,6 +38,7 @@ EXPECTED_KINDS = {  # fixture -> (attention.kind, ffn.kind, expert layout named 
     "umoe": ("premix", "moe", "unsloth"),
     "umoe_att": ("premix", "dense", "unsloth"),
     "umoe_att_moe_ffn": ("premix", "moe", "unsloth"),   # its own GroupedMoE pool: moe.share_pool=False
+    "umoe_full_q": ("premix", "moe", "unsloth"),        # q_lora_rank=None: per-expert q_proj
     "umoe_megatron": ("premix", "moe", "megatron"),
 }
 

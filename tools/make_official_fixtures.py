@@ -17,6 +17,7 @@ Families (each derived from a released config in `model_libs/configs/` with tiny
     umoe           small-vanilla-UMoE-1024     PreMixMoEAttention sharing its experts with the FFN
     umoe_att       small-vanilla-UMoE-Att-1024 PreMixMoEAttention + dense MLP
     umoe_att_moe_ffn  umoe_att with no_ffn_moe=false: PreMixMoEAttention + its own GroupedMoE FFN
+    umoe_full_q    umoe with q_lora_rank=null: full per-expert queries (`q_proj`, E*Dk x D)
     umoe_megatron  umoe with use_megatron_cutlass_group_gemm=true (the other expert weight layout,
                    the one of the code the paper's runs used, before commit 95284fd of 2025-07-25)
 
@@ -67,6 +68,7 @@ FAMILIES = {
     "umoe_att": ("small-vanilla-UMoE-Att-1024", dict(num_experts_per_tok=3, q_lora_rank=4)),
     "umoe_att_moe_ffn": ("small-vanilla-UMoE-Att-1024", dict(num_experts_per_tok=3, q_lora_rank=4,
                                                              no_ffn_moe=False)),
+    "umoe_full_q": ("small-vanilla-UMoE-1024", dict(num_experts_per_tok=3, ffn_num_experts_per_tok=4)),
     "umoe_megatron": ("small-vanilla-UMoE-1024", dict(num_experts_per_tok=3, ffn_num_experts_per_tok=4,
                                                      q_lora_rank=4,
                                                      use_unsloth_moe=False,
@@ -264,8 +266,9 @@ def main(argv=None):
   modeling, configuration = import_official(os.path.abspath(args.official_repo))
   os.makedirs(args.out, exist_ok=True)
   total = 0
-  for i, name in enumerate(args.only or FAMILIES):
-    total += make_fixture(modeling, configuration, args.official_repo, name, args.out, args.seed + i)
+  for name in args.only or FAMILIES:       # the seed of a fixture depends on its name only
+    seed = args.seed + list(FAMILIES).index(name)
+    total += make_fixture(modeling, configuration, args.official_repo, name, args.out, seed)
   print(f"total bytes: {total}")
   commit = args.official_commit
   if commit is None:
