@@ -6,6 +6,13 @@ Table 1 of the UMoE paper (official configs in github.com/ysngki/UMoE, `model_li
   dense     multi-head attention + dense MLP                       (small-GPT / 1B-GPT-1024)
   ffn_moe   multi-head attention + fine-grained MoE FFN + 1 shared (small-vanilla-ffnMoE / 1B-ffnMoE)
   umoe      pre-mixing attention MoE + MoE FFN, one expert pool    (small-vanilla-UMoE / 1B-UMoE)
+  umoe_att  pre-mixing attention MoE + dense MLP                   (small-vanilla-UMoE-Att / 1B-UMoE-Att)
+  umoe_mla  umoe with MLA-style latent values (cache a latent of head_dim) (small-mla-UMoE-1024)
+
+Ablations are switches of a family's config (umoe_jax/config.py documents each key):
+  moe.activation="none", moe.gated (SwiGLU experts), attention.top_k / ffn.top_k (expert
+  allocation), ffn.kind="none" (all experts to attention), moe.share_always_on, router.share_att_ffn,
+  moe.share_pool, moe.share_across_layers, attention.latent_dim (MLA values).
 
 Scales: base (d=768, 12 layers), large (d=2048, 24 layers), tiny (trains on a CPU in minutes).
 """
@@ -29,6 +36,9 @@ SCALES = {
 }
 
 
+FAMILIES = ("dense", "ffn_moe", "umoe", "umoe_att", "umoe_mla")
+
+
 def model_defaults() -> ml_collections.ConfigDict:
   """Every model key with its default (mirrors umoe_jax.config.ModelConfig)."""
   return ml_collections.ConfigDict(dict(
@@ -38,11 +48,13 @@ def model_defaults() -> ml_collections.ConfigDict:
       attention=dict(kind="mha", n_heads=4, head_dim=64, v_head_dim=64, top_k=3,
                      n_shared_experts=1,
                      q_lora_rank=ml_collections.config_dict.placeholder(int),
-                     q_lora_norm=True),
+                     q_lora_norm=True,
+                     latent_dim=ml_collections.config_dict.placeholder(int), n_experts=0),
       ffn=dict(kind="dense", d_ff=0, top_k=2, n_shared_experts=1),
-      moe=dict(n_experts=0, d_expert=0, activation="silu", share_pool=True),
+      moe=dict(n_experts=0, d_expert=0, activation="silu", gated=False, share_pool=True,
+               share_across_layers=False, share_always_on=False),
       router=dict(kind="topk_softmax", renormalize=False, balance_loss="seq_aux",
-                  balance_coef=0.001),
+                  balance_coef=0.001, share_att_ffn=False),
   ))
 
 
@@ -65,19 +77,21 @@ def model(family: str, scale: str) -> ml_collections.ConfigDict:
     m.ffn.kind = "moe"
     m.ffn.top_k = s["k_ffn"]
     m.moe.n_experts, m.moe.d_expert = s["n_experts"], s["d_expert"]
-  elif family in ("umoe", "umoe_att"):
+  elif family in ("umoe", "umoe_att", "umoe_mla"):
     m.attention.kind = "premix"
     m.attention.top_k = s["k_att"]
     m.attention.q_lora_rank = s["q_lora_rank"]
     m.moe.d_expert = s["d_expert"]
-    if family == "umoe":
+    if family in ("umoe", "umoe_mla"):
       m.ffn.kind = "moe"
       m.ffn.top_k = s["k_ffn"]
       m.moe.n_experts = s["n_experts"]
+      if family == "umoe_mla":  # official small-mla-UMoE-1024: latent 192 = head_dim at base
+        m.attention.latent_dim = s["head_dim"]
     else:  # attention-only MoE: a dense FFN, more attention experts to match parameters
       m.moe.n_experts = s["att_experts"]
   else:
-    raise ValueError(f"unknown model family {family!r}; valid: dense, ffn_moe, umoe, umoe_att")
+    raise ValueError(f"unknown model family {family!r}; valid: {', '.join(FAMILIES)}")
   return m
 
 

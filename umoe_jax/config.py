@@ -28,6 +28,7 @@ class RouterConfig:
   renormalize: bool = False           # divide top-k gates by their sum (official UMoE: False)
   balance_loss: str = "seq_aux"       # "seq_aux" (DeepSeek, per sequence), "switch", or "none"
   balance_coef: float = 0.001
+  share_att_ffn: bool = False         # the FFN reuses the attention router's weights (own top-k, own loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,11 @@ class MoEConfig:
   n_experts: int = 0                  # E; 0 = the layer has no routed experts
   d_expert: int = 0                   # F = d_e
   activation: str = "silu"
+  gated: bool = False                 # gated MLPs act(x W_gate) * (x W_up) W_down (SwiGLU with silu) for
+                                      # routed, always-on experts and the dense FFN
   share_pool: bool = True             # attention and FFN of a layer route into the same experts
+  share_across_layers: bool = False   # one routed pool for all layers (official share_layer)
+  share_always_on: bool = False       # the FFN reuses the attention's always-on expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +55,14 @@ class AttentionConfig:
   n_shared_experts: int = 1           # premix: always-on expert of width n_shared * d_expert
   q_lora_rank: Optional[int] = 16     # premix: rank r of routed queries; None = full per-expert W_q
   q_lora_norm: bool = True            # premix: RMSNorm on the rank-r code (official code); False = Eq. 11
+  latent_dim: Optional[int] = None    # premix: MLA-style values X W_latent (cache the latent), latent -> D after mixing
+  n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
 
 
 @dataclasses.dataclass(frozen=True)
 class FFNConfig:
   """FFN sub-layer: a dense MLP or a routed MoE (into the layer's pool)."""
-  kind: str = "dense"                 # "dense" or "moe"
+  kind: str = "dense"                 # "dense", "moe", or "none" (no FFN sub-layer)
   d_ff: int = 0                       # dense hidden width
   top_k: int = 2                      # moe: k_ffn
   n_shared_experts: int = 1           # moe: always-on expert of width n_shared * d_expert
@@ -170,25 +177,38 @@ def validate(cfg: ModelConfig) -> ModelConfig:
          f"model.attention.head_dim={att.head_dim!r} must be a positive even number (RoPE rotates pairs)")
   ATTENTIONS.get(att.kind).validate(cfg)
 
-  _check(ffn.kind in ("dense", "moe"), f"model.ffn.kind={ffn.kind!r}; valid: dense, moe")
+  _check(ffn.kind in ("dense", "moe", "none"), f"model.ffn.kind={ffn.kind!r}; valid: dense, moe, none")
   if ffn.kind == "dense":
     _check(ffn.d_ff > 0, f"model.ffn.d_ff={ffn.d_ff!r} must be set (> 0) for a dense FFN")
-  else:
+  elif ffn.kind == "moe":
     _check(ffn.top_k >= 1, f"model.ffn.top_k={ffn.top_k!r} must be >= 1")
     _check(ffn.n_shared_experts >= 0, f"model.ffn.n_shared_experts={ffn.n_shared_experts!r} must be >= 0")
 
-  if cfg.attention_uses_experts or cfg.ffn_uses_experts:
+  # The activation also serves the dense FFN and always-on experts; routers also serve MoA/SwitchHead.
+  _check(moe.activation in ACTIVATIONS,
+         f"model.moe.activation={moe.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+  _check(router.kind in ROUTERS, f"model.router.kind={router.kind!r}; valid: {', '.join(ROUTERS.names())}")
+  _check(router.balance_loss in ("seq_aux", "switch", "none"),
+         f"model.router.balance_loss={router.balance_loss!r}; valid: seq_aux, switch, none")
+  _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
+  pool = cfg.attention_uses_experts or cfg.ffn_uses_experts
+  if pool:
     _check(moe.n_experts > 0, f"model.moe.n_experts={moe.n_experts!r} must be set (> 0) for routed experts")
     _check(moe.d_expert > 0, f"model.moe.d_expert={moe.d_expert!r} must be set (> 0) for routed experts")
-    _check(moe.activation in ACTIVATIONS,
-           f"model.moe.activation={moe.activation!r}; valid: {', '.join(ACTIVATIONS)}")
     if cfg.ffn_uses_experts:
       _check(ffn.top_k <= moe.n_experts,
              f"model.ffn.top_k={ffn.top_k} exceeds model.moe.n_experts={moe.n_experts}")
-    _check(router.kind in ROUTERS, f"model.router.kind={router.kind!r}; valid: {', '.join(ROUTERS.names())}")
-    _check(router.balance_loss in ("seq_aux", "switch", "none"),
-           f"model.router.balance_loss={router.balance_loss!r}; valid: seq_aux, switch, none")
-    _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
+  both = cfg.attention_uses_experts and cfg.ffn_uses_experts
+  _check(not moe.share_across_layers or pool,
+         f"model.moe.share_across_layers={moe.share_across_layers!r} needs routed experts (a pool to share)")
+  _check(not router.share_att_ffn or (both and moe.share_pool),
+         f"model.router.share_att_ffn={router.share_att_ffn!r} needs an attention and an FFN that route "
+         f"into one pool (attention.kind={att.kind!r}, ffn.kind={ffn.kind!r}, moe.share_pool={moe.share_pool!r})")
+  if moe.share_always_on:
+    _check(both and att.n_shared_experts > 0 and ffn.n_shared_experts == att.n_shared_experts,
+           f"model.moe.share_always_on={moe.share_always_on!r} needs a pooled attention and MoE FFN with equal "
+           f"always-on widths (attention.n_shared_experts={att.n_shared_experts!r}, "
+           f"ffn.n_shared_experts={ffn.n_shared_experts!r}, attention.kind={att.kind!r}, ffn.kind={ffn.kind!r})")
   return cfg
 
 

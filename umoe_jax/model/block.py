@@ -1,7 +1,13 @@
 """One pre-norm decoder layer: h += Attention(norm(h)); h += FFN(norm(h)).
 
 The block owns the layer's routed expert pool. With `moe.share_pool` (UMoE) the attention and the FFN
-sub-layers route into the same `ExpertPool`; otherwise each MoE sub-layer gets its own pool.
+sub-layers route into the same `ExpertPool`; otherwise each MoE sub-layer gets its own pool. With
+`moe.share_across_layers` the LM builds the pool(s) once and hands the same modules to every block.
+
+Ablation switches wired here (both share modules, so their parameters exist and count once):
+  router.share_att_ffn   the FFN router uses the attention router's weights (own top-k, own loss);
+  moe.share_always_on    the FFN uses the attention's always-on expert.
+With `ffn.kind="none"` the block has no FFN sub-layer (all experts to attention).
 """
 from __future__ import annotations
 
@@ -18,29 +24,54 @@ from umoe_jax.model.layers import RMSNorm
 def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs) -> ExpertPool:
   return ExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, activation=cfg.moe.activation,
                     std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                    gmm_backend=cfg.gmm_backend, rngs=rngs)
+                    gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated)
+
+
+def make_expert_pools(cfg: ModelConfig, rngs: nnx.Rngs):
+  """(pool of the attention or the FFN, separate FFN pool or None) of one layer."""
+  att_pool, ffn_pool = cfg.attention_uses_experts, cfg.ffn_uses_experts
+  experts = make_expert_pool(cfg, rngs) if (att_pool or ffn_pool) else None
+  # A second pool only when both sub-layers route but must not share (an ablation).
+  ffn_experts = (make_expert_pool(cfg, rngs)
+                 if att_pool and ffn_pool and not cfg.moe.share_pool else None)
+  return experts, ffn_experts
+
+
+def _share_variables(src: nnx.Module, dst: nnx.Module) -> None:
+  """Makes dst use src's parameters (same Variable objects: one set of weights, counted once)."""
+  for name, value in list(vars(src).items()):
+    if isinstance(value, nnx.Variable):
+      setattr(dst, name, value)
 
 
 class DecoderBlock(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, pools=None):
+    """`pools`: (experts, ffn_experts) shared with other layers; None = this layer builds its own."""
     norm = dict(eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.attention_norm = RMSNorm(cfg.d_model, **norm)
     self.attention = ATTENTIONS.get(cfg.attention.kind)(cfg, rngs=rngs)
-    self.ffn_norm = RMSNorm(cfg.d_model, **norm)
-    self.ffn = MoEFFN(cfg, rngs=rngs) if cfg.ffn_uses_experts else DenseFFN(cfg, rngs=rngs)
+    if cfg.ffn.kind == "none":
+      self.ffn_norm = self.ffn = None
+    else:
+      self.ffn_norm = RMSNorm(cfg.d_model, **norm)
+      self.ffn = MoEFFN(cfg, rngs=rngs) if cfg.ffn_uses_experts else DenseFFN(cfg, rngs=rngs)
+    if cfg.router.share_att_ffn:
+      _share_variables(self.attention.router, self.ffn.router)
+    if cfg.moe.share_always_on:
+      self.ffn.shared_expert = nnx.data(self.attention.shared_expert)
 
-    att_pool, ffn_pool = cfg.attention_uses_experts, cfg.ffn_uses_experts
-    self.experts = make_expert_pool(cfg, rngs) if (att_pool or ffn_pool) else None
-    # A second pool only when both sub-layers route but must not share (an ablation).
-    self.ffn_experts = (make_expert_pool(cfg, rngs)
-                        if att_pool and ffn_pool and not cfg.moe.share_pool else None)
+    self.experts, self.ffn_experts = pools if pools is not None else make_expert_pools(cfg, rngs)
 
-  def __call__(self, h: jax.Array, positions: jax.Array):
-    """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput})."""
-    a, att_routes = self.attention(self.attention_norm(h), positions, experts=self.experts)
+  def __call__(self, h: jax.Array, positions: jax.Array, cache=None):
+    """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput}) (+ the layer's updated cache)."""
+    a, att_routes, *new_cache = self.attention(self.attention_norm(h), positions,
+                                               experts=self.experts, cache=cache)
     h = h + a.astype(h.dtype)
-    ffn_pool = self.ffn_experts if self.ffn_experts is not None else self.experts
-    f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool)
-    h = h + f.astype(h.dtype)
-    return h, {**att_routes, **ffn_routes}
+    ffn_routes = {}
+    if self.ffn is not None:
+      ffn_pool = self.ffn_experts if self.ffn_experts is not None else self.experts
+      f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool)
+      h = h + f.astype(h.dtype)
+    routes = {**att_routes, **ffn_routes}
+    return (h, routes) if cache is None else (h, routes, new_cache[0])

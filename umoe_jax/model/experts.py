@@ -16,10 +16,14 @@ from umoe_jax.parallel import rules as ax
 
 
 class ExpertPool(nnx.Module):
-  """w_up [E, D, F], w_down [E, F, D]; E_i(z) = act(z @ w_up[i]) @ w_down[i]."""
+  """w_up [E, D, F], w_down [E, F, D]; E_i(z) = act(z @ w_up[i]) @ w_down[i].
+
+  With `gated` also w_gate [E, D, F]: E_i(z) = (act(z @ w_gate[i]) * (z @ w_up[i])) @ w_down[i]
+  (SwiGLU for silu).
+  """
 
   def __init__(self, n_experts: int, d_model: int, d_expert: int, *, activation: str, std: float,
-               param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs):
+               param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs, gated: bool = False):
     self.n_experts = n_experts
     self.activation = activation
     self.compute_dtype = compute_dtype
@@ -28,13 +32,20 @@ class ExpertPool(nnx.Module):
                            (ax.EXPERT, ax.EMBED, ax.EXPERT_MLP), param_dtype)
     self.w_down = make_param(rngs, normal_init(std), (n_experts, d_expert, d_model),
                              (ax.EXPERT, ax.EXPERT_MLP, ax.EMBED), param_dtype)
+    self.w_gate = (make_param(rngs, normal_init(std), (n_experts, d_model, d_expert),
+                              (ax.EXPERT, ax.EMBED, ax.EXPERT_MLP), param_dtype) if gated else None)
 
   def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, D] sorted by expert, group_sizes [E] -> [M, D]."""
     dt = self.compute_dtype
     with jax.named_scope("expert_up"):
       h = gmm(rows.astype(dt), self.w_up.value.astype(dt), group_sizes, backend=self.gmm_backend)
-    h = ACTIVATION_FNS[self.activation](h)
+    if self.w_gate is not None:
+      with jax.named_scope("expert_gate"):
+        g = gmm(rows.astype(dt), self.w_gate.value.astype(dt), group_sizes, backend=self.gmm_backend)
+      h = ACTIVATION_FNS[self.activation](g) * h
+    else:
+      h = ACTIVATION_FNS[self.activation](h)
     with jax.named_scope("expert_down"):
       return gmm(h, self.w_down.value.astype(dt), group_sizes, backend=self.gmm_backend)
 

@@ -14,7 +14,8 @@ class DenseFFN(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.mlp = MLP(cfg.d_model, cfg.ffn.d_ff, activation=cfg.moe.activation, std=cfg.init_std,
-                   param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
+                   param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
+                   gated=cfg.moe.gated)
 
   def __call__(self, x: jax.Array, *, experts=None):
     del experts
@@ -35,8 +36,9 @@ class MoEFFN(nnx.Module):
                               param_dtype=cfg.param_dtype, rngs=rngs)
     self.shared_expert = (
         MLP(cfg.d_model, moe.d_expert * ffn.n_shared_experts, activation=moe.activation,
-            std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
-        if ffn.n_shared_experts else None)
+            std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
+            gated=moe.gated)
+        if ffn.n_shared_experts and not moe.share_always_on else None)  # shared: set by the block
 
   def __call__(self, x: jax.Array, *, experts=None):
     """x [B, T, D] (normed) -> (y [B, T, D], {"ffn": RouterOutput})."""

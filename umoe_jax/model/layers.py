@@ -83,12 +83,15 @@ class Linear(nnx.Module):
 class MLP(nnx.Module):
   """Two-matrix MLP D -> F -> D with an activation between (non-gated, as in the official code).
 
-  Used for the dense FFN and for always-on (shared) experts.
+  With `gated`: down(act(gate(x)) * up(x)) (SwiGLU for silu). Used for the dense FFN and for
+  always-on (shared) experts.
   """
 
   def __init__(self, d_model: int, d_hidden: int, *, activation: str, std: float, param_dtype,
-               compute_dtype, rngs: nnx.Rngs):
+               compute_dtype, rngs: nnx.Rngs, gated: bool = False):
     self.activation = activation
+    self.gate = (Linear(d_model, d_hidden, (ax.EMBED, ax.MLP), std=std, param_dtype=param_dtype,
+                        compute_dtype=compute_dtype, rngs=rngs) if gated else None)
     self.up = Linear(d_model, d_hidden, (ax.EMBED, ax.MLP), std=std, param_dtype=param_dtype,
                      compute_dtype=compute_dtype, rngs=rngs)
     self.down = Linear(d_hidden, d_model, (ax.MLP, ax.EMBED), std=std, param_dtype=param_dtype,
@@ -96,4 +99,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., D] -> [..., D]."""
-    return self.down(ACTIVATION_FNS[self.activation](self.up(x)))
+    act = ACTIVATION_FNS[self.activation]
+    if self.gate is not None:
+      return self.down(act(self.gate(x)) * self.up(x))
+    return self.down(act(self.up(x)))

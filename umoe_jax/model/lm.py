@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig, model_config
-from umoe_jax.model.block import DecoderBlock
+from umoe_jax.model.block import DecoderBlock, make_expert_pools
+from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
 from umoe_jax.model.routers import RouterOutput, routing_stats
 from umoe_jax.parallel import rules as ax
@@ -22,34 +23,55 @@ class CausalLM(nnx.Module):
     self.cfg = cfg
     self.embed = make_param(rngs, normal_init(cfg.init_std), (cfg.vocab_size, cfg.d_model),
                             (ax.VOCAB, ax.EMBED), cfg.param_dtype)
-    self.layers = nnx.List([DecoderBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    # moe.share_across_layers: one pool (pair) built here, the same modules in every block.
+    pools = make_expert_pools(cfg, rngs) if cfg.moe.share_across_layers else None
+    self.layers = nnx.List([DecoderBlock(cfg, rngs=rngs, pools=pools) for _ in range(cfg.n_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
     self.lm_head = make_param(rngs, normal_init(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                               (ax.EMBED, ax.VOCAB), cfg.param_dtype)
 
-  def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None):
+  def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
+               cache: Optional[DecodeCache] = None):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
            "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy"}}}
+
+    With a `cache` (`umoe_jax.model.cache.init_cache`) the tokens are the next T of every sequence:
+    they are written into the cache's slots [index, index + T), attend over the whole cache, and the
+    updated cache is returned third. `positions` then default to index + arange(T); a negative
+    position marks a padding token (never attended).
     """
     cfg = self.cfg
     b, t = tokens.shape
-    if t > cfg.max_seq_len:
+    if cache is None and t > cfg.max_seq_len:
       raise ValueError(f"sequence length {t} exceeds model.max_seq_len={cfg.max_seq_len}")
     if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      start = 0 if cache is None else cache.index
+      positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    if cache is not None:
+      key_positions = jax.lax.dynamic_update_slice(cache.key_positions,
+                                                   positions.astype(jnp.int32), (0, cache.index))
+      new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
     routes: dict[str, RouterOutput] = {}
     for i, layer in enumerate(self.layers):
-      h, layer_routes = layer(h, positions)
+      if cache is None:
+        h, layer_routes = layer(h, positions)
+      else:
+        h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions))
+        new_layers.append(layer_cache.arrays)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
     h = self.final_norm(h)
     logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),
                      preferred_element_type=jnp.float32)                           # [B, T, V]
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
-    return logits, {"balance_loss": total, "routers": stats}
+    aux = {"balance_loss": total, "routers": stats}
+    if cache is None:
+      return logits, aux
+    return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
+                                    layers=tuple(new_layers))
 
 
 def build_model(cfg, seed: int = 0) -> CausalLM:

@@ -3,9 +3,14 @@
 Contract of a variant (a class registered in `ATTENTIONS`):
   uses_expert_pool: bool                      class attribute: routes into the layer's expert pool
   validate(cfg: ModelConfig) -> None          classmethod: raise ConfigError naming key and value
+  cache_shapes(cfg: ModelConfig) -> {name: per-token shape}
+                                              classmethod: what one layer caches per token for
+                                              decoding (`umoe_jax.model.cache`)
   __init__(cfg: ModelConfig, *, rngs)
-  __call__(x [B, T, D] (normed), positions [B, T], *, experts=None)
+  __call__(x [B, T, D] (normed), positions [B, T], *, experts=None, cache=None)
       -> (y [B, T, D], {router_name: RouterOutput})
+      with cache (a `LayerCache`): -> (y, routes, cache.append(<this pass's entries>)), attending
+      over every cached slot with key positions `cache.key_positions` (negative = never attend)
 """
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention  # noqa: F401
 from umoe_jax.model.attention import mha, premix  # noqa: F401  (register the variants)

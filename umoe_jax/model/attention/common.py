@@ -19,7 +19,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     q: [B, T, H, Dk].
     k: [B, S, Hk, Dk] with Hk == H or Hk == 1 (one key head shared by all query heads).
     v: [B, S, Hk, Dv] (Dv may differ from Dk: pre-mixing mixes whole hidden states).
-    q_positions: [B, T], k_positions: [B, S]; query t sees key s iff k_pos[s] <= q_pos[t].
+    q_positions: [B, T], k_positions: [B, S]; query t sees key s iff 0 <= k_pos[s] <= q_pos[t]
+      (a negative key position marks padding or an empty cache slot).
   Returns:
     [B, T, H, Dv] in v's dtype.
   """
@@ -31,7 +32,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   else:
     scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
   scores = scores * scale
-  visible = k_positions[:, None, None, :] <= q_positions[:, None, :, None]      # [B, 1, T, S]
+  k_pos = k_positions[:, None, None, :]
+  visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
   scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)                       # [B, H, T, S]
   if v.shape[2] == 1:

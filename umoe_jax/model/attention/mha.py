@@ -26,6 +26,11 @@ class MultiHeadAttention(nnx.Module):
     if cfg.attention.v_head_dim < 1:
       raise ConfigError(f"model.attention.v_head_dim={cfg.attention.v_head_dim!r} must be >= 1")
 
+  @classmethod
+  def cache_shapes(cls, cfg: ModelConfig) -> dict:
+    att = cfg.attention
+    return {"k": (att.n_heads, att.head_dim), "v": (att.n_heads, att.v_head_dim)}
+
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     att = cfg.attention
     self.cfg = cfg
@@ -37,13 +42,18 @@ class MultiHeadAttention(nnx.Module):
     self.v_proj = Linear(d, att.n_heads * att.v_head_dim, (ax.EMBED, ax.HEADS), **kw)
     self.o_proj = Linear(att.n_heads * att.v_head_dim, d, (ax.HEADS, ax.EMBED), **kw)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None):
-    """x [B, T, D] -> (y [B, T, D], {})."""
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+    """x [B, T, D] -> (y [B, T, D], {}) (+ the updated cache when `cache` is given)."""
     del experts
     b, t, _ = x.shape
     rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
     q = apply_rope(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
     k = apply_rope(self.k_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
     v = self.v_proj(x).reshape(b, t, self.n_heads, self.v_head_dim)
-    o = causal_attention(q, k, v, positions, positions)                          # [B, T, H, Dv]
-    return self.o_proj(o.reshape(b, t, -1)), {}
+    k_pos = positions
+    if cache is not None:
+      cache = cache.append(k=k, v=v)
+      k, v, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
+    o = causal_attention(q, k, v, positions, k_pos)                              # [B, T, H, Dv]
+    y = self.o_proj(o.reshape(b, t, -1))
+    return (y, {}) if cache is None else (y, {}, cache)

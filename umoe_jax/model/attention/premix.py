@@ -13,6 +13,11 @@ over all of d_k) and mix the normed layer input itself (values = X, no value pro
 The mixed vector of query i goes to the expert i whose query produced it, so the dispatch plan of the
 router is computed once and used twice: for the routed low-rank queries and for the experts.
 E_i are the routed experts of the layer's pool (shared with the FFN in UMoE).
+
+MLA-style latent values (`attention.latent_dim` = L, the official `mla=True`, rebuttal): the mixed
+values are a latent c = X W_latent [L] instead of X, and one shared map W_up [L, D] after mixing
+restores the width: m_i = (softmax(q_i K^T / sqrt(d_k)) X W_latent) W_up. Decoding then caches
+d_k + L values per token and layer instead of d_k + D.
 """
 from __future__ import annotations
 
@@ -47,6 +52,13 @@ class PreMixAttention(nnx.Module):
       raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
     if att.q_lora_rank is not None and att.q_lora_rank < 1:
       raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
+    if att.latent_dim is not None and att.latent_dim < 1:
+      raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r} must be >= 1 or None")
+
+  @classmethod
+  def cache_shapes(cls, cfg: ModelConfig) -> dict:
+    """One key head and the values: the hidden state [D], or its MLA latent [L]."""
+    return {"k": (cfg.attention.head_dim,), "v": (cfg.attention.latent_dim or cfg.d_model,)}
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     att, moe = cfg.attention, cfg.moe
@@ -58,6 +70,11 @@ class PreMixAttention(nnx.Module):
     self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
                               rngs=rngs)
     self.k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
+    if att.latent_dim is not None:
+      self.latent_proj = Linear(d, att.latent_dim, (ax.EMBED, ax.LORA), **kw)
+      self.latent_up = Linear(att.latent_dim, d, (ax.LORA, ax.EMBED), **kw)
+    else:
+      self.latent_proj = self.latent_up = None
     self.shared_q_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw) if att.n_shared_experts else None
     init = normal_init(cfg.init_std)
     if att.q_lora_rank is None:
@@ -77,7 +94,7 @@ class PreMixAttention(nnx.Module):
       self.q_b = make_param(rngs, init, (moe.n_experts, r, dk), (ax.EXPERT, ax.LORA, ax.HEAD_DIM),
                             cfg.param_dtype)
     self.shared_expert = (
-        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, **kw)
+        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
         if att.n_shared_experts else None)
 
   def _routed_queries(self, x_flat: jax.Array, plan: dispatch.DispatchPlan) -> jax.Array:
@@ -93,8 +110,12 @@ class PreMixAttention(nnx.Module):
       q = gmm(code, self.q_b.value.astype(dt), plan.group_sizes, backend=backend)   # [M, Dk]
     return dispatch.unpermute(q, plan).reshape(x_flat.shape[0], self.top_k, -1)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None):
-    """x [B, T, D] (normed layer input) -> (y [B, T, D], {"attention": RouterOutput})."""
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+    """x [B, T, D] (normed layer input) -> (y [B, T, D], {"attention": RouterOutput}).
+
+    With `cache` (a `LayerCache`) the new key and values are appended to it, the queries attend over
+    the whole cache, and the updated cache is returned third.
+    """
     if experts is None:
       raise ValueError("pre-mixing attention needs the layer's expert pool (experts=...)")
     b, t, d = x.shape
@@ -115,11 +136,19 @@ class PreMixAttention(nnx.Module):
       key = apply_rope(self.k_proj(x), positions, **rope)[:, :, None, :]          # [B, T, 1, Dk]
 
     with jax.named_scope("mix"):
-      mixed = causal_attention(q, key, x[:, :, None, :], positions, positions)    # [B, T, 1+K, D]
+      values = x if self.latent_proj is None else self.latent_proj(x)              # [B, T, D or L]
+      k_pos = positions
+      if cache is not None:
+        cache = cache.append(k=key[:, :, 0], v=values)
+        key, values = cache.arrays["k"][:, :, None, :], cache.arrays["v"]
+        k_pos = cache.key_positions
+      mixed = causal_attention(q, key, values[:, :, None, :], positions, k_pos)   # [B, T, 1+K, D|L]
+      if self.latent_up is not None:
+        mixed = self.latent_up(mixed)                                              # [B, T, 1+K, D]
 
     n_shared = 1 if self.shared_q_proj is not None else 0
     routed = experts.route(mixed[:, :, n_shared:].reshape(n, k, d), ids, gates, plan)  # [N, D]
     y = routed.reshape(b, t, d)
     if self.shared_expert is not None:
       y = y + self.shared_expert(mixed[:, :, 0])
-    return y, {"attention": route}
+    return (y, {"attention": route}) if cache is None else (y, {"attention": route}, cache)
