@@ -7,12 +7,15 @@ Table 1 of the UMoE paper (official configs in github.com/ysngki/UMoE, `model_li
   ffn_moe   multi-head attention + fine-grained MoE FFN + 1 shared (small-vanilla-ffnMoE / 1B-ffnMoE)
   umoe      pre-mixing attention MoE + MoE FFN, one expert pool    (small-vanilla-UMoE / 1B-UMoE)
   umoe_att  pre-mixing attention MoE + dense MLP                   (small-vanilla-UMoE-Att / 1B-UMoE-Att)
+  moa       MoA: K of E expert heads (own W_q, W_o), shared single-head k, v, + 1 always-on head,
+            dense MLP                                              (small-moa-1024 / 1B-moa-1024)
   umoe_mla  umoe with MLA-style latent values (cache a latent of head_dim) (small-mla-UMoE-1024)
 
 Ablations are switches of a family's config (umoe_jax/config.py documents each key):
   moe.activation="none", moe.gated (SwiGLU experts), attention.top_k / ffn.top_k (expert
   allocation), ffn.kind="none" (all experts to attention), moe.share_always_on, router.share_att_ffn,
-  moe.share_pool, moe.share_across_layers, attention.latent_dim (MLA values).
+  moe.share_pool, moe.share_across_layers, attention.latent_dim (MLA values),
+  attention.n_shared_experts=0 on moa (the original MoA).
 
 Scales: base (d=768, 12 layers), large (d=2048, 24 layers), tiny (trains on a CPU in minutes).
 """
@@ -36,7 +39,7 @@ SCALES = {
 }
 
 
-FAMILIES = ("dense", "ffn_moe", "umoe", "umoe_att", "umoe_mla")
+FAMILIES = ("dense", "ffn_moe", "umoe", "umoe_att", "moa", "umoe_mla")
 
 
 def model_defaults() -> ml_collections.ConfigDict:
@@ -90,6 +93,10 @@ def model(family: str, scale: str) -> ml_collections.ConfigDict:
         m.attention.latent_dim = s["head_dim"]
     else:  # attention-only MoE: a dense FFN, more attention experts to match parameters
       m.moe.n_experts = s["att_experts"]
+  elif family == "moa":  # expert heads of head_dim (q/k and v), as many experts as UMoE-Att
+    m.attention.kind = "moa"
+    m.attention.top_k = s["k_att"]
+    m.attention.n_experts = s["att_experts"]
   else:
     raise ValueError(f"unknown model family {family!r}; valid: {', '.join(FAMILIES)}")
   return m
