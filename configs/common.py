@@ -9,13 +9,24 @@ Table 1 of the UMoE paper (official configs in github.com/ysngki/UMoE, `model_li
   umoe_att  pre-mixing attention MoE + dense MLP                   (small-vanilla-UMoE-Att / 1B-UMoE-Att)
   moa       MoA: K of E expert heads (own W_q, W_o), shared single-head k, v, + 1 always-on head,
             dense MLP                                              (small-moa-1024 / 1B-moa-1024)
+  switchhead  SwitchHead, UMoE repository's baseline: 4 heads, per-head MoE V and O projections
+            (top-1 softmax routers, seq aux 0.001), dense MLP      (1B-switchhead-1024; base: below)
+  switchhead_sigmoid  the original SwitchHead gating: sigmoid gates, top-2 of 4 experts per head,
+            no balance loss (same head shapes as `switchhead`)
   umoe_mla  umoe with MLA-style latent values (cache a latent of head_dim) (small-mla-UMoE-1024)
 
 Ablations are switches of a family's config (umoe_jax/config.py documents each key):
-  moe.activation="none", moe.gated (SwiGLU experts), attention.top_k / ffn.top_k (expert
-  allocation), ffn.kind="none" (all experts to attention), moe.share_always_on, router.share_att_ffn,
-  moe.share_pool, moe.share_across_layers, attention.latent_dim (MLA values),
-  attention.n_shared_experts=0 on moa (the original MoA).
+  moe.activation="none", moe.gated (SwiGLU experts),
+  attention.top_k / ffn.top_k (expert allocation), ffn.kind="none" (all experts to attention),
+  moe.share_always_on, router.share_att_ffn, moe.share_pool, moe.share_across_layers,
+  attention.latent_dim (MLA values), attention.n_shared_experts=0 on moa (the original MoA).
+
+SwitchHead base is not in the official repository (the paper reports 533M parameters, 542G MACs).
+We keep the head shapes of every other base model (4 heads, q/k and v head dim 192, so the active
+V/O compute equals dense attention's) and the repository's gating (top-1 softmax per head), and choose
+the experts per head to match the parameters: E=29 gives 532.6M (E=28: 518.4M, E=30: 546.8M). Its
+MACs are 534.6G, 1.4% under the paper's 542G; matching both numbers to 0.2% needs odd shapes (a search
+over heads, head dims, E and top-k finds e.g. 4 heads, d_k=208, d_v=192, E=29: 533.8M / 542.7G).
 
 Scales: base (d=768, 12 layers), large (d=2048, 24 layers), tiny (trains on a CPU in minutes).
 """
@@ -29,17 +40,18 @@ from umoe_jax.parallel.rules import DEFAULT_RULES
 SCALES = {
     "tiny": dict(d_model=128, n_layers=4, max_seq_len=256, vocab_size=512, head_dim=32,
                  d_ff=512, n_experts=16, d_expert=32, k_ffn=4, k_att=2, q_lora_rank=8,
-                 att_experts=15),
+                 att_experts=15, sh_experts=4),
     "base": dict(d_model=768, n_layers=12, max_seq_len=1024, vocab_size=32000, head_dim=192,
                  d_ff=3072, n_experts=128, d_expert=192, k_ffn=15, k_att=3, q_lora_rank=16,
-                 att_experts=116),
+                 att_experts=116, sh_experts=29),
     "large": dict(d_model=2048, n_layers=24, max_seq_len=1024, vocab_size=32000, head_dim=512,
                   d_ff=5632, n_experts=64, d_expert=512, k_ffn=10, k_att=3, q_lora_rank=36,
-                  att_experts=57),
+                  att_experts=57, sh_experts=15),
 }
 
 
-FAMILIES = ("dense", "ffn_moe", "umoe", "umoe_att", "moa", "umoe_mla")
+FAMILIES = ("dense", "ffn_moe", "umoe", "umoe_att", "moa", "switchhead", "switchhead_sigmoid",
+            "umoe_mla")
 
 
 def model_defaults() -> ml_collections.ConfigDict:
@@ -97,6 +109,13 @@ def model(family: str, scale: str) -> ml_collections.ConfigDict:
     m.attention.kind = "moa"
     m.attention.top_k = s["k_att"]
     m.attention.n_experts = s["att_experts"]
+  elif family in ("switchhead", "switchhead_sigmoid"):
+    m.attention.kind = "switchhead"
+    if family == "switchhead":  # the UMoE repository's baseline
+      m.attention.n_experts, m.attention.top_k = s["sh_experts"], 1
+    else:  # the original paper's gating
+      m.attention.n_experts, m.attention.top_k = 4, 2
+      m.router.kind, m.router.balance_loss = "topk_sigmoid", "none"
   else:
     raise ValueError(f"unknown model family {family!r}; valid: {', '.join(FAMILIES)}")
   return m

@@ -100,6 +100,24 @@ class TopKSoftmaxRouter(nnx.Module):
                         balance_loss=self.cfg.balance_coef * loss)
 
 
+@ROUTERS.register("topk_sigmoid")
+class TopKSigmoidRouter(TopKSoftmaxRouter):
+  """Non-competitive gates (SwitchHead, Csordás et al. 2024): s = sigmoid(x W_r), top-k of s, gates = s.
+
+  `probs` (for the balance loss and the logged entropy) is s normalised to sum to 1; the original
+  SwitchHead trains without a balance loss (`router.balance_loss="none"`).
+  """
+
+  def __call__(self, x: jax.Array, **context) -> RouterOutput:
+    del context
+    scores = jax.nn.sigmoid(self.logits(x))                                            # [B, T, E]
+    gates, ids = topk_gates(scores, self.top_k, self.cfg.renormalize)                  # [B, T, K]
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    loss = BALANCE_LOSSES[self.cfg.balance_loss](probs, jax.lax.stop_gradient(ids), self.n_experts)
+    return RouterOutput(expert_ids=ids, gates=gates, probs=probs,
+                        balance_loss=self.cfg.balance_coef * loss)
+
+
 def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, param_dtype,
                 rngs: nnx.Rngs) -> nnx.Module:
   return ROUTERS.get(cfg.kind)(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)

@@ -1,0 +1,6 @@
+"""switchhead model at tiny scale (see configs/common.py for the family and scale definitions)."""
+from configs import common
+
+
+def get_config():
+  return common.experiment("switchhead", "tiny")
