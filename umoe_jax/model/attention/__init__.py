@@ -13,4 +13,4 @@ Contract of a variant (a class registered in `ATTENTIONS`):
       over every cached slot with key positions `cache.key_positions` (negative = never attend)
 """
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention  # noqa: F401
-from umoe_jax.model.attention import mha, moa, premix, switchhead  # noqa: F401  (register the variants)
+from umoe_jax.model.attention import mha, moa, postmix, premix, switchhead  # noqa: F401  (register)

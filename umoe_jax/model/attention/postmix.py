@@ -1,0 +1,193 @@
+"""Post-mixing attention MoE (the UMoE paper's ablation, Eq. 8): apply the experts, then mix.
+
+Pre-mixing (UMoE, `premix.py`) mixes the hidden states first and sends the mixture to the experts,
+y = sum_i g_i E_i(a_i X). Post-mixing swaps the order, y = sum_i a_i (X E_i): each expert is applied to
+the tokens, and attention mixes the expert outputs. Taken literally with experts chosen by the *query*
+token, every expert picked by any token would have to run on every token: up to E x T expert
+evaluations per sequence (E/K times an FFN-MoE layer: ~43x at base) and a cache of every expert's
+output for every token. We use the cost-feasible form of the official code (`PostMixMoEAttention`):
+experts are picked by the *source* token, so each token runs through K experts exactly as in an
+FFN-MoE, and a single query attends over all (token, expert) entries with one softmax:
+
+    for every token s, its router picks T_s (top-K of softmax over E, gates g_{s,j} not renormalised)
+    values  v_{s,j} = g_{s,j} E_j(x_s)                                    j in T_s   [D]
+            v_{s,0} = E_shared(x_s)                                       (always-on slot, weight 1)
+    keys    k_{s,j} = x_s W_k_res + RMSNorm_r(x_s W_a^j) W_b^j            (low-rank expert keys,
+            k_{s,0} = x_s W_k_shared                                       mirroring UMoE's queries)
+    query   q_t     = x_t W_q                                             (one head; RoPE over d_k on
+                                                                            q and every key)
+    y_t = sum_{s <= t} sum_{j in {0} u T_s} a_{t,(s,j)} v_{s,j},   a_t = softmax over all visible
+                                                                   (s, j) of q_t . k_{s,j} / sqrt(d_k)
+
+The routed E_j are the layer's pool (shared with the FFN in UMoE). With linear experts
+(`moe.activation="none"`) and one routed slot this is pre-mixing with the gate moved onto the value;
+with non-linear experts the two differ, which is the point of the ablation. Decoding caches (1 + K)
+keys [d_k] and values [D] per token and layer (`attention.q_lora_rank=None`: full per-expert keys).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from umoe_jax.config import ConfigError, ModelConfig
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.layers import MLP, Linear, RMSNorm, make_param, normal_init
+from umoe_jax.model.rope import apply_rope
+from umoe_jax.model.routers import make_router
+from umoe_jax.ops import dispatch
+from umoe_jax.ops.gmm import gmm
+from umoe_jax.parallel import rules as ax
+from umoe_jax.stats import AttentionStats, Count, linear, mlp
+
+
+class PostMixStats(AttentionStats):
+  """One query; shared + residual keys; K routed low-rank keys; (1 + K) entries per key token of
+  width d_k (scores) and D (mix); the always-on expert; K picks from the layer's pool."""
+
+  @classmethod
+  def _slots(cls, cfg) -> int:
+    return cfg.attention.top_k + (1 if cfg.attention.n_shared_experts else 0)
+
+  @classmethod
+  def _per_expert_key(cls, cfg) -> int:
+    a, d = cfg.attention, cfg.d_model
+    if a.q_lora_rank is None:
+      return linear(d, a.head_dim)
+    return linear(d, a.q_lora_rank) + linear(a.q_lora_rank, a.head_dim)
+
+  @classmethod
+  def params(cls, cfg):
+    a, d, e = cfg.attention, cfg.d_model, cfg.moe.n_experts
+    dense = linear(d, a.head_dim)                                       # q_proj
+    dense += linear(d, a.head_dim) if a.n_shared_experts else 0         # shared_k_proj
+    dense += linear(d, a.head_dim) if a.q_lora_rank is not None else 0  # k_res_proj
+    per_expert = cls._per_expert_key(cfg)
+    lora_norm = a.q_lora_rank if (a.q_lora_rank is not None and a.q_lora_norm) else 0
+    shared = mlp(cfg, cfg.moe.d_expert * a.n_shared_experts) if a.n_shared_experts else 0
+    return {"attention": Count(dense),
+            "attention_routed": Count(e * per_expert, a.top_k * per_expert),
+            "routers": Count(linear(d, e)),
+            "shared_experts": Count(shared),
+            "norms": Count(lora_norm)}
+
+  @classmethod
+  def pool_picks(cls, cfg):
+    return cfg.attention.top_k
+
+  @classmethod
+  def token_macs(cls, cfg):
+    p = cls.params(cfg)
+    return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
+            "routers": p["routers"].total, "shared_experts": p["shared_experts"].total}
+
+  @classmethod
+  def pair_macs(cls, cfg):
+    n = cls._slots(cfg)
+    return {"attention_scores": n * cfg.attention.head_dim, "attention_mix": n * cfg.d_model}
+
+  @classmethod
+  def kv_cache(cls, cfg):
+    n = cls._slots(cfg)
+    return {"key": n * cfg.attention.head_dim, "value": n * cfg.d_model}
+
+
+@ATTENTIONS.register("postmix")
+class PostMixAttention(nnx.Module):
+  """Experts on every token first (routed by that token), then one query mixes the expert outputs."""
+
+  uses_expert_pool = True
+  stats = PostMixStats
+
+  @classmethod
+  def validate(cls, cfg: ModelConfig) -> None:
+    att = cfg.attention
+    if att.top_k < 1:
+      raise ConfigError(f"model.attention.top_k={att.top_k!r} must be >= 1")
+    if cfg.moe.n_experts and att.top_k > cfg.moe.n_experts:
+      raise ConfigError(f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
+    if att.n_shared_experts < 0:
+      raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
+    if att.q_lora_rank is not None and att.q_lora_rank < 1:
+      raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
+    if att.latent_dim is not None:
+      raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r}: MLA latent values exist only "
+                        "for attention.kind='premix'")
+
+  @classmethod
+  def cache_shapes(cls, cfg: ModelConfig) -> dict:
+    n = cfg.attention.top_k + (1 if cfg.attention.n_shared_experts else 0)
+    return {"k": (n, cfg.attention.head_dim), "v": (n, cfg.d_model)}
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    att, moe = cfg.attention, cfg.moe
+    self.cfg = cfg
+    self.top_k, self.n_experts = att.top_k, moe.n_experts
+    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
+    d, dk = cfg.d_model, att.head_dim
+    init = normal_init(cfg.init_std)
+    self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
+                              rngs=rngs)
+    self.q_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
+    self.shared_k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw) if att.n_shared_experts else None
+    if att.q_lora_rank is None:
+      self.k_res_proj = self.k_a = self.k_a_norm = None
+      self.k_b = make_param(rngs, init, (moe.n_experts, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
+                            cfg.param_dtype)
+    else:
+      r = att.q_lora_rank
+      self.k_res_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
+      self.k_a = make_param(rngs, init, (moe.n_experts, d, r), (ax.EXPERT, ax.EMBED, ax.LORA),
+                            cfg.param_dtype)
+      self.k_a_norm = (RMSNorm(r, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+                       if att.q_lora_norm else None)
+      self.k_b = make_param(rngs, init, (moe.n_experts, r, dk), (ax.EXPERT, ax.LORA, ax.HEAD_DIM),
+                            cfg.param_dtype)
+    self.shared_expert = (
+        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
+        if att.n_shared_experts else None)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+    """x [B, T, D] (normed layer input) -> (y [B, T, D], {"attention": RouterOutput}) (+ cache)."""
+    if experts is None:
+      raise ValueError("post-mixing attention needs the layer's expert pool (experts=...)")
+    b, t, d = x.shape
+    n, k = b * t, self.top_k
+    dt, backend = self.cfg.compute_dtype, self.cfg.gmm_backend
+    x = x.astype(dt)
+    route = self.router(x)
+    ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
+    plan = dispatch.make_plan(ids, self.n_experts)
+    rows = dispatch.permute(x.reshape(n, d), plan, k)                              # [M, D]
+
+    with jax.named_scope("expert_values"):                                         # g_{s,j} E_j(x_s)
+      values = dispatch.unpermute(experts(rows, plan.group_sizes), plan).reshape(n, k, d)
+      values = (values.astype(jnp.float32) * gates[:, :, None]).astype(dt).reshape(b, t, k, d)
+    with jax.named_scope("expert_keys"):
+      if self.k_a is None:
+        keys = gmm(rows, self.k_b.value.astype(dt), plan.group_sizes, backend=backend)
+      else:
+        code = gmm(rows, self.k_a.value.astype(dt), plan.group_sizes, backend=backend)
+        if self.k_a_norm is not None:
+          code = self.k_a_norm(code)
+        keys = gmm(code, self.k_b.value.astype(dt), plan.group_sizes, backend=backend)
+      keys = dispatch.unpermute(keys, plan).reshape(b, t, k, -1)                   # [B, T, K, Dk]
+      if self.k_res_proj is not None:
+        keys = keys + self.k_res_proj(x)[:, :, None, :]
+    if self.shared_expert is not None:
+      values = jnp.concatenate([self.shared_expert(x)[:, :, None, :], values], axis=2)
+      keys = jnp.concatenate([self.shared_k_proj(x)[:, :, None, :], keys], axis=2)  # [B,T,1+K,Dk]
+    rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
+    keys = apply_rope(keys, positions, **rope)
+    q = apply_rope(self.q_proj(x), positions, **rope)[:, :, None, :]              # [B, T, 1, Dk]
+
+    k_pos = positions
+    if cache is not None:
+      cache = cache.append(k=keys, v=values)
+      keys, values, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
+    s, slots = keys.shape[1], keys.shape[2]
+    with jax.named_scope("mix"):  # one softmax over every (token, slot) entry
+      y = causal_attention(q, keys.reshape(b, s * slots, 1, -1), values.reshape(b, s * slots, 1, d),
+                           positions, jnp.repeat(k_pos, slots, axis=1))[:, :, 0]  # [B, T, D]
+    routes = {"attention": route}
+    return (y, routes) if cache is None else (y, routes, cache)
