@@ -1,0 +1,125 @@
+"""Shared test helpers: repo root on sys.path, tiny configs, randomised parameters, float64 params.
+
+JAX stays in its default float32 mode; the float64 oracles in `reference.py` are pure numpy.
+Test modules import the helpers below with `from conftest import ...`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Mapping
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for _p in (ROOT, TESTS):
+  if _p not in sys.path:
+    sys.path.insert(0, _p)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import configs.common  # noqa: E402
+from umoe_jax.config import ModelConfig, model_config  # noqa: E402
+
+import reference  # noqa: E402,F401
+
+
+def pytest_configure(config):
+  # flax 0.12 deprecates `Variable.value`, which the model code still uses: one warning per call site
+  # and trace would drown the report.
+  config.addinivalue_line("filterwarnings",
+                          "ignore:'.value' access is now deprecated:DeprecationWarning")
+
+
+# Tiny shapes shared by the module tests: small enough for numpy loops, big enough to be non-trivial
+# (several experts per token, more experts than slots, T > every top-k).
+TINY = dict(vocab_size=40, d_model=24, n_layers=1, max_seq_len=16, compute_dtype="float32",
+            gmm_backend="xla")
+TINY_ATT = dict(n_heads=2, head_dim=8, v_head_dim=6, top_k=2, q_lora_rank=4)
+TINY_FFN = dict(d_ff=20, top_k=3)
+TINY_MOE = dict(n_experts=6, d_expert=10)
+
+
+def tiny_config(family: str, **overrides: Any) -> ModelConfig:
+  """A validated ModelConfig of `family` ("dense", "ffn_moe", "umoe", "umoe_att") at test size.
+
+  `overrides` use dotted keys for sections: `tiny_config("umoe", **{"attention.top_k": 3})`.
+  """
+  m = configs.common.model(family, "tiny").to_dict()
+  m.update(TINY)
+  m["attention"].update(TINY_ATT if family.startswith("umoe") else
+                        {k: v for k, v in TINY_ATT.items() if k != "q_lora_rank"})
+  m["ffn"].update(TINY_FFN)
+  if family != "dense":
+    m["moe"].update(TINY_MOE)
+  for key, value in overrides.items():
+    node = m
+    *parents, leaf = key.split(".")
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return model_config(m)
+
+
+def randomize_params(module: nnx.Module, seed: int, router_std_times_sqrt_d: float = 2.0) -> None:
+  """Replaces every parameter with well-scaled random values, in place.
+
+  The real init (std 0.02) makes attention near-uniform and routing near-uniform, which would hide
+  errors; here every matrix gets N(0, 1/fan_in) (so activations stay O(1) and attention is peaked),
+  embeddings N(0, 1), norm scales 1 + U(-0.5, 0.5) (so a wrong norm weight shows), and routers
+  N(0, (c/sqrt(D))^2) so that logits have std ~c and the top-k is decisive.
+  """
+  rng = np.random.default_rng(seed)
+  state = nnx.state(module, nnx.Param)
+  pure = nnx.to_pure_dict(state)
+
+  def fill(tree, path):
+    if isinstance(tree, Mapping):
+      return {k: fill(v, path + (str(k),)) for k, v in tree.items()}
+    shape, dtype = tree.shape, tree.dtype
+    name = path[-1]
+    if name == "scale":
+      new = 1.0 + rng.uniform(-0.5, 0.5, shape)
+    elif name == "embed":
+      new = rng.standard_normal(shape)
+    elif "router" in path:
+      new = rng.standard_normal(shape) * router_std_times_sqrt_d / np.sqrt(shape[-2])
+    else:
+      new = rng.standard_normal(shape) / np.sqrt(shape[-2])
+    return jnp.asarray(new, dtype)
+
+  nnx.replace_by_pure_dict(state, fill(pure, ()))
+  nnx.update(module, state)
+
+
+def random_module(factory, seed: int, **kw) -> nnx.Module:
+  """`factory()` built abstractly (no init compilation) and filled by `randomize_params`."""
+  module = nnx.eval_shape(factory)
+  randomize_params(module, seed, **kw)
+  return module
+
+
+def numpy_params(module: nnx.Module) -> dict:
+  """The module's parameters as a nested dict of float64 numpy arrays (layout of `to_pure_dict`)."""
+  return reference.tree_f64(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+
+
+def rel_err(out, ref) -> float:
+  return reference.rel_err(out, ref)
+
+
+def with_dtype(cfg: ModelConfig, compute_dtype: str) -> ModelConfig:
+  import dataclasses
+  return dataclasses.replace(cfg, compute_dtype=compute_dtype)
+
+
+def bf16_round(x) -> np.ndarray:
+  """x rounded to bfloat16 (what a bf16 module sees), back in float32."""
+  import ml_dtypes
+  return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def positions_for(b: int, t: int) -> jax.Array:
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -1,0 +1,186 @@
+"""Config validation: the paper configs load; bad configs fail naming the key and the value."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+
+import ml_collections
+import pytest
+
+from conftest import ROOT
+import configs.common as common
+from umoe_jax.config import ConfigError, ModelConfig, model_config, to_dict
+
+FAMILIES = ("dense", "ffn_moe", "umoe")
+SCALES = ("tiny", "base", "large")
+
+
+def _config_modules():
+  names = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
+                 if f.endswith(".py") and f not in ("__init__.py", "common.py"))
+  assert names, "no config files found"
+  return names
+
+
+@pytest.mark.parametrize("name", _config_modules())
+def test_every_config_file_validates(name):
+  cfg = importlib.import_module(f"configs.{name}").get_config()
+  m = model_config(cfg.model)
+  assert isinstance(m, ModelConfig)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_paper_families(family, scale):
+  m = model_config(common.model(family, scale))
+  s = common.SCALES[scale]
+  assert (m.d_model, m.n_layers, m.vocab_size) == (s["d_model"], s["n_layers"], s["vocab_size"])
+  if family == "dense":
+    assert (m.attention.kind, m.ffn.kind, m.ffn.d_ff) == ("mha", "dense", s["d_ff"])
+  elif family == "ffn_moe":
+    assert (m.attention.kind, m.ffn.kind, m.ffn.top_k) == ("mha", "moe", s["k_ffn"])
+  else:
+    assert (m.attention.kind, m.ffn.kind) == ("premix", "moe")
+    assert (m.attention.top_k, m.ffn.top_k, m.attention.q_lora_rank) == (
+        s["k_att"], s["k_ffn"], s["q_lora_rank"])
+    assert m.moe.share_pool
+  # The official recipe (umoe.md section 2): silu non-gated experts, unnormalized top-k softmax
+  # gates, DeepSeek sequence-wise balance loss with alpha 0.001, RoPE theta 1e4, eps 1e-6.
+  assert (m.moe.activation, m.router.kind, m.router.renormalize) == ("silu", "topk_softmax", False)
+  assert (m.router.balance_loss, m.router.balance_coef) == ("seq_aux", 0.001)
+  assert (m.rope_theta, m.norm_eps, m.init_std) == (10000.0, 1e-6, 0.02)
+
+
+def test_base_and_large_match_official_configs():
+  # umoe.md section 2.1/2.2 tables.
+  b = model_config(common.model("umoe", "base"))
+  assert (b.moe.n_experts, b.moe.d_expert, b.attention.top_k, b.ffn.top_k, b.attention.q_lora_rank,
+          b.attention.head_dim) == (128, 192, 3, 15, 16, 192)
+  lg = model_config(common.model("umoe", "large"))
+  assert (lg.moe.n_experts, lg.moe.d_expert, lg.attention.top_k, lg.ffn.top_k,
+          lg.attention.q_lora_rank, lg.attention.head_dim) == (64, 512, 3, 10, 36, 512)
+  f = model_config(common.model("ffn_moe", "large"))
+  assert (f.moe.n_experts, f.moe.d_expert, f.ffn.top_k, f.attention.n_heads) == (64, 512, 10, 4)
+  d = model_config(common.model("dense", "large"))
+  assert (d.ffn.d_ff, d.attention.head_dim, d.attention.n_heads) == (5632, 512, 4)
+
+
+def test_defaults_mirror_dataclasses():
+  """Every ModelConfig field is a key of configs.common.model_defaults (so it can be overridden)."""
+  fields = to_dict(ModelConfig())
+  keys = common.model_defaults().to_dict()
+  assert set(keys) == set(fields)
+  for section, value in fields.items():
+    if isinstance(value, dict):
+      assert set(keys[section]) == set(value), section
+
+
+def test_accepts_configdict_dict_and_dataclass():
+  cd = common.model("umoe", "tiny")
+  a = model_config(cd)
+  b = model_config(cd.to_dict())
+  c = model_config(a)
+  assert a == b == c
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad configs. Each case: (family, {dotted key: value}, key the message must name, value it must name).
+
+
+def _bad(family, changes):
+  m = common.model(family, "tiny").to_dict()
+  for key, value in changes.items():
+    node = m
+    *parents, leaf = key.split(".")
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return m
+
+
+BAD = [
+    # unknown keys (top level and nested)
+    ("umoe", {"attention.foo": 7}, "model.attention.foo", "7"),
+    ("dense", {"n_layer": 3}, "model.n_layer", "3"),
+    ("umoe", {"router.temperature": 0.5}, "model.router.temperature", "0.5"),
+    # k larger than the number of experts
+    ("umoe", {"attention.top_k": 17}, "model.attention.top_k", "17"),
+    ("umoe", {"ffn.top_k": 40}, "model.ffn.top_k", "40"),
+    ("ffn_moe", {"ffn.top_k": 17}, "model.ffn.top_k", "17"),
+    # MoE without expert width / count
+    ("umoe", {"moe.d_expert": 0}, "model.moe.d_expert", "0"),
+    ("ffn_moe", {"moe.d_expert": 0}, "model.moe.d_expert", "0"),
+    ("ffn_moe", {"moe.n_experts": 0}, "model.moe.n_experts", "0"),
+    # unknown names
+    ("dense", {"attention.kind": "flash"}, "model.attention.kind", "'flash'"),
+    ("umoe", {"router.kind": "hashy"}, "model.router.kind", "'hashy'"),
+    ("umoe", {"gmm_backend": "cutlass9"}, "model.gmm_backend", "'cutlass9'"),
+    ("umoe", {"moe.activation": "swish2"}, "model.moe.activation", "'swish2'"),
+    ("dense", {"moe.activation": "swish2"}, "model.moe.activation", "'swish2'"),  # dense FFN uses it
+    ("dense", {"rope_layout": "neox"}, "model.rope_layout", "'neox'"),
+    ("umoe", {"router.balance_loss": "zloss"}, "model.router.balance_loss", "'zloss'"),
+    ("dense", {"ffn.kind": "sparse"}, "model.ffn.kind", "'sparse'"),
+    ("dense", {"compute_dtype": "float8"}, "model.compute_dtype", "'float8'"),
+    # head dim must be even (RoPE pairs) and positive
+    ("dense", {"attention.head_dim": 33}, "model.attention.head_dim", "33"),
+    ("umoe", {"attention.head_dim": 7}, "model.attention.head_dim", "7"),
+    ("umoe", {"attention.head_dim": 0}, "model.attention.head_dim", "0"),
+    # wrong types
+    ("dense", {"d_model": "768"}, "model.d_model", "'768'"),
+    ("umoe", {"attention.top_k": "3"}, "model.attention.top_k", "'3'"),
+    ("umoe", {"moe.n_experts": 4.0}, "model.moe.n_experts", "4.0"),
+    ("umoe", {"router.renormalize": "yes"}, "model.router.renormalize", "'yes'"),
+    ("dense", {"n_layers": True}, "model.n_layers", "True"),
+    ("dense", {"norm_eps": "1e-6"}, "model.norm_eps", "'1e-6'"),
+    ("dense", {"attention": "mha"}, "model.attention", "'mha'"),
+    # non-positive sizes
+    ("dense", {"d_model": 0}, "model.d_model", "0"),
+    ("dense", {"n_layers": -1}, "model.n_layers", "-1"),
+    ("dense", {"vocab_size": 0}, "model.vocab_size", "0"),
+    ("dense", {"max_seq_len": -5}, "model.max_seq_len", "-5"),
+    ("dense", {"ffn.d_ff": 0}, "model.ffn.d_ff", "0"),
+    ("dense", {"attention.n_heads": 0}, "model.attention.n_heads", "0"),
+    ("dense", {"attention.v_head_dim": -2}, "model.attention.v_head_dim", "-2"),
+    ("umoe", {"attention.top_k": 0}, "model.attention.top_k", "0"),
+    ("umoe", {"ffn.top_k": 0}, "model.ffn.top_k", "0"),
+    ("umoe", {"moe.n_experts": -4}, "model.moe.n_experts", "-4"),
+    ("umoe", {"attention.q_lora_rank": 0}, "model.attention.q_lora_rank", "0"),
+    ("umoe", {"attention.n_shared_experts": -1}, "model.attention.n_shared_experts", "-1"),
+    ("umoe", {"ffn.n_shared_experts": -1}, "model.ffn.n_shared_experts", "-1"),
+    ("dense", {"norm_eps": 0.0}, "model.norm_eps", "0.0"),
+    ("umoe", {"router.balance_coef": -0.1}, "model.router.balance_coef", "-0.1"),
+]
+
+
+@pytest.mark.parametrize("family,changes,key,value", BAD,
+                         ids=[f"{f}:{','.join(c)}={list(c.values())[0]!r}" for f, c, _, _ in BAD])
+def test_bad_config_names_key_and_value(family, changes, key, value):
+  with pytest.raises(ConfigError) as info:
+    model_config(_bad(family, changes))
+  msg = str(info.value)
+  # The key must appear as a whole dotted name (not as a prefix of a longer key).
+  assert re.search(re.escape(key) + r"(?![\w.])", msg), f"{key!r} not named in: {msg}"
+  assert value in msg, f"value {value!r} not named in: {msg}"
+
+
+def test_bad_config_from_configdict():
+  """Errors are the same for a ConfigDict (the command-line path) as for a plain dict."""
+  cd = common.model("umoe", "tiny")
+  cd.attention.top_k = 99
+  with pytest.raises(ConfigError, match=r"model\.attention\.top_k=99"):
+    model_config(cd)
+  cd = common.model("umoe", "tiny")
+  with cd.unlocked():
+    cd.moe.bogus = 1
+  with pytest.raises(ConfigError, match=r"model\.moe\.bogus"):
+    model_config(cd)
+
+
+def test_config_is_frozen_and_error_is_value_error():
+  m = model_config(common.model("dense", "tiny"))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    m.d_model = 3  # type: ignore[misc]
+  assert issubclass(ConfigError, ValueError)
+  assert isinstance(common.model("dense", "tiny"), ml_collections.ConfigDict)
