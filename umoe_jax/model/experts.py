@@ -12,6 +12,7 @@ from flax import nnx
 from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
+from umoe_jax.parallel import expert_parallel
 from umoe_jax.parallel import rules as ax
 
 
@@ -60,5 +61,7 @@ class ExpertPool(nnx.Module):
     Returns:
       [N, D].
     """
+    if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
+      return expert_parallel.route_pool(self, x, expert_ids, gates)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
     return dispatch.apply_experts(x, plan, gates, self)

@@ -32,6 +32,7 @@ from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
+from umoe_jax.parallel import expert_parallel
 from umoe_jax.parallel import rules as ax
 
 
@@ -97,8 +98,11 @@ class PreMixAttention(nnx.Module):
         MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
         if att.n_shared_experts else None)
 
-  def _routed_queries(self, x_flat: jax.Array, plan: dispatch.DispatchPlan) -> jax.Array:
+  def _routed_queries(self, x_flat: jax.Array, plan: dispatch.DispatchPlan,
+                      expert_ids: jax.Array) -> jax.Array:
     """x [N, D] -> per-slot expert queries [N, K, Dk] (without the residual query)."""
+    if expert_parallel.is_active():  # under parallel.use_mesh: q_a / q_b split over the mesh
+      return expert_parallel.premix_queries(self, x_flat, expert_ids)
     dt, backend = self.cfg.compute_dtype, self.cfg.gmm_backend
     rows = dispatch.permute(x_flat.astype(dt), plan, self.top_k)                  # [M, D]
     if self.q_a is None:
@@ -126,7 +130,7 @@ class PreMixAttention(nnx.Module):
     plan = dispatch.make_plan(ids, self.n_experts)
 
     with jax.named_scope("queries"):
-      q = self._routed_queries(x.reshape(n, d), plan).reshape(b, t, k, -1)        # [B, T, K, Dk]
+      q = self._routed_queries(x.reshape(n, d), plan, ids).reshape(b, t, k, -1)        # [B, T, K, Dk]
       if self.q_res_proj is not None:
         q = q + self.q_res_proj(x)[:, :, None, :]
       if self.shared_q_proj is not None:

@@ -1,0 +1,333 @@
+"""Expert parallelism: routed experts split over the mesh's expert axis, tokens moved by all-to-all.
+
+Inside `use_mesh(...)` with more than one device, `ExpertPool.route` and the pre-mixing attention's
+routed queries call `expert_map` instead of the single-device dispatch. `expert_map` is one
+`shard_map` over the whole mesh; per device it does
+
+  1. local dispatch (`dispatch.make_plan` / `permute`) of its own tokens' (token, slot) rows, sorted
+     by global expert id, so the rows for expert shard d form one contiguous run;
+  2. (expert axis > 1) pack the runs into a send buffer [EP, C, D] (run d -> chunk d, zero padding),
+     `all_to_all` it and the per-local-expert row counts [EP, E_local] over the expert axis;
+  3. sort the received rows by local expert (`make_plan` again; padding rows sort last) and run the
+     local experts with `gmm` (rows past sum(group_sizes) are padding and come out zero);
+  4. the reverse `all_to_all`, un-pack, `dispatch.unpermute`, gate-weighted `dispatch.combine`.
+
+With expert axis 1 (data / fsdp / tensor layouts) steps 2-4 collapse to the local dispatch: no
+collective, every device runs all experts on its own tokens (weights are gathered from their FSDP
+shards at the shard_map boundary). Tensor parallelism inside the experts: the hidden width F stays
+split over the tensor axis, the down projection gives partial sums, `psum` over tensor adds them.
+
+Buffer policy (C = rows per (sender, receiver) pair; n = tokens per device, K = slots per token,
+EP = expert-axis size, E_local = experts per shard):
+  * default, dropless: C = n * min(K, E_local) -- the most rows one device can send one shard when a
+    token's K expert ids are distinct (every top-k router). Send and receive buffers are EP * C rows
+    each: up to EP x the balanced size (memory-heavy, never drops).
+  * `capacity_factor=c` (`use_mesh(..., expert_capacity_factor=c)`, `config.expert_parallel`):
+    C = ceil(c * n * K / EP), i.e. c x the balanced share. Rows past C in a pair are dropped (they
+    contribute zero, like a token the router did not pick) and counted: `stats["dropped_rows"]`
+    (global count), sown by the pool as `nnx.Intermediate` "ep_dropped_rows".
+
+The all-to-all is the dense `jax.lax.all_to_all` (fixed-size chunks): it runs on every backend
+(CPU included) and on GPU avoids `ragged_all_to_all`'s slow paths (openxla/xla#33386).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from umoe_jax.ops import dispatch
+from umoe_jax.ops.gmm import gmm
+from umoe_jax.parallel import rules as ax
+from umoe_jax.parallel.sharding import current_context, normalize_rules
+
+LocalFn = Callable[..., jax.Array]  # (rows [R, D], group_sizes [E_local], *weights) -> [R, D_out]
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+  from jax.experimental.shard_map import shard_map  # jax < 0.7
+  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=True)
+
+
+def is_active() -> bool:
+  """True while tracing under `use_mesh` with a mesh of more than one device."""
+  ctx = current_context()
+  return ctx is not None and ctx.mesh.size > 1
+
+
+def _mesh_axes(rules, name: str, mesh: Mesh) -> tuple[str, ...]:
+  target = dict(rules).get(name)
+  axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+  return tuple(a for a in axes if a in mesh.shape)
+
+
+def _axis_arg(axes: tuple[str, ...]):
+  return axes[0] if len(axes) == 1 else axes
+
+
+def capacity(tokens_per_device: int, slots: int, ep: int, experts_per_shard: int,
+             capacity_factor: Optional[float]) -> int:
+  """Rows per (sender, receiver) pair of expert shards (see the module docstring). With ep == 1
+  there is no exchange and nothing can be dropped: the device's own M = tokens * slots rows."""
+  if ep == 1:
+    return tokens_per_device * slots
+  dropless = tokens_per_device * min(slots, experts_per_shard)
+  if capacity_factor is None:
+    return max(dropless, 1)
+  return max(1, min(dropless, math.ceil(capacity_factor * tokens_per_device * slots / ep)))
+
+
+def _exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, cap):
+  """Steps 2-4 for one device: rows [M, D] sorted by global expert -> outputs [M, D_out] (same
+  order; dropped rows zero) and the number of dropped rows."""
+  m, d = rows.shape
+  e_local = group_sizes.shape[0] // ep
+  counts = group_sizes.reshape(ep, e_local)                                   # [EP, E_l]
+  send_total = counts.sum(axis=1)                                             # [EP]
+  start = jnp.cumsum(send_total) - send_total                                 # [EP]
+  slot = jnp.arange(cap, dtype=jnp.int32)                                     # [C]
+  kept = jnp.minimum(send_total, cap)                                         # [EP]
+  src = jnp.clip(start[:, None] + slot[None, :], 0, m - 1)                    # [EP, C]
+  valid = slot[None, :] < kept[:, None]                                       # [EP, C]
+  send = jnp.where(valid[..., None], jnp.take(rows, src, axis=0), 0).astype(rows.dtype)  # [EP, C, D]
+  cum = jnp.minimum(jnp.cumsum(counts, axis=1), cap)                          # [EP, E_l]
+  sent_counts = jnp.diff(cum, axis=1, prepend=0)                              # [EP, E_l]
+
+  with jax.named_scope("ep_all_to_all"):
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)                   # [EP, C, D]
+    recv_counts = jax.lax.all_to_all(sent_counts, axis, 0, 0, tiled=True)     # [EP, E_l]
+
+  # Local expert of every received row; padding rows get E_l and sort last.
+  recv_cum = jnp.cumsum(recv_counts, axis=1)                                  # [EP, E_l]
+  local_ids = jnp.sum(slot[None, :, None] >= recv_cum[:, None, :], axis=-1)   # [EP, C] in [0, E_l]
+  plan = dispatch.make_plan(local_ids.reshape(-1, 1), e_local + 1)            # over EP*C rows
+  local_rows = dispatch.permute(recv.reshape(ep * cap, d), plan, 1)           # [EP*C, D]
+  local_out = local_fn(local_rows, plan.group_sizes[:e_local], *weights)      # [EP*C, D_out]
+  back = dispatch.unpermute(local_out, plan).reshape(ep, cap, -1)             # [EP, C, D_out]
+
+  with jax.named_scope("ep_all_to_all"):
+    ret = jax.lax.all_to_all(back, axis, 0, 0, tiled=True)                    # [EP, C, D_out]
+
+  dest = expert_sorted // e_local                                             # [M]
+  pos = jnp.arange(m, dtype=jnp.int32) - start[dest]                          # [M]
+  ok = pos < cap
+  out = jnp.take(ret.reshape(ep * cap, -1), dest * cap + jnp.minimum(pos, cap - 1), axis=0)
+  out = jnp.where(ok[:, None], out, 0).astype(local_out.dtype)                # [M, D_out]
+  dropped = jnp.sum(jnp.maximum(send_total - cap, 0))
+  return out, dropped
+
+
+def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
+               weights: Sequence[jax.Array], weight_axes: Sequence[Sequence[Optional[str]]],
+               local_fn: LocalFn, *, num_experts: int, mesh: Optional[Mesh] = None,
+               rules: Any = None, capacity_factor: Any = "context") -> tuple[jax.Array, dict]:
+  """Applies routed experts to every (token, slot) row across the mesh.
+
+    gates given:  out[n] = sum_k gates[n, k] * f_{ids[n, k]}(x[n] or x[n, k])   -> [N, D_out]
+    gates None:   out[n, k] = f_{ids[n, k]}(x[n] or x[n, k])                     -> [N, K, D_out]
+
+  Args:
+    x: [N, D] (all K slots of a token see x[n]) or [N, K, D] (one row per slot).
+    expert_ids: [N, K] int in [0, num_experts); gates: [N, K] or None.
+    weights: expert-stacked arrays (e.g. w_up [E, D, F]) and any small replicated ones.
+    weight_axes: logical names of each weight (the `out_sharding` of its Param). Inside the
+      shard_map a weight keeps only its EXPERT dim (split over the expert axis) and its EXPERT_MLP
+      dim (split over the tensor axes when the rules say so); other dims are gathered.
+    local_fn: `(rows [R, D] sorted by local expert, group_sizes [E_local], *local_weights,
+      tensor_axes=(...)) -> [R, D_out]`; rows past sum(group_sizes) are padding (must map to 0);
+      `tensor_axes` are the mesh axes EXPERT_MLP is split over (psum partial sums over them).
+    num_experts: E.
+    mesh, rules: default from `use_mesh`.
+    capacity_factor: None = dropless; a float = per-pair capacity; default from `use_mesh`.
+  Returns:
+    (out, stats) with stats = {"dropped_rows": [] int32 (global), "capacity": rows per pair}.
+  """
+  ctx = current_context()
+  if mesh is None:
+    if ctx is None:
+      raise ValueError("expert_map needs a mesh (pass mesh= or run under parallel.use_mesh)")
+    mesh = ctx.mesh
+  rules = normalize_rules(rules if rules is not None else (ctx.rules if ctx else None))
+  if capacity_factor == "context":
+    capacity_factor = ctx.expert_capacity_factor if ctx is not None else None
+
+  n, k = expert_ids.shape
+  batch_axes = _mesh_axes(rules, ax.BATCH, mesh)
+  expert_axes = tuple(a for a in _mesh_axes(rules, ax.EXPERT, mesh) if mesh.shape[a] > 1)
+  tensor_axes = tuple(a for a in _mesh_axes(rules, ax.EXPERT_MLP, mesh)
+                      if a not in batch_axes and a not in expert_axes and mesh.shape[a] > 1)
+  ep = math.prod(mesh.shape[a] for a in expert_axes)
+  shards = math.prod(mesh.shape[a] for a in batch_axes)
+  missing = [a for a in expert_axes if a not in batch_axes]
+  if missing:
+    raise ValueError(f"expert parallelism over {missing} needs the batch split over it too: add "
+                     f"{missing} to the {ax.BATCH!r} sharding rule (now {batch_axes})")
+  if n % shards:
+    raise ValueError(f"{n} tokens cannot be split over the batch axes {batch_axes} "
+                     f"({shards} shards): make batch*length a multiple of {shards}")
+  if num_experts % ep:
+    raise ValueError(f"{num_experts} experts cannot be split over the expert axes "
+                     f"{expert_axes} of size {ep}")
+  e_local = num_experts // ep
+  cap = capacity(n // shards, k, ep, e_local, capacity_factor)
+
+  def weight_spec(names):
+    spec = []
+    for name in names:
+      if name == ax.EXPERT and expert_axes:
+        spec.append(_axis_arg(expert_axes))
+      elif name == ax.EXPERT_MLP and tensor_axes:
+        spec.append(_axis_arg(tensor_axes))
+      else:
+        spec.append(None)
+    return P(*spec)
+
+  bspec = _axis_arg(batch_axes) if batch_axes else None
+  x_spec = P(bspec, *([None] * (x.ndim - 1)))
+  in_specs = (x_spec, P(bspec, None), P(bspec, None) if gates is not None else None,
+              tuple(weight_spec(names) for names in weight_axes))
+  fn = functools.partial(local_fn, tensor_axes=tensor_axes)
+
+  def per_device(x_l, ids_l, gates_l, ws):
+    plan = dispatch.make_plan(ids_l, num_experts)
+    with jax.named_scope("dispatch"):
+      rows = dispatch.permute(x_l, plan, k)                                   # [M, D]
+    if ep == 1:
+      out = fn(rows, plan.group_sizes, *ws)                                   # [M, D_out]
+      dropped = jnp.zeros((), jnp.int32)
+    else:
+      expert_sorted = jnp.take(ids_l.reshape(-1).astype(jnp.int32), plan.order)
+      out, dropped = _exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
+                               axis=_axis_arg(expert_axes), cap=cap)
+    with jax.named_scope("combine"):
+      y = dispatch.unpermute(out, plan).reshape(ids_l.shape[0], k, -1)        # [n, K, D_out]
+      if gates_l is not None:
+        y = dispatch.combine(y, gates_l)                                      # [n, D_out]
+    if batch_axes:
+      dropped = jax.lax.psum(dropped, _axis_arg(batch_axes))
+    return y, dropped.astype(jnp.int32)
+
+  out_spec = P(bspec, None) if gates is not None else P(bspec, None, None)
+  if gates is None:
+    run = _shard_map(lambda a, b, w: per_device(a, b, None, w), mesh,
+                     (in_specs[0], in_specs[1], in_specs[3]), (out_spec, P()))
+    y, dropped = run(x, expert_ids, tuple(weights))
+  else:
+    run = _shard_map(per_device, mesh, in_specs, (out_spec, P()))
+    y, dropped = run(x, expert_ids, gates, tuple(weights))
+  return y, {"dropped_rows": dropped, "capacity": cap}
+
+
+def _vma(x) -> frozenset:
+  """Mesh axes over which x varies inside shard_map (`aval.vma`; `aval.manual_axis_type.varying`
+  in jax >= 0.10)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return frozenset(vma or ())
+
+
+def match_varying(*xs):
+  """Casts arrays to the union of their varying mesh axes (shard_map's `check_vma` types).
+
+  `gmm` is a custom_vjp: its backward must return each cotangent with its input's type. A weight
+  that is invariant over the batch axes meeting rows that vary over them would get a varying weight
+  gradient; casting the weight to varying first puts the psum over the batch axes in the transpose
+  of the cast, where JAX adds it itself.
+  """
+  union = frozenset().union(*(_vma(x) for x in xs))
+  out = []
+  for x in xs:
+    missing = tuple(a for a in sorted(union) if a not in _vma(x))
+    if missing:
+      x = (jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast")
+           else jax.lax.pvary(x, missing))
+    out.append(x)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The two model call sites.
+
+
+def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, activation, dtype,
+                backend):
+  rows, w_up, w_down, *rest = match_varying(rows.astype(dtype), w_up, w_down,
+                                            *([] if w_gate is None else [w_gate]))
+  w_gate = rest[0] if rest else None
+  h = gmm(rows, w_up.astype(dtype), group_sizes, backend=backend)                        # [R, F_l]
+  if w_gate is None:
+    h = activation(h)
+  else:  # gated (SwiGLU-style) experts
+    h = activation(gmm(rows, w_gate.astype(dtype), group_sizes, backend=backend)) * h
+  if not tensor_axes:
+    return gmm(h, w_down.astype(dtype), group_sizes, backend=backend)                    # [R, D]
+  part = gmm(h, w_down.astype(dtype), group_sizes, backend=backend,
+             preferred_element_type=jnp.float32)                                         # partial
+  return jax.lax.psum(part, _axis_arg(tensor_axes)).astype(dtype)
+
+
+def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
+  """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh."""
+  from flax import nnx
+  from umoe_jax.model.layers import ACTIVATION_FNS
+  local = functools.partial(_pool_local, activation=ACTIVATION_FNS[pool.activation],
+                            dtype=pool.compute_dtype, backend=pool.gmm_backend)
+  params = [pool.w_up, pool.w_down]
+  if getattr(pool, "w_gate", None) is not None:
+    params.append(pool.w_gate)
+  y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
+                        tuple(_names(p) for p in params), local, num_experts=pool.n_experts)
+  ctx = current_context()
+  if ctx is not None and ctx.expert_capacity_factor is not None:
+    pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
+  return y
+
+
+def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low_rank, norm):
+  del tensor_axes  # query weights have no EXPERT_MLP dim
+  from umoe_jax.model.layers import rms_norm
+  rows, *ws = match_varying(rows.astype(dtype), *ws)
+  if not low_rank:
+    return gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                  # [R, Dk]
+  code = gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                    # [R, r]
+  if norm:
+    code = rms_norm(code, ws[2], eps)
+  return gmm(code, ws[1].astype(dtype), group_sizes, backend=backend)                    # [R, Dk]
+
+
+def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array) -> jax.Array:
+  """`PreMixAttention._routed_queries` under a mesh: x [N, D] -> per-slot queries [N, K, Dk], with
+  q_a [E, D, r] / q_b [E, r, Dk] (or q_b [E, D, Dk]) split over the expert axis like the pool."""
+  if att.q_a is None:
+    ws, names = (_value(att.q_b),), (_names(att.q_b),)
+  else:
+    ws, names = [_value(att.q_a), _value(att.q_b)], [_names(att.q_a), _names(att.q_b)]
+    if att.q_a_norm is not None:
+      ws.append(_value(att.q_a_norm.scale))
+      names.append(_names(att.q_a_norm.scale))
+  local = functools.partial(_queries_local, dtype=att.cfg.compute_dtype, backend=att.cfg.gmm_backend,
+                            eps=att.cfg.norm_eps, low_rank=att.q_a is not None,
+                            norm=att.q_a_norm is not None)
+  q, _ = expert_map(x_flat, expert_ids, None, tuple(ws), tuple(names), local,
+                    num_experts=att.n_experts)
+  return q
+
+
+def _value(param) -> jax.Array:
+  return param.get_value() if hasattr(param, "get_value") else param.value
+
+
+def _names(param) -> tuple:
+  meta = param.get_metadata()
+  for key in ("out_sharding", "sharding_names", "sharding"):
+    if meta.get(key) is not None:
+      return tuple(meta[key])
+  return (None,) * _value(param).ndim
