@@ -28,19 +28,33 @@ class TileConfig:
 # (backend, op, kc, no) -> config. Filled from the H200 sweeps recorded in BENCHMARKS.md.
 _C = TileConfig
 TABLE: dict[tuple[str, str, int, int], TileConfig] = {
-    # H200 sweep 2026-11-29 (bench/gmm.py --sweep), TFLOP/s at the bench shape in the comment.
-    ("triton", "gmm", 768, 192): _C(128, 192, 64, 8, 4),     # base-up 417, base-att 342
-    ("triton", "gmm_t", 192, 768): _C(128, 256, 64, 8, 3),   # base-up dgrad 256
+    # H200 sweeps 2026-11-29 (bench/gmm.py --sweep; BENCHMARKS.md), TFLOP/s at the bench shape.
+    # (bm, bn, bk, num_warps, num_stages). Triton: bn may be two powers of two (192 = 128 + 64).
+    ("triton", "gmm", 768, 192): _C(128, 192, 64, 8, 5),     # base-up 414, base-att 344
+    ("triton", "gmm_t", 192, 768): _C(128, 128, 64, 4, 3),   # base-up dgrad 275, base-att 246
     ("triton", "tgmm", 768, 192): _C(128, 192, 64, 8, 3),    # base-up wgrad 422
-    ("triton", "gmm", 192, 768): _C(128, 256, 64, 8, 3),     # base-down 258
-    ("triton", "gmm_t", 768, 192): _C(128, 192, 64, 8, 4),   # base-down dgrad 425
+    ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 2),     # base-down 318
+    ("triton", "gmm_t", 768, 192): _C(128, 192, 64, 8, 5),   # base-down dgrad 428
     ("triton", "tgmm", 192, 768): _C(64, 128, 64, 4, 4),     # base-down wgrad 401
-    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 3),    # large-up 676
-    ("triton", "gmm_t", 512, 2048): _C(128, 256, 64, 8, 3),  # large-up dgrad 495
+    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 4),    # large-up 668
+    ("triton", "gmm_t", 512, 2048): _C(128, 128, 64, 4, 3),  # large-up dgrad 497
     ("triton", "tgmm", 2048, 512): _C(128, 256, 64, 8, 3),   # large-up wgrad 729
-    ("triton", "gmm", 512, 2048): _C(128, 256, 64, 8, 3),    # large-down 496
-    ("triton", "gmm_t", 2048, 512): _C(128, 256, 64, 8, 3),  # large-down dgrad 675
+    ("triton", "gmm", 512, 2048): _C(128, 128, 64, 4, 3),    # large-down 503
+    ("triton", "gmm_t", 2048, 512): _C(128, 256, 64, 8, 3),  # large-down dgrad 667
     ("triton", "tgmm", 512, 2048): _C(128, 256, 64, 8, 3),   # large-down wgrad 708
+    # Mosaic GPU: num_stages = pipeline depth (max_concurrent_steps); num_warps unused.
+    ("mosaic", "gmm", 768, 192): _C(128, 192, 64, num_stages=3),     # base-up 403, base-att 271
+    ("mosaic", "gmm_t", 192, 768): _C(128, 192, 64, num_stages=3),   # base-up dgrad 258
+    ("mosaic", "tgmm", 768, 192): _C(128, 64, 64, num_stages=4),     # base-up wgrad 338
+    ("mosaic", "gmm", 192, 768): _C(128, 192, 64, num_stages=3),     # base-down 257
+    ("mosaic", "gmm_t", 768, 192): _C(128, 192, 64, num_stages=3),   # base-down dgrad 403
+    ("mosaic", "tgmm", 192, 768): _C(64, 128, 64, num_stages=4),     # base-down wgrad 289
+    ("mosaic", "gmm", 2048, 512): _C(128, 128, 64, num_stages=6),    # large-up 648
+    ("mosaic", "gmm_t", 512, 2048): _C(128, 128, 64, num_stages=4),  # large-up dgrad 444
+    ("mosaic", "tgmm", 2048, 512): _C(128, 128, 64, num_stages=4),   # large-up wgrad 626
+    ("mosaic", "gmm", 512, 2048): _C(128, 128, 64, num_stages=4),    # large-down 446
+    ("mosaic", "gmm_t", 2048, 512): _C(128, 128, 64, num_stages=6),  # large-down dgrad 649
+    ("mosaic", "tgmm", 512, 2048): _C(128, 128, 64, num_stages=4),   # large-down wgrad 503
 }
 
 
