@@ -108,11 +108,10 @@ def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
         if bn in widths or bn <= no:
           out.append(TileConfig(bm, bn, bk, nw, ns))
     else:
-      # Round 2: more CTAs per SM (fewer stages / narrower tiles) to overlap one tile's epilogue with
-      # another's main loop, which matters when the contraction is short (K = 192: 3 steps).
-      for bm, bn, bk, nw, ns in ((64, 256, 64, 4, 2), (64, 256, 64, 4, 3), (128, 128, 64, 4, 2),
-                                 (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 4),
-                                 (128, 192, 64, 8, 5), (64, 192, 64, 4, 2), (128, 256, 64, 8, 2)):
+      # Round 3 (round 2's winners are in TABLE): even more CTAs per SM for the short contractions,
+      # and BK = 32 with deeper pipelines for the long ones.
+      for bm, bn, bk, nw, ns in ((64, 128, 64, 4, 2), (128, 64, 64, 4, 2), (128, 192, 32, 8, 8),
+                                 (128, 256, 32, 8, 6), (64, 256, 64, 4, 2)):
         if bn <= max(no, 64) and (no % bn == 0 or bn == 64 or no < bn):
           out.append(TileConfig(bm, bn, bk, nw, ns))
   else:
