@@ -31,7 +31,7 @@ class CausalLM(nnx.Module):
                               (ax.EMBED, ax.VOCAB), cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
-               cache: Optional[DecodeCache] = None):
+               cache: Optional[DecodeCache] = None, remat: bool = False):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
@@ -41,6 +41,8 @@ class CausalLM(nnx.Module):
     they are written into the cache's slots [index, index + T), attend over the whole cache, and the
     updated cache is returned third. `positions` then default to index + arange(T); a negative
     position marks a padding token (never attended).
+
+    `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
     """
     cfg = self.cfg
     b, t = tokens.shape
@@ -55,9 +57,10 @@ class CausalLM(nnx.Module):
       new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
     routes: dict[str, RouterOutput] = {}
+    block = nnx.remat(_apply_block) if remat else _apply_block
     for i, layer in enumerate(self.layers):
       if cache is None:
-        h, layer_routes = layer(h, positions)
+        h, layer_routes = block(layer, h, positions)
       else:
         h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions))
         new_layers.append(layer_cache.arrays)
@@ -72,6 +75,10 @@ class CausalLM(nnx.Module):
       return logits, aux
     return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
                                     layers=tuple(new_layers))
+
+
+def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array):
+  return layer(h, positions)
 
 
 def build_model(cfg, seed: int = 0) -> CausalLM:

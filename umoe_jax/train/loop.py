@@ -1,0 +1,379 @@
+"""The training loop: `run(config, workdir)`.
+
+  validate the whole config -> mesh -> data -> model, optimizer, state shardings
+  -> start point (own checkpoint > checkpoint.init_from > scratch) -> jit step
+  -> loop: step, log every `log_every`, evaluate every `eval_every`, save every `checkpoint.every`
+  -> final save; SIGTERM / SIGINT save the current step and return.
+
+The loop keeps a host-side step counter and reads device metrics only at log, eval and save
+points, so the host runs ahead of the device between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import signal
+import threading
+import time
+import types
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from absl import logging
+
+from umoe_jax import data as data_lib
+from umoe_jax.eval import perplexity
+from umoe_jax.parallel import mesh as mesh_lib
+from umoe_jax.parallel import sharding as sharding_lib
+from umoe_jax.train import checkpoint as ckpt_lib
+from umoe_jax.train import config as config_lib
+from umoe_jax.train import metrics as metrics_lib
+from umoe_jax.train import optimizer as optimizer_lib
+from umoe_jax.train import state as state_lib
+from umoe_jax.train import step as step_lib
+
+
+class NonFiniteError(FloatingPointError):
+  """The loss or the gradient norm became NaN / inf (train.on_nonfinite="stop")."""
+
+
+class StopRequest:
+  """Turns SIGTERM / SIGINT into a request to save and return at the next step boundary.
+
+  A second SIGINT while the request is pending raises KeyboardInterrupt (abort without saving).
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signum: Optional[int] = None
+    self._previous: dict[int, Any] = {}
+
+  def __enter__(self) -> "StopRequest":
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous.clear()
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.signum is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = signum
+    logging.warning("received %s: saving a checkpoint at the end of this step, then exiting",
+                    signal.Signals(signum).name)
+
+  def requested(self) -> bool:
+    flag = self.signum is not None
+    if jax.process_count() > 1:  # every process must stop at the same step (saving is collective)
+      from jax.experimental import multihost_utils
+      flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+    return flag
+
+
+# config.train keys that shape the compiled programs; the others only steer the loop.
+PROGRAM_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio", "b1",
+                "b2", "eps", "weight_decay", "grad_clip", "grad_accum_steps", "remat",
+                "on_nonfinite")
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The model's static parts, the optimizer, the state layout and the jitted functions."""
+  parts: state_lib.ModelParts
+  tx: Any
+  schedule: Any
+  abstract: state_lib.TrainState        # ShapeDtypeStructs
+  shardings: state_lib.TrainState       # NamedShardings on the mesh
+  init_fn: Callable                     # seed -> TrainState (born sharded)
+  from_params_fn: Callable              # (params, seed) -> step-0 TrainState
+  train_fn: Callable                    # (state, batch) -> (state, metrics); state donated
+  eval_fn: Callable                     # (params, batch) -> (nll sum, tokens)
+
+
+@functools.lru_cache(maxsize=4)
+def programs(model_cfg: Any, train_items: tuple, mesh: Any, rules: tuple,
+             capacity_factor: Optional[float]) -> Programs:
+  """Builds (and caches: a second run in the same process reuses the compilations) the programs.
+
+  `capacity_factor` is part of the key because the model reads it from `use_mesh` while tracing.
+  """
+  del capacity_factor
+  t = types.SimpleNamespace(**dict(train_items))
+  parts = state_lib.model_parts(model_cfg)
+  tx = optimizer_lib.make_optimizer(t, optimizer_lib.decay_mask(parts.abstract_params))
+  schedule = optimizer_lib.learning_rate_schedule(t)
+  abstract = state_lib.abstract_state(model_cfg, tx, 0)
+  shardings = state_lib.state_shardings(abstract, parts, mesh, rules)
+  batch = sharding_lib.batch_sharding(mesh, rules)  # a prefix: every [B, T] leaf of the batch
+  init_fn = jax.jit(lambda seed: state_lib.init_state(model_cfg, tx, seed), out_shardings=shardings)
+  from_params_fn = jax.jit(lambda params, seed: state_lib.state_with_params(params, tx, seed),
+                           out_shardings=shardings)
+  train = functools.partial(step_lib.train_step, graphdef=parts.graphdef, tx=tx, schedule=schedule,
+                            accum_steps=t.grad_accum_steps, remat=t.remat,
+                            on_nonfinite=t.on_nonfinite)
+  train_fn = jax.jit(train, in_shardings=(shardings, batch), out_shardings=(shardings, None),
+                     donate_argnums=0)
+  eval_fn = jax.jit(functools.partial(perplexity.eval_step, graphdef=parts.graphdef),
+                    in_shardings=(shardings.params, batch))
+  return Programs(parts=parts, tx=tx, schedule=schedule, abstract=abstract, shardings=shardings,
+                  init_fn=init_fn, from_params_fn=from_params_fn, train_fn=train_fn,
+                  eval_fn=eval_fn)
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything `run` builds before the first step."""
+  config: Any
+  model_cfg: Any
+  workdir: str
+  mesh: Any
+  rules: Any
+  capacity_factor: Optional[float]
+  programs: Programs
+  train_iter: Any
+  eval_batches: list
+  checkpointer: ckpt_lib.Checkpointer
+  writer: metrics_lib.MetricWriter
+
+
+def _check_batch_layout(config: Any, mesh: Any, rules: Any) -> None:
+  t = config.train
+  shards = sharding_lib.batch_shards(mesh, rules)
+  micro = t.global_batch_size // t.grad_accum_steps
+  procs = jax.process_count()
+  if micro % shards or t.global_batch_size % procs:
+    raise config_lib.ConfigError(
+        f"train.global_batch_size={t.global_batch_size} / train.grad_accum_steps="
+        f"{t.grad_accum_steps} = {micro} sequences per micro-batch must divide into the batch's "
+        f"{shards} shards (mesh {mesh_lib.describe(mesh)}) and {procs} process(es)")
+  eval_bs = t.eval_batch_size or micro
+  if t.eval_every and (eval_bs % shards or eval_bs % procs):
+    raise config_lib.ConfigError(
+        f"eval batch size {eval_bs} (train.eval_batch_size) must be a multiple of the batch's "
+        f"{shards} shards and of {procs} process(es)")
+
+
+def setup(config: Any, workdir: str) -> Setup:
+  # Config: everything is checked before any file is read or device touched.
+  model_cfg = config_lib.validate(config)
+  t = config.train
+
+  # Mesh.
+  mesh = mesh_lib.make_mesh(config.get("mesh"))
+  rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
+  _check_batch_layout(config, mesh, rules)
+  logging.info("mesh: %s", mesh_lib.describe(mesh))
+  capacity_factor = (config.get("expert_parallel") or {}).get("capacity_factor")
+
+  # Model, optimizer, state layout, jitted functions.
+  progs = programs(model_cfg, tuple((k, t[k]) for k in PROGRAM_KEYS), mesh, rules,
+                   capacity_factor)
+
+  # Data.
+  proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  train_iter = data_lib.make_train_iterator(config.data, seq_len=t.seq_len,
+                                            global_batch_size=t.global_batch_size, seed=t.seed,
+                                            **proc)
+  eval_batches = []
+  if t.eval_every:
+    eval_batches = data_lib.make_eval_batches(
+        config.data, seq_len=t.seq_len, num_batches=t.eval_batches,
+        global_batch_size=t.eval_batch_size or t.global_batch_size // t.grad_accum_steps, **proc)
+    if not eval_batches:
+      raise config_lib.ConfigError(f"data.eval_path={config.data.eval_path!r} yields no batch of "
+                                   f"{t.seq_len} tokens; use more held-out data or a smaller batch")
+
+  ckpt_lib.write_config(workdir, config)
+  checkpointer = ckpt_lib.Checkpointer(f"{workdir}/{ckpt_lib.CHECKPOINT_DIR}",
+                                       keep=config.checkpoint.keep,
+                                       async_save=config.checkpoint.async_save)
+  writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
+                                    jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
+  return Setup(config=config, model_cfg=model_cfg, workdir=workdir, mesh=mesh, rules=rules,
+               capacity_factor=capacity_factor, programs=progs, train_iter=train_iter,
+               eval_batches=eval_batches, checkpointer=checkpointer, writer=writer)
+
+
+def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
+  """(state, step, source): the run's own checkpoint > checkpoint.init_from > scratch."""
+  cfg, p = s.config, s.programs
+  source = ckpt_lib.resume_source(s.checkpointer.directory, cfg.checkpoint.init_from)
+  if source.kind == "workdir":
+    target = state_lib.with_shardings(p.abstract, p.shardings)
+    state, step = s.checkpointer.restore_latest(target, s.train_iter)
+    logging.info("resumed from %s step %d", s.checkpointer.directory, step)
+    return state, step, "workdir"
+  if source.kind == "init_from":
+    params = ckpt_lib.load_init_params(source.path, p.parts.abstract_params, p.shardings.params)
+    logging.info("initialised parameters from %s", source.path)
+    return p.from_params_fn(params, cfg.train.seed), 0, "init_from"
+  return p.init_fn(cfg.train.seed), 0, "scratch"
+
+
+class Trainer:
+  """The loop over steps, with its logging, evaluation, checkpointing and stop handling."""
+
+  def __init__(self, s: Setup, state, step: int, *, step_hook: Optional[Callable[[int], None]]):
+    self.s, self.state, self.step = s, state, step
+    self.t = s.config.train
+    self.step_hook = step_hook
+    self.pending: list = []          # device metrics of steps not yet fetched
+    self.fetched: list = []          # host metrics of this log interval
+    self.last_saved = step
+    self.last_eval: Optional[dict] = None
+    self.last_scalars: dict = {}
+    self.skipped_total = 0
+    self.tokens_per_step = self.t.global_batch_size * self.t.seq_len
+    try:
+      self.flops_per_token = metrics_lib.train_flops_per_token(s.model_cfg, self.t.seq_len)
+    except Exception as e:  # pylint: disable=broad-except  (MFU is optional)
+      logging.warning("no FLOPs count for MFU (%s)", e)
+      self.flops_per_token = None
+    self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
+                                                        s.config.log.peak_flops)
+    self._timer_start = None
+    self._timer_steps = 0
+
+  # -- metrics ---------------------------------------------------------------------------------
+
+  def _fetch(self) -> None:
+    """Moves pending metrics to the host and applies train.on_nonfinite."""
+    if not self.pending:
+      return
+    host = jax.device_get([m for _, m in self.pending])
+    for (step, _), m in zip(self.pending, host):
+      if int(m["nonfinite"]):
+        self.skipped_total += 1
+        msg = (f"non-finite loss or gradient at step {step} (loss={float(m['loss'])}, "
+               f"grad_norm={float(m['grad_norm'])})")
+        if self.t.on_nonfinite == "stop":
+          self.pending = []
+          raise NonFiniteError(
+              f"{msg}; stopping (train.on_nonfinite='stop'). That update was not applied; the last "
+              f"checkpoint is step {self.last_saved}. Set train.on_nonfinite='skip' to skip such "
+              f"steps, or lower train.learning_rate")
+        logging.warning("%s: update skipped (train.on_nonfinite='skip')", msg)
+      self.fetched.append(m)
+    self.pending = []
+
+  def _start_timer(self) -> None:
+    self._timer_start, self._timer_steps = time.perf_counter(), 0
+
+  def log(self) -> None:
+    self._fetch()
+    if not self.fetched:
+      return
+    scalars, counts = metrics_lib.summarize(self.fetched)
+    if self._timer_start is not None and self._timer_steps:
+      scalars.update(metrics_lib.perf_scalars(
+          steps=self._timer_steps, tokens=self._timer_steps * self.tokens_per_step,
+          seconds=time.perf_counter() - self._timer_start, num_devices=jax.device_count(),
+          flops_per_token=self.flops_per_token, peak_flops=self.peak_flops))
+    else:
+      scalars["perf/step_time_s"] = float("nan")
+    scalars["train/skipped_steps"] = float(self.skipped_total)
+    self.s.writer.scalars(self.step, scalars)
+    self.s.writer.expert_histograms(self.step, counts)
+    if jax.process_index() == 0:
+      metrics_lib.log_line(metrics_lib.console_line(self.step, self.t.num_steps, scalars))
+    self.last_scalars = scalars
+    self.fetched = []
+    self._start_timer()
+
+  def evaluate(self) -> None:
+    t0 = time.perf_counter()
+    batches = (sharding_lib.global_batch(b, self.s.mesh, self.s.rules) for b in self.s.eval_batches)
+    result = perplexity.evaluate(self.s.programs.eval_fn, self.state.params, batches)
+    self.s.writer.scalars(self.step, {"eval/loss": result["loss"],
+                                      "eval/perplexity": result["perplexity"]})
+    if jax.process_index() == 0:
+      metrics_lib.log_line(f"eval step {self.step}: loss {result['loss']:.4f} | ppl "
+                           f"{result['perplexity']:.2f} | {result['tokens']:,.0f} tokens | "
+                           f"{time.perf_counter() - t0:.1f} s")
+    self.last_eval = {"step": self.step, **result}
+
+  def save(self) -> None:
+    if self.step == self.last_saved:
+      return
+    self._fetch()  # never checkpoint past a non-finite step in "stop" mode
+    self.s.checkpointer.save(self.step, self.state, self.s.train_iter)
+    self.last_saved = self.step
+
+  # -- loop ------------------------------------------------------------------------------------
+
+  def train(self, stop: StopRequest) -> bool:
+    """Runs to train.num_steps; returns True if stopped early by a signal (after saving)."""
+    t, ck = self.t, self.s.config.checkpoint
+    if self.step == 0 and t.eval_every:
+      self.evaluate()
+    first = True
+    while self.step < t.num_steps:
+      if stop.requested() or self.s.checkpointer.manager.reached_preemption(self.step):
+        self.log()
+        self.save()
+        logging.warning("stopped at step %d on request; checkpoint saved", self.step)
+        return True
+      batch = sharding_lib.global_batch(next(self.s.train_iter), self.s.mesh, self.s.rules)
+      self.state, m = self.s.programs.train_fn(self.state, batch)
+      self.step += 1
+      self.pending.append((self.step, m))
+      if first:  # compile + first step: excluded from throughput
+        first = False
+        jax.block_until_ready(m)
+        logging.info("step %d (the first of this run, with compilation) done", self.step)
+        self._start_timer()
+      else:
+        self._timer_steps += 1
+      if self.step_hook is not None:
+        self.step_hook(self.step)
+      if self.step % t.log_every == 0 or self.step == t.num_steps:
+        self.log()
+      if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.num_steps):
+        jax.block_until_ready(m)
+        paused = time.perf_counter()
+        self.evaluate()
+        if self._timer_start is not None:
+          self._timer_start += time.perf_counter() - paused
+      if self.step % ck.every == 0 or self.step == t.num_steps:
+        paused = time.perf_counter()
+        self.save()
+        if self._timer_start is not None:
+          self._timer_start += time.perf_counter() - paused
+    return False
+
+
+def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None) -> dict:
+  """Trains `config` in `workdir` (resuming if it holds checkpoints). Returns a summary dict:
+  {"step", "stopped" (by a signal), "start" (workdir | init_from | scratch), "eval" (last
+  validation result or None), "train" (last logged scalars)}.
+
+  `step_hook(step)` is called after each step is dispatched (tests use it to send signals).
+  """
+  s = setup(config, workdir)
+  try:
+    state, step, start = initial_state(s)
+    if step >= config.train.num_steps:
+      logging.info("nothing to do: %s is at step %d of train.num_steps=%d", workdir, step,
+                   config.train.num_steps)
+      return {"step": step, "stopped": False, "start": start, "eval": None, "train": {}}
+    logging.info("starting at step %d (%s) in %s", step, start, workdir)
+    with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
+                                                      expert_capacity_factor=s.capacity_factor):
+      trainer = Trainer(s, state, step, step_hook=step_hook)
+      stopped = trainer.train(stop)
+      trainer.log()
+    return {"step": trainer.step, "stopped": stopped, "start": start, "eval": trainer.last_eval,
+            "train": trainer.last_scalars}
+  finally:
+    s.checkpointer.close()
+    s.writer.close()
+    close = getattr(s.train_iter, "close", None)
+    if close is not None:
+      close()

@@ -1,0 +1,225 @@
+"""Training metrics: interval summaries, MFU, and the writers (TensorBoard, JSONL, console).
+
+TensorBoard files are written with tensorboard's own event writer (no TensorFlow or torch import).
+
+Names (TensorBoard tags = JSONL keys):
+  train/loss, train/lm_loss, train/perplexity (exp lm_loss), train/balance_loss (all routers),
+  train/learning_rate, train/grad_norm (before clipping), train/skipped_steps (so far),
+  perf/tokens_per_sec, perf/tokens_per_sec_per_device, perf/step_time_s, perf/mfu (if peak known),
+  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router, e.g.
+      moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e / mean_e count_e and
+      load_cv = std_e / mean_e of the per-step expert counts, averaged over the interval;
+  moe/<layer>/<router>/expert_load: histogram over expert ids weighted by routed tokens (interval);
+  eval/loss, eval/perplexity.
+Every writer acts on process 0 only.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+from absl import logging
+
+# bf16 dense peak FLOP/s per device, matched by substring of `jax.Device.device_kind` (first match).
+PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("H100", 989e12),        # SXM; the PCIe card is 756e12: set log.peak_flops
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L4", 121e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 197e12),      # v5e / "TPU v5 lite"
+    ("TPU v4", 275e12),
+)
+
+
+def peak_flops_per_device(device_kind: str, override: Optional[float] = None) -> Optional[float]:
+  if override:
+    return float(override)
+  for name, flops in PEAK_FLOPS:
+    if name.lower() in device_kind.lower():
+      return flops
+  return None
+
+
+def train_flops_per_token(model_cfg: Any, seq_len: int) -> float:
+  """Model FLOPs of one trained token (forward + backward), from `umoe_jax.stats`."""
+  from umoe_jax import stats
+  return float(stats.train_flops_per_token(model_cfg, seq_len))
+
+
+def router_tag(name: str, metric: str) -> str:
+  """'layer_3/attention' -> 'moe/layer_3/attention/<metric>'."""
+  return f"moe/{name}/{metric}"
+
+
+def load_balance(counts: np.ndarray) -> tuple[float, float]:
+  """(max / mean, std / mean) of per-expert counts [E]; (nan, nan) if no token was routed."""
+  counts = np.asarray(counts, np.float64)
+  mean = counts.mean()
+  if mean <= 0:
+    return float("nan"), float("nan")
+  return float(counts.max() / mean), float(counts.std() / mean)
+
+
+def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+  """Per-step host metrics (from `train_step`) of one interval -> (scalars, expert-count sums).
+
+  Scalars are interval means except `tokens` (summed); per-router load statistics are computed
+  step by step and averaged.
+  """
+  mean = lambda key: float(np.mean([float(s[key]) for s in steps]))
+  lm_loss = mean("lm_loss")
+  scalars = {
+      "train/loss": mean("loss"),
+      "train/lm_loss": lm_loss,
+      "train/perplexity": math.exp(min(lm_loss, 80.0)),
+      "train/balance_loss": mean("balance_loss"),
+      "train/learning_rate": mean("learning_rate"),
+      "train/grad_norm": mean("grad_norm"),
+  }
+  counts: dict[str, np.ndarray] = {}
+  for name in sorted(steps[0]["routers"]):
+    per_step = [s["routers"][name] for s in steps]
+    for key in per_step[0]:
+      if np.ndim(per_step[0][key]) == 0:
+        scalars[router_tag(name, key)] = float(np.mean([float(r[key]) for r in per_step]))
+    if "expert_counts" in per_step[0]:
+      loads = [load_balance(r["expert_counts"]) for r in per_step]
+      scalars[router_tag(name, "load_max_mean")] = float(np.mean([x[0] for x in loads]))
+      scalars[router_tag(name, "load_cv")] = float(np.mean([x[1] for x in loads]))
+      counts[name] = np.sum([np.asarray(r["expert_counts"], np.float64) for r in per_step], axis=0)
+  return scalars, counts
+
+
+def perf_scalars(*, steps: int, tokens: float, seconds: float, num_devices: int,
+                 flops_per_token: Optional[float], peak_flops: Optional[float]) -> dict[str, float]:
+  out = {"perf/step_time_s": seconds / max(steps, 1)}
+  if seconds > 0:
+    tps = tokens / seconds
+    out["perf/tokens_per_sec"] = tps
+    out["perf/tokens_per_sec_per_device"] = tps / num_devices
+    if flops_per_token and peak_flops:
+      out["perf/mfu"] = flops_per_token * tps / (peak_flops * num_devices)
+  return out
+
+
+def console_line(step: int, num_steps: int, s: Mapping[str, float]) -> str:
+  """'step   120/300 | loss 3.412 (lm 3.398 bal 0.0140) | ppl 29.9 | lr 1.9e-03 | gnorm 0.61 | ...'"""
+  parts = [f"step {step:>{len(str(num_steps))}d}/{num_steps}",
+           f"loss {s['train/loss']:.4f} (lm {s['train/lm_loss']:.4f} bal {s['train/balance_loss']:.4f})",
+           f"ppl {s['train/perplexity']:.2f}",
+           f"lr {s['train/learning_rate']:.2e}",
+           f"gnorm {s['train/grad_norm']:.3f}"]
+  if "perf/tokens_per_sec" in s:
+    parts.append(f"{s['perf/tokens_per_sec']:,.0f} tok/s")
+  if "perf/mfu" in s:
+    parts.append(f"mfu {100 * s['perf/mfu']:.1f}%")
+  parts.append(f"{s['perf/step_time_s']:.3f} s/step")
+  loads = [v for k, v in s.items() if k.endswith("/load_max_mean")]
+  if loads:
+    parts.append(f"load max/mean {max(loads):.2f}")
+  if s.get("train/skipped_steps"):
+    parts.append(f"skipped {int(s['train/skipped_steps'])}")
+  return " | ".join(parts)
+
+
+class _EventWriter:
+  """TensorBoard event files with tensorboard's own writer and protos (no TensorFlow, no torch)."""
+
+  def __init__(self, logdir: str):
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+    self._writer = EventFileWriter(logdir, flush_secs=30)
+
+  def _add(self, step: int, values: list) -> None:
+    summary = self._summary_pb2.Summary(value=values)
+    self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step),
+                                                 summary=summary))
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    self._add(step, [self._summary_pb2.Summary.Value(tag=k, simple_value=float(v))
+                     for k, v in values.items()])
+
+  def histogram(self, step: int, tag: str, *, bucket_limits: Sequence[float],
+                bucket_counts: Sequence[float], min: float, max: float, num: float, sum: float,
+                sum_squares: float) -> None:  # pylint: disable=redefined-builtin
+    histo = self._summary_pb2.HistogramProto(
+        min=min, max=max, num=num, sum=sum, sum_squares=sum_squares,
+        bucket_limit=list(bucket_limits), bucket=list(bucket_counts))
+    self._add(step, [self._summary_pb2.Summary.Value(tag=tag, histo=histo)])
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class MetricWriter:
+  """TensorBoard event files + a JSONL file. Only the process with `is_main` writes anything."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, jsonl: bool = True,
+               is_main: bool = True):
+    self.is_main = is_main
+    self._tb = None
+    self._jsonl = None
+    if not is_main:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    if tensorboard:
+      self._tb = _EventWriter(os.path.join(workdir, "tensorboard"))
+    if jsonl:
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    if not self.is_main:
+      return
+    finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
+    if self._tb is not None:
+      self._tb.scalars(step, finite)
+    if self._jsonl is not None:
+      record = {"step": int(step), **{k: finite.get(k) for k in values}}
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+
+  def expert_histograms(self, step: int, counts: Mapping[str, np.ndarray]) -> None:
+    """One histogram per router: bucket e = expert e, height = tokens routed to it."""
+    if not self.is_main or self._tb is None:
+      return
+    for name, c in counts.items():
+      c = np.asarray(c, np.float64)
+      ids = np.arange(len(c), dtype=np.float64)
+      total = float(c.sum())
+      if total <= 0:
+        continue
+      self._tb.histogram(
+          step, router_tag(name, "expert_load"), bucket_limits=(ids + 0.5).tolist(),
+          bucket_counts=c.tolist(), min=0.0, max=float(len(c) - 1), num=total,
+          sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()))
+
+  def flush(self) -> None:
+    if self._tb is not None:
+      self._tb.flush()
+    if self._jsonl is not None:
+      self._jsonl.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None
+
+
+def log_line(line: str) -> None:
+  logging.info("%s", line)

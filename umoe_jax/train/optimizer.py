@@ -1,0 +1,75 @@
+"""AdamW with linear warmup + cosine decay, global-norm clipping, and no weight decay on norm scales.
+
+  update = -lr(t) * (adam(clip(g)) + wd * p * mask)      mask = False for norm scales
+  lr(t)  = peak * t / warmup                                         t < warmup
+           peak * (r + (1 - r) * (1 + cos(pi * (t - warmup) / (N - warmup))) / 2)   t >= warmup
+
+with r = `train.min_lr_ratio`, N = `train.num_steps`. `t` is the optimizer's own update count, so
+a skipped (non-finite) step does not advance the schedule.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from umoe_jax.parallel import rules as ax
+
+
+def warmup_steps(train: Any) -> int:
+  if train.warmup_steps is not None:
+    return int(train.warmup_steps)
+  return int(round(train.warmup_ratio * train.num_steps))
+
+
+def learning_rate_schedule(train: Any) -> optax.Schedule:
+  """Linear warmup from 0 to `learning_rate`, then cosine down to `min_lr_ratio * learning_rate`."""
+  peak, total = float(train.learning_rate), int(train.num_steps)
+  warm = min(warmup_steps(train), total)
+  cosine = optax.cosine_decay_schedule(peak, decay_steps=max(total - warm, 1),
+                                       alpha=float(train.min_lr_ratio))
+  if warm == 0:
+    return cosine
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), cosine], [warm])
+
+
+def _logical_axes(var: Any) -> tuple:
+  meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+  for key in ("out_sharding", "sharding_names", "sharding"):
+    if meta.get(key) is not None:
+      return tuple(meta[key])
+  return ()
+
+
+def _is_norm(path: tuple, var: Any) -> bool:
+  """A norm scale: tagged with the logical axis `norm`, or (untagged) a path entry naming a norm."""
+  axes = _logical_axes(var)
+  if axes:
+    return ax.NORM in axes
+  return any("norm" in str(getattr(k, "key", getattr(k, "name", k))).lower() for k in path)
+
+
+def decay_mask(abstract_params: Any) -> Any:
+  """Pure-dict tree of bools (True = apply weight decay) from an nnx.State of the parameters.
+
+  Norm scales (logical axis `norm`) are never decayed, as in the official HF Trainer recipe (no
+  decay on LayerNorm weights and biases; the models have no biases).
+  """
+  from flax import nnx
+
+  def one(path, var):
+    return not _is_norm(path, var)
+
+  flags = jax.tree_util.tree_map_with_path(one, abstract_params,
+                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(flags) if isinstance(flags, nnx.State) else flags
+
+
+def make_optimizer(train: Any, mask: Any) -> optax.GradientTransformation:
+  """clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, weight_decay, mask)."""
+  adamw = optax.adamw(learning_rate_schedule(train), b1=float(train.b1), b2=float(train.b2),
+                      eps=float(train.eps), weight_decay=float(train.weight_decay), mask=mask)
+  if train.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(float(train.grad_clip)), adamw)
+  return adamw

@@ -1,0 +1,121 @@
+"""The jitted training step: `train_step(state, batch) -> (state, metrics)`, a pure function.
+
+Loss = LM cross-entropy (token mean) + the routers' balance losses (coefficients already applied
+by each router). Gradient accumulation is a `lax.scan` over micro-batches inside the step rather
+than `optax.MultiSteps`:
+  * one call = one optimizer update, so the step counter, the LR schedule, the data-iterator
+    position saved in a checkpoint and the metrics all count the same thing;
+  * clipping and the non-finite check see the gradient of the whole batch, and a skipped step
+    drops the whole batch (MultiSteps would check micro-batches one by one);
+  * the accumulator lives in the scan carry, not in the optimizer state, so checkpoints hold no
+    half-accumulated gradient and need no extra memory between steps;
+  * the host dispatches one program per step instead of `grad_accum_steps`.
+Micro-batch a takes rows a, a + A, a + 2A, ... of the batch, so that with the batch split over
+devices every micro-batch is split over all of them too.
+
+Non-finite loss or gradient norm: the update is dropped (params and optimizer state unchanged,
+selected with `jnp.where`), `skipped` grows, and `metrics["nonfinite"]` is 1. With
+`on_nonfinite="stop"` every later step is dropped too, so the state stays at the last good step
+until the loop (which reads the metrics at each log interval) stops the run naming the step.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from umoe_jax.eval.perplexity import token_nll
+from umoe_jax.train.state import TrainState
+
+
+def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool, total_tokens: jax.Array,
+             accum_steps: int):
+  """Objective whose gradient, summed over micro-batches, is the batch's gradient."""
+  model = nnx.merge(graphdef, params)
+  logits, aux = model(micro["inputs"], remat=True) if remat else model(micro["inputs"])
+  nll_sum, count = token_nll(logits, micro["targets"], micro.get("loss_mask"))
+  balance = aux["balance_loss"]
+  objective = nll_sum / total_tokens + balance / accum_steps
+  return objective, {"nll_sum": nll_sum, "tokens": count, "balance_loss": balance,
+                     "routers": aux["routers"]}
+
+
+def _micro_batches(batch: dict, accum_steps: int) -> dict:
+  """[B, ...] -> [A, B / A, ...]; micro-batch a holds rows a::A."""
+  def split(x):
+    b = x.shape[0]
+    return x.reshape(b // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _reduce_micro(stats: dict, accum_steps: int) -> dict:
+  """Sum over micro-batches of the per-micro-batch aux: counts add, scalar means average."""
+  out = dict(stats)
+  out["balance_loss"] = stats["balance_loss"] / accum_steps
+  out["routers"] = jax.tree.map(lambda x: x / accum_steps if x.ndim == 0 else x, stats["routers"])
+  return out
+
+
+def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool):
+  """(grads, stats) of the whole batch, accumulating over `accum_steps` micro-batches."""
+  mask = batch.get("loss_mask")
+  total = (jnp.sum(mask.astype(jnp.float32)) if mask is not None
+           else jnp.asarray(batch["targets"].size, jnp.float32))
+  total = jnp.maximum(total, 1.0)
+  grad_fn = jax.grad(_forward, has_aux=True)
+  kw = dict(graphdef=graphdef, remat=remat, total_tokens=total, accum_steps=accum_steps)
+  if accum_steps == 1:
+    grads, stats = grad_fn(params, batch, **kw)
+    return grads, stats
+  micro = _micro_batches(batch, accum_steps)
+  first = jax.tree.map(lambda x: x[0], micro)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       jax.eval_shape(lambda p, m: grad_fn(p, m, **kw), params, first))
+
+  def body(carry, m):
+    out = grad_fn(params, m, **kw)
+    return jax.tree.map(jnp.add, carry, out), None
+
+  (grads, stats), _ = jax.lax.scan(body, zeros, micro)
+  return grads, _reduce_micro(stats, accum_steps)
+
+
+def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.GradientTransformation,
+               schedule: optax.Schedule, accum_steps: int = 1, remat: bool = False,
+               on_nonfinite: str = "stop") -> tuple[TrainState, dict]:
+  """One optimizer update on `batch` ({"inputs", "targets": int32 [B, T]}, optional "loss_mask").
+
+  Bind the keyword arguments with functools.partial and jit with `donate_argnums=0`.
+  Returns the new state and metrics: loss, lm_loss, balance_loss, grad_norm (before clipping),
+  learning_rate, tokens, nonfinite, and per router {"balance_loss", "expert_counts" [E], "entropy"}.
+  """
+  grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
+                                 remat=remat)
+  lm_loss = stats["nll_sum"] / jnp.maximum(stats["tokens"], 1.0)
+  loss = lm_loss + stats["balance_loss"]
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  apply = finite if on_nonfinite == "skip" else finite & (state.skipped == 0)
+
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  new_state = state.replace(
+      step=state.step + 1,
+      params=keep(params, state.params),
+      opt_state=keep(opt_state, state.opt_state),
+      skipped=state.skipped + (1 - apply.astype(jnp.int32)))
+  metrics = {
+      "loss": loss,
+      "lm_loss": lm_loss,
+      "balance_loss": stats["balance_loss"],
+      "grad_norm": grad_norm,
+      "learning_rate": schedule(state.step - state.skipped),
+      "tokens": stats["tokens"],
+      "nonfinite": (~finite).astype(jnp.int32),
+      "routers": stats["routers"],
+  }
+  return new_state, metrics
