@@ -16,7 +16,8 @@ tgmm: a persistent loop over (group, K tile, N tile); the group's rows are cover
 `bk` rows, and the first and last blocks are masked in shared memory (rows outside the group zeroed in
 both operands) before the wgmma; an empty group writes zeros.
 
-Requirements (else the call falls back to the Triton backend when available, or to XLA): contraction
+Rows are padded to a multiple of 8 when M is not (the TMA tiling needs it; measured on the H200:
+M = 97, 700, 1337 were refused without it). Requirements (else the call falls back to the Triton backend when available, or to XLA): contraction
 and output widths divisible by the tile sizes chosen in kernels/tuning.py, 16-bit inputs.
 """
 from __future__ import annotations
@@ -214,16 +215,27 @@ def _fallback():
   return G.BACKENDS.get("xla")
 
 
+_ROW_ALIGN = 8
+
+
+def _pad_rows(x, pad):
+  return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
 def mgpu_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
   m, kc = lhs.shape
   g, k, n = rhs.shape
   no = k if transpose_rhs else n
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   cfg = config or tuning.lookup("mosaic", "gmm_t" if transpose_rhs else "gmm", m, kc, no, g)
-  if not gmm_supported(m, kc, no, lhs.dtype, cfg):
+  if not gmm_supported(m + (-m) % _ROW_ALIGN, kc, no, lhs.dtype, cfg):
     return _fallback().gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-  return _gmm_kernel_call(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), transpose_rhs,
-                          out_dtype, cfg)
+  # TMA's (8, swizzle) tiling wants the row count a multiple of 8: pad (rows past sum(group_sizes)
+  # are the zero tail anyway) and cut the padding off the result. Free when M % 8 == 0.
+  pad = (-m) % _ROW_ALIGN
+  out = _gmm_kernel_call(_pad_rows(lhs, pad), rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32),
+                         transpose_rhs, out_dtype, cfg)
+  return out[:m] if pad else out
 
 
 def mgpu_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None):
@@ -232,9 +244,11 @@ def mgpu_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=
   g = int(num_groups or group_sizes.shape[0])
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   cfg = config or tuning.lookup("mosaic", "tgmm", m, k, n, g)
-  if not tgmm_supported(m, k, n, lhs.dtype, cfg):
+  if not tgmm_supported(m + (-m) % _ROW_ALIGN, k, n, lhs.dtype, cfg):
     return _fallback().tgmm(lhs, rhs, group_sizes, num_groups=g, out_dtype=out_dtype)
-  return _tgmm_kernel_call(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), g, out_dtype, cfg)
+  pad = (-m) % _ROW_ALIGN  # padded rows lie outside every group: never accumulated
+  return _tgmm_kernel_call(_pad_rows(lhs, pad), _pad_rows(rhs.astype(lhs.dtype), pad),
+                           group_sizes.astype(jnp.int32), g, out_dtype, cfg)
 
 
 GMM = mgpu_gmm

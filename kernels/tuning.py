@@ -30,7 +30,7 @@ _C = TileConfig
 TABLE: dict[tuple[str, str, int, int], TileConfig] = {
     # H200 sweeps 2026-11-29 (bench/gmm.py --sweep; BENCHMARKS.md), TFLOP/s at the bench shape.
     # (bm, bn, bk, num_warps, num_stages). Triton: bn may be two powers of two (192 = 128 + 64).
-    ("triton", "gmm", 768, 192): _C(128, 192, 64, 8, 5),     # base-up 414, base-att 344
+    ("triton", "gmm", 768, 192): _C(128, 192, 32, 8, 8),     # base-up 426, base-att 341 (round 3)
     ("triton", "gmm_t", 192, 768): _C(128, 128, 64, 4, 3),   # base-up dgrad 275, base-att 246
     ("triton", "tgmm", 768, 192): _C(128, 192, 64, 8, 3),    # base-up wgrad 422
     ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 2),     # base-down 318
