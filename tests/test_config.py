@@ -5,6 +5,8 @@ import dataclasses
 import importlib
 import os
 import re
+import subprocess
+import sys
 
 import ml_collections
 import pytest
@@ -75,6 +77,22 @@ def test_defaults_mirror_dataclasses():
   for section, value in fields.items():
     if isinstance(value, dict):
       assert set(keys[section]) == set(value), section
+
+
+def test_kernel_gmm_backends_validate_in_a_fresh_process():
+  """A kernel backend named in the config ("triton", "mosaic": registered by importing kernels/) must
+  validate even when nothing has imported kernels/ yet, as in a fresh training process."""
+  from umoe_jax.ops import gmm as G
+  G.register_builtin_kernels()
+  names = [n for n in G.BACKENDS.names() if n not in ("xla", "masked")]
+  if not names:
+    pytest.skip("no kernel backend registers on this machine")
+  code = ("import configs.common as c; from umoe_jax.config import model_config\n"
+          f"for n in {names!r}:\n"
+          "  m = c.model('umoe', 'tiny'); m.gmm_backend = n; model_config(m)\n")
+  run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_accepts_configdict_dict_and_dataclass():

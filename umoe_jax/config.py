@@ -159,8 +159,9 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   """Checks values and combinations; returns `cfg` unchanged when all is well."""
   from umoe_jax.model.attention import ATTENTIONS
   from umoe_jax.model.routers import ROUTERS
-  from umoe_jax.ops.gmm import BACKENDS
+  from umoe_jax.ops.gmm import BACKENDS, register_builtin_kernels
 
+  register_builtin_kernels()  # kernel backends ("triton", "mosaic") register on import of kernels/
   for key in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
     _check(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)!r} must be positive")
   _check(cfg.rope_layout in ROPE_LAYOUTS,
