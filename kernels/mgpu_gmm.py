@@ -260,6 +260,9 @@ def available() -> bool:
     return False
   try:
     d = jax.devices()[0]
-    return d.platform == "gpu" and "H" in str(getattr(d, "device_kind", ""))  # Hopper (H100/H200)
+    if d.platform != "gpu":
+      return False
+    cc = getattr(d, "compute_capability", None)  # wgmma kernels: Hopper (sm_90) only
+    return str(cc).startswith("9") if cc else "H100" in d.device_kind or "H200" in d.device_kind
   except Exception:  # noqa: BLE001
     return False
