@@ -122,3 +122,48 @@ def test_layout_matches_single_device(multi_device_report, layout):
 def test_restore_onto_another_mesh(multi_device_report):
   section = _section(multi_device_report, "restore")
   assert section["value_diff"] == 0.0 and section["next_loss_diff"] < LOSS_TOL, section
+
+
+# ----------------------------------------------------------------------------------------------
+# Two processes joined by jax.distributed (localhost coordinator), 4 CPU devices each.
+
+
+def _launch_workers(workdir: pathlib.Path, phase: str, layout: str, timeout: int = 900) -> list:
+  import portpicker
+  port = portpicker.pick_unused_port()
+  procs = []
+  for pid in range(2):
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                         "--xla_backend_optimization_level=0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs.append(subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "multi_process.py"), str(workdir), phase, layout], env=env,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for pid, (p, log) in enumerate(zip(procs, logs)):
+    if p.returncode != 0:
+      pytest.fail(f"{phase} worker {pid} failed (rc={p.returncode}):\n{log[-6000:]}")
+  return [json.loads((workdir / f"{phase}_{pid}.json").read_text()) for pid in range(2)]
+
+
+def test_two_processes_train_checkpoint_resume(tmp_path):
+  # Train on expert=8 spanning both processes (the all-to-all crosses processes), checkpoint after
+  # step 2, then fresh processes restore onto fsdp=2 x expert=4 and run steps 3-4.
+  train = _launch_workers(tmp_path, "train", "expert=8")
+  ref = train[0]["ref_losses"]
+  for worker in train:
+    assert worker["info"]["process_count"] == 2 and worker["info"]["global_devices"] == 8
+    assert max(abs(a - b) for a, b in zip(worker["losses"], ref)) < LOSS_TOL, (worker, ref)
+  resume = _launch_workers(tmp_path, "resume", "fsdp=2,expert=4")
+  for worker in resume:
+    assert "fsdp=2" in worker["mesh"]
+    assert max(abs(a - b) for a, b in zip(worker["losses"], ref[2:])) < LOSS_TOL, (worker, ref)
