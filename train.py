@@ -14,6 +14,8 @@ Running it again with the same --workdir resumes from the latest checkpoint. SIG
 checkpoint and exit; a second Ctrl-C aborts at once. Config keys: configs/common.py and
 umoe_jax/train/config.py.
 """
+import logging as std_logging
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -23,9 +25,18 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+class _QuietLibraries(std_logging.Filter):
+  """Drops the INFO chatter of Orbax and grain (one line per file written); warnings pass."""
+
+  def filter(self, record):
+    return record.levelno >= std_logging.WARNING or not any(
+        part in record.pathname for part in ("/orbax/", "/grain/"))
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   from umoe_jax.parallel import distributed
   distributed.initialize_from_env()  # before anything touches a device
   from umoe_jax.config import ConfigError

@@ -77,10 +77,11 @@ class StopRequest:
     return flag
 
 
-# config.train keys that shape the compiled programs; the others only steer the loop.
-PROGRAM_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio", "b1",
-                "b2", "eps", "weight_decay", "grad_clip", "grad_accum_steps", "remat",
-                "on_nonfinite")
+# config.train keys that shape the compiled programs (the others only steer the loop): those of
+# the optimizer (state layout, init, eval are shared by runs that differ only in the step keys).
+OPTIMIZER_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio",
+                  "b1", "b2", "eps", "weight_decay", "grad_clip")
+STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,38 +94,53 @@ class Programs:
   shardings: state_lib.TrainState       # NamedShardings on the mesh
   init_fn: Callable                     # seed -> TrainState (born sharded)
   from_params_fn: Callable              # (params, seed) -> step-0 TrainState
-  train_fn: Callable                    # (state, batch) -> (state, metrics); state donated
   eval_fn: Callable                     # (params, batch) -> (nll sum, tokens)
+  train_fn: Optional[Callable] = None   # (state, batch) -> (state, metrics); state donated
 
 
+# Cached, so that a second run in one process (a notebook, the tests) reuses the compilations.
+# `capacity_factor` is part of the keys because the model reads it from `use_mesh` while tracing.
 @functools.lru_cache(maxsize=4)
-def programs(model_cfg: Any, train_items: tuple, mesh: Any, rules: tuple,
-             capacity_factor: Optional[float]) -> Programs:
-  """Builds (and caches: a second run in the same process reuses the compilations) the programs.
-
-  `capacity_factor` is part of the key because the model reads it from `use_mesh` while tracing.
-  """
+def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tuple,
+                    capacity_factor: Optional[float]) -> Programs:
   del capacity_factor
-  t = types.SimpleNamespace(**dict(train_items))
+  t = types.SimpleNamespace(**dict(optimizer_items))
   parts = state_lib.model_parts(model_cfg)
   tx = optimizer_lib.make_optimizer(t, optimizer_lib.decay_mask(parts.abstract_params))
-  schedule = optimizer_lib.learning_rate_schedule(t)
   abstract = state_lib.abstract_state(model_cfg, tx, 0)
   shardings = state_lib.state_shardings(abstract, parts, mesh, rules)
   batch = sharding_lib.batch_sharding(mesh, rules)  # a prefix: every [B, T] leaf of the batch
-  init_fn = jax.jit(lambda seed: state_lib.init_state(model_cfg, tx, seed), out_shardings=shardings)
-  from_params_fn = jax.jit(lambda params, seed: state_lib.state_with_params(params, tx, seed),
-                           out_shardings=shardings)
-  train = functools.partial(step_lib.train_step, graphdef=parts.graphdef, tx=tx, schedule=schedule,
-                            accum_steps=t.grad_accum_steps, remat=t.remat,
-                            on_nonfinite=t.on_nonfinite)
-  train_fn = jax.jit(train, in_shardings=(shardings, batch), out_shardings=(shardings, None),
-                     donate_argnums=0)
-  eval_fn = jax.jit(functools.partial(perplexity.eval_step, graphdef=parts.graphdef),
-                    in_shardings=(shardings.params, batch))
-  return Programs(parts=parts, tx=tx, schedule=schedule, abstract=abstract, shardings=shardings,
-                  init_fn=init_fn, from_params_fn=from_params_fn, train_fn=train_fn,
-                  eval_fn=eval_fn)
+  return Programs(
+      parts=parts, tx=tx, schedule=optimizer_lib.learning_rate_schedule(t), abstract=abstract,
+      shardings=shardings,
+      init_fn=jax.jit(lambda seed: state_lib.init_state(model_cfg, tx, seed),
+                      out_shardings=shardings),
+      from_params_fn=jax.jit(lambda params, seed: state_lib.state_with_params(params, tx, seed),
+                             out_shardings=shardings),
+      eval_fn=jax.jit(functools.partial(perplexity.eval_step, graphdef=parts.graphdef),
+                      in_shardings=(shardings.params, batch)))
+
+
+@functools.lru_cache(maxsize=8)
+def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: Any, rules: tuple,
+             capacity_factor: Optional[float]) -> Programs:
+  """Everything compiled for one (model, optimizer, step options, mesh) combination."""
+  base = _state_programs(model_cfg, optimizer_items, mesh, rules, capacity_factor)
+  t = dict(step_items)
+  train = functools.partial(step_lib.train_step, graphdef=base.parts.graphdef, tx=base.tx,
+                            schedule=base.schedule, accum_steps=t["grad_accum_steps"],
+                            remat=t["remat"], on_nonfinite=t["on_nonfinite"])
+  batch = sharding_lib.batch_sharding(mesh, rules)
+  train_fn = jax.jit(train, in_shardings=(base.shardings, batch),
+                     out_shardings=(base.shardings, None), donate_argnums=0)
+  return dataclasses.replace(base, train_fn=train_fn)
+
+
+def config_programs(config: Any, model_cfg: Any, mesh: Any, rules: tuple) -> Programs:
+  t = config.train
+  capacity_factor = (config.get("expert_parallel") or {}).get("capacity_factor")
+  return programs(model_cfg, tuple((k, t[k]) for k in OPTIMIZER_KEYS),
+                  tuple((k, t[k]) for k in STEP_KEYS), mesh, rules, capacity_factor)
 
 
 @dataclasses.dataclass
@@ -173,8 +189,7 @@ def setup(config: Any, workdir: str) -> Setup:
   capacity_factor = (config.get("expert_parallel") or {}).get("capacity_factor")
 
   # Model, optimizer, state layout, jitted functions.
-  progs = programs(model_cfg, tuple((k, t[k]) for k in PROGRAM_KEYS), mesh, rules,
-                   capacity_factor)
+  progs = config_programs(config, model_cfg, mesh, rules)
 
   # Data.
   proc = dict(process_index=jax.process_index(), process_count=jax.process_count())

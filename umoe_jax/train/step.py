@@ -96,7 +96,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
                                  remat=remat)
   lm_loss = stats["nll_sum"] / jnp.maximum(stats["tokens"], 1.0)
   loss = lm_loss + stats["balance_loss"]
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   apply = finite if on_nonfinite == "skip" else finite & (state.skipped == 0)
 

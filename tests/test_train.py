@@ -1,0 +1,296 @@
+"""The training loop on CPU: resume equivalence, TensorBoard/JSONL output, damaged checkpoints,
+non-finite handling, restore onto another device count.
+
+Every run uses the same tiny UMoE and optimizer settings, so the compiled programs are shared
+(`loop.programs` is cached): only the first run of a worker pays for compilation.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import configs.common
+from umoe_jax import data as data_lib
+from umoe_jax.train import checkpoint as ckpt_lib
+from umoe_jax.train import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_STEPS = 8
+
+
+def small_config(**train):
+  """umoe tiny, shrunk: 2 layers, d=32, 4 experts; 4 x 32 byte tokens per step."""
+  c = configs.common.experiment("umoe", "tiny")
+  m = c.model
+  m.n_layers, m.d_model, m.max_seq_len = 2, 32, 64
+  m.moe.n_experts, m.moe.d_expert = 4, 16
+  m.ffn.top_k, m.attention.top_k = 2, 1
+  m.attention.head_dim, m.attention.q_lora_rank = 16, 4
+  c.train.update(dict(global_batch_size=4, seq_len=32, num_steps=NUM_STEPS, learning_rate=3e-3,
+                      warmup_steps=2,
+                      log_every=1, eval_every=4, eval_batches=2))
+  c.train.update(train)
+  c.checkpoint.update(dict(every=2, keep=3))
+  c.log.peak_flops = 1e12  # no CPU entry in the peak table: exercise MFU anyway
+  return c
+
+
+class Recorder(grain.DatasetIterator):
+  """Passes batches through, recording a hash of each; batch number `poison_at` (1-based) gets
+  out-of-vocabulary token ids, which make the loss NaN (jnp.take fills with NaN)."""
+
+  def __init__(self, parent, log, poison_at=None, vocab=512):
+    super().__init__(parent)
+    self._it, self.log, self.poison_at, self.vocab = parent, log, poison_at, vocab
+    self.count = 0
+
+  def __next__(self):
+    batch = next(self._it)
+    self.count += 1
+    self.log.append(hashlib.sha1(batch["inputs"].tobytes()).hexdigest())
+    if self.count == self.poison_at:
+      batch = dict(batch, inputs=np.full_like(batch["inputs"], 10 * self.vocab))
+    return batch
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state):
+    self._it.set_state(state)
+
+  def close(self):
+    close = getattr(self._it, "close", None)
+    if close is not None:
+      close()
+
+
+class Recording:
+  def __init__(self):
+    self.batches: list[str] = []   # hash of every batch the runs read, in order
+    self.poison_at = None          # batch number (1-based, per run) made non-finite
+
+
+@pytest.fixture
+def record(monkeypatch):
+  """Wraps the data iterator of the runs in the test (see `Recorder`)."""
+  rec = Recording()
+  real = data_lib.make_train_iterator
+
+  def make(*args, **kwargs):
+    return Recorder(real(*args, **kwargs), rec.batches, rec.poison_at)
+
+  monkeypatch.setattr(data_lib, "make_train_iterator", make)
+  return rec
+
+
+def jsonl(workdir, key="train/loss"):
+  """{step: value} of one metric (the last record of a step wins, as after a resume)."""
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      rec = json.loads(line)
+      if key in rec:
+        out[rec["step"]] = rec[key]
+  return out
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  """NUM_STEPS steps in one go; yields (workdir, batch hashes)."""
+  workdir = str(tmp_path_factory.mktemp("straight"))
+  log = []
+  real = data_lib.make_train_iterator
+  data_lib.make_train_iterator = lambda *a, **k: Recorder(real(*a, **k), log)
+  try:
+    result = loop.run(small_config(), workdir)
+  finally:
+    data_lib.make_train_iterator = real
+  assert result["step"] == NUM_STEPS and not result["stopped"] and result["start"] == "scratch"
+  return workdir, log
+
+
+def test_resume_after_sigterm_is_identical(straight_run, tmp_path, record):
+  straight_dir, straight_batches = straight_run
+  workdir = str(tmp_path / "resumed")
+  half = NUM_STEPS // 2 + 1  # not a multiple of checkpoint.every: the signal forces the save
+
+  def send_sigterm(step):
+    if step == half:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  handler_before = signal.getsignal(signal.SIGTERM)
+  first = loop.run(small_config(), workdir, step_hook=send_sigterm)
+  assert first["stopped"] and first["step"] == half
+  assert half in ckpt_lib.complete_steps(os.path.join(workdir, "checkpoints"))
+  assert signal.getsignal(signal.SIGTERM) == handler_before  # the run's handler is removed
+
+  second = loop.run(small_config(), workdir)
+  assert second["start"] == "workdir" and second["step"] == NUM_STEPS and not second["stopped"]
+
+  assert record.batches == straight_batches  # same batches, same order, across the interruption
+  want, got = jsonl(straight_dir), jsonl(workdir)
+  assert sorted(got) == list(range(1, NUM_STEPS + 1))
+  assert [got[s] for s in sorted(got)] == [want[s] for s in sorted(want)]  # bit-identical losses
+  assert jsonl(workdir, "eval/loss") == jsonl(straight_dir, "eval/loss")
+
+
+def test_tensorboard_and_jsonl(straight_run):
+  from tensorboard.backend.event_processing import event_accumulator
+  workdir, _ = straight_run
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tensorboard"),
+                                           size_guidance={event_accumulator.SCALARS: 0,
+                                                          event_accumulator.HISTOGRAMS: 0})
+  acc.Reload()
+  tags = set(acc.Tags()["scalars"])
+  expected = {"train/loss", "train/lm_loss", "train/perplexity", "train/balance_loss",
+              "train/learning_rate", "train/grad_norm", "train/skipped_steps",
+              "perf/tokens_per_sec", "perf/step_time_s", "perf/mfu", "eval/loss",
+              "eval/perplexity"}
+  for layer in range(2):
+    for router in ("attention", "ffn"):
+      for metric in ("balance_loss", "entropy", "load_max_mean", "load_cv"):
+        expected.add(f"moe/layer_{layer}/{router}/{metric}")
+  assert expected <= tags, sorted(expected - tags)
+  loss = acc.Scalars("train/loss")
+  assert [e.step for e in loss] == list(range(1, NUM_STEPS + 1))
+  assert [e.step for e in acc.Scalars("eval/loss")] == [0, 4, 8]
+  ppl = {e.step: e.value for e in acc.Scalars("train/perplexity")}
+  lm = {e.step: e.value for e in acc.Scalars("train/lm_loss")}
+  assert np.isclose(ppl[3], np.exp(lm[3]), rtol=1e-5)
+  lr = [e.value for e in acc.Scalars("train/learning_rate")]
+  assert np.allclose(lr[:3], [0.0, 1.5e-3, 3e-3])  # linear warmup over 2 steps, then cosine
+  assert all(e.value >= 1.0 for e in acc.Scalars("moe/layer_0/ffn/load_max_mean"))
+  hist = acc.Histograms("moe/layer_1/attention/expert_load")
+  assert hist and len(hist[-1].histogram_value.bucket) == 4
+  # 4 sequences x 32 tokens x top-1 picks per step:
+  assert sum(hist[-1].histogram_value.bucket) == 4 * 32 * 1
+
+  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert any("moe/layer_0/attention/balance_loss" in r for r in records)
+  assert json.load(open(os.path.join(workdir, "config.json")))["train"]["num_steps"] == NUM_STEPS
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_latest_checkpoint_falls_back(straight_run, tmp_path, damage, caplog):
+  straight_dir, _ = straight_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(straight_dir, workdir)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  assert ckpt_lib.complete_steps(ckpt_dir) == [4, 6, 8]
+  files = [f for f in glob.glob(os.path.join(ckpt_dir, "8", "state", "**", "*"), recursive=True)
+           if os.path.isfile(f) and os.path.getsize(f) > 100]
+  assert files
+  for f in files:
+    if damage == "truncate":
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+    else:
+      os.remove(f)
+  # The run resumes from step 6 and trains steps 7 and 8 again.
+  with caplog.at_level("WARNING"):
+    result = loop.run(small_config(), workdir)
+  assert result["start"] == "workdir" and result["step"] == NUM_STEPS
+  assert any("checkpoint step 8" in r.getMessage() and "cannot be restored" in r.getMessage()
+             for r in caplog.records)
+  assert any("resumed from checkpoint step 6" in r.getMessage() for r in caplog.records)
+  assert glob.glob(os.path.join(workdir, "checkpoints_damaged", "8-*"))
+  # Steps 7 and 8 were trained again from step 6's state and data position: same losses.
+  assert jsonl(workdir)[8] == jsonl(straight_dir)[8]
+  assert ckpt_lib.complete_steps(ckpt_dir)[-1] == 8
+
+
+def test_nonfinite_stop_names_the_step(tmp_path, record):
+  record.poison_at = 3
+  workdir = str(tmp_path / "nan")
+  cfg = small_config(log_every=100, eval_every=0)  # the check happens at the step-4 save
+  with pytest.raises(loop.NonFiniteError, match=r"at step 3 \(loss=nan"):
+    loop.run(cfg, workdir)
+  # The state was never saved past the last good step.
+  assert ckpt_lib.complete_steps(os.path.join(workdir, "checkpoints")) == [2]
+
+
+def _saved_state(workdir, step):
+  return ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+
+
+def test_nonfinite_skip_leaves_state_unchanged(tmp_path, record):
+  record.poison_at = 3
+  workdir = str(tmp_path / "skip")
+  cfg = small_config(on_nonfinite="skip", eval_every=0)
+  cfg.checkpoint.update(dict(every=1, keep=NUM_STEPS))
+  result = loop.run(cfg, workdir)
+  assert result["step"] == NUM_STEPS and result["train"]["train/skipped_steps"] == 1
+  s2, s3, s4 = (_saved_state(workdir, s) for s in (2, 3, 4))
+  assert int(s3["step"]) == 3 and int(s3["skipped"]) == 1 and int(s2["skipped"]) == 0
+  for a, b in zip(jax_leaves(s2["params"]) + jax_leaves(s2["opt_state"]),
+                  jax_leaves(s3["params"]) + jax_leaves(s3["opt_state"])):
+    np.testing.assert_array_equal(a, b)  # bit-identical: nothing of step 3 was applied
+  assert all(np.isfinite(x).all() for x in jax_leaves(s4["params"]))
+  assert not np.array_equal(jax_leaves(s3["params"])[0], jax_leaves(s4["params"])[0])
+  losses = jsonl(workdir)
+  assert losses[3] is None and np.isfinite(losses[4])  # non-finite values are written as null
+
+
+def jax_leaves(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+_RESTORE_ON_TWO_DEVICES = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    from test_train import small_config
+    from umoe_jax import config as model_config_lib
+    from umoe_jax.parallel import mesh as mesh_lib, sharding
+    from umoe_jax.train import checkpoint as ckpt_lib, loop, state as state_lib
+    cfg = small_config()
+    cfg.mesh = dict(data=1, fsdp=2, tensor=1, expert=1)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    rules = sharding.normalize_rules(cfg.sharding_rules)
+    progs = loop.config_programs(cfg, model_config_lib.model_config(cfg.model), mesh, rules)
+    target = state_lib.with_shardings(progs.abstract, progs.shardings)
+    ckpt = ckpt_lib.Checkpointer({ckpt_dir!r}, keep=3, async_save=False)
+    state, step = ckpt.restore_latest(target)
+    ckpt.close()
+    embed = state.params["embed"]
+    out = dict(step=step, devices=len(embed.sharding.device_set),
+               shard_rows=[s.data.shape for s in embed.addressable_shards],
+               embed_sum=float(np.asarray(embed, np.float64).sum()),
+               opt_sum=sum(float(np.asarray(x, np.float64).sum())
+                           for x in jax.tree.leaves(state.opt_state)))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_restore_onto_two_devices(straight_run):
+  """A checkpoint written on one device restores onto a 2-device mesh with FSDP-sharded params."""
+  workdir, _ = straight_run
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  saved = _saved_state(workdir, NUM_STEPS)
+  code = _RESTORE_ON_TWO_DEVICES.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
+                                        ckpt_dir=ckpt_dir)
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                 XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+  assert proc.returncode == 0 and line, proc.stderr[-3000:]
+  out = json.loads(line[0][len("RESULT"):])
+  assert out["step"] == NUM_STEPS and out["devices"] == 2
+  vocab, d = saved["params"]["embed"].shape
+  assert out["shard_rows"] == [[vocab, d // 2]] * 2  # embed [V, D]: D split over fsdp=2
+  assert out["embed_sum"] == np.asarray(saved["params"]["embed"], np.float64).sum()
+  assert np.isclose(out["opt_sum"], sum(x.astype(np.float64).sum()
+                                        for x in jax_leaves(saved["opt_state"])))
