@@ -39,6 +39,7 @@ def test_plan(case):
   flat = ids.reshape(-1)
   # every (token, slot) pair appears exactly once: nothing dropped, nothing duplicated
   np.testing.assert_array_equal(np.sort(order), np.arange(N * KS))
+  np.testing.assert_array_equal(np.asarray(plan.inverse)[order], np.arange(N * KS))
   assert gs.sum() == N * KS
   np.testing.assert_array_equal(gs, [np.sum(flat == e) for e in range(E)])
   sorted_ids = flat[order]
