@@ -13,6 +13,11 @@ from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
 from umoe_jax.model.routers import RouterOutput, routing_stats
 from umoe_jax.parallel import rules as ax
+from umoe_jax.parallel.sharding import with_logical_constraint
+
+
+# The residual stream [B, T, D]: batch split over data x fsdp x expert, the rest replicated.
+_ACTIVATION_AXES = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
 
 
 class CausalLM(nnx.Module):
@@ -56,6 +61,7 @@ class CausalLM(nnx.Module):
                                                    positions.astype(jnp.int32), (0, cache.index))
       new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
+    h = with_logical_constraint(h, _ACTIVATION_AXES)   # no-op outside parallel.use_mesh
     routes: dict[str, RouterOutput] = {}
     block = nnx.remat(_apply_block) if remat else _apply_block
     for i, layer in enumerate(self.layers):
@@ -64,6 +70,7 @@ class CausalLM(nnx.Module):
       else:
         h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions))
         new_layers.append(layer_cache.arrays)
+      h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
     h = self.final_norm(h)
     logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),

@@ -33,6 +33,7 @@ The all-to-all is the dense `jax.lax.all_to_all` (fixed-size chunks): it runs on
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -65,6 +66,15 @@ def _mesh_axes(rules, name: str, mesh: Mesh) -> tuple[str, ...]:
   target = dict(rules).get(name)
   axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
   return tuple(a for a in axes if a in mesh.shape)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+  if message not in _WARNED:
+    _WARNED.add(message)
+    logging.warning(message)
 
 
 def _axis_arg(axes: tuple[str, ...]):
@@ -172,8 +182,15 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     raise ValueError(f"{n} tokens cannot be split over the batch axes {batch_axes} "
                      f"({shards} shards): make batch*length a multiple of {shards}")
   if num_experts % ep:
-    raise ValueError(f"{num_experts} experts cannot be split over the expert axes "
-                     f"{expert_axes} of size {ep}")
+    # The params are replicated then too (`sharding.spec_for_shape` drops non-dividing axes): every
+    # device runs all experts on its own tokens, no exchange.
+    _warn_once(f"{num_experts} experts do not split over the expert axes {expert_axes} of size "
+               f"{ep}: experts replicated, no expert parallelism for this pool")
+    expert_axes, ep = (), 1
+  tp = math.prod(mesh.shape[a] for a in tensor_axes)
+  if any(dim % tp for w, names in zip(weights, weight_axes)
+         for dim, name in zip(w.shape, names) if name == ax.EXPERT_MLP):
+    tensor_axes = ()   # hidden width not divisible: replicated over tensor, like the params
   e_local = num_experts // ep
   cap = capacity(n // shards, k, ep, e_local, capacity_factor)
 
