@@ -1,0 +1,214 @@
+"""Autoregressive generation with a KV cache: greedy, temperature and top-p (nucleus) sampling.
+
+    out = generate(model, [[5, 9, 2], [7]], max_new_tokens=16)                  # greedy
+    out = generate(model, prompts, max_new_tokens=16, temperature=0.8, top_p=0.95, seed=1)
+    out.tokens  # [B, max_new_tokens] int32 (after a row's EOS: eos_id);  out.lengths [B]
+
+How it runs:
+  * The prompts are **left-padded** to the longest one, P tokens: row i's L_i tokens sit in slots
+    [P - L_i, P) at positions 0 .. L_i - 1, its padding slots get position -1 (never attended, see
+    `umoe_jax.model.cache`). Every row then writes its next token into the same slot P + s, so the
+    cache needs one scalar write index and each step is the same compiled program for the whole batch.
+  * One forward pass over the padded prompt fills the cache (prefill), then one jit-compiled step per
+    new token feeds the previous token and samples the next. Both are compiled once per model graph,
+    batch size and cache length; temperature, top-p and the RNG key are traced arguments.
+  * temperature == 0 is greedy (argmax, deterministic); otherwise logits / temperature, restricted to
+    the smallest set of most likely tokens whose probability reaches top_p (top_p=1: all), sampled.
+  * A row that emits `eos_id` keeps emitting `eos_id`; generation stops early when every row has.
+
+The cache holds, per layer and token, what the attention kind declares (`cache_shapes`): pre-mixing
+one key and the hidden state (or an MLA latent), MHA keys and values, MoA the shared key and value,
+SwitchHead each head's key and value after its expert V projection, post-mixing (1+K) of each.
+
+`load_model(checkpoint, config)` builds the model from a checkpoint directory: a converted official
+checkpoint (`umoe_jax.interop.official` CLI: config.json + params/) or a training workdir
+(config.json + checkpoints/<step>/state), or initialises it randomly from a config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from umoe_jax.config import model_config
+from umoe_jax.model.cache import EMPTY, init_cache
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts -> (tokens [B, P] int32, positions [B, P] int32): left-padded, padding at position -1."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("generate needs at least one prompt and every prompt at least one token")
+  p = max(len(x) for x in prompts)
+  tokens = np.full((len(prompts), p), pad_id, np.int32)
+  positions = np.full((len(prompts), p), EMPTY, np.int32)
+  for i, x in enumerate(prompts):
+    tokens[i, p - len(x):] = np.asarray(x, np.int32)
+    positions[i, p - len(x):] = np.arange(len(x), dtype=np.int32)
+  return tokens, positions
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array,
+                  top_p: jax.Array) -> jax.Array:
+  """logits [B, V] -> token ids [B] int32: argmax when temperature <= 0, else top-p sampling."""
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  order = jnp.argsort(-scaled, axis=-1)                                          # most likely first
+  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs      # mass of the strictly more likely tokens
+  keep = before < top_p                            # the first token is always kept
+  sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+  choice = jax.random.categorical(key, sorted_logits, axis=-1)                   # index into order
+  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(graphdef):
+  """Jitted prefill and step for one model graph (shapes re-specialise as usual)."""
+
+  @jax.jit
+  def prefill(state, tokens, positions, cache):
+    model = nnx.merge(graphdef, state)
+    logits, _, cache = model(tokens, positions, cache=cache)
+    return logits[:, -1], cache
+
+  @jax.jit
+  def step(state, tokens, positions, cache):
+    model = nnx.merge(graphdef, state)
+    logits, _, cache = model(tokens[:, None], positions[:, None], cache=cache)
+    return logits[:, -1], cache
+
+  return prefill, step
+
+
+_sample = jax.jit(sample_logits)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+  tokens: np.ndarray       # [B, N] int32 new tokens (eos_id after a row's end)
+  lengths: np.ndarray      # [B] new tokens of each row up to and including its EOS
+  prompt_tokens: np.ndarray     # [B, P] the left-padded prompts
+  prompt_positions: np.ndarray  # [B, P] their positions (-1 = padding)
+
+  def sequences(self) -> list[list[int]]:
+    """Each row's new tokens up to and including its EOS."""
+    return [self.tokens[i, :n].tolist() for i, n in enumerate(self.lengths)]
+
+
+def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             eos_id: Optional[int] = None, pad_id: int = 0,
+             cache_dtype: Optional[str] = None) -> GenerateOutput:
+  """Continues every prompt (a list of token ids) by up to `max_new_tokens` tokens.
+
+  Args:
+    model: a `CausalLM`.
+    prompts: B token-id lists of any lengths >= 1 (left-padded internally).
+    max_new_tokens: tokens to generate per row.
+    temperature: 0 = greedy; > 0 = sample from softmax(logits / temperature).
+    top_p: nucleus sampling mass in (0, 1] (only with temperature > 0).
+    seed: RNG seed of the sampling.
+    eos_id: stop a row at this token (None: never).
+    pad_id: token id put in padding slots (never attended).
+    cache_dtype: dtype of the cache (default: the model's compute dtype).
+  """
+  cfg = model.cfg
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  tokens, positions = left_pad(prompts, pad_id)
+  b, p = tokens.shape
+  total = p + max_new_tokens
+  if total > cfg.max_seq_len:
+    raise ValueError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                     f"model.max_seq_len={cfg.max_seq_len}")
+  graphdef, state = nnx.split(model)
+  prefill, step = _compiled(graphdef)
+  cache = init_cache(cfg, b, total, cache_dtype)
+  temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
+  key = jax.random.key(seed)
+
+  logits, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(positions), cache)
+  next_pos = jnp.asarray(positions[:, -1] + 1)                                  # [B] = prompt lengths
+  out = np.zeros((b, max_new_tokens), np.int32)
+  done = np.zeros((b,), bool)
+  lengths = np.full((b,), max_new_tokens, np.int32)
+  for s in range(max_new_tokens):
+    key, sub = jax.random.split(key)
+    tok = np.asarray(_sample(logits, sub, temperature, top_p))
+    if eos_id is not None:
+      tok = np.where(done, eos_id, tok)
+      newly = (~done) & (tok == eos_id)
+      lengths[newly] = s + 1
+      done |= newly
+    out[:, s] = tok
+    if s + 1 == max_new_tokens or (eos_id is not None and done.all()):
+      if eos_id is not None:
+        out[:, s + 1:] = eos_id
+      break
+    logits, cache = step(state, jnp.asarray(tok), next_pos + s, cache)
+  return GenerateOutput(tokens=out, lengths=lengths, prompt_tokens=tokens, prompt_positions=positions)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a model for generation.
+
+
+def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
+  """The JSON config of a checkpoint directory (converted: {"model": ...}; training workdir: the
+  experiment config), or None if it has none. A workdir's `checkpoints/` directory also works."""
+  for d in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
+    path = os.path.join(d, "config.json")
+    if os.path.isfile(path):
+      with open(path) as f:
+        return json.load(f)
+  return None
+
+
+def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,
+               compute_dtype: Optional[str] = None):
+  """(CausalLM, model ConfigDict, experiment config dict or None) for generation.
+
+  The architecture comes from the checkpoint's config.json when it has one, else from `config` (an
+  experiment ConfigDict with `.model`, or a model section). Parameters come from `checkpoint`
+  (converted layout `params/`, or the latest training step of a workdir) or, without a checkpoint,
+  are initialised randomly from `seed`.
+  """
+  import ml_collections
+
+  saved = read_checkpoint_config(checkpoint) if checkpoint else None
+  if saved is not None:
+    model_section = ml_collections.ConfigDict(saved["model"] if "model" in saved else saved)
+  elif config is not None:
+    model_section = ml_collections.ConfigDict(
+        config.model.to_dict() if hasattr(config, "model") else dict(config))
+  else:
+    raise ValueError("load_model needs a checkpoint with a config.json or a config")
+  if compute_dtype:
+    model_section.compute_dtype = compute_dtype
+  cfg = model_config(model_section)
+
+  from umoe_jax.model.lm import CausalLM, abstract_model
+  if not checkpoint:
+    return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), model_section, saved
+  if not os.path.isdir(checkpoint):
+    raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist")
+  from umoe_jax.train.checkpoint import load_init_params
+  graphdef, abstract_params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract_params))
+  params = load_init_params(os.path.abspath(checkpoint), abstract_params, shardings)
+  state = jax.tree.map(lambda x: x, abstract_params)
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state, rest), model_section, saved
