@@ -211,6 +211,21 @@ def test_damaged_latest_checkpoint_falls_back(straight_run, tmp_path, damage, ca
   assert ckpt_lib.complete_steps(ckpt_dir)[-1] == 8
 
 
+def test_init_from_another_run(straight_run, tmp_path):
+  """checkpoint.init_from takes the params of another run; step, optimizer and data start fresh."""
+  straight_dir, _ = straight_run
+  cfg = small_config(eval_every=NUM_STEPS)
+  cfg.checkpoint.init_from = straight_dir
+  workdir = str(tmp_path / "finetune")
+  result = loop.run(cfg, workdir)
+  assert result["start"] == "init_from" and result["step"] == NUM_STEPS
+  evals = jsonl(workdir, "eval/loss")
+  assert evals[0] == jsonl(straight_dir, "eval/loss")[NUM_STEPS]  # the same params at step 0
+  # A second run in the same workdir resumes from its own checkpoint, not from init_from.
+  cfg.train.num_steps = NUM_STEPS  # unchanged: nothing left to do
+  assert loop.run(cfg, workdir)["start"] == "workdir"
+
+
 def test_nonfinite_stop_names_the_step(tmp_path, record):
   record.poison_at = 3
   workdir = str(tmp_path / "nan")

@@ -45,6 +45,7 @@ class StopRequest:
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  SYNC_EVERY = 10
 
   def __init__(self):
     self.signum: Optional[int] = None
@@ -69,9 +70,14 @@ class StopRequest:
     logging.warning("received %s: saving a checkpoint at the end of this step, then exiting",
                     signal.Signals(signum).name)
 
-  def requested(self) -> bool:
+  def requested(self, step: int) -> bool:
+    """Whether to stop before `step`. With several processes all must stop at the same step (the
+    save is collective), so the flag is combined across processes every SYNC_EVERY steps only (a
+    per-step all-gather would block the host on the device every step)."""
     flag = self.signum is not None
-    if jax.process_count() > 1:  # every process must stop at the same step (saving is collective)
+    if jax.process_count() > 1:
+      if step % self.SYNC_EVERY:
+        return False
       from jax.experimental import multihost_utils
       flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
     return flag
@@ -330,7 +336,7 @@ class Trainer:
       self.evaluate()
     first = True
     while self.step < t.num_steps:
-      if stop.requested() or self.s.checkpointer.manager.reached_preemption(self.step):
+      if stop.requested(self.step) or self.s.checkpointer.manager.reached_preemption(self.step):
         self.log()
         self.save()
         logging.warning("stopped at step %d on request; checkpoint saved", self.step)
