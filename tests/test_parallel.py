@@ -125,22 +125,32 @@ def test_restore_onto_another_mesh(multi_device_report):
 
 
 # ----------------------------------------------------------------------------------------------
-# Two processes joined by jax.distributed (localhost coordinator), 4 CPU devices each.
+# The trainer (umoe_jax.train.loop.run) in two processes joined by jax.distributed (localhost
+# coordinator, 4 CPU devices each) vs one process on one device.
 
 
-def _launch_workers(workdir: pathlib.Path, phase: str, layout: str, timeout: int = 900) -> list:
+def _worker_env(pid=None, port=None, devices=4):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                       "--xla_backend_optimization_level=0",
+             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    env.pop(key, None)
+  if pid is not None:
+    env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(pid))
+  return env
+
+
+def _train(workdir: pathlib.Path, num_steps: int, layout: str, processes: int,
+           timeout: int = 900) -> list[dict]:
   import portpicker
   port = portpicker.pick_unused_port()
-  procs = []
-  for pid in range(2):
-    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
-                         "--xla_backend_optimization_level=0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs.append(subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "multi_process.py"), str(workdir), phase, layout], env=env,
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  envs = ([_worker_env(devices=1)] if processes == 1 else
+          [_worker_env(pid, port) for pid in range(processes)])
+  procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "train_worker.py"), str(workdir),
+                             str(num_steps), layout], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for env in envs]
   logs = []
   try:
     for p in procs:
@@ -151,19 +161,33 @@ def _launch_workers(workdir: pathlib.Path, phase: str, layout: str, timeout: int
         p.kill()
   for pid, (p, log) in enumerate(zip(procs, logs)):
     if p.returncode != 0:
-      pytest.fail(f"{phase} worker {pid} failed (rc={p.returncode}):\n{log[-6000:]}")
-  return [json.loads((workdir / f"{phase}_{pid}.json").read_text()) for pid in range(2)]
+      pytest.fail(f"train worker {pid} ({layout}, {num_steps} steps) failed (rc={p.returncode}):\n"
+                  f"{log[-6000:]}")
+  return [json.loads((workdir / f"summary_{pid}.json").read_text()) for pid in range(processes)]
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+  out = {}
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    rec = json.loads(line)
+    if "train/loss" in rec:
+      out[rec["step"]] = rec["train/loss"]
+  return out
 
 
 def test_two_processes_train_checkpoint_resume(tmp_path):
-  # Train on expert=8 spanning both processes (the all-to-all crosses processes), checkpoint after
-  # step 2, then fresh processes restore onto fsdp=2 x expert=4 and run steps 3-4.
-  train = _launch_workers(tmp_path, "train", "expert=8")
-  ref = train[0]["ref_losses"]
-  for worker in train:
-    assert worker["info"]["process_count"] == 2 and worker["info"]["global_devices"] == 8
-    assert max(abs(a - b) for a, b in zip(worker["losses"], ref)) < LOSS_TOL, (worker, ref)
-  resume = _launch_workers(tmp_path, "resume", "fsdp=2,expert=4")
-  for worker in resume:
-    assert "fsdp=2" in worker["mesh"]
-    assert max(abs(a - b) for a, b in zip(worker["losses"], ref[2:])) < LOSS_TOL, (worker, ref)
+  ref_dir, run_dir = tmp_path / "one_process", tmp_path / "two_processes"
+  ref_dir.mkdir()
+  run_dir.mkdir()
+  _train(ref_dir, 4, "data=1", processes=1)
+  ref = _losses(ref_dir)
+  # Steps 1-2 on expert=8 across both processes (the all-to-all crosses processes), checkpoint at 2;
+  # then fresh processes resume from it onto another mesh, fsdp=2 x expert=4, for steps 3-4.
+  first = _train(run_dir, 2, "expert=8", processes=2)
+  assert all(w["info"]["process_count"] == 2 and w["info"]["global_devices"] == 8 for w in first)
+  assert all(w["summary"]["start"] == "scratch" and w["summary"]["step"] == 2 for w in first)
+  second = _train(run_dir, 4, "fsdp=2,expert=4", processes=2)
+  assert all(w["summary"]["start"] == "workdir" and w["summary"]["step"] == 4 for w in second)
+  losses = _losses(run_dir)
+  assert sorted(ref) == sorted(losses) == [1, 2, 3, 4], (ref, losses)
+  assert max(abs(ref[s] - losses[s]) for s in ref) < LOSS_TOL, (ref, losses)

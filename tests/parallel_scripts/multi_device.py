@@ -30,6 +30,17 @@ def parse(layout: str) -> dict:
   return {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
 
 
+_STEPS: dict = {}
+
+
+def step_for(layout: str, graphdef, abstract_params):
+  """(mesh, jitted sharded step, param shardings, opt shardings), compiled once per layout."""
+  if layout not in _STEPS:
+    mesh = mesh_lib.make_mesh(parse(layout))
+    _STEPS[layout] = (mesh, *common.sharded_step(graphdef, abstract_params, mesh))
+  return _STEPS[layout]
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -197,8 +208,7 @@ def check_layouts():
   report = {"ref_losses": ref_losses, "grad_scale": common.max_abs(ref_grads)}
   for layout in LAYOUTS:
     t0 = time.time()
-    mesh = mesh_lib.make_mesh(parse(layout))
-    step, p_sh, o_sh = common.sharded_step(graphdef, abstract_params, mesh)
+    mesh, step, p_sh, o_sh = step_for(layout, graphdef, abstract_params)
     p = jax.device_put(params, p_sh)
     o = jax.device_put(common.TX.init(params), o_sh)
     bs = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
@@ -218,14 +228,14 @@ def check_layouts():
 
 
 def check_restore():
-  """Save (params, opt_state) trained on data=8; restore onto fsdp=4 x expert=2; continue."""
+  """Save (params, opt_state) trained on data=8; restore onto fsdp=2 x tensor=2 x expert=2;
+  continue (the compiled steps of the layouts section are reused)."""
   import orbax.checkpoint as ocp
   cfg = common.tiny_cfg()
   graphdef, abstract_params = common.model_parts(cfg)
   params = common.init_params(cfg)
   b0, b1 = common.tokens(seed=0), common.tokens(seed=1)
-  mesh_a = mesh_lib.make_mesh(dict(data=8))
-  step_a, pa_sh, oa_sh = common.sharded_step(graphdef, abstract_params, mesh_a)
+  mesh_a, step_a, pa_sh, oa_sh = step_for("data=8", graphdef, abstract_params)
   with sharding.use_mesh(mesh_a):
     p, o, _, _ = step_a(jax.device_put(params, pa_sh), jax.device_put(common.TX.init(params), oa_sh),
                         jax.device_put(b0, sharding.batch_sharding(mesh_a)))
@@ -236,13 +246,13 @@ def check_restore():
   ckptr.save(path, state)
   ckptr.wait_until_finished()
 
-  mesh_b = mesh_lib.make_mesh(dict(fsdp=4, expert=2))
-  step_b, pb_sh, ob_sh = common.sharded_step(graphdef, abstract_params, mesh_b)
+  mesh_b, step_b, pb_sh, ob_sh = step_for("fsdp=2,tensor=2,expert=2", graphdef, abstract_params)
   abstract = jax.eval_shape(lambda: state)
   target = sharding.abstract_with_shardings(abstract, {"params": pb_sh, "opt_state": ob_sh})
   restored = ckptr.restore(path, target)
   w_up = restored["params"]["layers"][0]["experts"]["w_up"]
-  assert w_up.sharding.is_equivalent_to(jax.NamedSharding(mesh_b, P("expert", "fsdp")), 3), w_up.sharding
+  assert w_up.sharding.is_equivalent_to(jax.NamedSharding(mesh_b, P("expert", "fsdp", "tensor")),
+                                        3), w_up.sharding
   mu = restored["opt_state"][0].mu["layers"][0]["experts"]["w_up"]
   assert mu.sharding.is_equivalent_to(w_up.sharding, 3), mu.sharding
   value_diff = common.max_abs_diff(restored, state)
