@@ -237,19 +237,6 @@ def dispatch_part(ours_backend, results):
     t_full_fb = jax_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), x, gates, w1, w2)
     loss_e = lambda r, w1, w2: jnp.sum(experts(r, plan.group_sizes, w1, w2).astype(jnp.float32))
     t_exp_fb = jax_ms(jax.jit(jax.grad(loss_e, argnums=(0, 1, 2))), rows, w1, w2)
-    from kernels import dispatch_fused as F
-
-    def full_fused(x, ids, gates, w1, w2):
-      plan = D.make_plan(ids, E)
-      return F.apply_experts_fused(x, plan, gates, lambda r, gs: experts(r, gs, w1, w2))
-    t_fused = jax_ms(jax.jit(full_fused), x, ids, gates, w1, w2)
-    loss_f = lambda x, g, w1, w2: jnp.sum(full_fused(x, ids, g, w1, w2).astype(jnp.float32))
-    t_fused_fb = jax_ms(jax.jit(jax.grad(loss_f, argnums=(0, 1, 2, 3))), x, gates, w1, w2)
-    out[name + "_fused"] = dict(layer_fwd_ms=t_fused, layer_fwd_bwd_ms=t_fused_fb,
-                                dispatch_frac_fwd=(t_fused - t_exp) / t_exp,
-                                dispatch_frac_fwd_bwd=(t_fused_fb - t_exp_fb) / t_exp_fb)
-    log(f"  fused dispatch {name}: layer fwd {t_fused:.3f} ms -> {100 * (t_fused - t_exp) / t_exp:.0f}% of "
-        f"experts; fwd+bwd {t_fused_fb:.3f} -> {100 * (t_fused_fb - t_exp_fb) / t_exp_fb:.0f}%")
     out[name] = dict(dispatch_fwd_ms=t_disp, plan_ms=t_plan, experts_fwd_ms=t_exp, layer_fwd_ms=t_full,
                      layer_fwd_bwd_ms=t_full_fb, experts_fwd_bwd_ms=t_exp_fb,
                      dispatch_frac_fwd=(t_full - t_exp) / t_exp,

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import dispatch_fused, schedule, triton_gmm, tuning
-from umoe_jax.ops import dispatch as D
+from kernels import schedule, triton_gmm, tuning
 from umoe_jax.ops import gmm as G
 
 BENCH_SHAPES = [(768, 192), (192, 768), (2048, 512), (512, 2048)]
@@ -192,32 +191,6 @@ def test_group_row_blocks():
   np.testing.assert_array_equal(ends, [0, 70, 71, 71, 134])
   np.testing.assert_array_equal(first, [0, 0, 1, 1, 1])
   np.testing.assert_array_equal(nblk, [0, 2, 1, 0, 2])
-
-
-# ----------------------------------------------------------------------------------------------
-# Fused (gather-only) dispatch against the library's dispatch.
-
-
-def test_fused_dispatch_matches_library_dispatch_values_and_grads():
-  n, k, d, e = 48, 3, 8, 5
-  ks = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(ks[0], (n, d))
-  ids = jax.random.randint(ks[1], (n, k), 0, e)
-  gates = jax.nn.softmax(jax.random.normal(ks[2], (n, k)))
-  w = jax.random.normal(ks[3], (e, d, d))
-  plan = D.make_plan(ids, e)
-  fn = lambda r, gs, w: jnp.tanh(G.gmm(r, w, gs, backend="xla"))
-
-  def loss(apply):
-    return lambda x, g, w: jnp.sum(jnp.sin(apply(x, plan, g, lambda r, gs: fn(r, gs, w))))
-
-  ref = jax.jit(jax.value_and_grad(loss(D.apply_experts), (0, 1, 2)))(x, gates, w)
-  got = jax.jit(jax.value_and_grad(loss(dispatch_fused.apply_experts_fused), (0, 1, 2)))(x, gates, w)
-  np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
-  for a, b in zip(got[1], ref[1]):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  inv = dispatch_fused.inverse_order(plan.order)
-  np.testing.assert_array_equal(np.asarray(plan.order)[np.asarray(inv)], np.arange(n * k))
 
 
 # ----------------------------------------------------------------------------------------------

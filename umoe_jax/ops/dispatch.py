@@ -7,6 +7,7 @@ Shapes: N tokens (rows), K slots per token (top-k), D input width, E experts, M 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -20,9 +21,11 @@ class DispatchPlan:
 
   Attributes:
     order: [M] int32, `order[i]` = flat (token*K + slot) index of the i-th row after sorting by expert.
+    inverse: [M] int32, the inverse permutation: `inverse[order[i]] = i`.
     group_sizes: [E] int32, rows per expert; sums to M (no row is ever dropped).
   """
   order: jax.Array
+  inverse: jax.Array
   group_sizes: jax.Array
 
 
@@ -33,11 +36,42 @@ def make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
     expert_ids: [N, K] int, each in [0, E).
     num_experts: E.
   """
-  flat = expert_ids.reshape(-1).astype(jnp.int32)                       # [M]
+  flat = jax.lax.stop_gradient(expert_ids).reshape(-1).astype(jnp.int32)  # [M]
+  m = flat.shape[0]
   # A stable sort keeps tokens in order inside each expert: reproducible and cache-friendly.
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)              # [M]
+  # One scatter of M int32s buys gather-only data movement everywhere else (see `_take_rows`).
+  inverse = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32),
+                                                      unique_indices=True)
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-  return DispatchPlan(order=order, group_sizes=group_sizes)
+  return DispatchPlan(order=order, inverse=inverse, group_sizes=group_sizes)
+
+
+# Row movement is all gathers, forward and backward. Autodiff of a gather is a scatter-add, and on GPU
+# the scatters cost more than the expert matmuls they feed (BENCHMARKS.md, "Token dispatch"); since
+# the index maps here are permutations (or a K-fold fan-out of one), every backward is again a gather
+# through the inverse map.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _take_rows(x, index, inverse_index, fan_out):
+  """out[i] = x[index[i] // fan_out] for a permutation `index` of M = len(x) * fan_out rows."""
+  return jnp.take(x, index // fan_out if fan_out > 1 else index, axis=0)
+
+
+def _take_rows_fwd(x, index, inverse_index, fan_out):
+  return _take_rows(x, index, inverse_index, fan_out), (index, inverse_index)
+
+
+def _take_rows_bwd(fan_out, res, dout):
+  index, inverse_index = res
+  dx = jnp.take(dout, inverse_index, axis=0)                             # [M, D] in source order
+  if fan_out > 1:  # every source row fanned out to K rows: sum them (in float32)
+    dx = dx.reshape(-1, fan_out, dx.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(dout.dtype)
+  return dx, None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def permute(x: jax.Array, plan: DispatchPlan, slots: int) -> jax.Array:
@@ -51,16 +85,15 @@ def permute(x: jax.Array, plan: DispatchPlan, slots: int) -> jax.Array:
     [M, D] rows sorted by expert.
   """
   if x.ndim == 2:
-    return jnp.take(x, plan.order // slots, axis=0)                     # [M, D]
+    return _take_rows(x, plan.order, plan.inverse, slots)                # [M, D]
   if x.ndim == 3 and x.shape[1] == slots:
-    return jnp.take(x.reshape(-1, x.shape[-1]), plan.order, axis=0)     # [M, D]
+    return _take_rows(x.reshape(-1, x.shape[-1]), plan.order, plan.inverse, 1)  # [M, D]
   raise ValueError(f"permute wants x [N, D] or [N, {slots}, D]; got {x.shape}")
 
 
 def unpermute(y_sorted: jax.Array, plan: DispatchPlan) -> jax.Array:
   """Inverse of `permute` for per-slot rows: [M, D] expert order -> [M, D] (token, slot) order."""
-  # Scatter by `order` == gather by its inverse permutation; the scatter needs no extra argsort.
-  return jnp.zeros_like(y_sorted).at[plan.order].set(y_sorted, unique_indices=True)
+  return _take_rows(y_sorted, plan.inverse, plan.order, 1)
 
 
 def combine(y_slots: jax.Array, gates: jax.Array) -> jax.Array:
