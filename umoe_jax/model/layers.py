@@ -39,7 +39,7 @@ def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Se
   if len(axes) != len(shape):
     raise ValueError(f"parameter of shape {tuple(shape)} needs {len(shape)} axis names, got {axes}")
   return nnx.Param(init(rngs.params(), tuple(shape), jnp.dtype(dtype)),
-                   sharding_names=tuple(axes), eager_sharding=False)
+                   out_sharding=tuple(axes), eager_sharding=False)
 
 
 ACTIVATION_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {

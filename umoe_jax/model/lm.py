@@ -93,7 +93,20 @@ def build_model(cfg, seed: int = 0) -> CausalLM:
   return CausalLM(model_config(cfg), rngs=nnx.Rngs(params=seed))
 
 
+class _ShapeOnlyRngs:
+  """Stands in for nnx.Rngs when only shapes matter: one constant key and no counter.
+
+  Under `nnx.eval_shape` every `nnx.Rngs` draw updates a traced counter, which made building the
+  abstract large models take tens of seconds; shapes never depend on key values.
+  """
+
+  def __call__(self):
+    return jax.random.key(0)
+
+  params = __call__
+
+
 def abstract_model(cfg) -> CausalLM:
   """The model with ShapeDtypeStruct parameters: no memory, for statistics and sharding plans."""
   cfg = model_config(cfg)
-  return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)))
+  return nnx.eval_shape(lambda: CausalLM(cfg, rngs=_ShapeOnlyRngs()))
