@@ -68,10 +68,15 @@ def test_distributed_args_from_env():
                                             SLURM_NTASKS_PER_NODE="8(x2)", SLURM_GPUS_ON_NODE="8"))
   assert slurm == dict(coordinator_address="gpu003:12345", num_processes=16, process_id=5,
                        local_device_ids=[5])
-  ip = distributed.distributed_args(dict(SLURM_NTASKS="2", SLURM_PROCID="0",
-                                         SLURM_LAUNCH_NODE_IPADDR="10.1.1.1",
-                                         SLURM_JOB_NODELIST="a,b", JAX_COORDINATOR_PORT="999"))
-  assert ip["coordinator_address"] == "10.1.1.1:999" and "local_device_ids" not in ip
+  # Task 0 runs on the first node of the step; the launch node (salloc: a login node) is a fallback.
+  step = distributed.distributed_args(dict(SLURM_NTASKS="2", SLURM_PROCID="0",
+                                           SLURM_LAUNCH_NODE_IPADDR="10.1.1.1",
+                                           SLURM_STEP_NODELIST="n7,n8", SLURM_JOB_NODELIST="n[1-8]",
+                                           JAX_COORDINATOR_PORT="999"))
+  assert step["coordinator_address"] == "n7:999" and "local_device_ids" not in step
+  ip = distributed.distributed_args(dict(SLURM_NTASKS="2", SLURM_PROCID="1",
+                                         SLURM_LAUNCH_NODE_IPADDR="10.1.1.1"))
+  assert ip["coordinator_address"] == "10.1.1.1:12345"
   assert distributed.distributed_args(dict(SLURM_NTASKS="1", SLURM_PROCID="0")) is None
   with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
     distributed.distributed_args(dict(JAX_COORDINATOR_ADDRESS="h:1", JAX_NUM_PROCESSES="2"))

@@ -4,9 +4,11 @@
 
   1. JAX_COORDINATOR_ADDRESS (host:port), JAX_NUM_PROCESSES, JAX_PROCESS_ID
      [optional JAX_LOCAL_DEVICE_IDS="0,1"]: manual launches, one command per process;
-  2. SLURM (srun): SLURM_NTASKS, SLURM_PROCID, coordinator = SLURM_LAUNCH_NODE_IPADDR or the first
-     host of SLURM_JOB_NODELIST, port JAX_COORDINATOR_PORT (default 12345); with one task per GPU
-     (SLURM_NTASKS_PER_NODE == GPUs per node) each process gets its SLURM_LOCALID GPU;
+  2. SLURM (srun): SLURM_NTASKS, SLURM_PROCID; coordinator host = JAX_COORDINATOR_HOST, else the
+     first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST (where task 0 runs), else
+     SLURM_LAUNCH_NODE_IPADDR; port JAX_COORDINATOR_PORT (default 12345). (The launch node is the
+     last resort: under `salloc` it is the login node, which runs no task.) With one task per GPU
+     (SLURM_NTASKS_PER_NODE == SLURM_GPUS_ON_NODE) each process gets its SLURM_LOCALID GPU;
   3. a TPU pod slice (TPU_WORKER_HOSTNAMES / a multi-host TPU VM): `jax.distributed.initialize()`
      with no arguments (JAX discovers the slice itself);
   4. otherwise nothing (one process).
@@ -49,7 +51,12 @@ def distributed_args(env: Optional[Mapping[str, str]] = None) -> Optional[dict]:
       args["local_device_ids"] = [int(i) for i in env["JAX_LOCAL_DEVICE_IDS"].split(",")]
     return args if args["num_processes"] > 1 else None
   if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and int(env["SLURM_NTASKS"]) > 1:
-    host = env.get("SLURM_LAUNCH_NODE_IPADDR") or _first_slurm_host(env["SLURM_JOB_NODELIST"])
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    host = (env.get("JAX_COORDINATOR_HOST") or (_first_slurm_host(nodelist) if nodelist else None)
+            or env.get("SLURM_LAUNCH_NODE_IPADDR"))
+    if not host:
+      raise ValueError("SLURM run without SLURM_JOB_NODELIST or SLURM_LAUNCH_NODE_IPADDR: set "
+                       "JAX_COORDINATOR_HOST")
     port = int(env.get("JAX_COORDINATOR_PORT", DEFAULT_PORT))
     args = dict(coordinator_address=f"{host}:{port}", num_processes=int(env["SLURM_NTASKS"]),
                 process_id=int(env["SLURM_PROCID"]))
