@@ -250,7 +250,7 @@ class Trainer:
     self.last_saved = step
     self.last_eval: Optional[dict] = None
     self.last_scalars: dict = {}
-    self.skipped_total = 0
+    self.skipped_total = int(jax.device_get(state.skipped))  # over the whole run
     self.tokens_per_step = self.t.global_batch_size * self.t.seq_len
     try:
       self.flops_per_token = metrics_lib.train_flops_per_token(s.model_cfg, self.t.seq_len)
@@ -308,7 +308,17 @@ class Trainer:
     self.fetched = []
     self._start_timer()
 
-  def evaluate(self) -> None:
+  def evaluate(self, stop: Optional[StopRequest] = None) -> None:
+    try:
+      self._evaluate()
+    except Exception:  # pylint: disable=broad-except
+      if stop is None or stop.signum is None:
+        raise
+      # A job-wide SIGTERM also kills the compiler's subprocesses (ptxas): skip this evaluation;
+      # the loop saves the (intact) state at the next step boundary.
+      logging.warning("evaluation at step %d interrupted by the stop request", self.step)
+
+  def _evaluate(self) -> None:
     t0 = time.perf_counter()
     batches = (sharding_lib.global_batch(b, self.s.mesh, self.s.rules) for b in self.s.eval_batches)
     result = perplexity.evaluate(self.s.programs.eval_fn, self.state.params, batches)
@@ -333,7 +343,7 @@ class Trainer:
     """Runs to train.num_steps; returns True if stopped early by a signal (after saving)."""
     t, ck = self.t, self.s.config.checkpoint
     if self.step == 0 and t.eval_every:
-      self.evaluate()
+      self.evaluate(stop)
     first = True
     while self.step < t.num_steps:
       if stop.requested(self.step) or self.s.checkpointer.manager.reached_preemption(self.step):
@@ -342,7 +352,16 @@ class Trainer:
         logging.warning("stopped at step %d on request; checkpoint saved", self.step)
         return True
       batch = sharding_lib.global_batch(next(self.s.train_iter), self.s.mesh, self.s.rules)
-      self.state, m = self.s.programs.train_fn(self.state, batch)
+      try:
+        self.state, m = self.s.programs.train_fn(self.state, batch)
+      except Exception:  # pylint: disable=broad-except
+        if first and stop.signum is not None:
+          # A job-wide SIGTERM also kills the compiler's subprocesses (ptxas), so the first step
+          # of a run can fail while compiling; nothing was trained yet, so nothing new to save.
+          logging.warning("interrupted while compiling the first step of this run (step %d); "
+                          "no new checkpoint", self.step + 1)
+          return True
+        raise
       self.step += 1
       self.pending.append((self.step, m))
       if first:  # compile + first step: excluded from throughput
@@ -359,7 +378,7 @@ class Trainer:
       if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.num_steps):
         jax.block_until_ready(m)
         paused = time.perf_counter()
-        self.evaluate()
+        self.evaluate(stop)
         if self._timer_start is not None:
           self._timer_start += time.perf_counter() - paused
       if self.step % ck.every == 0 or self.step == t.num_steps:

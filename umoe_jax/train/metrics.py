@@ -121,7 +121,7 @@ def console_line(step: int, num_steps: int, s: Mapping[str, float]) -> str:
   if "perf/tokens_per_sec" in s:
     parts.append(f"{s['perf/tokens_per_sec']:,.0f} tok/s")
   if "perf/mfu" in s:
-    parts.append(f"mfu {100 * s['perf/mfu']:.1f}%")
+    parts.append(f"mfu {100 * s['perf/mfu']:.2f}%")
   parts.append(f"{s['perf/step_time_s']:.3f} s/step")
   loads = [v for k, v in s.items() if k.endswith("/load_max_mean")]
   if loads:

@@ -93,9 +93,3 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs carrying shardings: the restore target on the current mesh."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       abstract, shardings)
-
-
-def create_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int,
-                 shardings: TrainState) -> TrainState:
-  """A fresh state, every array created directly on its shard."""
-  return jax.jit(lambda: init_state(cfg, tx, seed), out_shardings=shardings)()
