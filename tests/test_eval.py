@@ -147,12 +147,18 @@ def test_pack_and_buckets():
   assert harness.bucket_lengths(64) == (32, 64)
   assert harness.bucket_lengths(1024) == (32, 64, 128, 256, 512, 1024)
   assert harness.bucket_lengths(100) == (32, 64, 100)
-  tokens, targets, mask = harness.pack([([1, 2, 3], [4, 5]), (list(range(10, 20)), [7])],
-                                       length=6, batch_size=3, max_seq_len=5)
+  w = harness.windows([1, 2, 3], [4, 5], max_seq_len=5)
+  assert w == [([1, 2, 3, 4], [2, 3, 4, 5], 2)]
+  w2 = harness.windows(list(range(10, 20)), [7], max_seq_len=5)         # context left-truncated
+  assert w2 == [([15, 16, 17, 18, 19], [16, 17, 18, 19, 7], 1)]
+  # a continuation longer than max_seq_len: the last 3 targets, then the first 3 after the context
+  assert harness.windows([1, 2], [3, 4, 5, 6, 7, 8], max_seq_len=3) == [
+      ([5, 6, 7], [6, 7, 8], 3), ([2, 3, 4], [3, 4, 5], 3)]
+  tokens, targets, mask = harness.pack(w + w2, length=6, batch_size=3)
   np.testing.assert_array_equal(tokens[0], [1, 2, 3, 4, 0, 0])
   np.testing.assert_array_equal(targets[0], [2, 3, 4, 5, 0, 0])
   np.testing.assert_array_equal(mask[0], [0, 0, 1, 1, 0, 0])
-  np.testing.assert_array_equal(tokens[1], [15, 16, 17, 18, 19, 0])   # left-truncated to 5 + 1
+  np.testing.assert_array_equal(tokens[1], [15, 16, 17, 18, 19, 0])
   np.testing.assert_array_equal(targets[1], [16, 17, 18, 19, 7, 0])
   np.testing.assert_array_equal(mask[1], [0, 0, 0, 0, 1, 0])
   assert not mask[2].any()
@@ -160,13 +166,15 @@ def test_pack_and_buckets():
 
 def test_scoring_matches_naive_reference(tiny):
   """Padded, bucketed, sorted, batched scoring == each pair run alone (float32, 1e-5). The pairs
-  have three distinct truncated lengths (20, 45, 64) to keep the reference's compilations few; two
-  are longer than max_seq_len (left truncation), one continuation is the model's own greedy one."""
+  have two input lengths (64 and 20) to keep the reference's compilations few; sorted and batched by
+  3 they give a full bucket-64 batch, one mixing 64 and 20 (right padding), a full and a partial
+  bucket-32 batch. Two are longer than max_seq_len (left truncation), one continuation is the
+  model's own greedy one."""
   _, model = tiny
   rng = np.random.default_rng(0)
   r = lambda n: rng.integers(0, 256, n).tolist()  # noqa: E731
-  requests = [(r(15), r(6)), (r(20), r(1)), (r(30), r(16)), (r(44), r(2)), (r(90), r(3)),
-              (r(5), r(60)), (r(3), r(18))]
+  requests = [(r(15), r(6)), (r(20), r(1)), (r(30), r(35)), (r(44), r(21)), (r(90), r(3)),
+              (r(5), r(60)), (r(3), r(18)), (r(2), r(19)), (r(10), r(11))]
   # A continuation the model predicts greedily: grown in a fixed 20-token buffer (causal, so the
   # zeros after position n never change its logits) to reuse the reference's length-20 compilation.
   buf = np.zeros((1, 20), np.int32)
@@ -182,8 +190,20 @@ def test_scoring_matches_naive_reference(tiny):
   np.testing.assert_allclose(ll, [a for a, _ in ref], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(greedy, [g for _, g in ref])
   assert greedy[-1] and not greedy[:-1].any()
-  with pytest.raises(ValueError, match="exceeds max_seq_len"):
-    scorer.loglikelihood([([1], [2] * (MAX_SEQ_LEN + 1))])
+
+
+def test_long_continuation_is_scored_in_windows(tiny):
+  """A continuation of 80 tokens (> max_seq_len=64) after 5: windows score its last 64 targets after
+  one more token, then its first 16 after the context; ll adds up, greedy is the AND."""
+  _, model = tiny
+  rng = np.random.default_rng(1)
+  ctx, cont = rng.integers(0, 256, 5).tolist(), rng.integers(0, 256, 80).tolist()
+  seq = ctx + cont
+  ll, greedy = harness.Scorer(model, batch_size=3).loglikelihood([(ctx, cont)])
+  last, g1 = _naive(model, seq[:21], seq[21:])      # inputs seq[20:84]: 64 tokens
+  first, g2 = _naive(model, ctx, seq[5:21])         # inputs seq[0:20]
+  np.testing.assert_allclose(ll, [last + first], rtol=1e-5, atol=1e-5)
+  assert greedy[0] == (g1 and g2)
 
 
 # ------------------------------------------------------------------------------------------------

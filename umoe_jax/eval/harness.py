@@ -11,7 +11,10 @@ Scoring one request (context tokens c, continuation tokens x):
   * the sequence c + x is cut to its last max_seq_len + 1 tokens (contexts truncated from the left),
     inputs = seq[:-1], targets = seq[1:]; the log-likelihood is the sum of log p(target) over the
     len(x) continuation targets, and `greedy` says whether every one of them is the argmax.
-  * Requests are sorted by length (longest first), batched `batch_size` at a time, right-padded to the
+  * A continuation longer than max_seq_len (rare: long choices under a byte tokenizer) is scored in
+    windows, last first: each scores up to max_seq_len targets after as many preceding tokens as fit
+    (`windows`); their log-likelihoods add up, greedy is all of theirs.
+  * Windows are sorted by length (longest first), batched `batch_size` at a time, right-padded to the
     smallest bucket length (powers of two from 32, and max_seq_len) that fits the batch, and the batch
     is padded with empty rows to `batch_size`: one compiled forward per bucket, at most ~log2(T/32)+1.
     Right padding never changes the real tokens (causal attention, per-token dropless routing).
@@ -68,23 +71,38 @@ def encode_requests(tokenizer, pairs: Sequence[tuple[str, str]],
   return out
 
 
-def pack(requests: Sequence[Request], length: int, batch_size: int, max_seq_len: int):
-  """Requests -> (tokens, targets int32 [batch_size, length], mask bool [batch_size, length]).
+Window = tuple[list[int], list[int], int]   # (inputs, targets, number of scored targets at the end)
 
-  Row i holds request i left-truncated to max_seq_len + 1 tokens and right-padded with 0; mask marks
-  its continuation targets. Rows past len(requests) are all padding (mask False).
+
+def windows(context: Sequence[int], continuation: Sequence[int], max_seq_len: int) -> list[Window]:
+  """The forward windows that score `continuation` after `context` (one unless the continuation is
+  longer than max_seq_len): inputs [n] and targets [n] (n <= max_seq_len), the last k targets scored."""
+  seq, c = list(context) + list(continuation), len(context)
+  out, end = [], len(seq)                  # score targets seq[start:end] from inputs seq[a:end - 1]
+  while end > c:
+    a = max(0, end - 1 - max_seq_len)
+    start = max(c, a + 1)
+    out.append((seq[a:end - 1], seq[a + 1:end], end - start))
+    end = start
+  return out
+
+
+def pack(batch: Sequence[Window], length: int, batch_size: int):
+  """Windows -> (tokens, targets int32 [batch_size, length], mask bool [batch_size, length]).
+
+  Row i holds window i right-padded with 0; mask marks its scored targets. Rows past len(batch) are
+  all padding (mask False).
   """
   tokens = np.zeros((batch_size, length), np.int32)
   targets = np.zeros((batch_size, length), np.int32)
   mask = np.zeros((batch_size, length), bool)
-  for i, (ctx, cont) in enumerate(requests):
-    seq = (list(ctx) + list(cont))[-(max_seq_len + 1):]
-    n = len(seq) - 1
+  for i, (inputs, tgt, k) in enumerate(batch):
+    n = len(inputs)
     if n > length:
-      raise ValueError(f"request of {n} input tokens does not fit length {length}")
-    tokens[i, :n] = seq[:-1]
-    targets[i, :n] = seq[1:]
-    mask[i, n - len(cont):n] = True
+      raise ValueError(f"window of {n} input tokens does not fit length {length}")
+    tokens[i, :n] = inputs
+    targets[i, :n] = tgt
+    mask[i, n - k:n] = True
   return tokens, targets, mask
 
 
@@ -126,21 +144,22 @@ class Scorer:
 
   def loglikelihood(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
     """(ll float64 [N], greedy bool [N]) of every request's continuation, in request order."""
-    for ctx, cont in requests:
+    owner, wins = [], []
+    for i, (ctx, cont) in enumerate(requests):
       if not ctx or not cont:
         raise ValueError("every request needs at least one context and one continuation token")
-      if len(cont) > self.max_seq_len:
-        raise ValueError(f"continuation of {len(cont)} tokens exceeds max_seq_len={self.max_seq_len}")
-    lengths = [min(len(c) + len(x) - 1, self.max_seq_len) for c, x in requests]
-    order = sorted(range(len(requests)), key=lambda i: -lengths[i])
-    ll, greedy = np.zeros(len(requests)), np.zeros(len(requests), bool)
+      for w in windows(ctx, cont, self.max_seq_len):
+        owner.append(i)
+        wins.append(w)
+    order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
+    ll, greedy = np.zeros(len(requests)), np.ones(len(requests), bool)
     for start in range(0, len(order), self.batch_size):
       idx = order[start:start + self.batch_size]
-      batch = pack([requests[i] for i in idx], self._bucket(lengths[idx[0]]), self.batch_size,
-                   self.max_seq_len)
+      batch = pack([wins[j] for j in idx], self._bucket(len(wins[idx[0]][0])), self.batch_size)
       out_ll, out_greedy = self._score(self.state, *map(jnp.asarray, batch))
-      ll[idx] = np.asarray(out_ll)[:len(idx)]
-      greedy[idx] = np.asarray(out_greedy)[:len(idx)]
+      who = np.asarray([owner[j] for j in idx])
+      np.add.at(ll, who, np.asarray(out_ll, np.float64)[:len(idx)])
+      np.logical_and.at(greedy, who, np.asarray(out_greedy)[:len(idx)])
     return ll, greedy
 
 
