@@ -218,6 +218,118 @@ def test_prepare_round_trip_equals_on_the_fly_tokenization(tmp_path):
     prepare.prepare(raw, str(out3), progress=False)
 
 
+def _prepared_docs(path) -> list[str]:
+  docs = _documents(_cfg(source="arrayrecord", train_path=str(path)), 0, 1)
+  return sorted(bytes(d.astype(np.uint8)).decode() for d in docs)
+
+
+def _hidden(directory: pathlib.Path) -> list[str]:
+  return [p.name for p in directory.iterdir() if p.name.startswith(".")]
+
+
+def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeypatch):
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  out = tmp_path / "prepared"
+  args = ["--source=jsonl", f"--input={jsonl}", "--text_field=body", f"--output_dir={out}"]
+  prepare.main(args + ["--num_shards=3"])
+  prepare.main(args + ["--num_shards=1", "--overwrite"])
+  # The 3 old shards are gone: every document is read exactly once.
+  assert sorted(p.name for p in out.iterdir()) == ["data-00000-of-00001.array_record",
+                                                   "metadata.json"]
+  assert _prepared_docs(out) == sorted(DOCS)
+  assert not _hidden(tmp_path)  # No temporary directory left behind.
+  # The same without renameat2 (two-rename fallback).
+  monkeypatch.setattr(prepare, "_exchange", lambda a, b: False)
+  prepare.main(args + ["--num_shards=2", "--overwrite"])
+  assert len(list(out.glob("*.array_record"))) == 2
+  assert _prepared_docs(out) == sorted(DOCS) and not _hidden(tmp_path)
+
+  # Files that are not a prepare output are never deleted by --overwrite.
+  (out / "notes.txt").write_text("mine")
+  with pytest.raises(FileExistsError, match="notes.txt"):
+    prepare.main(args + ["--overwrite"])
+  assert (out / "notes.txt").read_text() == "mine" and _prepared_docs(out) == sorted(DOCS)
+  # A non-empty directory without metadata.json (e.g. an older interrupted run) needs --overwrite.
+  partial = tmp_path / "partial"
+  partial.mkdir()
+  (partial / "data-00000-of-00009.array_record").write_bytes(b"")
+  with pytest.raises(FileExistsError, match="not empty.*overwrite"):
+    prepare.main([*args[:3], f"--output_dir={partial}"])
+  prepare.main([*args[:3], f"--output_dir={partial}", "--overwrite"])
+  assert _prepared_docs(partial) == sorted(DOCS)
+
+
+def test_loader_rejects_shards_that_do_not_match_metadata(tmp_path):
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  raw = _cfg(source="jsonl", train_path=str(jsonl), text_field="body")
+  out = tmp_path / "prepared"
+  prepare.prepare(raw, str(out), num_shards=2, progress=False)
+  cfg = _cfg(source="arrayrecord", train_path=str(out))
+  stray = out / "data-00000-of-00003.array_record"
+  stray.write_bytes((out / "data-00000-of-00002.array_record").read_bytes())
+  for load in (lambda: _documents(cfg, 0, 1), lambda: _train(cfg), lambda: data.load_tokenizer(cfg)):
+    with pytest.raises(ValueError, match=r"unexpected '[^']*data-00000-of-00003.array_record'"):
+      load()
+  stray.unlink()
+  (out / "sub").mkdir()  # A shard in a subdirectory is found by the recursive walk: also refused.
+  (out / "sub" / "x.array_record").write_bytes(b"")
+  with pytest.raises(ValueError, match="unexpected.*sub/x.array_record"):
+    _documents(cfg, 0, 1)
+  (out / "sub" / "x.array_record").unlink()
+  shard1 = (out / "data-00001-of-00002.array_record").read_bytes()
+  (out / "data-00001-of-00002.array_record").unlink()
+  with pytest.raises(ValueError, match="missing '[^']*data-00001-of-00002.array_record'"):
+    _documents(cfg, 0, 1)
+  # A same-named shard of another run: the record count no longer matches metadata.json.
+  prepare.prepare(_cfg(source="text", train_path=str(_write_text_dir(tmp_path / "few", DOCS[:6]))),
+                  str(tmp_path / "few_out"), num_shards=2, progress=False)
+  (out / "data-00001-of-00002.array_record").write_bytes(
+      (tmp_path / "few_out" / "data-00001-of-00002.array_record").read_bytes())
+  with pytest.raises(ValueError, match="records but metadata.json says num_documents=41"):
+    _documents(cfg, 0, 1)
+  (out / "data-00001-of-00002.array_record").write_bytes(shard1)
+  assert _prepared_docs(out) == sorted(DOCS)
+  assert _prepared_docs(out / "*.array_record") == sorted(DOCS)  # A glob of the whole output.
+
+
+@pytest.mark.parametrize("previous", [True, False])
+def test_failed_prepare_leaves_the_previous_output_loadable(tmp_path, monkeypatch, previous):
+  from array_record.python import array_record_module
+
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  raw = _cfg(source="jsonl", train_path=str(jsonl), text_field="body")
+  out = tmp_path / "prepared"
+  if previous:
+    prepare.prepare(raw, str(out), num_shards=3, progress=False)
+  before = sorted(p.name for p in out.iterdir()) if previous else None
+  real_writer = array_record_module.ArrayRecordWriter
+
+  class CrashingWriter:  # Fails once the first shard holds some documents: a crash mid-write.
+    writes = 0
+
+    def __init__(self, path, options):
+      self._w = real_writer(path, options)
+
+    def write(self, record):
+      CrashingWriter.writes += 1
+      if CrashingWriter.writes > 5:
+        raise RuntimeError("simulated crash")
+      self._w.write(record)
+
+    def close(self):
+      self._w.close()
+
+  monkeypatch.setattr(array_record_module, "ArrayRecordWriter", CrashingWriter)
+  with pytest.raises(RuntimeError, match="simulated crash"):
+    prepare.prepare(raw, str(out), num_shards=1, overwrite=True, progress=False)
+  assert not _hidden(tmp_path)
+  if previous:
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert _prepared_docs(out) == sorted(DOCS)
+  else:
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Real data (../shared) and the built-in source.
 

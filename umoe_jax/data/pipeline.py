@@ -45,9 +45,7 @@ def load_tokenizer(data_config) -> Tokenizer:
   """
   tok = make_tokenizer(data_config.tokenizer, data_config.get("eos_token", ""))
   if data_config.source == "arrayrecord" and data_config.train_path:
-    files = sources.resolve_files(data_config.train_path, (sources.ARRAYRECORD_SUFFIX,),
-                                  key="data.train_path")
-    meta = sources.read_metadata(files)
+    _, meta = sources.arrayrecord_files(data_config.train_path, "data.train_path")
     if (meta["vocab_size"], meta["eos_id"]) != (tok.vocab_size, tok.eos_id):
       raise ValueError(
           f"data.tokenizer={data_config.tokenizer!r} (vocab {tok.vocab_size}, eos {tok.eos_id}) does "

@@ -17,13 +17,25 @@ Output layout (`output_dir/`):
   metadata.json                        tokenizer, vocab_size, eos_id, dtype, counts, source.
 Records are per document (not pre-packed chunks) so the loader can shuffle documents globally and
 pack to any seq_len; ArrayRecord is written with group_size:1 so any record is one small read.
+
+The output is written into a hidden sibling directory (`.<name>.prepare-<id>`) and swapped into
+place only once complete (atomically with Linux renameat2(RENAME_EXCHANGE)), so `--overwrite`
+replaces the whole previous output (no stale shards of a different --num_shards or tokenizer are
+left behind), and a run that fails or is interrupted leaves the previous complete output as it was
+(a hard-killed run may leave its hidden `.<name>.prepare-*` directory behind; delete it). For that,
+`output_dir` may only hold a previous output (metadata.json, *.array_record); other files are
+refused rather than deleted. The loader checks the shards it finds against metadata.json.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
 import itertools
 import json
 import os
+import shutil
+import uuid
 from typing import Sequence
 
 import grain
@@ -36,8 +48,63 @@ from umoe_jax.data.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 _DOCS_PER_GROUP = 256  # Documents handed to the tokenizer at once (Rust-parallel for tokenizer.json).
 
 
-def shard_name(index: int, num_shards: int) -> str:
-  return f"data-{index:05d}-of-{num_shards:05d}{sources.ARRAYRECORD_SUFFIX}"
+shard_name = sources.shard_name
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+  try:
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+  except (AttributeError, OSError):
+    return False
+  renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  at_fdcwd, rename_exchange = -100, 2
+  if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), a, None, b)
+
+
+def _replace_dir(new: str, target: str) -> None:
+  """Moves the complete directory `new` to `target`, replacing (and deleting) an existing one."""
+  if not os.path.exists(target):
+    os.rename(new, target)
+    return
+  if _exchange(new, target):  # `new` now holds the previous output.
+    shutil.rmtree(new)
+    return
+  # Fallback (no renameat2): two renames; only between them is `target` briefly absent.
+  old = f"{new}.old"
+  os.rename(target, old)
+  try:
+    os.rename(new, target)
+  except BaseException:
+    os.rename(old, target)
+    raise
+  shutil.rmtree(old)
+
+
+def _check_output_dir(output_dir: str, overwrite: bool) -> None:
+  """Refuses to replace a previous output without `overwrite`, or a directory holding other files."""
+  if not os.path.exists(output_dir):
+    return
+  if not os.path.isdir(output_dir):
+    raise NotADirectoryError(f"output_dir {output_dir!r} exists and is not a directory")
+  entries = sorted(os.listdir(output_dir))
+  meta_path = os.path.join(output_dir, sources.METADATA_FILE)
+  if entries and not overwrite:
+    what = f"{meta_path!r} exists" if os.path.exists(meta_path) else f"{output_dir!r} is not empty"
+    raise FileExistsError(f"{what}; pass --overwrite to replace it")
+  foreign = [e for e in entries if not (
+      (e == sources.METADATA_FILE or e.endswith(sources.ARRAYRECORD_SUFFIX))
+      and os.path.isfile(os.path.join(output_dir, e)))]
+  if foreign:
+    raise FileExistsError(
+        f"output_dir {output_dir!r} holds files that are not a prepare output "
+        f"({', '.join(map(repr, foreign[:8]))}{' ...' if len(foreign) > 8 else ''}); --overwrite "
+        "replaces the whole directory, so move them away or pick another output_dir")
 
 
 def _encode_group(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
@@ -55,9 +122,9 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     raise ValueError("data.source='arrayrecord' is already tokenized; prepare reads raw text sources")
   if num_shards < 1:
     raise ValueError(f"num_shards={num_shards} must be >= 1")
-  meta_path = os.path.join(output_dir, sources.METADATA_FILE)
-  if os.path.exists(meta_path) and not overwrite:
-    raise FileExistsError(f"{meta_path!r} exists; pass --overwrite to replace it")
+  # Resolve symlinks: the real directory is the one swapped, next to it (same file system).
+  output_dir = os.path.realpath(os.path.expanduser(output_dir))
+  _check_output_dir(output_dir, overwrite)
   tok = make_tokenizer(data_config.tokenizer, data_config.get("eos_token", ""))
   dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32).newbyteorder("<")
 
@@ -67,34 +134,42 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     docs = docs.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
   total = sources.count_documents(data_config, split)
 
-  os.makedirs(output_dir, exist_ok=True)
-  writers = [ArrayRecordWriter(os.path.join(output_dir, shard_name(i, num_shards)), "group_size:1")
-             for i in range(num_shards)]
-  num_docs = num_tokens = 0
-  doc_iter = iter(docs)
-  with tqdm(total=total, unit="doc", disable=not progress, desc=f"tokenizing {split}") as bar:
-    while group := list(itertools.islice(doc_iter, _DOCS_PER_GROUP)):
-      for ids in _encode_group(tok, group):
-        writers[num_docs % num_shards].write(np.asarray(ids, dtype=dtype).tobytes())
-        num_docs += 1
-        num_tokens += len(ids)
-      bar.update(len(group))
-      bar.set_postfix(tokens=f"{num_tokens:,}")
-  for w in writers:
-    w.close()
+  parent, name = os.path.split(output_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp_dir = os.path.join(parent, f".{name}.prepare-{uuid.uuid4().hex[:12]}")
+  os.mkdir(tmp_dir)  # Mode from the umask, like a directory made by os.makedirs.
+  try:
+    writers = [ArrayRecordWriter(os.path.join(tmp_dir, shard_name(i, num_shards)), "group_size:1")
+               for i in range(num_shards)]
+    num_docs = num_tokens = 0
+    doc_iter = iter(docs)
+    with tqdm(total=total, unit="doc", disable=not progress, desc=f"tokenizing {split}") as bar:
+      while group := list(itertools.islice(doc_iter, _DOCS_PER_GROUP)):
+        for ids in _encode_group(tok, group):
+          writers[num_docs % num_shards].write(np.asarray(ids, dtype=dtype).tobytes())
+          num_docs += 1
+          num_tokens += len(ids)
+        bar.update(len(group))
+        bar.set_postfix(tokens=f"{num_tokens:,}")
+    for w in writers:
+      w.close()
 
-  path, _ = sources.split_path(data_config, split)
-  builtin_split = "validation" if split == "eval" else "train"
-  meta = dict(
-      format="one record per document: little-endian token ids, no EOS; document i in shard i % N",
-      tokenizer=data_config.tokenizer, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-      dtype=dtype.name, num_documents=num_docs, num_tokens=num_tokens, num_shards=num_shards,
-      source=data_config.source, input=path or f"builtin:{builtin_split}",
-      text_field=data_config.text_field)
-  with open(meta_path, "w") as f:
-    json.dump(meta, f, indent=2)
+    path, _ = sources.split_path(data_config, split)
+    builtin_split = "validation" if split == "eval" else "train"
+    meta = dict(
+        format="one record per document: little-endian token ids, no EOS; document i in shard i % N",
+        tokenizer=data_config.tokenizer, vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+        dtype=dtype.name, num_documents=num_docs, num_tokens=num_tokens, num_shards=num_shards,
+        source=data_config.source, input=path or f"builtin:{builtin_split}",
+        text_field=data_config.text_field)
+    with open(os.path.join(tmp_dir, sources.METADATA_FILE), "w") as f:
+      json.dump(meta, f, indent=2)
+    _check_output_dir(output_dir, overwrite)  # Still only a previous output (nothing added since).
+    _replace_dir(tmp_dir, output_dir)
+  finally:
+    if os.path.exists(tmp_dir):  # Failed or interrupted: the previous output is untouched.
+      shutil.rmtree(tmp_dir, ignore_errors=True)
   return meta
-
 
 def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(prog="python -m umoe_jax.data.prepare", description=__doc__,

@@ -74,14 +74,60 @@ def resolve_files(path: str, suffixes: Sequence[str] = (), *, key: str = "data.t
   raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
 
 
+def shard_name(index: int, num_shards: int) -> str:
+  """File name of shard `index` of a `prepare` output of `num_shards` shards."""
+  return f"data-{index:05d}-of-{num_shards:05d}{ARRAYRECORD_SUFFIX}"
+
+
 def read_metadata(files: Sequence[str]) -> dict[str, Any]:
   """The `metadata.json` written by `prepare` next to the ArrayRecord shards."""
-  meta_path = os.path.join(os.path.dirname(files[0]), METADATA_FILE)
+  return _read_metadata_in(os.path.dirname(files[0]))
+
+
+def _read_metadata_in(directory: str) -> dict[str, Any]:
+  meta_path = os.path.join(directory, METADATA_FILE)
   if not os.path.isfile(meta_path):
     raise FileNotFoundError(f"{meta_path!r} missing: ArrayRecord shards must come from "
                             "`python -m umoe_jax.data.prepare`")
   with open(meta_path) as f:
     return json.load(f)
+
+
+def _name_some(paths: Sequence[str], limit: int = 8) -> str:
+  more = f" ... and {len(paths) - limit} more" if len(paths) > limit else ""
+  return ", ".join(repr(p) for p in paths[:limit]) + more
+
+
+def arrayrecord_files(path: str, key: str = "data.train_path") -> tuple[list[str], dict[str, Any]]:
+  """(shards in shard order, metadata) of a `prepare` output, checked against its metadata.json.
+
+  The shards found under `path` must be exactly the `num_shards` files metadata.json describes:
+  a stray shard (e.g. left by an earlier run with a different --num_shards, or from another
+  directory below `path`) would otherwise be read too, duplicating documents or decoding ids of
+  another tokenizer; a missing one would silently drop data. Either raises ValueError naming them.
+  """
+  files = [os.path.normpath(f) for f in resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)]
+  expanded = os.path.expanduser(path)
+  top_meta = os.path.join(expanded, METADATA_FILE)
+  root = os.path.normpath(expanded if os.path.isdir(expanded) and os.path.isfile(top_meta)
+                          else os.path.dirname(files[0]))
+  meta = _read_metadata_in(root)
+  meta_path = os.path.join(root, METADATA_FILE)
+  n = meta.get("num_shards")
+  if not isinstance(n, int) or n < 1:
+    raise ValueError(f"{meta_path!r}: bad num_shards={n!r}")
+  expected = [os.path.join(root, shard_name(i, n)) for i in range(n)]
+  unexpected = sorted(set(files) - set(expected))
+  missing = [f for f in expected if f not in set(files)]
+  if unexpected or missing:
+    problems = ([f"unexpected {_name_some(unexpected)}"] if unexpected else []) + (
+        [f"missing {_name_some(missing)}"] if missing else [])
+    raise ValueError(
+        f"{key}={path!r}: the ArrayRecord shards found do not match {meta_path!r} "
+        f"(num_shards={n}): {'; '.join(problems)}. Stale shards of an earlier prepare run or "
+        "files copied in? Re-run `python -m umoe_jax.data.prepare --overwrite` into this "
+        "directory, or remove the unexpected files.")
+  return expected, meta
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,9 +237,13 @@ def _indexed(config, path: str, key: str, split: str) -> tuple[Any, Any]:
     return builtin.document_names("validation" if split == "eval" else "train"), builtin.read_document
   if config.source == "text":
     return resolve_files(path, key=key), _read_text_file
-  files = resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)
-  meta = read_metadata(files)
-  return grain.sources.ArrayRecordDataSource(files), _DecodeTokens(meta["dtype"])
+  files, meta = arrayrecord_files(path, key)
+  records = grain.sources.ArrayRecordDataSource(files)
+  if len(records) != meta["num_documents"]:
+    raise ValueError(f"{key}={path!r}: the shards hold {len(records)} records but metadata.json "
+                     f"says num_documents={meta['num_documents']}: shards of another prepare run? "
+                     "Re-run `python -m umoe_jax.data.prepare --overwrite`.")
+  return records, _DecodeTokens(meta["dtype"])
 
 
 # ----------------------------------------------------------------------------------------------
