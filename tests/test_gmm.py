@@ -183,3 +183,75 @@ def test_backend_resolution():
   assert G.resolve_backend("masked") == "masked"
   with pytest.raises(ValueError, match="'no_such_kernel'"):
     G.resolve_backend("no_such_kernel")
+
+
+# ----------------------------------------------------------------------------------------------
+# shard_map's varying-axes types (kernels behind custom calls lose them; gmm restores them).
+
+
+def _run_in_subprocess(code: str) -> str:
+  import subprocess
+  import sys
+  import textwrap
+  env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       env=env, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def test_varying_axes_are_read_and_restored_inside_shard_map():
+  """On this jax the helper must see the data axis, and `vary_like` must add it to an invariant value.
+
+  Also: a backend whose outputs come back typed invariant (as Triton/Mosaic custom calls do) still
+  differentiates under `shard_map(check_vma=True)` and gives the same values and gradients.
+  """
+  out = _run_in_subprocess("""
+      import functools, jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import PartitionSpec as P
+      from umoe_jax.ops import gmm as G
+      from umoe_jax.ops.varying import varying_axes, vary_like
+
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+      smap = getattr(jax, "shard_map", None)
+      kw = dict(mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+      seen = {}
+
+      def probe(x, w):
+        seen["x"], seen["w"] = varying_axes(x), varying_axes(w)
+        seen["w_cast"] = varying_axes(vary_like(w, frozenset({"data"})))
+        return x
+      smap(probe, **kw, check_vma=True)(jnp.ones((4, 3)), jnp.ones((3,)))
+      print("x", sorted(seen["x"]), "w", sorted(seen["w"]), "w_cast", sorted(seen["w_cast"]))
+
+      # A backend that hides the varying type of its results, like a custom call does. Its inputs
+      # are replicated values typed as varying, so every device holds the same result, and the mean
+      # over the axis (a psum: typed invariant) is exactly this device's own value.
+      xla = G.BACKENDS.get("xla")
+      def hide(y):
+        return jax.lax.psum(y, "data") / 2
+      def gmm_raw(lhs, rhs, gs, **k):
+        return jax.lax.stop_gradient(hide(xla.gmm(lhs, rhs, gs, **k)))
+      def tgmm_raw(lhs, rhs, gs, **k):
+        return jax.lax.stop_gradient(hide(xla.tgmm(lhs, rhs, gs, **k)))
+      G.BACKENDS.register("hidden_vma")(G.GmmBackend(gmm=gmm_raw, tgmm=tgmm_raw,
+                                                     platforms=("cpu",), auto_priority=-1))
+      rng = np.random.default_rng(0)
+      x = jnp.asarray(rng.normal(size=(12, 8)), jnp.float32)
+      w = jnp.asarray(rng.normal(size=(3, 8, 5)), jnp.float32)
+      gs = jnp.array([4, 0, 8], jnp.int32)
+
+      def loss(backend):
+        def per_device(x, w):
+          x, w = vary_like(x, frozenset({"data"})), vary_like(w, frozenset({"data"}))
+          return jnp.sum(jnp.sin(G.gmm(x, w, gs, backend=backend)))[None]
+        f = smap(per_device, mesh=mesh, in_specs=(P(), P()), out_specs=P("data"), check_vma=True)
+        return lambda x, w: jnp.sum(f(x, w))
+      ref = jax.value_and_grad(loss("xla"), (0, 1))(x, w)
+      got = jax.value_and_grad(loss("hidden_vma"), (0, 1))(x, w)
+      err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)))
+      print("max_err", err)
+  """)
+  assert "x ['data'] w [] w_cast ['data']" in out, out
+  err = float(out.split("max_err")[1])
+  assert err < 1e-5, out

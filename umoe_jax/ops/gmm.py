@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.ops.varying import vary_like, varying_axes
 from umoe_jax.registry import Registry
 
 GmmFn = Callable[..., jax.Array]
@@ -168,22 +169,6 @@ def _check_shapes(lhs, rhs, group_sizes, transpose_rhs):
     raise ValueError(f"gmm: group_sizes must be integer, got {group_sizes.dtype}")
 
 
-def _vma(x) -> frozenset:
-  """The manual mesh axes `x` varies over inside `shard_map` (empty outside, or on old jax)."""
-  return frozenset(getattr(jax.typeof(x), "vma", None) or ())
-
-
-def _vary_like(x: jax.Array, axes: frozenset) -> jax.Array:
-  """Marks x as varying over `axes` inside shard_map.
-
-  A kernel called through a custom call (Triton, Mosaic) returns values typed as invariant across
-  the manual axes even when its inputs vary; left so, `shard_map(check_vma=True)` rejects the custom
-  VJP (cotangent and primal types differ) and could transpose the value as if it were replicated.
-  """
-  missing = tuple(sorted(axes - _vma(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
 @functools.lru_cache(maxsize=None)
 def _differentiable_gmm(backend_name: str, transpose_rhs: bool, out_dtype) -> Callable:
   backend = BACKENDS.get(backend_name)
@@ -192,7 +177,7 @@ def _differentiable_gmm(backend_name: str, transpose_rhs: bool, out_dtype) -> Ca
   def fn(lhs, rhs, group_sizes):
     out = backend.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
                       out_dtype=out_dtype or lhs.dtype)
-    return _vary_like(out, _vma(lhs) | _vma(rhs) | _vma(group_sizes))
+    return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   def fwd(lhs, rhs, group_sizes):
     return fn(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
@@ -207,7 +192,8 @@ def _differentiable_gmm(backend_name: str, transpose_rhs: bool, out_dtype) -> Ca
     else:
       drhs = backend.tgmm(lhs, dout.astype(lhs.dtype), group_sizes, num_groups=rhs.shape[0],
                           out_dtype=rhs.dtype)
-    return _vary_like(dlhs, _vma(lhs)), _vary_like(drhs, _vma(rhs)), None
+    # Kernels called through custom calls drop shard_map's varying-axes type; restore it.
+    return vary_like(dlhs, varying_axes(lhs)), vary_like(drhs, varying_axes(rhs)), None
 
   fn.defvjp(fwd, bwd)
   return fn

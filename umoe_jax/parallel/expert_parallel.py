@@ -43,6 +43,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
+from umoe_jax.ops.varying import match_varying
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import current_context, normalize_rules
 
@@ -239,35 +240,6 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     run = _shard_map(per_device, mesh, in_specs, (out_spec, P()))
     y, dropped = run(x, expert_ids, gates, tuple(weights))
   return y, {"dropped_rows": dropped, "capacity": cap}
-
-
-def _vma(x) -> frozenset:
-  """Mesh axes over which x varies inside shard_map (`aval.vma`; `aval.manual_axis_type.varying`
-  in jax >= 0.10)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  return frozenset(vma or ())
-
-
-def match_varying(*xs):
-  """Casts arrays to the union of their varying mesh axes (shard_map's `check_vma` types).
-
-  `gmm` is a custom_vjp: its backward must return each cotangent with its input's type. A weight
-  that is invariant over the batch axes meeting rows that vary over them would get a varying weight
-  gradient; casting the weight to varying first puts the psum over the batch axes in the transpose
-  of the cast, where JAX adds it itself.
-  """
-  union = frozenset().union(*(_vma(x) for x in xs))
-  out = []
-  for x in xs:
-    missing = tuple(a for a in sorted(union) if a not in _vma(x))
-    if missing:
-      x = (jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast")
-           else jax.lax.pvary(x, missing))
-    out.append(x)
-  return out
 
 
 # ----------------------------------------------------------------------------------------------
