@@ -278,12 +278,15 @@ def _define_flags():
 
 
 def main(argv) -> int:
+  """The CLI (flags from `_define_flags`); prints the table, optionally writes --json."""
+  from absl import flags
+
   from umoe_jax.data.tokenizer import check_vocab, make_tokenizer
   from umoe_jax.model.decode import load_model
 
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
-  f = FLAGS
+  f = flags.FLAGS
   if f.checkpoint is None and f.config is None:
     raise SystemExit("give --checkpoint=DIR, or --config=configs/<model>.py for random parameters")
   names = [tasks_lib.resolve_task(t) for t in f.tasks.split(",") if t.strip()]
@@ -306,5 +309,5 @@ def main(argv) -> int:
 
 if __name__ == "__main__":
   from absl import app
-  FLAGS = _define_flags()
+  _define_flags()
   app.run(main)
