@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from umoe_jax.config import default_config_dict
 from umoe_jax.parallel.rules import DEFAULT_RULES
 
 # Shape of each scale: width, depth, attention head dim, dense FFN width, MoE pool.
@@ -55,22 +56,8 @@ FAMILIES = ("dense", "ffn_moe", "umoe", "umoe_att", "moa", "switchhead", "switch
 
 
 def model_defaults() -> ml_collections.ConfigDict:
-  """Every model key with its default (mirrors umoe_jax.config.ModelConfig)."""
-  return ml_collections.ConfigDict(dict(
-      vocab_size=32000, d_model=768, n_layers=12, max_seq_len=1024, norm_eps=1e-6,
-      rope_theta=10000.0, rope_layout="interleaved", init_std=0.02,
-      param_dtype="float32", compute_dtype="bfloat16", gmm_backend="auto",
-      attention=dict(kind="mha", n_heads=4, head_dim=64, v_head_dim=64, top_k=3,
-                     n_shared_experts=1,
-                     q_lora_rank=ml_collections.config_dict.placeholder(int),
-                     q_lora_norm=True,
-                     latent_dim=ml_collections.config_dict.placeholder(int), n_experts=0),
-      ffn=dict(kind="dense", d_ff=0, top_k=2, n_shared_experts=1),
-      moe=dict(n_experts=0, d_expert=0, activation="silu", gated=False, share_pool=True,
-               share_across_layers=False, share_always_on=False),
-      router=dict(kind="topk_softmax", renormalize=False, balance_loss="seq_aux",
-                  balance_coef=0.001, share_att_ffn=False),
-  ))
+  """Every model key with its default: `umoe_jax.config.ModelConfig`'s, as a ConfigDict."""
+  return default_config_dict()
 
 
 def model(family: str, scale: str) -> ml_collections.ConfigDict:

@@ -158,7 +158,7 @@ def _check(cond: bool, message: str) -> None:
 def validate(cfg: ModelConfig) -> ModelConfig:
   """Checks values and combinations; returns `cfg` unchanged when all is well."""
   from umoe_jax.model.attention import ATTENTIONS
-  from umoe_jax.model.routers import ROUTERS
+  from umoe_jax.model.routers import BALANCE_LOSSES, ROUTERS
   from umoe_jax.ops.gmm import BACKENDS, register_builtin_kernels
 
   register_builtin_kernels()  # kernel backends ("triton", "mosaic") register on import of kernels/
@@ -168,7 +168,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
          f"model.rope_layout={cfg.rope_layout!r}; valid: {', '.join(ROPE_LAYOUTS)}")
   for key in ("param_dtype", "compute_dtype"):
     _check(getattr(cfg, key) in DTYPES, f"model.{key}={getattr(cfg, key)!r}; valid: {', '.join(DTYPES)}")
-  _check(cfg.norm_eps > 0, f"model.norm_eps={cfg.norm_eps!r} must be positive")
+  for key in ("norm_eps", "rope_theta", "init_std"):
+    _check(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)!r} must be positive")
   _check(cfg.gmm_backend == "auto" or cfg.gmm_backend in BACKENDS,
          f"model.gmm_backend={cfg.gmm_backend!r}; valid: auto, {', '.join(BACKENDS.names())}")
 
@@ -189,8 +190,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _check(moe.activation in ACTIVATIONS,
          f"model.moe.activation={moe.activation!r}; valid: {', '.join(ACTIVATIONS)}")
   _check(router.kind in ROUTERS, f"model.router.kind={router.kind!r}; valid: {', '.join(ROUTERS.names())}")
-  _check(router.balance_loss in ("seq_aux", "switch", "none"),
-         f"model.router.balance_loss={router.balance_loss!r}; valid: seq_aux, switch, none")
+  _check(router.balance_loss in BALANCE_LOSSES,
+         f"model.router.balance_loss={router.balance_loss!r}; valid: {', '.join(BALANCE_LOSSES)}")
   _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
   pool = cfg.attention_uses_experts or cfg.ffn_uses_experts
   if pool:
@@ -222,3 +223,26 @@ def model_config(cfg: Any) -> ModelConfig:
 
 def to_dict(cfg: ModelConfig) -> dict:
   return dataclasses.asdict(cfg)
+
+
+def default_config_dict(cls=ModelConfig):
+  """The dataclass defaults as an ml_collections ConfigDict (the one source of the model defaults).
+
+  Optional fields whose default is None become typed placeholders, so that the command line can
+  still set them (`--config.model.attention.latent_dim=192`).
+  """
+  import ml_collections
+  from ml_collections import config_dict
+
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    value = getattr(cls(), f.name)
+    if dataclasses.is_dataclass(value):
+      out[f.name] = default_config_dict(type(value))
+    elif value is None:
+      (inner,) = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+      out[f.name] = config_dict.placeholder(inner)
+    else:
+      out[f.name] = value
+  return ml_collections.ConfigDict(out)

@@ -1,7 +1,8 @@
 """Dropless token dispatch: sort (token, slot) pairs by expert, run grouped matmuls, unsort, combine.
 
-Every routed computation in the library goes through `route_to_experts`; routers and attention
-variants only produce `expert_ids [N, K]` and `gates [N, K]`, and never see sorting or kernels.
+Every routed computation in the library goes through `make_plan` + `permute` / `apply_experts` /
+`unpermute` (usually via `ExpertPool.route`); routers and attention variants only produce
+`expert_ids [N, K]` and `gates [N, K]`, and never see sorting or kernels.
 
 Shapes: N tokens (rows), K slots per token (top-k), D input width, E experts, M = N*K sorted rows.
 """
