@@ -71,10 +71,10 @@ Statistics are looked up by `model.attention.kind` in `ATTENTION_STATS` (FFN kin
 A new variant adds one class, here or in its own module (importing this module is cheap: it loads
 the model lazily)::
 
-  from umoe_jax.stats import ATTENTION_STATS, AttentionStats, Count, linear
+  from umoe_jax.stats import AttentionStats, Count, linear
 
-  @ATTENTION_STATS.register("moa")
-  class MoAStats(AttentionStats):
+  class MoAStats(AttentionStats):       # then `stats = MoAStats` on the model class, or
+                                        # `ATTENTION_STATS.register("moa")(MoAStats)`
     @classmethod
     def params(cls, cfg):            # per layer, by component; the layer's shared expert pool excluded
       ...
@@ -99,10 +99,9 @@ the statistics itself as a class attribute `stats = MoAStats`. Component names a
 "norms" when its logical axis is `norm`, and anything it cannot place into "other:<path>", which
 shows up as a mismatch.
 
-Block-level options that are being added to the config (`moe.gated`, `moe.share_across_layers`,
-`moe.share_always_on`, `router.share_att_ffn`, `attention.latent_dim`, `ffn.kind="none"`) are read
-with defaults, so these statistics already account for them; the cross-check against the real model
-is what confirms each once its model code exists. All layers are assumed identical (a per-layer
+Block-level options (`moe.gated`, `moe.share_across_layers`, `moe.share_always_on`,
+`router.share_att_ffn`, `attention.latent_dim`, `ffn.kind="none"`) are accounted for, and the
+cross-check against the real model confirms each. All layers are assumed identical (a per-layer
 schedule such as "first k layers dense" needs `layer_params` per layer).
 """
 from __future__ import annotations
@@ -148,7 +147,7 @@ def linear(d_in: int, d_out: int) -> int:
 
 def mlp(cfg: ModelConfig, d_hidden: int) -> int:
   """Weights (= MACs per token) of one MLP D -> d_hidden -> D: 2 matrices, 3 when `moe.gated`."""
-  return (3 if getattr(cfg.moe, "gated", False) else 2) * linear(cfg.d_model, d_hidden)
+  return (3 if cfg.moe.gated else 2) * linear(cfg.d_model, d_hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +297,7 @@ class PreMixStats(AttentionStats):
 
   @classmethod
   def _latent(cls, cfg) -> Optional[int]:
-    return getattr(cfg.attention, "latent_dim", None)
+    return cfg.attention.latent_dim
 
   @classmethod
   def _per_expert_query(cls, cfg) -> int:
@@ -456,7 +455,7 @@ def _pools(cfg: ModelConfig) -> list[int]:
 def _pool_params(cfg: ModelConfig) -> list[Count]:
   """The routed pools of the model with the distinct experts one token can touch in each."""
   e, per_expert = cfg.moe.n_experts, mlp(cfg, cfg.moe.d_expert)
-  if getattr(cfg.moe, "share_across_layers", False):  # one pool, every layer picks from it
+  if cfg.moe.share_across_layers:  # one pool, every layer picks from it
     return [Count(e * per_expert, min(e, picks * cfg.n_layers) * per_expert) for picks in _pools(cfg)]
   return [Count(e * per_expert, min(e, picks) * per_expert) * cfg.n_layers for picks in _pools(cfg)]
 
