@@ -128,6 +128,13 @@ def test_generate_greedy_is_deterministic_and_matches_argmax():
   assert stopped.sequences()[0] == out.tokens[0, :2].tolist()
 
 
+def test_generate_rejects_prompt_ids_outside_the_vocabulary():
+  cfg, model = _model("mha", n_layers=1)
+  for bad in (cfg.vocab_size, -1):
+    with pytest.raises(ValueError, match=rf"prompt token id {bad} .*vocab_size={cfg.vocab_size}"):
+      generate(model, [[1, 2], [3, bad]], max_new_tokens=2)
+
+
 def test_sample_logits_top_p_support_and_frequencies():
   probs = np.array([0.5, 0.25, 0.15, 0.1])
   logits = jnp.asarray(np.tile(np.log(probs), (4000, 1)), jnp.float32)

@@ -128,6 +128,10 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
   tokens, positions = left_pad(prompts, pad_id)
+  bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
+  if bad.size:  # an embedding lookup out of range would silently give NaN / garbage rows
+    raise ValueError(f"prompt token id {int(bad[0])} is outside the model's vocabulary "
+                     f"[0, {cfg.vocab_size}) (model.vocab_size={cfg.vocab_size})")
   b, p = tokens.shape
   total = p + max_new_tokens
   if total > cfg.max_seq_len:
