@@ -20,8 +20,6 @@ outside the group are masked to zero in both operands; empty groups write zeros.
 """
 from __future__ import annotations
 
-import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,6 @@ This is the only model code that touches grouped matmuls; it never sorts anythin
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init

@@ -11,6 +11,45 @@ from umoe_jax.registry import Registry
 ATTENTIONS: Registry[type] = Registry("attention kind")
 
 
+# Config checks shared by several variants (each raises ConfigError naming key and value).
+
+
+def check_heads(cfg) -> None:
+  """Multi-head variants: at least one head and a positive value head dim."""
+  from umoe_jax.config import ConfigError
+  att = cfg.attention
+  if att.n_heads < 1:
+    raise ConfigError(f"model.attention.n_heads={att.n_heads!r} must be >= 1")
+  if att.v_head_dim < 1:
+    raise ConfigError(f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
+
+
+def check_own_experts(cfg, kind: str, what: str = "") -> None:
+  """Variants with their own experts (`attention.n_experts`): 1 <= top_k <= n_experts."""
+  from umoe_jax.config import ConfigError
+  att = cfg.attention
+  if att.n_experts < 1:
+    raise ConfigError(f"model.attention.n_experts={att.n_experts!r} must be >= 1 for {kind}{what}")
+  if not 1 <= att.top_k <= att.n_experts:
+    raise ConfigError(f"model.attention.top_k={att.top_k!r} must be in [1, attention.n_experts="
+                      f"{att.n_experts}] for {kind}")
+
+
+def check_pool_routing(cfg) -> None:
+  """Variants routing into the layer's pool: top_k in [1, moe.n_experts], shared experts and the
+  low-rank rank non-negative / positive."""
+  from umoe_jax.config import ConfigError
+  att = cfg.attention
+  if att.top_k < 1:
+    raise ConfigError(f"model.attention.top_k={att.top_k!r} must be >= 1")
+  if cfg.moe.n_experts and att.top_k > cfg.moe.n_experts:
+    raise ConfigError(f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
+  if att.n_shared_experts < 0:
+    raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
+  if att.q_lora_rank is not None and att.q_lora_rank < 1:
+    raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
                      k_positions: jax.Array) -> jax.Array:
   """softmax(q k^T / sqrt(Dk) + causal mask) v, softmax in float32.

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_heads
 from umoe_jax.model.layers import Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.parallel import rules as ax
@@ -20,11 +19,7 @@ class MultiHeadAttention(nnx.Module):
 
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
-    from umoe_jax.config import ConfigError
-    if cfg.attention.n_heads < 1:
-      raise ConfigError(f"model.attention.n_heads={cfg.attention.n_heads!r} must be >= 1")
-    if cfg.attention.v_head_dim < 1:
-      raise ConfigError(f"model.attention.v_head_dim={cfg.attention.v_head_dim!r} must be >= 1")
+    check_heads(cfg)
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import make_router
@@ -74,11 +74,7 @@ class MoAAttention(nnx.Module):
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
     att = cfg.attention
-    if att.n_experts < 1:
-      raise ConfigError(f"model.attention.n_experts={att.n_experts!r} must be >= 1 for moa")
-    if not 1 <= att.top_k <= att.n_experts:
-      raise ConfigError(f"model.attention.top_k={att.top_k!r} must be in [1, attention.n_experts="
-                        f"{att.n_experts}] for moa")
+    check_own_experts(cfg, "moa")
     if att.n_shared_experts not in (0, 1):
       raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r}: moa has 0 or 1 "
                         "always-on head")

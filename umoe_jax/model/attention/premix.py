@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_pool_routing
 from umoe_jax.model.layers import MLP, Linear, RMSNorm, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import make_router
@@ -45,14 +45,7 @@ class PreMixAttention(nnx.Module):
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
     att = cfg.attention
-    if att.top_k < 1:
-      raise ConfigError(f"model.attention.top_k={att.top_k!r} must be >= 1")
-    if cfg.moe.n_experts and att.top_k > cfg.moe.n_experts:
-      raise ConfigError(f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
-    if att.n_shared_experts < 0:
-      raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
-    if att.q_lora_rank is not None and att.q_lora_rank < 1:
-      raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
+    check_pool_routing(cfg)
     if att.latent_dim is not None and att.latent_dim < 1:
       raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r} must be >= 1 or None")
 

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_heads, check_own_experts
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import RouterOutput, make_router
@@ -126,17 +126,8 @@ class SwitchHeadAttention(nnx.Module):
 
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    if att.n_heads < 1:
-      raise ConfigError(f"model.attention.n_heads={att.n_heads!r} must be >= 1")
-    if att.v_head_dim < 1:
-      raise ConfigError(f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
-    if att.n_experts < 1:
-      raise ConfigError(f"model.attention.n_experts={att.n_experts!r} must be >= 1 for switchhead "
-                        "(experts per head)")
-    if not 1 <= att.top_k <= att.n_experts:
-      raise ConfigError(f"model.attention.top_k={att.top_k!r} must be in [1, attention.n_experts="
-                        f"{att.n_experts}] for switchhead")
+    check_heads(cfg)
+    check_own_experts(cfg, "switchhead", " (experts per head)")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:
