@@ -3,6 +3,7 @@ checkpoint fallback and atomicity, init_from."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -324,3 +325,40 @@ def test_init_from_converted_and_from_run(tmp_path):
   ck.close()
   got = ckpt_lib.load_init_params(str(run), parts.abstract_params, shardings)
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics.
+
+
+def _host_metrics(loss, *, nonfinite=0, applied=None, counts=(3.0, 1.0)):
+  applied = 1 - nonfinite if applied is None else applied
+  return {"loss": loss, "lm_loss": loss - 0.5, "balance_loss": 0.5, "grad_norm": 2 * loss,
+          "learning_rate": 1e-3, "tokens": 8.0, "nonfinite": nonfinite, "applied": applied,
+          "routers": {"layer_0/ffn": {"balance_loss": loss / 10,
+                                      "expert_counts": np.asarray(counts)}}}
+
+
+def test_interval_means_skip_nonfinite_steps(tmp_path):
+  from umoe_jax.train import metrics as metrics_lib
+  nan = float("nan")
+  steps = [_host_metrics(2.0), _host_metrics(nan, nonfinite=1, counts=(0.0, 0.0)),
+           _host_metrics(4.0)]
+  scalars, counts = metrics_lib.summarize(steps)
+  assert scalars["train/loss"] == 3.0 and scalars["train/lm_loss"] == 2.5
+  assert scalars["train/grad_norm"] == 6.0 and np.isclose(scalars["train/perplexity"], np.exp(2.5))
+  assert np.isclose(scalars["moe/layer_0/ffn/balance_loss"], 0.3)
+  assert scalars["moe/layer_0/ffn/load_max_mean"] == 1.5  # the NaN step's load is left out too
+  assert scalars["train/interval_skipped_steps"] == 1.0
+  np.testing.assert_array_equal(counts["layer_0/ffn"], [6.0, 2.0])
+  # A finite update dropped anyway (a halted state) is counted, though its loss is averaged.
+  scalars, _ = metrics_lib.summarize([_host_metrics(2.0, applied=0), _host_metrics(4.0)])
+  assert scalars["train/interval_skipped_steps"] == 1.0 and scalars["train/loss"] == 3.0
+  # Only non-finite steps: NaN, which the writers record as null (and TensorBoard leaves out).
+  scalars, _ = metrics_lib.summarize([_host_metrics(nan, nonfinite=1)])
+  assert np.isnan(scalars["train/loss"]) and scalars["train/interval_skipped_steps"] == 1.0
+  writer = metrics_lib.MetricWriter(str(tmp_path), tensorboard=False)
+  writer.scalars(5, scalars)
+  writer.close()
+  record = json.loads(open(tmp_path / "metrics.jsonl").read())
+  assert record["train/loss"] is None and record["train/interval_skipped_steps"] == 1.0

@@ -1,8 +1,10 @@
 """Checkpoints with Orbax: train state + data-iterator position per step, and where a run starts.
 
 Workdir layout:
-  <workdir>/config.json                     the experiment config (process 0, at every start)
-  <workdir>/checkpoints/<step>/state        TrainState (params, optimizer state, step, RNG, skipped)
+  <workdir>/config.json                     the experiment config (process 0, at every start once
+                                            the start point is restored: a failed resume keeps it)
+  <workdir>/checkpoints/<step>/state        `state.checkpoint_tree`: params, optimizer state, step,
+                                            RNG, skipped
   <workdir>/checkpoints/<step>/data         grain iterator position, process_<i>-of-<n>.json
   <workdir>/checkpoints_damaged/<step>-<t>  checkpoints that failed to restore, moved aside
 
@@ -72,15 +74,22 @@ def resume_source(checkpoint_dir: str, init_from: str = "") -> ResumeSource:
 
 
 def write_config(workdir: str, config: Any) -> None:
-  """<workdir>/config.json (process 0)."""
+  """<workdir>/config.json (process 0), atomically: a temporary file renamed over it, so a reader
+  or a crash sees the old file or the new one, never a partial one."""
   if jax.process_index() != 0:
     return
   os.makedirs(workdir, exist_ok=True)
   text = config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config)
   tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text + "\n")
-  os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def _barrier(name: str) -> None:
@@ -129,9 +138,9 @@ class Checkpointer:
   def restore_latest(self, target: Any, data_iter: Optional[Any] = None) -> tuple[Any, int]:
     """(state, step) from the newest checkpoint that restores; damaged newer ones are moved aside.
 
-    `target`: the abstract TrainState with shardings of the *current* mesh (ShapeDtypeStructs), so
-    a checkpoint written on another mesh or device count is resharded on load. `data_iter` is
-    restored in place.
+    `target`: the abstract `state.checkpoint_tree` with shardings of the *current* mesh
+    (ShapeDtypeStructs), so a checkpoint written on another mesh or device count is resharded on
+    load. `data_iter` is restored in place.
     """
     damaged = []
     for step in reversed(self.steps()):

@@ -100,6 +100,7 @@ class Programs:
   shardings: state_lib.TrainState       # NamedShardings on the mesh
   init_fn: Callable                     # seed -> TrainState (born sharded)
   from_params_fn: Callable              # (params, seed) -> step-0 TrainState
+  not_halted_fn: Callable               # () -> `halted` (False) of a resumed TrainState, placed
   eval_fn: Callable                     # (params, batch) -> (nll sum, tokens)
   train_fn: Optional[Callable] = None   # (state, batch) -> (state, metrics); state donated
 
@@ -123,6 +124,7 @@ def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tu
                       out_shardings=shardings),
       from_params_fn=jax.jit(lambda params, seed: state_lib.state_with_params(params, tx, seed),
                              out_shardings=shardings),
+      not_halted_fn=jax.jit(state_lib.not_halted, out_shardings=shardings.halted),
       eval_fn=jax.jit(functools.partial(perplexity.eval_step, graphdef=parts.graphdef),
                       in_shardings=(shardings.params, batch)))
 
@@ -211,7 +213,8 @@ def setup(config: Any, workdir: str) -> Setup:
       raise config_lib.ConfigError(f"data.eval_path={config.data.eval_path!r} yields no batch of "
                                    f"{t.seq_len} tokens; use more held-out data or a smaller batch")
 
-  ckpt_lib.write_config(workdir, config)
+  # config.json is written by `run` once the start point is restored: a resume that fails (e.g. the
+  # model config changed) must leave the config that describes the checkpoints.
   checkpointer = ckpt_lib.Checkpointer(f"{workdir}/{ckpt_lib.CHECKPOINT_DIR}",
                                        keep=config.checkpoint.keep,
                                        async_save=config.checkpoint.async_save)
@@ -227,10 +230,10 @@ def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
   cfg, p = s.config, s.programs
   source = ckpt_lib.resume_source(s.checkpointer.directory, cfg.checkpoint.init_from)
   if source.kind == "workdir":
-    target = state_lib.with_shardings(p.abstract, p.shardings)
-    state, step = s.checkpointer.restore_latest(target, s.train_iter)
+    target = state_lib.checkpoint_tree(state_lib.with_shardings(p.abstract, p.shardings))
+    tree, step = s.checkpointer.restore_latest(target, s.train_iter)
     logging.info("resumed from %s step %d", s.checkpointer.directory, step)
-    return state, step, "workdir"
+    return state_lib.from_checkpoint_tree(tree, p.not_halted_fn()), step, "workdir"
   if source.kind == "init_from":
     params = ckpt_lib.load_init_params(source.path, p.parts.abstract_params, p.shardings.params)
     logging.info("initialised parameters from %s", source.path)
@@ -270,8 +273,15 @@ class Trainer:
       return
     host = jax.device_get([m for _, m in self.pending])
     for (step, _), m in zip(self.pending, host):
+      dropped = not int(m["applied"])
+      self.skipped_total += dropped
+      if dropped and not int(m["nonfinite"]):
+        # Only a state halted by an earlier non-finite step of this run drops a finite update, and
+        # that step raised below first: this is a bug, never to be passed over silently.
+        self.pending = []
+        raise RuntimeError(f"the update of step {step} was dropped although its loss and gradient "
+                           f"are finite (the train state is halted)")
       if int(m["nonfinite"]):
-        self.skipped_total += 1
         msg = (f"non-finite loss or gradient at step {step} (loss={float(m['loss'])}, "
                f"grad_norm={float(m['grad_norm'])})")
         if self.t.on_nonfinite == "stop":
@@ -334,7 +344,7 @@ class Trainer:
     if self.step == self.last_saved:
       return
     self._fetch()  # never checkpoint past a non-finite step in "stop" mode
-    self.s.checkpointer.save(self.step, self.state, self.s.train_iter)
+    self.s.checkpointer.save(self.step, state_lib.checkpoint_tree(self.state), self.s.train_iter)
     self.last_saved = self.step
 
   # -- loop ------------------------------------------------------------------------------------
@@ -399,6 +409,7 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
   s = setup(config, workdir)
   try:
     state, step, start = initial_state(s)
+    ckpt_lib.write_config(workdir, config)  # only now: the config fits the restored checkpoint
     if step >= config.train.num_steps:
       logging.info("nothing to do: %s is at step %d of train.num_steps=%d", workdir, step,
                    config.train.num_steps)

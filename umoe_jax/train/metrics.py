@@ -4,7 +4,9 @@ TensorBoard files are written with tensorboard's own event writer (no TensorFlow
 
 Names (TensorBoard tags = JSONL keys):
   train/loss, train/lm_loss, train/perplexity (exp lm_loss), train/balance_loss (all routers),
-  train/learning_rate, train/grad_norm (before clipping), train/skipped_steps (so far),
+  train/learning_rate, train/grad_norm (before clipping), train/skipped_steps (so far, the whole
+  run), train/interval_skipped_steps (updates dropped in this log interval; the interval means above
+  and below are over its finite steps only, so one NaN step does not blank the interval),
   perf/tokens_per_sec, perf/tokens_per_sec_per_device, perf/step_time_s, perf/mfu (if peak known),
   moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router, e.g.
       moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e / mean_e count_e and
@@ -72,9 +74,14 @@ def load_balance(counts: np.ndarray) -> tuple[float, float]:
 def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
   """Per-step host metrics (from `train_step`) of one interval -> (scalars, expert-count sums).
 
-  Scalars are interval means except `tokens` (summed); per-router load statistics are computed
-  step by step and averaged.
+  Scalars are interval means over the steps whose loss and gradient norm are finite (over all
+  steps, so NaN / inf, if none is); per-router load statistics are computed step by step and
+  averaged over the same steps, expert counts summed over them.
+  `train/interval_skipped_steps` counts the steps whose update was dropped (`applied` == 0).
   """
+  skipped = sum(1 for s in steps if not int(s.get("applied", 1 - int(s.get("nonfinite", 0)))))
+  finite = [s for s in steps if not int(s.get("nonfinite", 0))]
+  steps = finite or steps  # an interval of non-finite steps only: its means are NaN / inf
   mean = lambda key: float(np.mean([float(s[key]) for s in steps]))
   lm_loss = mean("lm_loss")
   scalars = {
@@ -84,6 +91,7 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dic
       "train/balance_loss": mean("balance_loss"),
       "train/learning_rate": mean("learning_rate"),
       "train/grad_norm": mean("grad_norm"),
+      "train/interval_skipped_steps": float(skipped),
   }
   counts: dict[str, np.ndarray] = {}
   for name in sorted(steps[0]["routers"]):

@@ -1,6 +1,9 @@
 """The train state: one pytree of arrays (params, optimizer state, step, RNG), and how it is built
 and placed on a mesh.
 
+A checkpoint holds `checkpoint_tree(state)`: every field but the run-local `halted`, which every run
+starts False (`from_checkpoint_tree`), so a halt of one run never carries over into the next.
+
 The model is split once into a static `graphdef` (module structure, no arrays) and its parameters as
 a pure nested dict (`nnx.to_pure_dict`); the jitted step merges them back (`nnx.merge`). A pure dict
 keeps optax, Orbax and the sharding plan free of NNX wrappers; the logical axis names the sharding
@@ -27,6 +30,27 @@ class TrainState:
   opt_state: Any         # optax state over `params`
   rng: jax.Array         # [2] uint32 base key; step s may use jax.random.fold_in(rng, s)
   skipped: jax.Array     # [] int32: steps whose update was dropped (non-finite loss or gradient)
+  halted: jax.Array      # [] bool: this run met a non-finite step under on_nonfinite="stop", so
+                         # every later update of the run is dropped. Run-local: not checkpointed.
+
+
+# The fields a checkpoint holds (all but `halted`), in the layout written before `halted` existed.
+CHECKPOINT_FIELDS = ("step", "params", "opt_state", "rng", "skipped")
+
+
+def checkpoint_tree(state: TrainState) -> dict:
+  """What a checkpoint holds of `state` (arrays, or ShapeDtypeStructs for a restore target)."""
+  return {name: getattr(state, name) for name in CHECKPOINT_FIELDS}
+
+
+def from_checkpoint_tree(tree: dict, halted: jax.Array) -> TrainState:
+  """The state of a run that starts from a restored `checkpoint_tree`; `halted` is a fresh False
+  (placed like the state's scalars, e.g. `Programs.not_halted_fn()`)."""
+  return TrainState(**{name: tree[name] for name in CHECKPOINT_FIELDS}, halted=halted)
+
+
+def not_halted() -> jax.Array:
+  return jnp.zeros((), jnp.bool_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +98,7 @@ def state_with_params(params: Any, tx: optax.GradientTransformation, seed: int) 
   """A step-0 state around given params (`checkpoint.init_from`): fresh optimizer state."""
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                     rng=jax.random.key_data(_key(seed)).astype(jnp.uint32),
-                    skipped=jnp.zeros((), jnp.int32))
+                    skipped=jnp.zeros((), jnp.int32), halted=not_halted())
 
 
 def abstract_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int) -> TrainState:

@@ -15,8 +15,11 @@ devices every micro-batch is split over all of them too.
 
 Non-finite loss or gradient norm: the update is dropped (params and optimizer state unchanged,
 selected with `jnp.where`), `skipped` grows, and `metrics["nonfinite"]` is 1. With
-`on_nonfinite="stop"` every later step is dropped too, so the state stays at the last good step
-until the loop (which reads the metrics at each log interval) stops the run naming the step.
+`on_nonfinite="stop"` the state is also marked `halted`, and every later step of this run is dropped
+too, so the state stays at the last good step until the loop (which reads the metrics at each log
+interval) stops the run naming the step. `halted` is run-local (not checkpointed): a run resumed
+from a checkpoint whose `skipped` is non-zero (an earlier run under "skip") trains normally.
+`metrics["applied"]` is 0 for every dropped update, whatever the reason, so none is silent.
 """
 from __future__ import annotations
 
@@ -90,7 +93,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
 
   Bind the keyword arguments with functools.partial and jit with `donate_argnums=0`.
   Returns the new state and metrics: loss, lm_loss, balance_loss, grad_norm (before clipping),
-  learning_rate, tokens, nonfinite, and per router {"balance_loss", "expert_counts" [E], "entropy"}.
+  learning_rate, tokens, nonfinite (this step's loss or gradient norm is NaN / inf), applied (0 if
+  the update was dropped: non-finite, or the state is halted), and per router {"balance_loss",
+  "expert_counts" [E], "entropy"}.
   """
   grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
                                  remat=remat)
@@ -98,7 +103,10 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   loss = lm_loss + stats["balance_loss"]
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  apply = finite if on_nonfinite == "skip" else finite & (state.skipped == 0)
+  if on_nonfinite == "skip":
+    apply, halted = finite, state.halted
+  else:  # "stop": freeze at the last good step of this run (never on `skipped` of earlier runs)
+    apply, halted = finite & ~state.halted, state.halted | ~finite
 
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -107,7 +115,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       step=state.step + 1,
       params=keep(params, state.params),
       opt_state=keep(opt_state, state.opt_state),
-      skipped=state.skipped + (1 - apply.astype(jnp.int32)))
+      skipped=state.skipped + (1 - apply.astype(jnp.int32)),
+      halted=halted)
   metrics = {
       "loss": loss,
       "lm_loss": lm_loss,
@@ -116,6 +125,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       "learning_rate": schedule(state.step - state.skipped),
       "tokens": stats["tokens"],
       "nonfinite": (~finite).astype(jnp.int32),
+      "applied": apply.astype(jnp.int32),
       "routers": stats["routers"],
   }
   return new_state, metrics
