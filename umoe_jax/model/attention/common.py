@@ -11,6 +11,40 @@ from umoe_jax.registry import Registry
 ATTENTIONS: Registry[type] = Registry("attention kind")
 
 
+# Routed low-rank expert projection (pre-mixing queries, post-mixing keys):
+#   p_i(x) = x W_res + RMSNorm_r(x W_a^i) W_b^i,  or  x W^i  without a rank (W^i stored as W_b^i).
+
+
+def low_rank_expert_params(cfg, *, rngs, linear_kw: dict):
+  """(res_proj, a [E,D,r], a_norm, b [E,r,Dk]) for `attention.q_lora_rank` = r; without a rank
+  (None): (None, None, None, b [E,D,Dk]). Created in this order, so RNG draws are stable."""
+  from umoe_jax.model.layers import Linear, RMSNorm, make_param, normal_init
+  from umoe_jax.parallel import rules as ax
+  att, e, d, dk = cfg.attention, cfg.moe.n_experts, cfg.d_model, cfg.attention.head_dim
+  init = normal_init(cfg.init_std)
+  if att.q_lora_rank is None:
+    return None, None, None, make_param(rngs, init, (e, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
+                                        cfg.param_dtype)
+  r = att.q_lora_rank
+  res = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **linear_kw)
+  a = make_param(rngs, init, (e, d, r), (ax.EXPERT, ax.EMBED, ax.LORA), cfg.param_dtype)
+  a_norm = (RMSNorm(r, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
+            if att.q_lora_norm else None)
+  b = make_param(rngs, init, (e, r, dk), (ax.EXPERT, ax.LORA, ax.HEAD_DIM), cfg.param_dtype)
+  return res, a, a_norm, b
+
+
+def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: str):
+  """rows [M, D] sorted by expert -> [M, Dk] (without the residual projection)."""
+  from umoe_jax.ops.gmm import gmm
+  if a is None:
+    return gmm(rows, b.value.astype(dtype), group_sizes, backend=backend)
+  code = gmm(rows, a.value.astype(dtype), group_sizes, backend=backend)             # [M, r]
+  if a_norm is not None:
+    code = a_norm(code)
+  return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
+
+
 # Config checks shared by several variants (each raises ConfigError naming key and value).
 
 

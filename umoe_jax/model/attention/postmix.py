@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_pool_routing
-from umoe_jax.model.layers import MLP, Linear, RMSNorm, make_param, normal_init
+from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check_pool_routing,
+                                             low_rank_expert_apply, low_rank_expert_params)
+from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import make_router
 from umoe_jax.ops import dispatch
-from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
 from umoe_jax.stats import AttentionStats, Count, linear, mlp
 
@@ -118,24 +118,12 @@ class PostMixAttention(nnx.Module):
     self.top_k, self.n_experts = att.top_k, moe.n_experts
     kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
     d, dk = cfg.d_model, att.head_dim
-    init = normal_init(cfg.init_std)
     self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
                               rngs=rngs)
     self.q_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
     self.shared_k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw) if att.n_shared_experts else None
-    if att.q_lora_rank is None:
-      self.k_res_proj = self.k_a = self.k_a_norm = None
-      self.k_b = make_param(rngs, init, (moe.n_experts, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
-                            cfg.param_dtype)
-    else:
-      r = att.q_lora_rank
-      self.k_res_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
-      self.k_a = make_param(rngs, init, (moe.n_experts, d, r), (ax.EXPERT, ax.EMBED, ax.LORA),
-                            cfg.param_dtype)
-      self.k_a_norm = (RMSNorm(r, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-                       if att.q_lora_norm else None)
-      self.k_b = make_param(rngs, init, (moe.n_experts, r, dk), (ax.EXPERT, ax.LORA, ax.HEAD_DIM),
-                            cfg.param_dtype)
+    self.k_res_proj, self.k_a, self.k_a_norm, self.k_b = low_rank_expert_params(
+        cfg, rngs=rngs, linear_kw=kw)
     self.shared_expert = (
         MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
         if att.n_shared_experts else None)
@@ -157,13 +145,8 @@ class PostMixAttention(nnx.Module):
       values = dispatch.unpermute(experts(rows, plan.group_sizes), plan).reshape(n, k, d)
       values = (values.astype(jnp.float32) * gates[:, :, None]).astype(dt).reshape(b, t, k, d)
     with jax.named_scope("expert_keys"):
-      if self.k_a is None:
-        keys = gmm(rows, self.k_b.value.astype(dt), plan.group_sizes, backend=backend)
-      else:
-        code = gmm(rows, self.k_a.value.astype(dt), plan.group_sizes, backend=backend)
-        if self.k_a_norm is not None:
-          code = self.k_a_norm(code)
-        keys = gmm(code, self.k_b.value.astype(dt), plan.group_sizes, backend=backend)
+      keys = low_rank_expert_apply(rows, plan.group_sizes, self.k_a, self.k_a_norm, self.k_b,
+                                   dtype=dt, backend=backend)                      # [M, Dk]
       keys = dispatch.unpermute(keys, plan).reshape(b, t, k, -1)                   # [B, T, K, Dk]
       if self.k_res_proj is not None:
         keys = keys + self.k_res_proj(x)[:, :, None, :]

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_pool_routing
-from umoe_jax.model.layers import MLP, Linear, RMSNorm, make_param, normal_init
+from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check_pool_routing,
+                                             low_rank_expert_apply, low_rank_expert_params)
+from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import make_router
 from umoe_jax.ops import dispatch
-from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import expert_parallel
 from umoe_jax.parallel import rules as ax
 
@@ -70,23 +70,9 @@ class PreMixAttention(nnx.Module):
     else:
       self.latent_proj = self.latent_up = None
     self.shared_q_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw) if att.n_shared_experts else None
-    init = normal_init(cfg.init_std)
-    if att.q_lora_rank is None:
-      # Full per-expert queries W_q^i [E, D, Dk] (the official code's q_lora_rank=None branch).
-      self.q_res_proj = None
-      self.q_a = None
-      self.q_a_norm = None
-      self.q_b = make_param(rngs, init, (moe.n_experts, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
-                            cfg.param_dtype)
-    else:
-      r = att.q_lora_rank
-      self.q_res_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
-      self.q_a = make_param(rngs, init, (moe.n_experts, d, r), (ax.EXPERT, ax.EMBED, ax.LORA),
-                            cfg.param_dtype)
-      self.q_a_norm = (RMSNorm(r, eps=cfg.norm_eps, param_dtype=cfg.param_dtype, rngs=rngs)
-                       if att.q_lora_norm else None)
-      self.q_b = make_param(rngs, init, (moe.n_experts, r, dk), (ax.EXPERT, ax.LORA, ax.HEAD_DIM),
-                            cfg.param_dtype)
+    # Routed queries; without a rank, full per-expert W_q^i [E, D, Dk] in q_b (official q_lora_rank=None).
+    self.q_res_proj, self.q_a, self.q_a_norm, self.q_b = low_rank_expert_params(
+        cfg, rngs=rngs, linear_kw=kw)
     self.shared_expert = (
         MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
         if att.n_shared_experts else None)
@@ -96,15 +82,10 @@ class PreMixAttention(nnx.Module):
     """x [N, D] -> per-slot expert queries [N, K, Dk] (without the residual query)."""
     if expert_parallel.is_active():  # under parallel.use_mesh: q_a / q_b split over the mesh
       return expert_parallel.premix_queries(self, x_flat, expert_ids)
-    dt, backend = self.cfg.compute_dtype, self.cfg.gmm_backend
+    dt = self.cfg.compute_dtype
     rows = dispatch.permute(x_flat.astype(dt), plan, self.top_k)                  # [M, D]
-    if self.q_a is None:
-      q = gmm(rows, self.q_b.value.astype(dt), plan.group_sizes, backend=backend)   # [M, Dk]
-    else:
-      code = gmm(rows, self.q_a.value.astype(dt), plan.group_sizes, backend=backend)  # [M, r]
-      if self.q_a_norm is not None:
-        code = self.q_a_norm(code)
-      q = gmm(code, self.q_b.value.astype(dt), plan.group_sizes, backend=backend)   # [M, Dk]
+    q = low_rank_expert_apply(rows, plan.group_sizes, self.q_a, self.q_a_norm, self.q_b, dtype=dt,
+                              backend=self.cfg.gmm_backend)                       # [M, Dk]
     return dispatch.unpermute(q, plan).reshape(x_flat.shape[0], self.top_k, -1)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
