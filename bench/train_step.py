@@ -67,6 +67,9 @@ def bench_one(name: str, layout: str, args) -> dict:
   model_cfg = train_config.validate(config)
   mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:n_dev])
   rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
+  if args.capacity_factor is not None:
+    with config.unlocked():
+      config.expert_parallel.capacity_factor = args.capacity_factor
   cf = (config.get("expert_parallel") or {}).get("capacity_factor")
   progs = loop.config_programs(config, model_cfg, mesh, rules)
 
@@ -112,6 +115,24 @@ def bench_one(name: str, layout: str, args) -> dict:
   return row
 
 
+def _bench_subprocess(name: str, layout: str) -> dict:
+  """One row in a fresh process: its peak memory and compile time are its own."""
+  import subprocess
+  import tempfile
+  argv = [a for a in sys.argv[1:] if not a.startswith(("--runs", "--configs", "--layouts", "--out"))]
+  with tempfile.TemporaryDirectory() as tmp:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--runs={name}:{layout}",
+                           f"--out={tmp}", *argv], check=False)
+    path = os.path.join(tmp, "train_step.json")
+    if not os.path.exists(path):
+      raise RuntimeError(f"row {name}:{layout} exited with {proc.returncode} and wrote no result")
+    with open(path) as f:
+      row = json.load(f)[0]
+  if "error" in row:
+    raise RuntimeError(row["error"])
+  return row
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--configs", default="dense_base,ffn_moe_base,umoe_base")
@@ -123,15 +144,22 @@ def main():
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", action="store_true")
+  ap.add_argument("--capacity_factor", type=float, default=None,
+                  help="expert-parallel buffer capacity factor (default: the config's; None = dropless)")
+  ap.add_argument("--in_process", action="store_true",
+                  help="run every row in this process (default: one subprocess per row, so that peak "
+                       "memory and compile caches are per row)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
-  log("devices:", jax.devices())
   rows = []
   runs = [tuple(r.split(":")) for r in args.runs.split(",")] if args.runs else [
       (name, layout) for layout in args.layouts.split(",") for name in args.configs.split(",")]
+  if args.in_process or len(runs) == 1:
+    log("devices:", jax.devices())  # (not in a parent of subprocesses: it would take the GPUs' memory)
   for name, layout in runs:
     try:
-      rows.append(bench_one(name, layout, args))
+      rows.append(bench_one(name, layout, args) if args.in_process or len(runs) == 1
+                  else _bench_subprocess(name, layout))
       r = rows[-1]
       log(f"{name:14s} {layout:7s} step {r['step_ms']:8.1f} ms  {r['tokens_per_s'] / 1e3:8.1f}k tok/s  "
           f"MFU {100 * r['mfu']:5.1f}%  loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
