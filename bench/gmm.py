@@ -200,6 +200,7 @@ def dispatch_part(ours_backend, results):
   import jax.numpy as jnp
   from umoe_jax.ops import dispatch as D
   from umoe_jax.ops import gmm as G
+  from umoe_jax.ops import fused_dispatch as FD
   out = {}
   for name, D_, H, E, K in (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10)):
     n = T
@@ -226,6 +227,11 @@ def dispatch_part(ours_backend, results):
       plan = D.make_plan(ids, E)
       return D.apply_experts(x, plan, gates, lambda r, gs: experts(r, gs, w1, w2))
 
+    def fused(x, ids, gates, w1, w2):  # what ExpertPool.route runs
+      plan = D.make_plan(ids, E)
+      h = jax.nn.relu(FD.gather_gmm(x, w1, plan, K, backend=ours_backend))
+      return FD.gmm_combine(h, w2, plan, gates, backend=ours_backend)
+
     plan = jax.jit(lambda i: D.make_plan(i, E))(ids)
     rows = jax.jit(lambda x, p: D.permute(x, p, K))(x, plan)
     y_sorted = jax.random.normal(kx, (n * K, D_), jnp.bfloat16)
@@ -237,7 +243,22 @@ def dispatch_part(ours_backend, results):
     t_full_fb = jax_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), x, gates, w1, w2)
     loss_e = lambda r, w1, w2: jnp.sum(experts(r, plan.group_sizes, w1, w2).astype(jnp.float32))
     t_exp_fb = jax_ms(jax.jit(jax.grad(loss_e, argnums=(0, 1, 2))), rows, w1, w2)
-    out[name] = dict(dispatch_fwd_ms=t_disp, plan_ms=t_plan, experts_fwd_ms=t_exp, layer_fwd_ms=t_full,
+    # The fused layer must agree with the unfused one before it is timed.
+    ref = jax.jit(full)(x, ids, gates, w1, w2).astype(jnp.float32)
+    got = jax.jit(fused)(x, ids, gates, w1, w2).astype(jnp.float32)
+    fused_err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    loss_f = lambda x, g, w1, w2: jnp.sum(fused(x, ids, g, w1, w2).astype(jnp.float32))
+    g_ref = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+    g_got = jax.jit(jax.grad(loss_f, argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+    fused_grad_err = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
+                               jnp.linalg.norm(b.astype(jnp.float32))) for a, b in zip(g_got, g_ref))
+    t_fused = jax_ms(jax.jit(fused), x, ids, gates, w1, w2)
+    t_fused_fb = jax_ms(jax.jit(jax.grad(loss_f, argnums=(0, 1, 2, 3))), x, gates, w1, w2)
+    out[name] = dict(fused_fwd_ms=t_fused, fused_fwd_bwd_ms=t_fused_fb, fused_err=fused_err,
+                     fused_grad_err=fused_grad_err,
+                     fused_dispatch_frac_fwd=(t_fused - t_exp) / t_exp,
+                     fused_dispatch_frac_fwd_bwd=(t_fused_fb - t_exp_fb) / t_exp_fb,
+                     dispatch_fwd_ms=t_disp, plan_ms=t_plan, experts_fwd_ms=t_exp, layer_fwd_ms=t_full,
                      layer_fwd_bwd_ms=t_full_fb, experts_fwd_bwd_ms=t_exp_fb,
                      dispatch_frac_fwd=(t_full - t_exp) / t_exp,
                      dispatch_frac_fwd_bwd=(t_full_fb - t_exp_fb) / t_exp_fb)
@@ -245,6 +266,10 @@ def dispatch_part(ours_backend, results):
         f"layer fwd {t_full:.3f} ms -> dispatch = {100 * out[name]['dispatch_frac_fwd']:.0f}% of experts; "
         f"fwd+bwd layer {t_full_fb:.3f} vs experts {t_exp_fb:.3f} -> "
         f"{100 * out[name]['dispatch_frac_fwd_bwd']:.0f}%")
+    log(f"  dispatch {name} FUSED (fused_dispatch, as ExpertPool.route): fwd {t_fused:.3f} ms "
+        f"({100 * out[name]['fused_dispatch_frac_fwd']:.0f}% over experts), fwd+bwd {t_fused_fb:.3f} ms "
+        f"({100 * out[name]['fused_dispatch_frac_fwd_bwd']:.0f}%); rel err vs unfused {fused_err:.1e}, "
+        f"grads {fused_grad_err:.1e}")
   results["dispatch"] = out
 
 
@@ -378,7 +403,8 @@ def main():
     log(line)
   for k, v in results.get("dispatch", {}).items():
     log(f"dispatch {k}: fwd {100 * v['dispatch_frac_fwd']:.0f}% / fwd+bwd {100 * v['dispatch_frac_fwd_bwd']:.0f}% "
-        f"of the expert matmuls")
+        f"of the expert matmuls; fused: {100 * v['fused_dispatch_frac_fwd']:.0f}% / "
+        f"{100 * v['fused_dispatch_frac_fwd_bwd']:.0f}%")
 
 
 def _save(out_dir, results):

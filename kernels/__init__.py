@@ -22,7 +22,7 @@ _log = logging.getLogger(__name__)
 AUTO_PRIORITY = {"triton": 20, "mosaic": 10}
 
 
-def _register(name, module_name, gmm_attr, tgmm_attr):
+def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False):
   if name in _gmm_api.BACKENDS:
     return
   try:
@@ -33,8 +33,8 @@ def _register(name, module_name, gmm_attr, tgmm_attr):
     return
   _gmm_api.BACKENDS.register(name)(_gmm_api.GmmBackend(
       gmm=getattr(mod, gmm_attr), tgmm=getattr(mod, tgmm_attr), platforms=("gpu",),
-      auto_priority=AUTO_PRIORITY[name], available=mod.available))
+      auto_priority=AUTO_PRIORITY[name], available=mod.available, row_index=row_index))
 
 
-_register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm")
+_register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm", row_index=True)
 _register("mosaic", "kernels.mgpu_gmm", "mgpu_gmm", "mgpu_tgmm")

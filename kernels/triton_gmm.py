@@ -58,38 +58,41 @@ def split_width(width: int) -> tuple[int, int]:
 if HAVE_TRITON:
 
   @triton.jit
-  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, o_ptr,
-                  M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, G: tl.constexpr,
-                  GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr, s_bn: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
-                  N_TILES: tl.constexpr):
-    # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
-    pid = tl.program_id(0)
-    pid_m = pid // N_TILES
-    pid_n = pid % N_TILES
-
-    # --- schedule: which group / rows this row tile covers.
+  def _row_schedule(gs_ptr, M, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr):
+    """Group-aligned row tiles: per segment (G groups + the zero tail) its size, tiles and prefix sums."""
     offs_g = tl.arange(0, GP)
     sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
     total = tl.sum(sizes, axis=0)
     sizes = tl.where(offs_g == G, tl.maximum(M - total, 0), sizes)  # the zero-output tail segment
     tiles = (sizes + BM - 1) // BM
-    cum_tiles = tl.cumsum(tiles, axis=0)
-    num_tiles = tl.sum(tiles, axis=0)
+    return offs_g, sizes, tiles, tl.cumsum(tiles, axis=0), tl.cumsum(sizes, axis=0)
+
+  @triton.jit
+  def _locate(pid_m, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM: tl.constexpr):
+    """(group, first row, end row) of row tile `pid_m`; group == G for the zero tail."""
     g = tl.sum((cum_tiles <= pid_m).to(tl.int32), axis=0)
-    cum_sizes = tl.cumsum(sizes, axis=0)
     sel = offs_g == g
     seg_end = tl.sum(tl.where(sel, cum_sizes, 0), axis=0)
     seg_start = seg_end - tl.sum(tl.where(sel, sizes, 0), axis=0)
     first_tile = tl.sum(tl.where(sel, cum_tiles - tiles, 0), axis=0)
     row0 = seg_start + (pid_m - first_tile) * BM
-    row_end = tl.minimum(seg_end, row0 + BM)
+    return g, row0, tl.minimum(seg_end, row0 + BM)
 
+  @triton.jit
+  def _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, g, row0, row_end, pid_n, compute,
+                M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
+                s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
+                BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
+    not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
+    `scale[row]` when ROW_SCALE."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
     rows_ld = tl.minimum(offs_m, M - 1)  # rows past the tile's end are computed but never stored
-    a_ptrs = a_ptr + rows_ld[:, None] * KC + offs_k[None, :]
+    if A_INDEX:
+      rows_ld = tl.load(a_idx_ptr + rows_ld)
+    a_ptrs = a_ptr + rows_ld.to(tl.int64)[:, None] * KC + offs_k[None, :]
     b_base = b_ptr + g.to(tl.int64) * s_bg
     b_ptrs = b_base + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -98,7 +101,7 @@ if HAVE_TRITON:
       b2_ptrs = b_base + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
       acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
 
-    if (pid_m < num_tiles) & (g < G):
+    if compute:
       for ks in range(0, (KC + BK - 1) // BK):
         k_mask = offs_k < KC - ks * BK
         if KC % BK == 0:
@@ -120,21 +123,62 @@ if HAVE_TRITON:
         a_ptrs += BK
         b_ptrs += BK * s_bk
 
-    if pid_m < num_tiles:
-      row_mask = offs_m < row_end
-      o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
-      tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < NO))
-      if BN2 > 0:
-        o2_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n2[None, :]
-        tl.store(o2_ptrs, acc2.to(o_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (offs_n2[None, :] < NO))
+    row_mask = offs_m < row_end
+    if ROW_SCALE:
+      scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
+      acc = acc * scale[:, None]
+    o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < NO))
+    if BN2 > 0:
+      if ROW_SCALE:
+        acc2 = acc2 * scale[:, None]
+      o2_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n2[None, :]
+      tl.store(o2_ptrs, acc2.to(o_ptr.dtype.element_ty),
+               mask=row_mask[:, None] & (offs_n2[None, :] < NO))
 
   @triton.jit
-  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, o_ptr,
+  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, scale_ptr, o_ptr,
+                  M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, G: tl.constexpr,
+                  GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr, s_bn: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+                  N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                  A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr):
+    # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
+    pid = tl.program_id(0)
+    offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
+    num_tiles = tl.sum(tiles, axis=0)
+    if NUM_PROGS == 0:
+      # One program per (row tile, column tile); column tile fastest so a row tile's programs run
+      # together and its rows come from HBM once. Programs past the real tile count exit at once.
+      pid_m = pid // N_TILES
+      if pid_m < num_tiles:
+        g, row0, row_end = _locate(pid_m, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, tl.minimum(g, G - 1), row0, row_end,
+                  pid % N_TILES, g < G,
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE)
+    else:
+      # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
+      # pipeline prefetch the next tile's operands while this tile's epilogue stores.
+      tail_tiles = tl.sum(tl.where(offs_g == G, tiles, 0), axis=0)
+      work = (num_tiles - tail_tiles) * N_TILES
+      for t in tl.range(pid, work, NUM_PROGS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, g, row0, row_end, t % N_TILES, True,
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE)
+      for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
+        g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, tl.minimum(g, G - 1), row0, row_end,
+                  t % N_TILES, False,
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE)
+
+  @triton.jit
+  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, o_ptr,
                    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr):
-    # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N].
+                   BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
+                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr):
+    # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
+    # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r].
     pid = tl.program_id(0)
     g = pid // (K_TILES * N_TILES)
     rest = pid % (K_TILES * N_TILES)
@@ -159,24 +203,31 @@ if HAVE_TRITON:
     for s in range(0, steps):
       rows = start + s * BM + offs_r
       rmask = rows < end
-      rows64 = rows.to(tl.int64)
-      if K % BK == 0:
-        a = tl.load(a_ptr + rows64[:, None] * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+      if A_INDEX:
+        a_rows = tl.load(a_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
       else:
-        a = tl.load(a_ptr + rows64[:, None] * K + offs_k[None, :],
+        a_rows = rows.to(tl.int64)
+      if B_INDEX:
+        b_rows = tl.load(b_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
+      else:
+        b_rows = rows.to(tl.int64)
+      if K % BK == 0:
+        a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
+      else:
+        a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :],
                     mask=rmask[:, None] & (offs_k[None, :] < K), other=0.0)
       if N % (BN + BN2) == 0:
-        b = tl.load(b_ptr + rows64[:, None] * N + offs_n[None, :], mask=rmask[:, None], other=0.0)
+        b = tl.load(b_ptr + b_rows[:, None] * N + offs_n[None, :], mask=rmask[:, None], other=0.0)
       else:
-        b = tl.load(b_ptr + rows64[:, None] * N + offs_n[None, :],
+        b = tl.load(b_ptr + b_rows[:, None] * N + offs_n[None, :],
                     mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
       at = tl.trans(a)
       acc = tl.dot(at, b, acc)
       if BN2 > 0:
         if N % (BN + BN2) == 0:
-          b2 = tl.load(b_ptr + rows64[:, None] * N + offs_n2[None, :], mask=rmask[:, None], other=0.0)
+          b2 = tl.load(b_ptr + b_rows[:, None] * N + offs_n2[None, :], mask=rmask[:, None], other=0.0)
         else:
-          b2 = tl.load(b_ptr + rows64[:, None] * N + offs_n2[None, :],
+          b2 = tl.load(b_ptr + b_rows[:, None] * N + offs_n2[None, :],
                        mask=rmask[:, None] & (offs_n2[None, :] < N), other=0.0)
         acc2 = tl.dot(at, b2, acc2)
 
@@ -193,12 +244,16 @@ if HAVE_TRITON:
 # Launch geometry (pure Python: tested on CPU).
 
 
-def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict:
+def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig,
+               num_sms: int = 132) -> dict:
   bn, bn2 = split_width(cfg.bn)
   n_tiles = -(-no // cfg.bn)
   m_tiles = -(-m // cfg.bm) + g + 1  # group-aligned tiles never exceed this (tail segment included)
-  return dict(grid=(m_tiles * n_tiles,), BM=cfg.bm, BN=bn, BN2=bn2, BK=cfg.bk, N_TILES=n_tiles,
-              GP=_pow2_at_least(g + 1), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  programs = m_tiles * n_tiles
+  num_progs = min(cfg.persistent * num_sms, programs) if cfg.persistent else 0
+  return dict(grid=(num_progs or programs,), BM=cfg.bm, BN=bn, BN2=bn2, BK=cfg.bk, N_TILES=n_tiles,
+              GP=_pow2_at_least(g + 1), NUM_PROGS=num_progs, WARP_SPECIALIZE=cfg.warp_specialize,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
@@ -211,37 +266,60 @@ def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _num_sms() -> int:
+  dev = jax.devices()[0]
+  return int(getattr(dev, "core_count", 0) or 132)  # H100/H200: 132
+
+
+
+def _placeholder():
+  """A one-element int32 array standing in for an unused optional kernel operand."""
+  return jnp.zeros((1,), jnp.int32)
+
+
 # ----------------------------------------------------------------------------------------------
 # JAX entry points.
 
 
-def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
-  m = lhs.shape[0]
+def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
+               lhs_index=None, row_scale=None):
+  """Raw grouped matmul (see module docstring). `lhs_index` [M] int32: the operand's row r is
+  lhs[lhs_index[r]] (lhs [N_src, K]; the permute gather fused into the kernel); `row_scale` [M]:
+  output row r is multiplied by row_scale[r] (in float32, before the cast)."""
+  m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
   g, k, n = rhs.shape
   kc, no = (n, k) if transpose_rhs else (k, n)
   strides = (k * n, 1, n) if transpose_rhs else (k * n, n, 1)  # (g, contraction, output col)
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   cfg = config or tuning.lookup("triton", "gmm_t" if transpose_rhs else "gmm", m, kc, no, g)
-  launch = gmm_launch(m, kc, no, g, cfg)
+  launch = gmm_launch(m, kc, no, g, cfg, _num_sms() if cfg.persistent else 132)
   grid = launch.pop("grid")
+  index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
+  scale = _placeholder() if row_scale is None else row_scale.astype(jnp.float32)
   return jt.triton_call(
-      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), kernel=_gmm_kernel,
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), index, scale, kernel=_gmm_kernel,
       out_shape=jax.ShapeDtypeStruct((m, no), out_dtype), grid=grid,
-      M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], **launch)
+      M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
+      A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, **launch)
 
 
-def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None):
-  m, k = lhs.shape
-  n = rhs.shape[1]
+def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None,
+                lhs_index=None, rhs_index=None):
+  """Raw weight-gradient form; with `lhs_index` / `rhs_index` [M] the operands' row r is read at
+  lhs[lhs_index[r]] / rhs[rhs_index[r]] (gathers fused into the kernel)."""
+  k, n = lhs.shape[1], rhs.shape[1]
+  m = next((i.shape[0] for i in (lhs_index, rhs_index) if i is not None), lhs.shape[0])
   g = int(num_groups or group_sizes.shape[0])
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   cfg = config or tuning.lookup("triton", "tgmm", m, k, n, g)
   launch = tgmm_launch(m, k, n, g, cfg)
   grid = launch.pop("grid")
+  a_index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
+  b_index = _placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)
   return jt.triton_call(
-      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), kernel=_tgmm_kernel,
-      out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
-      M=m, K=k, N=n, G=g, **launch)
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index,
+      kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
+      M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None, **launch)
 
 
 def available() -> bool:

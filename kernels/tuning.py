@@ -23,6 +23,10 @@ class TileConfig:
   num_stages: int = 3
   # Mosaic GPU only: pipeline depth and column-block grouping of the persistent schedule.
   grid_block_n: int = 1
+  # Triton gmm only: 0 = one program per tile; p = a persistent grid of p programs per SM looping
+  # over the tiles (flattened loop: the next tile's loads overlap this tile's stores).
+  persistent: int = 0
+  warp_specialize: bool = False
 
 
 # (backend, op, kc, no) -> config. Filled from the H200 sweeps recorded in BENCHMARKS.md.
@@ -108,12 +112,17 @@ def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
         if bn in widths or bn <= no:
           out.append(TileConfig(bm, bn, bk, nw, ns))
     else:
-      # Round 3 (round 2's winners are in TABLE): even more CTAs per SM for the short contractions,
-      # and BK = 32 with deeper pipelines for the long ones.
-      for bm, bn, bk, nw, ns in ((64, 128, 64, 4, 2), (128, 64, 64, 4, 2), (128, 192, 32, 8, 8),
-                                 (128, 256, 32, 8, 6), (64, 256, 64, 4, 2)):
+      # Round 4: the tabled tile as a persistent grid (1 or 2 programs per SM, flattened loop so the
+      # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row
+      # tiles, which halve the weight-tile reloads per output row.
+      base = out[0]
+      for p, ws in ((1, False), (2, False), (1, True)):
+        out.append(dataclasses.replace(base, persistent=p, warp_specialize=ws))
+      for bm, bn, bk, nw, ns, p in ((256, 128, 64, 8, 3, 0), (256, 128, 64, 8, 3, 1),
+                                    (128, 256, 64, 8, 3, 1), (128, 128, 64, 4, 3, 2),
+                                    (128, 192, 64, 8, 4, 1), (256, 192, 64, 8, 3, 0)):
         if bn <= max(no, 64) and (no % bn == 0 or bn == 64 or no < bn):
-          out.append(TileConfig(bm, bn, bk, nw, ns))
+          out.append(TileConfig(bm, bn, bk, nw, ns, persistent=p))
   else:
     if op == "tgmm":
       for bm, bn, bk, ns in ((128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4), (128, 128, 32, 6)):

@@ -153,3 +153,79 @@ def test_apply_experts_gradient():
   want = jax.jit(jax.grad(via_loop, argnums=(0, 1, 2, 3)))(*args)
   for a, b in zip(got, want):
     assert rel_err(a, b) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch fused into the first / last grouped matmul (umoe_jax.ops.fused_dispatch).
+
+
+def _row_index_backend():
+  """A CPU backend that takes the `row_index` arguments itself (as the Triton kernels do), so the
+  fused ops' index / scale plumbing is exercised without a GPU."""
+  from umoe_jax.ops import gmm as G
+  name = "test_row_index"
+  if name not in G.BACKENDS:
+    xla = G.BACKENDS.get("xla")
+
+    def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None):
+      if lhs_index is not None:
+        lhs = jnp.take(lhs, lhs_index, axis=0)
+      out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+      if row_scale is not None:
+        out = out * row_scale[:, None]
+      return out.astype(out_dtype)
+
+    def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None):
+      lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
+      rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
+      return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
+
+    G.BACKENDS.register(name)(G.GmmBackend(gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",),
+                                           auto_priority=-1, row_index=True))
+  return name
+
+
+@pytest.mark.parametrize("backend", ["xla", "row_index"])
+@pytest.mark.parametrize("per_slot", [False, True])
+@pytest.mark.parametrize("case", list(ID_CASES))
+def test_fused_dispatch_matches_apply_experts(backend, per_slot, case):
+  """gather_gmm + gmm_combine: values and every gradient (x, gates, both weights) equal the
+  unfused permute -> gmm -> gmm -> unpermute -> combine, float32, on fresh random inputs."""
+  from umoe_jax.ops import fused_dispatch
+  backend = _row_index_backend() if backend == "row_index" else backend
+  ids = jnp.asarray(ID_CASES[case])
+  rng = np.random.default_rng(11)
+  w1, w2 = (jnp.asarray(w) for w in _expert_weights(12))
+  x = jnp.asarray(rng.standard_normal((N, KS, D) if per_slot else (N, D)), jnp.float32)
+  gates = jnp.asarray(rng.random((N, KS)), jnp.float32)
+  cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+
+  def fused(x, gates, w1, w2):
+    plan = dispatch.make_plan(ids, E)
+    h = jax.nn.silu(fused_dispatch.gather_gmm(x, w1, plan, KS, backend=backend))
+    return fused_dispatch.gmm_combine(h, w2, plan, gates, backend=backend)
+
+  def unfused(x, gates, w1, w2):
+    plan = dispatch.make_plan(ids, E)
+    fn = lambda rows, gs: gmm(jax.nn.silu(gmm(rows, w1, gs, backend="xla")), w2, gs, backend="xla")
+    return dispatch.apply_experts(x, plan, gates, fn)
+
+  args = (x, gates, w1, w2)
+  assert rel_err(jax.jit(fused)(*args), jax.jit(unfused)(*args)) < 1e-6
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)
+  got = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2, 3)))(*args)
+  want = jax.jit(jax.grad(loss(unfused), argnums=(0, 1, 2, 3)))(*args)
+  for name, a, b in zip(("x", "gates", "w_up", "w_down"), got, want):
+    assert rel_err(a, b) < 1e-6, name
+
+
+def test_fused_dispatch_rejects_bad_shapes():
+  from umoe_jax.ops import fused_dispatch
+  plan = dispatch.make_plan(jnp.asarray(ID_CASES["random"]), E)
+  w1, w2 = (jnp.asarray(w) for w in _expert_weights(1))
+  with pytest.raises(ValueError, match=r"\[N, 3, D\]"):
+    fused_dispatch.gather_gmm(jnp.zeros((N, 2, D)), w1, plan, KS)
+  with pytest.raises(ValueError, match="does not fit"):
+    fused_dispatch.gather_gmm(jnp.zeros((N, D + 1)), w1, plan, KS)
+  with pytest.raises(ValueError, match=r"h \[30, F\]"):
+    fused_dispatch.gmm_combine(jnp.zeros((N, F)), w2, plan, jnp.zeros((N, KS)))

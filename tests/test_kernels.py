@@ -236,14 +236,23 @@ def test_mosaic_transposed_and_tgmm_in_interpreter():
   pass
 
 
+class _NpDtype:
+  def __init__(self, name): self.name = name
+  def __str__(self): return "torch." + self.name
+
+
+# One object per dtype, alive for the whole run: Triton caches type lookups by the dtype object,
+# so short-lived per-tensor dtype objects (whose ids get reused) gave stale element types.
+_NP_DTYPES = {np.dtype(np.float32): _NpDtype("float32"), np.dtype(np.int32): _NpDtype("int32"),
+              np.dtype(np.float16): _NpDtype("float16")}
+
+
 class _NpTensor:
   """The few torch-tensor methods the Triton interpreter calls, over a numpy array."""
 
   def __init__(self, arr):
     self.arr = np.ascontiguousarray(arr)
-    name = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32",
-            np.dtype(np.float16): "float16"}[self.arr.dtype]
-    self.dtype = type("Dt", (), {"__str__": lambda s, n=name: "torch." + n})()
+    self.dtype = _NP_DTYPES[self.arr.dtype]
 
   def data_ptr(self): return self.arr.ctypes.data
   def untyped_storage(self): return self
@@ -280,21 +289,51 @@ def _triton_interpreter_check():
     a = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((g, k, n)).astype(np.float32)
     dy = rng.standard_normal((m, n)).astype(np.float32)
+    # Fused gathers: operand rows read through a random index into a smaller source; output rows
+    # scaled per row.
+    src_a = rng.standard_normal((m // 3 + 1, k)).astype(np.float32)
+    src_dy = rng.standard_normal((m // 2 + 1, n)).astype(np.float32)
+    ia = rng.integers(0, src_a.shape[0], m).astype(np.int32)
+    idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
+    scale = rng.standard_normal(m).astype(np.float32)
+    keep = []  # the interpreter maps arguments by address: keep every argument alive
+
+    def none():  # a fresh placeholder per unused operand
+      return arg(np.zeros(1, np.int32))
+
+    def arg(x):
+      keep.append(_NpTensor(np.array(x)))
+      return keep[-1]
+    for persistent, index, row_scale in ((0, False, False), (1, False, False), (0, True, True),
+                                         (2, True, False)):
+      cfg = tuning.TileConfig(*tile, persistent=persistent)
+      for tr, lhs, src, idx in ((False, a, src_a, ia), (True, dy, src_dy, idy)):
+        kc, no = (n, k) if tr else (k, n)
+        st = (k * n, 1, n) if tr else (k * n, n, 1)
+        launch = T.gmm_launch(m, kc, no, g, cfg, num_sms=2)
+        grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+        out = _NpTensor(np.full((m, no), np.nan, np.float32))
+        T._gmm_kernel[grid](_NpTensor(src if index else lhs), _NpTensor(w), _NpTensor(gs),
+                            _NpTensor(idx) if index else none(),
+                            _NpTensor(scale) if row_scale else none(), out, M=m, KC=kc, NO=no, G=g,
+                            s_bg=st[0], s_bk=st[1], s_bn=st[2], A_INDEX=index, ROW_SCALE=row_scale,
+                            **launch)
+        want = _ref_gmm(src[idx] if index else lhs, w, gs, tr)
+        if row_scale:
+          want = want * scale[:, None]
+        np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
+                                   err_msg=f"persistent={persistent} index={index} scale={row_scale}")
     cfg = tuning.TileConfig(*tile)
-    for tr, lhs in ((False, a), (True, dy)):
-      kc, no = (n, k) if tr else (k, n)
-      st = (k * n, 1, n) if tr else (k * n, n, 1)
-      launch = T.gmm_launch(m, kc, no, g, cfg)
-      grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
-      out = _NpTensor(np.full((m, no), np.nan, np.float32))
-      T._gmm_kernel[grid](_NpTensor(lhs), _NpTensor(w), _NpTensor(gs), out, M=m, KC=kc, NO=no, G=g,
-                          s_bg=st[0], s_bk=st[1], s_bn=st[2], **launch)
-      np.testing.assert_allclose(out.arr, _ref_gmm(lhs, w, gs, tr), rtol=1e-4, atol=1e-4)
     launch = T.tgmm_launch(m, k, n, g, cfg)
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
-    out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
-    T._tgmm_kernel[grid](_NpTensor(a), _NpTensor(dy), _NpTensor(gs), out, M=m, K=k, N=n, G=g, **launch)
-    np.testing.assert_allclose(out.arr, _ref_tgmm(a, dy, gs), rtol=1e-4, atol=1e-4)
+    for a_index, b_index in ((False, False), (True, False), (False, True), (True, True)):
+      out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
+      T._tgmm_kernel[grid](arg(src_a if a_index else a), arg(src_dy if b_index else dy),
+                           arg(gs), arg(ia) if a_index else none(),
+                           arg(idy) if b_index else none(), out, M=m, K=k, N=n, G=g,
+                           A_INDEX=a_index, B_INDEX=b_index, **launch)
+      want = _ref_tgmm(src_a[ia] if a_index else a, src_dy[idy] if b_index else dy, gs)
+      np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4)
   print("TRITON_INTERPRETER_OK")
 
 

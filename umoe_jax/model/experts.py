@@ -10,6 +10,7 @@ from flax import nnx
 
 from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init
 from umoe_jax.ops import dispatch
+from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import expert_parallel
 from umoe_jax.parallel import rules as ax
@@ -35,23 +36,32 @@ class ExpertPool(nnx.Module):
     self.w_gate = (make_param(rngs, normal_init(std), (n_experts, d_model, d_expert),
                               (ax.EXPERT, ax.EMBED, ax.EXPERT_MLP), param_dtype) if gated else None)
 
+  def _hidden(self, up: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """The expert's hidden rows [M, F] from the up (and gate) projections."""
+    act = ACTIVATION_FNS[self.activation]
+    return act(up) if gate is None else act(gate) * up
+
   def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, D] sorted by expert, group_sizes [E] -> [M, D]."""
     dt = self.compute_dtype
+    rows = rows.astype(dt)
     with jax.named_scope("expert_up"):
-      h = gmm(rows.astype(dt), self.w_up.value.astype(dt), group_sizes, backend=self.gmm_backend)
+      up = gmm(rows, self.w_up.value.astype(dt), group_sizes, backend=self.gmm_backend)
+    gate = None
     if self.w_gate is not None:
       with jax.named_scope("expert_gate"):
-        g = gmm(rows.astype(dt), self.w_gate.value.astype(dt), group_sizes, backend=self.gmm_backend)
-      h = ACTIVATION_FNS[self.activation](g) * h
-    else:
-      h = ACTIVATION_FNS[self.activation](h)
+        gate = gmm(rows, self.w_gate.value.astype(dt), group_sizes, backend=self.gmm_backend)
     with jax.named_scope("expert_down"):
-      return gmm(h, self.w_down.value.astype(dt), group_sizes, backend=self.gmm_backend)
+      return gmm(self._hidden(up, gate), self.w_down.value.astype(dt), group_sizes,
+                 backend=self.gmm_backend)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None) -> jax.Array:
     """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]).
+
+    The sort, un-sort and gate-weighted combine are fused into the first and last grouped matmuls
+    (`umoe_jax.ops.fused_dispatch`): the same values and gradients as
+    `dispatch.apply_experts(x, plan, gates, self)` without the permuted [N*K, D] copies.
 
     Args:
       x: [N, D] (every slot sees the token) or [N, K, D] (one input per slot, as in pre-mixing).
@@ -63,4 +73,14 @@ class ExpertPool(nnx.Module):
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
       return expert_parallel.route_pool(self, x, expert_ids, gates)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
-    return dispatch.apply_experts(x, plan, gates, self)
+    dt, k = self.compute_dtype, expert_ids.shape[1]
+    x = x.astype(dt)
+    with jax.named_scope("expert_up"):
+      up = gather_gmm(x, self.w_up.value.astype(dt), plan, k, backend=self.gmm_backend)
+    gate = None
+    if self.w_gate is not None:
+      with jax.named_scope("expert_gate"):
+        gate = gather_gmm(x, self.w_gate.value.astype(dt), plan, k, backend=self.gmm_backend)
+    with jax.named_scope("expert_down"):
+      return gmm_combine(self._hidden(up, gate), self.w_down.value.astype(dt), plan, gates,
+                         backend=self.gmm_backend)

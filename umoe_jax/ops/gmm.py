@@ -43,12 +43,16 @@ class GmmBackend:
     platforms: platforms ("cpu", "gpu", "tpu") on which the backend runs.
     auto_priority: higher wins when `backend="auto"`; negative never picked automatically.
     available: optional probe (e.g. "is jax_triton importable") checked before `auto` picks it.
+    row_index: the ops also take `lhs_index` / `row_scale` (gmm) and `lhs_index` / `rhs_index`
+      (tgmm): operand rows read through an index and output rows scaled inside the kernel, which
+      lets `umoe_jax.ops.fused_dispatch` skip the permuted copies. Others get them done by XLA.
   """
   gmm: GmmFn
   tgmm: GmmFn
   platforms: tuple[str, ...]
   auto_priority: int = 0
   available: Callable[[], bool] = lambda: True
+  row_index: bool = False
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")

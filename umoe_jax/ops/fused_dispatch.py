@@ -1,0 +1,189 @@
+"""Token dispatch fused into the expert pool's first and last grouped matmuls.
+
+`dispatch.apply_experts` moves rows with separate gathers: it writes the permuted copy of the tokens
+[M, D] before the first matmul and the per-slot outputs [M, D] before the combine, and autodiff adds
+two more [M, D] round trips backward. With M = N*K rows of width D (K = 15, D = 768 for UMoE-base) that
+traffic cost as much as the expert matmuls themselves on an H200 (BENCHMARKS.md, "Token dispatch").
+The two ops here give the same values and gradients while reading token rows straight from their
+source inside the kernels (on backends with `GmmBackend.row_index`; elsewhere XLA does the gathers):
+
+  gather_gmm(x, w, plan, K)        = gmm(permute(x, plan, K), w)                         -> [M, N]
+  gmm_combine(h, w, plan, gates)   = combine(unpermute(gmm(h, w), plan), gates)         -> [N_tok, D]
+
+Backward of gather_gmm: dw = tgmm(x[src], dy) with the gather in the kernel; dx = the fan-in of
+gmm^T(dy, w) through the inverse permutation (a gather and a K-way sum). Backward of gmm_combine:
+the per-row cotangent gate[r] * dout[token(r)] is never written: dh = gmm^T(dout[token], w) scaled
+per row in the kernel's epilogue, dw = tgmm(gate * h, dout[token]) with the gather in the kernel,
+dgates = <y rows, dout> through the inverse permutation.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from umoe_jax.ops.dispatch import DispatchPlan
+from umoe_jax.ops.gmm import BACKENDS, resolve_backend
+from umoe_jax.ops.varying import vary_like, varying_axes
+
+
+def _source_index(plan: DispatchPlan, slots: int, per_slot: bool) -> jax.Array:
+  """Row of the source array that sorted row r reads: token order[r] // K, or order[r] itself when
+  the source has one row per (token, slot)."""
+  return plan.order if per_slot or slots == 1 else plan.order // slots
+
+
+def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None):
+  if backend.row_index:
+    return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                       lhs_index=lhs_index, row_scale=row_scale)
+  if lhs_index is not None:
+    lhs = jnp.take(lhs, lhs_index, axis=0)
+  out = backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
+                    out_dtype=jnp.float32 if row_scale is not None else out_dtype)
+  if row_scale is not None:
+    out = (out * row_scale[:, None]).astype(out_dtype)
+  return out
+
+
+def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None):
+  if backend.row_index:
+    return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype,
+                        lhs_index=lhs_index, rhs_index=rhs_index)
+  if lhs_index is not None:
+    lhs = jnp.take(lhs, lhs_index, axis=0)
+  if rhs_index is not None:
+    rhs = jnp.take(rhs, rhs_index, axis=0)
+  return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
+
+
+def _fan_in(rows: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
+  """rows [M, D] in expert order -> per source row [M / slots, D]: sum over its slots (float32)."""
+  per_slot = jnp.take(rows, inverse, axis=0)
+  if slots == 1:
+    return per_slot
+  return per_slot.reshape(-1, slots, rows.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(rows.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# gather_gmm
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_gmm_fn(backend_name: str, fan_out: int):
+  backend = BACKENDS.get(backend_name)
+
+  @jax.custom_vjp
+  def fn(x, rhs, gs, src, inverse):
+    out = _raw_gmm(backend, x, rhs, gs, transpose_rhs=False, out_dtype=x.dtype, lhs_index=src)
+    return vary_like(out, varying_axes(x) | varying_axes(rhs))
+
+  def fwd(x, rhs, gs, src, inverse):
+    return fn(x, rhs, gs, src, inverse), (x, rhs, gs, src, inverse)
+
+  def bwd(res, dout):
+    x, rhs, gs, src, inverse = res
+    dout = dout.astype(rhs.dtype)
+    drows = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=x.dtype)   # [M, D]
+    dx = _fan_in(drows, inverse, fan_out)                                              # [N, D]
+    drhs = _raw_tgmm(backend, x, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
+                     lhs_index=src)
+    return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
+               backend: str = "auto") -> jax.Array:
+  """`gmm(dispatch.permute(x, plan, slots), rhs, plan.group_sizes)` without the permuted copy.
+
+  Args:
+    x: [N, D] (every slot of a token reads its row) or [N, K, D] (one row per slot).
+    rhs: [E, D, F].
+    plan: `make_plan(expert_ids [N, K], E)`.
+    slots: K.
+  Returns:
+    [M, F], rows in expert order (M = N*K).
+  """
+  if x.ndim == 3:
+    if x.shape[1] != slots:
+      raise ValueError(f"gather_gmm wants x [N, D] or [N, {slots}, D]; got {x.shape}")
+    x, fan_out = x.reshape(-1, x.shape[-1]), 1
+  elif x.ndim == 2:
+    fan_out = slots
+  else:
+    raise ValueError(f"gather_gmm wants x [N, D] or [N, {slots}, D]; got {x.shape}")
+  if rhs.ndim != 3 or rhs.shape[1] != x.shape[-1] or rhs.shape[0] != plan.group_sizes.shape[0]:
+    raise ValueError(f"gather_gmm: rhs {rhs.shape} does not fit rows of width {x.shape[-1]} and "
+                     f"{plan.group_sizes.shape[0]} groups")
+  src = _source_index(plan, fan_out, per_slot=fan_out == 1)
+  return _gather_gmm_fn(resolve_backend(backend), fan_out)(
+      x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_combine
+
+
+@functools.lru_cache(maxsize=None)
+def _gmm_combine_fn(backend_name: str, slots: int):
+  backend = BACKENDS.get(backend_name)
+
+  def forward(h, rhs, gs, order, inverse, gates):
+    y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype)     # [M, D]
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
+    out = jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype), preferred_element_type=jnp.float32)
+    return out.astype(h.dtype), y_sorted
+
+  @jax.custom_vjp
+  def fn(h, rhs, gs, order, inverse, gates):
+    out, _ = forward(h, rhs, gs, order, inverse, gates)
+    return vary_like(out, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+
+  def fwd(h, rhs, gs, order, inverse, gates):
+    out, y_sorted = forward(h, rhs, gs, order, inverse, gates)
+    out = vary_like(out, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+    return out, (h, rhs, gs, order, inverse, gates, y_sorted)
+
+  def bwd(res, dout):
+    h, rhs, gs, order, inverse, gates, y_sorted = res
+    dout = dout.astype(h.dtype)                                                            # [N, D]
+    token = order // slots                                                                 # [M]
+    gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
+    dh = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
+                  lhs_index=token, row_scale=gate_sorted)                                  # [M, F]
+    h_scaled = (h.astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)
+    drhs = _raw_tgmm(backend, h_scaled, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
+                     rhs_index=token)                                                      # [E, F, D]
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
+    dgates = jnp.einsum("nkd,nd->nk", y, dout, preferred_element_type=jnp.float32)
+    return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
+            vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
+                backend: str = "auto") -> jax.Array:
+  """`combine(unpermute(gmm(h, rhs, plan.group_sizes), plan), gates)`: the expert pool's last matmul,
+  un-sort and gate-weighted sum over slots in one differentiable op.
+
+  Args:
+    h: [M, F] rows in expert order.
+    rhs: [E, F, D].
+    plan: the plan that sorted the rows (expert ids [N, K]).
+    gates: [N, K].
+  Returns:
+    [N, D] in h.dtype (the K-way sum accumulated in float32).
+  """
+  n, k = gates.shape
+  if h.ndim != 2 or h.shape[0] != n * k:
+    raise ValueError(f"gmm_combine wants h [{n * k}, F] for gates {gates.shape}; got {h.shape}")
+  if rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or rhs.shape[0] != plan.group_sizes.shape[0]:
+    raise ValueError(f"gmm_combine: rhs {rhs.shape} does not fit h {h.shape} and "
+                     f"{plan.group_sizes.shape[0]} groups")
+  return _gmm_combine_fn(resolve_backend(backend), k)(
+      h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
