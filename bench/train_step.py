@@ -6,7 +6,8 @@ For each model config and mesh layout: builds the state and step exactly as `tra
 memory. Usage (GPU):
 
   python bench/train_step.py --configs=dense_base,umoe_base --batch=32 --seq_len=1024 \
-      [--layouts=single,data,expert] [--gmm_backend=auto] [--remat] [--out=$OUT]
+      [--layouts=single,data,expert] [--gmm_backend=auto] [--remat] [--out=$OUT] \
+      [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather]
 
 Layouts: "single" = one device; "data" = data parallel over every device; "expert" = expert parallel
 over every device (mesh data=1, expert=N) with data parallel batch sharding.
@@ -67,10 +68,13 @@ def bench_one(name: str, layout: str, args) -> dict:
   model_cfg = train_config.validate(config)
   mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:n_dev])
   rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
-  if args.capacity_factor is not None:
-    with config.unlocked():
+  with config.unlocked():
+    if args.capacity_factor is not None:
       config.expert_parallel.capacity_factor = args.capacity_factor
-  cf = (config.get("expert_parallel") or {}).get("capacity_factor")
+    if args.exchange is not None:
+      config.expert_parallel.exchange = args.exchange
+  train_config.check_expert_parallel(config.get("expert_parallel"))
+  cf, exchange = loop.expert_parallel_settings(config)
   progs = loop.config_programs(config, model_cfg, mesh, rules)
 
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
@@ -80,7 +84,7 @@ def bench_one(name: str, layout: str, args) -> dict:
   batch = {"inputs": jax.device_put(tokens[:, :-1], batch_sharding),
            "targets": jax.device_put(tokens[:, 1:], batch_sharding)}
 
-  with sharding_lib.use_mesh(mesh, rules, expert_capacity_factor=cf):
+  with sharding_lib.use_mesh(mesh, rules, expert_capacity_factor=cf, expert_exchange=exchange):
     t0 = time.perf_counter()
     state = progs.init_fn(config.train.seed)
     state, m = progs.train_fn(state, batch)
@@ -107,7 +111,8 @@ def bench_one(name: str, layout: str, args) -> dict:
              tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / n_dev,
              mfu=flops_tok * tok_s / (peak * n_dev), compile_s=compile_s, first_loss=first_loss,
              last_loss=last_loss, loss_check=ok, peak_mem_gb=mem.get("peak_bytes_in_use", 0) / 2**30,
-             gmm_backend=args.gmm_backend, remat=args.remat, step_times_ms=[1e3 * x for x in times],
+             gmm_backend=args.gmm_backend, remat=args.remat, capacity_factor=cf, exchange=exchange,
+             step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   del state, m, batch
   gc.collect()
@@ -146,6 +151,9 @@ def main():
   ap.add_argument("--remat", action="store_true")
   ap.add_argument("--capacity_factor", type=float, default=None,
                   help="expert-parallel buffer capacity factor (default: the config's; None = dropless)")
+  ap.add_argument("--exchange", default=None, choices=["auto", "all_to_all", "all_gather"],
+                  help="expert-parallel token exchange (default: the config's, normally auto = "
+                       "all_gather when top-k >= expert-axis size)")
   ap.add_argument("--in_process", action="store_true",
                   help="run every row in this process (default: one subprocess per row, so that peak "
                        "memory and compile caches are per row)")

@@ -146,7 +146,11 @@ def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
   config.mesh = dict(data=-1, fsdp=1, tensor=1, expert=1)
   config.sharding_rules = [[name, list(axes) if isinstance(axes, tuple) else axes]
                            for name, axes in DEFAULT_RULES]
-  # Expert parallelism: None = dropless (worst-case buffers); a float = per-pair capacity factor,
-  # overflow rows are dropped and counted.
-  config.expert_parallel = dict(capacity_factor=ml_collections.config_dict.placeholder(float))
+  # Expert parallelism (umoe_jax/parallel/expert_parallel.py). capacity_factor: None = dropless
+  # (worst-case buffers); a float = buffers of c x the balanced load, overflow rows dropped and
+  # counted. exchange: "auto" (all_gather when top-k >= expert-axis size, else all_to_all),
+  # "all_to_all" (each (token, slot) row to its expert's shard) or "all_gather" (each token once to
+  # every shard, partial outputs reduce-scattered back).
+  config.expert_parallel = dict(capacity_factor=ml_collections.config_dict.placeholder(float),
+                                exchange="auto")
   return config

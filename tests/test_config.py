@@ -196,6 +196,51 @@ def test_bad_config_from_configdict():
     model_config(cd)
 
 
+# The trainer's `expert_parallel` section (checked by umoe_jax.train.config.validate).
+@pytest.mark.parametrize("key, value, match", [
+    ("exchange", "ring", r"expert_parallel\.exchange='ring' must be one of auto, all_to_all, "
+                         r"all_gather"),
+    ("exchange", "All_Gather", r"expert_parallel\.exchange='All_Gather'"),
+    ("capacity_factor", 0.0, r"expert_parallel\.capacity_factor=0\.0 must be"),
+    ("capacity_factor", -1.5, r"expert_parallel\.capacity_factor=-1\.5 must be"),
+    ("bogus", 1, r"unknown key expert_parallel\.bogus \(=1\)"),
+])
+def test_bad_expert_parallel_names_key_and_value(key, value, match):
+  from umoe_jax.train import config as train_config
+  c = common.experiment("umoe", "tiny")
+  c.expert_parallel[key] = value
+  with pytest.raises(ConfigError, match=match):
+    train_config.validate(c)
+
+
+def test_expert_parallel_settings():
+  from umoe_jax.parallel import expert_parallel, sharding
+  from umoe_jax.train import config as train_config
+  from umoe_jax.train import loop
+  c = common.experiment("umoe", "tiny")
+  assert loop.expert_parallel_settings(c) == (None, "auto")
+  for exchange in ("auto", "all_to_all", "all_gather"):
+    c.expert_parallel.exchange = exchange
+    train_config.validate(c)
+  c.expert_parallel.capacity_factor = 1.25
+  assert loop.expert_parallel_settings(c) == (1.25, "all_gather")
+  # A config saved before `exchange` existed still loads, as "auto".
+  old = c.to_dict()
+  del old["expert_parallel"]["exchange"]
+  assert loop.expert_parallel_settings(old) == (1.25, "auto")
+  train_config.check_expert_parallel(old["expert_parallel"])
+  # The library entry points reject a bad value too.
+  with pytest.raises(ValueError, match=r"expert_exchange='ring'"):
+    with sharding.use_mesh(None, expert_exchange="ring"):
+      pass
+  with pytest.raises(ValueError, match=r"exchange 'ring'"):
+    expert_parallel.resolve_exchange("ring", 4, 2)
+  # auto: all_gather when K >= EP; expert axis 1 is always the local path.
+  assert [expert_parallel.resolve_exchange("auto", k, 4) for k in (3, 4, 15)] == [
+      "all_to_all", "all_gather", "all_gather"]
+  assert {expert_parallel.resolve_exchange(x, 15, 1) for x in sharding.EXPERT_EXCHANGES} == {"local"}
+
+
 def test_config_is_frozen_and_error_is_value_error():
   m = model_config(common.model("dense", "tiny"))
   with pytest.raises(dataclasses.FrozenInstanceError):

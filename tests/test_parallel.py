@@ -82,6 +82,21 @@ def test_distributed_args_from_env():
     distributed.distributed_args(dict(JAX_COORDINATOR_ADDRESS="h:1", JAX_NUM_PROCESSES="2"))
 
 
+def test_expert_buffer_sizes():
+  """Buffer rows by hand (n tokens per device, K slots, EP shards, E_local experts per shard):
+  all_to_all per pair, all_gather per shard (all EP senders)."""
+  from umoe_jax.parallel.expert_parallel import capacity
+  n, k, ep, e_local = 8, 3, 8, 2
+  assert capacity(n, k, ep, e_local, None, "all_to_all") == 8 * 2          # n * min(K, E_local)
+  assert capacity(n, k, ep, e_local, 0.5, "all_to_all") == 2               # ceil(0.5 * n*K / EP)
+  assert capacity(n, k, ep, e_local, None, "all_gather") == 8 * 8 * 2      # EP * n * min(K, E_l)
+  assert capacity(n, k, ep, e_local, 0.5, "all_gather") == 12              # ceil(0.5 * n*K)
+  assert capacity(n, k, ep, e_local, 100.0, "all_gather") == 128           # never past dropless
+  assert capacity(n, k, 1, 16, 0.5, "local") == n * k                      # no exchange, no drop
+  # UMoE-base FFN pool on 2 GPUs (32 x 1024 tokens each, K=15, 64 experts per shard).
+  assert capacity(32768, 15, 2, 64, None, "all_gather") == 2 * 32768 * 15
+
+
 # ----------------------------------------------------------------------------------------------
 # Multi-device tests: one subprocess with 8 virtual CPU devices runs every section
 # (tests/parallel_scripts/multi_device.py) and writes a JSON report; each test reads its section.
@@ -110,8 +125,29 @@ def test_state_shardings(multi_device_report):
 
 def test_expert_map_matches_oracle_and_counts_drops(multi_device_report):
   section = _section(multi_device_report, "expert_map")
-  assert any(v["dropped"] > 0 for k, v in section.items() if isinstance(v, dict) and "cf=0.5" in k)
-  assert sum(section["model_sown_dropped_rows"]) > 0
+  cases = {k: v for k, v in section.items() if isinstance(v, dict) and "strategy" in v}
+  for strategy in ("all_to_all", "all_gather"):
+    ran = {k: v for k, v in cases.items() if v["strategy"] == strategy}
+    assert any(v["dropped"] > 0 for k, v in ran.items() if "cf=0.5" in k), strategy
+    # Dropless under skewed routing (90% of tokens on one shard's experts): nothing dropped.
+    skewed = [v for k, v in ran.items() if "/skewed/" in k]
+    assert skewed and all(v["dropped"] == 0 for v in skewed), strategy
+  for exchange in ("auto", "all_gather"):
+    assert sum(section[f"model_sown_dropped_rows/{exchange}"]) > 0
+
+
+def test_expert_map_auto_exchange(multi_device_report):
+  """auto: all_to_all when K=3 < EP (expert=8, data=2,expert=4), all_gather when K >= EP (expert=2):
+  the values (checked against the oracle in the script) and the collectives in the program."""
+  section = _section(multi_device_report, "expert_map")
+  auto = {k.split("/")[0]: v["strategy"] for k, v in section.items()
+          if isinstance(v, dict) and k.endswith("/auto->" + v.get("strategy", ""))}
+  assert auto == {"expert=8": "all_to_all", "data=2,expert=4": "all_to_all",
+                  "data=4,expert=2": "all_gather"}, auto
+  assert section["expert=8/auto_collectives"] == ["all_to_all"]
+  assert section["data=4,expert=2/auto_collectives"] == ["all_gather", "reduce_scatter"]
+  grads = [k for k in section if "/grad/" in k]
+  assert len(grads) == 6, grads   # 3 layouts x 2 exchanges, each within 1e-5 of one device
 
 
 @pytest.mark.parametrize("layout", ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4",
@@ -122,6 +158,16 @@ def test_layout_matches_single_device(multi_device_report, layout):
   assert result["grad_diff"] < GRAD_TOL, result
   assert result["loss_diff"] < LOSS_TOL, result          # AdamW steps 2 and 3
   assert result["param_diff"] < PARAM_TOL, result
+
+
+@pytest.mark.parametrize("layout,exchange", [("expert=8", "all_gather"),
+                                             ("data=2,expert=4", "all_gather"),
+                                             ("data=2,expert=4", "all_to_all")])
+def test_exchange_matches_single_device(multi_device_report, layout, exchange):
+  """One step with the exchange forced (both call sites: FFN pool K=4, pre-mixing queries K=2)."""
+  result = _section(multi_device_report, "layouts")[f"{layout}/{exchange}"]
+  assert result["step1_loss_diff"] < LOSS_TOL, result
+  assert result["grad_diff"] < GRAD_TOL, result
 
 
 def test_restore_onto_another_mesh(multi_device_report):

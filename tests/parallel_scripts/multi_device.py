@@ -3,7 +3,9 @@
 Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map layouts restore
 Writes {section: {"ok": bool, "error": str, ...numbers}}; each section runs even if another failed.
 """
+import functools
 import json
+import math
 import sys
 import tempfile
 import time
@@ -24,6 +26,11 @@ from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import expert_parallel, mesh as mesh_lib, sharding
 
 LAYOUTS = ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4", "fsdp=2,tensor=2,expert=2"]
+# Forced exchanges (LAYOUTS run "auto": all_to_all for both pools on expert=8, all_gather for the FFN
+# pool (K=4) and all_to_all for the pre-mixing queries (K=2) on data=2,expert=4, all_gather for
+# both on expert=2), one step each.
+EXCHANGE_LAYOUTS = [("expert=8", "all_gather"), ("data=2,expert=4", "all_gather"),
+                    ("data=2,expert=4", "all_to_all")]
 
 
 def parse(layout: str) -> dict:
@@ -33,12 +40,13 @@ def parse(layout: str) -> dict:
 _STEPS: dict = {}
 
 
-def step_for(layout: str, graphdef, abstract_params):
-  """(mesh, jitted sharded step, param shardings, opt shardings), compiled once per layout."""
-  if layout not in _STEPS:
+def step_for(layout: str, graphdef, abstract_params, exchange: str = "auto"):
+  """(mesh, jitted sharded step, param shardings, opt shardings), compiled once per layout and
+  exchange (a step is traced under the `use_mesh` of its first call: run it under that exchange)."""
+  if (layout, exchange) not in _STEPS:
     mesh = mesh_lib.make_mesh(parse(layout))
-    _STEPS[layout] = (mesh, *common.sharded_step(graphdef, abstract_params, mesh))
-  return _STEPS[layout]
+    _STEPS[layout, exchange] = (mesh, *common.sharded_step(graphdef, abstract_params, mesh))
+  return _STEPS[layout, exchange]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,15 +97,16 @@ def _expert_fn(rows, group_sizes, w, *, tensor_axes):
   return jnp.tanh(gmm(rows, w, group_sizes, backend="xla"))
 
 
-def _numpy_expected(x, ids, gates, w, n_shards, ep, cap):
-  """Loop oracle with the capacity rule: per batch shard, rows in (expert, token, slot) order, each
-  destination shard keeps its first `cap` rows."""
+def _numpy_expected(x, ids, gates, w, groups, ep, cap):
+  """Loop oracle with the capacity rule: the tokens split into `groups` contiguous groups that share
+  buffers (all_to_all: each batch shard; all_gather: the EP batch shards of one gather); per group,
+  rows in (expert, token, slot) order, each destination shard keeps its first `cap` rows."""
   n, k = ids.shape
   e_local = w.shape[0] // ep
-  per = n // n_shards
+  per = n // groups
   out = np.zeros((n, k, w.shape[-1]))
   dropped = 0
-  for s in range(n_shards):
+  for s in range(groups):
     pairs = sorted(((ids[t, j], t, j) for t in range(s * per, (s + 1) * per) for j in range(k)))
     used = np.zeros(ep, int)
     for e, t, j in pairs:
@@ -112,77 +121,133 @@ def _numpy_expected(x, ids, gates, w, n_shards, ep, cap):
   return (out if gates is None else comb), dropped
 
 
+# (layout, EXPERT rule override or None, variants). A variant is (ids, x rank, gates?, capacity
+# factor, exchange): both input forms, both output forms, dropless and dropping, both exchanges and
+# "auto" with K=3 < EP (-> all_to_all) and K >= EP (-> all_gather), skewed routing (dropless: no drop).
+_BOTH = [("spread", 2, True, None), ("spread", 3, True, None), ("spread", 2, False, None),
+         ("spread", 3, False, None), ("spread", 2, True, 0.5), ("spread", 3, False, 0.5),
+         ("spread", 2, True, 100.0)]
+_SHORT = [("spread", 2, True, None), ("spread", 3, False, None), ("spread", 2, True, 0.5),
+          ("spread", 3, False, 0.5)]
+_SKEW = [("skewed", 2, True, None), ("skewed", 3, False, None)]
+EXPERT_MAP_CASES = [
+    ("expert=8", None, [v + ("auto",) for v in _BOTH] + [v + ("all_gather",) for v in _SHORT]),
+    ("data=2,expert=4", None, [v + ("auto",) for v in _BOTH] +
+     [v + ("all_gather",) for v in _SHORT + _SKEW] + [v + ("all_to_all",) for v in _SKEW]),
+    ("data=4,expert=2", None, [v + ("auto",) for v in _SHORT + _SKEW] +
+     [v + ("all_to_all",) for v in _SHORT[:3]]),
+    # Experts over two mesh axes (EP = 8): the shard index is linearised like the collectives.
+    ("data=2,expert=4", ("data", "expert"), [v + ("all_gather",) for v in _SHORT[::2]] +
+     [("spread", 2, True, None, "all_to_all")]),
+]
+
+
+def _routing(rng, n, k, e):
+  """'spread': skewed logits (overflow at cf < 1); 'skewed': 90% of the tokens put all K slots on
+  experts 0..3 (one shard for EP <= 4). Distinct ids per token (top-k)."""
+  logits = rng.standard_normal((n, e)) + np.linspace(0, 3, e)
+  spread = np.argsort(-logits, axis=1)[:, :k].astype(np.int32)
+  skewed = spread.copy()
+  hot = rng.random(n) < 0.9
+  skewed[hot] = np.stack([rng.permutation(4)[:k] for _ in range(int(hot.sum()))])
+  return dict(spread=spread, skewed=skewed)
+
+
+def _collectives(fn, *args) -> set:
+  text = jax.jit(fn).lower(*args).as_text()
+  return {c for c in ("all_to_all", "all_gather", "reduce_scatter") if f"stablehlo.{c}" in text}
+
+
 def check_expert_map():
-  """expert_map vs a loop oracle (values, exact drop counts) and vs single-device dispatch (grads)."""
+  """expert_map vs a loop oracle (values, exact drop counts) and vs single-device dispatch (grads),
+  for both exchanges; "auto" picks all_to_all for K < EP and all_gather for K >= EP."""
   rng = np.random.default_rng(0)
   n, k, d, e, dout = 64, 3, 8, 16, 5
-  logits = rng.standard_normal((n, e)) + np.linspace(0, 3, e)    # skewed load -> overflow at cf<1
-  ids = np.argsort(-logits, axis=1)[:, :k].astype(np.int32)       # distinct ids per token
+  id_sets = _routing(rng, n, k, e)
   gates = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
   w = (rng.standard_normal((e, d, dout)) / np.sqrt(d)).astype(np.float32)
   xs = {2: rng.standard_normal((n, d)).astype(np.float32),
         3: rng.standard_normal((n, k, d)).astype(np.float32)}
   names = (("expert", "embed", None),)
-  # (x rank, gates?, capacity factor): both input forms, both output forms, dropless and dropping.
-  variants = [(2, True, None), (3, True, None), (2, False, None), (3, False, None),
-              (2, True, 0.5), (3, False, 0.5), (2, True, 100.0)]
   out = {}
-  for layout in ("expert=8", "data=2,expert=4"):
+  for layout, expert_rule, variants in EXPERT_MAP_CASES:
     mesh = mesh_lib.make_mesh(parse(layout))
-    ep, shards = mesh.shape["expert"], 8
+    rules = None
+    if expert_rule:
+      rules = [(n_, expert_rule if n_ == "expert" else t) for n_, t in sharding.normalize_rules(None)]
+    ep, shards = math.prod(mesh.shape[a] for a in expert_rule or ("expert",)), 8
+    tag = layout + ("" if expert_rule is None else f"/experts_over={'x'.join(expert_rule)}")
 
-    def emap(x_, w_, g_, cf_, mesh_=mesh):
-      return expert_parallel.expert_map(x_, jnp.asarray(ids), g_, (w_,), names, _expert_fn,
-                                        num_experts=e, mesh=mesh_, capacity_factor=cf_)
+    def emap(x_, ids_, w_, g_, cf_, exchange, mesh_=mesh, rules_=rules):
+      return expert_parallel.expert_map(x_, jnp.asarray(ids_), g_, (w_,), names, _expert_fn,
+                                        num_experts=e, mesh=mesh_, rules=rules_,
+                                        capacity_factor=cf_, exchange=exchange)
 
     @jax.jit
-    def all_variants(x2, x3, w_, g_):
+    def all_variants(x2, x3, w_, g_, variants=tuple(variants)):
       res = []
-      for rank, use_g, cf in variants:
-        y, st = emap(x2 if rank == 2 else x3, w_, g_ if use_g else None, cf)
+      for ids_name, rank, use_g, cf, exchange in variants:
+        y, st = emap(x2 if rank == 2 else x3, id_sets[ids_name], w_, g_ if use_g else None, cf,
+                     exchange)
         res.append((y, st["dropped_rows"]))
       return res
 
     results = all_variants(xs[2], xs[3], w, gates)
-    for (rank, use_g, cf), (y, dropped) in zip(variants, results):
-      cap = expert_parallel.capacity(n // shards, k, ep, e // ep, cf)
-      ref, ref_dropped = _numpy_expected(xs[rank], ids, gates if use_g else None, w, shards, ep, cap)
+    for (ids_name, rank, use_g, cf, exchange), (y, dropped) in zip(variants, results):
+      strategy = expert_parallel.resolve_exchange(exchange, k, ep)
+      cap = expert_parallel.capacity(n // shards, k, ep, e // ep, cf, strategy)
+      groups = shards // ep if strategy == "all_gather" else shards
+      ids = id_sets[ids_name]
+      ref, ref_dropped = _numpy_expected(xs[rank], ids, gates if use_g else None, w, groups, ep,
+                                         cap)
       err = float(np.max(np.abs(np.asarray(y) - ref)))
-      key = f"{layout}/x{rank}/{'gates' if use_g else 'slots'}/cf={cf}"
+      key = (f"{tag}/{ids_name}/x{rank}/{'gates' if use_g else 'slots'}/cf={cf}/"
+             f"{exchange}->{strategy}")
       assert err < 1e-5, (key, err)
       assert int(dropped) == ref_dropped, (key, int(dropped), ref_dropped)
       assert (ref_dropped > 0) == (cf == 0.5), (key, ref_dropped)   # overflow is live / absent
-      out[key] = dict(err=err, dropped=int(dropped))
+      out[key] = dict(err=err, dropped=int(dropped), strategy=strategy)
 
-    # Gradients (dropless) equal the single-device dispatch's.
-    def loss_ep(x2, x3, w_):
-      return sum(jnp.sum(jnp.sin(emap(x, w_, jnp.asarray(gates), None)[0])) for x in (x2, x3))
+    # "auto" runs the collectives of the strategy it resolves to.
+    auto = expert_parallel.resolve_exchange("auto", k, ep)
+    expected = {"all_to_all": {"all_to_all"}, "all_gather": {"all_gather", "reduce_scatter"}}
+    seen = _collectives(lambda x_, w_: emap(x_, id_sets["spread"], w_, jnp.asarray(gates), None,
+                                            "auto")[0], xs[2], w)
+    assert seen == expected[auto], (tag, auto, seen)
+    out[f"{tag}/auto_collectives"] = sorted(seen)
+
+    # Gradients (dropless) equal the single-device dispatch's, for both exchanges.
+    def loss_ep(x2, x3, w_, exchange):
+      return sum(jnp.sum(jnp.sin(emap(x, id_sets["spread"], w_, jnp.asarray(gates), None,
+                                      exchange)[0])) for x in (x2, x3))
 
     def loss_ref(x2, x3, w_):
-      plan = dispatch.make_plan(jnp.asarray(ids), e)
+      plan = dispatch.make_plan(jnp.asarray(id_sets["spread"]), e)
       fn = lambda rows, gs: jnp.tanh(gmm(rows, w_, gs, backend="xla"))
       return sum(jnp.sum(jnp.sin(dispatch.apply_experts(x, plan, jnp.asarray(gates), fn)))
                  for x in (x2, x3))
-    g_ep = jax.jit(jax.grad(loss_ep, argnums=(0, 1, 2)))(xs[2], xs[3], w)
     g_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(xs[2], xs[3], w)
-    gerr = common.max_abs_diff(g_ep, g_ref)
-    assert gerr < 1e-5, (layout, gerr)
-    out[f"{layout}/grad"] = dict(err=gerr)
+    for exchange in ("all_to_all", "all_gather") if expert_rule is None else ():
+      g_ep = jax.jit(jax.grad(functools.partial(loss_ep, exchange=exchange),
+                              argnums=(0, 1, 2)))(xs[2], xs[3], w)
+      gerr = common.max_abs_diff(g_ep, g_ref)
+      assert gerr < 1e-5, (tag, exchange, gerr)
+      out[f"{tag}/grad/{exchange}"] = dict(err=gerr)
   # The model sows the dropped-row count when a capacity factor is set.
   cfg = common.tiny_cfg()
   mesh = mesh_lib.make_mesh(dict(expert=8))
   model = build_model(cfg, 0)
   toks = jnp.asarray(common.tokens()[:, :-1])
 
-  @nnx.jit
   def fwd(m, t):
     m(t)
     return nnx.pop(m, nnx.Intermediate)
-  with sharding.use_mesh(mesh, expert_capacity_factor=0.25):
-    sown = fwd(model, toks)
-  counts = [int(v) for v in jax.tree.leaves(sown)]
-  assert counts and sum(counts) > 0, sown
-  out["model_sown_dropped_rows"] = counts
+  for exchange in ("auto", "all_gather"):   # auto: all_to_all here (K = 4 and 2 < EP = 8)
+    with sharding.use_mesh(mesh, expert_capacity_factor=0.25, expert_exchange=exchange):
+      sown = nnx.jit(fwd)(model, toks)        # a jit per setting: the context is read when tracing
+    counts = [int(v) for v in jax.tree.leaves(sown)]
+    assert counts and sum(counts) > 0, (exchange, sown)
+    out[f"model_sown_dropped_rows/{exchange}"] = counts
   return out
 
 
@@ -221,6 +286,17 @@ def check_layouts():
         param_diff=common.max_abs_diff(final, ref_params),
         seconds=round(time.time() - t0, 1))
     print(layout, report[layout], flush=True)
+  for layout, exchange in EXCHANGE_LAYOUTS:
+    t0 = time.time()
+    mesh, step, p_sh, o_sh = step_for(layout, graphdef, abstract_params, exchange)
+    p = jax.device_put(params, p_sh)
+    o = jax.device_put(common.TX.init(params), o_sh)
+    with sharding.use_mesh(mesh, expert_exchange=exchange):
+      losses, grads, _ = run(step, p, o, [jax.device_put(batches[0], sharding.batch_sharding(mesh))])
+    report[f"{layout}/{exchange}"] = dict(step1_loss_diff=abs(losses[0] - ref_losses[0]),
+                                          grad_diff=common.max_abs_diff(grads, ref_grads),
+                                          seconds=round(time.time() - t0, 1))
+    print(layout, exchange, report[f"{layout}/{exchange}"], flush=True)
   return report
 
 

@@ -1,31 +1,53 @@
-"""Expert parallelism: routed experts split over the mesh's expert axis, tokens moved by all-to-all.
+"""Expert parallelism: routed experts split over the mesh's expert axes, tokens exchanged between them.
 
 Inside `use_mesh(...)` with more than one device, `ExpertPool.route` and the pre-mixing attention's
 routed queries call `expert_map` instead of the single-device dispatch. `expert_map` is one
-`shard_map` over the whole mesh; per device it does
+`shard_map` over the whole mesh (the batch is split over the expert axes too). Two exchanges
+(n = tokens per device, K = slots per token, D / D_out = row widths in / out, EP = expert-axes size,
+E_local = experts per shard):
 
-  1. local dispatch (`dispatch.make_plan` / `permute`) of its own tokens' (token, slot) rows, sorted
-     by global expert id, so the rows for expert shard d form one contiguous run;
-  2. (expert axis > 1) pack the runs into a send buffer [EP, C, D] (run d -> chunk d, zero padding),
-     `all_to_all` it and the per-local-expert row counts [EP, E_local] over the expert axis;
+"all_to_all": every (token, slot) row travels to its expert's shard. Per device:
+  1. local dispatch (`dispatch.make_plan` / `permute`) of its own (token, slot) rows, sorted by
+     global expert id, so the rows for expert shard d form one contiguous run;
+  2. pack the runs into a send buffer [EP, C, D] (run d -> chunk d, zero padding), `all_to_all` it
+     and the per-local-expert row counts [EP, E_local] over the expert axes;
   3. sort the received rows by local expert (`make_plan` again; padding rows sort last) and run the
      local experts with `gmm` (rows past sum(group_sizes) are padding and come out zero);
   4. the reverse `all_to_all`, un-pack, `dispatch.unpermute`, gate-weighted `dispatch.combine`.
+  Per (sender, receiver) pair: C*D rows out and C*D_out back, C = n*min(K, E_local) (dropless).
 
-With expert axis 1 (data / fsdp / tensor layouts) steps 2-4 collapse to the local dispatch: no
-collective, every device runs all experts on its own tokens (weights are gathered from their FSDP
-shards at the shard_map boundary). Tensor parallelism inside the experts: the hidden width F stays
-split over the tensor axis, the down projection gives partial sums, `psum` over tensor adds them.
+"all_gather" (token dedup): every token travels once to every shard. Per device:
+  1. `all_gather` (tiled) its tokens x [n, D] (or [n, K, D]), ids and gates over the expert axes;
+  2. keep the (token, slot) rows whose expert lives on this shard (the others get the extra group
+     E_local, which sorts last), `make_plan` / `permute`, run the local experts on the first M_buf
+     rows;
+  3. `unpermute`, zero the other shards' and the dropped rows, `combine` this shard's slots into a
+     partial output [EP*n, D_out] (gates None: [EP*n, K, D_out]) and `psum_scatter` (tiled) the
+     partials back to the token owners.
+  Per pair: n*D in (x [n, K, D]: n*K*D) and n*D_out back (gates None: n*K*D_out), whatever the
+  routing. Memory: the gathered tokens' permuted copy has EP*n*K rows. Partial sums cross shards in
+  the output dtype (the single-device path rounds once, after its float32 combine).
 
-Buffer policy (C = rows per (sender, receiver) pair; n = tokens per device, K = slots per token,
-EP = expert-axis size, E_local = experts per shard):
-  * default, dropless: C = n * min(K, E_local) -- the most rows one device can send one shard when a
-    token's K expert ids are distinct (every top-k router). Send and receive buffers are EP * C rows
-    each: up to EP x the balanced size (memory-heavy, never drops).
+exchange="auto" (default) takes "all_gather" when K >= EP (then nearly every token has a slot on
+every shard, and all_to_all would send each token's row ~K/EP times to each shard, padded to the
+worst case), else "all_to_all". `use_mesh(..., expert_exchange=...)` / `config.expert_parallel.
+exchange` pick one. With expert axes of size 1 (data / fsdp / tensor layouts) both collapse to the
+local dispatch: no collective, every device runs all experts on its own tokens (weights are gathered
+from their FSDP shards at the shard_map boundary). Tensor parallelism inside the experts: the hidden
+width F stays split over the tensor axis, the down projection gives partial sums, `psum` over tensor
+adds them.
+
+Buffer policy (`capacity`): the expert buffer holds C rows per pair (all_to_all) or M_buf rows per
+shard (all_gather).
+  * default, dropless: C = n * min(K, E_local), M_buf = EP * n * min(K, E_local) -- the most rows
+    that can reach one shard when a token's K expert ids are distinct (every top-k router). Up to
+    EP x the balanced size (memory-heavy, never drops).
   * `capacity_factor=c` (`use_mesh(..., expert_capacity_factor=c)`, `config.expert_parallel`):
-    C = ceil(c * n * K / EP), i.e. c x the balanced share. Rows past C in a pair are dropped (they
-    contribute zero, like a token the router did not pick) and counted: `stats["dropped_rows"]`
-    (global count), sown by the pool as `nnx.Intermediate` "ep_dropped_rows".
+    c x the balanced load, C = ceil(c * n * K / EP) and M_buf = ceil(c * n * K) (at most the
+    dropless size). Rows past the buffer are dropped (they contribute zero, like a token the router
+    did not pick; all_gather drops the last rows in (local expert, token, slot) order) and counted:
+    `stats["dropped_rows"]` (global count), sown by the pool as `nnx.Intermediate`
+    "ep_dropped_rows".
 
 The all-to-all is the dense `jax.lax.all_to_all` (fixed-size chunks): it runs on every backend
 (CPU included) and on GPU avoids `ragged_all_to_all`'s slow paths (openxla/xla#33386).
@@ -43,8 +65,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
-from umoe_jax.ops.varying import match_varying
+from umoe_jax.ops.varying import match_varying, vary_like
 from umoe_jax.parallel import rules as ax
+from umoe_jax.parallel.sharding import EXPERT_EXCHANGES as EXCHANGES
 from umoe_jax.parallel.sharding import current_context, normalize_rules
 
 LocalFn = Callable[..., jax.Array]  # (rows [R, D], group_sizes [E_local], *weights) -> [R, D_out]
@@ -82,21 +105,50 @@ def _axis_arg(axes: tuple[str, ...]):
   return axes[0] if len(axes) == 1 else axes
 
 
+def resolve_exchange(exchange: str, slots: int, ep: int) -> str:
+  """The exchange `expert_map` runs: "local" when ep == 1 (no collective), "auto" -> "all_gather"
+  when slots >= ep else "all_to_all", an explicit choice as given."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f"expert-parallel exchange {exchange!r} must be one of {EXCHANGES}")
+  if ep == 1:
+    return "local"
+  if exchange == "auto":
+    return "all_gather" if slots >= ep else "all_to_all"
+  return exchange
+
+
 def capacity(tokens_per_device: int, slots: int, ep: int, experts_per_shard: int,
-             capacity_factor: Optional[float]) -> int:
-  """Rows per (sender, receiver) pair of expert shards (see the module docstring). With ep == 1
-  there is no exchange and nothing can be dropped: the device's own M = tokens * slots rows."""
+             capacity_factor: Optional[float], exchange: str = "all_to_all") -> int:
+  """Expert buffer rows (see the module docstring): per (sender, receiver) pair for "all_to_all",
+  per shard (all EP senders) for "all_gather". With ep == 1 there is no exchange and nothing can be
+  dropped: the device's own M = tokens * slots rows."""
   if ep == 1:
     return tokens_per_device * slots
-  dropless = tokens_per_device * min(slots, experts_per_shard)
+  senders = ep if exchange == "all_gather" else 1
+  dropless = senders * tokens_per_device * min(slots, experts_per_shard)
   if capacity_factor is None:
     return max(dropless, 1)
-  return max(1, min(dropless, math.ceil(capacity_factor * tokens_per_device * slots / ep)))
+  balanced = senders * tokens_per_device * slots / ep
+  return max(1, min(dropless, math.ceil(capacity_factor * balanced)))
 
 
-def _exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, cap):
-  """Steps 2-4 for one device: rows [M, D] sorted by global expert -> outputs [M, D_out] (same
-  order; dropped rows zero) and the number of dropped rows."""
+def _fit(group_sizes: jax.Array, cap: int) -> jax.Array:
+  """Group sizes [..., G] clipped (along the last axis, in order) so that they sum to <= cap."""
+  return jnp.diff(jnp.minimum(jnp.cumsum(group_sizes, axis=-1), cap), axis=-1, prepend=0)
+
+
+def _to_tokens(out: jax.Array, plan: dispatch.DispatchPlan, slots: int,
+               gates: Optional[jax.Array]) -> jax.Array:
+  """Expert-sorted outputs [M, D_out] -> [M/K, K, D_out] in (token, slot) order, or with gates
+  [M/K, K] their gate-weighted sum [M/K, D_out]."""
+  with jax.named_scope("combine"):
+    y = dispatch.unpermute(out, plan).reshape(-1, slots, out.shape[-1])
+    return y if gates is None else dispatch.combine(y, gates)
+
+
+def _all_to_all_exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, cap):
+  """Steps 2-4 of "all_to_all" for one device: rows [M, D] sorted by global expert -> outputs
+  [M, D_out] (same order; dropped rows zero) and the number of dropped rows."""
   m, d = rows.shape
   e_local = group_sizes.shape[0] // ep
   counts = group_sizes.reshape(ep, e_local)                                   # [EP, E_l]
@@ -107,8 +159,7 @@ def _exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, 
   src = jnp.clip(start[:, None] + slot[None, :], 0, m - 1)                    # [EP, C]
   valid = slot[None, :] < kept[:, None]                                       # [EP, C]
   send = jnp.where(valid[..., None], jnp.take(rows, src, axis=0), 0).astype(rows.dtype)  # [EP, C, D]
-  cum = jnp.minimum(jnp.cumsum(counts, axis=1), cap)                          # [EP, E_l]
-  sent_counts = jnp.diff(cum, axis=1, prepend=0)                              # [EP, E_l]
+  sent_counts = _fit(counts, cap)                                             # [EP, E_l]
 
   with jax.named_scope("ep_all_to_all"):
     recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)                   # [EP, C, D]
@@ -134,10 +185,43 @@ def _exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, 
   return out, dropped
 
 
+def _all_gather_exchange(x, ids, gates, local_fn, weights, *, e_local, axes, cap):
+  """"all_gather" for one device: its tokens x [n, D] or [n, K, D], ids [n, K], gates [n, K] or
+  None -> (out [n, D_out] (gates None: [n, K, D_out]), number of rows this shard dropped)."""
+  k = ids.shape[1]
+  axis = _axis_arg(axes)
+  with jax.named_scope("ep_all_gather"):
+    x_all = jax.lax.all_gather(x, axis, axis=0, tiled=True)                   # [EP*n, (K,) D]
+    ids_all = jax.lax.all_gather(ids, axis, axis=0, tiled=True)               # [EP*n, K]
+    gates_all = None if gates is None else jax.lax.all_gather(gates, axis, axis=0, tiled=True)
+  # This shard's index, linearised over `axes` like the collectives and the weights' EXPERT dim.
+  shard = jax.lax.axis_index(axis)
+  local = ids_all.astype(jnp.int32) - shard * e_local                         # [EP*n, K]
+  mine = (local >= 0) & (local < e_local)
+  plan = dispatch.make_plan(jnp.where(mine, local, e_local), e_local + 1)     # others sort last
+  with jax.named_scope("dispatch"):
+    rows = dispatch.permute(x_all, plan, k)                                   # [M = EP*n*K, D]
+  m = rows.shape[0]
+  cap = min(cap, m)
+  sizes = _fit(plan.group_sizes[:e_local], cap)                               # [E_l]
+  kept = jnp.sum(sizes)
+  out = local_fn(rows[:cap], sizes, *weights)                                 # [M_buf, D_out]
+  # Rows past `kept` are other shards' slots, dropped rows or padding: local_fn may have left
+  # anything there, so select (garbage * 0 can be NaN).
+  out = jnp.pad(out, ((0, m - cap), (0, 0)))                                  # [M, D_out]
+  out = jnp.where(jnp.arange(m)[:, None] < kept, out, jnp.zeros((), out.dtype))
+  partial = _to_tokens(out, plan, k, gates_all)                               # [EP*n, (K,) D_out]
+  with jax.named_scope("ep_reduce_scatter"):
+    y = jax.lax.psum_scatter(vary_like(partial, frozenset(axes)), axis, scatter_dimension=0,
+                             tiled=True)                                      # [n, (K,) D_out]
+  return y, jnp.sum(plan.group_sizes[:e_local]) - kept
+
+
 def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
                weights: Sequence[jax.Array], weight_axes: Sequence[Sequence[Optional[str]]],
                local_fn: LocalFn, *, num_experts: int, mesh: Optional[Mesh] = None,
-               rules: Any = None, capacity_factor: Any = "context") -> tuple[jax.Array, dict]:
+               rules: Any = None, capacity_factor: Any = "context",
+               exchange: str = "context") -> tuple[jax.Array, dict]:
   """Applies routed experts to every (token, slot) row across the mesh.
 
     gates given:  out[n] = sum_k gates[n, k] * f_{ids[n, k]}(x[n] or x[n, k])   -> [N, D_out]
@@ -145,19 +229,22 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
 
   Args:
     x: [N, D] (all K slots of a token see x[n]) or [N, K, D] (one row per slot).
-    expert_ids: [N, K] int in [0, num_experts); gates: [N, K] or None.
+    expert_ids: [N, K] int in [0, num_experts), distinct per token; gates: [N, K] or None.
     weights: expert-stacked arrays (e.g. w_up [E, D, F]) and any small replicated ones.
     weight_axes: logical names of each weight (the `out_sharding` of its Param). Inside the
       shard_map a weight keeps only its EXPERT dim (split over the expert axis) and its EXPERT_MLP
       dim (split over the tensor axes when the rules say so); other dims are gathered.
     local_fn: `(rows [R, D] sorted by local expert, group_sizes [E_local], *local_weights,
-      tensor_axes=(...)) -> [R, D_out]`; rows past sum(group_sizes) are padding (must map to 0);
-      `tensor_axes` are the mesh axes EXPERT_MLP is split over (psum partial sums over them).
+      tensor_axes=(...)) -> [R, D_out]`; rows past sum(group_sizes) are padding (their outputs are
+      discarded); `tensor_axes` are the mesh axes EXPERT_MLP is split over (psum partial sums over
+      them).
     num_experts: E.
     mesh, rules: default from `use_mesh`.
-    capacity_factor: None = dropless; a float = per-pair capacity; default from `use_mesh`.
+    capacity_factor: None = dropless; a float = buffer capacity factor; default from `use_mesh`.
+    exchange: "auto" | "all_to_all" | "all_gather" (module docstring); default from `use_mesh`.
   Returns:
-    (out, stats) with stats = {"dropped_rows": [] int32 (global), "capacity": rows per pair}.
+    (out, stats) with stats = {"dropped_rows": [] int32 (global), "capacity": buffer rows (per pair
+    for all_to_all, per shard for all_gather)}; `resolve_exchange` tells which exchange ran.
   """
   ctx = current_context()
   if mesh is None:
@@ -167,6 +254,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
   rules = normalize_rules(rules if rules is not None else (ctx.rules if ctx else None))
   if capacity_factor == "context":
     capacity_factor = ctx.expert_capacity_factor if ctx is not None else None
+  if exchange == "context":
+    exchange = ctx.expert_exchange if ctx is not None else "auto"
 
   n, k = expert_ids.shape
   batch_axes = _mesh_axes(rules, ax.BATCH, mesh)
@@ -193,7 +282,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
          for dim, name in zip(w.shape, names) if name == ax.EXPERT_MLP):
     tensor_axes = ()   # hidden width not divisible: replicated over tensor, like the params
   e_local = num_experts // ep
-  cap = capacity(n // shards, k, ep, e_local, capacity_factor)
+  strategy = resolve_exchange(exchange, k, ep)
+  cap = capacity(n // shards, k, ep, e_local, capacity_factor, strategy)
 
   def weight_spec(names):
     spec = []
@@ -213,20 +303,21 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
   fn = functools.partial(local_fn, tensor_axes=tensor_axes)
 
   def per_device(x_l, ids_l, gates_l, ws):
-    plan = dispatch.make_plan(ids_l, num_experts)
-    with jax.named_scope("dispatch"):
-      rows = dispatch.permute(x_l, plan, k)                                   # [M, D]
-    if ep == 1:
-      out = fn(rows, plan.group_sizes, *ws)                                   # [M, D_out]
-      dropped = jnp.zeros((), jnp.int32)
+    if strategy == "all_gather":
+      y, dropped = _all_gather_exchange(x_l, ids_l, gates_l, fn, ws, e_local=e_local,
+                                        axes=expert_axes, cap=cap)
     else:
-      expert_sorted = jnp.take(ids_l.reshape(-1).astype(jnp.int32), plan.order)
-      out, dropped = _exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
-                               axis=_axis_arg(expert_axes), cap=cap)
-    with jax.named_scope("combine"):
-      y = dispatch.unpermute(out, plan).reshape(ids_l.shape[0], k, -1)        # [n, K, D_out]
-      if gates_l is not None:
-        y = dispatch.combine(y, gates_l)                                      # [n, D_out]
+      plan = dispatch.make_plan(ids_l, num_experts)
+      with jax.named_scope("dispatch"):
+        rows = dispatch.permute(x_l, plan, k)                                 # [M, D]
+      if strategy == "local":
+        out = fn(rows, plan.group_sizes, *ws)                                 # [M, D_out]
+        dropped = jnp.zeros((), jnp.int32)
+      else:
+        expert_sorted = jnp.take(ids_l.reshape(-1).astype(jnp.int32), plan.order)
+        out, dropped = _all_to_all_exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
+                                            axis=_axis_arg(expert_axes), cap=cap)
+      y = _to_tokens(out, plan, k, gates_l)                                   # [n, (K,) D_out]
     if batch_axes:
       dropped = jax.lax.psum(dropped, _axis_arg(batch_axes))
     return y, dropped.astype(jnp.int32)

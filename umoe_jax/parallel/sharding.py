@@ -65,13 +65,20 @@ def normalize_rules(rules: Optional[Iterable[Any]]) -> tuple[tuple[str, ax.MeshA
 class ParallelContext:
   """What the model reads while tracing under `use_mesh`.
 
-  expert_capacity_factor: None = dropless expert parallelism (worst-case buffers); a float c gives
-    each (sender, receiver) pair of expert shards c x (balanced share) rows and drops the overflow
-    (counted; see `expert_parallel.py`).
+  expert_capacity_factor: None = dropless expert parallelism (worst-case buffers); a float c caps
+    the expert buffers at c x their balanced size and drops the overflow (counted; see
+    `expert_parallel.py`).
+  expert_exchange: how expert parallelism moves tokens, one of `EXPERT_EXCHANGES`: "all_to_all"
+    (each (token, slot) row to its expert's shard), "all_gather" (each token once to every shard,
+    partial outputs reduce-scattered back), "auto" (all_gather when top-k >= expert-axis size).
   """
   mesh: Mesh
   rules: tuple[tuple[str, ax.MeshAxes], ...]
   expert_capacity_factor: Optional[float] = None
+  expert_exchange: str = "auto"
+
+
+EXPERT_EXCHANGES = ("auto", "all_to_all", "all_gather")
 
 
 _CONTEXT: contextvars.ContextVar[Optional[ParallelContext]] = contextvars.ContextVar(
@@ -88,7 +95,7 @@ def _set_jax_mesh(mesh: Mesh):
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Optional[Iterable[Any]] = None, *,
-             expert_capacity_factor: Optional[float] = None):
+             expert_capacity_factor: Optional[float] = None, expert_exchange: str = "auto"):
   """Makes `mesh` and `rules` active: trace (call or first-call) the jitted train step inside it.
 
   Activation constraints and the expert-parallel path of `ExpertPool.route` only act inside this
@@ -96,8 +103,11 @@ def use_mesh(mesh: Mesh, rules: Optional[Iterable[Any]] = None, *,
   """
   if expert_capacity_factor is not None and expert_capacity_factor <= 0:
     raise ValueError(f"expert_capacity_factor={expert_capacity_factor!r} must be > 0 or None")
+  if expert_exchange not in EXPERT_EXCHANGES:
+    raise ValueError(f"expert_exchange={expert_exchange!r} must be one of {EXPERT_EXCHANGES}")
   ctx = ParallelContext(mesh=mesh, rules=normalize_rules(rules),
-                        expert_capacity_factor=expert_capacity_factor)
+                        expert_capacity_factor=expert_capacity_factor,
+                        expert_exchange=expert_exchange)
   token = _CONTEXT.set(ctx)
   try:
     with _set_jax_mesh(mesh):

@@ -8,6 +8,7 @@ An experiment config (`configs/common.py: experiment()`) is a ConfigDict with th
   checkpoint   default_checkpoint_config() below
   log          default_log_config() below
   mesh, sharding_rules   parallelism (umoe_jax.parallel), optional
+  expert_parallel        capacity_factor, exchange (umoe_jax/parallel/expert_parallel.py), optional
 
 `validate(config)` runs before anything is built or read, and raises `ConfigError` naming the key and
 value for: an unknown key in any section, a missing data file, a tokenizer larger than the model's
@@ -24,9 +25,10 @@ import ml_collections
 from ml_collections import config_dict
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
+from umoe_jax.parallel.sharding import EXPERT_EXCHANGES
 
-# Top-level sections an experiment config may have. `mesh`, `sharding_rules`, `expert_parallel`
-# belong to umoe_jax.parallel and are checked there.
+# Top-level sections an experiment config may have. `mesh`, `sharding_rules` belong to
+# umoe_jax.parallel and are checked there; `expert_parallel` is checked here (check_expert_parallel).
 SECTIONS = ("model", "data", "train", "checkpoint", "log", "mesh", "sharding_rules", "expert_parallel")
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -133,6 +135,24 @@ def check_checkpoint(ckpt: Any) -> None:
          f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
 
 
+def check_expert_parallel(section: Any) -> None:
+  """`expert_parallel` (optional; keys optional, so configs saved before a key existed still load):
+  capacity_factor None or > 0, exchange one of EXPERT_EXCHANGES."""
+  if section is None:
+    return
+  valid = ("capacity_factor", "exchange")
+  _check(hasattr(section, "keys"), f"expert_parallel={section!r} must be a dict with keys {valid}")
+  for key in sorted(section.keys()):
+    _check(key in valid, f"unknown key expert_parallel.{key} (={section[key]!r}); valid keys of "
+                         f"expert_parallel: {', '.join(valid)}")
+  cf = section.get("capacity_factor")
+  _check(cf is None or (isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf > 0),
+         f"expert_parallel.capacity_factor={cf!r} must be a number > 0 (or None = dropless)")
+  exchange = section.get("exchange", "auto")
+  _check(isinstance(exchange, str) and exchange in EXPERT_EXCHANGES,
+         f"expert_parallel.exchange={exchange!r} must be one of {', '.join(EXPERT_EXCHANGES)}")
+
+
 def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   """Data paths exist and the tokenizer fits the model; returns the tokenizer."""
   from umoe_jax import data as data_lib
@@ -174,6 +194,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _check_keys(config.log, default_log_config(), "log")
   check_train(config.train, model)
   check_checkpoint(config.checkpoint)
+  check_expert_parallel(config.get("expert_parallel"))
   _check(config.log.peak_flops is None or config.log.peak_flops > 0,
          f"log.peak_flops={config.log.peak_flops!r} must be positive (or None)")
   check_data(config.data, config.train, model)

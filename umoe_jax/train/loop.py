@@ -106,11 +106,12 @@ class Programs:
 
 
 # Cached, so that a second run in one process (a notebook, the tests) reuses the compilations.
-# `capacity_factor` is part of the keys because the model reads it from `use_mesh` while tracing.
+# `capacity_factor` and `exchange` are part of the keys because the model reads them from `use_mesh`
+# while tracing.
 @functools.lru_cache(maxsize=4)
 def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tuple,
-                    capacity_factor: Optional[float]) -> Programs:
-  del capacity_factor
+                    capacity_factor: Optional[float], exchange: str = "auto") -> Programs:
+  del capacity_factor, exchange
   t = types.SimpleNamespace(**dict(optimizer_items))
   parts = state_lib.model_parts(model_cfg)
   tx = optimizer_lib.make_optimizer(t, optimizer_lib.decay_mask(parts.abstract_params))
@@ -131,9 +132,9 @@ def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tu
 
 @functools.lru_cache(maxsize=8)
 def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: Any, rules: tuple,
-             capacity_factor: Optional[float]) -> Programs:
+             capacity_factor: Optional[float], exchange: str = "auto") -> Programs:
   """Everything compiled for one (model, optimizer, step options, mesh) combination."""
-  base = _state_programs(model_cfg, optimizer_items, mesh, rules, capacity_factor)
+  base = _state_programs(model_cfg, optimizer_items, mesh, rules, capacity_factor, exchange)
   t = dict(step_items)
   train = functools.partial(step_lib.train_step, graphdef=base.parts.graphdef, tx=base.tx,
                             schedule=base.schedule, accum_steps=t["grad_accum_steps"],
@@ -144,11 +145,18 @@ def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: An
   return dataclasses.replace(base, train_fn=train_fn)
 
 
+def expert_parallel_settings(config: Any) -> tuple[Optional[float], str]:
+  """(capacity_factor, exchange) of `config.expert_parallel` (defaults: dropless, "auto"): what
+  `use_mesh(..., expert_capacity_factor=, expert_exchange=)` takes."""
+  ep = config.get("expert_parallel") or {}
+  return ep.get("capacity_factor"), ep.get("exchange", "auto")
+
+
 def config_programs(config: Any, model_cfg: Any, mesh: Any, rules: tuple) -> Programs:
   t = config.train
-  capacity_factor = (config.get("expert_parallel") or {}).get("capacity_factor")
   return programs(model_cfg, tuple((k, t[k]) for k in OPTIMIZER_KEYS),
-                  tuple((k, t[k]) for k in STEP_KEYS), mesh, rules, capacity_factor)
+                  tuple((k, t[k]) for k in STEP_KEYS), mesh, rules,
+                  *expert_parallel_settings(config))
 
 
 @dataclasses.dataclass
@@ -160,6 +168,7 @@ class Setup:
   mesh: Any
   rules: Any
   capacity_factor: Optional[float]
+  exchange: str
   programs: Programs
   train_iter: Any
   eval_batches: list
@@ -194,7 +203,7 @@ def setup(config: Any, workdir: str) -> Setup:
   rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
   _check_batch_layout(config, mesh, rules)
   logging.info("mesh: %s", mesh_lib.describe(mesh))
-  capacity_factor = (config.get("expert_parallel") or {}).get("capacity_factor")
+  capacity_factor, exchange = expert_parallel_settings(config)
 
   # Model, optimizer, state layout, jitted functions.
   progs = config_programs(config, model_cfg, mesh, rules)
@@ -221,8 +230,9 @@ def setup(config: Any, workdir: str) -> Setup:
   writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
                                     jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
   return Setup(config=config, model_cfg=model_cfg, workdir=workdir, mesh=mesh, rules=rules,
-               capacity_factor=capacity_factor, programs=progs, train_iter=train_iter,
-               eval_batches=eval_batches, checkpointer=checkpointer, writer=writer)
+               capacity_factor=capacity_factor, exchange=exchange, programs=progs,
+               train_iter=train_iter, eval_batches=eval_batches, checkpointer=checkpointer,
+               writer=writer)
 
 
 def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
@@ -416,7 +426,8 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
       return {"step": step, "stopped": False, "start": start, "eval": None, "train": {}}
     logging.info("starting at step %d (%s) in %s", step, start, workdir)
     with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
-                                                      expert_capacity_factor=s.capacity_factor):
+                                                      expert_capacity_factor=s.capacity_factor,
+                                                      expert_exchange=s.exchange):
       trainer = Trainer(s, state, step, step_hook=step_hook)
       stopped = trainer.train(stop)
       trainer.log()
