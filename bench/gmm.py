@@ -165,7 +165,7 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
       best = (0.0, None)
       if op not in ops:
         continue
-      for cfg in tuning.candidates(backend_name, op, kc, no)[:MAX_CANDS]:
+      for cfg in tuning.candidates(backend_name, op, kc, no, M)[:MAX_CANDS]:
         try:
           if op == "tgmm":
             f = jax.jit(functools.partial(kmod.TGMM, out_dtype=jnp.bfloat16, num_groups=E, config=cfg))
@@ -183,9 +183,10 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
                                                     cfg=str(cfg), tflops=tf))
         if tf > best[0]:
           best = (tf, cfg)
-      best_rows[(backend_name, op, kc, no)] = best
+      key = (backend_name, op, kc, no, tuning.m_bucket(M))  # M-specific: base-up != base-att
+      best_rows[key] = best
       if best[1] is not None:  # the timed section below then runs the tuned config
-        tuning.TABLE[(backend_name, op, kc, no)] = best[1]
+        tuning.TABLE[key] = best[1]
       log(f"BEST {backend_name} {name} {op}: {best[1]} {best[0]:.0f}")
     del x, w, dy
   log("TABLE rows:")
@@ -283,8 +284,10 @@ def main():
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--no-baselines", action="store_true")
   ap.add_argument("--no-dispatch", action="store_true")
+  ap.add_argument("--max-cands", type=int, default=MAX_CANDS, help="candidates per (op, shape)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  globals()["MAX_CANDS"] = args.max_cands
   shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
   results = {"shapes": {}, "argv": sys.argv}
 

@@ -11,6 +11,7 @@ no = N (output cols); bm/bn then give the output tile and bk the rows accumulate
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 
@@ -29,21 +30,25 @@ class TileConfig:
   warp_specialize: bool = False
 
 
-# (backend, op, kc, no) -> config. Filled from the H200 sweeps recorded in BENCHMARKS.md.
+# (backend, op, kc, no) or (backend, op, kc, no, m_bucket(M)) -> config. Filled from the H200
+# sweeps recorded in BENCHMARKS.md.
 _C = TileConfig
-TABLE: dict[tuple[str, str, int, int], TileConfig] = {
+TABLE: dict[tuple, TileConfig] = {
     # H200 sweeps 2026-11-29 (bench/gmm.py --sweep; BENCHMARKS.md), TFLOP/s at the bench shape.
     # (bm, bn, bk, num_warps, num_stages). Triton: bn may be two powers of two (192 = 128 + 64).
-    ("triton", "gmm", 768, 192): _C(128, 192, 32, 8, 8),     # base-up 426, base-att 341 (round 3)
+    ("triton", "gmm", 768, 192): _C(128, 192, 32, 8, 8),     # base-up 421, base-att 341 (round 3)
+    # M-specific rows (key ends with tuning.m_bucket(M)); round 4 (persistent grids, 256-row tiles).
+    ("triton", "gmm", 768, 192, 1 << 19): _C(256, 192, 64, 8, 3),               # base-up 445
+    ("triton", "gmm", 768, 192, 1 << 17): _C(128, 192, 64, 8, 4, persistent=1),  # base-att 343
     ("triton", "gmm_t", 192, 768): _C(128, 128, 64, 4, 3),   # base-up dgrad 275, base-att 246
     ("triton", "tgmm", 768, 192): _C(128, 192, 64, 8, 3),    # base-up wgrad 422
-    ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 2),     # base-down 318
+    ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 3, persistent=2),  # base-down 395 (r4)
     ("triton", "gmm_t", 768, 192): _C(128, 192, 64, 8, 5),   # base-down dgrad 428
     ("triton", "tgmm", 192, 768): _C(64, 128, 64, 4, 4),     # base-down wgrad 401
-    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 4),    # large-up 668
+    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 4, persistent=2),  # large-up 711 (r4)
     ("triton", "gmm_t", 512, 2048): _C(128, 128, 64, 4, 3),  # large-up dgrad 497
     ("triton", "tgmm", 2048, 512): _C(128, 256, 64, 8, 3),   # large-up wgrad 729
-    ("triton", "gmm", 512, 2048): _C(128, 128, 64, 4, 3),    # large-down 503
+    ("triton", "gmm", 512, 2048): _C(128, 256, 64, 8, 3, persistent=1),  # large-down 591 (r4)
     ("triton", "gmm_t", 2048, 512): _C(128, 256, 64, 8, 3),  # large-down dgrad 667
     ("triton", "tgmm", 512, 2048): _C(128, 256, 64, 8, 3),   # large-down wgrad 708
     # Mosaic GPU: num_stages = pipeline depth (max_concurrent_steps); num_warps unused.
@@ -90,10 +95,17 @@ def default_config(backend: str, op: str, m: int, kc: int, no: int, g: int) -> T
   return TileConfig(bm=128 if no % 128 == 0 else 64, bn=128 if no % 128 == 0 else 64, bk=64, num_stages=4)
 
 
+def m_bucket(m: int) -> int:
+  """Rows bucketed to the nearest power of two (the key of M-specific TABLE rows)."""
+  return 1 << max(0, round(math.log2(max(int(m), 1))))
+
+
 def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
            table: Optional[dict] = None) -> TileConfig:
   table = TABLE if table is None else table
-  cfg = table.get((backend, op, int(kc), int(no)))
+  cfg = table.get((backend, op, int(kc), int(no), m_bucket(m)))
+  if cfg is None:
+    cfg = table.get((backend, op, int(kc), int(no)))
   if cfg is None:
     cfg = default_config(backend, op, m, kc, no, g)
   if backend == "triton" and not _width_ok(cfg.bn):
@@ -101,9 +113,10 @@ def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
   return cfg
 
 
-def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
+def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[TileConfig]:
   """Tile configs the offline sweep (bench/gmm.py --sweep) tries for one (op, kc, no)."""
-  out = [TABLE.get((backend, op, kc, no)) or default_config(backend, op, 0, kc, no, 0)]
+  out = [TABLE.get((backend, op, kc, no, m_bucket(m))) if m else None]
+  out = [out[0] or TABLE.get((backend, op, kc, no)) or default_config(backend, op, 0, kc, no, 0)]
   if backend == "triton":
     if op == "tgmm":
       widths = sorted({w for w in (64, 128, 192, 256) if w <= max(no, 64) and _width_ok(w)})
@@ -116,6 +129,10 @@ def candidates(backend: str, op: str, kc: int, no: int) -> list[TileConfig]:
       # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row
       # tiles, which halve the weight-tile reloads per output row.
       base = out[0]
+      # Round 5 first (a capped sweep tries these): deeper 256-row tiles for the 768 -> 192 shapes.
+      for bm, bn, bk, nw, ns in ((256, 192, 64, 8, 4), (256, 192, 32, 8, 6)):
+        if no % bn == 0:
+          out.append(TileConfig(bm, bn, bk, nw, ns))
       for p, ws in ((1, False), (2, False), (1, True)):
         out.append(dataclasses.replace(base, persistent=p, warp_specialize=ws))
       for bm, bn, bk, nw, ns, p in ((256, 128, 64, 8, 3, 0), (256, 128, 64, 8, 3, 1),

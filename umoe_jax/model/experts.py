@@ -73,14 +73,27 @@ class ExpertPool(nnx.Module):
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
       return expert_parallel.route_pool(self, x, expert_ids, gates)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
-    dt, k = self.compute_dtype, expert_ids.shape[1]
-    x = x.astype(dt)
-    with jax.named_scope("expert_up"):
-      up = gather_gmm(x, self.w_up.value.astype(dt), plan, k, backend=self.gmm_backend)
-    gate = None
-    if self.w_gate is not None:
-      with jax.named_scope("expert_gate"):
-        gate = gather_gmm(x, self.w_gate.value.astype(dt), plan, k, backend=self.gmm_backend)
-    with jax.named_scope("expert_down"):
-      return gmm_combine(self._hidden(up, gate), self.w_down.value.astype(dt), plan, gates,
-                         backend=self.gmm_backend)
+    dt = self.compute_dtype
+    return routed_mlp(x.astype(dt), plan, gates, self.w_up.value.astype(dt),
+                      self.w_down.value.astype(dt),
+                      None if self.w_gate is None else self.w_gate.value.astype(dt),
+                      activation=self.activation, backend=self.gmm_backend)
+
+
+def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up: jax.Array,
+               w_down: jax.Array, w_gate: jax.Array | None = None, *, activation: str,
+               backend: str) -> jax.Array:
+  """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
+  x [N, D] or [N, K, D], gates [N, K], w_up / w_gate [E, D, F], w_down [E, F, D] -> [N, D].
+  (Also run per device by expert parallelism when the expert axis is 1.)"""
+  act = ACTIVATION_FNS[activation]
+  k = gates.shape[1]
+  with jax.named_scope("expert_up"):
+    h = gather_gmm(x, w_up, plan, k, backend=backend)
+  if w_gate is not None:
+    with jax.named_scope("expert_gate"):
+      h = act(gather_gmm(x, w_gate, plan, k, backend=backend)) * h
+  else:
+    h = act(h)
+  with jax.named_scope("expert_down"):
+    return gmm_combine(h, w_down, plan, gates, backend=backend)

@@ -134,7 +134,10 @@ def _gmm_combine_fn(backend_name: str, slots: int):
   def forward(h, rhs, gs, order, inverse, gates):
     y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype)     # [M, D]
     y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
-    out = jnp.einsum("nkd,nk->nd", y, gates.astype(y.dtype), preferred_element_type=jnp.float32)
+    # Multiply-and-sum, not an einsum: XLA fuses the gather into this reduction, where a dot would
+    # first write the gathered [N, K, D] copy.
+    g = gates.astype(y.dtype).astype(jnp.float32)
+    out = jnp.sum(y.astype(jnp.float32) * g[..., None], axis=1)
     return out.astype(h.dtype), y_sorted
 
   @jax.custom_vjp
@@ -158,7 +161,7 @@ def _gmm_combine_fn(backend_name: str, slots: int):
     drhs = _raw_tgmm(backend, h_scaled, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      rhs_index=token)                                                      # [E, F, D]
     y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
-    dgates = jnp.einsum("nkd,nd->nk", y, dout, preferred_element_type=jnp.float32)
+    dgates = jnp.sum(y.astype(jnp.float32) * dout.astype(jnp.float32)[:, None, :], axis=-1)
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
             vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
 

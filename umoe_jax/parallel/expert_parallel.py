@@ -221,7 +221,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
                weights: Sequence[jax.Array], weight_axes: Sequence[Sequence[Optional[str]]],
                local_fn: LocalFn, *, num_experts: int, mesh: Optional[Mesh] = None,
                rules: Any = None, capacity_factor: Any = "context",
-               exchange: str = "context") -> tuple[jax.Array, dict]:
+               exchange: str = "context", fused_local: Optional[Callable] = None
+               ) -> tuple[jax.Array, dict]:
   """Applies routed experts to every (token, slot) row across the mesh.
 
     gates given:  out[n] = sum_k gates[n, k] * f_{ids[n, k]}(x[n] or x[n, k])   -> [N, D_out]
@@ -242,6 +243,10 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     mesh, rules: default from `use_mesh`.
     capacity_factor: None = dropless; a float = buffer capacity factor; default from `use_mesh`.
     exchange: "auto" | "all_to_all" | "all_gather" (module docstring); default from `use_mesh`.
+    fused_local: optional `(x, plan, gates, *local_weights) -> [n, D_out]`, the whole routed
+      forward with the dispatch fused into the kernels; used instead of permute + local_fn +
+      combine when nothing is exchanged (expert axis 1), gates are given and the hidden width is
+      not split over tensor axes.
   Returns:
     (out, stats) with stats = {"dropped_rows": [] int32 (global), "capacity": buffer rows (per pair
     for all_to_all, per shard for all_gather)}; `resolve_exchange` tells which exchange ran.
@@ -306,6 +311,11 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     if strategy == "all_gather":
       y, dropped = _all_gather_exchange(x_l, ids_l, gates_l, fn, ws, e_local=e_local,
                                         axes=expert_axes, cap=cap)
+    elif strategy == "local" and fused_local is not None and gates_l is not None and not tensor_axes:
+      # No exchange: the single-device routed forward with the dispatch fused into the kernels.
+      plan = dispatch.make_plan(ids_l, num_experts)
+      y = fused_local(x_l, plan, gates_l, *ws)                                # [n, D_out]
+      dropped = jnp.zeros((), jnp.int32)
     else:
       plan = dispatch.make_plan(ids_l, num_experts)
       with jax.named_scope("dispatch"):
@@ -354,6 +364,15 @@ def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, ac
   return jax.lax.psum(part, _axis_arg(tensor_axes)).astype(dtype)
 
 
+def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend):
+  from umoe_jax.model.experts import routed_mlp
+  x, gates, w_up, w_down, *rest = match_varying(
+      x.astype(dtype), gates, w_up.astype(dtype), w_down.astype(dtype),
+      *([] if w_gate is None else [w_gate.astype(dtype)]))
+  return routed_mlp(x, plan, gates, w_up, w_down, rest[0] if rest else None,
+                    activation=activation, backend=backend)
+
+
 def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
   """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh."""
   from flax import nnx
@@ -364,7 +383,10 @@ def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> j
   if getattr(pool, "w_gate", None) is not None:
     params.append(pool.w_gate)
   y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
-                        tuple(_names(p) for p in params), local, num_experts=pool.n_experts)
+                        tuple(_names(p) for p in params), local, num_experts=pool.n_experts,
+                        fused_local=functools.partial(_pool_fused, activation=pool.activation,
+                                                      dtype=pool.compute_dtype,
+                                                      backend=pool.gmm_backend))
   ctx = current_context()
   if ctx is not None and ctx.expert_capacity_factor is not None:
     pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
