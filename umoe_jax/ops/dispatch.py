@@ -39,12 +39,16 @@ def make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
   """
   flat = jax.lax.stop_gradient(expert_ids).reshape(-1).astype(jnp.int32)  # [M]
   m = flat.shape[0]
-  # A stable sort keeps tokens in order inside each expert: reproducible and cache-friendly.
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)              # [M]
+  iota = jnp.arange(m, dtype=jnp.int32)
+  # One stable (key, index) sort gives both the order and the sorted ids; a stable sort keeps tokens
+  # in order inside each expert: reproducible and cache-friendly.
+  sorted_ids, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)  # [M], [M]
+  # Group sizes by binary search in the sorted ids (E + 1 lookups) rather than a bincount, whose
+  # scatter-add into E bins serialises on GPU atomics.
+  bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+  group_sizes = jnp.diff(bounds).astype(jnp.int32)                        # [E]
   # One scatter of M int32s buys gather-only data movement everywhere else (see `_take_rows`).
-  inverse = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32),
-                                                      unique_indices=True)
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+  inverse = jnp.zeros((m,), jnp.int32).at[order].set(iota, unique_indices=True)
   return DispatchPlan(order=order, inverse=inverse, group_sizes=group_sizes)
 
 

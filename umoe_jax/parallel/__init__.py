@@ -4,5 +4,5 @@
   sharding.state_shardings(abstract, mesh, rules)    -> NamedSharding per leaf (params, opt state)
   sharding.use_mesh(mesh, rules)                     the context the model traces under
   distributed.initialize_from_env()                  jax.distributed from env / SLURM / TPU pod
-  expert_parallel                                    shard_map + all-to-all around expert dispatch
+  expert_parallel                                    shard_map + token exchange (all-gather / all-to-all)
 """

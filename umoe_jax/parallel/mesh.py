@@ -6,7 +6,8 @@ allow it, since `jax.devices()` lists devices process by process):
   data    pure data parallel: params replicated, batch split
   fsdp    data parallel with params and optimizer state split over the model width (ZeRO-3)
   tensor  tensor parallel: attention heads, dense MLP and expert hidden widths split
-  expert  expert parallel: routed experts split; tokens travel by all-to-all (`expert_parallel.py`)
+  expert  expert parallel: routed experts split; tokens travel by all-gather + reduce-scatter or
+          all-to-all (`expert_parallel.py`)
 
 The batch is split over data x fsdp x expert (see `rules.DEFAULT_RULES`).
 """

@@ -83,9 +83,9 @@ class PreMixAttention(nnx.Module):
     if expert_parallel.is_active():  # under parallel.use_mesh: q_a / q_b split over the mesh
       return expert_parallel.premix_queries(self, x_flat, expert_ids)
     dt = self.cfg.compute_dtype
-    rows = dispatch.permute(x_flat.astype(dt), plan, self.top_k)                  # [M, D]
-    q = low_rank_expert_apply(rows, plan.group_sizes, self.q_a, self.q_a_norm, self.q_b, dtype=dt,
-                              backend=self.cfg.gmm_backend)                       # [M, Dk]
+    q = low_rank_expert_apply(x_flat.astype(dt), plan.group_sizes, self.q_a, self.q_a_norm,
+                              self.q_b, dtype=dt, backend=self.cfg.gmm_backend, plan=plan,
+                              slots=self.top_k)                                   # [M, Dk]
     return dispatch.unpermute(q, plan).reshape(x_flat.shape[0], self.top_k, -1)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
