@@ -169,6 +169,16 @@ BAD = [
     ("umoe", {"ffn.n_shared_experts": -1}, "model.ffn.n_shared_experts", "-1"),
     ("dense", {"norm_eps": 0.0}, "model.norm_eps", "0.0"),
     ("umoe", {"router.balance_coef": -0.1}, "model.router.balance_coef", "-0.1"),
+    ("umoe", {"router.kind": "xmoe", "router.xmoe_dim": 0}, "model.router.xmoe_dim", "0"),
+    ("umoe", {"router.kind": "xmoe", "router.xmoe_temperature": 0.0}, "model.router.xmoe_temperature", "0.0"),
+    ("umoe", {"router.kind": "xmoe", "router.xmoe_temperature": -0.3}, "model.router.xmoe_temperature", "-0.3"),
+    ("umoe", {"router.kind": "xmoe", "router.xmoe_temperature": float("inf")},
+     "model.router.xmoe_temperature", "inf"),
+    ("umoe", {"router.xmoe_dim": 4.5}, "model.router.xmoe_dim", "4.5"),
+    ("umoe", {"router.xmoe_learn_temperature": 1}, "model.router.xmoe_learn_temperature", "1"),
+    ("umoe", {"router.kind": "hash", "router.hash_seed": -1}, "model.router.hash_seed", "-1"),
+    ("umoe", {"router.kind": "hash", "router.hash_seed": 2 ** 32}, "model.router.hash_seed", "4294967296"),
+    ("umoe", {"router.kind": "hash", "router.share_att_ffn": True}, "model.router.share_att_ffn", "True"),
 ]
 
 

@@ -30,6 +30,9 @@ VARIANTS = {  # name: (family, overrides)
     "moa": ("moa", {"attention.n_experts": 5}),
     "switchhead": ("switchhead", {"attention.n_experts": 4, "attention.top_k": 1}),
     "postmix": ("umoe", {"attention.kind": "postmix"}),
+    # routers fed by the route context (token ids of the new tokens while decoding) and X-MoE
+    "premix_hash": ("umoe", {"router.kind": "hash"}),
+    "premix_xmoe": ("umoe", {"router.kind": "xmoe", "router.xmoe_learn_temperature": False}),
 }
 # Only the cache sizes of these are checked (their caching code is that of a variant above).
 MORE_VARIANTS = {
@@ -38,6 +41,8 @@ MORE_VARIANTS = {
                                           "router.kind": "topk_sigmoid", "router.balance_loss": "none"}),
     "postmix_full_keys": ("umoe", {"attention.kind": "postmix", "attention.q_lora_rank": None,
                                    "attention.n_shared_experts": 0}),
+    "ffn_moe_hash": ("ffn_moe", {"router.kind": "hash"}),
+    "ffn_moe_xmoe": ("ffn_moe", {"router.kind": "xmoe"}),
 }
 
 _full = nnx.jit(lambda model, tokens: model(tokens)[0])
@@ -57,6 +62,11 @@ def test_cached_decoding_matches_full_forward(name):
   full forward pass of its own unpadded tokens (float32)."""
   # one layer keeps the compilations short; the ablation variant has two (a pool shared across layers)
   cfg, model = _model(name, seed=1, n_layers=2 if name == "premix_mla_ablations" else 1)
+  assert_cached_decoding_matches_full(cfg, model)
+
+
+def assert_cached_decoding_matches_full(cfg, model):
+  """The check of `test_cached_decoding_matches_full_forward` for any CausalLM (float32)."""
   rng = np.random.default_rng(2)
   tokens = np.asarray(rng.integers(0, cfg.vocab_size, (2, 9)), np.int32)
   full = np.asarray(_full(model, jnp.asarray(tokens)))                          # [2, 9, V]

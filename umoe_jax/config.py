@@ -29,6 +29,10 @@ class RouterConfig:
   balance_loss: str = "seq_aux"       # "seq_aux" (DeepSeek, per sequence), "switch", or "none"
   balance_coef: float = 0.001
   share_att_ffn: bool = False         # the FFN reuses the attention router's weights (own top-k, own loss)
+  xmoe_dim: int = 16                  # xmoe: routing dimension d_r (token projection, expert embeddings)
+  xmoe_temperature: float = 0.3       # xmoe: tau_0 of the balance loss; the gating tau's (initial) value
+  xmoe_learn_temperature: bool = True  # xmoe: learn the gating tau (paper); False = fixed (torchscale/LibMoE)
+  hash_seed: int = 42                 # hash: seed of the fixed token-id -> experts map (ParlAI's 42)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +197,14 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _check(router.balance_loss in BALANCE_LOSSES,
          f"model.router.balance_loss={router.balance_loss!r}; valid: {', '.join(BALANCE_LOSSES)}")
   _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
+  _check(router.xmoe_dim >= 1, f"model.router.xmoe_dim={router.xmoe_dim!r} must be >= 1")
+  _check(0 < router.xmoe_temperature < float("inf"),
+         f"model.router.xmoe_temperature={router.xmoe_temperature!r} must be positive and finite")
+  _check(0 <= router.hash_seed < 2 ** 32,
+         f"model.router.hash_seed={router.hash_seed!r} must be in [0, 2**32)")
+  router_validate = getattr(ROUTERS.get(router.kind), "validate", None)
+  if router_validate is not None:
+    router_validate(cfg)
   pool = cfg.attention_uses_experts or cfg.ffn_uses_experts
   if pool:
     _check(moe.n_experts > 0, f"model.moe.n_experts={moe.n_experts!r} must be set (> 0) for routed experts")

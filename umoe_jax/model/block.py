@@ -63,15 +63,19 @@ class DecoderBlock(nnx.Module):
 
     self.experts, self.ffn_experts = pools if pools is not None else make_expert_pools(cfg, rngs)
 
-  def __call__(self, h: jax.Array, positions: jax.Array, cache=None):
-    """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput}) (+ the layer's updated cache)."""
+  def __call__(self, h: jax.Array, positions: jax.Array, cache=None, route_context=None):
+    """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput}) (+ the layer's updated cache).
+
+    `route_context`: the extras every router of the layer receives (`routers.route_context`).
+    """
     a, att_routes, *new_cache = self.attention(self.attention_norm(h), positions,
-                                               experts=self.experts, cache=cache)
+                                               experts=self.experts, cache=cache,
+                                               route_context=route_context)
     h = h + a.astype(h.dtype)
     ffn_routes = {}
     if self.ffn is not None:
       ffn_pool = self.ffn_experts if self.ffn_experts is not None else self.experts
-      f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool)
+      f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool, route_context=route_context)
       h = h + f.astype(h.dtype)
     routes = {**att_routes, **ffn_routes}
     return (h, routes) if cache is None else (h, routes, new_cache[0])

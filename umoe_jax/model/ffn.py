@@ -6,7 +6,7 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.model.layers import MLP
-from umoe_jax.model.routers import make_router
+from umoe_jax.model.routers import call_router, make_router
 
 
 class DenseFFN(nnx.Module):
@@ -17,8 +17,8 @@ class DenseFFN(nnx.Module):
                    param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
                    gated=cfg.moe.gated)
 
-  def __call__(self, x: jax.Array, *, experts=None):
-    del experts
+  def __call__(self, x: jax.Array, *, experts=None, route_context=None):
+    del experts, route_context
     return self.mlp(x), {}
 
 
@@ -40,13 +40,13 @@ class MoEFFN(nnx.Module):
             gated=moe.gated)
         if ffn.n_shared_experts and not moe.share_always_on else None)  # shared: set by the block
 
-  def __call__(self, x: jax.Array, *, experts=None):
-    """x [B, T, D] (normed) -> (y [B, T, D], {"ffn": RouterOutput})."""
+  def __call__(self, x: jax.Array, *, experts=None, route_context=None):
+    """x [B, T, D] (normed) -> (y [B, T, D], {"ffn": RouterOutput}); `route_context` goes to the router."""
     if experts is None:
       raise ValueError("the MoE FFN needs the layer's expert pool (experts=...)")
     b, t, d = x.shape
     x = x.astype(self.cfg.compute_dtype)
-    route = self.router(x)
+    route = call_router(self.router, x, route_context)
     k = route.expert_ids.shape[-1]
     y = experts.route(x.reshape(b * t, d), route.expert_ids.reshape(-1, k),
                       route.gates.reshape(-1, k)).reshape(b, t, d)

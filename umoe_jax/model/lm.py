@@ -11,7 +11,7 @@ from umoe_jax.config import ModelConfig, model_config
 from umoe_jax.model.block import DecoderBlock, make_expert_pools
 from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
-from umoe_jax.model.routers import RouterOutput, routing_stats
+from umoe_jax.model.routers import RouterOutput, route_context, routing_stats
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import with_logical_constraint
 
@@ -47,6 +47,9 @@ class CausalLM(nnx.Module):
     updated cache is returned third. `positions` then default to index + arange(T); a negative
     position marks a padding token (never attended).
 
+    Every router receives `route_context(tokens)` ({"token_ids": tokens}; with a cache, the new
+    tokens'), passed through the blocks as `route_context`.
+
     `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
     """
     cfg = self.cfg
@@ -62,13 +65,15 @@ class CausalLM(nnx.Module):
       new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
     h = with_logical_constraint(h, _ACTIVATION_AXES)   # no-op outside parallel.use_mesh
+    context = route_context(tokens.astype(jnp.int32))                               # router extras
     routes: dict[str, RouterOutput] = {}
     block = nnx.remat(_apply_block) if remat else _apply_block
     for i, layer in enumerate(self.layers):
       if cache is None:
-        h, layer_routes = block(layer, h, positions)
+        h, layer_routes = block(layer, h, positions, context)
       else:
-        h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions))
+        h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
+                                             route_context=context)
         new_layers.append(layer_cache.arrays)
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
@@ -84,8 +89,8 @@ class CausalLM(nnx.Module):
                                     layers=tuple(new_layers))
 
 
-def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array):
-  return layer(h, positions)
+def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):
+  return layer(h, positions, route_context=context)
 
 
 def build_model(cfg, seed: int = 0) -> CausalLM:

@@ -37,9 +37,10 @@ class MultiHeadAttention(nnx.Module):
     self.v_proj = Linear(d, att.n_heads * att.v_head_dim, (ax.EMBED, ax.HEADS), **kw)
     self.o_proj = Linear(att.n_heads * att.v_head_dim, d, (ax.HEADS, ax.EMBED), **kw)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
+               route_context=None):
     """x [B, T, D] -> (y [B, T, D], {}) (+ the updated cache when `cache` is given)."""
-    del experts
+    del experts, route_context  # no routers
     b, t, _ = x.shape
     rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
     q = apply_rope(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)

@@ -26,7 +26,7 @@ from umoe_jax.config import ConfigError, ModelConfig
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
-from umoe_jax.model.routers import make_router
+from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
@@ -105,14 +105,15 @@ class MoAAttention(nnx.Module):
     else:
       self.shared_q_proj = self.shared_o_proj = None
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
+               route_context=None):
     """x [B, T, D] (normed) -> (y [B, T, D], {"attention": RouterOutput}) (+ cache)."""
     del experts
     b, t, d = x.shape
     n, k = b * t, self.top_k
     dt, backend = self.cfg.compute_dtype, self.cfg.gmm_backend
     x = x.astype(dt)
-    route = self.router(x)
+    route = call_router(self.router, x, route_context)
     ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
     plan = dispatch.make_plan(ids, self.n_experts)
 

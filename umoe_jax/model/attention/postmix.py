@@ -35,7 +35,7 @@ from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check
                                              low_rank_expert_apply, low_rank_expert_params)
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
-from umoe_jax.model.routers import make_router
+from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.parallel import rules as ax
 from umoe_jax.stats import AttentionStats, Count, linear, mlp
@@ -128,7 +128,8 @@ class PostMixAttention(nnx.Module):
         MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
         if att.n_shared_experts else None)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
+               route_context=None):
     """x [B, T, D] (normed layer input) -> (y [B, T, D], {"attention": RouterOutput}) (+ cache)."""
     if experts is None:
       raise ValueError("post-mixing attention needs the layer's expert pool (experts=...)")
@@ -136,7 +137,7 @@ class PostMixAttention(nnx.Module):
     n, k = b * t, self.top_k
     dt, backend = self.cfg.compute_dtype, self.cfg.gmm_backend
     x = x.astype(dt)
-    route = self.router(x)
+    route = call_router(self.router, x, route_context)
     ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
     plan = dispatch.make_plan(ids, self.n_experts)
     rows = dispatch.permute(x.reshape(n, d), plan, k)                              # [M, D]

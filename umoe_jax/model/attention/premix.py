@@ -30,7 +30,7 @@ from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check
                                              low_rank_expert_apply, low_rank_expert_params)
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
-from umoe_jax.model.routers import make_router
+from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.parallel import expert_parallel
 from umoe_jax.parallel import rules as ax
@@ -88,7 +88,8 @@ class PreMixAttention(nnx.Module):
                               slots=self.top_k)                                   # [M, Dk]
     return dispatch.unpermute(q, plan).reshape(x_flat.shape[0], self.top_k, -1)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
+               route_context=None):
     """x [B, T, D] (normed layer input) -> (y [B, T, D], {"attention": RouterOutput}).
 
     With `cache` (a `LayerCache`) the new key and values are appended to it, the queries attend over
@@ -99,7 +100,7 @@ class PreMixAttention(nnx.Module):
     b, t, d = x.shape
     n, k = b * t, self.top_k
     x = x.astype(self.cfg.compute_dtype)
-    route = self.router(x)                                                        # ids/gates [B,T,K]
+    route = call_router(self.router, x, route_context)                            # ids/gates [B,T,K]
     ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
     plan = dispatch.make_plan(ids, self.n_experts)
 

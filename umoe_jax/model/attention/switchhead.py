@@ -30,7 +30,7 @@ from umoe_jax.config import ModelConfig
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_heads, check_own_experts
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
-from umoe_jax.model.routers import RouterOutput, make_router
+from umoe_jax.model.routers import RouterOutput, call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
@@ -83,9 +83,9 @@ class HeadExperts(nnx.Module):
     self.w = make_param(rngs, normal_init(cfg.init_std), (att.n_heads * att.n_experts, d_in, d_out),
                         axes, cfg.param_dtype)
 
-  def route(self, gate_input: jax.Array):
+  def route(self, gate_input: jax.Array, route_context=None):
     """gate_input [B, T, D] -> (ids [N, H*K] into the H*E groups, gates [N, H*K], RouterOutputs)."""
-    outs = [r(gate_input) for r in self.router]
+    outs = [call_router(r, gate_input, route_context) for r in self.router]
     n = gate_input.shape[0] * gate_input.shape[1]
     ids = jnp.concatenate([o.expert_ids.reshape(n, -1) + h * self.n_experts
                            for h, o in enumerate(outs)], axis=1)                # [N, H*K]
@@ -145,7 +145,8 @@ class SwitchHeadAttention(nnx.Module):
     self.v_experts = HeadExperts(cfg, d, att.v_head_dim, (ax.EXPERT, ax.EMBED, ax.HEAD_DIM), rngs=rngs)
     self.o_experts = HeadExperts(cfg, att.v_head_dim, d, (ax.EXPERT, ax.HEAD_DIM, ax.EMBED), rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None):
+  def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
+               route_context=None):
     """x [B, T, D] (normed) -> (y [B, T, D], {"attention_v{h}", "attention_o{h}": RouterOutput})."""
     del experts
     b, t, d = x.shape
@@ -155,8 +156,8 @@ class SwitchHeadAttention(nnx.Module):
     q = apply_rope(self.q_proj(x).reshape(b, t, h, self.head_dim), positions, **rope)
     k = apply_rope(self.k_proj(x).reshape(b, t, h, self.head_dim), positions, **rope)
 
-    v_ids, v_gates, v_routes = self.v_experts.route(x)
-    o_ids, o_gates, o_routes = self.o_experts.route(x)
+    v_ids, v_gates, v_routes = self.v_experts.route(x, route_context)
+    o_ids, o_gates, o_routes = self.o_experts.route(x, route_context)
     with jax.named_scope("value_experts"):
       v = self.v_experts(x.reshape(n, d), v_ids, v_gates, per_head_input=False, sum_heads=False)
       v = v.reshape(b, t, h, self.v_head_dim)                                     # [B, T, H, Dv]
