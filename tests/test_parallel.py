@@ -170,6 +170,25 @@ def test_exchange_matches_single_device(multi_device_report, layout, exchange):
   assert result["grad_diff"] < GRAD_TOL, result
 
 
+# The other attention variants of the zoo (no expert-parallel route of their own: their routed
+# experts run through the XLA partitioner), one forward + backward each vs one device. A variant that
+# is wrong under a mesh gets pytest.param(..., marks=pytest.mark.xfail(strict=True, reason=<bug>)).
+VARIANTS = ["moa", "switchhead", "switchhead_sigmoid", "umoe_att", "postmix", "umoe_mla"]
+VARIANT_LAYOUTS = ["data=2,expert=4", "tensor=8"]
+
+
+@pytest.mark.parametrize("layout", VARIANT_LAYOUTS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_variant_matches_single_device(multi_device_report, variant, layout):
+  section = _section(multi_device_report, "variants")
+  if "expert" in layout:   # the variant's routed expert weights really are split over "expert"
+    assert section[variant]["expert_split"], section[variant]
+  result = section[f"{variant}/{layout}"]
+  assert "error" not in result, result.get("error")
+  assert result["step1_loss_diff"] < LOSS_TOL, result
+  assert result["grad_diff"] < GRAD_TOL, result
+
+
 def test_restore_onto_another_mesh(multi_device_report):
   section = _section(multi_device_report, "restore")
   assert section["value_diff"] == 0.0 and section["next_loss_diff"] < LOSS_TOL, section

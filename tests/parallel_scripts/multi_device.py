@@ -1,11 +1,14 @@
 """All single-process, 8-device checks in one process (one JAX start-up), run by test_parallel.py.
 
 Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map layouts restore
+                                                 variants
 Writes {section: {"ok": bool, "error": str, ...numbers}}; each section runs even if another failed.
 """
+import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -341,8 +344,79 @@ def check_restore():
   return dict(value_diff=value_diff, next_loss_diff=diff)
 
 
+# ----------------------------------------------------------------------------------------------
+# The other attention variants of the zoo (configs/<family>_tiny.py shrunk by common.tiny_cfg): loss
+# and gradients of one batch vs one device. Only pre-mixing's routed queries and the pool's `route`
+# have an expert-parallel path (umoe_att, umoe_mla); every other routed expert (MoA heads, SwitchHead
+# V/O experts, post-mixing's pool call and low-rank keys) runs through the XLA partitioner with its
+# weights split by the rules.
+
+
+def _variant_cfg(family: str, **attention):
+  cfg = common.tiny_cfg(family)
+  return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, **attention))
+
+
+# 16 routed experts where the zoo has 15 (moa, umoe_att), so that expert=4 splits them (15 would
+# stay replicated). SwitchHead: 4 heads x 4 experts = 16 groups.
+VARIANTS = {
+    "moa": lambda: _variant_cfg("moa", n_experts=16),
+    "switchhead": lambda: _variant_cfg("switchhead"),
+    "switchhead_sigmoid": lambda: _variant_cfg("switchhead_sigmoid"),
+    "umoe_att": lambda: common.tiny_cfg("umoe_att", n_experts=16),
+    "postmix": lambda: _variant_cfg("umoe", kind="postmix"),
+    "umoe_mla": lambda: common.tiny_cfg("umoe_mla"),
+}
+# fsdp=8 also matches (checked by hand: VARIANT_LAYOUTS="data=2,expert=4;tensor=8;fsdp=8"); left out
+# of the default run to keep the compile time down (~3 s per program on a 2-core CPU).
+VARIANT_LAYOUTS = os.environ.get("VARIANT_LAYOUTS", "data=2,expert=4;tensor=8").split(";")
+
+
+def check_variants():
+  """One forward + backward (no optimizer: less to compile) per variant and layout vs one device;
+  also pins that the routed expert weights are split over the expert axis. A failing layout is
+  reported (its error, or its worst gradient) and does not stop the others."""
+  batch = common.tokens(seed=0)
+  meshes = {layout: mesh_lib.make_mesh(parse(layout)) for layout in VARIANT_LAYOUTS}
+  report = {}
+  for name, make_cfg in VARIANTS.items():
+    cfg = make_cfg()
+    graphdef, abstract_params = common.model_parts(cfg)
+    params = common.init_params(cfg)
+    grad_fn = jax.value_and_grad(functools.partial(common.loss_fn, graphdef=graphdef))
+    ref_loss, ref_grads = jax.jit(grad_fn)(params, batch)
+    ref_grads = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
+    report[name] = dict(kind=cfg.attention.kind, ref_loss=float(ref_loss),
+                        grad_scale=common.max_abs(list(ref_grads.values())))
+    for layout, mesh in meshes.items():
+      t0 = time.time()
+      try:
+        _, p_sh, _ = common.sharded_step(graphdef, abstract_params, mesh)
+        if "expert" in layout:   # the [E, ...] routed weights (E = 16) are split over "expert"
+          split = [jax.tree_util.keystr(p) for p, sh in jax.tree_util.tree_leaves_with_path(p_sh)
+                   if sh.spec and sh.spec[0] == "expert"]
+          assert split, (name, p_sh)
+          report[name]["expert_split"] = split
+        b_sh = sharding.batch_sharding(mesh)
+        step = jax.jit(grad_fn, in_shardings=(p_sh, b_sh),
+                       out_shardings=(jax.sharding.NamedSharding(mesh, P()), p_sh))
+        with sharding.use_mesh(mesh):
+          loss, grads = step(jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
+        per_param = {jax.tree_util.keystr(p): common.max_abs_diff(g, ref_grads[p])
+                     for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+        worst = max(per_param, key=per_param.get)
+        res = dict(step1_loss_diff=abs(float(loss) - float(ref_loss)), grad_diff=per_param[worst],
+                   worst_grad=worst)
+      except Exception as e:  # pylint: disable=broad-except
+        res = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+      res["seconds"] = round(time.time() - t0, 1)
+      report[f"{name}/{layout}"] = res
+      print(name, layout, res, flush=True)
+  return report
+
+
 CHECKS = dict(shardings=check_shardings, expert_map=check_expert_map, layouts=check_layouts,
-              restore=check_restore)
+              restore=check_restore, variants=check_variants)
 
 
 def main(out_path, sections):
