@@ -368,50 +368,71 @@ VARIANTS = {
     "umoe_mla": lambda: common.tiny_cfg("umoe_mla"),
 }
 # fsdp=8 also matches (checked by hand: VARIANT_LAYOUTS="data=2,expert=4;tensor=8;fsdp=8"); left out
-# of the default run to keep the compile time down (~3 s per program on a 2-core CPU).
+# of the default run to keep the compile time down.
 VARIANT_LAYOUTS = os.environ.get("VARIANT_LAYOUTS", "data=2,expert=4;tensor=8").split(";")
 
 
 def check_variants():
-  """One forward + backward (no optimizer: less to compile) per variant and layout vs one device;
-  also pins that the routed expert weights are split over the expert axis. A failing layout is
-  reported (its error, or its worst gradient) and does not stop the others."""
+  """Loss and gradients (no optimizer: less to compile) of every variant on each layout vs one
+  device; records which weights are split over "expert". Compiling dominates, so all variants run
+  as one program per layout (and one on one device); if a layout's program fails, each variant
+  runs alone to name the failing ones (their error goes in the report, the others still compare)."""
   batch = common.tokens(seed=0)
-  meshes = {layout: mesh_lib.make_mesh(parse(layout)) for layout in VARIANT_LAYOUTS}
-  report = {}
+  parts, params = {}, {}
   for name, make_cfg in VARIANTS.items():
     cfg = make_cfg()
     graphdef, abstract_params = common.model_parts(cfg)
-    params = common.init_params(cfg)
-    grad_fn = jax.value_and_grad(functools.partial(common.loss_fn, graphdef=graphdef))
-    ref_loss, ref_grads = jax.jit(grad_fn)(params, batch)
-    ref_grads = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
-    report[name] = dict(kind=cfg.attention.kind, ref_loss=float(ref_loss),
-                        grad_scale=common.max_abs(list(ref_grads.values())))
-    for layout, mesh in meshes.items():
-      t0 = time.time()
-      try:
-        _, p_sh, _ = common.sharded_step(graphdef, abstract_params, mesh)
-        if "expert" in layout:   # the [E, ...] routed weights (E = 16) are split over "expert"
-          split = [jax.tree_util.keystr(p) for p, sh in jax.tree_util.tree_leaves_with_path(p_sh)
-                   if sh.spec and sh.spec[0] == "expert"]
-          assert split, (name, p_sh)
-          report[name]["expert_split"] = split
-        b_sh = sharding.batch_sharding(mesh)
-        step = jax.jit(grad_fn, in_shardings=(p_sh, b_sh),
-                       out_shardings=(jax.sharding.NamedSharding(mesh, P()), p_sh))
-        with sharding.use_mesh(mesh):
-          loss, grads = step(jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
-        per_param = {jax.tree_util.keystr(p): common.max_abs_diff(g, ref_grads[p])
-                     for p, g in jax.tree_util.tree_leaves_with_path(grads)}
-        worst = max(per_param, key=per_param.get)
-        res = dict(step1_loss_diff=abs(float(loss) - float(ref_loss)), grad_diff=per_param[worst],
-                   worst_grad=worst)
-      except Exception as e:  # pylint: disable=broad-except
-        res = dict(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
-      res["seconds"] = round(time.time() - t0, 1)
-      report[f"{name}/{layout}"] = res
-      print(name, layout, res, flush=True)
+    parts[name] = (cfg, graphdef, abstract_params)
+    params[name] = common.init_params(cfg)
+  grad_fns = {name: jax.value_and_grad(functools.partial(common.loss_fn, graphdef=graphdef))
+              for name, (_, graphdef, _) in parts.items()}
+
+  def grads_of(names):
+    return lambda ps, b: {n: grad_fns[n](ps[n], b) for n in names}
+
+  t0 = time.time()
+  ref = jax.jit(grads_of(list(parts)))(params, batch)
+  ref_grads = {n: dict(jax.tree_util.tree_leaves_with_path(g)) for n, (_, g) in ref.items()}
+  report = {n: dict(kind=parts[n][0].attention.kind, ref_loss=float(ref[n][0]),
+                    grad_scale=common.max_abs(ref[n][1])) for n in parts}
+  report["seconds/one_device"] = round(time.time() - t0, 1)
+  for layout in VARIANT_LAYOUTS:
+    t0 = time.time()
+    mesh = mesh_lib.make_mesh(parse(layout))
+    p_sh = {n: common.sharded_step(graphdef, abstract, mesh)[1]
+            for n, (_, graphdef, abstract) in parts.items()}
+    b_sh = sharding.batch_sharding(mesh)
+    rep = jax.sharding.NamedSharding(mesh, P())
+    if "expert" in layout:   # the [E, ...] routed weights (E = 16) split over "expert"
+      for n in parts:
+        report[n]["expert_split"] = [jax.tree_util.keystr(p) for p, sh in
+                                     jax.tree_util.tree_leaves_with_path(p_sh[n])
+                                     if sh.spec and sh.spec[0] == "expert"]
+
+    def run(names, mesh=mesh, p_sh=p_sh, b_sh=b_sh, rep=rep):
+      step = jax.jit(grads_of(names), in_shardings=({n: p_sh[n] for n in names}, b_sh),
+                     out_shardings={n: (rep, p_sh[n]) for n in names})
+      with sharding.use_mesh(mesh):
+        return step({n: jax.device_put(params[n], p_sh[n]) for n in names},
+                    jax.device_put(batch, b_sh))
+    try:
+      outs = run(list(parts))
+    except Exception:  # pylint: disable=broad-except
+      outs = {}
+      for n in parts:
+        try:
+          outs.update(run([n]))
+        except Exception as e:  # pylint: disable=broad-except
+          report[f"{n}/{layout}"] = dict(error=f"{type(e).__name__}: {e}\n"
+                                               f"{traceback.format_exc()[-3000:]}")
+    for n, (loss, grads) in outs.items():
+      per_param = {jax.tree_util.keystr(p): common.max_abs_diff(g, ref_grads[n][p])
+                   for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+      worst = max(per_param, key=per_param.get)
+      report[f"{n}/{layout}"] = dict(step1_loss_diff=abs(float(loss) - float(ref[n][0])),
+                                     grad_diff=per_param[worst], worst_grad=worst)
+    report[f"seconds/{layout}"] = round(time.time() - t0, 1)
+    print(layout, {k: v for k, v in report.items() if k.endswith(layout)}, flush=True)
   return report
 
 
