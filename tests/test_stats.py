@@ -180,3 +180,21 @@ def test_model_zoo_doc_is_current():
     doc = f.read()
   assert stats.zoo_markdown(os.path.join(ROOT, "configs")) in doc, (
       "docs/model_zoo.md is stale: regenerate the table with `python -m umoe_jax.stats --zoo`")
+
+
+@pytest.mark.parametrize("router", ["xmoe", "hash", "topk_sigmoid"])
+@pytest.mark.parametrize("name", ["umoe_tiny", "ffn_moe_tiny", "moa_tiny", "switchhead_tiny"])
+def test_router_kinds_counted(name, router):
+  """Router parameters / MACs follow `router.kind` (X-MoE: D x d_r + E x d_r (+ tau); hash: none):
+  the analytic count agrees with the model, component by component."""
+  cfg = load(name)
+  with cfg.unlocked():
+    cfg.model.router.kind = router
+  assert stats.param_mismatches(cfg) == {}
+  assert stats.total_params(cfg, from_model=False) == stats.total_params(cfg)
+  base = load(name)
+  by_kind = stats.total_params(cfg) - stats.total_params(base)
+  if router == "hash":
+    assert by_kind < 0 and stats.forward_macs(cfg, 1, 8) < stats.forward_macs(base, 1, 8)
+  if router == "topk_sigmoid":
+    assert by_kind == 0

@@ -145,6 +145,27 @@ def linear(d_in: int, d_out: int) -> int:
   return int(d_in) * int(d_out)
 
 
+def router_params(cfg: ModelConfig, n_experts: int) -> int:
+  """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k), X-MoE's
+  D x d_r projection + E x d_r expert embeddings (+ its temperature when learned), none for hash."""
+  r = cfg.router
+  if r.kind == "hash":
+    return 0
+  if r.kind == "xmoe":
+    return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim) + int(r.xmoe_learn_temperature)
+  return linear(cfg.d_model, n_experts)
+
+
+def router_macs(cfg: ModelConfig, n_experts: int) -> int:
+  """Forward MACs per token of one router (the scores of every expert)."""
+  r = cfg.router
+  if r.kind == "hash":
+    return 0
+  if r.kind == "xmoe":
+    return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim)
+  return linear(cfg.d_model, n_experts)
+
+
 def mlp(cfg: ModelConfig, d_hidden: int) -> int:
   """Weights (= MACs per token) of one MLP D -> d_hidden -> D: 2 matrices, 3 when `moe.gated`."""
   return (3 if cfg.moe.gated else 2) * linear(cfg.d_model, d_hidden)
@@ -318,7 +339,7 @@ class PreMixStats(AttentionStats):
     lora_norm = a.q_lora_rank if (a.q_lora_rank is not None and a.q_lora_norm) else 0
     return {"attention": Count(dense),
             "attention_routed": Count(e * per_expert, a.top_k * per_expert),
-            "routers": Count(linear(d, e)),
+            "routers": Count(router_params(cfg, e)),
             "shared_experts": Count(mlp(cfg, cfg.moe.d_expert * a.n_shared_experts)),
             "norms": Count(lora_norm)}
 
@@ -334,7 +355,7 @@ class PreMixStats(AttentionStats):
     if cls._latent(cfg):  # latent code of every token, code -> d for every mixed vector
       proj += linear(d, cls._latent(cfg)) * (1 + cls._n_queries(cfg))
     return {"attention": proj, "attention_routed": p["attention_routed"].active,
-            "routers": p["routers"].total, "shared_experts": p["shared_experts"].total}
+            "routers": router_macs(cfg, cfg.moe.n_experts), "shared_experts": p["shared_experts"].total}
 
   @classmethod
   def pair_macs(cls, cfg):
@@ -372,14 +393,14 @@ class MoEFFNStats(FFNStats):
 
   @classmethod
   def token_macs(cls, cfg):
-    d = cfg.d_model
-    return {"routers": linear(d, cfg.moe.n_experts),
+    return {"routers": router_macs(cfg, cfg.moe.n_experts),
             "shared_experts": mlp(cfg, cfg.moe.d_expert * cfg.ffn.n_shared_experts)}
 
   @classmethod
   def params(cls, cfg):
     macs = cls.token_macs(cfg)
-    return {"routers": Count(0 if cls._reuses(cfg, cfg.router, "share_att_ffn") else macs["routers"]),
+    return {"routers": Count(0 if cls._reuses(cfg, cfg.router, "share_att_ffn")
+                             else router_params(cfg, cfg.moe.n_experts)),
             "shared_experts": Count(0 if cls._reuses(cfg, cfg.moe, "share_always_on")
                                     else macs["shared_experts"]),
             "norms": Count(cfg.d_model)}
@@ -487,10 +508,10 @@ def _component_of(path: Sequence[Any], axes: Sequence[Any]) -> str:
     return "embedding"
   if names[0] == "lm_head":
     return "lm_head"
+  if "router" in names:  # before the norm test: X-MoE's temperature is tagged like a norm scale
+    return "routers"
   if "norm" in axes:
     return "norms"
-  if "router" in names:
-    return "routers"
   if "shared_expert" in names:
     return "shared_experts"
   if "experts" in names or "ffn_experts" in names:

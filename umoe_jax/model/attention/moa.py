@@ -30,7 +30,7 @@ from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import AttentionStats, Count, linear
+from umoe_jax.stats import AttentionStats, Count, linear, router_macs, router_params
 
 
 class MoAStats(AttentionStats):
@@ -45,13 +45,13 @@ class MoAStats(AttentionStats):
     per_expert = linear(d, a.head_dim) + linear(a.v_head_dim, d)
     return {"attention": Count(dense),
             "attention_routed": Count(a.n_experts * per_expert, a.top_k * per_expert),
-            "routers": Count(linear(d, a.n_experts))}
+            "routers": Count(router_params(cfg, a.n_experts))}
 
   @classmethod
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": p["routers"].total}
+            "routers": router_macs(cfg, cfg.attention.n_experts)}
 
   @classmethod
   def pair_macs(cls, cfg):

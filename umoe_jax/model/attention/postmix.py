@@ -38,7 +38,7 @@ from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import AttentionStats, Count, linear, mlp
+from umoe_jax.stats import AttentionStats, Count, linear, mlp, router_macs, router_params
 
 
 class PostMixStats(AttentionStats):
@@ -67,7 +67,7 @@ class PostMixStats(AttentionStats):
     shared = mlp(cfg, cfg.moe.d_expert * a.n_shared_experts) if a.n_shared_experts else 0
     return {"attention": Count(dense),
             "attention_routed": Count(e * per_expert, a.top_k * per_expert),
-            "routers": Count(linear(d, e)),
+            "routers": Count(router_params(cfg, e)),
             "shared_experts": Count(shared),
             "norms": Count(lora_norm)}
 
@@ -79,7 +79,7 @@ class PostMixStats(AttentionStats):
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": p["routers"].total, "shared_experts": p["shared_experts"].total}
+            "routers": router_macs(cfg, cfg.moe.n_experts), "shared_experts": p["shared_experts"].total}
 
   @classmethod
   def pair_macs(cls, cfg):

@@ -34,7 +34,7 @@ from umoe_jax.model.routers import RouterOutput, call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import AttentionStats, Count, linear
+from umoe_jax.stats import AttentionStats, Count, linear, router_macs, router_params
 
 
 class SwitchHeadStats(AttentionStats):
@@ -48,13 +48,13 @@ class SwitchHeadStats(AttentionStats):
     h, e = a.n_heads, a.n_experts
     return {"attention": Count(2 * linear(d, h * a.head_dim)),
             "attention_routed": Count(h * e * per_head, h * a.top_k * per_head),
-            "routers": Count(2 * h * linear(d, e))}
+            "routers": Count(2 * h * router_params(cfg, e))}
 
   @classmethod
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": p["routers"].total}
+            "routers": 2 * cfg.attention.n_heads * router_macs(cfg, cfg.attention.n_experts)}
 
   @classmethod
   def pair_macs(cls, cfg):
