@@ -296,14 +296,7 @@ def _triton_interpreter_check():
     ia = rng.integers(0, src_a.shape[0], m).astype(np.int32)
     idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
     scale = rng.standard_normal(m).astype(np.float32)
-    keep = []  # the interpreter maps arguments by address: keep every argument alive
-
-    def none():  # a fresh placeholder per unused operand
-      return arg(np.zeros(1, np.int32))
-
-    def arg(x):
-      keep.append(_NpTensor(np.array(x)))
-      return keep[-1]
+    none = lambda: _NpTensor(np.zeros(1, np.int32))  # a placeholder for an unused operand
     for persistent, index, row_scale in ((0, False, False), (1, False, False), (0, True, True),
                                          (2, True, False)):
       cfg = tuning.TileConfig(*tile, persistent=persistent)
@@ -328,9 +321,9 @@ def _triton_interpreter_check():
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
     for a_index, b_index in ((False, False), (True, False), (False, True), (True, True)):
       out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
-      T._tgmm_kernel[grid](arg(src_a if a_index else a), arg(src_dy if b_index else dy),
-                           arg(gs), arg(ia) if a_index else none(),
-                           arg(idy) if b_index else none(), out, M=m, K=k, N=n, G=g,
+      T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
+                           _NpTensor(gs), _NpTensor(ia) if a_index else none(),
+                           _NpTensor(idy) if b_index else none(), out, M=m, K=k, N=n, G=g,
                            A_INDEX=a_index, B_INDEX=b_index, **launch)
       want = _ref_tgmm(src_a[ia] if a_index else a, src_dy[idy] if b_index else dy, gs)
       np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4)

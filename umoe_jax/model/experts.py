@@ -36,11 +36,6 @@ class ExpertPool(nnx.Module):
     self.w_gate = (make_param(rngs, normal_init(std), (n_experts, d_model, d_expert),
                               (ax.EXPERT, ax.EMBED, ax.EXPERT_MLP), param_dtype) if gated else None)
 
-  def _hidden(self, up: jax.Array, gate: jax.Array | None) -> jax.Array:
-    """The expert's hidden rows [M, F] from the up (and gate) projections."""
-    act = ACTIVATION_FNS[self.activation]
-    return act(up) if gate is None else act(gate) * up
-
   def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, D] sorted by expert, group_sizes [E] -> [M, D]."""
     dt = self.compute_dtype
@@ -52,8 +47,8 @@ class ExpertPool(nnx.Module):
       with jax.named_scope("expert_gate"):
         gate = gmm(rows, self.w_gate.value.astype(dt), group_sizes, backend=self.gmm_backend)
     with jax.named_scope("expert_down"):
-      return gmm(self._hidden(up, gate), self.w_down.value.astype(dt), group_sizes,
-                 backend=self.gmm_backend)
+      return gmm(expert_hidden(up, gate, self.activation), self.w_down.value.astype(dt),
+                 group_sizes, backend=self.gmm_backend)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None) -> jax.Array:
@@ -86,14 +81,18 @@ def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up
   """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
   x [N, D] or [N, K, D], gates [N, K], w_up / w_gate [E, D, F], w_down [E, F, D] -> [N, D].
   (Also run per device by expert parallelism when the expert axis is 1.)"""
-  act = ACTIVATION_FNS[activation]
   k = gates.shape[1]
   with jax.named_scope("expert_up"):
-    h = gather_gmm(x, w_up, plan, k, backend=backend)
+    up = gather_gmm(x, w_up, plan, k, backend=backend)
+  gate = None
   if w_gate is not None:
     with jax.named_scope("expert_gate"):
-      h = act(gather_gmm(x, w_gate, plan, k, backend=backend)) * h
-  else:
-    h = act(h)
+      gate = gather_gmm(x, w_gate, plan, k, backend=backend)
   with jax.named_scope("expert_down"):
-    return gmm_combine(h, w_down, plan, gates, backend=backend)
+    return gmm_combine(expert_hidden(up, gate, activation), w_down, plan, gates, backend=backend)
+
+
+def expert_hidden(up: jax.Array, gate: jax.Array | None, activation: str) -> jax.Array:
+  """The experts' hidden rows [M, F]: act(up), or act(gate) * up for gated (SwiGLU-style) experts."""
+  act = ACTIVATION_FNS[activation]
+  return act(up) if gate is None else act(gate) * up

@@ -103,8 +103,10 @@ def unpermute(y_sorted: jax.Array, plan: DispatchPlan) -> jax.Array:
 
 def combine(y_slots: jax.Array, gates: jax.Array) -> jax.Array:
   """Gate-weighted sum over slots: y [N, K, D], gates [N, K] -> [N, D] (accumulated in float32)."""
-  out = jnp.einsum("nkd,nk->nd", y_slots, gates.astype(y_slots.dtype),
-                   preferred_element_type=jnp.float32)
+  # Multiply-and-sum, not an einsum: XLA fuses a gather producing y_slots into this reduction, where
+  # a dot would first write the gathered [N, K, D] copy. (Products of bf16 values are exact in f32.)
+  g = gates.astype(y_slots.dtype).astype(jnp.float32)
+  out = jnp.sum(y_slots.astype(jnp.float32) * g[..., None], axis=1)
   return out.astype(y_slots.dtype)
 
 

@@ -23,15 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops.dispatch import DispatchPlan
+from umoe_jax.ops.dispatch import DispatchPlan, combine
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
-
-
-def _source_index(plan: DispatchPlan, slots: int, per_slot: bool) -> jax.Array:
-  """Row of the source array that sorted row r reads: token order[r] // K, or order[r] itself when
-  the source has one row per (token, slot)."""
-  return plan.order if per_slot or slots == 1 else plan.order // slots
 
 
 def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None):
@@ -118,7 +112,7 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
   if rhs.ndim != 3 or rhs.shape[1] != x.shape[-1] or rhs.shape[0] != plan.group_sizes.shape[0]:
     raise ValueError(f"gather_gmm: rhs {rhs.shape} does not fit rows of width {x.shape[-1]} and "
                      f"{plan.group_sizes.shape[0]} groups")
-  src = _source_index(plan, fan_out, per_slot=fan_out == 1)
+  src = plan.order if fan_out == 1 else plan.order // fan_out  # the source row of each sorted row
   return _gather_gmm_fn(resolve_backend(backend), fan_out)(
       x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
 
@@ -134,11 +128,7 @@ def _gmm_combine_fn(backend_name: str, slots: int):
   def forward(h, rhs, gs, order, inverse, gates):
     y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype)     # [M, D]
     y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
-    # Multiply-and-sum, not an einsum: XLA fuses the gather into this reduction, where a dot would
-    # first write the gathered [N, K, D] copy.
-    g = gates.astype(y.dtype).astype(jnp.float32)
-    out = jnp.sum(y.astype(jnp.float32) * g[..., None], axis=1)
-    return out.astype(h.dtype), y_sorted
+    return combine(y, gates), y_sorted
 
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates):

@@ -352,11 +352,10 @@ def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, ac
   rows, w_up, w_down, *rest = match_varying(rows.astype(dtype), w_up, w_down,
                                             *([] if w_gate is None else [w_gate]))
   w_gate = rest[0] if rest else None
-  h = gmm(rows, w_up.astype(dtype), group_sizes, backend=backend)                        # [R, F_l]
-  if w_gate is None:
-    h = activation(h)
-  else:  # gated (SwiGLU-style) experts
-    h = activation(gmm(rows, w_gate.astype(dtype), group_sizes, backend=backend)) * h
+  from umoe_jax.model.experts import expert_hidden
+  up = gmm(rows, w_up.astype(dtype), group_sizes, backend=backend)                       # [R, F_l]
+  gate = None if w_gate is None else gmm(rows, w_gate.astype(dtype), group_sizes, backend=backend)
+  h = expert_hidden(up, gate, activation)
   if not tensor_axes:
     return gmm(h, w_down.astype(dtype), group_sizes, backend=backend)                    # [R, D]
   part = gmm(h, w_down.astype(dtype), group_sizes, backend=backend,
@@ -376,8 +375,7 @@ def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype,
 def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
   """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh."""
   from flax import nnx
-  from umoe_jax.model.layers import ACTIVATION_FNS
-  local = functools.partial(_pool_local, activation=ACTIVATION_FNS[pool.activation],
+  local = functools.partial(_pool_local, activation=pool.activation,
                             dtype=pool.compute_dtype, backend=pool.gmm_backend)
   params = [pool.w_up, pool.w_down]
   if getattr(pool, "w_gate", None) is not None:
