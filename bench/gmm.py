@@ -195,6 +195,72 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
   return best_rows
 
 
+def routed_inputs(d, h, E, K, n=None, seed=5):
+  """An MoE layer's inputs at the bench scale: tokens x [n, d], Dirichlet-skewed top-K ids, gates,
+  expert weights w1 [E, d, h] and w2 [E, h, d] (bf16, fresh random)."""
+  import jax
+  import jax.numpy as jnp
+  n = n or T
+  kx, ke, kg, kw1, kw2 = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(kx, (n, d), jnp.bfloat16)
+  logits = jax.random.normal(ke, (n, E)) + jnp.log(jnp.asarray(
+      np.random.default_rng(0).dirichlet(np.ones(E) * 4.0), jnp.float32))
+  ids = jax.lax.top_k(logits, K)[1].astype(jnp.int32)
+  gates = jax.nn.softmax(jax.random.normal(kg, (n, K)), -1).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(kw1, (E, d, h)) / np.sqrt(d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(kw2, (E, h, d)) / np.sqrt(h)).astype(jnp.bfloat16)
+  return x, ids, gates, w1, w2
+
+
+DISPATCH_CONFIGS = (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10))
+
+
+def sweep_gathered(results, max_cands=8):
+  """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
+  from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py."""
+  import jax
+  import jax.numpy as jnp
+  from kernels import tuning, triton_gmm as TG
+  from umoe_jax.ops import dispatch as D
+  best_rows = {}
+  for name, d, h, E, K in DISPATCH_CONFIGS:
+    x, ids, gates, w1, w2 = routed_inputs(d, h, E, K)
+    plan = D.make_plan(ids, E)
+    token_of_row = plan.order // K
+    m = plan.order.shape[0]
+    dout = jax.random.normal(jax.random.key(9), x.shape, jnp.bfloat16)
+    hrows = jax.random.normal(jax.random.key(8), (m, h), jnp.bfloat16)
+    scale = jnp.take(gates.reshape(-1), plan.order).astype(jnp.float32)
+    ops = {  # op -> (flops, (kc, no), cfg -> jitted call, its args)
+        "gmm+gather": (2.0 * m * d * h, (d, h), lambda cfg: jax.jit(lambda x, w, gs, i: TG.triton_gmm(
+            x, w, gs, lhs_index=i, config=cfg)), (x, w1, plan.group_sizes, token_of_row)),
+        "gmm_t+gather": (2.0 * m * d * h, (d, h), lambda cfg: jax.jit(lambda o, w, gs, i, s, hr: TG.triton_gmm(
+            o, w, gs, transpose_rhs=True, lhs_index=i, row_scale=s, row_dot=hr, config=cfg)),
+            (dout, w2, plan.group_sizes, token_of_row, scale, hrows)),
+        "tgmm+gather": (2.0 * m * d * h, (d, h), lambda cfg: jax.jit(lambda x, r, gs, i: TG.triton_tgmm(
+            x, r, gs, num_groups=E, lhs_index=i, config=cfg)), (x, hrows, plan.group_sizes, token_of_row)),
+    }
+    for op, (fl, (kc, no), make, args) in ops.items():
+      best = (0.0, None)
+      for cfg in tuning.candidates("triton", op, kc, no, m)[:max_cands]:
+        try:
+          tf = fl / (jax_ms(make(cfg), *args) / 1e3) / 1e12
+        except Exception as e:  # noqa: BLE001
+          log(f"  sweep {name} {op} {cfg}: FAILED {repr(e)[:200]}")
+          continue
+        log(f"  sweep {name} {op} {cfg}: {tf:.0f} TFLOP/s")
+        results.setdefault("sweep_gathered", []).append(dict(shape=name, op=op, cfg=str(cfg), tflops=tf))
+        if tf > best[0]:
+          best = (tf, cfg)
+      key = ("triton", op, kc, no, tuning.m_bucket(m))
+      best_rows[key] = best
+      if best[1] is not None:
+        tuning.TABLE[key] = best[1]
+  log("TABLE rows (gathered):")
+  for key, (tf, cfg) in best_rows.items():
+    log(f"  {key!r}: {cfg!r},  # {tf:.0f} TFLOP/s")
+
+
 def dispatch_part(ours_backend, results):
   """Token dispatch (plan + permute + unpermute + combine) vs the expert matmuls it feeds."""
   import jax
@@ -203,16 +269,10 @@ def dispatch_part(ours_backend, results):
   from umoe_jax.ops import gmm as G
   from umoe_jax.ops import fused_dispatch as FD
   out = {}
-  for name, D_, H, E, K in (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10)):
+  for name, D_, H, E, K in DISPATCH_CONFIGS:
     n = T
-    kx, ke, kg, kw1, kw2 = jax.random.split(jax.random.key(5), 5)
-    x = jax.random.normal(kx, (n, D_), jnp.bfloat16)
-    logits = jax.random.normal(ke, (n, E)) + jnp.log(jnp.asarray(
-        np.random.default_rng(0).dirichlet(np.ones(E) * 4.0), jnp.float32))
-    ids = jax.lax.top_k(logits, K)[1].astype(jnp.int32)
-    gates = jax.nn.softmax(jax.random.normal(kg, (n, K)), -1).astype(jnp.bfloat16)
-    w1 = (jax.random.normal(kw1, (E, D_, H)) / np.sqrt(D_)).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(kw2, (E, H, D_)) / np.sqrt(H)).astype(jnp.bfloat16)
+    x, ids, gates, w1, w2 = routed_inputs(D_, H, E, K, n)
+    kx = jax.random.key(5)
 
     def experts(rows, gs, w1, w2):
       h = G.gmm(rows, w1, gs, backend=ours_backend)
@@ -263,6 +323,7 @@ def dispatch_part(ours_backend, results):
                      layer_fwd_bwd_ms=t_full_fb, experts_fwd_bwd_ms=t_exp_fb,
                      dispatch_frac_fwd=(t_full - t_exp) / t_exp,
                      dispatch_frac_fwd_bwd=(t_full_fb - t_exp_fb) / t_exp_fb)
+    out[name]["parts"] = dispatch_parts(ours_backend, x, ids, gates, w1, w2, plan, rows, y_sorted, K, E)
     log(f"  dispatch {name}: dispatch-only fwd {t_disp:.3f} ms (plan {t_plan:.3f}), experts fwd {t_exp:.3f} ms, "
         f"layer fwd {t_full:.3f} ms -> dispatch = {100 * out[name]['dispatch_frac_fwd']:.0f}% of experts; "
         f"fwd+bwd layer {t_full_fb:.3f} vs experts {t_exp_fb:.3f} -> "
@@ -274,10 +335,56 @@ def dispatch_part(ours_backend, results):
   results["dispatch"] = out
 
 
+def dispatch_parts(backend, x, ids, gates, w1, w2, plan, rows, y_sorted, K, E):
+  """Where the dispatch time goes (ms): plan variants, the combine against its bandwidth floor
+  (the same reduction over expert outputs already in token order), and each fused op against the
+  raw gmm it replaces, forward and forward+backward."""
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.ops import dispatch as D
+  from umoe_jax.ops import gmm as G
+  from umoe_jax.ops import fused_dispatch as FD
+  n, d = x.shape
+  parts, flat = {}, ids.reshape(-1)
+  iota = jnp.arange(flat.shape[0], dtype=jnp.int32)
+  parts["sort_pair"] = jax_ms(jax.jit(lambda f: jax.lax.sort((f, iota), num_keys=1, is_stable=True)), flat)
+  bits = (flat.shape[0] - 1).bit_length()  # (id, index) packed into one unique int32 key
+  parts["sort_packed"] = jax_ms(jax.jit(lambda f: jax.lax.sort((f << bits) | iota)), flat)
+  sorted_ids = jnp.sort(flat)
+  bounds_at = jnp.arange(E + 1, dtype=jnp.int32)
+  for method in ("scan", "scan_unrolled", "compare_all", "sort"):
+    parts[f"bounds_{method}"] = jax_ms(jax.jit(
+        lambda s, m=method: jnp.searchsorted(s, bounds_at, side="left", method=m)), sorted_ids)
+  parts["bincount"] = jax_ms(jax.jit(lambda f: jnp.bincount(f, length=E)), flat)
+  parts["plan"] = jax_ms(jax.jit(lambda i: D.make_plan(i, E)), ids)
+  y_tok = jnp.take(y_sorted, plan.inverse, axis=0).reshape(n, K, d)
+  parts["combine_gather"] = jax_ms(jax.jit(lambda y, p, g: D.combine(
+      jnp.take(y, p.inverse, axis=0).reshape(n, K, d), g)), y_sorted, plan, gates)
+  parts["combine_floor"] = jax_ms(jax.jit(D.combine), y_tok, gates)
+  parts["copy_Md"] = jax_ms(jax.jit(lambda y: y * 2), y_sorted)
+  parts["hbm_GBps_copy"] = 2 * y_sorted.size * 2 / parts["copy_Md"] / 1e6
+  parts["hbm_GBps_combine"] = (y_sorted.size + n * d) * 2 / parts["combine_gather"] / 1e6
+  gs = plan.group_sizes
+  h = jax.nn.relu(G.gmm(rows, w1, gs, backend=backend))
+  sq = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32))
+  for label, fused, raw, args in (
+      ("up", lambda x, w: FD.gather_gmm(x, w, plan, K, backend=backend),
+       lambda r, w: G.gmm(r, w, gs, backend=backend), ((x, w1), (rows, w1))),
+      ("down", lambda h, w, g: FD.gmm_combine(h, w, plan, g, backend=backend),
+       lambda h, w, g: G.gmm(h, w, gs, backend=backend), ((h, w2, gates), (h, w2, gates)))):
+    parts[f"{label}_fused_fwd"] = jax_ms(jax.jit(fused), *args[0])
+    parts[f"{label}_raw_fwd"] = jax_ms(jax.jit(raw), *args[1])
+    parts[f"{label}_fused_fwd_bwd"] = jax_ms(jax.jit(jax.grad(sq(fused), argnums=(0, 1))), *args[0])
+    parts[f"{label}_raw_fwd_bwd"] = jax_ms(jax.jit(jax.grad(sq(raw), argnums=(0, 1))), *args[1])
+  log("  parts (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+  return parts
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
+  ap.add_argument("--sweep-gathered", action="store_true", help="tiles of the fused-dispatch calls")
   ap.add_argument("--sweep-ops", default="triton:gmm,gmm_t,tgmm;mosaic:gmm,gmm_t,tgmm")
   ap.add_argument("--backends", default="triton,mosaic")
   ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
@@ -323,6 +430,9 @@ def main():
                                                for k, v in sweep(b, shapes, results, sweep_ops.get(b, ())).items()}
         except Exception:  # noqa: BLE001
           log(traceback.format_exc())
+    _save(args.out, results)
+  if args.sweep_gathered and "triton" in backends:
+    sweep_gathered(results)
     _save(args.out, results)
 
   for name, M, K, N, E in shapes:

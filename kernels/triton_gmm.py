@@ -79,13 +79,14 @@ if HAVE_TRITON:
     return g, row0, tl.minimum(seg_end, row0 + BM)
 
   @triton.jit
-  def _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, g, row0, row_end, pid_n, compute,
-                M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
-                s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr):
+  def _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, g, row0, row_end, pid_n,
+                compute, M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr,
+                s_bk: tl.constexpr, s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BN2: tl.constexpr, BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr,
+                ROW_DOT: tl.constexpr):
     """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
     not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
-    `scale[row]` when ROW_SCALE."""
+    `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
@@ -124,6 +125,15 @@ if HAVE_TRITON:
         b_ptrs += BK * s_bk
 
     row_mask = offs_m < row_end
+    if ROW_DOT:  # per-row dot with another [M, NO] array, before the scale (dgates of gmm_combine)
+      d_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
+      d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO), other=0.0)
+      part = tl.sum(acc * d.to(tl.float32), axis=1)
+      if BN2 > 0:
+        d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
+                     other=0.0)
+        part += tl.sum(acc2 * d2.to(tl.float32), axis=1)
+      tl.store(rd_ptr + pid_n * M + offs_m, part, mask=row_mask)
     if ROW_SCALE:
       scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
       acc = acc * scale[:, None]
@@ -137,12 +147,12 @@ if HAVE_TRITON:
                mask=row_mask[:, None] & (offs_n2[None, :] < NO))
 
   @triton.jit
-  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, scale_ptr, o_ptr,
+  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, scale_ptr, d_ptr, o_ptr, rd_ptr,
                   M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, G: tl.constexpr,
                   GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr, s_bn: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                   N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                  A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr):
+                  A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr):
     # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
@@ -153,9 +163,9 @@ if HAVE_TRITON:
       pid_m = pid // N_TILES
       if pid_m < num_tiles:
         g, row0, row_end = _locate(pid_m, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
-        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, tl.minimum(g, G - 1), row0, row_end,
-                  pid % N_TILES, g < G,
-                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE)
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
+                  tl.minimum(g, G - 1), row0, row_end, pid % N_TILES, g < G,
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT)
     else:
       # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
       # pipeline prefetch the next tile's operands while this tile's epilogue stores.
@@ -163,22 +173,24 @@ if HAVE_TRITON:
       work = (num_tiles - tail_tiles) * N_TILES
       for t in tl.range(pid, work, NUM_PROGS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
-        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, g, row0, row_end, t % N_TILES, True,
-                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE)
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
+                  g, row0, row_end, t % N_TILES, True,
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT)
       for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
-        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, tl.minimum(g, G - 1), row0, row_end,
-                  t % N_TILES, False,
-                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE)
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
+                  tl.minimum(g, G - 1), row0, row_end, t % N_TILES, False,
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT)
 
   @triton.jit
-  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, o_ptr,
+  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
                    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                    BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr):
+                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr):
     # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
-    # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r].
+    # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
+    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
     pid = tl.program_id(0)
     g = pid // (K_TILES * N_TILES)
     rest = pid % (K_TILES * N_TILES)
@@ -216,6 +228,9 @@ if HAVE_TRITON:
       else:
         a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :],
                     mask=rmask[:, None] & (offs_k[None, :] < K), other=0.0)
+      if A_SCALE:
+        a_scale = tl.load(a_scale_ptr + rows, mask=rmask, other=0.0)
+        a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
       if N % (BN + BN2) == 0:
         b = tl.load(b_ptr + b_rows[:, None] * N + offs_n[None, :], mask=rmask[:, None], other=0.0)
       else:
@@ -282,44 +297,58 @@ def _placeholder():
 
 
 def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
-               lhs_index=None, row_scale=None):
+               lhs_index=None, row_scale=None, row_dot=None):
   """Raw grouped matmul (see module docstring). `lhs_index` [M] int32: the operand's row r is
   lhs[lhs_index[r]] (lhs [N_src, K]; the permute gather fused into the kernel); `row_scale` [M]:
-  output row r is multiplied by row_scale[r] (in float32, before the cast)."""
+  output row r is multiplied by row_scale[r] (in float32, before the cast). `row_dot` [M, N_out]:
+  also return dots [M] float32, dots[r] = <output row r before the scale, row_dot[r]>."""
   m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
   g, k, n = rhs.shape
   kc, no = (n, k) if transpose_rhs else (k, n)
   strides = (k * n, 1, n) if transpose_rhs else (k * n, n, 1)  # (g, contraction, output col)
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  cfg = config or tuning.lookup("triton", "gmm_t" if transpose_rhs else "gmm", m, kc, no, g)
+  op = ("gmm_t" if transpose_rhs else "gmm") + ("" if lhs_index is None else "+gather")
+  cfg = config or tuning.lookup("triton", op, m, kc, no, g)
   launch = gmm_launch(m, kc, no, g, cfg, _num_sms() if cfg.persistent else 132)
   grid = launch.pop("grid")
   index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
   scale = _placeholder() if row_scale is None else row_scale.astype(jnp.float32)
-  return jt.triton_call(
-      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), index, scale, kernel=_gmm_kernel,
-      out_shape=jax.ShapeDtypeStruct((m, no), out_dtype), grid=grid,
+  if row_dot is not None and row_dot.shape != (m, no):
+    raise ValueError(f"row_dot {row_dot.shape} must be the output's shape {(m, no)}")
+  other = _placeholder() if row_dot is None else row_dot
+  # Column tiles write partial dots [N_TILES, M], summed here (deterministic, no atomics).
+  dots_shape = (launch["N_TILES"], m) if row_dot is not None else (1,)
+  out, dots = jt.triton_call(
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), index, scale, other,
+      kernel=_gmm_kernel, grid=grid,
+      out_shape=[jax.ShapeDtypeStruct((m, no), out_dtype), jax.ShapeDtypeStruct(dots_shape, jnp.float32)],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
-      A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, **launch)
+      A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
+      **launch)
+  return out if row_dot is None else (out, dots.sum(axis=0))
 
 
 def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None,
-                lhs_index=None, rhs_index=None):
+                lhs_index=None, rhs_index=None, lhs_scale=None):
   """Raw weight-gradient form; with `lhs_index` / `rhs_index` [M] the operands' row r is read at
-  lhs[lhs_index[r]] / rhs[rhs_index[r]] (gathers fused into the kernel)."""
+  lhs[lhs_index[r]] / rhs[rhs_index[r]] (gathers fused into the kernel); with `lhs_scale` [M] the
+  lhs row r is multiplied by lhs_scale[r] (float32, rounded to lhs.dtype) before the product."""
   k, n = lhs.shape[1], rhs.shape[1]
   m = next((i.shape[0] for i in (lhs_index, rhs_index) if i is not None), lhs.shape[0])
   g = int(num_groups or group_sizes.shape[0])
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  cfg = config or tuning.lookup("triton", "tgmm", m, k, n, g)
+  gathered = lhs_index is not None or rhs_index is not None
+  cfg = config or tuning.lookup("triton", "tgmm+gather" if gathered else "tgmm", m, k, n, g)
   launch = tgmm_launch(m, k, n, g, cfg)
   grid = launch.pop("grid")
   a_index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
   b_index = _placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)
+  a_scale = _placeholder() if lhs_scale is None else lhs_scale.astype(jnp.float32)
   return jt.triton_call(
-      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index,
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale,
       kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
-      M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None, **launch)
+      M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None,
+      A_SCALE=lhs_scale is not None, **launch)
 
 
 def available() -> bool:

@@ -5,6 +5,10 @@ output dim), with M bucketed to a power of two when the table has an M-specific 
 the table gets `default_config`, a safe choice for any shape.
 
 Ops: "gmm" (lhs [M,K] @ w[g] [K,N]), "gmm_t" (lhs [M,N] @ w[g].T), "tgmm" (lhs[g].T @ rhs[g]).
+An op may carry the suffix "+gather" (operand rows read through an index, `fused_dispatch`): rows
+for it are looked up first and fall back to the plain op's rows (gathered rows from a token array
+larger than L2 can want other tiles).
+
 For gmm/gmm_t: kc = contraction dim, no = output dim. For tgmm: kc = K (rows of the output tile),
 no = N (output cols); bm/bn then give the output tile and bk the rows accumulated per step.
 """
@@ -103,22 +107,30 @@ def m_bucket(m: int) -> int:
 def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
            table: Optional[dict] = None) -> TileConfig:
   table = TABLE if table is None else table
-  cfg = table.get((backend, op, int(kc), int(no), m_bucket(m)))
+  cfg = None
+  for key_op in dict.fromkeys((op, op.split("+")[0])):  # "gmm+gather" falls back to "gmm"
+    cfg = cfg or table.get((backend, key_op, int(kc), int(no), m_bucket(m)))
+    cfg = cfg or table.get((backend, key_op, int(kc), int(no)))
   if cfg is None:
-    cfg = table.get((backend, op, int(kc), int(no)))
-  if cfg is None:
-    cfg = default_config(backend, op, m, kc, no, g)
+    cfg = default_config(backend, op.split("+")[0], m, kc, no, g)
   if backend == "triton" and not _width_ok(cfg.bn):
     raise ValueError(f"triton tile width {cfg.bn} must be a power of two or a sum of two")
   return cfg
 
 
 def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[TileConfig]:
-  """Tile configs the offline sweep (bench/gmm.py --sweep) tries for one (op, kc, no)."""
-  out = [TABLE.get((backend, op, kc, no, m_bucket(m))) if m else None]
-  out = [out[0] or TABLE.get((backend, op, kc, no)) or default_config(backend, op, 0, kc, no, 0)]
+  """Tile configs the offline sweep (bench/gmm.py --sweep) tries for one (op, kc, no); the first is
+  what `lookup` gives now."""
+  plain = op.split("+")[0]
+  out = [lookup(backend, op, m, kc, no, 0)]
+  if backend == "triton" and op.endswith("+gather"):
+    # Gathered rows arrive with more latency (one index load, rows scattered over HBM): deeper
+    # pipelines of the current tile first.
+    for ns in (out[0].num_stages + 1, out[0].num_stages + 2):
+      out += [dataclasses.replace(out[0], num_stages=ns),
+              dataclasses.replace(out[0], num_stages=ns, persistent=1)]
   if backend == "triton":
-    if op == "tgmm":
+    if plain == "tgmm":
       widths = sorted({w for w in (64, 128, 192, 256) if w <= max(no, 64) and _width_ok(w)})
       for bm, bn, bk, nw, ns in ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4),
                                  (128, 256, 64, 8, 3), (128, 192, 64, 8, 3), (256, 128, 64, 8, 3)):
@@ -141,7 +153,7 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
         if bn <= max(no, 64) and (no % bn == 0 or bn == 64 or no < bn):
           out.append(TileConfig(bm, bn, bk, nw, ns, persistent=p))
   else:
-    if op == "tgmm":
+    if plain == "tgmm":
       for bm, bn, bk, ns in ((128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4), (128, 128, 32, 6)):
         if kc % bm == 0 and no % bn == 0:
           out.append(TileConfig(bm, bn, bk, num_stages=ns))

@@ -167,17 +167,22 @@ def _row_index_backend():
   if name not in G.BACKENDS:
     xla = G.BACKENDS.get("xla")
 
-    def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None):
+    def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
+               row_dot=None):
       if lhs_index is not None:
         lhs = jnp.take(lhs, lhs_index, axis=0)
       out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+      dots = None if row_dot is None else jnp.einsum("md,md->m", out, row_dot)
       if row_scale is not None:
         out = out * row_scale[:, None]
-      return out.astype(out_dtype)
+      return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
 
-    def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None):
+    def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
+                lhs_scale=None):
       lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
       rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
+      if lhs_scale is not None:
+        lhs = lhs * lhs_scale[:, None]
       return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
     G.BACKENDS.register(name)(G.GmmBackend(gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",),

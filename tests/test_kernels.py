@@ -134,6 +134,25 @@ def test_tuning_default_for_unknown_shapes():
       assert tuning.candidates("triton", op, kc, no)[0] == tuning.lookup("triton", op, 0, kc, no, 0)
 
 
+def test_tuning_gathered_ops_fall_back_to_plain_rows():
+  """A "+gather" op uses its own row when the table has one, else the plain op's (M-specific first)."""
+  plain = tuning.TileConfig(128, 128, 64, 4, 3)
+  m_rows = tuning.TileConfig(256, 128, 64, 8, 3)
+  gathered = tuning.TileConfig(64, 64, 32, 4, 5)
+  table = {("triton", "gmm", 96, 80): plain, ("triton", "gmm", 96, 80, tuning.m_bucket(4096)): m_rows}
+  assert tuning.lookup("triton", "gmm+gather", 1000, 96, 80, 3, table=table) == plain
+  assert tuning.lookup("triton", "gmm+gather", 4096, 96, 80, 3, table=table) == m_rows
+  table[("triton", "gmm+gather", 96, 80)] = gathered
+  assert tuning.lookup("triton", "gmm+gather", 4096, 96, 80, 3, table=table) == gathered
+  assert tuning.lookup("triton", "gmm", 4096, 96, 80, 3, table=table) == m_rows
+  # Not in any table: the plain op's default (tgmm's differs from gmm's).
+  assert (tuning.lookup("triton", "tgmm+gather", 10, 96, 80, 3, table={})
+          == tuning.default_config("triton", "tgmm", 10, 96, 80, 3))
+  cands = tuning.candidates("triton", "gmm+gather", 2048, 512, 1 << 18)
+  assert cands[0] == tuning.lookup("triton", "gmm+gather", 1 << 18, 2048, 512, 64)
+  assert any(c.num_stages > cands[0].num_stages for c in cands[1:])
+
+
 def test_split_width():
   assert triton_gmm.split_width(192) == (128, 64)
   assert triton_gmm.split_width(256) == (256, 0)
@@ -297,8 +316,9 @@ def _triton_interpreter_check():
     idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
     scale = rng.standard_normal(m).astype(np.float32)
     none = lambda: _NpTensor(np.zeros(1, np.int32))  # a placeholder for an unused operand
-    for persistent, index, row_scale in ((0, False, False), (1, False, False), (0, True, True),
-                                         (2, True, False)):
+    for persistent, index, row_scale, row_dot in ((0, False, False, False), (1, False, False, True),
+                                                  (0, True, True, True), (2, True, False, False),
+                                                  (2, True, True, True)):
       cfg = tuning.TileConfig(*tile, persistent=persistent)
       for tr, lhs, src, idx in ((False, a, src_a, ia), (True, dy, src_dy, idy)):
         kc, no = (n, k) if tr else (k, n)
@@ -306,27 +326,37 @@ def _triton_interpreter_check():
         launch = T.gmm_launch(m, kc, no, g, cfg, num_sms=2)
         grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
         out = _NpTensor(np.full((m, no), np.nan, np.float32))
+        other = rng.standard_normal((m, no)).astype(np.float32)
+        dots = _NpTensor(np.full((launch["N_TILES"], m), np.nan, np.float32))
         T._gmm_kernel[grid](_NpTensor(src if index else lhs), _NpTensor(w), _NpTensor(gs),
                             _NpTensor(idx) if index else none(),
-                            _NpTensor(scale) if row_scale else none(), out, M=m, KC=kc, NO=no, G=g,
-                            s_bg=st[0], s_bk=st[1], s_bn=st[2], A_INDEX=index, ROW_SCALE=row_scale,
-                            **launch)
+                            _NpTensor(scale) if row_scale else none(),
+                            _NpTensor(other) if row_dot else none(), out, dots, M=m, KC=kc, NO=no,
+                            G=g, s_bg=st[0], s_bk=st[1], s_bn=st[2], A_INDEX=index,
+                            ROW_SCALE=row_scale, ROW_DOT=row_dot, **launch)
         want = _ref_gmm(src[idx] if index else lhs, w, gs, tr)
+        case = f"persistent={persistent} index={index} scale={row_scale} dot={row_dot}"
+        if row_dot:  # the dot is taken before the scale; every row (padding rows too) is written
+          np.testing.assert_allclose(dots.arr.sum(0), (want * other).sum(-1), rtol=1e-4, atol=1e-3,
+                                     err_msg=case)
         if row_scale:
           want = want * scale[:, None]
-        np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
-                                   err_msg=f"persistent={persistent} index={index} scale={row_scale}")
+        np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4, err_msg=case)
     cfg = tuning.TileConfig(*tile)
     launch = T.tgmm_launch(m, k, n, g, cfg)
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
-    for a_index, b_index in ((False, False), (True, False), (False, True), (True, True)):
+    for a_index, b_index, a_scale in ((False, False, False), (True, False, True),
+                                      (False, True, True), (True, True, False)):
       out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
       T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
                            _NpTensor(gs), _NpTensor(ia) if a_index else none(),
-                           _NpTensor(idy) if b_index else none(), out, M=m, K=k, N=n, G=g,
-                           A_INDEX=a_index, B_INDEX=b_index, **launch)
-      want = _ref_tgmm(src_a[ia] if a_index else a, src_dy[idy] if b_index else dy, gs)
-      np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4)
+                           _NpTensor(idy) if b_index else none(),
+                           _NpTensor(scale) if a_scale else none(), out, M=m, K=k, N=n, G=g,
+                           A_INDEX=a_index, B_INDEX=b_index, A_SCALE=a_scale, **launch)
+      lhs = src_a[ia] if a_index else a
+      want = _ref_tgmm(lhs * scale[:, None] if a_scale else lhs, src_dy[idy] if b_index else dy, gs)
+      np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
+                                 err_msg=f"a_index={a_index} b_index={b_index} a_scale={a_scale}")
   print("TRITON_INTERPRETER_OK")
 
 

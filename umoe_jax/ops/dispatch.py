@@ -41,11 +41,14 @@ def make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
   m = flat.shape[0]
   iota = jnp.arange(m, dtype=jnp.int32)
   # One stable (key, index) sort gives both the order and the sorted ids; a stable sort keeps tokens
-  # in order inside each expert: reproducible and cache-friendly.
+  # in order inside each expert: reproducible and cache-friendly. (Packing (id, index) into one int32
+  # key and sorting it alone was no faster on an H200: 0.048 vs 0.043 ms at M = 491520.)
   sorted_ids, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)  # [M], [M]
   # Group sizes by binary search in the sorted ids (E + 1 lookups) rather than a bincount, whose
-  # scatter-add into E bins serialises on GPU atomics.
-  bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+  # scatter-add into E bins serialises on GPU atomics (0.097 ms). The unrolled search is one kernel
+  # instead of a loop of launches: 0.007 vs 0.037 ms on an H200 (BENCHMARKS.md).
+  bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left",
+                            method="scan_unrolled")
   group_sizes = jnp.diff(bounds).astype(jnp.int32)                        # [E]
   # One scatter of M int32s buys gather-only data movement everywhere else (see `_take_rows`).
   inverse = jnp.zeros((m,), jnp.int32).at[order].set(iota, unique_indices=True)

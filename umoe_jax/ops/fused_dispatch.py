@@ -12,9 +12,11 @@ source inside the kernels (on backends with `GmmBackend.row_index`; elsewhere XL
 
 Backward of gather_gmm: dw = tgmm(x[src], dy) with the gather in the kernel; dx = the fan-in of
 gmm^T(dy, w) through the inverse permutation (a gather and a K-way sum). Backward of gmm_combine:
-the per-row cotangent gate[r] * dout[token(r)] is never written: dh = gmm^T(dout[token], w) scaled
-per row in the kernel's epilogue, dw = tgmm(gate * h, dout[token]) with the gather in the kernel,
-dgates = <y rows, dout> through the inverse permutation.
+the per-row cotangent gate[r] * dout[token(r)] is never written: u = gmm^T(dout[token], w) is
+computed once per row tile and gives dh = gate * u (scaled in the epilogue) and
+dgate[r] = <dout[token(r)], y[r]> = <u[r], h[r]> (a row dot in the same epilogue), so the expert
+outputs y [M, D] are neither kept for the backward nor read again; dw = tgmm(gate * h, dout[token])
+with the gather and the gate scaling in the kernel.
 """
 from __future__ import annotations
 
@@ -28,27 +30,36 @@ from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 
-def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None):
+def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
+             row_dot=None):
+  """The backend's gmm with the row-index extras (see `GmmBackend.row_index`); XLA does them
+  around the kernel for other backends. With `row_dot` returns (out, dots [M] float32)."""
   if backend.row_index:
     return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                       lhs_index=lhs_index, row_scale=row_scale)
+                       lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
+  epilogue = row_scale is not None or row_dot is not None
   out = backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
-                    out_dtype=jnp.float32 if row_scale is not None else out_dtype)
+                    out_dtype=jnp.float32 if epilogue else out_dtype)
+  dots = None if row_dot is None else jnp.sum(out * row_dot.astype(jnp.float32), axis=-1)
   if row_scale is not None:
-    out = (out * row_scale[:, None]).astype(out_dtype)
-  return out
+    out = out * row_scale[:, None]
+  out = out.astype(out_dtype)
+  return out if row_dot is None else (out, dots)
 
 
-def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None):
+def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
+              lhs_scale=None):
   if backend.row_index:
     return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype,
-                        lhs_index=lhs_index, rhs_index=rhs_index)
+                        lhs_index=lhs_index, rhs_index=rhs_index, lhs_scale=lhs_scale)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   if rhs_index is not None:
     rhs = jnp.take(rhs, rhs_index, axis=0)
+  if lhs_scale is not None:
+    lhs = (lhs.astype(jnp.float32) * lhs_scale[:, None]).astype(lhs.dtype)
   return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
 
@@ -125,33 +136,26 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
 def _gmm_combine_fn(backend_name: str, slots: int):
   backend = BACKENDS.get(backend_name)
 
-  def forward(h, rhs, gs, order, inverse, gates):
-    y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype)     # [M, D]
-    y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
-    return combine(y, gates), y_sorted
-
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates):
-    out, _ = forward(h, rhs, gs, order, inverse, gates)
-    return vary_like(out, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+    y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype)     # [M, D]
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
+    return vary_like(combine(y, gates), varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
 
   def fwd(h, rhs, gs, order, inverse, gates):
-    out, y_sorted = forward(h, rhs, gs, order, inverse, gates)
-    out = vary_like(out, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
-    return out, (h, rhs, gs, order, inverse, gates, y_sorted)
+    # Only the inputs are kept: the backward needs no [M, D] expert outputs (module docstring).
+    return fn(h, rhs, gs, order, inverse, gates), (h, rhs, gs, order, inverse, gates)
 
   def bwd(res, dout):
-    h, rhs, gs, order, inverse, gates, y_sorted = res
+    h, rhs, gs, order, inverse, gates = res
     dout = dout.astype(h.dtype)                                                            # [N, D]
     token = order // slots                                                                 # [M]
     gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
-    dh = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
-                  lhs_index=token, row_scale=gate_sorted)                                  # [M, F]
-    h_scaled = (h.astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)
-    drhs = _raw_tgmm(backend, h_scaled, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
-                     rhs_index=token)                                                      # [E, F, D]
-    y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
-    dgates = jnp.sum(y.astype(jnp.float32) * dout.astype(jnp.float32)[:, None, :], axis=-1)
+    dh, dgate_sorted = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
+                                lhs_index=token, row_scale=gate_sorted, row_dot=h)         # [M, F], [M]
+    drhs = _raw_tgmm(backend, h, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
+                     rhs_index=token, lhs_scale=gate_sorted)                               # [E, F, D]
+    dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
             vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
 

@@ -43,9 +43,11 @@ class GmmBackend:
     platforms: platforms ("cpu", "gpu", "tpu") on which the backend runs.
     auto_priority: higher wins when `backend="auto"`; negative never picked automatically.
     available: optional probe (e.g. "is jax_triton importable") checked before `auto` picks it.
-    row_index: the ops also take `lhs_index` / `row_scale` (gmm) and `lhs_index` / `rhs_index`
-      (tgmm): operand rows read through an index and output rows scaled inside the kernel, which
-      lets `umoe_jax.ops.fused_dispatch` skip the permuted copies. Others get them done by XLA.
+    row_index: the ops also take `lhs_index` [M] / `row_scale` [M] / `row_dot` [M, N] (gmm; with
+      `row_dot` they return (out, dots [M] float32), dots[r] = <unscaled out[r], row_dot[r]>) and
+      `lhs_index` / `rhs_index` / `lhs_scale` [M] (tgmm): operand rows read through an index, rows
+      scaled and row dots taken inside the kernel, which lets `umoe_jax.ops.fused_dispatch` skip
+      the permuted copies. Others get these done by XLA around the kernel.
   """
   gmm: GmmFn
   tgmm: GmmFn
