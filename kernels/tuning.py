@@ -55,6 +55,12 @@ TABLE: dict[tuple, TileConfig] = {
     ("triton", "gmm", 512, 2048): _C(128, 256, 64, 8, 3, persistent=1),  # large-down 591 (r4)
     ("triton", "gmm_t", 2048, 512): _C(128, 256, 64, 8, 3),  # large-down dgrad 667
     ("triton", "tgmm", 512, 2048): _C(128, 256, 64, 8, 3),   # large-down wgrad 708
+    # The calls of umoe_jax.ops.fused_dispatch (rows gathered through the sort order), H200 sweep
+    # 2026-11-30 (bench/gmm.py --sweep-gathered): gathered vs the plain op's row at the same call.
+    ("triton", "tgmm+gather", 768, 192, 1 << 19): _C(128, 192, 64, 8, 5),   # base-up wgrad 342 (300)
+    ("triton", "gmm+gather", 2048, 512, 1 << 18): _C(256, 128, 64, 8, 3),   # large-up 613 (478)
+    ("triton", "gmm_t+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 4),  # large-down dgrad 552 (541)
+    ("triton", "tgmm+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 5),  # large-up wgrad 671 (525)
     # Mosaic GPU: num_stages = pipeline depth (max_concurrent_steps); num_warps unused.
     ("mosaic", "gmm", 768, 192): _C(128, 192, 64, num_stages=3),     # base-up 403, base-att 271
     ("mosaic", "gmm_t", 192, 768): _C(128, 192, 64, num_stages=3),   # base-up dgrad 258
