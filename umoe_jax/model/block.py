@@ -19,6 +19,7 @@ from umoe_jax.model.attention import ATTENTIONS
 from umoe_jax.model.experts import ExpertPool
 from umoe_jax.model.ffn import DenseFFN, MoEFFN
 from umoe_jax.model.layers import RMSNorm
+from umoe_jax.model.routers import ROUTERS
 
 
 def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs) -> ExpertPool:
@@ -62,20 +63,28 @@ class DecoderBlock(nnx.Module):
       self.ffn.shared_expert = nnx.data(self.attention.shared_expert)
 
     self.experts, self.ffn_experts = pools if pools is not None else make_expert_pools(cfg, rngs)
+    # router.kind='attention_aware': the FFN router reads this layer's attention probabilities.
+    self.ffn_reads_attention = (cfg.ffn_uses_experts and cfg.router.kind in ROUTERS and getattr(
+        ROUTERS.get(cfg.router.kind), "needs_attention_probs", False))
 
   def __call__(self, h: jax.Array, positions: jax.Array, cache=None, route_context=None):
     """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput}) (+ the layer's updated cache).
 
-    `route_context`: the extras every router of the layer receives (`routers.route_context`).
+    `route_context`: the extras every router of the layer receives (`routers.route_context`);
+    the FFN's also gets "attention_probs" [B, H, T, S] when its router kind reads them.
     """
-    a, att_routes, *new_cache = self.attention(self.attention_norm(h), positions,
-                                               experts=self.experts, cache=cache,
-                                               route_context=route_context)
+    extra = {"return_probs": True} if self.ffn_reads_attention else {}
+    a, att_routes, *rest = self.attention(self.attention_norm(h), positions, experts=self.experts,
+                                          cache=cache, route_context=route_context, **extra)
+    ffn_context = route_context
+    if self.ffn_reads_attention:
+      ffn_context = {**(route_context or {}), "attention_probs": rest.pop()}
+    new_cache = rest
     h = h + a.astype(h.dtype)
     ffn_routes = {}
     if self.ffn is not None:
       ffn_pool = self.ffn_experts if self.ffn_experts is not None else self.experts
-      f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool, route_context=route_context)
+      f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool, route_context=ffn_context)
       h = h + f.astype(h.dtype)
     routes = {**att_routes, **ffn_routes}
     return (h, routes) if cache is None else (h, routes, new_cache[0])

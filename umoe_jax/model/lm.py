@@ -36,7 +36,8 @@ class CausalLM(nnx.Module):
                               (ax.EMBED, ax.VOCAB), cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
-               cache: Optional[DecodeCache] = None, remat: bool = False):
+               cache: Optional[DecodeCache] = None, remat: bool = False,
+               step: Optional[jax.Array] = None):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
@@ -47,8 +48,10 @@ class CausalLM(nnx.Module):
     updated cache is returned third. `positions` then default to index + arange(T); a negative
     position marks a padding token (never attended).
 
-    Every router receives `route_context(tokens)` ({"token_ids": tokens}; with a cache, the new
-    tokens'), passed through the blocks as `route_context`.
+    Every router receives `route_context(tokens, step=step, decoding=cache is not None)`
+    ({"token_ids": tokens}, with a cache the new tokens'; "step" when given; "decoding" with a
+    cache), passed through the blocks as `route_context`. `step` [] int: the training step, for
+    routers with a schedule (router.kind smoe_dropout, stablemoe); None = as at the end of training.
 
     `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
     """
@@ -65,7 +68,8 @@ class CausalLM(nnx.Module):
       new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
     h = with_logical_constraint(h, _ACTIVATION_AXES)   # no-op outside parallel.use_mesh
-    context = route_context(tokens.astype(jnp.int32))                               # router extras
+    context = route_context(tokens.astype(jnp.int32), step=step,
+                            decoding=cache is not None)                             # router extras
     routes: dict[str, RouterOutput] = {}
     block = nnx.remat(_apply_block) if remat else _apply_block
     for i, layer in enumerate(self.layers):

@@ -7,17 +7,24 @@ scalar `balance_loss` (already multiplied by its coefficient). `context` carries
 router may use (token ids for hash routing, attention probabilities for attention-informed routing);
 routers ignore what they do not need.
 
-The route context: `CausalLM` builds one dict, `{"token_ids": tokens [B, T] int32}`
-(`route_context`), and hands it unchanged through every block to every sub-layer, which calls
-`self.router(x, **route_context)`; during cached decoding it holds the ids of the new tokens. A router
-that needs another extra adds a key there; no call site changes.
+The route context: `CausalLM` builds one dict (`route_context`) and hands it through every block to
+every sub-layer, which calls `self.router(x, **route_context)`:
+  "token_ids"        [B, T] int32, always (during cached decoding: the ids of the new tokens);
+  "step"             [] int32, the training step, when the caller passes `CausalLM(..., step=)`
+                     (schedules of smoe_dropout and stablemoe; absent = as at the end of training);
+  "decoding"         True during cached decoding (the mixing routers refuse it);
+  "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when the
+                     router class sets `needs_attention_probs` (attention_aware).
+A router that needs another extra adds a key there; no call site changes.
 
 A new router is one class registered in `ROUTERS`; `model.router.kind` selects it. Its constructor is
 `(d_model, n_experts, top_k, cfg: RouterConfig, *, param_dtype, rngs)`; an optional classmethod
 `validate(model_cfg)` raises `ConfigError` for combinations the router cannot serve.
 
-Routers here: "topk_softmax", "topk_sigmoid", "xmoe" (X-MoE cosine routing, Chi et al. 2022),
-"hash" (fixed token-id hashing, Roller et al. 2021).
+Routers here:
+  "topk_softmax", "topk_sigmoid"   softmax / sigmoid of x W_r, top-k
+  "xmoe"              X-MoE cosine routing in a low-dimensional space (Chi et al. 2022)
+  "hash"              fixed token-id hashing (Roller et al. 2021)
 """
 from __future__ import annotations
 
@@ -45,9 +52,22 @@ class RouterOutput:
 ROUTERS: Registry[type] = Registry("router")
 
 
-def route_context(token_ids: jax.Array) -> dict[str, jax.Array]:
-  """The extras every router call receives: {"token_ids": [B, T] int32}."""
-  return {"token_ids": token_ids}
+def route_context(token_ids: jax.Array, *, step: Optional[jax.Array] = None,
+                  decoding: bool = False) -> dict[str, Any]:
+  """The extras every router call receives.
+
+    "token_ids": [B, T] int32, always;
+    "step":      [] int32, the training step, only when the caller passes one (routers with a
+                 schedule: smoe_dropout, stablemoe; without it they act as at the end of training);
+    "decoding":  True, only while decoding with a KV cache (routers that mix over earlier tokens
+                 refuse: the cache does not keep their routing inputs).
+  """
+  context: dict[str, Any] = {"token_ids": token_ids}
+  if step is not None:
+    context["step"] = jnp.asarray(step, jnp.int32)
+  if decoding:
+    context["decoding"] = True
+  return context
 
 
 def call_router(router: nnx.Module, x: jax.Array,
@@ -96,6 +116,25 @@ def topk_gates(probs: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, 
   return gates, ids.astype(jnp.int32)
 
 
+def probs_route(probs: jax.Array, k: int, cfg: RouterConfig, n_experts: int) -> "RouterOutput":
+  """Top-k of a routing distribution probs [B, T, E] with `router.renormalize` and the configured
+  balance loss on probs (the counts are constants): the tail of every softmax-style router."""
+  gates, ids = topk_gates(probs, k, cfg.renormalize)                                 # [B, T, K]
+  loss = BALANCE_LOSSES[cfg.balance_loss](probs, jax.lax.stop_gradient(ids), n_experts)
+  return RouterOutput(expert_ids=ids, gates=gates, probs=probs, balance_loss=cfg.balance_coef * loss)
+
+
+def _need_token_ids(kind: str, token_ids: Optional[jax.Array], x: jax.Array) -> jax.Array:
+  """The route context's token ids [B, T], checked against the router input x [B, T, D]."""
+  if token_ids is None:
+    raise ValueError(f"router.kind={kind!r} routes by token id: call the router with token_ids=[B, T] "
+                     "(CausalLM passes route_context={'token_ids': tokens} to every sub-layer)")
+  if token_ids.shape != x.shape[:-1]:
+    raise ValueError(f"token_ids {token_ids.shape} must match the router input's [B, T] "
+                     f"{x.shape[:-1]}")
+  return token_ids
+
+
 @ROUTERS.register("topk_softmax")
 class TopKSoftmaxRouter(nnx.Module):
   """softmax(x W_r) over all experts in float32, top-k (the official UMoE / DeepSeekMoE router).
@@ -118,10 +157,7 @@ class TopKSoftmaxRouter(nnx.Module):
   def __call__(self, x: jax.Array, **context) -> RouterOutput:
     del context
     probs = jax.nn.softmax(self.logits(x), axis=-1)                                    # [B, T, E]
-    gates, ids = topk_gates(probs, self.top_k, self.cfg.renormalize)                   # [B, T, K]
-    loss = BALANCE_LOSSES[self.cfg.balance_loss](probs, jax.lax.stop_gradient(ids), self.n_experts)
-    return RouterOutput(expert_ids=ids, gates=gates, probs=probs,
-                        balance_loss=self.cfg.balance_coef * loss)
+    return probs_route(probs, self.top_k, self.cfg, self.n_experts)
 
 
 @ROUTERS.register("topk_sigmoid")
@@ -274,12 +310,7 @@ class HashRouter(nnx.Module):
 
   def __call__(self, x: jax.Array, *, token_ids: Optional[jax.Array] = None, **context) -> RouterOutput:
     del context
-    if token_ids is None:
-      raise ValueError("router.kind='hash' routes by token id: call the router with token_ids=[B, T] "
-                       "(CausalLM passes route_context={'token_ids': tokens} to every sub-layer)")
-    if token_ids.shape != x.shape[:-1]:
-      raise ValueError(f"token_ids {token_ids.shape} must match the router input's [B, T] "
-                       f"{x.shape[:-1]}")
+    token_ids = _need_token_ids("hash", token_ids, x)
     ids = hash_expert_ids(token_ids, self.n_experts, self.top_k, self.cfg.hash_seed)   # [B, T, K]
     gates = jnp.full(ids.shape, 1.0 / self.top_k, jnp.float32)
     probs = jax.nn.one_hot(ids, self.n_experts, dtype=jnp.float32).sum(axis=-2) / self.top_k

@@ -98,7 +98,7 @@ def check_pool_routing(cfg) -> None:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                     k_positions: jax.Array) -> jax.Array:
+                     k_positions: jax.Array, *, return_probs: bool = False):
   """softmax(q k^T / sqrt(Dk) + causal mask) v, softmax in float32.
 
   Args:
@@ -107,8 +107,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     v: [B, S, Hk, Dv] (Dv may differ from Dk: pre-mixing mixes whole hidden states).
     q_positions: [B, T], k_positions: [B, S]; query t sees key s iff 0 <= k_pos[s] <= q_pos[t]
       (a negative key position marks padding or an empty cache slot).
+    return_probs: also return the attention probabilities [B, H, T, S] float32 (for routers that
+      read them, `router.kind='attention_aware'`).
   Returns:
-    [B, T, H, Dv] in v's dtype.
+    [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
   """
   if k.shape[2] not in (1, q.shape[2]):
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
@@ -121,7 +123,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   k_pos = k_positions[:, None, None, :]
   visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
   scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)                       # [B, H, T, S]
+  probs32 = jax.nn.softmax(scores, axis=-1)                                      # [B, H, T, S]
+  probs = probs32.astype(v.dtype)
   if v.shape[2] == 1:
-    return jnp.einsum("bhts,bsd->bthd", probs, v[:, :, 0])
-  return jnp.einsum("bhts,bshd->bthd", probs, v)
+    out = jnp.einsum("bhts,bsd->bthd", probs, v[:, :, 0])
+  else:
+    out = jnp.einsum("bhts,bshd->bthd", probs, v)
+  return (out, probs32) if return_probs else out

@@ -16,6 +16,7 @@ class MultiHeadAttention(nnx.Module):
   """H heads; q, k [.., H, Dk] with RoPE over all of Dk; v [.., H, Dv]; output projection H*Dv -> D."""
 
   uses_expert_pool = False
+  exposes_attention_probs = True  # __call__(..., return_probs=True) (attention-aware FFN routing)
 
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
@@ -38,8 +39,9 @@ class MultiHeadAttention(nnx.Module):
     self.o_proj = Linear(att.n_heads * att.v_head_dim, d, (ax.HEADS, ax.EMBED), **kw)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
-               route_context=None):
-    """x [B, T, D] -> (y [B, T, D], {}) (+ the updated cache when `cache` is given)."""
+               route_context=None, return_probs: bool = False):
+    """x [B, T, D] -> (y [B, T, D], {}) (+ the updated cache when `cache` is given)
+    (+ last, with `return_probs`, the attention probabilities [B, H, T, S] float32)."""
     del experts, route_context  # no routers
     b, t, _ = x.shape
     rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
@@ -50,6 +52,8 @@ class MultiHeadAttention(nnx.Module):
     if cache is not None:
       cache = cache.append(k=k, v=v)
       k, v, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
-    o = causal_attention(q, k, v, positions, k_pos)                              # [B, T, H, Dv]
+    o = causal_attention(q, k, v, positions, k_pos, return_probs=return_probs)  # [B, T, H, Dv]
+    o, probs = o if return_probs else (o, None)
     y = self.o_proj(o.reshape(b, t, -1))
-    return (y, {}) if cache is None else (y, {}, cache)
+    out = (y, {}) if cache is None else (y, {}, cache)
+    return out + (probs,) if return_probs else out
