@@ -179,6 +179,16 @@ BAD = [
     ("umoe", {"router.kind": "hash", "router.hash_seed": -1}, "model.router.hash_seed", "-1"),
     ("umoe", {"router.kind": "hash", "router.hash_seed": 2 ** 32}, "model.router.hash_seed", "4294967296"),
     ("umoe", {"router.kind": "hash", "router.share_att_ffn": True}, "model.router.share_att_ffn", "True"),
+    ("umoe", {"router.kind": "smoe_dropout", "router.smoe_dropout_k_start": 0},
+     "model.router.smoe_dropout_k_start", "0"),
+    ("umoe", {"router.smoe_dropout_k_start": 1.5}, "model.router.smoe_dropout_k_start", "1.5"),
+    ("umoe", {"router.kind": "smoe_dropout", "router.smoe_dropout_steps": 0}, "model.router.smoe_dropout_steps", "0"),
+    ("umoe", {"router.kind": "stablemoe", "router.stablemoe_stage2_step": -1},
+     "model.router.stablemoe_stage2_step", "-1"),
+    ("umoe", {"router.kind": "stablemoe", "router.stablemoe_distill_dim": 0}, "model.router.stablemoe_distill_dim", "0"),
+    ("umoe", {"router.kind": "stablemoe", "router.stablemoe_distill_coef": -0.3},
+     "model.router.stablemoe_distill_coef", "-0.3"),
+    ("umoe", {"router.kind": "stablemoe", "router.stablemoe_vocab_size": 10}, "model.router.stablemoe_vocab_size", "10"),
 ]
 
 
@@ -257,3 +267,12 @@ def test_config_is_frozen_and_error_is_value_error():
     m.d_model = 3  # type: ignore[misc]
   assert issubclass(ConfigError, ValueError)
   assert isinstance(common.model("dense", "tiny"), ml_collections.ConfigDict)
+
+
+def test_stablemoe_token_table_defaults_to_the_vocabulary():
+  """router.stablemoe_vocab_size None is resolved to model.vocab_size (one row per token id)."""
+  m = model_config(_bad("umoe", {"router.kind": "stablemoe"}))
+  assert m.router.stablemoe_vocab_size == m.vocab_size
+  m = model_config(_bad("umoe", {"router.kind": "stablemoe", "router.stablemoe_vocab_size": 50000}))
+  assert m.router.stablemoe_vocab_size == 50000
+  assert model_config(_bad("umoe", {})).router.stablemoe_vocab_size is None   # other kinds: untouched

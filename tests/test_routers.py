@@ -490,3 +490,237 @@ def test_lm_with_router_trains_one_step(family, kind):
 def test_registry_has_xmoe_and_hash():
   assert ROUTERS.get("xmoe") is routers_lib.XMoERouter
   assert ROUTERS.get("hash") is routers_lib.HashRouter
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared helpers of the routers below: a router built abstractly with its parameters set from numpy.
+
+
+def _np_softmax(v, axis=-1):
+  v = np.exp(v - v.max(axis, keepdims=True))
+  return v / v.sum(axis, keepdims=True)
+
+
+def _topk_np(p, k):
+  """Greedy top-k of p [..., E] (ties to the lower index): (values, ids)."""
+  ids = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+  return np.take_along_axis(p, ids, axis=-1), ids
+
+
+def _built(kind, d, e, k, params, **cfg):
+  """A router of `kind` (abstract), its parameters replaced by the float32 numpy arrays `params`."""
+  r = nnx.eval_shape(lambda: make_router(RouterConfig(kind=kind, **cfg), d, e, k,
+                                         param_dtype="float32", rngs=nnx.Rngs(params=0)))
+  for name, value in params.items():
+    assert getattr(r, name).shape == value.shape, name
+    getattr(r, name).set_value(jnp.asarray(value, jnp.float32))
+  return r
+
+
+def _softmax_router_reference(x, w, k, renormalize, mix=None):
+  """float64: G = softmax(x W); P = mix(G) (identity by default); top-k of P -> (P, ids, gates)."""
+  p = _np_softmax(np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+  if mix is not None:
+    p = mix(p)
+  gates, ids = _topk_np(p, k)
+  if renormalize:
+    gates = gates / gates.sum(-1, keepdims=True)
+  return p, ids, gates
+
+
+# ------------------------------------------------------------------------------------------------
+# SMoE-Dropout (Chen et al. 2023): fixed random router, k grows linearly with the training step.
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_smoe_dropout_matches_numpy_reference(renormalize):
+  b, t, d, e, k, k0, steps = 2, 6, 12, 8, 6, 2, 40
+  rng = np.random.default_rng(40)
+  w = rng.standard_normal((d, e)) * 2 / np.sqrt(d)
+  r = _built("smoe_dropout", d, e, k, {"kernel": w}, smoe_dropout_k_start=k0,
+             smoe_dropout_steps=steps, renormalize=renormalize, balance_loss="switch", balance_coef=1.0)
+  x = rng.standard_normal((b, t, d)).astype(np.float32)
+  call = nnx.jit(lambda r, x, step: r(x, step=step))
+  for step in (0, 7, 10, 30, 40, 1000, None):
+    out = call(r, jnp.asarray(x), step) if step is not None else _call(r, jnp.asarray(x))
+    active = k if step is None else k0 + round((k - k0) * min(step / steps, 1.0))
+    p, ids, top = _softmax_router_reference(x, w, k, False)
+    gates = np.where(np.arange(k) < active, top, 0.0)
+    if renormalize:
+      gates = gates / gates.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+    np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(out.probs), p, rtol=1e-6, atol=1e-7)
+    assert int((np.asarray(out.gates) > 0).sum(-1).max()) == active, step
+    assert float(out.balance_loss) == 0.0
+  # the schedule itself: the paper's round((k_max - k_min) t / T) + k_min, clipped at T
+  got = [int(routers_lib.linear_k_schedule(jnp.int32(s), 8, 16, 400)) for s in (0, 24, 25, 26, 200, 399, 400, 9999)]
+  assert got == [8 + round(8 * min(s / 400, 1)) for s in (0, 24, 25, 26, 200, 399, 400, 9999)]
+
+
+def test_smoe_dropout_router_gets_no_gradient_and_no_weight_decay():
+  from umoe_jax.train.optimizer import decay_mask
+  d, e, k = 10, 6, 3
+  r = _built("smoe_dropout", d, e, k, {"kernel": np.random.default_rng(41).standard_normal((d, e))})
+  x = jnp.asarray(np.random.default_rng(42).standard_normal((2, 5, d)), jnp.float32)
+  grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x, step=jnp.int32(3)).gates ** 2)))(r, x)
+  assert float(np.abs(np.asarray(grads["kernel"][...])).max()) == 0.0
+  # the gates still carry the gradient to the router input (the backbone)
+  gx = jax.grad(lambda x: jnp.sum(r(x).gates ** 2))(x)
+  assert float(jnp.abs(gx).max()) > 0
+  assert decay_mask(nnx.state(r, nnx.Param)) == {"kernel": False}   # tagged like a norm scale
+
+
+# ------------------------------------------------------------------------------------------------
+# StableMoE (Dai et al. 2022): stage 1 routes by learned centroids and distils a token-id router,
+# stage 2 routes by the frozen distilled router.
+
+
+def _stablemoe_reference(x, ids_tok, c, emb, cd, k, stage1, coef, distill_coef):
+  """float64 loops: (ids, gates, probs, loss)."""
+  x, c, emb, cd = (np.asarray(a, np.float64) for a in (x, c, emb, cd))
+  b, t, _ = x.shape
+  e = c.shape[0]
+  s = np.einsum("btd,ed->bte", x, c)
+  dist = np.stack([[emb[ids_tok[bi, ti]] @ cd.T for ti in range(t)] for bi in range(b)])
+  scores = s if stage1 else dist
+  _, ids = _topk_np(scores, k)
+  gates = 1 / (1 + np.exp(-np.take_along_axis(s, ids, axis=-1)))
+  if not stage1:
+    return ids, gates, _np_softmax(scores), 0.0
+  n = b * t
+  counts = np.zeros(e)
+  for row in ids.reshape(n, k):
+    for j in row:
+      counts[j] += 1
+  mean = n * k / e
+  balance = 0.0
+  for bi in range(b):
+    for ti in range(t):
+      for j in ids[bi, ti]:
+        balance += (counts[j] - mean) / mean / (1 + np.exp(-s[bi, ti, j]))
+  distill = np.mean([np.log(np.exp(dist[bi, ti]).sum()) - dist[bi, ti, np.argmax(s[bi, ti])]
+                     for bi in range(b) for ti in range(t)])
+  return ids, gates, _np_softmax(scores), coef * balance / n + distill_coef * distill
+
+
+@pytest.mark.parametrize("step", [0, 4, 5, 9, None])
+def test_stablemoe_matches_numpy_reference(step):
+  b, t, d, e, k, v, d_w, switch = 2, 7, 12, 6, 2, 30, 5, 5
+  rng = np.random.default_rng(43)
+  params = {"centroids": rng.standard_normal((e, d)), "token_embed": rng.standard_normal((v, d_w)),
+            "distill_centroids": rng.standard_normal((e, d_w))}
+  r = _built("stablemoe", d, e, k, params, stablemoe_vocab_size=v, stablemoe_distill_dim=d_w,
+             stablemoe_stage2_step=switch, stablemoe_distill_coef=0.3, balance_coef=0.2)
+  x = rng.standard_normal((b, t, d)).astype(np.float32)
+  tok = rng.integers(0, v, (b, t)).astype(np.int32)
+  if step is None:
+    out = nnx.jit(lambda r, x, i: r(x, token_ids=i))(r, jnp.asarray(x), jnp.asarray(tok))
+  else:
+    out = nnx.jit(lambda r, x, i, s: r(x, token_ids=i, step=s))(r, jnp.asarray(x), jnp.asarray(tok),
+                                                                 jnp.int32(step))
+  stage1 = step is not None and step < switch
+  ids, gates, probs, loss = _stablemoe_reference(x, tok, *params.values(), k, stage1, 0.2, 0.3)
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(out.probs), probs, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(out.balance_loss), loss, rtol=1e-5, atol=1e-7)
+  if not stage1:  # stage 2: the experts of a token follow its id alone
+    same = r(jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32), token_ids=jnp.asarray(tok))
+    np.testing.assert_array_equal(np.asarray(same.expert_ids), ids)
+  with pytest.raises(ValueError, match="token_ids"):
+    r(jnp.asarray(x))
+
+
+def test_stablemoe_gradients_by_stage():
+  """Stage 1: the distillation loss trains the token table and distilled centroids, the balance
+  loss and gates the centroids; stage 2: only the gates' gradient (into the centroids) remains."""
+  b, t, d, e, k, v = 2, 6, 10, 5, 2, 20
+  rng = np.random.default_rng(44)
+  params = {"centroids": rng.standard_normal((e, d)), "token_embed": rng.standard_normal((v, 4)),
+            "distill_centroids": rng.standard_normal((e, 4))}
+  r = _built("stablemoe", d, e, k, params, stablemoe_vocab_size=v, stablemoe_distill_dim=4,
+             stablemoe_stage2_step=10, balance_coef=0.3)
+  x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  tok = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+  c = jnp.asarray(rng.standard_normal((b, t, k)), jnp.float32)
+  grad = nnx.jit(nnx.grad(lambda m, s: jnp.sum(m(x, token_ids=tok, step=s).gates * c)
+                          + m(x, token_ids=tok, step=s).balance_loss))
+  biggest = lambda g, n: float(np.abs(np.asarray(g[n][...])).max())
+  g1 = grad(r, jnp.int32(9))
+  assert min(biggest(g1, n) for n in params) > 0
+  g_loss = nnx.jit(nnx.grad(lambda m: m(x, token_ids=tok, step=jnp.int32(0)).balance_loss))(r)
+  assert biggest(g_loss, "centroids") > 0 and biggest(g_loss, "token_embed") > 0
+  g2 = grad(r, jnp.int32(10))
+  assert biggest(g2, "centroids") > 0
+  assert biggest(g2, "token_embed") == 0.0 and biggest(g2, "distill_centroids") == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# The new routers inside the LM: the training step reaches them through the route context.
+
+NEW_KINDS = {  # kind: (family, overrides)
+    "smoe_dropout": ("umoe", {"router.smoe_dropout_k_start": 1, "router.smoe_dropout_steps": 2}),
+    "stablemoe": ("umoe", {"router.stablemoe_stage2_step": 1}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NEW_KINDS))
+def test_lm_with_new_router_trains(kind):
+  """Three Adam steps at training steps 0, 1, 2 (passed as `step`): only nnx.Param state, finite
+  gradients, the loss falls; smoe_dropout's routers never move; stablemoe's losses stop at stage 2."""
+  import optax
+  from umoe_jax.train.state import split_params
+  family, over = NEW_KINDS[kind]
+  cfg, model = _lm(family, kind, **over)
+  split_params(model)
+  params = nnx.state(model, nnx.Param)
+  tokens = jnp.asarray(np.random.default_rng(47).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  tx = optax.adam(1e-2)
+  opt_state = tx.init(params)
+
+  def loss_fn(model, tokens, step):
+    logits, aux = model(tokens[:, :-1], step=step)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return nll + aux["balance_loss"], aux
+
+  @nnx.jit
+  def train_step(model, opt_state, tokens, step):
+    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens, step)
+    updates, opt_state = tx.update(grads, opt_state, nnx.state(model, nnx.Param))
+    nnx.update(model, optax.apply_updates(nnx.state(model, nnx.Param), updates))
+    return loss, aux, grads, opt_state
+
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+  losses, balances = [], []
+  for step in range(3):
+    loss, aux, grads, opt_state = train_step(model, opt_state, tokens, jnp.int32(step))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(nnx.to_pure_dict(grads)))
+    losses.append(float(loss))
+    balances.append(float(aux["balance_loss"]))
+  assert np.isfinite(losses).all() and losses[2] < losses[1], losses
+  after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  layer, layer0 = after["layers"][0], before["layers"][0]
+  if kind == "smoe_dropout":
+    for sub in ("attention", "ffn"):
+      np.testing.assert_array_equal(np.asarray(layer[sub]["router"]["kernel"]),
+                                    layer0[sub]["router"]["kernel"])
+    assert balances == [0.0] * 3
+  if kind == "stablemoe":                   # stage 1 at step 0 only
+    assert balances[0] > 0 and balances[1:] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("kind", ["smoe_dropout", "stablemoe"])
+def test_cached_decoding_with_scheduled_router_matches_full(kind):
+  """Without a step both act as at the end of training (k = K; the distilled token-id router),
+  which cached decoding reproduces token by token."""
+  from conftest import random_module, tiny_config
+  from test_decode import assert_cached_decoding_matches_full
+  from umoe_jax.model import CausalLM
+  cfg = tiny_config("umoe", **{"router.kind": kind})
+  assert_cached_decoding_matches_full(cfg, random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 48))
+
+
+def test_registry_has_the_new_routers():
+  assert ROUTERS.get("smoe_dropout") is routers_lib.SMoEDropoutRouter
+  assert ROUTERS.get("stablemoe") is routers_lib.StableMoERouter

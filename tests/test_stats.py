@@ -198,3 +198,31 @@ def test_router_kinds_counted(name, router):
     assert by_kind < 0 and stats.forward_macs(cfg, 1, 8) < stats.forward_macs(base, 1, 8)
   if router == "topk_sigmoid":
     assert by_kind == 0
+
+
+@pytest.mark.parametrize("router", ["smoe_dropout", "stablemoe"])
+@pytest.mark.parametrize("name", ["umoe_tiny", "ffn_moe_tiny", "switchhead_tiny"])
+def test_related_work_router_kinds_counted(name, router):
+  """Parameters agree with the model; by kind: SMoE-Dropout's fixed map is a D x E map like top-k;
+  StableMoE adds its token table and distilled centroids."""
+  cfg, base = load(name), load(name)
+  with cfg.unlocked():
+    cfg.model.router.kind = router
+  assert stats.param_mismatches(cfg) == {}
+  assert stats.total_params(cfg, from_model=False) == stats.total_params(cfg)
+  m = stats.as_model_config(cfg)
+  n_routers = len(stats._layer_router_experts(m)) * m.n_layers
+  added = stats.total_params(cfg) - stats.total_params(base)
+  if router == "stablemoe":
+    if name != "switchhead_tiny":  # pool routers over moe.n_experts (E x D centroids replace D x E)
+      assert added == n_routers * (m.vocab_size + m.moe.n_experts) * m.router.stablemoe_distill_dim
+  else:
+    assert added == 0
+  b, t = 2, 16
+  extra = (stats.forward_mac_breakdown(cfg, b, t)["routers"]
+           - stats.forward_mac_breakdown(base, b, t)["routers"])
+  if router == "stablemoe":
+    assert extra == b * t * sum(m.router.stablemoe_distill_dim * e
+                                for e in stats._layer_router_experts(m)) * m.n_layers
+  else:
+    assert extra == 0

@@ -33,6 +33,12 @@ class RouterConfig:
   xmoe_temperature: float = 0.3       # xmoe: tau_0 of the balance loss; the gating tau's (initial) value
   xmoe_learn_temperature: bool = True  # xmoe: learn the gating tau (paper); False = fixed (torchscale/LibMoE)
   hash_seed: int = 42                 # hash: seed of the fixed token-id -> experts map (ParlAI's 42)
+  smoe_dropout_k_start: int = 1       # smoe_dropout: active experts at step 0 (capped at the sub-layer's top_k)
+  smoe_dropout_steps: int = 10000     # smoe_dropout: steps over which k grows linearly to top_k (paper: all)
+  stablemoe_stage2_step: int = 6000   # stablemoe: first step of stage 2 (routing frozen; paper 6000 of 60000)
+  stablemoe_distill_dim: int = 50     # stablemoe: width of the distilled word-embedding router (paper 50)
+  stablemoe_distill_coef: float = 0.3  # stablemoe: weight of the stage-1 distillation loss (paper 0.3)
+  stablemoe_vocab_size: Optional[int] = None  # stablemoe: rows of its token table; None = model.vocab_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +208,19 @@ def validate(cfg: ModelConfig) -> ModelConfig:
          f"model.router.xmoe_temperature={router.xmoe_temperature!r} must be positive and finite")
   _check(0 <= router.hash_seed < 2 ** 32,
          f"model.router.hash_seed={router.hash_seed!r} must be in [0, 2**32)")
+  _check(router.smoe_dropout_k_start >= 1,
+         f"model.router.smoe_dropout_k_start={router.smoe_dropout_k_start!r} must be >= 1")
+  _check(router.smoe_dropout_steps >= 1,
+         f"model.router.smoe_dropout_steps={router.smoe_dropout_steps!r} must be >= 1")
+  _check(router.stablemoe_stage2_step >= 0,
+         f"model.router.stablemoe_stage2_step={router.stablemoe_stage2_step!r} must be >= 0")
+  _check(router.stablemoe_distill_dim >= 1,
+         f"model.router.stablemoe_distill_dim={router.stablemoe_distill_dim!r} must be >= 1")
+  _check(0 <= router.stablemoe_distill_coef < float("inf"),
+         f"model.router.stablemoe_distill_coef={router.stablemoe_distill_coef!r} must be >= 0 and finite")
+  _check(router.stablemoe_vocab_size is None or router.stablemoe_vocab_size >= cfg.vocab_size,
+         f"model.router.stablemoe_vocab_size={router.stablemoe_vocab_size!r} must be None or >= "
+         f"model.vocab_size={cfg.vocab_size} (one row per token id)")
   router_validate = getattr(ROUTERS.get(router.kind), "validate", None)
   if router_validate is not None:
     router_validate(cfg)
@@ -226,11 +245,20 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   return cfg
 
 
+def resolve(cfg: ModelConfig) -> ModelConfig:
+  """Fills the defaults that depend on other keys: `router.stablemoe_vocab_size` None -> vocab_size
+  (for router.kind='stablemoe' only; the router is built from the RouterConfig alone)."""
+  r = cfg.router
+  if r.kind == "stablemoe" and r.stablemoe_vocab_size is None:
+    return dataclasses.replace(cfg, router=dataclasses.replace(r, stablemoe_vocab_size=cfg.vocab_size))
+  return cfg
+
+
 def model_config(cfg: Any) -> ModelConfig:
-  """Builds and validates a `ModelConfig` from a ConfigDict / mapping (`config.model`)."""
+  """Builds, resolves and validates a `ModelConfig` from a ConfigDict / mapping (`config.model`)."""
   if isinstance(cfg, ModelConfig):
-    return validate(cfg)
-  return validate(_build(ModelConfig, cfg, "model"))
+    return validate(resolve(cfg))
+  return validate(resolve(_build(ModelConfig, cfg, "model")))
 
 
 def to_dict(cfg: ModelConfig) -> dict:

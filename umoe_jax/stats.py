@@ -146,24 +146,44 @@ def linear(d_in: int, d_out: int) -> int:
 
 
 def router_params(cfg: ModelConfig, n_experts: int) -> int:
-  """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k), X-MoE's
-  D x d_r projection + E x d_r expert embeddings (+ its temperature when learned), none for hash."""
+  """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k,
+  smoe_dropout (stored, never trained)), X-MoE's D x d_r projection
+  + E x d_r expert embeddings (+ its temperature when learned), StableMoE's E x D centroids + V x d_w
+  token table + E x d_w distilled centroids, none for hash."""
   r = cfg.router
   if r.kind == "hash":
     return 0
   if r.kind == "xmoe":
     return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim) + int(r.xmoe_learn_temperature)
+  if r.kind == "stablemoe":
+    vocab = r.stablemoe_vocab_size or cfg.vocab_size
+    return (linear(n_experts, cfg.d_model) + linear(vocab, r.stablemoe_distill_dim)
+            + linear(n_experts, r.stablemoe_distill_dim))
   return linear(cfg.d_model, n_experts)
 
 
 def router_macs(cfg: ModelConfig, n_experts: int) -> int:
-  """Forward MACs per token of one router (the scores of every expert)."""
+  """Forward MACs per token of one router (the scores of every expert; StableMoE: the affinities
+  and the distilled scores, its table lookup is free)."""
   r = cfg.router
   if r.kind == "hash":
     return 0
   if r.kind == "xmoe":
     return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim)
+  if r.kind == "stablemoe":
+    return linear(cfg.d_model, n_experts) + linear(r.stablemoe_distill_dim, n_experts)
   return linear(cfg.d_model, n_experts)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_router_experts(cfg: ModelConfig) -> tuple[int, ...]:
+  """E of every router module of one decoder layer (the abstract model's first layer)."""
+  from flax import nnx
+  from umoe_jax.model import abstract_model
+  from umoe_jax.model.routers import ROUTERS
+  kinds = tuple(ROUTERS.get(n) for n in ROUTERS.names())
+  layer = abstract_model(cfg).layers[0]
+  return tuple(m.n_experts for _, m in nnx.iter_graph(layer) if isinstance(m, kinds))
 
 
 def mlp(cfg: ModelConfig, d_hidden: int) -> int:

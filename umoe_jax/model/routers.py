@@ -25,6 +25,10 @@ Routers here:
   "topk_softmax", "topk_sigmoid"   softmax / sigmoid of x W_r, top-k
   "xmoe"              X-MoE cosine routing in a low-dimensional space (Chi et al. 2022)
   "hash"              fixed token-id hashing (Roller et al. 2021)
+  "smoe_dropout"      SMoE-Dropout (Chen et al. 2023): fixed random router, k grows linearly with the
+                      step from `smoe_dropout_k_start` to the sub-layer's top_k
+  "stablemoe"         StableMoE (Dai et al. 2022): learned centroids distilled into a token-id router
+                      (stage 1), routing frozen to that router from `stablemoe_stage2_step` (stage 2)
 """
 from __future__ import annotations
 
@@ -316,6 +320,157 @@ class HashRouter(nnx.Module):
     probs = jax.nn.one_hot(ids, self.n_experts, dtype=jnp.float32).sum(axis=-2) / self.top_k
     return RouterOutput(expert_ids=ids, gates=gates, probs=probs,
                         balance_loss=jnp.zeros((), jnp.float32))
+
+
+# SMoE-Dropout (Chen et al., ICLR 2023). A fixed random router; the number of active experts grows
+# linearly over training. Shapes must stay static under jit while the step is traced, so the router
+# always returns the sub-layer's K slots and zeroes the gates of the slots beyond k(step).
+
+
+def linear_k_schedule(step: jax.Array, k_start: int, k_end: int, steps: int) -> jax.Array:
+  """k(t) = k_start + round((k_end - k_start) * min(t / steps, 1)), int32 [] (the paper's
+  `linear_increase`; round half to even, like Python's round)."""
+  frac = jnp.clip(jnp.asarray(step, jnp.float32) / steps, 0.0, 1.0)
+  return (k_start + jnp.round((k_end - k_start) * frac)).astype(jnp.int32)
+
+
+@ROUTERS.register("smoe_dropout")
+class SMoEDropoutRouter(TopKSoftmaxRouter):
+  """SMoE-Dropout: probs = softmax(x W_r) with W_r [D, E] random and never trained; top-K of probs,
+  of which only the first k(step) slots are active (the others get gate 0):
+
+    k(step) = linear_k_schedule(step, min(router.smoe_dropout_k_start, K), K, router.smoe_dropout_steps)
+    gates   = probs of the k(step) best experts (renormalised over them if router.renormalize;
+              the paper's softmax over the top-k logits is renormalize=True), 0 for the rest
+
+  K is the sub-layer's top_k (the schedule's end; the paper grows k to all E experts: top_k = E).
+  Without a "step" in the route context (evaluation, decoding) k = K. No balance loss (the router is
+  fixed, as in the paper). All K slots go through the experts even while k(step) < K (zero gates);
+  the paper's early-training saving needs shapes that change with the step.
+  W_r is initialised like `topk_softmax` (no bias, unlike the paper's nn.Linear) and tagged `norm`:
+  replicated and never weight-decayed, so with its zero gradient Adam leaves it exactly as drawn.
+  """
+
+  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
+               rngs: nnx.Rngs):
+    self.n_experts = n_experts
+    self.top_k = top_k
+    self.cfg = cfg
+    self.kernel = make_param(rngs, kaiming_uniform_init(d_model), (d_model, n_experts),
+                             (ax.NORM, ax.ROUTER_OUT), param_dtype)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """x [B, T, D] -> float32 logits [B, T, E]; no gradient reaches W_r (fixed router)."""
+    w = jax.lax.stop_gradient(self.kernel.value.astype(jnp.float32))
+    return jnp.dot(x.astype(jnp.float32), w)
+
+  def active_k(self, step: Optional[jax.Array]) -> jax.Array:
+    """Active experts per token at `step` (None: the end of the schedule, K), int32 []."""
+    if step is None:
+      return jnp.asarray(self.top_k, jnp.int32)
+    k_start = min(self.cfg.smoe_dropout_k_start, self.top_k)
+    return linear_k_schedule(step, k_start, self.top_k, self.cfg.smoe_dropout_steps)
+
+  def __call__(self, x: jax.Array, *, step: Optional[jax.Array] = None, **context) -> RouterOutput:
+    del context
+    probs = jax.nn.softmax(self.logits(x), axis=-1)                                    # [B, T, E]
+    top, ids = jax.lax.top_k(probs, self.top_k)                                        # [B, T, K]
+    active = jnp.arange(self.top_k) < self.active_k(step)                              # [K]
+    gates = jnp.where(active, top, 0.0)
+    if self.cfg.renormalize:
+      gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return RouterOutput(expert_ids=ids.astype(jnp.int32), gates=gates, probs=probs,
+                        balance_loss=jnp.zeros((), jnp.float32))
+
+
+# StableMoE (Dai et al., ACL 2022): learn routing with the backbone, distil it into a lightweight
+# token-id router, then freeze routing to that router.
+
+
+def stablemoe_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: int) -> jax.Array:
+  """StableMoE's balance loss (unscaled), over all N tokens and K picks:
+
+    L = (1/N) sum_e (c_e - n) / n * sum_{t picks e} sigmoid(scores[t, e]),    n = N K / E
+
+  with c_e the picks of expert e (constants): overloaded experts' scores are pushed down,
+  underloaded ones' up. Args: scores [B, T, E] float32; expert_ids [B, T, K].
+  """
+  e = n_experts
+  picked = jax.nn.one_hot(expert_ids, e, dtype=jnp.float32).sum(axis=-2).reshape(-1, e)  # [N, E]
+  n_tok = picked.shape[0]
+  mean_load = n_tok * expert_ids.shape[-1] / e
+  excess = (picked.sum(axis=0) - mean_load) / mean_load                                   # [E]
+  score_sums = jnp.sum(picked * jax.nn.sigmoid(scores.reshape(-1, e)), axis=0)            # [E]
+  return jnp.sum(jax.lax.stop_gradient(excess) * score_sums) / n_tok
+
+
+@ROUTERS.register("stablemoe")
+class StableMoERouter(nnx.Module):
+  """StableMoE (top-k generalisation of the paper's top-1).
+
+    s = x C^T                               affinities, expert centroids C [E, D]
+    d = emb[token_id] C_d^T                 the distilled router: token table emb [V, d_w]
+                                            (router.stablemoe_distill_dim = d_w), centroids C_d [E, d_w]
+    stage 1 (step < router.stablemoe_stage2_step):
+      ids  = top-K of s (greedy, no gradient)
+      loss = balance_coef * stablemoe_balance_loss(s, ids)
+             + stablemoe_distill_coef * mean_t CE(d_t, argmax_e s_t)   (trains emb, C_d only)
+    stage 2 (step >= stage2_step, and always without a "step": evaluation, decoding):
+      ids  = top-K of d (no gradient: routing is a frozen function of the token id); loss 0
+    gates = sigmoid(s at ids) in both stages (C keeps learning through them); probs = softmax of the
+    scores the top-K was taken from.
+
+  Deviations: the paper's layer returns g FFN(x) + (1 - g) x; here the block adds x itself, so the
+  (1 - g) x term is dropped. Greedy top-K, not the BASE balanced assignment. `router.balance_loss`
+  is not used (StableMoE's own loss). "Frozen" means no gradient; AdamW's momentum can still move
+  emb / C_d for a few updates after the switch (fairseq skips the parameters entirely).
+  Init: C and C_d orthogonal with gain 0.1, emb N(0, 1) (the official code). Needs `token_ids` and,
+  for stage 1, `step` in the route context.
+  """
+
+  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
+               rngs: nnx.Rngs):
+    if cfg.stablemoe_vocab_size is None:
+      raise ValueError("router.kind='stablemoe' needs router.stablemoe_vocab_size (model_config() "
+                       "sets it to model.vocab_size)")
+    self.n_experts = n_experts
+    self.top_k = top_k
+    self.cfg = cfg
+    d_w = cfg.stablemoe_distill_dim
+    self.centroids = make_param(rngs, _orthogonal_init(0.1), (n_experts, d_model),
+                                (ax.ROUTER_OUT, ax.EMBED), param_dtype)
+    self.token_embed = make_param(rngs, lambda key, shape, dtype: jax.random.normal(key, shape, dtype),
+                                  (cfg.stablemoe_vocab_size, d_w), (ax.VOCAB, ax.LORA), param_dtype)
+    self.distill_centroids = make_param(rngs, _orthogonal_init(0.1), (n_experts, d_w),
+                                        (ax.ROUTER_OUT, ax.LORA), param_dtype)
+
+  def affinities(self, x: jax.Array) -> jax.Array:
+    """x [B, T, D] -> s [B, T, E] float32."""
+    return jnp.dot(x.astype(jnp.float32), self.centroids.value.astype(jnp.float32).T)
+
+  def distilled(self, token_ids: jax.Array) -> jax.Array:
+    """token ids [B, T] -> the distilled router's scores d [B, T, E] float32."""
+    emb = jnp.take(self.token_embed.value, token_ids, axis=0).astype(jnp.float32)      # [B, T, d_w]
+    return jnp.dot(emb, self.distill_centroids.value.astype(jnp.float32).T)
+
+  def __call__(self, x: jax.Array, *, token_ids: Optional[jax.Array] = None,
+               step: Optional[jax.Array] = None, **context) -> RouterOutput:
+    del context
+    token_ids = _need_token_ids("stablemoe", token_ids, x)
+    s, d = self.affinities(x), self.distilled(token_ids)                                # [B, T, E]
+    stage1 = (jnp.asarray(False) if step is None
+              else jnp.asarray(step) < self.cfg.stablemoe_stage2_step)
+    route_scores = jax.lax.stop_gradient(jnp.where(stage1, s, d))
+    _, ids = jax.lax.top_k(route_scores, self.top_k)                                   # [B, T, K]
+    ids = ids.astype(jnp.int32)
+    gates = jax.nn.sigmoid(jnp.take_along_axis(s, ids, axis=-1))
+    target = jnp.argmax(jax.lax.stop_gradient(s), axis=-1)                              # [B, T]
+    distill = jnp.mean(jax.nn.logsumexp(d, axis=-1)
+                       - jnp.take_along_axis(d, target[..., None], axis=-1)[..., 0])
+    loss = (self.cfg.balance_coef * stablemoe_balance_loss(s, ids, self.n_experts)
+            + self.cfg.stablemoe_distill_coef * distill)
+    return RouterOutput(expert_ids=ids, gates=gates, probs=jax.nn.softmax(route_scores, axis=-1),
+                        balance_loss=jnp.where(stage1, loss, 0.0))
 
 
 def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, param_dtype,
