@@ -189,6 +189,14 @@ BAD = [
     ("umoe", {"router.kind": "stablemoe", "router.stablemoe_distill_coef": -0.3},
      "model.router.stablemoe_distill_coef", "-0.3"),
     ("umoe", {"router.kind": "stablemoe", "router.stablemoe_vocab_size": 10}, "model.router.stablemoe_vocab_size", "10"),
+    ("umoe", {"router.kind": "similarity_aware", "router.similarity_temperature": 0.0},
+     "model.router.similarity_temperature", "0.0"),
+    ("umoe", {"router.similarity_temperature": float("nan")}, "model.router.similarity_temperature", "nan"),
+    ("ffn_moe", {"router.kind": "attention_aware", "router.attention_temperature": -1.0},
+     "model.router.attention_temperature", "-1.0"),
+    ("umoe", {"router.kind": "attention_aware"}, "model.attention.kind", "'premix'"),
+    ("moa", {"router.kind": "attention_aware"}, "model.attention.kind", "'moa'"),
+    ("dense", {"router.kind": "attention_aware"}, "model.ffn.kind", "'dense'"),
 ]
 
 

@@ -657,18 +657,100 @@ def test_stablemoe_gradients_by_stage():
 
 
 # ------------------------------------------------------------------------------------------------
-# The new routers inside the LM: the training step reaches them through the route context.
+# Similarity- and attention-aware routing (Graph of Tokens / Mutual-Inform SMoE): P = S G, causal.
+
+
+def _causal_softmax_np(scores):
+  t = scores.shape[-1]
+  return _np_softmax(np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf))
+
+
+@pytest.mark.parametrize("renormalize,loss,tau", [(False, "seq_aux", None), (True, "switch", 0.7)])
+def test_similarity_aware_matches_numpy_reference(renormalize, loss, tau):
+  b, t, d, e, k = 2, 7, 10, 6, 2
+  rng = np.random.default_rng(45)
+  w = rng.standard_normal((d, e)) * 2 / np.sqrt(d)
+  r = _built("similarity_aware", d, e, k, {"kernel": w}, similarity_temperature=tau,
+             renormalize=renormalize, balance_loss=loss, balance_coef=0.1)
+  x = rng.standard_normal((b, t, d)).astype(np.float32)
+  out = _call(r, jnp.asarray(x))
+  x64 = x.astype(np.float64)
+
+  def mix(g):  # row i: sum over j <= i of softmax_j(x_i . x_j / tau) g_j, as loops
+    p = np.zeros_like(g)
+    for bi in range(b):
+      for i in range(t):
+        sim = np.array([x64[bi, i] @ x64[bi, j] for j in range(i + 1)]) / (tau or np.sqrt(d))
+        p[bi, i] = _np_softmax(sim) @ g[bi, :i + 1]
+    return p
+
+  p, ids, gates = _softmax_router_reference(x, w, k, renormalize, mix)
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(out.probs), p, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(out.balance_loss), 0.1 * R.BALANCE[loss](p, ids), rtol=1e-5)
+  # causal: changing the last token changes nothing before it
+  x2 = x.copy()
+  x2[:, -1] = rng.standard_normal((b, d))
+  out2 = _call(r, jnp.asarray(x2))
+  np.testing.assert_allclose(np.asarray(out2.probs)[:, :-1], np.asarray(out.probs)[:, :-1], rtol=1e-6)
+  with pytest.raises(NotImplementedError, match="decoding"):
+    r(jnp.asarray(x), decoding=True)
+
+
+@pytest.mark.parametrize("sigma", [1.0, 0.5])
+def test_attention_aware_matches_numpy_reference(sigma):
+  b, h, t, d, e, k = 2, 3, 6, 8, 5, 2
+  rng = np.random.default_rng(46)
+  w = rng.standard_normal((d, e)) * 2 / np.sqrt(d)
+  r = _built("attention_aware", d, e, k, {"kernel": w}, attention_temperature=sigma)
+  x = rng.standard_normal((b, t, d)).astype(np.float32)
+  sharp = np.array([0.5, 4.0, 1.5])[:, None, None]      # head 1 is the sharpest (least entropy)...
+  scores = rng.standard_normal((b, h, t, t)) * sharp
+  scores[1, 2] *= 6.0                                   # ...except in sequence 1: head 2
+  a = _causal_softmax_np(scores)
+  out = nnx.jit(lambda r, x, a: r(x, attention_probs=a))(r, jnp.asarray(x), jnp.asarray(a, jnp.float32))
+
+  chosen = []
+
+  def mix(g):
+    p = np.zeros_like(g)
+    for bi in range(b):
+      ent = [np.mean([-sum(q * np.log(q) for q in a[bi, hi, i, :i + 1]) for i in range(t)]) for hi in range(h)]
+      hs = int(np.argmin(ent))
+      chosen.append(hs)
+      for i in range(t):
+        row = a[bi, hs, i, :i + 1] ** (1 / sigma)
+        p[bi, i] = (row / row.sum()) @ g[bi, :i + 1]
+    return p
+
+  p, ids, gates = _softmax_router_reference(x, w, k, False, mix)
+  assert chosen == [1, 2]                               # the head is chosen per sequence
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(out.probs), p, rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="attention_probs"):
+    r(jnp.asarray(x))
+  with pytest.raises(NotImplementedError, match="decoding"):
+    r(jnp.asarray(x), attention_probs=jnp.asarray(a), decoding=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The four routers inside the LM: the training step reaches them through the route context.
 
 NEW_KINDS = {  # kind: (family, overrides)
     "smoe_dropout": ("umoe", {"router.smoe_dropout_k_start": 1, "router.smoe_dropout_steps": 2}),
     "stablemoe": ("umoe", {"router.stablemoe_stage2_step": 1}),
+    "similarity_aware": ("umoe", {}),
+    "attention_aware": ("ffn_moe", {}),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(NEW_KINDS))
 def test_lm_with_new_router_trains(kind):
   """Three Adam steps at training steps 0, 1, 2 (passed as `step`): only nnx.Param state, finite
-  gradients, the loss falls; smoe_dropout's routers never move; stablemoe's losses stop at stage 2."""
+  gradients, the loss falls; smoe_dropout's routers never move; stablemoe's losses stop at stage 2;
+  the mixing routers keep the model causal."""
   import optax
   from umoe_jax.train.state import split_params
   family, over = NEW_KINDS[kind]
@@ -708,6 +790,11 @@ def test_lm_with_new_router_trains(kind):
     assert balances == [0.0] * 3
   if kind == "stablemoe":                   # stage 1 at step 0 only
     assert balances[0] > 0 and balances[1:] == [0.0, 0.0]
+  if kind in ("similarity_aware", "attention_aware"):
+    full = nnx.jit(lambda m, x: m(x)[0])
+    changed = tokens.at[:, 6:].set((tokens[:, 6:] + 1) % cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(full(model, changed))[:, :6],
+                               np.asarray(full(model, tokens))[:, :6], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["smoe_dropout", "stablemoe"])
@@ -721,6 +808,44 @@ def test_cached_decoding_with_scheduled_router_matches_full(kind):
   assert_cached_decoding_matches_full(cfg, random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 48))
 
 
+@pytest.mark.parametrize("kind,family", [("similarity_aware", "umoe"), ("attention_aware", "ffn_moe")])
+def test_cached_decoding_with_mixing_router_is_refused(kind, family):
+  from umoe_jax.model.cache import init_cache
+  cfg, model = _lm(family, kind)
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  with pytest.raises(NotImplementedError, match="cached decoding"):
+    model(tokens, cache=init_cache(cfg, 1, 4))
+
+
+def test_attention_aware_ffn_router_reads_the_blocks_attention():
+  """The FFN router's distribution is the block's MHA head of least entropy mixing G over tokens."""
+  from umoe_jax.model.routers import AttentionAwareRouter
+  cfg, model = _lm("ffn_moe", "attention_aware")
+  seen = {}
+  original = AttentionAwareRouter.mix
+
+  def spy(self, g, x, **context):
+    seen["probs"] = context["attention_probs"]
+    return original(self, g, x, **context)
+
+  @nnx.jit
+  def forward(model, tokens):
+    model(tokens)
+    return seen["probs"]                      # a value of this trace: returned, not leaked
+
+  tokens = jnp.asarray(np.random.default_rng(49).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+  try:
+    AttentionAwareRouter.mix = spy
+    a = np.asarray(forward(model, tokens))
+  finally:
+    AttentionAwareRouter.mix = original
+  assert a.shape == (2, cfg.attention.n_heads, 7, 7)
+  np.testing.assert_allclose(a.sum(-1), 1.0, rtol=1e-5)
+  assert np.all(np.triu(a, 1) == 0)                                    # causal
+
+
 def test_registry_has_the_new_routers():
   assert ROUTERS.get("smoe_dropout") is routers_lib.SMoEDropoutRouter
   assert ROUTERS.get("stablemoe") is routers_lib.StableMoERouter
+  assert ROUTERS.get("similarity_aware") is routers_lib.SimilarityAwareRouter
+  assert ROUTERS.get("attention_aware") is routers_lib.AttentionAwareRouter

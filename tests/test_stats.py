@@ -200,11 +200,14 @@ def test_router_kinds_counted(name, router):
     assert by_kind == 0
 
 
-@pytest.mark.parametrize("router", ["smoe_dropout", "stablemoe"])
+@pytest.mark.parametrize("router", ["smoe_dropout", "stablemoe", "similarity_aware", "attention_aware"])
 @pytest.mark.parametrize("name", ["umoe_tiny", "ffn_moe_tiny", "switchhead_tiny"])
 def test_related_work_router_kinds_counted(name, router):
-  """Parameters agree with the model; by kind: SMoE-Dropout's fixed map is a D x E map like top-k;
-  StableMoE adds its token table and distilled centroids."""
+  """Parameters agree with the model; by kind: SMoE-Dropout's fixed map and the mixing routers are
+  a D x E map like top-k; StableMoE adds its token table and distilled centroids; the mixing over
+  earlier tokens costs (D + E) (similarity) or E (attention) MACs per (query, key) pair per router."""
+  if router == "attention_aware" and name != "ffn_moe_tiny":
+    return  # rejected by validation (tests/test_config.py)
   cfg, base = load(name), load(name)
   with cfg.unlocked():
     cfg.model.router.kind = router
@@ -221,7 +224,12 @@ def test_related_work_router_kinds_counted(name, router):
   b, t = 2, 16
   extra = (stats.forward_mac_breakdown(cfg, b, t)["routers"]
            - stats.forward_mac_breakdown(base, b, t)["routers"])
-  if router == "stablemoe":
+  pairs = b * t * t
+  if router == "similarity_aware":
+    assert extra == pairs * sum(m.d_model + e for e in stats._layer_router_experts(m)) * m.n_layers
+  elif router == "attention_aware":
+    assert extra == pairs * m.moe.n_experts * m.n_layers
+  elif router == "stablemoe":
     assert extra == b * t * sum(m.router.stablemoe_distill_dim * e
                                 for e in stats._layer_router_experts(m)) * m.n_layers
   else:

@@ -39,6 +39,8 @@ class RouterConfig:
   stablemoe_distill_dim: int = 50     # stablemoe: width of the distilled word-embedding router (paper 50)
   stablemoe_distill_coef: float = 0.3  # stablemoe: weight of the stage-1 distillation loss (paper 0.3)
   stablemoe_vocab_size: Optional[int] = None  # stablemoe: rows of its token table; None = model.vocab_size
+  similarity_temperature: Optional[float] = None  # similarity_aware: tau of softmax_j(u_i.u_j / tau); None = sqrt(D)
+  attention_temperature: float = 1.0  # attention_aware: sigma; the chosen head's A^(1/sigma), renormalised
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +223,11 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _check(router.stablemoe_vocab_size is None or router.stablemoe_vocab_size >= cfg.vocab_size,
          f"model.router.stablemoe_vocab_size={router.stablemoe_vocab_size!r} must be None or >= "
          f"model.vocab_size={cfg.vocab_size} (one row per token id)")
+  _check(router.similarity_temperature is None or 0 < router.similarity_temperature < float("inf"),
+         f"model.router.similarity_temperature={router.similarity_temperature!r} must be None or "
+         f"positive and finite")
+  _check(0 < router.attention_temperature < float("inf"),
+         f"model.router.attention_temperature={router.attention_temperature!r} must be positive and finite")
   router_validate = getattr(ROUTERS.get(router.kind), "validate", None)
   if router_validate is not None:
     router_validate(cfg)

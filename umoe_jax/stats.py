@@ -147,7 +147,7 @@ def linear(d_in: int, d_out: int) -> int:
 
 def router_params(cfg: ModelConfig, n_experts: int) -> int:
   """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k,
-  smoe_dropout (stored, never trained)), X-MoE's D x d_r projection
+  smoe_dropout (stored, never trained), similarity_aware, attention_aware), X-MoE's D x d_r projection
   + E x d_r expert embeddings (+ its temperature when learned), StableMoE's E x D centroids + V x d_w
   token table + E x d_w distilled centroids, none for hash."""
   r = cfg.router
@@ -164,7 +164,8 @@ def router_params(cfg: ModelConfig, n_experts: int) -> int:
 
 def router_macs(cfg: ModelConfig, n_experts: int) -> int:
   """Forward MACs per token of one router (the scores of every expert; StableMoE: the affinities
-  and the distilled scores, its table lookup is free)."""
+  and the distilled scores, its table lookup is free). The mixing over earlier tokens of
+  similarity_aware / attention_aware depends on T: `router_pair_macs`."""
   r = cfg.router
   if r.kind == "hash":
     return 0
@@ -173,6 +174,17 @@ def router_macs(cfg: ModelConfig, n_experts: int) -> int:
   if r.kind == "stablemoe":
     return linear(cfg.d_model, n_experts) + linear(r.stablemoe_distill_dim, n_experts)
   return linear(cfg.d_model, n_experts)
+
+
+def router_pair_macs(cfg: ModelConfig) -> int:
+  """Forward MACs per (query token, key token) pair of one layer's routers: similarity_aware
+  u_i . u_j (D) and the mix of G (E) per router, attention_aware the mix (E; the probabilities are
+  the attention's); 0 for every other kind. The routers of a layer are read off the model."""
+  kind = cfg.router.kind
+  if kind not in ("similarity_aware", "attention_aware"):
+    return 0
+  per_pair = (lambda e: cfg.d_model + e) if kind == "similarity_aware" else (lambda e: e)
+  return sum(per_pair(e) for e in _layer_router_experts(cfg))
 
 
 @functools.lru_cache(maxsize=64)
@@ -612,6 +624,7 @@ def forward_mac_breakdown(cfg: Any, batch: int = 4, seq_len: int = 1024, *,
   out = {name: macs * tokens * cfg.n_layers for name, macs in per_token.items()}
   pairs = batch * att.pairs(cfg, seq_len, causal)
   _merge(out, {name: macs * pairs * cfg.n_layers for name, macs in att.pair_macs(cfg).items()})
+  _merge(out, {"routers": router_pair_macs(cfg) * pairs * cfg.n_layers})
   _merge(out, {"lm_head": linear(cfg.d_model, cfg.vocab_size) * tokens})
   return _ordered(out, MAC_COMPONENTS)
 

@@ -29,6 +29,11 @@ Routers here:
                       step from `smoe_dropout_k_start` to the sub-layer's top_k
   "stablemoe"         StableMoE (Dai et al. 2022): learned centroids distilled into a token-id router
                       (stage 1), routing frozen to that router from `stablemoe_stage2_step` (stage 2)
+  "similarity_aware"  Similarity-aware routing (Nguyen et al. 2025, "Graph of Tokens" / Mutual-Inform
+                      SMoE): softmax-router distributions mixed over similar earlier tokens
+  "attention_aware"   Attention-aware routing (same paper): mixed over the tokens the block's MHA
+                      attends to (FFN router; MHA attention only)
+The mixing routers are causal (a token mixes itself and earlier tokens) and refuse cached decoding.
 """
 from __future__ import annotations
 
@@ -471,6 +476,108 @@ class StableMoERouter(nnx.Module):
             + self.cfg.stablemoe_distill_coef * distill)
     return RouterOutput(expert_ids=ids, gates=gates, probs=jax.nn.softmax(route_scores, axis=-1),
                         balance_loss=jnp.where(stage1, loss, 0.0))
+
+
+# Similarity- and attention-aware routing (Nguyen et al., "Improving Routing in Sparse Mixture of
+# Experts with Graph of Tokens", arXiv 2505.00792; ICLR 2025 submission "Mutual-Inform SMoE"):
+# a token's routing distribution is the mixture of the softmax-router distributions G of the tokens
+# it is linked to, P = S G, then top-k of P. Causal here: S only links a token to itself and
+# earlier tokens (mixing later ones would leak the future into next-token prediction).
+
+
+class _TokenMixingRouter(TopKSoftmaxRouter):
+  """Base of the routers that mix G = softmax(x W_r) over earlier tokens: P = `mix`(G) [B, T, E],
+  then top-k of P, `router.renormalize` and the configured balance loss on P. Row i of the mixing
+  matrix needs every token j <= i of the sequence in one call: cached decoding (one new token per
+  call) is refused, because the cache keeps no routing inputs of earlier tokens."""
+
+  def mix(self, g: jax.Array, x: jax.Array, **context) -> jax.Array:
+    """g [B, T, E] (row-stochastic), x [B, T, D] -> the mixed distribution [B, T, E]."""
+    raise NotImplementedError
+
+  def __call__(self, x: jax.Array, *, decoding: bool = False, **context) -> RouterOutput:
+    if decoding:
+      raise NotImplementedError(
+          f"router.kind={self.cfg.kind!r} mixes the routing of earlier tokens, which the KV cache "
+          "does not keep: cached decoding is not supported (run full forward passes instead)")
+    g = jax.nn.softmax(self.logits(x), axis=-1)                                          # [B, T, E]
+    return probs_route(self.mix(g, x, **context), self.top_k, self.cfg, self.n_experts)
+
+
+def causal_softmax(scores: jax.Array) -> jax.Array:
+  """Row softmax of scores [..., T, T] over the columns j <= i (float32)."""
+  t = scores.shape[-1]
+  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+  return jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -jnp.inf), axis=-1)
+
+
+@ROUTERS.register("similarity_aware")
+class SimilarityAwareRouter(_TokenMixingRouter):
+  """Similarity-aware routing: S = causal softmax_j(u_i . u_j / tau) over the router inputs u = x
+  (the rebuttal's S = softmax(U U^T / tau); no learned W_s), P = S G.
+
+  tau = `router.similarity_temperature`, default sqrt(D) (dot-product attention's scale; the
+  authors report tau in {0.1, 1, 2, sqrt(D)} to matter little). O(T^2 (D + E)) per router.
+  """
+
+  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
+               rngs: nnx.Rngs):
+    super().__init__(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
+    self.temperature = cfg.similarity_temperature or math.sqrt(d_model)
+
+  def mix(self, g: jax.Array, x: jax.Array, **context) -> jax.Array:
+    del context
+    u = x.astype(jnp.float32)
+    s = causal_softmax(jnp.einsum("btd,bsd->bts", u, u) / self.temperature)            # [B, T, T]
+    return jnp.einsum("bts,bse->bte", s, g)
+
+
+@ROUTERS.register("attention_aware")
+class AttentionAwareRouter(_TokenMixingRouter):
+  """Attention-aware routing: P = A' G with A the causal attention probabilities of the block's own
+  attention (route context "attention_probs" [B, H, T, T], added by the block for the FFN router).
+
+  Per sequence the head h* of lowest mean row entropy is used (the paper's choice; chosen without
+  gradient); A' = A_{h*}^(1/sigma), rows renormalised, sigma = `router.attention_temperature`
+  (1: the probabilities themselves; sigma -> 0: each token follows its most attended token). The
+  paper's Gaussian "posterior" attention is not public; this keeps its sigma -> 0 limit.
+  Only behind attention that exposes its probabilities (`model.attention.kind='mha'`) and only for
+  an MoE FFN: attention variants with their own routers route before their attention runs.
+  """
+
+  needs_attention_probs = True
+
+  @classmethod
+  def validate(cls, model_cfg) -> None:
+    from umoe_jax.config import ConfigError
+    from umoe_jax.model.attention import ATTENTIONS
+    att = model_cfg.attention.kind
+    if not getattr(ATTENTIONS.get(att), "exposes_attention_probs", False):
+      raise ConfigError(
+          f"model.router.kind='attention_aware' with model.attention.kind={att!r}: its routers run "
+          "before its attention probabilities exist; use model.attention.kind='mha' (an FFN-MoE)")
+    if model_cfg.ffn.kind != "moe":
+      raise ConfigError(f"model.router.kind='attention_aware' with model.ffn.kind="
+                        f"{model_cfg.ffn.kind!r}: it informs an MoE FFN's router (model.ffn.kind='moe')")
+
+  def mix(self, g: jax.Array, x: jax.Array, *, attention_probs: Optional[jax.Array] = None,
+          **context) -> jax.Array:
+    del x, context
+    if attention_probs is None:
+      raise ValueError("router.kind='attention_aware' needs attention_probs=[B, H, T, T] in the "
+                       "route context (the block adds its MHA's probabilities for the FFN router)")
+    a = attention_probs.astype(jnp.float32)                                             # [B, H, T, S]
+    if a.shape[-1] != a.shape[-2]:
+      raise ValueError(f"attention_probs {a.shape}: expected [B, H, T, T] (a full causal pass)")
+    log_a = jnp.log(jnp.where(a > 0, a, 1.0))               # 0 where a == 0: finite gradients
+    entropy = -jnp.mean(jnp.sum(a * log_a, axis=-1), axis=-1)                            # [B, H]
+    head = jnp.argmin(jax.lax.stop_gradient(entropy), axis=-1)                           # [B]
+    a = jnp.take_along_axis(a, head[:, None, None, None], axis=1)[:, 0]                  # [B, T, T]
+    sigma = self.cfg.attention_temperature
+    if sigma != 1.0:  # A^(1/sigma) renormalised = a softmax of log A / sigma over the visible keys
+      log_a = jnp.take_along_axis(log_a, head[:, None, None, None], axis=1)[:, 0]
+      a = jax.nn.softmax(jnp.where(a > 0, log_a / sigma, -jnp.inf), axis=-1)
+    return jnp.einsum("bts,bse->bte", a, g)
 
 
 def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, param_dtype,
