@@ -124,7 +124,13 @@ def _bench_subprocess(name: str, layout: str) -> dict:
   """One row in a fresh process: its peak memory and compile time are its own."""
   import subprocess
   import tempfile
-  argv = [a for a in sys.argv[1:] if not a.startswith(("--runs", "--configs", "--layouts", "--out"))]
+  own = ("--runs", "--configs", "--layouts", "--out")  # set per row below
+  argv, words = [], iter(sys.argv[1:])
+  for a in words:
+    if a in own:
+      next(words, None)  # "--out DIR": drop the value too
+    elif not a.startswith(own):
+      argv.append(a)
   with tempfile.TemporaryDirectory() as tmp:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--runs={name}:{layout}",
                            f"--out={tmp}", *argv], check=False)
