@@ -197,6 +197,9 @@ BAD = [
     ("umoe", {"router.kind": "attention_aware"}, "model.attention.kind", "'premix'"),
     ("moa", {"router.kind": "attention_aware"}, "model.attention.kind", "'moa'"),
     ("dense", {"router.kind": "attention_aware"}, "model.ffn.kind", "'dense'"),
+    ("ffn_moe", {"router.kind": "aoe", "router.aoe_dim": 0}, "model.router.aoe_dim", "0"),
+    ("umoe", {"router.kind": "aoe"}, "model.attention.kind", "'premix'"),
+    ("dense", {"router.kind": "aoe"}, "model.ffn.kind", "'dense'"),
 ]
 
 
@@ -284,3 +287,9 @@ def test_stablemoe_token_table_defaults_to_the_vocabulary():
   m = model_config(_bad("umoe", {"router.kind": "stablemoe", "router.stablemoe_vocab_size": 50000}))
   assert m.router.stablemoe_vocab_size == 50000
   assert model_config(_bad("umoe", {})).router.stablemoe_vocab_size is None   # other kinds: untouched
+
+
+def test_aoe_rank_defaults_to_a_third_of_the_width():
+  m = model_config(_bad("ffn_moe", {"router.kind": "aoe"}))
+  assert m.router.aoe_dim == m.d_model // 3
+  assert model_config(_bad("ffn_moe", {"router.kind": "aoe", "router.aoe_dim": 7})).router.aoe_dim == 7

@@ -736,13 +736,14 @@ def test_attention_aware_matches_numpy_reference(sigma):
 
 
 # ------------------------------------------------------------------------------------------------
-# The four routers inside the LM: the training step reaches them through the route context.
+# The related-work routers inside the LM: the training step reaches them through the route context.
 
 NEW_KINDS = {  # kind: (family, overrides)
     "smoe_dropout": ("umoe", {"router.smoe_dropout_k_start": 1, "router.smoe_dropout_steps": 2}),
     "stablemoe": ("umoe", {"router.stablemoe_stage2_step": 1}),
     "similarity_aware": ("umoe", {}),
     "attention_aware": ("ffn_moe", {}),
+    "aoe": ("ffn_moe", {"router.aoe_dim": 5}),
 }
 
 
@@ -750,7 +751,7 @@ NEW_KINDS = {  # kind: (family, overrides)
 def test_lm_with_new_router_trains(kind):
   """Three Adam steps at training steps 0, 1, 2 (passed as `step`): only nnx.Param state, finite
   gradients, the loss falls; smoe_dropout's routers never move; stablemoe's losses stop at stage 2;
-  the mixing routers keep the model causal."""
+  the mixing routers keep the model causal; aoe's scores are the pool's codes."""
   import optax
   from umoe_jax.train.state import split_params
   family, over = NEW_KINDS[kind]
@@ -790,6 +791,9 @@ def test_lm_with_new_router_trains(kind):
     assert balances == [0.0] * 3
   if kind == "stablemoe":                   # stage 1 at step 0 only
     assert balances[0] > 0 and balances[1:] == [0.0, 0.0]
+  if kind == "aoe":                         # no router weights; the codes learn through the experts
+    assert "router" not in layer["ffn"] and layer["experts"]["w_a"].shape == (cfg.moe.n_experts, cfg.d_model, 5)
+    assert np.abs(np.asarray(nnx.to_pure_dict(grads)["layers"][0]["experts"]["w_a"])).max() > 0
   if kind in ("similarity_aware", "attention_aware"):
     full = nnx.jit(lambda m, x: m(x)[0])
     changed = tokens.at[:, 6:].set((tokens[:, 6:] + 1) % cfg.vocab_size)
@@ -797,14 +801,14 @@ def test_lm_with_new_router_trains(kind):
                                np.asarray(full(model, tokens))[:, :6], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["smoe_dropout", "stablemoe"])
-def test_cached_decoding_with_scheduled_router_matches_full(kind):
-  """Without a step both act as at the end of training (k = K; the distilled token-id router),
-  which cached decoding reproduces token by token."""
+@pytest.mark.parametrize("kind,family", [("smoe_dropout", "umoe"), ("stablemoe", "umoe"), ("aoe", "ffn_moe")])
+def test_cached_decoding_with_scheduled_router_matches_full(kind, family):
+  """Without a step smoe_dropout and stablemoe act as at the end of training (k = K; the distilled
+  token-id router), which cached decoding reproduces token by token; so does AoE."""
   from conftest import random_module, tiny_config
   from test_decode import assert_cached_decoding_matches_full
   from umoe_jax.model import CausalLM
-  cfg = tiny_config("umoe", **{"router.kind": kind})
+  cfg = tiny_config(family, **{"router.kind": kind})
   assert_cached_decoding_matches_full(cfg, random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 48))
 
 
@@ -849,3 +853,67 @@ def test_registry_has_the_new_routers():
   assert ROUTERS.get("stablemoe") is routers_lib.StableMoERouter
   assert ROUTERS.get("similarity_aware") is routers_lib.SimilarityAwareRouter
   assert ROUTERS.get("attention_aware") is routers_lib.AttentionAwareRouter
+  assert ROUTERS.get("aoe") is routers_lib.AoERouter
+
+
+# ------------------------------------------------------------------------------------------------
+# Autonomy-of-Experts (Lv et al. 2025): experts score themselves by the norms of their low-rank codes.
+
+
+@pytest.mark.parametrize("gated,renormalize", [(False, True), (True, False)])
+def test_aoe_router_and_pool_match_numpy_reference(gated, renormalize):
+  from umoe_jax.model.experts import AoEExpertPool
+  b, t, d, e, k, r, f = 2, 5, 12, 6, 2, 4, 9
+  rng = np.random.default_rng(50)
+  pool = nnx.eval_shape(lambda: AoEExpertPool(e, d, f, rank=r, activation="silu", std=0.02,
+                                              param_dtype="float32", compute_dtype="float32",
+                                              gmm_backend="xla", rngs=nnx.Rngs(params=0), gated=gated))
+  w = {"w_a": rng.standard_normal((e, d, r)) / np.sqrt(d), "w_b": rng.standard_normal((e, r, f)) / np.sqrt(r),
+       "w_down": rng.standard_normal((e, f, d)) / np.sqrt(f)}
+  if gated:
+    w["w_up"] = rng.standard_normal((e, d, f)) / np.sqrt(d)
+  for name, value in w.items():
+    getattr(pool, name).set_value(jnp.asarray(value, jnp.float32))
+  router = make_router(RouterConfig(kind="aoe", renormalize=renormalize, balance_loss="switch",
+                                    balance_coef=0.01), d, e, k, param_dtype="float32", rngs=nnx.Rngs(0))
+  x = rng.standard_normal((b, t, d)).astype(np.float32)
+
+  @nnx.jit
+  def forward(router, pool, x):
+    out = router(x, expert_pool=pool)
+    y = pool.route(x.reshape(b * t, d), out.expert_ids.reshape(-1, k), out.gates.reshape(-1, k))
+    return out, y.reshape(b, t, d)
+
+  out, y = forward(router, pool, jnp.asarray(x))
+  x64 = x.astype(np.float64)
+  silu = lambda v: v / (1 + np.exp(-v))
+  norms = np.stack([[[np.linalg.norm(x64[bi, ti] @ w["w_a"][j]) for j in range(e)] for ti in range(t)]
+                    for bi in range(b)])
+  probs = _np_softmax(norms)
+  gates, ids = _topk_np(probs, k)
+  if renormalize:  # = the paper's softmax over the K chosen norms
+    np.testing.assert_allclose(gates / gates.sum(-1, keepdims=True),
+                               _np_softmax(np.take_along_axis(norms, ids, axis=-1)), rtol=1e-12)
+    gates = gates / gates.sum(-1, keepdims=True)
+  y_ref = np.zeros((b, t, d))
+  for bi in range(b):
+    for ti in range(t):
+      for j, g in zip(ids[bi, ti], gates[bi, ti]):
+        act = silu(x64[bi, ti] @ w["w_a"][j] @ w["w_b"][j])
+        hidden = act * (x64[bi, ti] @ w["w_up"][j]) if gated else act
+        y_ref[bi, ti] += g * hidden @ w["w_down"][j]
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(out.probs), probs, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(out.balance_loss), 0.01 * R.switch_loss(probs, ids), rtol=1e-5)
+  assert rel_err(y, y_ref) < 1e-5
+  # the sorted-rows forward of the pool is the same experts
+  rows = jnp.asarray(x.reshape(-1, d))                                # every row to expert 0
+  one = np.zeros(e, np.int32)
+  one[0] = rows.shape[0]
+  y0 = np.asarray(pool(rows, jnp.asarray(one)))
+  act0 = silu(x64.reshape(-1, d) @ w["w_a"][0] @ w["w_b"][0])
+  ref0 = (act0 * (x64.reshape(-1, d) @ w["w_up"][0]) if gated else act0) @ w["w_down"][0]
+  assert rel_err(y0, ref0) < 1e-5
+  with pytest.raises(ValueError, match="expert_pool"):
+    router(jnp.asarray(x))

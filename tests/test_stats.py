@@ -234,3 +234,27 @@ def test_related_work_router_kinds_counted(name, router):
                                 for e in stats._layer_router_experts(m)) * m.n_layers
   else:
     assert extra == 0
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_aoe_counted(gated):
+  """AoE: every expert's first (activated) projection is D x r + r x d_e, no router weights; each
+  token computes every expert's code (router MACs E D r) and reads all codes (active parameters)."""
+  cfg, base = load("ffn_moe_tiny"), load("ffn_moe_tiny")
+  for c in (cfg, base):
+    with c.unlocked():
+      c.model.moe.gated = gated
+  with cfg.unlocked():
+    cfg.model.router.kind = "aoe"
+    cfg.model.router.aoe_dim = 5
+  assert stats.param_mismatches(cfg) == {}
+  m = stats.as_model_config(cfg)
+  d, e, f, r, k = m.d_model, m.moe.n_experts, m.moe.d_expert, 5, m.ffn.top_k
+  per_expert = d * r + r * f + (2 if gated else 1) * d * f
+  layers = m.n_layers
+  assert stats.total_params(cfg) - stats.total_params(base) == layers * (e * (per_expert - stats.mlp(m, f)) - d * e)
+  assert stats.active_params(cfg) - stats.active_params(base) == layers * (
+      k * (per_expert - stats.mlp(m, f)) + (e - k) * d * r - d * e)
+  macs, base_macs = stats.forward_mac_breakdown(cfg, 1, 8), stats.forward_mac_breakdown(base, 1, 8)
+  assert macs["routers"] == 8 * layers * e * d * r
+  assert macs["experts"] - base_macs["experts"] == 8 * layers * k * (per_expert - stats.mlp(m, f))

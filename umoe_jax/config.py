@@ -41,6 +41,7 @@ class RouterConfig:
   stablemoe_vocab_size: Optional[int] = None  # stablemoe: rows of its token table; None = model.vocab_size
   similarity_temperature: Optional[float] = None  # similarity_aware: tau of softmax_j(u_i.u_j / tau); None = sqrt(D)
   attention_temperature: float = 1.0  # attention_aware: sigma; the chosen head's A^(1/sigma), renormalised
+  aoe_dim: Optional[int] = None       # aoe: rank r of the experts' factorised first projection; None = D // 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +229,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
          f"positive and finite")
   _check(0 < router.attention_temperature < float("inf"),
          f"model.router.attention_temperature={router.attention_temperature!r} must be positive and finite")
+  _check(router.aoe_dim is None or router.aoe_dim >= 1,
+         f"model.router.aoe_dim={router.aoe_dim!r} must be None or >= 1")
   router_validate = getattr(ROUTERS.get(router.kind), "validate", None)
   if router_validate is not None:
     router_validate(cfg)
@@ -253,11 +256,14 @@ def validate(cfg: ModelConfig) -> ModelConfig:
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
-  """Fills the defaults that depend on other keys: `router.stablemoe_vocab_size` None -> vocab_size
-  (for router.kind='stablemoe' only; the router is built from the RouterConfig alone)."""
+  """Fills the defaults that depend on other keys (routers are built from the RouterConfig alone):
+  `router.stablemoe_vocab_size` None -> vocab_size (kind 'stablemoe'), `router.aoe_dim` None ->
+  d_model // 3 (kind 'aoe')."""
   r = cfg.router
   if r.kind == "stablemoe" and r.stablemoe_vocab_size is None:
     return dataclasses.replace(cfg, router=dataclasses.replace(r, stablemoe_vocab_size=cfg.vocab_size))
+  if r.kind == "aoe" and r.aoe_dim is None:
+    return dataclasses.replace(cfg, router=dataclasses.replace(r, aoe_dim=max(1, cfg.d_model // 3)))
   return cfg
 
 

@@ -149,9 +149,9 @@ def router_params(cfg: ModelConfig, n_experts: int) -> int:
   """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k,
   smoe_dropout (stored, never trained), similarity_aware, attention_aware), X-MoE's D x d_r projection
   + E x d_r expert embeddings (+ its temperature when learned), StableMoE's E x D centroids + V x d_w
-  token table + E x d_w distilled centroids, none for hash."""
+  token table + E x d_w distilled centroids, none for hash and aoe (its scores are the experts')."""
   r = cfg.router
-  if r.kind == "hash":
+  if r.kind in ("hash", "aoe"):  # aoe: the scores are the pool experts' codes (counted there)
     return 0
   if r.kind == "xmoe":
     return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim) + int(r.xmoe_learn_temperature)
@@ -164,16 +164,30 @@ def router_params(cfg: ModelConfig, n_experts: int) -> int:
 
 def router_macs(cfg: ModelConfig, n_experts: int) -> int:
   """Forward MACs per token of one router (the scores of every expert; StableMoE: the affinities
-  and the distilled scores, its table lookup is free). The mixing over earlier tokens of
+  and the distilled scores, its table lookup is free; AoE: every expert's rank-r code). The mixing over earlier tokens of
   similarity_aware / attention_aware depends on T: `router_pair_macs`."""
   r = cfg.router
   if r.kind == "hash":
     return 0
+  if r.kind == "aoe":  # every expert's code x A^e (D x r), the norms' input
+    return n_experts * routed_expert(cfg)[1]
   if r.kind == "xmoe":
     return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim)
   if r.kind == "stablemoe":
     return linear(cfg.d_model, n_experts) + linear(r.stablemoe_distill_dim, n_experts)
   return linear(cfg.d_model, n_experts)
+
+
+def routed_expert(cfg: ModelConfig) -> tuple[int, int]:
+  """(weights of one routed pool expert = its MACs per pick, the part every token reads whether
+  picked or not). An MLP D -> d_e -> D; AoE (router.kind='aoe') factorises the activated projection
+  through rank r, D x r + r x d_e, and every token computes every expert's D x r code (its score)."""
+  f = cfg.moe.d_expert
+  if cfg.router.kind != "aoe":
+    return mlp(cfg, f), 0
+  r = cfg.router.aoe_dim
+  return linear(cfg.d_model, r) + linear(r, f) + (2 if cfg.moe.gated else 1) * linear(cfg.d_model, f), \
+      linear(cfg.d_model, r)
 
 
 def router_pair_macs(cfg: ModelConfig) -> int:
@@ -507,10 +521,12 @@ def _pools(cfg: ModelConfig) -> list[int]:
 
 def _pool_params(cfg: ModelConfig) -> list[Count]:
   """The routed pools of the model with the distinct experts one token can touch in each."""
-  e, per_expert = cfg.moe.n_experts, mlp(cfg, cfg.moe.d_expert)
+  e, (per_expert, scoring) = cfg.moe.n_experts, routed_expert(cfg)
+  # every token also reads the scoring part of the experts it does not pick (AoE's codes)
+  active = lambda picked: picked * per_expert + (e - picked) * scoring
   if cfg.moe.share_across_layers:  # one pool, every layer picks from it
-    return [Count(e * per_expert, min(e, picks * cfg.n_layers) * per_expert) for picks in _pools(cfg)]
-  return [Count(e * per_expert, min(e, picks) * per_expert) * cfg.n_layers for picks in _pools(cfg)]
+    return [Count(e * per_expert, active(min(e, picks * cfg.n_layers))) for picks in _pools(cfg)]
+  return [Count(e * per_expert, active(min(e, picks))) * cfg.n_layers for picks in _pools(cfg)]
 
 
 def layer_params(cfg: Any) -> dict[str, Count]:
@@ -619,7 +635,7 @@ def forward_mac_breakdown(cfg: Any, batch: int = 4, seq_len: int = 1024, *,
   _merge(per_token, att.token_macs(cfg))
   _merge(per_token, ffn.token_macs(cfg))
   picks = sum(_pools(cfg))
-  _merge(per_token, {"experts": picks * mlp(cfg, cfg.moe.d_expert)})
+  _merge(per_token, {"experts": picks * routed_expert(cfg)[0]})
   tokens = batch * seq_len
   out = {name: macs * tokens * cfg.n_layers for name, macs in per_token.items()}
   pairs = batch * att.pairs(cfg, seq_len, causal)

@@ -16,16 +16,18 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.model.attention import ATTENTIONS
-from umoe_jax.model.experts import ExpertPool
+from umoe_jax.model.experts import AoEExpertPool, ExpertPool
 from umoe_jax.model.ffn import DenseFFN, MoEFFN
 from umoe_jax.model.layers import RMSNorm
 from umoe_jax.model.routers import ROUTERS
 
 
-def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs) -> ExpertPool:
-  return ExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, activation=cfg.moe.activation,
-                    std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                    gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated)
+def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs) -> ExpertPool | AoEExpertPool:
+  kw = dict(activation=cfg.moe.activation, std=cfg.init_std, param_dtype=cfg.param_dtype,
+            compute_dtype=cfg.compute_dtype, gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated)
+  if cfg.router.kind == "aoe":  # Autonomy-of-Experts: experts with low-rank codes that score them
+    return AoEExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, rank=cfg.router.aoe_dim, **kw)
+  return ExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, **kw)
 
 
 def make_expert_pools(cfg: ModelConfig, rngs: nnx.Rngs):
@@ -63,15 +65,17 @@ class DecoderBlock(nnx.Module):
       self.ffn.shared_expert = nnx.data(self.attention.shared_expert)
 
     self.experts, self.ffn_experts = pools if pools is not None else make_expert_pools(cfg, rngs)
-    # router.kind='attention_aware': the FFN router reads this layer's attention probabilities.
-    self.ffn_reads_attention = (cfg.ffn_uses_experts and cfg.router.kind in ROUTERS and getattr(
-        ROUTERS.get(cfg.router.kind), "needs_attention_probs", False))
+    # router.kind='attention_aware': the FFN router reads this layer's attention probabilities;
+    # router.kind='aoe': it reads the FFN's expert pool (the experts score themselves).
+    router_cls = ROUTERS.get(cfg.router.kind)
+    self.ffn_reads_attention = cfg.ffn_uses_experts and getattr(router_cls, "needs_attention_probs", False)
+    self.ffn_reads_pool = cfg.ffn_uses_experts and getattr(router_cls, "needs_expert_pool", False)
 
   def __call__(self, h: jax.Array, positions: jax.Array, cache=None, route_context=None):
     """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput}) (+ the layer's updated cache).
 
     `route_context`: the extras every router of the layer receives (`routers.route_context`);
-    the FFN's also gets "attention_probs" [B, H, T, S] when its router kind reads them.
+    the FFN's also gets "attention_probs" [B, H, T, S] or "expert_pool" when its router kind reads them.
     """
     extra = {"return_probs": True} if self.ffn_reads_attention else {}
     a, att_routes, *rest = self.attention(self.attention_norm(h), positions, experts=self.experts,
@@ -84,6 +88,8 @@ class DecoderBlock(nnx.Module):
     ffn_routes = {}
     if self.ffn is not None:
       ffn_pool = self.ffn_experts if self.ffn_experts is not None else self.experts
+      if self.ffn_reads_pool:
+        ffn_context = {**(ffn_context or {}), "expert_pool": ffn_pool}
       f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool, route_context=ffn_context)
       h = h + f.astype(h.dtype)
     routes = {**att_routes, **ffn_routes}

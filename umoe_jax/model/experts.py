@@ -6,6 +6,7 @@ This is the only model code that touches grouped matmuls; it never sorts anythin
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init
@@ -96,3 +97,71 @@ def expert_hidden(up: jax.Array, gate: jax.Array | None, activation: str) -> jax
   """The experts' hidden rows [M, F]: act(up), or act(gate) * up for gated (SwiGLU-style) experts."""
   act = ACTIVATION_FNS[activation]
   return act(up) if gate is None else act(gate) * up
+
+
+class AoEExpertPool(nnx.Module):
+  """Autonomy-of-Experts pool (Lv et al., ICML 2025): each expert's activated first projection is
+  factorised through a rank r code, W^i = A^i B^i (A^i [D, r], B^i [r, F], nothing in between),
+  and the code's norm |x A^i| is the expert's own routing score (`router.kind='aoe'` reads `codes`):
+
+    not gated:  E_i(x) = act((x A^i) B^i) W_down^i                      w_a, w_b, w_down
+    gated:      E_i(x) = (act((x A^i) B^i) * (x W_up^i)) W_down^i        + w_up (AoE's factorised W_g)
+
+  The K chosen codes are recomputed by the first grouped matmul (K/E of the scoring cost) instead
+  of gathered from the router's [N, E, r] scores. One device only (no multi-device mesh).
+  """
+
+  def __init__(self, n_experts: int, d_model: int, d_expert: int, *, rank: int, activation: str,
+               std: float, param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs,
+               gated: bool = False):
+    self.n_experts = n_experts
+    self.activation = activation
+    self.compute_dtype = compute_dtype
+    self.gmm_backend = gmm_backend
+    init = normal_init(std)
+    self.w_a = make_param(rngs, init, (n_experts, d_model, rank), (ax.EXPERT, ax.EMBED, ax.LORA),
+                          param_dtype)
+    self.w_b = make_param(rngs, init, (n_experts, rank, d_expert), (ax.EXPERT, ax.LORA, ax.EXPERT_MLP),
+                          param_dtype)
+    self.w_up = (make_param(rngs, init, (n_experts, d_model, d_expert),
+                            (ax.EXPERT, ax.EMBED, ax.EXPERT_MLP), param_dtype) if gated else None)
+    self.w_down = make_param(rngs, init, (n_experts, d_expert, d_model),
+                             (ax.EXPERT, ax.EXPERT_MLP, ax.EMBED), param_dtype)
+
+  def codes(self, x: jax.Array) -> jax.Array:
+    """x [..., D] -> every expert's code x A^i [..., E, r] in float32 (the routing scores' input)."""
+    return jnp.einsum("...d,edr->...er", x.astype(jnp.float32), self.w_a.value.astype(jnp.float32))
+
+  def _hidden(self, first: jax.Array, up: jax.Array | None) -> jax.Array:
+    """The hidden rows [M, F] from the factorised projection (and the gated pool's up rows)."""
+    return expert_hidden(first, None, self.activation) if up is None else expert_hidden(
+        up, first, self.activation)
+
+  def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [M, D] sorted by expert, group_sizes [E] -> [M, D]."""
+    dt, backend = self.compute_dtype, self.gmm_backend
+    rows = rows.astype(dt)
+    code = gmm(rows, self.w_a.value.astype(dt), group_sizes, backend=backend)         # [M, r]
+    first = gmm(code, self.w_b.value.astype(dt), group_sizes, backend=backend)        # [M, F]
+    up = (None if self.w_up is None
+          else gmm(rows, self.w_up.value.astype(dt), group_sizes, backend=backend))
+    return gmm(self._hidden(first, up), self.w_down.value.astype(dt), group_sizes, backend=backend)
+
+  def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+            plan: dispatch.DispatchPlan | None = None) -> jax.Array:
+    """sum_k gates[n, k] * E_{ids[n, k]}(x[n]); x [N, D], expert_ids / gates [N, K] -> [N, D]."""
+    if expert_parallel.is_active():  # its routed path (expert_parallel.route_pool) knows w_up only
+      raise NotImplementedError("router.kind='aoe' (AoEExpertPool) runs on one device only: the "
+                                "multi-device routed path (parallel.expert_parallel) has no AoE pool")
+    plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
+    dt, backend, k = self.compute_dtype, self.gmm_backend, gates.shape[1]
+    x = x.astype(dt)
+    with jax.named_scope("expert_code"):
+      code = gather_gmm(x, self.w_a.value.astype(dt), plan, k, backend=backend)        # [M, r]
+    with jax.named_scope("expert_up"):
+      first = gmm(code, self.w_b.value.astype(dt), plan.group_sizes, backend=backend)  # [M, F]
+      up = (None if self.w_up is None
+            else gather_gmm(x, self.w_up.value.astype(dt), plan, k, backend=backend))
+    with jax.named_scope("expert_down"):
+      return gmm_combine(self._hidden(first, up), self.w_down.value.astype(dt), plan, gates,
+                         backend=backend)

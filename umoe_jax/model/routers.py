@@ -15,6 +15,8 @@ every sub-layer, which calls `self.router(x, **route_context)`:
   "decoding"         True during cached decoding (the mixing routers refuse it);
   "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when the
                      router class sets `needs_attention_probs` (attention_aware).
+  "expert_pool"      the FFN's expert pool, added by the block when the router class sets
+                     `needs_expert_pool` (aoe: the experts score themselves).
 A router that needs another extra adds a key there; no call site changes.
 
 A new router is one class registered in `ROUTERS`; `model.router.kind` selects it. Its constructor is
@@ -33,6 +35,8 @@ Routers here:
                       SMoE): softmax-router distributions mixed over similar earlier tokens
   "attention_aware"   Attention-aware routing (same paper): mixed over the tokens the block's MHA
                       attends to (FFN router; MHA attention only)
+  "aoe"               Autonomy-of-Experts (Lv et al. 2025): no router; each expert's low-rank code
+                      norm |x A^e| is its score (the block builds an `AoEExpertPool`)
 The mixing routers are causal (a token mixes itself and earlier tokens) and refuse cached decoding.
 """
 from __future__ import annotations
@@ -578,6 +582,52 @@ class AttentionAwareRouter(_TokenMixingRouter):
       log_a = jnp.take_along_axis(log_a, head[:, None, None, None], axis=1)[:, 0]
       a = jax.nn.softmax(jnp.where(a > 0, log_a / sigma, -jnp.inf), axis=-1)
     return jnp.einsum("bts,bse->bte", a, g)
+
+
+# Autonomy-of-Experts (Lv et al., ICML 2025): no router weights; the experts' own low-rank codes
+# score them. The scores need the pool's weights, which the block puts into the route context.
+
+
+@ROUTERS.register("aoe")
+class AoERouter(nnx.Module):
+  """AoE: p_e = |x A^e|_2, the norm of expert e's rank-r code (`AoEExpertPool.codes`, route context
+  "expert_pool"); probs = softmax(p) over all E (float32), top-k of probs. The paper's gates, a
+  softmax over the K chosen norms, are `router.renormalize=True`; the megablocks code's are False.
+  Its balance loss (Eq. 6) is the Switch loss on softmax(p): `router.balance_loss='switch'`.
+  No parameters: the codes' A^e belong to the pool (and learn through the gates and the experts).
+  Serves an MoE FFN behind router-free attention (`model.attention.kind='mha'`); the block builds the
+  layer's pool as an `AoEExpertPool` of rank `router.aoe_dim` (default d_model // 3, the paper's best).
+  """
+
+  needs_expert_pool = True
+
+  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
+               rngs: nnx.Rngs):
+    del d_model, param_dtype, rngs
+    self.n_experts = n_experts
+    self.top_k = top_k
+    self.cfg = cfg
+
+  @classmethod
+  def validate(cls, model_cfg) -> None:
+    from umoe_jax.config import ConfigError
+    if model_cfg.attention.kind != "mha":
+      raise ConfigError(f"model.router.kind='aoe' with model.attention.kind={model_cfg.attention.kind!r}: "
+                        "AoE experts score themselves in an MoE FFN; the attention must have no "
+                        "router (model.attention.kind='mha')")
+    if model_cfg.ffn.kind != "moe":
+      raise ConfigError(f"model.router.kind='aoe' with model.ffn.kind={model_cfg.ffn.kind!r}: "
+                        "AoE routes an MoE FFN (model.ffn.kind='moe')")
+
+  def __call__(self, x: jax.Array, *, expert_pool: Optional[nnx.Module] = None,
+               **context) -> RouterOutput:
+    del context
+    if expert_pool is None or not hasattr(expert_pool, "codes"):
+      raise ValueError("router.kind='aoe' scores the experts by their own codes: call it with "
+                       "expert_pool=<an AoEExpertPool> (the block adds the FFN's pool to the context)")
+    codes = expert_pool.codes(x)                                                       # [B, T, E, r]
+    norms = jnp.sqrt(jnp.sum(jnp.square(codes), axis=-1))                              # [B, T, E]
+    return probs_route(jax.nn.softmax(norms, axis=-1), self.top_k, self.cfg, self.n_experts)
 
 
 def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, param_dtype,
