@@ -11,7 +11,8 @@ The route context: `CausalLM` builds one dict (`route_context`) and hands it thr
 every sub-layer, which calls `self.router(x, **route_context)`:
   "token_ids"        [B, T] int32, always (during cached decoding: the ids of the new tokens);
   "step"             [] int32, the training step, when the caller passes `CausalLM(..., step=)`
-                     (schedules of smoe_dropout and stablemoe; absent = as at the end of training);
+                     (schedules of smoe_dropout and stablemoe; absent = as at the end of training;
+                     the trainer's `train_step` does not pass it yet);
   "decoding"         True during cached decoding (the mixing routers refuse it);
   "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when the
                      router class sets `needs_attention_probs` (attention_aware).
@@ -354,8 +355,9 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
 
   K is the sub-layer's top_k (the schedule's end; the paper grows k to all E experts: top_k = E).
   Without a "step" in the route context (evaluation, decoding) k = K. No balance loss (the router is
-  fixed, as in the paper). All K slots go through the experts even while k(step) < K (zero gates);
-  the paper's early-training saving needs shapes that change with the step.
+  fixed, as in the paper). All K slots go through the experts even while k(step) < K (zero gates;
+  the logged expert counts include them); the paper's early-training saving needs shapes that
+  change with the step.
   W_r is initialised like `topk_softmax` (no bias, unlike the paper's nn.Linear) and tagged `norm`:
   replicated and never weight-decayed, so with its zero gradient Adam leaves it exactly as drawn.
   """
