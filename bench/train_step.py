@@ -59,6 +59,8 @@ def bench_one(name: str, layout: str, args) -> dict:
   n_dev = 1 if layout == "single" else jax.device_count()
   with config.unlocked():
     config.model.gmm_backend = args.gmm_backend
+    if args.attention_core is not None:
+      config.model.attention.core = args.attention_core
     config.train.global_batch_size = args.batch * n_dev
     config.train.seq_len = args.seq_len
     config.train.remat = args.remat
@@ -112,6 +114,7 @@ def bench_one(name: str, layout: str, args) -> dict:
              mfu=flops_tok * tok_s / (peak * n_dev), compile_s=compile_s, first_loss=first_loss,
              last_loss=last_loss, loss_check=ok, peak_mem_gb=mem.get("peak_bytes_in_use", 0) / 2**30,
              gmm_backend=args.gmm_backend, remat=args.remat, capacity_factor=cf, exchange=exchange,
+             attention_core=model_cfg.attention.core,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   del state, m, batch
@@ -155,6 +158,8 @@ def main():
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", action="store_true")
+  ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn"],
+                  help="model.attention.core (default: the config's)")
   ap.add_argument("--capacity_factor", type=float, default=None,
                   help="expert-parallel buffer capacity factor (default: the config's; None = dropless)")
   ap.add_argument("--exchange", default=None, choices=["auto", "all_to_all", "all_gather"],

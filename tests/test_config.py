@@ -200,6 +200,7 @@ BAD = [
     ("ffn_moe", {"router.kind": "aoe", "router.aoe_dim": 0}, "model.router.aoe_dim", "0"),
     ("umoe", {"router.kind": "aoe"}, "model.attention.kind", "'premix'"),
     ("dense", {"router.kind": "aoe"}, "model.ffn.kind", "'dense'"),
+    ("umoe", {"attention.core": "flash"}, "model.attention.core", "'flash'"),
 ]
 
 

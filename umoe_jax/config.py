@@ -70,6 +70,7 @@ class AttentionConfig:
   q_lora_norm: bool = True            # premix: RMSNorm on the rank-r code (official code); False = Eq. 11
   latent_dim: Optional[int] = None    # premix: MLA-style values X W_latent (cache the latent), latent -> D after mixing
   n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
+  core: str = "xla"                   # scores/softmax/mix: "xla", or "cudnn" (fused kernel on GPU where shapes allow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,7 @@ def _check(cond: bool, message: str) -> None:
 def validate(cfg: ModelConfig) -> ModelConfig:
   """Checks values and combinations; returns `cfg` unchanged when all is well."""
   from umoe_jax.model.attention import ATTENTIONS
+  from umoe_jax.model.attention.common import ATTENTION_CORES
   from umoe_jax.model.routers import BALANCE_LOSSES, ROUTERS
   from umoe_jax.ops.gmm import BACKENDS, register_builtin_kernels
 
@@ -190,6 +192,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   _check(att.kind in ATTENTIONS, f"model.attention.kind={att.kind!r}; valid: {', '.join(ATTENTIONS.names())}")
   _check(att.head_dim > 0 and att.head_dim % 2 == 0,
          f"model.attention.head_dim={att.head_dim!r} must be a positive even number (RoPE rotates pairs)")
+  _check(att.core in ATTENTION_CORES,
+         f"model.attention.core={att.core!r}; valid: {', '.join(ATTENTION_CORES)}")
   ATTENTIONS.get(att.kind).validate(cfg)
 
   _check(ffn.kind in ("dense", "moe", "none"), f"model.ffn.kind={ffn.kind!r}; valid: dense, moe, none")

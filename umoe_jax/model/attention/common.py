@@ -97,8 +97,43 @@ def check_pool_routing(cfg) -> None:
     raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
 
 
+ATTENTION_CORES = ("xla", "cudnn")
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
+                    implementation: str = "cudnn"):
+  """softmax(q k^T / sqrt(Dk) | visible) v through `jax.nn.dot_product_attention`, or None when its
+  fused kernels cannot take these shapes.
+
+  Values wider than the key (pre-mixing: Dv = D) with one key head are cut into Dv / Dk chunks of
+  Dk columns that share the key: query head (chunk c, head h) of a grouped-query layout reads kv
+  head c, and the chunks are put back together after. The scores are recomputed per chunk (Dk / Dv
+  more FLOPs), which the fused kernel still beats materialising [B, H, T, S] float32 scores.
+
+  Args:
+    q [B, T, H, Dk], k [B, S, Hk, Dk], v [B, S, Hk, Dv], visible [B, 1, T, S] bool.
+    implementation: "cudnn" (GPU) or "xla" (the same layout through XLA: tests on CPU).
+  Returns:
+    [B, T, H, Dv] in q's dtype, or None.
+  """
+  b, t, h, dk = q.shape
+  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=visible,
+                                                        implementation=implementation)
+  if dv == dk:
+    return attend(q, k, v)
+  if hk != 1 or dv % dk:
+    return None
+  c = dv // dk
+  vv = v[:, :, 0].reshape(b, s, c, dk)
+  kk = jnp.broadcast_to(k, (b, s, c, dk))
+  qq = jnp.broadcast_to(q[:, :, None], (b, t, c, h, dk)).reshape(b, t, c * h, dk)
+  out = attend(qq, kk, vv)                                                       # [B, T, C*H, Dk]
+  return out.reshape(b, t, c, h, dk).transpose(0, 1, 3, 2, 4).reshape(b, t, h, dv)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                     k_positions: jax.Array, *, return_probs: bool = False):
+                     k_positions: jax.Array, *, return_probs: bool = False, core: str = "xla"):
   """softmax(q k^T / sqrt(Dk) + causal mask) v, softmax in float32.
 
   Args:
@@ -109,19 +144,28 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
       (a negative key position marks padding or an empty cache slot).
     return_probs: also return the attention probabilities [B, H, T, S] float32 (for routers that
       read them, `router.kind='attention_aware'`).
+    core: `model.attention.core`: "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
+      kernel (`fused_attention`) on GPU where the shapes allow and nobody asks for the
+      probabilities, and the XLA form elsewhere (CPU, TPU, other shapes).
   Returns:
     [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
   """
   if k.shape[2] not in (1, q.shape[2]):
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
+  if core not in ATTENTION_CORES:
+    raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
+  k_pos = k_positions[:, None, None, :]
+  visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
+  if core == "cudnn" and not return_probs and jax.default_backend() == "gpu":
+    out = fused_attention(q, k, v, visible)
+    if out is not None:
+      return out.astype(v.dtype)
   scale = 1.0 / math.sqrt(q.shape[-1])
   if k.shape[2] == 1:
     scores = jnp.einsum("bthd,bsd->bhts", q, k[:, :, 0], preferred_element_type=jnp.float32)
   else:
     scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
   scores = scores * scale
-  k_pos = k_positions[:, None, None, :]
-  visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
   scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
   probs32 = jax.nn.softmax(scores, axis=-1)                                      # [B, H, T, S]
   probs = probs32.astype(v.dtype)

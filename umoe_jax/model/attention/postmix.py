@@ -165,6 +165,7 @@ class PostMixAttention(nnx.Module):
     s, slots = keys.shape[1], keys.shape[2]
     with jax.named_scope("mix"):  # one softmax over every (token, slot) entry
       y = causal_attention(q, keys.reshape(b, s * slots, 1, -1), values.reshape(b, s * slots, 1, d),
-                           positions, jnp.repeat(k_pos, slots, axis=1))[:, :, 0]  # [B, T, D]
+                           positions, jnp.repeat(k_pos, slots, axis=1),
+                           core=self.cfg.attention.core)[:, :, 0]                 # [B, T, D]
     routes = {"attention": route}
     return (y, routes) if cache is None else (y, routes, cache)

@@ -1,0 +1,152 @@
+"""Where one decoder layer's training time goes, and what a flash-attention core would save.
+
+For each config (default: umoe_base and dense_base, 32 x 1024 tokens, bf16 compute, f32 params):
+  block      one DecoderBlock, forward and forward+backward (gradients of parameters and input);
+  attention  its attention sub-layer alone (norm + attention, including the routed experts it calls);
+  ffn        its FFN sub-layer alone (norm + FFN / MoE FFN).
+And the attention core (scores, causal softmax, mix) at the config's shapes:
+  xla        `causal_attention` (what the models run: scores materialised in float32);
+  cudnn      the same call with `core="cudnn"` (`fused_attention`: cuDNN's fused kernel; pre-mixing's
+             D-wide values cut into key-width chunks that share the key head).
+The cuDNN core is checked against the XLA one (values and input gradients) before it is timed.
+`--attention_core=cudnn` also runs the block and sub-layers with it.
+
+  python3 bench/layer_breakdown.py [--configs=umoe_base,dense_base] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gmm import jax_ms, log  # noqa: E402  (bench/gmm.py: CUPTI kernel time)
+
+
+def core_shapes(mcfg):
+  att, d = mcfg.attention, mcfg.d_model
+  if att.kind == "premix":
+    heads = att.top_k + (1 if att.n_shared_experts else 0)
+    return (heads, att.head_dim), (1, att.head_dim), (1, d)
+  return (att.n_heads, att.head_dim), (att.n_heads, att.head_dim), (att.n_heads, att.v_head_dim)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def time_fwd_bwd(fn, *args):
+  """(forward ms, forward+backward ms) of fn(*args) -> array, gradients of every arg."""
+
+  def loss(*a):  # a cotangent that is not all ones (sin of the output, held constant)
+    out = fn(*a)
+    return jnp.sum(out.astype(jnp.float32) * jax.lax.stop_gradient(jnp.sin(out.astype(jnp.float32))))
+
+  fwd = jax_ms(jax.jit(fn), *args)
+  fb = jax_ms(jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))), *args)
+  return fwd, fb
+
+
+def breakdown(name, batch, seq_len, attention_core):
+  from umoe_jax import stats
+  from umoe_jax.config import model_config
+  from umoe_jax.model.attention.common import causal_attention
+  from umoe_jax.model.block import DecoderBlock
+  from umoe_jax.model.routers import route_context
+
+  config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  with config.unlocked():
+    config.model.attention.core = attention_core
+  mcfg = model_config(config.model)
+  row = {}
+  kh, kt = jax.random.split(jax.random.key(1))
+  h = jax.random.normal(kh, (batch, seq_len, mcfg.d_model), jnp.float32).astype(mcfg.compute_dtype)
+  tokens = jax.random.randint(kt, (batch, seq_len), 0, mcfg.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+  ctx = route_context(tokens)
+  block = DecoderBlock(mcfg, rngs=nnx.Rngs(params=0))
+  graphdef, state = nnx.split(block)
+
+  def whole(state, h):
+    return nnx.merge(graphdef, state)(h, positions, route_context=ctx)[0]
+
+  def attention(state, h):
+    m = nnx.merge(graphdef, state)
+    return m.attention(m.attention_norm(h), positions, experts=m.experts, route_context=ctx)[0]
+
+  def ffn(state, h):
+    m = nnx.merge(graphdef, state)
+    pool = m.ffn_experts if m.ffn_experts is not None else m.experts
+    return m.ffn(m.ffn_norm(h), experts=pool, route_context=ctx)[0]
+
+  for part, fn in (("block", whole), ("attention", attention), ("ffn", ffn)):
+    if part == "ffn" and block.ffn is None:
+      continue
+    row[f"{part}_fwd"], row[f"{part}_fwd_bwd"] = time_fwd_bwd(fn, state, h)
+
+  (hq, dk), (hk, _), (hv, dv) = core_shapes(mcfg)
+  kq, kk, kv = jax.random.split(jax.random.key(2), 3)
+  dt = mcfg.compute_dtype
+  q = jax.random.normal(kq, (batch, seq_len, hq, dk), jnp.float32).astype(dt)
+  k = jax.random.normal(kk, (batch, seq_len, hk, dk), jnp.float32).astype(dt)
+  v = jax.random.normal(kv, (batch, seq_len, hv, dv), jnp.float32).astype(dt)
+  xla_core = lambda q, k, v: causal_attention(q, k, v, positions, positions)
+  flash = lambda q, k, v: causal_attention(q, k, v, positions, positions, core="cudnn")
+  row["core_xla_fwd"], row["core_xla_fwd_bwd"] = time_fwd_bwd(xla_core, q, k, v)
+  try:
+    got, want = jax.jit(flash)(q, k, v), jax.jit(xla_core)(q, k, v)
+    row["core_cudnn_err"] = rel(got, want)
+    g_got = jax.jit(jax.grad(lambda *a: jnp.sum(flash(*a).astype(jnp.float32) ** 2), (0, 1, 2)))(q, k, v)
+    g_want = jax.jit(jax.grad(lambda *a: jnp.sum(xla_core(*a).astype(jnp.float32) ** 2), (0, 1, 2)))(q, k, v)
+    row["core_cudnn_grad_err"] = max(rel(a, b) for a, b in zip(g_got, g_want))
+    if row["core_cudnn_err"] < 2e-2 and row["core_cudnn_grad_err"] < 5e-2:
+      row["core_cudnn_fwd"], row["core_cudnn_fwd_bwd"] = time_fwd_bwd(flash, q, k, v)
+    else:
+      log(f"  {name}: cuDNN core disagrees with XLA: {row['core_cudnn_err']:.2e} / "
+          f"{row['core_cudnn_grad_err']:.2e}; not timed")
+  except Exception as e:  # noqa: BLE001
+    log(f"  {name}: cuDNN core failed: {repr(e)[:300]}")
+  row["n_layers"] = mcfg.n_layers
+  log(f"  {name}: " + ", ".join(f"{a} {b:.3g}" for a, b in row.items()))
+  return row
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--configs", default="umoe_base,dense_base")
+  ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--seq_len", type=int, default=1024)
+  ap.add_argument("--attention_core", default="xla", choices=["xla", "cudnn"])
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  from umoe_jax.ops import gmm as G
+  G.register_builtin_kernels()
+  log("device:", jax.devices()[0].device_kind)
+  results = {}
+  for name in args.configs.split(","):
+    results[name] = breakdown(name, args.batch, args.seq_len, args.attention_core)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "layer_breakdown.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  log("\nms per layer (fwd / fwd+bwd); x layers = per step")
+  log(f"{'config':12s} {'block':>14s} {'attention':>14s} {'ffn':>14s} {'core xla':>14s} {'core cudnn':>14s}")
+  for name, r in results.items():
+    g = lambda k: r.get(k, float("nan"))
+    cells = [f"{g(p + '_fwd'):6.2f}/{g(p + '_fwd_bwd'):6.2f}"
+             for p in ("block", "attention", "ffn", "core_xla", "core_cudnn")]
+    log(f"{name:12s} " + " ".join(f"{c:>14s}" for c in cells))
+
+
+if __name__ == "__main__":
+  main()
