@@ -52,39 +52,34 @@ def test_causal_attention(hk, dtype, bound):
                                                    pos, pos), np.float32))
 
 
-@pytest.mark.parametrize("n_k,dk,dv,s_extra", [
-    (3, 8, 8, 0),      # one key/value head per query head (MHA)
-    (1, 8, 8, 0),      # one shared key/value head (MoA)
-    (1, 8, 24, 4),     # one key head, values 3 key-widths wide (pre-mixing), more keys than queries
+@pytest.mark.parametrize("n_k,dk,dv", [
+    (3, 8, 8),      # one key/value head per query head (MHA)
+    (1, 8, 8),      # one shared key/value head (MoA)
+    (1, 8, 24),     # one key head, values 3 key-widths wide (pre-mixing)
 ])
-def test_fused_attention_layout_matches_causal_attention(n_k, dk, dv, s_extra):
+def test_fused_attention_layout_matches_causal_attention(n_k, dk, dv):
   """The cuDNN layout of `fused_attention` (wide values cut into key-width chunks sharing the key
-  head) gives causal_attention's values and gradients; run through jax.nn.dot_product_attention's
-  XLA implementation, which takes the same layout on CPU. Positions with padding keys and an
-  offset (a decoding step) check the visibility mask is passed through, not a plain causal mask."""
+  head, grouped-query heads) gives causal_attention's values and gradients; run through
+  jax.nn.dot_product_attention's XLA implementation, which takes the same layout on CPU."""
   from umoe_jax.model.attention.common import fused_attention
   rng = np.random.default_rng(n_k * 100 + dv)
-  h, s = 3, T + s_extra
+  h = 3
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
-             for shape in ((B, T, h, dk), (B, s, n_k, dk), (B, s, n_k, dv)))
-  q_pos = positions_for(B, T) + s_extra
-  k_pos = positions_for(B, s).at[0, 1].set(-1)            # a padding key in the first sequence
-  visible = (k_pos[:, None, None, :] >= 0) & (k_pos[:, None, None, :] <= q_pos[:, None, :, None])
-
-  def fused(q, k, v):
-    return fused_attention(q, k, v, visible, implementation="xla")
-
-  want = _causal(q, k, v, q_pos, k_pos)
+             for shape in ((B, T, h, dk), (B, T, n_k, dk), (B, T, n_k, dv)))
+  pos = positions_for(B, T)
+  fused = lambda q, k, v: fused_attention(q, k, v, implementation="xla")
+  want = _causal(q, k, v, pos, pos)
   assert rel_err(fused(q, k, v), want) < F32_BOUND
   cot = jnp.asarray(rng.standard_normal(want.shape), jnp.float32)
   grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v)
-  for name, a, b in zip("qkv", grads(fused), grads(lambda *a: causal_attention(*a, q_pos, k_pos))):
+  for name, a, b in zip("qkv", grads(fused), grads(lambda *a: causal_attention(*a, pos, pos))):
     assert rel_err(a, b) < F32_BOUND, name
 
 
 def test_attention_core_choice():
-  """core="cudnn" off GPU (and wherever cuDNN cannot take the shapes) is the XLA computation;
-  shapes the fused kernel cannot take return None; an unknown core is refused by name."""
+  """core="cudnn" off GPU is the XLA computation; shapes the fused kernel cannot take (per-head
+  wide values, values not a multiple of the key width, more keys than queries) return None; an
+  unknown core is refused by name."""
   from umoe_jax.model.attention.common import fused_attention
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -93,11 +88,11 @@ def test_attention_core_choice():
   if jax.default_backend() != "gpu":
     np.testing.assert_array_equal(causal_attention(q, k, v, pos, pos, core="cudnn"),
                                   causal_attention(q, k, v, pos, pos))
-  visible = jnp.ones((B, 1, T, T), bool)
-  assert fused_attention(q, k, v, visible, implementation="xla") is None     # 20 % 8 != 0
-  wide_per_head = jnp.zeros((B, T, 2, 16))
-  assert fused_attention(q, jnp.zeros((B, T, 2, 8)), wide_per_head, visible,
-                         implementation="xla") is None                       # per-head wide values
+  assert fused_attention(q, k, v, implementation="xla") is None                      # 20 % 8
+  assert fused_attention(q, jnp.zeros((B, T, 2, 8)), jnp.zeros((B, T, 2, 16)),
+                         implementation="xla") is None                               # per-head wide
+  assert fused_attention(q, jnp.zeros((B, T + 2, 1, 8)), jnp.zeros((B, T + 2, 1, 8)),
+                         implementation="xla") is None                               # S != T
   with pytest.raises(ValueError, match="'flash'"):
     causal_attention(q, k, v, pos, pos, core="flash")
 

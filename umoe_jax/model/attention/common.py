@@ -100,33 +100,36 @@ def check_pool_routing(cfg) -> None:
 ATTENTION_CORES = ("xla", "cudnn")
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, *,
-                    implementation: str = "cudnn"):
-  """softmax(q k^T / sqrt(Dk) | visible) v through `jax.nn.dot_product_attention`, or None when its
-  fused kernels cannot take these shapes.
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "cudnn"):
+  """Causal softmax(q k^T / sqrt(Dk)) v (query t sees keys s <= t, S == T) through
+  `jax.nn.dot_product_attention`, or None when its fused kernels cannot take these shapes.
 
   Values wider than the key (pre-mixing: Dv = D) with one key head are cut into Dv / Dk chunks of
   Dk columns that share the key: query head (chunk c, head h) of a grouped-query layout reads kv
   head c, and the chunks are put back together after. The scores are recomputed per chunk (Dk / Dv
   more FLOPs), which the fused kernel still beats materialising [B, H, T, S] float32 scores.
+  (A general visibility mask is not passed: cuDNN then reads a [B, 1, T, S] bias and skips no
+  masked tiles, which measured slower than the XLA form; see BENCHMARKS.md.)
 
   Args:
-    q [B, T, H, Dk], k [B, S, Hk, Dk], v [B, S, Hk, Dv], visible [B, 1, T, S] bool.
+    q [B, T, H, Dk], k [B, T, Hk, Dk], v [B, T, Hk, Dv].
     implementation: "cudnn" (GPU) or "xla" (the same layout through XLA: tests on CPU).
   Returns:
     [B, T, H, Dv] in q's dtype, or None.
   """
   b, t, h, dk = q.shape
-  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=visible,
+  hk, dv = k.shape[2], v.shape[-1]
+  attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation=implementation)
+  if k.shape[1] != t:
+    return None
   if dv == dk:
     return attend(q, k, v)
   if hk != 1 or dv % dk:
     return None
   c = dv // dk
-  vv = v[:, :, 0].reshape(b, s, c, dk)
-  kk = jnp.broadcast_to(k, (b, s, c, dk))
+  vv = v[:, :, 0].reshape(b, t, c, dk)
+  kk = jnp.broadcast_to(k, (b, t, c, dk))
   qq = jnp.broadcast_to(q[:, :, None], (b, t, c, h, dk)).reshape(b, t, c * h, dk)
   out = attend(qq, kk, vv)                                                       # [B, T, C*H, Dk]
   return out.reshape(b, t, c, h, dk).transpose(0, 1, 3, 2, 4).reshape(b, t, h, dv)
@@ -145,8 +148,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     return_probs: also return the attention probabilities [B, H, T, S] float32 (for routers that
       read them, `router.kind='attention_aware'`).
     core: `model.attention.core`: "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
-      kernel (`fused_attention`) on GPU where the shapes allow and nobody asks for the
-      probabilities, and the XLA form elsewhere (CPU, TPU, other shapes).
+      causal kernel (`fused_attention`) on GPU when the queries attend to their own keys
+      (`k_positions is q_positions`: no cache) and nobody asks for the probabilities, and the XLA
+      form elsewhere (CPU, TPU, decoding, other shapes). It assumes what the LM's own positions
+      satisfy: they increase along the sequence and are >= 0, so the visibility below is causal.
   Returns:
     [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
   """
@@ -156,8 +161,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
   k_pos = k_positions[:, None, None, :]
   visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
-  if core == "cudnn" and not return_probs and jax.default_backend() == "gpu":
-    out = fused_attention(q, k, v, visible)
+  if (core == "cudnn" and not return_probs and k_positions is q_positions
+      and jax.default_backend() == "gpu"):
+    out = fused_attention(q, k, v)
     if out is not None:
       return out.astype(v.dtype)
   scale = 1.0 / math.sqrt(q.shape[-1])
