@@ -197,6 +197,41 @@ def test_grad_accumulation_and_remat_match_plain_step():
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6)
 
 
+def test_train_step_passes_the_step_to_scheduled_routers():
+  """train_step hands the state's step to the routers: StableMoE distils (a positive balance +
+  distillation loss) before its stage-2 step and is frozen (no loss) from it; SMoE-Dropout's active
+  experts grow with the step."""
+  c = tiny().model
+  c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
+  c.attention.update(dict(kind="mha", n_heads=2, head_dim=8, v_head_dim=8))
+  c.ffn.update(dict(kind="moe", top_k=3))
+  c.moe.update(dict(n_experts=4, d_expert=8, share_pool=False))
+  tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, c.vocab_size)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+  def stats_at(router, step):
+    c.router.update(router)
+    cfg = model_config(c)
+    parts = state_lib.model_parts(cfg)
+    params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
+                                        nnx.Param))
+    tx = optax.sgd(1e-3)
+    state = state_lib.state_with_params(params, tx, 0).replace(step=jnp.asarray(step, jnp.int32))
+    fn = jax.jit(lambda st, b: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
+                                                   schedule=optax.constant_schedule(1e-3)))
+    metrics = fn(state, batch)[1]
+    return {"balance_loss": metrics["balance_loss"], "nll_sum": metrics["lm_loss"]}
+
+  stable = dict(kind="stablemoe", stablemoe_stage2_step=5, balance_coef=0.01)
+  assert float(stats_at(stable, 0)["balance_loss"]) > 0
+  assert float(stats_at(stable, 5)["balance_loss"]) == 0
+  dropout = dict(kind="smoe_dropout", smoe_dropout_k_start=1, smoe_dropout_steps=10)
+  # k(0) = 1 of 3 slots carries a gate, k(10) = 3: the same weights give another loss (the logged
+  # expert counts include inactive slots, so they cannot tell).
+  nll = lambda s: float(stats_at(dropout, s)["nll_sum"])
+  assert nll(0) != nll(10) and nll(10) == nll(20)
+
+
 # ----------------------------------------------------------------------------------------------
 # Resume order and checkpoints.
 

@@ -11,8 +11,8 @@ The route context: `CausalLM` builds one dict (`route_context`) and hands it thr
 every sub-layer, which calls `self.router(x, **route_context)`:
   "token_ids"        [B, T] int32, always (during cached decoding: the ids of the new tokens);
   "step"             [] int32, the training step, when the caller passes `CausalLM(..., step=)`
-                     (schedules of smoe_dropout and stablemoe; absent = as at the end of training;
-                     the trainer's `train_step` does not pass it yet);
+                     (schedules of smoe_dropout and stablemoe; the trainer's `train_step` passes
+                     the optimizer step; absent = as at the end of training: evaluation, decoding);
   "decoding"         True during cached decoding (the mixing routers refuse it);
   "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when the
                      router class sets `needs_attention_probs` (attention_aware).

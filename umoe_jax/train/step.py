@@ -23,7 +23,7 @@ from a checkpoint whose `skipped` is non-zero (an earlier run under "skip") trai
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +35,11 @@ from umoe_jax.train.state import TrainState
 
 
 def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool, total_tokens: jax.Array,
-             accum_steps: int):
+             accum_steps: int, step: Optional[jax.Array]):
   """Objective whose gradient, summed over micro-batches, is the batch's gradient."""
   model = nnx.merge(graphdef, params)
-  logits, aux = model(micro["inputs"], remat=True) if remat else model(micro["inputs"])
+  # The step reaches routers with a schedule (SMoE-Dropout's growing k, StableMoE's stage switch).
+  logits, aux = model(micro["inputs"], remat=remat, step=step)
   nll_sum, count = token_nll(logits, micro["targets"], micro.get("loss_mask"))
   balance = aux["balance_loss"]
   objective = nll_sum / total_tokens + balance / accum_steps
@@ -62,14 +63,16 @@ def _reduce_micro(stats: dict, accum_steps: int) -> dict:
   return out
 
 
-def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool):
-  """(grads, stats) of the whole batch, accumulating over `accum_steps` micro-batches."""
+def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool,
+                    step: Optional[jax.Array] = None):
+  """(grads, stats) of the whole batch, accumulating over `accum_steps` micro-batches; `step` []
+  int32 is the training step the routers see (None: as at the end of training)."""
   mask = batch.get("loss_mask")
   total = (jnp.sum(mask.astype(jnp.float32)) if mask is not None
            else jnp.asarray(batch["targets"].size, jnp.float32))
   total = jnp.maximum(total, 1.0)
   grad_fn = jax.grad(_forward, has_aux=True)
-  kw = dict(graphdef=graphdef, remat=remat, total_tokens=total, accum_steps=accum_steps)
+  kw = dict(graphdef=graphdef, remat=remat, total_tokens=total, accum_steps=accum_steps, step=step)
   if accum_steps == 1:
     grads, stats = grad_fn(params, batch, **kw)
     return grads, stats
@@ -98,7 +101,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   "expert_counts" [E], "entropy"}.
   """
   grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
-                                 remat=remat)
+                                 remat=remat, step=state.step)
   lm_loss = stats["nll_sum"] / jnp.maximum(stats["tokens"], 1.0)
   loss = lm_loss + stats["balance_loss"]
   grad_norm = optax.tree.norm(grads)
