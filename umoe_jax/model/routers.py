@@ -156,13 +156,15 @@ class TopKSoftmaxRouter(nnx.Module):
   W_r [D, E] is initialised like PyTorch's kaiming_uniform_(a=sqrt(5)); no bias.
   """
 
+  kernel_axes = (ax.EMBED, ax.ROUTER_OUT)  # logical axes of W_r
+
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
                rngs: nnx.Rngs):
     self.n_experts = n_experts
     self.top_k = top_k
     self.cfg = cfg
     self.kernel = make_param(rngs, kaiming_uniform_init(d_model), (d_model, n_experts),
-                             (ax.EMBED, ax.ROUTER_OUT), param_dtype)
+                             self.kernel_axes, param_dtype)
 
   def logits(self, x: jax.Array) -> jax.Array:
     """x [B, T, D] -> float32 logits [B, T, E]."""
@@ -362,13 +364,7 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
   replicated and never weight-decayed, so with its zero gradient Adam leaves it exactly as drawn.
   """
 
-  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
-               rngs: nnx.Rngs):
-    self.n_experts = n_experts
-    self.top_k = top_k
-    self.cfg = cfg
-    self.kernel = make_param(rngs, kaiming_uniform_init(d_model), (d_model, n_experts),
-                             (ax.NORM, ax.ROUTER_OUT), param_dtype)
+  kernel_axes = (ax.NORM, ax.ROUTER_OUT)
 
   def logits(self, x: jax.Array) -> jax.Array:
     """x [B, T, D] -> float32 logits [B, T, E]; no gradient reaches W_r (fixed router)."""
