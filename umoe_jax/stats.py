@@ -319,6 +319,16 @@ class FFNStats:
     raise NotImplementedError
 
 
+def low_rank_expert_count(cfg: ModelConfig) -> tuple[int, int]:
+  """(parameters of one routed low-rank query/key expert, of the rank-r code's RMSNorm): the
+  projections of `attention.common.low_rank_expert_params` (pre- and post-mixing)."""
+  a, d = cfg.attention, cfg.d_model
+  if a.q_lora_rank is None:
+    return linear(d, a.head_dim), 0
+  return (linear(d, a.q_lora_rank) + linear(a.q_lora_rank, a.head_dim),
+          a.q_lora_rank if a.q_lora_norm else 0)
+
+
 ATTENTION_STATS: Registry[type] = Registry("attention statistics")
 FFN_STATS: Registry[type] = Registry("ffn statistics")
 
@@ -367,13 +377,6 @@ class PreMixStats(AttentionStats):
     return cfg.attention.latent_dim
 
   @classmethod
-  def _per_expert_query(cls, cfg) -> int:
-    a, d = cfg.attention, cfg.d_model
-    if a.q_lora_rank is None:
-      return linear(d, a.head_dim)
-    return linear(d, a.q_lora_rank) + linear(a.q_lora_rank, a.head_dim)
-
-  @classmethod
   def params(cls, cfg):
     a, d, e = cfg.attention, cfg.d_model, cfg.moe.n_experts
     dense = linear(d, a.head_dim)                                       # k_proj
@@ -381,8 +384,7 @@ class PreMixStats(AttentionStats):
     dense += linear(d, a.head_dim) if a.q_lora_rank is not None else 0  # q_res_proj
     if cls._latent(cfg):
       dense += 2 * linear(d, cls._latent(cfg))                          # latent_code, code2value
-    per_expert = cls._per_expert_query(cfg)
-    lora_norm = a.q_lora_rank if (a.q_lora_rank is not None and a.q_lora_norm) else 0
+    per_expert, lora_norm = low_rank_expert_count(cfg)
     return {"attention": Count(dense),
             "attention_routed": Count(e * per_expert, a.top_k * per_expert),
             "routers": Count(router_params(cfg, e)),

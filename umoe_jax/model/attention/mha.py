@@ -11,12 +11,17 @@ from umoe_jax.model.rope import apply_rope
 from umoe_jax.parallel import rules as ax
 
 
-@ATTENTIONS.register("mha")
-class MultiHeadAttention(nnx.Module):
-  """H heads; q, k [.., H, Dk] with RoPE over all of Dk; v [.., H, Dv]; output projection H*Dv -> D."""
+def linear_kw(cfg: ModelConfig, rngs: nnx.Rngs) -> dict:
+  """The keyword arguments of an attention module's `Linear`s."""
+  return dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
+              rngs=rngs)
+
+
+class HeadsQK(nnx.Module):
+  """What multi-head layouts share (MHA, SwitchHead): H heads of q, k [.., H, Dk] with RoPE over
+  all of Dk, and a cache of k and v [.., H, Dv]. Subclasses add the value and output maps."""
 
   uses_expert_pool = False
-  exposes_attention_probs = True  # __call__(..., return_probs=True) (attention-aware FFN routing)
 
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
@@ -31,12 +36,30 @@ class MultiHeadAttention(nnx.Module):
     att = cfg.attention
     self.cfg = cfg
     self.n_heads, self.head_dim, self.v_head_dim = att.n_heads, att.head_dim, att.v_head_dim
-    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
-    d = cfg.d_model
-    self.q_proj = Linear(d, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
-    self.k_proj = Linear(d, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
-    self.v_proj = Linear(d, att.n_heads * att.v_head_dim, (ax.EMBED, ax.HEADS), **kw)
-    self.o_proj = Linear(att.n_heads * att.v_head_dim, d, (ax.HEADS, ax.EMBED), **kw)
+    kw = linear_kw(cfg, rngs)
+    self.q_proj = Linear(cfg.d_model, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
+    self.k_proj = Linear(cfg.d_model, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
+
+  def queries_keys(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D] -> RoPE'd q, k [B, T, H, Dk]."""
+    b, t, _ = x.shape
+    rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
+    q = apply_rope(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
+    k = apply_rope(self.k_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
+    return q, k
+
+
+@ATTENTIONS.register("mha")
+class MultiHeadAttention(HeadsQK):
+  """H heads; q, k [.., H, Dk] with RoPE over all of Dk; v [.., H, Dv]; output projection H*Dv -> D."""
+
+  exposes_attention_probs = True  # __call__(..., return_probs=True) (attention-aware FFN routing)
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    super().__init__(cfg, rngs=rngs)
+    kw, h, dv = linear_kw(cfg, rngs), self.n_heads, self.v_head_dim
+    self.v_proj = Linear(cfg.d_model, h * dv, (ax.EMBED, ax.HEADS), **kw)
+    self.o_proj = Linear(h * dv, cfg.d_model, (ax.HEADS, ax.EMBED), **kw)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
                route_context=None, return_probs: bool = False):
@@ -44,9 +67,7 @@ class MultiHeadAttention(nnx.Module):
     (+ last, with `return_probs`, the attention probabilities [B, H, T, S] float32)."""
     del experts, route_context  # no routers
     b, t, _ = x.shape
-    rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
-    q = apply_rope(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
-    k = apply_rope(self.k_proj(x).reshape(b, t, self.n_heads, self.head_dim), positions, **rope)
+    q, k = self.queries_keys(x, positions)
     v = self.v_proj(x).reshape(b, t, self.n_heads, self.v_head_dim)
     k_pos = positions
     if cache is not None:

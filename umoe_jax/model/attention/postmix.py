@@ -38,7 +38,8 @@ from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import AttentionStats, Count, linear, mlp, router_macs, router_params
+from umoe_jax.stats import (AttentionStats, Count, linear, low_rank_expert_count, mlp, router_macs,
+                            router_params)
 
 
 class PostMixStats(AttentionStats):
@@ -50,20 +51,12 @@ class PostMixStats(AttentionStats):
     return cfg.attention.top_k + (1 if cfg.attention.n_shared_experts else 0)
 
   @classmethod
-  def _per_expert_key(cls, cfg) -> int:
-    a, d = cfg.attention, cfg.d_model
-    if a.q_lora_rank is None:
-      return linear(d, a.head_dim)
-    return linear(d, a.q_lora_rank) + linear(a.q_lora_rank, a.head_dim)
-
-  @classmethod
   def params(cls, cfg):
     a, d, e = cfg.attention, cfg.d_model, cfg.moe.n_experts
     dense = linear(d, a.head_dim)                                       # q_proj
     dense += linear(d, a.head_dim) if a.n_shared_experts else 0         # shared_k_proj
     dense += linear(d, a.head_dim) if a.q_lora_rank is not None else 0  # k_res_proj
-    per_expert = cls._per_expert_key(cfg)
-    lora_norm = a.q_lora_rank if (a.q_lora_rank is not None and a.q_lora_norm) else 0
+    per_expert, lora_norm = low_rank_expert_count(cfg)
     shared = mlp(cfg, cfg.moe.d_expert * a.n_shared_experts) if a.n_shared_experts else 0
     return {"attention": Count(dense),
             "attention_routed": Count(e * per_expert, a.top_k * per_expert),

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_heads, check_own_experts
-from umoe_jax.model.layers import Linear, make_param, normal_init
-from umoe_jax.model.rope import apply_rope
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
+from umoe_jax.model.attention.mha import HeadsQK
+from umoe_jax.model.layers import make_param, normal_init
 from umoe_jax.model.routers import RouterOutput, call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
@@ -118,30 +118,19 @@ class HeadExperts(nnx.Module):
 
 
 @ATTENTIONS.register("switchhead")
-class SwitchHeadAttention(nnx.Module):
+class SwitchHeadAttention(HeadsQK):
   """Dense per-head q, k; per-head MoE value and output projections."""
 
-  uses_expert_pool = False
   stats = SwitchHeadStats
 
   @classmethod
   def validate(cls, cfg: ModelConfig) -> None:
-    check_heads(cfg)
+    super().validate(cfg)
     check_own_experts(cfg, "switchhead", " (experts per head)")
 
-  @classmethod
-  def cache_shapes(cls, cfg: ModelConfig) -> dict:
-    att = cfg.attention
-    return {"k": (att.n_heads, att.head_dim), "v": (att.n_heads, att.v_head_dim)}
-
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    att = cfg.attention
-    self.cfg = cfg
-    self.n_heads, self.head_dim, self.v_head_dim = att.n_heads, att.head_dim, att.v_head_dim
-    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
-    d = cfg.d_model
-    self.q_proj = Linear(d, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
-    self.k_proj = Linear(d, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
+    super().__init__(cfg, rngs=rngs)
+    att, d = cfg.attention, cfg.d_model
     self.v_experts = HeadExperts(cfg, d, att.v_head_dim, (ax.EXPERT, ax.EMBED, ax.HEAD_DIM), rngs=rngs)
     self.o_experts = HeadExperts(cfg, att.v_head_dim, d, (ax.EXPERT, ax.HEAD_DIM, ax.EMBED), rngs=rngs)
 
@@ -152,9 +141,7 @@ class SwitchHeadAttention(nnx.Module):
     b, t, d = x.shape
     n, h = b * t, self.n_heads
     x = x.astype(self.cfg.compute_dtype)
-    rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
-    q = apply_rope(self.q_proj(x).reshape(b, t, h, self.head_dim), positions, **rope)
-    k = apply_rope(self.k_proj(x).reshape(b, t, h, self.head_dim), positions, **rope)
+    q, k = self.queries_keys(x, positions)
 
     v_ids, v_gates, v_routes = self.v_experts.route(x, route_context)
     o_ids, o_gates, o_routes = self.o_experts.route(x, route_context)
