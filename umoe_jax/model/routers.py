@@ -300,15 +300,8 @@ def hash_expert_ids(token_ids: jax.Array, n_experts: int, k: int, seed: int) -> 
   return ids.astype(jnp.int32)
 
 
-@ROUTERS.register("hash")
-class HashRouter(nnx.Module):
-  """Hash layers (Roller et al. 2021): each token id always goes to the same K distinct experts.
-
-  No learned parameters and no state: the map is `hash_expert_ids(token_ids, E, K,
-  router.hash_seed)` (default seed 42, as ParlAI's). Gates are 1/K each (the paper: top-1, weight 1);
-  `probs` [B, T, E] is the one-hot mixture (1/K on each picked expert); the balance loss is 0 (nothing
-  to balance by gradient). Needs `token_ids` [B, T] in the route context (`CausalLM` passes them).
-  """
+class ParameterFreeRouter(nnx.Module):
+  """Base of routers without weights of their own (hash routing, AoE)."""
 
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
                rngs: nnx.Rngs):
@@ -316,6 +309,17 @@ class HashRouter(nnx.Module):
     self.n_experts = n_experts
     self.top_k = top_k
     self.cfg = cfg
+
+
+@ROUTERS.register("hash")
+class HashRouter(ParameterFreeRouter):
+  """Hash layers (Roller et al. 2021): each token id always goes to the same K distinct experts.
+
+  No learned parameters and no state: the map is `hash_expert_ids(token_ids, E, K,
+  router.hash_seed)` (default seed 42, as ParlAI's). Gates are 1/K each (the paper: top-1, weight 1);
+  `probs` [B, T, E] is the one-hot mixture (1/K on each picked expert); the balance loss is 0 (nothing
+  to balance by gradient). Needs `token_ids` [B, T] in the route context (`CausalLM` passes them).
+  """
 
   @classmethod
   def validate(cls, model_cfg) -> None:
@@ -587,7 +591,7 @@ class AttentionAwareRouter(_TokenMixingRouter):
 
 
 @ROUTERS.register("aoe")
-class AoERouter(nnx.Module):
+class AoERouter(ParameterFreeRouter):
   """AoE: p_e = |x A^e|_2, the norm of expert e's rank-r code (`AoEExpertPool.codes`, route context
   "expert_pool"); probs = softmax(p) over all E (float32), top-k of probs. The paper's gates, a
   softmax over the K chosen norms, are `router.renormalize=True`; the megablocks code's are False.
@@ -598,13 +602,6 @@ class AoERouter(nnx.Module):
   """
 
   needs_expert_pool = True
-
-  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
-               rngs: nnx.Rngs):
-    del d_model, param_dtype, rngs
-    self.n_experts = n_experts
-    self.top_k = top_k
-    self.cfg = cfg
 
   @classmethod
   def validate(cls, model_cfg) -> None:
