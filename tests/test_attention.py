@@ -78,8 +78,9 @@ def test_fused_attention_layout_matches_causal_attention(n_k, dk, dv):
 
 def test_attention_core_choice():
   """core="cudnn" off GPU is the XLA computation; shapes the fused kernel cannot take (per-head
-  wide values, values not a multiple of the key width, more keys than queries) return None; an
-  unknown core is refused by name."""
+  wide values, values not a multiple of the key width, more keys than queries; for cuDNN also
+  float32 operands and head sizes it has no kernel for) return None; an unknown core is refused
+  by name."""
   from umoe_jax.model.attention.common import fused_attention
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -93,6 +94,10 @@ def test_attention_core_choice():
                          implementation="xla") is None                               # per-head wide
   assert fused_attention(q, jnp.zeros((B, T + 2, 1, 8)), jnp.zeros((B, T + 2, 1, 8)),
                          implementation="xla") is None                               # S != T
+  # cuDNN's flash kernels take half-precision operands and head sizes 8k <= 256 only
+  assert fused_attention(q, k, k, implementation="cudnn") is None                    # float32
+  q16, k16 = q.astype(jnp.bfloat16)[..., :6], k.astype(jnp.bfloat16)[..., :6]
+  assert fused_attention(q16, k16, k16, implementation="cudnn") is None              # Dk = 6
   with pytest.raises(ValueError, match="'flash'"):
     causal_attention(q, k, v, pos, pos, core="flash")
 

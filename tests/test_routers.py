@@ -716,16 +716,16 @@ def test_attention_aware_matches_numpy_reference(sigma):
   def mix(g):
     p = np.zeros_like(g)
     for bi in range(b):
-      ent = [np.mean([-sum(q * np.log(q) for q in a[bi, hi, i, :i + 1]) for i in range(t)]) for hi in range(h)]
-      hs = int(np.argmin(ent))
-      chosen.append(hs)
-      for i in range(t):
+      ent = [[-sum(q * np.log(q) for q in a[bi, hi, i, :i + 1]) for i in range(t)] for hi in range(h)]
+      for i in range(t):  # the head of least mean row entropy over rows 0..i
+        hs = int(np.argmin([np.mean(ent[hi][:i + 1]) for hi in range(h)]))
         row = a[bi, hs, i, :i + 1] ** (1 / sigma)
         p[bi, i] = (row / row.sum()) @ g[bi, :i + 1]
+      chosen.append(hs)
     return p
 
   p, ids, gates = _softmax_router_reference(x, w, k, False, mix)
-  assert chosen == [1, 2]                               # the head is chosen per sequence
+  assert chosen == [1, 2]                               # at the last row: per sequence
   np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
   np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(np.asarray(out.probs), p, rtol=1e-5, atol=1e-7)
@@ -819,6 +819,23 @@ def test_cached_decoding_with_mixing_router_is_refused(kind, family):
   tokens = jnp.zeros((1, 3), jnp.int32)
   with pytest.raises(NotImplementedError, match="cached decoding"):
     model(tokens, cache=init_cache(cfg, 1, 4))
+
+
+def test_attention_aware_head_choice_is_causal():
+  """Making one head very sharp in later rows only changes the routing of those rows: the head is
+  chosen for row t from rows 0..t (a choice over the whole sequence flips it for every row)."""
+  b, h, t, d, e, k, t0 = 1, 2, 8, 8, 5, 2, 4
+  rng = np.random.default_rng(47)
+  r = _built("attention_aware", d, e, k, {"kernel": rng.standard_normal((d, e)) / np.sqrt(d)})
+  x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+  scores = rng.standard_normal((b, h, t, t)) * np.array([2.0, 0.5])[:, None, None]
+  later = scores.copy()
+  later[:, 1, t0:] *= 40.0                               # head 1: sharp from row t0 on
+  route = nnx.jit(lambda r, x, a: r(x, attention_probs=a))
+  before = route(r, x, jnp.asarray(_causal_softmax_np(scores), jnp.float32))
+  after = route(r, x, jnp.asarray(_causal_softmax_np(later), jnp.float32))
+  np.testing.assert_array_equal(np.asarray(after.probs)[:, :t0], np.asarray(before.probs)[:, :t0])
+  assert not np.allclose(np.asarray(after.probs)[:, -1], np.asarray(before.probs)[:, -1])
 
 
 def test_attention_aware_ffn_router_reads_the_blocks_attention():
@@ -917,3 +934,7 @@ def test_aoe_router_and_pool_match_numpy_reference(gated, renormalize):
   assert rel_err(y0, ref0) < 1e-5
   with pytest.raises(ValueError, match="expert_pool"):
     router(jnp.asarray(x))
+  # An all-zero input row (zero codes, norm 0) still gives finite gradients of the pool's codes.
+  x0 = jnp.asarray(x).at[0, 0].set(0.0)
+  grad = nnx.grad(lambda pool: jnp.sum(router(x0, expert_pool=pool).probs ** 2))(pool)
+  assert np.all(np.isfinite(np.asarray(grad.w_a.value)))

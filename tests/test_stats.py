@@ -258,3 +258,13 @@ def test_aoe_counted(gated):
   macs, base_macs = stats.forward_mac_breakdown(cfg, 1, 8), stats.forward_mac_breakdown(base, 1, 8)
   assert macs["routers"] == 8 * layers * e * d * r
   assert macs["experts"] - base_macs["experts"] == 8 * layers * k * (per_expert - stats.mlp(m, f))
+
+
+def test_stats_resolve_a_model_config_like_the_model():
+  """A ModelConfig handed in directly gets the derived defaults (router.aoe_dim None -> D // 3)."""
+  import dataclasses
+  m = stats.as_model_config(load("ffn_moe_tiny"))
+  aoe = dataclasses.replace(m, router=dataclasses.replace(m.router, kind="aoe", aoe_dim=None))
+  assert stats.as_model_config(aoe).router.aoe_dim == m.d_model // 3
+  assert stats.total_params(aoe) == stats.total_params(
+      dataclasses.replace(aoe, router=dataclasses.replace(aoe.router, aoe_dim=m.d_model // 3)))

@@ -198,9 +198,9 @@ def test_grad_accumulation_and_remat_match_plain_step():
 
 
 def test_train_step_passes_the_step_to_scheduled_routers():
-  """train_step hands the state's step to the routers: StableMoE distils (a positive balance +
-  distillation loss) before its stage-2 step and is frozen (no loss) from it; SMoE-Dropout's active
-  experts grow with the step."""
+  """train_step hands the applied steps (as the learning-rate schedule counts them) to the routers:
+  StableMoE distils (a positive balance + distillation loss) before its stage-2 step and is frozen
+  (no loss) from it; SMoE-Dropout's active experts grow with the step."""
   c = tiny().model
   c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
   c.attention.update(dict(kind="mha", n_heads=2, head_dim=8, v_head_dim=8))
@@ -216,7 +216,9 @@ def test_train_step_passes_the_step_to_scheduled_routers():
     params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
                                         nnx.Param))
     tx = optax.sgd(1e-3)
-    state = state_lib.state_with_params(params, tx, 0).replace(step=jnp.asarray(step, jnp.int32))
+    # 2 of the steps were skipped (non-finite): the routers see the applied steps, like the schedule
+    state = state_lib.state_with_params(params, tx, 0).replace(
+        step=jnp.asarray(step + 2, jnp.int32), skipped=jnp.asarray(2, jnp.int32))
     fn = jax.jit(lambda st, b: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
                                                    schedule=optax.constant_schedule(1e-3)))
     metrics = fn(state, batch)[1]
@@ -224,6 +226,7 @@ def test_train_step_passes_the_step_to_scheduled_routers():
 
   stable = dict(kind="stablemoe", stablemoe_stage2_step=5, balance_coef=0.01)
   assert float(stats_at(stable, 0)["balance_loss"]) > 0
+  assert float(stats_at(stable, 4)["balance_loss"]) > 0   # state.step is 6 here
   assert float(stats_at(stable, 5)["balance_loss"]) == 0
   dropout = dict(kind="smoe_dropout", smoe_dropout_k_start=1, smoe_dropout_steps=10)
   # k(0) = 1 of 3 slots carries a gate, k(10) = 3: the same weights give another loss (the logged

@@ -116,7 +116,7 @@ import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
-from umoe_jax.config import ModelConfig, model_config
+from umoe_jax.config import ModelConfig, model_config, resolve
 from umoe_jax.registry import Registry
 
 # Parameter components, in table order.
@@ -498,7 +498,7 @@ def ffn_stats(kind: str) -> type:
 def as_model_config(cfg: Any) -> ModelConfig:
   """ModelConfig | config.model ConfigDict | experiment ConfigDict (uses .model) -> ModelConfig."""
   if isinstance(cfg, ModelConfig):
-    return cfg
+    return resolve(cfg)  # fill the derived defaults (router.aoe_dim, ...) like the model does
   if isinstance(cfg, Mapping) or hasattr(cfg, "keys"):
     if "model" in cfg and "d_model" not in cfg:
       cfg = cfg["model"]

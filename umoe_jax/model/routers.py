@@ -12,7 +12,8 @@ every sub-layer, which calls `self.router(x, **route_context)`:
   "token_ids"        [B, T] int32, always (during cached decoding: the ids of the new tokens);
   "step"             [] int32, the training step, when the caller passes `CausalLM(..., step=)`
                      (schedules of smoe_dropout and stablemoe; the trainer's `train_step` passes
-                     the optimizer step; absent = as at the end of training: evaluation, decoding);
+                     the applied updates, the learning-rate schedule's count; absent = as at the
+                     end of training: evaluation, decoding);
   "decoding"         True during cached decoding (the mixing routers refuse it);
   "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when the
                      router class sets `needs_attention_probs` (attention_aware).
@@ -543,7 +544,8 @@ class AttentionAwareRouter(_TokenMixingRouter):
   """Attention-aware routing: P = A' G with A the causal attention probabilities of the block's own
   attention (route context "attention_probs" [B, H, T, T], added by the block for the FFN router).
 
-  Per sequence the head h* of lowest mean row entropy is used (the paper's choice; chosen without
+  Row t uses the head h*(t) of lowest mean row entropy over rows 0..t (the paper picks the head of
+  least entropy; averaging only over the rows so far keeps routing causal; chosen without
   gradient); A' = A_{h*}^(1/sigma), rows renormalised, sigma = `router.attention_temperature`
   (1: the probabilities themselves; sigma -> 0: each token follows its most attended token). The
   paper's Gaussian "posterior" attention is not public; this keeps its sigma -> 0 limit.
@@ -576,13 +578,17 @@ class AttentionAwareRouter(_TokenMixingRouter):
     if a.shape[-1] != a.shape[-2]:
       raise ValueError(f"attention_probs {a.shape}: expected [B, H, T, T] (a full causal pass)")
     log_a = jnp.log(jnp.where(a > 0, a, 1.0))               # 0 where a == 0: finite gradients
-    entropy = -jnp.mean(jnp.sum(a * log_a, axis=-1), axis=-1)                            # [B, H]
-    head = jnp.argmin(jax.lax.stop_gradient(entropy), axis=-1)                           # [B]
-    a = jnp.take_along_axis(a, head[:, None, None, None], axis=1)[:, 0]                  # [B, T, T]
+    # The head of least mean row entropy, chosen for row t from rows 0..t only: a choice over the
+    # whole sequence would let later tokens change how earlier ones route.
+    row_entropy = -jnp.sum(a * log_a, axis=-1)                                            # [B, H, T]
+    t = row_entropy.shape[-1]
+    running = jnp.cumsum(row_entropy, axis=-1) / jnp.arange(1, t + 1, dtype=jnp.float32)
+    head = jnp.argmin(jax.lax.stop_gradient(running), axis=1)                             # [B, T]
+    pick = lambda arr: jnp.take_along_axis(arr, head[:, None, :, None], axis=1)[:, 0]     # [B, T, S]
+    a = pick(a)
     sigma = self.cfg.attention_temperature
     if sigma != 1.0:  # A^(1/sigma) renormalised = a softmax of log A / sigma over the visible keys
-      log_a = jnp.take_along_axis(log_a, head[:, None, None, None], axis=1)[:, 0]
-      a = jax.nn.softmax(jnp.where(a > 0, log_a / sigma, -jnp.inf), axis=-1)
+      a = jax.nn.softmax(jnp.where(a > 0, pick(log_a) / sigma, -jnp.inf), axis=-1)
     return jnp.einsum("bts,bse->bte", a, g)
 
 
@@ -621,7 +627,8 @@ class AoERouter(ParameterFreeRouter):
       raise ValueError("router.kind='aoe' scores the experts by their own codes: call it with "
                        "expert_pool=<an AoEExpertPool> (the block adds the FFN's pool to the context)")
     codes = expert_pool.codes(x)                                                       # [B, T, E, r]
-    norms = jnp.sqrt(jnp.sum(jnp.square(codes), axis=-1))                              # [B, T, E]
+    # +tiny under the root: its gradient at an all-zero code (a zero input row) would be inf * 0.
+    norms = jnp.sqrt(jnp.sum(jnp.square(codes), axis=-1) + 1e-12)                      # [B, T, E]
     return probs_route(jax.nn.softmax(norms, axis=-1), self.top_k, self.cfg, self.n_experts)
 
 

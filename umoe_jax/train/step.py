@@ -100,8 +100,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   the update was dropped: non-finite, or the state is halted), and per router {"balance_loss",
   "expert_counts" [E], "entropy"}.
   """
+  applied_steps = state.step - state.skipped  # the counter the learning-rate schedule reads too
   grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
-                                 remat=remat, step=state.step)
+                                 remat=remat, step=applied_steps)
   lm_loss = stats["nll_sum"] / jnp.maximum(stats["tokens"], 1.0)
   loss = lm_loss + stats["balance_loss"]
   grad_norm = optax.tree.norm(grads)
@@ -125,7 +126,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       "lm_loss": lm_loss,
       "balance_loss": stats["balance_loss"],
       "grad_norm": grad_norm,
-      "learning_rate": schedule(state.step - state.skipped),
+      "learning_rate": schedule(applied_steps),
       "tokens": stats["tokens"],
       "nonfinite": (~finite).astype(jnp.int32),
       "applied": apply.astype(jnp.int32),

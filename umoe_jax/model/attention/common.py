@@ -119,6 +119,8 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
   """
   b, t, h, dk = q.shape
   hk, dv = k.shape[2], v.shape[-1]
+  if implementation == "cudnn" and (q.dtype not in (jnp.bfloat16, jnp.float16) or dk > 256 or dk % 8):
+    return None  # cuDNN's flash kernels: half-precision operands, head size a multiple of 8 up to 256
   attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation=implementation)
   if k.shape[1] != t:
