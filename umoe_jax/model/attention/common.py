@@ -161,8 +161,6 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
   if core not in ATTENTION_CORES:
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
-  k_pos = k_positions[:, None, None, :]
-  visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
   if (core == "cudnn" and not return_probs and k_positions is q_positions
       and jax.default_backend() == "gpu"):
     out = fused_attention(q, k, v)
@@ -174,6 +172,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   else:
     scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
   scores = scores * scale
+  k_pos = k_positions[:, None, None, :]
+  visible = (k_pos >= 0) & (k_pos <= q_positions[:, None, :, None])              # [B, 1, T, S]
   scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
   probs32 = jax.nn.softmax(scores, axis=-1)                                      # [B, H, T, S]
   probs = probs32.astype(v.dtype)
