@@ -244,7 +244,11 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
     return 0 if argv else 2
   command, rest = argv[0], argv[1:]
   if command in ("lm-eval", "lm_eval"):
-    from umoe_jax.eval.lm_eval_adapter import run_lm_eval_cli
+    try:
+      from umoe_jax.eval.lm_eval_adapter import run_lm_eval_cli
+    except ImportError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
     return run_lm_eval_cli(rest)
   if command not in COMMANDS:
     print(f"error: unknown command {command!r}\n{_usage(prog)}", file=sys.stderr)
