@@ -51,7 +51,7 @@ def test_fewshot_prompts_hand_built():
   schema = tasks_lib.Schema(("Ann won so Ann", "Ann won so Bo"), "smiled.", 1)
   lam = tasks_lib.LanguageModeling("the cat sat on the", "mat")
   assert (schema.example(), lam.example()) == ("Ann won so Bo smiled.", "the cat sat on the mat")
-  with pytest.raises(EvalError, match="3 shots requested but the other items of the file has only 2"):
+  with pytest.raises(EvalError, match="3 shots requested but the other items of the file have only 2"):
     fewshot.fewshot_prefixes(docs, 3)
   with pytest.raises(EvalError, match="few-shot pool has only 2"):
     fewshot.fewshot_prefixes(docs, 3, pool=pool)

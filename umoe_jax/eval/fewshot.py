@@ -55,9 +55,10 @@ def draw_examples(docs: Sequence[Doc], k: int, *, pool: Optional[Sequence[Doc]] 
   pool = list(docs if pool is None else pool)
   available = len(pool) - (1 if same else 0)
   if k > available:
-    where = "the other items of the file" if same else "the few-shot pool"
-    raise EvalError(f"{task}: {k} shots requested but {where} has only {max(available, 0)} "
-                    "examples")
+    n = max(available, 0)
+    where = "the other items of the file have" if same else "the few-shot pool has"
+    raise EvalError(f"{task}: {k} shots requested but {where} only {n} "
+                    f"example{'' if n == 1 else 's'}")
   if sampler == "first_n":
     return [([x for x in pool if x != d] if same else pool)[:k] for d in docs]
   rnd = random.Random(seed)
