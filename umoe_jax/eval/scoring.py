@@ -143,7 +143,8 @@ class Scorer:
     self.graphdef, self.state = nnx.split(model)
     self._score = _score_fn(self.graphdef)
 
-  def _bucket(self, n: int) -> int:
+  def bucket(self, n: int) -> int:
+    """The padded length of a batch whose longest window has n inputs."""
     return next(b for b in self.buckets if b >= n)
 
   def _check_ids(self, tokens: np.ndarray) -> None:
@@ -164,7 +165,7 @@ class Scorer:
     pending = []
     for start in range(0, len(order), self.batch_size):
       idx = order[start:start + self.batch_size]
-      tokens, targets, mask = pack([wins[j] for j in idx], self._bucket(len(wins[idx[0]][0])),
+      tokens, targets, mask = pack([wins[j] for j in idx], self.bucket(len(wins[idx[0]][0])),
                                    self.batch_size)
       self._check_ids(tokens)
       self._check_ids(targets)
