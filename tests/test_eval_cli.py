@@ -139,6 +139,7 @@ def test_perplexity_and_attack_commands_on_wikitext(trained, tmp_path, capsys):
   assert code == 0 and "| metric " in table and "attacked" in table, err
   res = json.loads((tmp_path / "attack.json").read_text())
   assert res["results"]["clean"]["token_ppl"] == got["token_ppl"]
+  assert res["results"]["attacked"]["words"] == got["words"]   # the attack hit the scored text
   assert res["attack"]["substituted"] == round(0.1 * res["attack"]["words"])
   assert res["results"]["attacked"]["nll"] != got["nll"]
 
@@ -217,11 +218,12 @@ def _lm_eval_tasks(tmp, mc, wino, lam, docs, shots):
   d.mkdir()
   (d / "utils.py").write_text("def gold(doc):\n  return doc['gold']\n\n"
                               "def options(doc):\n  return doc['context_options']\n")
-  head = lambda t: f"num_fewshot: {shots[t]}\ndataset_path: json\ntest_split: test\nfewshot_split: test\n"  # noqa
+  head = lambda t: (f"num_fewshot: {shots[t]}\ndataset_path: json\ntest_split: test\n"  # noqa
+                    "fewshot_split: test\n")
   files = lambda p: f"dataset_kwargs:\n  data_files:\n    test: {p}\n"  # noqa: E731
   (d / "mc.yaml").write_text(
-      f"task: umoe_mc\n{head('umoe_mc')}{files(mc)}output_type: multiple_choice\ndoc_to_text: '{{{{query}}}}'\n"
-      "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
+      f"task: umoe_mc\n{head('umoe_mc')}{files(mc)}output_type: multiple_choice\n"
+      "doc_to_text: '{{query}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
       "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
   (d / "wino.yaml").write_text(
       f"task: umoe_wino\n{head('umoe_wino')}{files(wino)}output_type: multiple_choice\n"

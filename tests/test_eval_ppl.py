@@ -4,12 +4,10 @@ level, several context / stride settings, batching and document order that must 
 word-swap attack (determinism, exact rate, vocabulary, layout)."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,7 +98,8 @@ def test_windows_cover_each_token_once_with_bounded_context():
     for i, (inputs, targets, k) in enumerate(wins):
       assert len(inputs) <= context and inputs[1:] == targets[:-1]
       if i:   # after the first window, the first scored token still sees context - stride + 1
-        assert len(inputs) == min(context, len(toks) + 1) and len(inputs) - k + 1 >= context - stride + 1
+        assert len(inputs) == min(context, len(toks) + 1)
+        assert len(inputs) - k + 1 >= context - stride + 1
   assert corpus_ppl.rolling_windows([5, 6, 7], 1, 2, 1) == [([1, 5], [5, 6], 2), ([5, 6], [6, 7], 1)]
   with pytest.raises(EvalError, match="stride <= context"):
     corpus_ppl.rolling_windows(toks, 0, 4, 5)

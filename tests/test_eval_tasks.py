@@ -9,7 +9,6 @@ import math
 import os
 import random
 
-import numpy as np
 import pytest
 
 from test_eval import _bigram

@@ -103,11 +103,13 @@ def _load(f):
 def _run_tasks(f, task_entries) -> tuple[str, dict]:
   from umoe_jax.eval import harness
   from umoe_jax.eval.taskspec import parse_task_list
+  from umoe_jax.eval.scoring import Scorer
   specs = parse_task_list(task_entries, getattr(f, "data_dir", tasks_lib.DEFAULT_DATA_DIR))
+  prepared = harness.prepare_all(specs, num_fewshot=f.num_fewshot, limit=f.limit,   # before the
+                                 fewshot_seed=f.fewshot_seed)                       # model loads
   model, tokenizer, info = _load(f)
-  results = harness.evaluate(model, tokenizer, specs, limit=f.limit, batch_size=f.batch_size,
-                             bos_id=f.bos_id, num_fewshot=f.num_fewshot,
-                             fewshot_seed=f.fewshot_seed, log=_log)
+  results = harness.score_all(Scorer(model, f.batch_size), tokenizer, specs, prepared, f.bos_id,
+                              log=_log)
   return harness.format_table(results), dict(info, limit=f.limit, results=results)
 
 
@@ -167,13 +169,17 @@ def cmd_perplexity(f):
 def cmd_attack(f):
   from umoe_jax.eval.attack import attack_documents
   from umoe_jax.eval.scoring import Scorer
+  from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
   corpus = _corpus(f)
-  attacked, stats = attack_documents(corpus.documents, rate=f.rate, seed=f.attack_seed)
   model, tokenizer, info = _load(f)
+  # --max_tokens cuts the clean text first; the attack then hits only what is scored.
+  clean_docs, words, _ = truncate(tokenizer, corpus.documents, corpus.words, f.max_tokens)
+  attacked, stats = attack_documents(clean_docs, rate=f.rate, seed=f.attack_seed)
   scorer = Scorer(model, f.batch_size)
-  clean = _ppl(scorer, tokenizer, f, corpus.documents, corpus.words)
-  hit = _ppl(scorer, tokenizer, f, attacked, corpus.words)
-  _log(f"{corpus.name}: {stats['substituted']} of {stats['words']} words substituted "
+  clean, hit = (corpus_perplexity(scorer, tokenizer, docs, words=words, context=f.context,
+                                  stride=f.stride, bos_id=f.bos_id)
+                for docs in (clean_docs, attacked))
+  _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} words scored substituted "
        f"(rate {f.rate}, seed {f.attack_seed})")
   rows = [("metric", "clean", "attacked")] + [(k, fmt(clean[k]), fmt(hit[k])) for k in _PPL_ROWS
                                               if k in clean]

@@ -79,14 +79,14 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
   return out
 
 
-def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
-                      words: Optional[Sequence[int]] = None, context: Optional[int] = None,
-                      stride: Optional[int] = None, bos_id: Optional[int] = None,
-                      max_tokens: Optional[int] = None) -> dict:
-  """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes", "words")."""
+def truncate(tokenizer, documents: Sequence[str], words: Optional[Sequence[int]],
+             max_tokens: Optional[int]) -> tuple[list[str], Optional[list[int]], list[list[int]]]:
+  """(documents, words, token lists) of the first `max_tokens` tokens (None: all) of the corpus:
+  documents in order, the last one cut (its text then is the decoded scored tokens, and its words
+  those of that text); documents that encode to no tokens are dropped."""
   if max_tokens is not None and max_tokens < 1:
     raise EvalError(f"--max_tokens={max_tokens} must be >= 1")
-  token_lists, n_bytes, n_words = [], 0, 0
+  texts, counts, token_lists = [], [], []
   budget = max_tokens
   for i, doc in enumerate(documents):
     toks = list(tokenizer.encode(doc))
@@ -95,28 +95,38 @@ def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
     cut = budget is not None and len(toks) > budget
     if cut:
       toks = toks[:budget]
-    text = tokenizer.decode(toks) if cut else doc
+      doc = tokenizer.decode(toks)
+    texts.append(doc)
     token_lists.append(toks)
-    n_bytes += len(text.encode("utf-8"))
     if words is not None:
-      n_words += wikitext_words(text) if cut else words[i]
+      counts.append(wikitext_words(doc) if cut else words[i])
     if budget is not None:
       budget -= len(toks)
       if budget <= 0:
         break
   if not token_lists:
     raise EvalError("the corpus encodes to no tokens")
+  return texts, (counts if words is not None else None), token_lists
+
+
+def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
+                      words: Optional[Sequence[int]] = None, context: Optional[int] = None,
+                      stride: Optional[int] = None, bos_id: Optional[int] = None,
+                      max_tokens: Optional[int] = None) -> dict:
+  """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes", "words")."""
+  texts, counts, token_lists = truncate(tokenizer, documents, words, max_tokens)
   prefix = bos_id if bos_id is not None else tokenizer.eos_id
   ll = document_loglikelihoods(scorer, token_lists, prefix, context=context, stride=stride)
   lengths = np.array([len(t) for t in token_lists])
   nll, n_tokens = -float(ll.sum()), int(lengths.sum())
+  n_bytes = sum(len(t.encode("utf-8")) for t in texts)
   out = {"documents": len(token_lists), "tokens": n_tokens, "bytes": n_bytes, "nll": nll,
          "token_ppl": _safe_exp(nll / n_tokens),
          "bits_per_byte": nll / (math.log(2) * max(n_bytes, 1)),
          "mean_document_ppl": float(np.mean([_safe_exp(x) for x in -ll / lengths])),
          "context": context or scorer.max_seq_len,
          "stride": stride or context or scorer.max_seq_len}
-  if words is not None:
-    out["words"] = n_words
-    out["word_ppl"] = _safe_exp(nll / n_words)
+  if counts is not None:
+    out["words"] = sum(counts)
+    out["word_ppl"] = _safe_exp(nll / out["words"])
   return out

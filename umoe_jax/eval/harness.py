@@ -11,7 +11,8 @@ umoe_jax.eval.harness ...` is the same command. Scoring itself (windows, buckets
 `umoe_jax.eval.taskspec`.
 
 Metrics (as lm-evaluation-harness computes them):
-  multiple_choice  acc = argmax_i ll_i == gold; acc_norm = argmax_i ll_i / len(choice_i in characters) == gold
+  multiple_choice  acc = argmax_i ll_i == gold;
+                   acc_norm = argmax_i ll_i / len(choice_i in characters) == gold
   schema           acc = argmax over context options of ll(continuation | option) == gold
   lm               acc = every continuation token greedy; ppl = exp(-mean over items of ll)
   race             multiple_choice over each article's last question (`umoe_jax.eval.race`)
@@ -91,84 +92,101 @@ def evaluate_docs(scorer: Scorer, tokenizer, kind: str, docs: Sequence[tasks_lib
 # Tasks
 
 
+@dataclasses.dataclass
+class PreparedTask:
+  """One scored unit: items and their prompt prefixes (an MMLU subject is one)."""
+  name: str
+  kind: str                         # multiple_choice | schema | lm
+  docs: list
+  prefixes: Optional[list[str]]
+  num_fewshot: int
+  mmlu_subject: Optional[str] = None
+
+
 def _read(spec: TaskSpec, path: str, limit: Optional[int]) -> list[tasks_lib.Doc]:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"task {spec.name!r}: data not found: {path!r}")
   if spec.kind == "race":
     return race.load_race(path, limit)
   return tasks_lib.read_jsonl(path, spec.kind, limit)
 
 
-def _evaluate_mmlu(scorer: Scorer, tokenizer, spec: TaskSpec, k: int, limit: Optional[int],
-                   bos_id: Optional[int]) -> dict[str, dict]:
-  out = {}
-  sampler = spec.fewshot_sampler or "first_n"
-  for subject in mmlu.find_subjects(spec.path, spec.split, spec.subjects):
-    docs = mmlu.read_csv(mmlu.subject_file(spec.path, spec.split, subject), limit)
-    pool = (mmlu.read_csv(mmlu.subject_file(spec.fewshot_path or spec.path, "dev", subject))
-            if k else None)
-    prefixes = fewshot.fewshot_prefixes(docs, k, pool=pool, exclude_self=False,
-                                        seed=spec.fewshot_seed, sampler=sampler,
-                                        description=spec.description or mmlu.description(subject),
-                                        task=f"{spec.name}_{subject}")
-    m = evaluate_docs(scorer, tokenizer, "multiple_choice", docs, bos_id, prefixes)
-    out[f"{spec.name}_{subject}"] = {"acc": m["acc"], "acc_stderr": m["acc_stderr"], "n": m["n"],
-                                     "category": mmlu.SUBJECTS.get(subject, "other")}
-  per_subject = {name[len(spec.name) + 1:]: m for name, m in out.items()}
-  agg = mmlu.aggregate(per_subject)
-  out.update({spec.name + name[len("mmlu"):]: m for name, m in agg.items()})
-  for m in out.values():
-    m["num_fewshot"] = k
-  return out
+def prepare(spec: TaskSpec, *, num_fewshot: int = 0, limit: Optional[int] = None,
+            fewshot_seed: int = fewshot.DEFAULT_SEED) -> list[PreparedTask]:
+  """Reads a task's items and builds its prompts, without scoring (all input errors surface here).
 
-
-def evaluate_spec(scorer: Scorer, tokenizer, spec: TaskSpec, *, num_fewshot: int = 0,
-                  limit: Optional[int] = None, bos_id: Optional[int] = None,
-                  fewshot_seed: int = fewshot.DEFAULT_SEED) -> dict[str, dict]:
-  """{result name: metrics} of one task (several names for mmlu: subjects, categories, overall).
-
-  The spec's own num_fewshot / limit / fewshot_seed win over the arguments (mmlu's default is
-  5-shot).
+  The spec's own num_fewshot / limit / fewshot_seed win over the arguments (mmlu: 5-shot from dev,
+  first_n, one PreparedTask per subject).
   """
   limit = spec.limit if spec.limit is not None else limit
-  if spec.fewshot_seed is None:
-    spec = dataclasses.replace(spec, fewshot_seed=fewshot_seed)
+  seed = spec.fewshot_seed if spec.fewshot_seed is not None else fewshot_seed
   if spec.kind == "mmlu":
     k = spec.num_fewshot if spec.num_fewshot is not None else 5
-    return _evaluate_mmlu(scorer, tokenizer, spec, k, limit, bos_id)
+    out = []
+    for subject in mmlu.find_subjects(spec.path, spec.split, spec.subjects):
+      docs = mmlu.read_csv(mmlu.subject_file(spec.path, spec.split, subject), limit)
+      pool = (mmlu.read_csv(mmlu.subject_file(spec.fewshot_path or spec.path, "dev", subject))
+              if k else None)
+      prefixes = fewshot.fewshot_prefixes(
+          docs, k, pool=pool, exclude_self=False, seed=seed,
+          sampler=spec.fewshot_sampler or "first_n",
+          description=spec.description or mmlu.description(subject), task=f"{spec.name}_{subject}")
+      out.append(PreparedTask(f"{spec.name}_{subject}", "multiple_choice", docs, prefixes, k,
+                              mmlu_subject=subject))
+    return out
   k = spec.num_fewshot if spec.num_fewshot is not None else num_fewshot
   docs = _read(spec, spec.path, limit)
   prefixes = None
   if k:
     separate = spec.fewshot_path is not None
     pool = _read(spec, spec.fewshot_path if separate else spec.path, None)
-    prefixes = fewshot.fewshot_prefixes(docs, k, pool=pool, exclude_self=not separate,
-                                        seed=spec.fewshot_seed,
+    prefixes = fewshot.fewshot_prefixes(docs, k, pool=pool, exclude_self=not separate, seed=seed,
                                         sampler=spec.fewshot_sampler or "random",
                                         description=spec.description, task=spec.name)
   elif spec.description:
     prefixes = [spec.description] * len(docs)
   kind = "multiple_choice" if spec.kind == "race" else spec.kind
-  metrics = evaluate_docs(scorer, tokenizer, kind, docs, bos_id, prefixes)
-  metrics["num_fewshot"] = k
-  return {spec.name: metrics}
+  return [PreparedTask(spec.name, kind, docs, prefixes, k)]
 
 
-def evaluate(model: nnx.Module, tokenizer, task_names: str | Sequence[str | TaskSpec], *,
-             data_dir: str = tasks_lib.DEFAULT_DATA_DIR, limit: Optional[int] = None,
-             batch_size: int = 16, bos_id: Optional[int] = None, num_fewshot: int = 0,
-             fewshot_seed: int = fewshot.DEFAULT_SEED, log=None) -> dict[str, dict]:
-  """{task: metrics} for every task (`taskspec.parse_task_list` entries: names, PATH:KIND, spec
-  files, TaskSpecs); `log(str)` gets one line per task."""
-  scorer = Scorer(model, batch_size=batch_size)
-  specs = parse_task_list(task_names, data_dir)
-  for spec in specs:   # every file before any scoring: a typo fails in a second, not an hour in
-    for path in (spec.path, spec.fewshot_path):
-      if path is not None and not os.path.exists(path):
-        raise FileNotFoundError(f"task {spec.name!r}: data not found: {path!r}")
+def score(scorer: Scorer, tokenizer, spec: TaskSpec, prepared: Sequence[PreparedTask],
+          bos_id: Optional[int] = None) -> dict[str, dict]:
+  """{result name: metrics} of one prepared task (mmlu: subjects, categories, overall)."""
+  out = {}
+  for p in prepared:
+    m = evaluate_docs(scorer, tokenizer, p.kind, p.docs, bos_id, p.prefixes)
+    if p.mmlu_subject is not None:
+      m = {"acc": m["acc"], "acc_stderr": m["acc_stderr"], "n": m["n"],
+           "category": mmlu.SUBJECTS.get(p.mmlu_subject, "other")}
+    out[p.name] = dict(m, num_fewshot=p.num_fewshot)
+  if spec.kind == "mmlu":
+    agg = mmlu.aggregate({p.mmlu_subject: out[p.name] for p in prepared})
+    k = prepared[0].num_fewshot
+    out.update({spec.name + name[len("mmlu"):]: dict(m, num_fewshot=k) for name, m in agg.items()})
+  return out
+
+
+def evaluate_spec(scorer: Scorer, tokenizer, spec: TaskSpec, *, num_fewshot: int = 0,
+                  limit: Optional[int] = None, bos_id: Optional[int] = None,
+                  fewshot_seed: int = fewshot.DEFAULT_SEED) -> dict[str, dict]:
+  """{result name: metrics} of one task (`prepare`, then `score`)."""
+  prepared = prepare(spec, num_fewshot=num_fewshot, limit=limit, fewshot_seed=fewshot_seed)
+  return score(scorer, tokenizer, spec, prepared, bos_id)
+
+
+def prepare_all(specs: Sequence[TaskSpec], **kw) -> list[list[PreparedTask]]:
+  """`prepare` of every task (keyword arguments as `prepare`)."""
+  return [prepare(s, **kw) for s in specs]
+
+
+def score_all(scorer: Scorer, tokenizer, specs: Sequence[TaskSpec],
+              prepared: Sequence[Sequence[PreparedTask]], bos_id: Optional[int] = None,
+              log=None) -> dict[str, dict]:
+  """{result name: metrics} of every prepared task, with its "seconds"; `log(str)` per task."""
   results = {}
-  for spec in specs:
+  for spec, prep in zip(specs, prepared):
     t0 = time.perf_counter()
-    out = evaluate_spec(scorer, tokenizer, spec, num_fewshot=num_fewshot, limit=limit,
-                        bos_id=bos_id, fewshot_seed=fewshot_seed)
+    out = score(scorer, tokenizer, spec, prep, bos_id)
     seconds = round(time.perf_counter() - t0, 2)
     for m in out.values():
       m["seconds"] = seconds
@@ -176,6 +194,21 @@ def evaluate(model: nnx.Module, tokenizer, task_names: str | Sequence[str | Task
     if log:
       log(f"{spec.name}: {out[spec.name]['n']} items in {seconds:.1f} s")
   return results
+
+
+def evaluate(model: nnx.Module, tokenizer, task_names: str | Sequence[str | TaskSpec], *,
+             data_dir: str = tasks_lib.DEFAULT_DATA_DIR, limit: Optional[int] = None,
+             batch_size: int = 16, bos_id: Optional[int] = None, num_fewshot: int = 0,
+             fewshot_seed: int = fewshot.DEFAULT_SEED, log=None) -> dict[str, dict]:
+  """{task: metrics} for every task (`taskspec.parse_task_list` entries: names, PATH:KIND, spec
+  files, TaskSpecs); `log(str)` gets one line per task.
+
+  Every task is read and its prompts built before any is scored, so a missing file, a malformed
+  line or too many shots fails in seconds, not after the tasks before it.
+  """
+  specs = parse_task_list(task_names, data_dir)
+  prepared = prepare_all(specs, num_fewshot=num_fewshot, limit=limit, fewshot_seed=fewshot_seed)
+  return score_all(Scorer(model, batch_size=batch_size), tokenizer, specs, prepared, bos_id, log)
 
 
 def format_table(results: dict[str, dict]) -> str:

@@ -1,8 +1,8 @@
 """MMLU (Hendrycks et al., 57 subjects): the public CSV release, scored as lm-evaluation-harness does.
 
-Data: the `data/` directory of the original release (https://people.eecs.berkeley.edu/~hendrycks/data.tar,
-also github.com/hendrycks/test): `dev/<subject>_dev.csv` (5 examples a subject), `val/<subject>_val.csv`,
-`test/<subject>_test.csv`. Rows have no header: question, A, B, C, D, answer (a letter A-D).
+Data: the `data/` directory of the original release
+(https://people.eecs.berkeley.edu/~hendrycks/data.tar, also github.com/hendrycks/test):
+`dev/<subject>_dev.csv` (5 examples a subject), `val/<subject>_val.csv`, `test/<subject>_test.csv`. Rows have no header: question, A, B, C, D, answer (a letter A-D).
 
 Prompt of one item (lm-eval's `mmlu` default template; k-shot examples are the first k dev rows):
 

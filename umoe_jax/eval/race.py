@@ -1,4 +1,4 @@
-"""RACE reading comprehension (Lai et al. 2017): the public release, scored as lm-evaluation-harness does.
+"""RACE reading comprehension (Lai et al. 2017): the public release, scored as lm-eval does.
 
 Data: RACE.tar.gz (https://www.cs.cmu.edu/~glai1/data/race/): `RACE/{train,dev,test}/{high,middle}/
 <n>.txt`, each file one JSON object {"article", "questions": [q, ...], "options": [[4 str], ...],

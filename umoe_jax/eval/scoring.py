@@ -158,7 +158,8 @@ class Scorer:
   def score_windows(self, wins: Sequence[Window]) -> tuple[np.ndarray, np.ndarray]:
     """(ll float64 [N], greedy bool [N]) of every window, in window order."""
     for inputs, targets, k in wins:
-      if not 1 <= len(inputs) <= self.max_seq_len or len(targets) != len(inputs) or not 0 <= k <= len(inputs):
+      if (not 1 <= len(inputs) <= self.max_seq_len or len(targets) != len(inputs)
+          or not 0 <= k <= len(inputs)):
         raise EvalError(f"bad window: {len(inputs)} inputs, {len(targets)} targets, {k} scored "
                         f"(max_seq_len={self.max_seq_len})")
     order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
