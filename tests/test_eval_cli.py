@@ -240,7 +240,7 @@ def _lm_eval_tasks(tmp, mc, wino, lam, docs, shots):
   return str(d)
 
 
-def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch):
+def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, capsys):
   pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
                       "requirements-eval.txt); CI installs it")
   for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
@@ -259,8 +259,8 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch):
   wino, lam = os.path.join(data_dir, "winogrande.jsonl"), os.path.join(data_dir,
                                                                        "lambada_openai.jsonl")
   shots = {"umoe_mc": 2, "umoe_wino": 1, "umoe_lam": 0, "umoe_roll": 0}
-  tm = TaskManager(include_path=_lm_eval_tasks(tmp_path, mc, wino, lam, docs, shots),
-                   include_defaults=False)
+  task_dir = _lm_eval_tasks(tmp_path, mc, wino, lam, docs, shots)
+  tm = TaskManager(include_path=task_dir, include_defaults=False)
   res = lm_eval.simple_evaluate(model=lm_eval_adapter.MODEL_NAME, model_args=f"checkpoint={ckpt}",
                                 tasks=list(shots), task_manager=tm, batch_size=4,
                                 log_samples=True, bootstrap_iters=0)
@@ -290,6 +290,15 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch):
   ppl = corpus_ppl.corpus_perplexity(scorer, tok, texts)
   assert math.isclose(res["results"]["umoe_roll"]["bits_per_byte,none"], ppl["bits_per_byte"],
                       rel_tol=1e-4)
+
+  # lm-eval's own command line, through `python -m umoe_jax.eval lm-eval`
+  code, table, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                             f"checkpoint={ckpt}", "--tasks", "umoe_mc", "--include_path", task_dir,
+                             "--batch_size", "4", "--output_path", tmp_path / "lm_eval_out")
+  assert code == 0 and "umoe_mc" in table, err[-3000:]
+  [out_file] = list((tmp_path / "lm_eval_out").glob("**/results_*.json"))
+  assert json.loads(out_file.read_text())["results"]["umoe_mc"]["acc,none"] == \
+      res["results"]["umoe_mc"]["acc,none"]
 
   # generate_until: greedy decoding of our decode loop, cut at the stop string
   from lm_eval.api.instance import Instance

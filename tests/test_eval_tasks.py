@@ -244,3 +244,12 @@ def test_race_item_as_lm_eval_builds_it(tmp_path):
   out = harness.evaluate_spec(Scorer(model, batch_size=4), ByteTokenizer(),
                               taskspec.TaskSpec("race", "race", lines, limit=1))
   assert out["race"]["acc"] == 1.0
+
+
+def test_trailing_context_space_moves_to_the_continuation():
+  """As lm-eval: "Answer: " + "B" is scored as "Answer:" + " B"; an empty context becomes EOS."""
+  from umoe_jax.eval.scoring import encode_requests
+  tok = ByteTokenizer()
+  assert encode_requests(tok, [("Answer: ", "B"), ("", " x")]) == [
+      (list(b"Answer:"), list(b" B")), ([tok.eos_id], list(b" x"))]
+  assert encode_requests(tok, [("q", " a")], bos_id=7) == [([7] + list(b"q"), list(b" a"))]

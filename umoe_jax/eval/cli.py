@@ -24,9 +24,16 @@ from typing import Callable, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from umoe_jax.eval import harness
 from umoe_jax.eval import tasks as tasks_lib
+from umoe_jax.eval.attack import attack_documents
+from umoe_jax.eval.corpora import read_corpus
+from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
 from umoe_jax.eval.errors import EvalError
+from umoe_jax.eval.loading import load_for_eval
 from umoe_jax.eval.results import fmt, markdown_table, write_json
+from umoe_jax.eval.scoring import Scorer
+from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
 
 
 def _log(msg: str) -> None:
@@ -93,7 +100,6 @@ def _corpus_flags(fv) -> None:
 
 
 def _load(f):
-  from umoe_jax.eval.loading import load_for_eval
   model, tokenizer, info = load_for_eval(f.checkpoint, f.config, tokenizer=f.tokenizer,
                                          seed=f.seed, compute_dtype=f.compute_dtype or None)
   _log(f"model: {f.checkpoint or '(random parameters)'}; tokenizer: {info['tokenizer']}")
@@ -101,9 +107,6 @@ def _load(f):
 
 
 def _run_tasks(f, task_entries) -> tuple[str, dict]:
-  from umoe_jax.eval import harness
-  from umoe_jax.eval.taskspec import parse_task_list
-  from umoe_jax.eval.scoring import Scorer
   specs = parse_task_list(task_entries, getattr(f, "data_dir", tasks_lib.DEFAULT_DATA_DIR))
   prepared = harness.prepare_all(specs, num_fewshot=f.num_fewshot, limit=f.limit,   # before the
                                  fewshot_seed=f.fewshot_seed)                       # model loads
@@ -118,35 +121,23 @@ def cmd_tasks(f):
 
 
 def cmd_mmlu(f):
-  from umoe_jax.eval.taskspec import TaskSpec
   if not f.data_dir:
     raise EvalError("give --data_dir=<MMLU data/ directory holding dev/, val/, test/>")
   subjects = tuple(s.strip() for s in f.subjects.split(",") if s.strip()) if f.subjects else None
-  spec = TaskSpec(name="mmlu", kind="mmlu", path=f.data_dir, num_fewshot=f.num_fewshot,
-                  fewshot_seed=f.fewshot_seed, split=f.split, subjects=subjects)
-  table, out = _run_tasks(f, [spec])
-  return table, out
+  return _run_tasks(f, [TaskSpec(name="mmlu", kind="mmlu", path=f.data_dir,
+                                 num_fewshot=f.num_fewshot, split=f.split, subjects=subjects)])
 
 
 def cmd_race(f):
-  from umoe_jax.eval.taskspec import TaskSpec
   if not f.data:
     raise EvalError("give --data=<RACE directory, file or .jsonl>, e.g. RACE/test/high")
-  return _run_tasks(f, [TaskSpec(name="race", kind="race", path=f.data,
-                                 fewshot_seed=f.fewshot_seed)])
+  return _run_tasks(f, [TaskSpec(name="race", kind="race", path=f.data)])
 
 
 def _corpus(f):
-  from umoe_jax.eval.corpora import read_corpus
   if not f.data:
     raise EvalError("give --data=<corpus file, directory or glob>")
   return read_corpus(f.data, f.format, text_field=f.text_field, detokenize=f.detokenize)
-
-
-def _ppl(scorer, tokenizer, f, documents, words):
-  from umoe_jax.eval.corpus_ppl import corpus_perplexity
-  return corpus_perplexity(scorer, tokenizer, documents, words=words, context=f.context,
-                           stride=f.stride, bos_id=f.bos_id, max_tokens=f.max_tokens)
 
 
 _PPL_ROWS = ("documents", "tokens", "words", "bytes", "token_ppl", "word_ppl", "bits_per_byte",
@@ -154,11 +145,12 @@ _PPL_ROWS = ("documents", "tokens", "words", "bytes", "token_ppl", "word_ppl", "
 
 
 def cmd_perplexity(f):
-  from umoe_jax.eval.scoring import Scorer
   corpus = _corpus(f)
   model, tokenizer, info = _load(f)
   t0 = time.perf_counter()
-  out = _ppl(Scorer(model, f.batch_size), tokenizer, f, corpus.documents, corpus.words)
+  out = corpus_perplexity(Scorer(model, f.batch_size), tokenizer, corpus.documents,
+                          words=corpus.words, context=f.context, stride=f.stride, bos_id=f.bos_id,
+                          max_tokens=f.max_tokens)
   out["seconds"] = round(time.perf_counter() - t0, 2)
   _log(f"{corpus.name}: {out['tokens']} tokens in {out['seconds']:.1f} s "
        f"(context {out['context']}, stride {out['stride']})")
@@ -167,9 +159,6 @@ def cmd_perplexity(f):
 
 
 def cmd_attack(f):
-  from umoe_jax.eval.attack import attack_documents
-  from umoe_jax.eval.scoring import Scorer
-  from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
   corpus = _corpus(f)
   model, tokenizer, info = _load(f)
   # --max_tokens cuts the clean text first; the attack then hits only what is scored.
