@@ -1,3 +1,17 @@
-"""Evaluation: held-out perplexity (`perplexity`) and zero-shot tasks by log-likelihood scoring
-(`tasks`: readers of the shared eval JSONL files; `harness`: batched scoring, metrics and the CLI
-`python -m umoe_jax.eval.harness`)."""
+"""Evaluation. `python -m umoe_jax.eval <command>` (`cli`): tasks, mmlu, race, perplexity, attack,
+lm-eval. Modules, one idea each:
+
+  scoring      batched, bucketed log-likelihood of token windows (`Scorer`)
+  tasks        JSONL readers: multiple choice, schema, lm (cloze); the known task files
+  fewshot      k-shot prompts with lm-evaluation-harness's draw and delimiters
+  taskspec     which tasks: names, PATH:KIND, YAML / JSON spec files
+  harness      task metrics (acc, acc_norm, ppl) and `evaluate`
+  mmlu, race   readers of their public releases, lm-eval's prompts
+  corpora      perplexity corpora (parquet, jsonl, text, WikiText) and WikiText word counts
+  corpus_ppl   sliding-window perplexity: token, word, bits per byte
+  attack       seeded word-swap attack of a text
+  loading      model + tokenizer from a checkpoint, with clear errors (`EvalError`, `errors`)
+  results      tables and atomic JSON
+  lm_eval_adapter  the `umoe_jax` model for lm-evaluation-harness (optional dependency)
+  perplexity   validation loss inside a training run (used by the trainer)
+"""

@@ -1,167 +1,42 @@
-"""Zero-shot evaluation by log-likelihood scoring (HellaSwag, PIQA, ARC-E/C, WinoGrande, LAMBADA).
+"""Task evaluation by log-likelihood scoring (HellaSwag, PIQA, ARC-E/C, WinoGrande, LAMBADA, any JSONL
+task file, RACE, MMLU), zero- or few-shot, as lm-evaluation-harness scores them.
 
-    python -m umoe_jax.eval.harness --checkpoint=DIR --tasks=arc_easy,piqa [--limit=N]
-        [--data_dir=../shared/data/eval] [--batch_size=16] [--tokenizer=...] [--json=out.json]
+    results = evaluate(model, tokenizer, ["arc_easy", "winogrande"], limit=100, num_fewshot=3)
+    results = evaluate(model, tokenizer, ["mine=data/q.jsonl:mc", "suite.yaml"])
+    metrics = evaluate_docs(Scorer(model), tokenizer, "multiple_choice", docs, prefixes=...)
 
-    scorer = Scorer(model, batch_size=16)
-    ll, greedy = scorer.loglikelihood([(ctx_ids, cont_ids), ...])   # float64 [N], bool [N]
-    results = evaluate(model, tokenizer, ["arc_easy", "winogrande"], limit=100)
-
-Scoring one request (context tokens c, continuation tokens x):
-  * the sequence c + x is cut to its last max_seq_len + 1 tokens (contexts truncated from the left),
-    inputs = seq[:-1], targets = seq[1:]; the log-likelihood is the sum of log p(target) over the
-    len(x) continuation targets, and `greedy` says whether every one of them is the argmax.
-  * A continuation longer than max_seq_len (rare: long choices under a byte tokenizer) is scored in
-    windows, last first: each scores up to max_seq_len targets after as many preceding tokens as fit
-    (`windows`); their log-likelihoods add up, greedy is all of theirs.
-  * Windows are sorted by length (longest first), batched `batch_size` at a time, right-padded to the
-    smallest bucket length (powers of two from 32, and max_seq_len) that fits the batch, and the batch
-    is padded with empty rows to `batch_size`: one compiled forward per bucket, at most ~log2(T/32)+1.
-    Right padding never changes the real tokens (causal attention, per-token dropless routing).
+The CLI is `python -m umoe_jax.eval tasks ...` (`umoe_jax.eval.cli`); `python -m
+umoe_jax.eval.harness ...` is the same command. Scoring itself (windows, buckets, batches) is in
+`umoe_jax.eval.scoring`; prompts with examples in `umoe_jax.eval.fewshot`; which tasks in
+`umoe_jax.eval.taskspec`.
 
 Metrics (as lm-evaluation-harness computes them):
-  multiple_choice  acc = argmax_i ll_i == gold; acc_norm = argmax_i ll_i / len(choice_i in characters) == gold
+  multiple_choice  acc = argmax_i ll_i == gold;
+                   acc_norm = argmax_i ll_i / len(choice_i in characters) == gold
   schema           acc = argmax over context options of ll(continuation | option) == gold
   lm               acc = every continuation token greedy; ppl = exp(-mean over items of ll)
+  race             multiple_choice over each article's last question (`umoe_jax.eval.race`)
+  mmlu             acc per subject, per category and overall (`umoe_jax.eval.mmlu`)
   *_stderr is the standard error of the mean over items.
-
-Memory: a batch materialises float32 logits [batch_size, bucket, V]; lower --batch_size for big V.
 """
 from __future__ import annotations
 
-import functools
-import json
+import dataclasses
 import math
-import sys
+import os
 import time
 from typing import Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from umoe_jax.eval import fewshot, mmlu, race
 from umoe_jax.eval import tasks as tasks_lib
-
-Request = tuple[Sequence[int], Sequence[int]]   # (context token ids, continuation token ids)
-
-
-def bucket_lengths(max_seq_len: int, smallest: int = 32) -> tuple[int, ...]:
-  """Padded sequence lengths: powers of two from `smallest` below max_seq_len, then max_seq_len."""
-  out, n = [], smallest
-  while n < max_seq_len:
-    out.append(n)
-    n *= 2
-  return tuple(out) + (max_seq_len,)
-
-
-def encode_requests(tokenizer, pairs: Sequence[tuple[str, str]],
-                    bos_id: Optional[int] = None) -> list[tuple[list[int], list[int]]]:
-  """(context, continuation) strings -> token ids, each part encoded on its own.
-
-  `bos_id` is put before every context; an empty context (and no BOS) becomes [eos_id].
-  """
-  out = []
-  for context, continuation in pairs:
-    ctx = ([bos_id] if bos_id is not None else []) + list(tokenizer.encode(context))
-    cont = list(tokenizer.encode(continuation))
-    if not cont:
-      raise ValueError(f"continuation {continuation!r} encodes to no tokens")
-    out.append((ctx or [tokenizer.eos_id], cont))
-  return out
-
-
-Window = tuple[list[int], list[int], int]   # (inputs, targets, number of scored targets at the end)
-
-
-def windows(context: Sequence[int], continuation: Sequence[int], max_seq_len: int) -> list[Window]:
-  """The forward windows that score `continuation` after `context` (one unless the continuation is
-  longer than max_seq_len): inputs [n] and targets [n] (n <= max_seq_len), the last k targets scored."""
-  seq, c = list(context) + list(continuation), len(context)
-  out, end = [], len(seq)                  # score targets seq[start:end] from inputs seq[a:end - 1]
-  while end > c:
-    a = max(0, end - 1 - max_seq_len)
-    start = max(c, a + 1)
-    out.append((seq[a:end - 1], seq[a + 1:end], end - start))
-    end = start
-  return out
-
-
-def pack(batch: Sequence[Window], length: int, batch_size: int):
-  """Windows -> (tokens, targets int32 [batch_size, length], mask bool [batch_size, length]).
-
-  Row i holds window i right-padded with 0; mask marks its scored targets. Rows past len(batch) are
-  all padding (mask False).
-  """
-  tokens = np.zeros((batch_size, length), np.int32)
-  targets = np.zeros((batch_size, length), np.int32)
-  mask = np.zeros((batch_size, length), bool)
-  for i, (inputs, tgt, k) in enumerate(batch):
-    n = len(inputs)
-    if n > length:
-      raise ValueError(f"window of {n} input tokens does not fit length {length}")
-    tokens[i, :n] = inputs
-    targets[i, :n] = tgt
-    mask[i, n - k:n] = True
-  return tokens, targets, mask
-
-
-@functools.lru_cache(maxsize=8)
-def _score_fn(graphdef):
-  """Jitted (state, tokens, targets, mask [B, L]) -> (ll float32 [B], greedy bool [B])."""
-
-  @jax.jit
-  def score(state, tokens, targets, mask):
-    logits, _ = nnx.merge(graphdef, state)(tokens)                                # [B, L, V] f32
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logp = target_logit - jax.nn.logsumexp(logits, axis=-1)                       # [B, L]
-    ll = jnp.sum(jnp.where(mask, logp, 0.0), axis=-1)
-    greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~mask, axis=-1)
-    return ll, greedy
-
-  return score
-
-
-class Scorer:
-  """Batched log-likelihoods of continuations under a CausalLM (see the module docstring)."""
-
-  def __init__(self, model: nnx.Module, batch_size: int = 16,
-               buckets: Optional[Sequence[int]] = None):
-    if batch_size < 1:
-      raise ValueError(f"batch_size={batch_size} must be >= 1")
-    self.max_seq_len = model.cfg.max_seq_len
-    self.batch_size = batch_size
-    self.buckets = tuple(sorted(buckets)) if buckets else bucket_lengths(self.max_seq_len)
-    if self.buckets[-1] < self.max_seq_len:
-      self.buckets += (self.max_seq_len,)
-    if self.buckets[-1] > self.max_seq_len:
-      raise ValueError(f"bucket {self.buckets[-1]} exceeds max_seq_len={self.max_seq_len}")
-    self.graphdef, self.state = nnx.split(model)
-    self._score = _score_fn(self.graphdef)
-
-  def _bucket(self, n: int) -> int:
-    return next(b for b in self.buckets if b >= n)
-
-  def loglikelihood(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
-    """(ll float64 [N], greedy bool [N]) of every request's continuation, in request order."""
-    owner, wins = [], []
-    for i, (ctx, cont) in enumerate(requests):
-      if not ctx or not cont:
-        raise ValueError("every request needs at least one context and one continuation token")
-      for w in windows(ctx, cont, self.max_seq_len):
-        owner.append(i)
-        wins.append(w)
-    order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
-    ll, greedy = np.zeros(len(requests)), np.ones(len(requests), bool)
-    for start in range(0, len(order), self.batch_size):
-      idx = order[start:start + self.batch_size]
-      batch = pack([wins[j] for j in idx], self._bucket(len(wins[idx[0]][0])), self.batch_size)
-      out_ll, out_greedy = self._score(self.state, *map(jnp.asarray, batch))
-      who = np.asarray([owner[j] for j in idx])
-      np.add.at(ll, who, np.asarray(out_ll, np.float64)[:len(idx)])
-      np.logical_and.at(greedy, who, np.asarray(out_greedy)[:len(idx)])
-    return ll, greedy
-
+from umoe_jax.eval.errors import EvalError
+from umoe_jax.eval.results import fmt, markdown_table
+from umoe_jax.eval.scoring import (Request, Scorer, Window, bucket_lengths,  # noqa: F401 (re-exported)
+                                   compile_count, encode_requests, pack, windows)
+from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
 
 # ------------------------------------------------------------------------------------------------
 # Metrics
@@ -192,122 +67,163 @@ def choice_metrics(ll: Sequence[np.ndarray], gold: Sequence[int],
 
 
 def evaluate_docs(scorer: Scorer, tokenizer, kind: str, docs: Sequence[tasks_lib.Doc],
-                  bos_id: Optional[int] = None) -> dict:
-  """Metrics of one task's documents (kind: "multiple_choice", "schema" or "lm")."""
-  pairs = [p for d in docs for p in d.requests()]
+                  bos_id: Optional[int] = None, prefixes: Optional[Sequence[str]] = None) -> dict:
+  """Metrics of one task's documents (kind: "multiple_choice", "schema" or "lm"); `prefixes[i]`
+  (few-shot examples, `umoe_jax.eval.fewshot`) goes before every context of docs[i]."""
+  prefixes = prefixes if prefixes is not None else [""] * len(docs)
+  per_doc_requests = [d.requests(p) for d, p in zip(docs, prefixes)]
+  pairs = [r for reqs in per_doc_requests for r in reqs]
   ll, greedy = scorer.loglikelihood(encode_requests(tokenizer, pairs, bos_id))
   if kind == "lm":
     acc, acc_err = _mean_stderr(greedy)
     return {"acc": acc, "acc_stderr": acc_err, "ppl": math.exp(min(-float(np.mean(ll)), 700.0)),
             "n": len(docs)}
-  splits = np.cumsum([len(d.requests()) for d in docs])[:-1]
+  splits = np.cumsum([len(r) for r in per_doc_requests])[:-1]
   per_doc = np.split(ll, splits)
   gold = [d.gold for d in docs]
   if kind == "multiple_choice":
     return choice_metrics(per_doc, gold, [[len(c) for c in d.choices] for d in docs])
   if kind == "schema":
     return choice_metrics(per_doc, gold)
-  raise ValueError(f"unknown task kind {kind!r}")
-
-
-def evaluate(model: nnx.Module, tokenizer, task_names: Sequence[str], *,
-             data_dir: str = tasks_lib.DEFAULT_DATA_DIR, limit: Optional[int] = None,
-             batch_size: int = 16, bos_id: Optional[int] = None, log=None) -> dict[str, dict]:
-  """{task: metrics} for every task, reading `data_dir`; `log(str)` gets one line per task."""
-  scorer = Scorer(model, batch_size=batch_size)
-  results = {}
-  for name in task_names:
-    name = tasks_lib.resolve_task(name)
-    t0 = time.perf_counter()
-    docs = tasks_lib.load_task(name, data_dir, limit)
-    results[name] = evaluate_docs(scorer, tokenizer, tasks_lib.task_kind(name), docs, bos_id)
-    results[name]["seconds"] = round(time.perf_counter() - t0, 2)
-    if log:
-      log(f"{name}: {len(docs)} items in {results[name]['seconds']:.1f} s")
-  return results
-
-
-def format_table(results: dict[str, dict]) -> str:
-  """One row per (task, metric): | task | n | metric | value | stderr |."""
-  rows = [("task", "n", "metric", "value", "stderr")]
-  for name, m in results.items():
-    for key in ("acc", "acc_norm", "ppl"):
-      if key in m:
-        err = m.get(f"{key}_stderr")
-        rows.append((name, str(m["n"]), key, f"{m[key]:.4f}" if m[key] < 1e6 else f"{m[key]:.4e}",
-                     "" if err is None else f"{err:.4f}"))
-  widths = [max(len(r[i]) for r in rows) for i in range(5)]
-  lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-  lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-  return "\n".join(lines)
+  raise EvalError(f"unknown task kind {kind!r}")
 
 
 # ------------------------------------------------------------------------------------------------
-# CLI
+# Tasks
 
 
-def _tokenizer_spec(flag: Optional[str], saved: Optional[dict], config) -> tuple[str, str]:
-  """--tokenizer, else the checkpoint's (or --config's) data.tokenizer, else "byte"."""
-  if flag:
-    return flag, ""
-  for source in (saved, config.to_dict() if config is not None else None):
-    data = (source or {}).get("data") or {}
-    if data.get("tokenizer"):
-      return data["tokenizer"], data.get("eos_token", "") or ""
-  return "byte", ""
+@dataclasses.dataclass
+class PreparedTask:
+  """One scored unit: items and their prompt prefixes (an MMLU subject is one)."""
+  name: str
+  kind: str                         # multiple_choice | schema | lm
+  docs: list
+  prefixes: Optional[list[str]]
+  num_fewshot: int
+  mmlu_subject: Optional[str] = None
 
 
-def _define_flags():
-  from absl import flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py): used when the "
-                                  "checkpoint has no config.json, or without --checkpoint (random).")
-  flags.DEFINE_string("checkpoint", None, "Training workdir or converted checkpoint directory.")
-  flags.DEFINE_string("tasks", ",".join(tasks_lib.TASKS), "Comma-separated tasks: "
-                      + ", ".join(tasks_lib.TASKS) + ".")
-  flags.DEFINE_string("data_dir", tasks_lib.DEFAULT_DATA_DIR, "Directory of the eval JSONL files.")
-  flags.DEFINE_integer("limit", None, "Evaluate only the first N items of each task.")
-  flags.DEFINE_integer("batch_size", 16, "Requests per forward pass.")
-  flags.DEFINE_string("tokenizer", None, '"byte" or a tokenizer.json (default: the config\'s '
-                      "data.tokenizer, else byte).")
-  flags.DEFINE_integer("bos_id", None, "Token id put before every context (1 for Llama-2).")
-  flags.DEFINE_string("json", None, "Also write the results to this JSON file.")
-  flags.DEFINE_string("compute_dtype", "float32", 'Compute dtype ("" = keep the config\'s).')
-  flags.DEFINE_integer("seed", 0, "Init seed without a checkpoint.")
-  return flags.FLAGS
+def _read(spec: TaskSpec, path: str, limit: Optional[int]) -> list[tasks_lib.Doc]:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"task {spec.name!r}: data not found: {path!r}")
+  if spec.kind == "race":
+    return race.load_race(path, limit)
+  return tasks_lib.read_jsonl(path, spec.kind, limit)
 
 
-def main(argv) -> int:
-  """The CLI (flags from `_define_flags`); prints the table, optionally writes --json."""
-  from absl import flags
+def prepare(spec: TaskSpec, *, num_fewshot: int = 0, limit: Optional[int] = None,
+            fewshot_seed: int = fewshot.DEFAULT_SEED) -> list[PreparedTask]:
+  """Reads a task's items and builds its prompts, without scoring (all input errors surface here).
 
-  from umoe_jax.data.tokenizer import check_vocab, make_tokenizer
-  from umoe_jax.model.decode import load_model
+  The spec's own num_fewshot / limit / fewshot_seed win over the arguments (mmlu: 5-shot from dev,
+  first_n, one PreparedTask per subject).
+  """
+  limit = spec.limit if spec.limit is not None else limit
+  seed = spec.fewshot_seed if spec.fewshot_seed is not None else fewshot_seed
+  if spec.kind == "mmlu":
+    k = spec.num_fewshot if spec.num_fewshot is not None else 5
+    out = []
+    for subject in mmlu.find_subjects(spec.path, spec.split, spec.subjects):
+      docs = mmlu.read_csv(mmlu.subject_file(spec.path, spec.split, subject), limit)
+      pool = (mmlu.read_csv(mmlu.subject_file(spec.fewshot_path or spec.path, "dev", subject))
+              if k else None)
+      prefixes = fewshot.fewshot_prefixes(
+          docs, k, pool=pool, exclude_self=False, seed=seed,
+          sampler=spec.fewshot_sampler or "first_n",
+          description=spec.description or mmlu.description(subject), task=f"{spec.name}_{subject}")
+      out.append(PreparedTask(f"{spec.name}_{subject}", "multiple_choice", docs, prefixes, k,
+                              mmlu_subject=subject))
+    return out
+  k = spec.num_fewshot if spec.num_fewshot is not None else num_fewshot
+  docs = _read(spec, spec.path, limit)
+  prefixes = None
+  if k:
+    separate = spec.fewshot_path is not None
+    pool = _read(spec, spec.fewshot_path if separate else spec.path, None)
+    prefixes = fewshot.fewshot_prefixes(docs, k, pool=pool, exclude_self=not separate, seed=seed,
+                                        sampler=spec.fewshot_sampler or "random",
+                                        description=spec.description, task=spec.name)
+  elif spec.description:
+    prefixes = [spec.description] * len(docs)
+  kind = "multiple_choice" if spec.kind == "race" else spec.kind
+  return [PreparedTask(spec.name, kind, docs, prefixes, k)]
 
-  if len(argv) > 1:
-    raise SystemExit(f"unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
-  if f.checkpoint is None and f.config is None:
-    raise SystemExit("give --checkpoint=DIR, or --config=configs/<model>.py for random parameters")
-  names = [tasks_lib.resolve_task(t) for t in f.tasks.split(",") if t.strip()]
-  model, model_section, saved = load_model(f.checkpoint, f.config, seed=f.seed,
-                                           compute_dtype=f.compute_dtype or None)
-  spec, eos_token = _tokenizer_spec(f.tokenizer, saved, f.config)
-  tokenizer = make_tokenizer(spec, eos_token)
-  check_vocab(tokenizer, model_section.vocab_size)
-  log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-  log(f"model: {f.checkpoint or '(random parameters)'}; tokenizer: {spec}; tasks: {', '.join(names)}")
-  results = evaluate(model, tokenizer, names, data_dir=f.data_dir, limit=f.limit,
-                     batch_size=f.batch_size, bos_id=f.bos_id, log=log)
-  print(format_table(results))
-  if f.json:
-    with open(f.json, "w") as out:
-      json.dump({"checkpoint": f.checkpoint, "tokenizer": spec, "limit": f.limit,
-                 "results": results}, out, indent=2)
-  return 0
+
+def score(scorer: Scorer, tokenizer, spec: TaskSpec, prepared: Sequence[PreparedTask],
+          bos_id: Optional[int] = None) -> dict[str, dict]:
+  """{result name: metrics} of one prepared task (mmlu: subjects, categories, overall)."""
+  out = {}
+  for p in prepared:
+    m = evaluate_docs(scorer, tokenizer, p.kind, p.docs, bos_id, p.prefixes)
+    if p.mmlu_subject is not None:
+      m = {"acc": m["acc"], "acc_stderr": m["acc_stderr"], "n": m["n"],
+           "category": mmlu.SUBJECTS.get(p.mmlu_subject, "other")}
+    out[p.name] = dict(m, num_fewshot=p.num_fewshot)
+  if spec.kind == "mmlu":
+    agg = mmlu.aggregate({p.mmlu_subject: out[p.name] for p in prepared})
+    k = prepared[0].num_fewshot
+    out.update({spec.name + name[len("mmlu"):]: dict(m, num_fewshot=k) for name, m in agg.items()})
+  return out
+
+
+def evaluate_spec(scorer: Scorer, tokenizer, spec: TaskSpec, *, num_fewshot: int = 0,
+                  limit: Optional[int] = None, bos_id: Optional[int] = None,
+                  fewshot_seed: int = fewshot.DEFAULT_SEED) -> dict[str, dict]:
+  """{result name: metrics} of one task (`prepare`, then `score`)."""
+  prepared = prepare(spec, num_fewshot=num_fewshot, limit=limit, fewshot_seed=fewshot_seed)
+  return score(scorer, tokenizer, spec, prepared, bos_id)
+
+
+def prepare_all(specs: Sequence[TaskSpec], **kw) -> list[list[PreparedTask]]:
+  """`prepare` of every task (keyword arguments as `prepare`)."""
+  return [prepare(s, **kw) for s in specs]
+
+
+def score_all(scorer: Scorer, tokenizer, specs: Sequence[TaskSpec],
+              prepared: Sequence[Sequence[PreparedTask]], bos_id: Optional[int] = None,
+              log=None) -> dict[str, dict]:
+  """{result name: metrics} of every prepared task, with its "seconds"; `log(str)` per task."""
+  results = {}
+  for spec, prep in zip(specs, prepared):
+    t0 = time.perf_counter()
+    out = score(scorer, tokenizer, spec, prep, bos_id)
+    seconds = round(time.perf_counter() - t0, 2)
+    for m in out.values():
+      m["seconds"] = seconds
+    results.update(out)
+    if log:
+      log(f"{spec.name}: {out[spec.name]['n']} items in {seconds:.1f} s")
+  return results
+
+
+def evaluate(model: nnx.Module, tokenizer, task_names: str | Sequence[str | TaskSpec], *,
+             data_dir: str = tasks_lib.DEFAULT_DATA_DIR, limit: Optional[int] = None,
+             batch_size: int = 16, bos_id: Optional[int] = None, num_fewshot: int = 0,
+             fewshot_seed: int = fewshot.DEFAULT_SEED, log=None) -> dict[str, dict]:
+  """{task: metrics} for every task (`taskspec.parse_task_list` entries: names, PATH:KIND, spec
+  files, TaskSpecs); `log(str)` gets one line per task.
+
+  Every task is read and its prompts built before any is scored, so a missing file, a malformed
+  line or too many shots fails in seconds, not after the tasks before it.
+  """
+  specs = parse_task_list(task_names, data_dir)
+  prepared = prepare_all(specs, num_fewshot=num_fewshot, limit=limit, fewshot_seed=fewshot_seed)
+  return score_all(Scorer(model, batch_size=batch_size), tokenizer, specs, prepared, bos_id, log)
+
+
+def format_table(results: dict[str, dict]) -> str:
+  """One row per (task, metric): | task | n | shots | metric | value | stderr |."""
+  rows = [("task", "n", "shots", "metric", "value", "stderr")]
+  for name, m in results.items():
+    for key in ("acc", "acc_norm", "ppl"):
+      if key in m:
+        rows.append((name, str(m["n"]), str(m.get("num_fewshot", "")), key, fmt(float(m[key])),
+                     fmt(m.get(f"{key}_stderr"))))
+  return markdown_table(rows)
 
 
 if __name__ == "__main__":
-  from absl import app
-  _define_flags()
-  app.run(main)
+  import sys
+
+  from umoe_jax.eval.cli import main
+  sys.exit(main(["tasks"] + sys.argv[1:], prog="python -m umoe_jax.eval.harness"))

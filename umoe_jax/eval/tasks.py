@@ -1,4 +1,4 @@
-"""Zero-shot eval sets: JSONL readers and the (context, continuation) requests each item asks for.
+"""Eval sets: JSONL readers and the (context, continuation) requests each item asks for.
 
 The files are those in `../shared/data/eval/` (MosaicML eval-gauntlet layout, one JSON object a line):
 
@@ -7,10 +7,14 @@ The files are those in `../shared/data/eval/` (MosaicML eval-gauntlet layout, on
   schema           winogrande                                    {"context_options": [str, ...], "continuation", "gold": i}
   lm               lambada_openai                                {"context", "continuation"}
 
-Requests (scored by the log-likelihood of the continuation's tokens given the context's):
-  multiple_choice: (query, " " + choice) for every choice;
-  schema:          (option, " " + continuation) for every context option (the continuation is shared);
-  lm:              (context, " " + continuation) (the last word).
+Any file in one of these layouts can be read by kind (`read_jsonl(path, kind)`; kinds also go by
+"mc" and "cloze"). Requests (scored by the log-likelihood of the continuation's tokens given the
+context's), after an optional few-shot `prefix` (see `umoe_jax.eval.fewshot`):
+  multiple_choice: (prefix + query, " " + choice) for every choice;
+  schema:          (prefix + option, " " + continuation) for every context option (shared continuation);
+  lm:              (prefix + context, " " + continuation) (the last word).
+`example()` is the item solved, as a few-shot example: query + " " + gold choice, gold option + " " +
+continuation, context + " " + continuation.
 
     docs = load_task("arc_easy", data_dir, limit=100)        # list[MultipleChoice]
     pairs = docs[0].requests()                               # [(context, continuation), ...]
@@ -24,6 +28,8 @@ import json
 import os
 from typing import Any, Optional, Union
 
+from umoe_jax.eval.errors import EvalError
+
 # Joins a context and its continuation (lm-evaluation-harness's target_delimiter).
 DELIMITER = " "
 
@@ -32,7 +38,7 @@ DEFAULT_DATA_DIR = os.path.normpath(os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data", "eval"))
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(EvalError):
   """A record of an eval file is not what its task expects (the message names file:line)."""
 
 
@@ -42,8 +48,11 @@ class MultipleChoice:
   choices: tuple[str, ...]
   gold: int
 
-  def requests(self) -> list[tuple[str, str]]:
-    return [(self.query, DELIMITER + c) for c in self.choices]
+  def requests(self, prefix: str = "") -> list[tuple[str, str]]:
+    return [(prefix + self.query, DELIMITER + c) for c in self.choices]
+
+  def example(self) -> str:
+    return self.query + DELIMITER + self.choices[self.gold]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +61,11 @@ class Schema:
   continuation: str
   gold: int
 
-  def requests(self) -> list[tuple[str, str]]:
-    return [(o, DELIMITER + self.continuation) for o in self.context_options]
+  def requests(self, prefix: str = "") -> list[tuple[str, str]]:
+    return [(prefix + o, DELIMITER + self.continuation) for o in self.context_options]
+
+  def example(self) -> str:
+    return self.context_options[self.gold] + DELIMITER + self.continuation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +73,25 @@ class LanguageModeling:
   context: str
   continuation: str
 
-  def requests(self) -> list[tuple[str, str]]:
-    return [(self.context, DELIMITER + self.continuation)]
+  def requests(self, prefix: str = "") -> list[tuple[str, str]]:
+    return [(prefix + self.context, DELIMITER + self.continuation)]
+
+  def example(self) -> str:
+    return self.context + DELIMITER + self.continuation
 
 
 Doc = Union[MultipleChoice, Schema, LanguageModeling]
+
+KINDS = ("multiple_choice", "schema", "lm")
+_KIND_ALIASES = {"mc": "multiple_choice", "cloze": "lm", "lambada": "lm"}
+
+
+def resolve_kind(kind: str) -> str:
+  """Canonical record kind ("mc" and "cloze" are accepted); EvalError if unknown."""
+  kind = _KIND_ALIASES.get(kind.strip(), kind.strip())
+  if kind not in KINDS:
+    raise EvalError(f"unknown task kind {kind!r}; valid: {', '.join(KINDS)} (or mc, cloze)")
+  return kind
 
 # task name -> (file name in the data directory, kind).
 TASKS: dict[str, tuple[str, str]] = {
@@ -88,7 +114,8 @@ def resolve_task(name: str) -> str:
   """Canonical task name (accepts the file stem and a few aliases); ValueError if unknown."""
   name = _ALIASES.get(name.strip(), name.strip())
   if name not in TASKS:
-    raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
+    raise EvalError(f"unknown task {name!r}; valid: {', '.join(TASKS)}, or a file as PATH:KIND "
+                    "or a task spec file (.yaml / .json)")
   return name
 
 
@@ -141,21 +168,26 @@ def parse_record(kind: str, rec: Any, where: str) -> Doc:
     if not cont.strip():
       raise TaskFormatError(f"{where}: 'continuation' is empty")
     return LanguageModeling(_str(rec, "context", where), cont)
-  raise ValueError(f"unknown task kind {kind!r}")
+  raise EvalError(f"unknown task kind {kind!r}; valid: {', '.join(KINDS)}")
 
 
 def read_jsonl(path: str, kind: str, limit: Optional[int] = None) -> list[Doc]:
   """The first `limit` (None: all) records of a JSONL file of `kind`; blank lines are skipped."""
+  kind = resolve_kind(kind)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"eval file not found: {path!r}")
   docs: list[Doc] = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
       if limit is not None and len(docs) >= limit:
         break
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise TaskFormatError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
       if not line.strip():
         continue
-      where = f"{path}:{lineno}"
       try:
         rec = json.loads(line)
       except json.JSONDecodeError as e:

@@ -1,0 +1,313 @@
+"""Every `python -m umoe_jax.eval` command end to end on a tiny trained checkpoint (tasks with few-shot
+and task files, mmlu, race, perplexity on WikiText-2, attack), the lm-evaluation-harness adapter
+against our own harness on the same items, and bad input: one error line, a non-zero exit, no
+result file written.
+
+The checkpoint is trained once per session (a dense 1-layer model, 3 steps on the built-in corpus,
+byte tokenizer); commands run in-process through `cli.main` (sharing compiled scoring programs),
+one of each kind also as a subprocess.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import configs.common
+from conftest import ROOT
+from test_eval import _synthetic_dir
+from test_eval_tasks import ARTICLE, _jsonl, _mmlu_fixture
+from umoe_jax.eval import cli, corpora, corpus_ppl, fewshot, harness, taskspec
+from umoe_jax.eval import tasks as tasks_lib
+from umoe_jax.eval.loading import load_for_eval
+from umoe_jax.eval.scoring import Scorer, encode_requests
+
+WIKITEXT = os.path.join(os.path.dirname(ROOT), "shared", "data", "wikitext-2")
+GPT2 = os.path.join(os.path.dirname(ROOT), "shared", "data", "tokenizers", "gpt2", "tokenizer.json")
+ENV = dict(os.environ, PYTHONIOENCODING="utf-8", JAX_PLATFORMS="cpu")
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+  """(workdir, model, tokenizer) of a dense 1-layer model trained 3 steps."""
+  from umoe_jax.train import loop
+  c = configs.common.experiment("dense", "tiny")
+  c.model.n_layers, c.model.d_model, c.model.max_seq_len = 1, 32, 64
+  c.train.update(dict(global_batch_size=4, seq_len=64, num_steps=3, learning_rate=3e-3,
+                      warmup_steps=1, log_every=1, eval_every=0))
+  c.checkpoint.update(dict(every=3, keep=1))
+  c.log.tensorboard = False
+  workdir = str(tmp_path_factory.mktemp("eval_ckpt"))
+  assert loop.run(c, workdir)["step"] == 3
+  model, tok, _ = load_for_eval(workdir)
+  return workdir, model, tok
+
+
+def run_cli(capsys, *argv):
+  """(exit status, stdout, stderr) of `python -m umoe_jax.eval *argv`, in-process."""
+  code = cli.main([str(a) for a in argv])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+# ------------------------------------------------------------------------------------------------
+# Commands
+
+
+def test_tasks_command_fewshot_files_and_spec(trained, tmp_path, capsys):
+  ckpt, model, tok = trained
+  data_dir = _synthetic_dir(tmp_path)
+  mine = _jsonl(tmp_path / "mine.jsonl", [{"query": f"{i} + {i} =", "choices": [str(2 * i), "7"],
+                                           "gold": 0} for i in range(5)])
+  (tmp_path / "suite.yaml").write_text("- {name: lam2, path: lambada_openai.jsonl, kind: cloze, "
+                                       "num_fewshot: 0}\n")
+  out_json = tmp_path / "res" / "tasks.json"
+  code, table, err = run_cli(capsys, "tasks", f"--checkpoint={ckpt}", f"--data_dir={data_dir}",
+                             f"--tasks=arc_easy,winogrande,sums={mine}:mc,{tmp_path}/suite.yaml",
+                             "--num_fewshot=1", "--batch_size=4", f"--json={out_json}")
+  assert code == 0, err
+  for row in ("| arc_easy ", "| winogrande ", "| sums ", "| lam2 ", "acc_norm", "ppl"):
+    assert row in table, table
+  saved = json.loads(out_json.read_text())
+  assert saved["command"] == "tasks" and saved["checkpoint"] == ckpt
+  expected = harness.evaluate(model, tok, ["arc_easy", "winogrande", f"sums={mine}:mc",
+                                           f"{tmp_path}/suite.yaml"], data_dir=data_dir,
+                              num_fewshot=1, batch_size=4)
+  for name, m in expected.items():
+    assert saved["results"][name]["num_fewshot"] == (0 if name == "lam2" else 1)
+    for key in ("acc", "acc_norm", "ppl"):
+      if key in m:
+        assert math.isclose(saved["results"][name][key], m[key], rel_tol=1e-6), (name, key)
+  # the few-shot items really are in the prompts: 2-shot log-likelihoods differ from 0-shot ones
+  docs = tasks_lib.read_jsonl(mine, "mc")
+  zero = Scorer(model).loglikelihood(encode_requests(tok, [r for d in docs for r in d.requests()]))
+  pre = fewshot.fewshot_prefixes(docs, 2)
+  two = Scorer(model).loglikelihood(encode_requests(
+      tok, [r for d, p in zip(docs, pre) for r in d.requests(p)]))
+  assert not np.allclose(zero[0], two[0])
+
+
+def test_mmlu_and_race_commands(trained, tmp_path, capsys):
+  ckpt, model, tok = trained
+  data = _mmlu_fixture(tmp_path / "mmlu")
+  code, table, err = run_cli(capsys, "mmlu", f"--checkpoint={ckpt}", f"--data_dir={data}",
+                             "--num_fewshot=3", f"--json={tmp_path}/mmlu.json")
+  assert code == 0, err
+  for row in ("| mmlu_abstract_algebra ", "| mmlu_stem ", "| mmlu_humanities ", "| mmlu "):
+    assert row in table, table
+  got = json.loads((tmp_path / "mmlu.json").read_text())["results"]
+  want = harness.evaluate_spec(Scorer(model), tok, taskspec.TaskSpec("mmlu", "mmlu", data,
+                                                                     num_fewshot=3))
+  assert {k: (v["acc"], v["n"]) for k, v in got.items()} == {k: (v["acc"], v["n"])
+                                                            for k, v in want.items()}
+  arts = _jsonl(tmp_path / "race.jsonl", [ARTICLE, dict(ARTICLE, answers=["A", "B", "A"])])
+  code, table, err = run_cli(capsys, "race", f"--checkpoint={ckpt}", f"--data={arts}",
+                             f"--json={tmp_path}/race.json")
+  assert code == 0 and "| race " in table, err
+  got = json.loads((tmp_path / "race.json").read_text())["results"]["race"]
+  want = harness.evaluate_spec(Scorer(model), tok, taskspec.TaskSpec("race", "race", arts))["race"]
+  assert (got["acc"], got["acc_norm"], got["n"]) == (want["acc"], want["acc_norm"], 2)
+
+
+@pytest.mark.skipif(not os.path.isdir(WIKITEXT), reason=f"WikiText-2 not found at {WIKITEXT}")
+def test_perplexity_and_attack_commands_on_wikitext(trained, tmp_path, capsys):
+  ckpt, model, tok = trained
+  path = os.path.join(WIKITEXT, "wiki.test.tokens")
+  flags = [f"--checkpoint={ckpt}", f"--data={path}", "--max_tokens=700", "--context=48",
+           "--stride=16", "--batch_size=8"]
+  code, table, err = run_cli(capsys, "perplexity", *flags, f"--json={tmp_path}/ppl.json")
+  assert code == 0, err
+  for row in ("| token_ppl ", "| word_ppl ", "| bits_per_byte ", "| words "):
+    assert row in table, table
+  got = json.loads((tmp_path / "ppl.json").read_text())["results"]
+  corpus = corpora.read_corpus(path)
+  want = corpus_ppl.corpus_perplexity(Scorer(model, 8), tok, corpus.documents, words=corpus.words,
+                                      context=48, stride=16, max_tokens=700)
+  assert got["tokens"] == 700 and got["words"] == want["words"] > 100
+  for key in ("token_ppl", "word_ppl", "bits_per_byte"):
+    assert math.isclose(got[key], want[key], rel_tol=1e-6), key
+  assert got["word_ppl"] > got["token_ppl"]     # a word is several byte tokens
+
+  code, table, err = run_cli(capsys, "attack", *flags, "--rate=0.1", "--attack_seed=1",
+                             f"--json={tmp_path}/attack.json")
+  assert code == 0 and "| metric " in table and "attacked" in table, err
+  res = json.loads((tmp_path / "attack.json").read_text())
+  assert res["results"]["clean"]["token_ppl"] == got["token_ppl"]
+  assert res["results"]["attacked"]["words"] == got["words"]   # the attack hit the scored text
+  assert res["attack"]["substituted"] == round(0.1 * res["attack"]["words"])
+  assert res["results"]["attacked"]["nll"] != got["nll"]
+
+
+def test_module_entry_points_in_subprocesses(trained, tmp_path):
+  ckpt, _, _ = trained
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.eval", "perplexity", f"--checkpoint={ckpt}",
+                        f"--data={doc}"], cwd=ROOT, env=ENV, capture_output=True, timeout=300)
+  assert res.returncode == 0, res.stderr.decode()[-3000:]
+  assert "| token_ppl " in res.stdout.decode() and "| tokens            | 180 " in res.stdout.decode()
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.eval.harness", "--tasks=nope",
+                        f"--checkpoint={ckpt}"], cwd=ROOT, env=ENV, capture_output=True,
+                       timeout=300)
+  assert res.returncode == 1
+  assert res.stderr.decode().strip().splitlines()[-1].startswith("error: unknown task 'nope'")
+  assert "Traceback" not in res.stderr.decode()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _bad_inputs(tmp, ckpt):
+  data_dir = _synthetic_dir(tmp)
+  bad = tmp / "bad.jsonl"
+  bad.write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n{"query": "q", "choices"\n')
+  no_config = tmp / "no_config"
+  shutil.copytree(os.path.join(ckpt, "checkpoints"), no_config / "checkpoints")
+  common = [f"--checkpoint={ckpt}", f"--data_dir={data_dir}"]
+  return [
+      (["tasks", *common, "--tasks=nope"], 1, "unknown task 'nope'"),
+      (["tasks", *common, f"--tasks={bad}:essay"], 1, "unknown task kind 'essay'"),
+      (["tasks", *common, f"--tasks={tmp}/missing.jsonl:mc"], 1, "data not found"),
+      (["tasks", *common, f"--tasks={bad}:mc"], 1, "bad.jsonl:2: invalid JSON"),
+      (["tasks", *common, "--tasks=winogrande", "--num_fewshot=2"], 1,
+       "winogrande: 2 shots requested but the other items of the file have only 1 example"),
+      (["tasks", f"--checkpoint={no_config}", f"--data_dir={data_dir}", "--tasks=piqa"], 1,
+       "has no config.json"),
+      (["tasks", *common, "--tasks=piqa", f"--tokenizer={GPT2}"], 1,
+       "has 50257 tokens but the model's vocab_size is 512"),
+      (["perplexity", f"--checkpoint={ckpt}", f"--data={tmp}/none.txt"], 1, "no such file"),
+      (["perplexity", f"--checkpoint={ckpt}", f"--data={bad}"], 1,
+       "bad.jsonl:1: expected an object with a string field 'text'"),
+      (["mmlu", f"--checkpoint={ckpt}", f"--data_dir={tmp}"], 1, "MMLU split directory not found"),
+      (["tasks", "--tasks=piqa"], 1, "give --checkpoint=DIR"),
+      (["evaluate"], 2, "unknown command 'evaluate'"),
+      (["tasks", "--no_such_flag=1"], 2, "no_such_flag"),
+  ]
+
+
+def test_bad_input_one_line_nonzero_exit_nothing_written(trained, tmp_path, capsys):
+  ckpt, _, _ = trained
+  out_json = tmp_path / "out" / "res.json"
+  for argv, status, message in _bad_inputs(tmp_path, ckpt):
+    if not os.path.exists(GPT2) and GPT2 in " ".join(argv):
+      continue
+    code, out, err = run_cli(capsys, *argv, f"--json={out_json}")
+    assert code == status, (argv, err)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], (argv, err)
+    assert "Traceback" not in err and not out.strip(), (argv, out)
+    assert not out_json.exists() and not [p for p in tmp_path.glob("out/*") if ".tmp" in p.name]
+
+
+# ------------------------------------------------------------------------------------------------
+# lm-evaluation-harness adapter
+
+
+def _lm_eval_tasks(tmp, mc, wino, lam, docs, shots):
+  """Custom lm-eval task YAMLs over our local JSONL files (lm-eval's multiple_choice, winogrande-
+  style multiple-input, loglikelihood and loglikelihood_rolling outputs). A loglikelihood task gets
+  no target delimiter from lm-eval: the space is in its target, as in lm-eval's lambada_openai."""
+  d = tmp / "lm_eval_tasks"
+  d.mkdir()
+  (d / "utils.py").write_text("def gold(doc):\n  return doc['gold']\n\n"
+                              "def options(doc):\n  return doc['context_options']\n")
+  head = lambda t: (f"num_fewshot: {shots[t]}\ndataset_path: json\ntest_split: test\n"  # noqa
+                    "fewshot_split: test\n")
+  files = lambda p: f"dataset_kwargs:\n  data_files:\n    test: {p}\n"  # noqa: E731
+  (d / "mc.yaml").write_text(
+      f"task: umoe_mc\n{head('umoe_mc')}{files(mc)}output_type: multiple_choice\n"
+      "doc_to_text: '{{query}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\n"
+      "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+  (d / "wino.yaml").write_text(
+      f"task: umoe_wino\n{head('umoe_wino')}{files(wino)}output_type: multiple_choice\n"
+      "doc_to_text: !function utils.gold\ndoc_to_choice: !function utils.options\n"
+      "doc_to_target: '{{continuation}}'\nmetric_list:\n  - metric: acc\n")
+  (d / "lam.yaml").write_text(
+      f"task: umoe_lam\n{head('umoe_lam')}{files(lam)}output_type: loglikelihood\n"
+      "doc_to_text: '{{context}}'\ndoc_to_target: \"{{' ' + continuation}}\"\n"
+      "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
+  (d / "roll.yaml").write_text(
+      f"task: umoe_roll\ndataset_path: json\ntest_split: test\n{files(docs)}"
+      "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+      "metric_list:\n  - metric: bits_per_byte\n")
+  return str(d)
+
+
+def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, capsys):
+  pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
+                      "requirements-eval.txt); CI installs it")
+  for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
+                     ("HF_HOME", str(tmp_path / "hf")), ("TOKENIZERS_PARALLELISM", "false")):
+    monkeypatch.setenv(var, value)
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  from umoe_jax.eval import lm_eval_adapter
+  ckpt, model, tok = trained
+  data_dir = _synthetic_dir(tmp_path)
+  rng = np.random.default_rng(0)
+  mc = _jsonl(tmp_path / "mc.jsonl", [{"query": f"Is {i} even?", "choices": ["yes", "no", "odd"],
+                                       "gold": int(i % 2)} for i in range(6)])
+  docs = _jsonl(tmp_path / "docs.jsonl", [{"text": " ".join(rng.choice(["ab", "cd", "e", "fgh"], n))}
+                                          for n in (10, 40, 70)])    # 1 to 4 windows of 64
+  wino, lam = os.path.join(data_dir, "winogrande.jsonl"), os.path.join(data_dir,
+                                                                       "lambada_openai.jsonl")
+  shots = {"umoe_mc": 2, "umoe_wino": 1, "umoe_lam": 0, "umoe_roll": 0}
+  task_dir = _lm_eval_tasks(tmp_path, mc, wino, lam, docs, shots)
+  tm = TaskManager(include_path=task_dir, include_defaults=False)
+  res = lm_eval.simple_evaluate(model=lm_eval_adapter.MODEL_NAME, model_args=f"checkpoint={ckpt}",
+                                tasks=list(shots), task_manager=tm, batch_size=4,
+                                log_samples=True, bootstrap_iters=0)
+  # per-item log-likelihoods: lm-eval's prompts through the adapter == our prompts, our scorer
+  scorer = Scorer(model, batch_size=4)
+  for task, path, kind in (("umoe_mc", mc, "multiple_choice"), ("umoe_wino", wino, "schema"),
+                           ("umoe_lam", lam, "lm")):
+    ours_docs = tasks_lib.read_jsonl(path, kind)
+    pre = fewshot.fewshot_prefixes(ours_docs, shots[task])
+    samples = sorted(res["samples"][task], key=lambda s: s["doc_id"])
+    theirs = [np.array([r[0] for r in s["filtered_resps"]]) if kind != "lm" else
+              np.array([s["filtered_resps"][0][0]]) for s in samples]
+    ours = [scorer.loglikelihood(encode_requests(tok, d.requests(p)))[0]
+            for d, p in zip(ours_docs, pre)]
+    assert len(theirs) == len(ours)
+    for a, b in zip(theirs, ours):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    metrics = harness.evaluate_spec(scorer, tok, taskspec.TaskSpec(task, kind, path,
+                                                                   num_fewshot=shots[task]))[task]
+    got = res["results"][task]
+    assert math.isclose(got["acc,none"], metrics["acc"], abs_tol=1e-9), task
+    if kind == "multiple_choice":
+      assert math.isclose(got["acc_norm,none"], metrics["acc_norm"], abs_tol=1e-9)
+    if kind == "lm":
+      assert math.isclose(got["perplexity,none"], metrics["ppl"], rel_tol=1e-4)
+  texts = [json.loads(line)["text"] for line in open(docs)]
+  ppl = corpus_ppl.corpus_perplexity(scorer, tok, texts)
+  assert math.isclose(res["results"]["umoe_roll"]["bits_per_byte,none"], ppl["bits_per_byte"],
+                      rel_tol=1e-4)
+
+  # lm-eval's own command line, through `python -m umoe_jax.eval lm-eval`
+  code, table, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                             f"checkpoint={ckpt}", "--tasks", "umoe_mc", "--include_path", task_dir,
+                             "--batch_size", "4", "--output_path", tmp_path / "lm_eval_out")
+  assert code == 0 and "umoe_mc" in table, err[-3000:]
+  [out_file] = list((tmp_path / "lm_eval_out").glob("**/results_*.json"))
+  assert json.loads(out_file.read_text())["results"]["umoe_mc"]["acc,none"] == \
+      res["results"]["umoe_mc"]["acc,none"]
+
+  # generate_until: greedy decoding of our decode loop, cut at the stop string
+  from lm_eval.api.instance import Instance
+  from umoe_jax.model.decode import generate
+  lm = lm_eval_adapter.UMoELM.from_model(model, tok, batch_size=2)
+  reqs = [Instance("generate_until", {}, (c, {"until": ["e"], "max_gen_toks": 6}), 0)
+          for c in ("The cat", "A")]
+  outs = lm.generate_until(reqs)
+  for (c, _), o in zip([r.args for r in reqs], outs):
+    full = tok.decode(generate(model, [tok.encode(c)], max_new_tokens=6,
+                               eos_id=tok.eos_id).sequences()[0])
+    assert o == full.split("e", 1)[0] and "e" not in o

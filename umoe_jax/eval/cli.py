@@ -1,0 +1,276 @@
+"""`python -m umoe_jax.eval <command> [flags]`: every evaluation as one command on a checkpoint.
+
+  tasks       zero-/few-shot tasks: known names, PATH:KIND files, task spec files (`taskspec`)
+  mmlu        MMLU from its public CSV release (per subject, category, overall; 5-shot by default)
+  race        RACE from its public release (lm-eval's scoring)
+  perplexity  token / word (WikiText) perplexity and bits per byte of a corpus, sliding windows
+  attack      clean vs word-swap-attacked perplexity of a corpus, side by side
+  lm-eval     lm-evaluation-harness's own CLI with this library's model registered (`umoe_jax`)
+
+Common flags: --checkpoint (training workdir or converted checkpoint), --config (architecture when
+the checkpoint has no config.json, or alone for random parameters), --tokenizer, --bos_id,
+--compute_dtype, --batch_size, --json (results written atomically at the end). `<command> --help`
+lists a command's flags. A bad input (unknown task, missing file, malformed line, too many shots, a
+checkpoint without config, a tokenizer larger than the model) prints one "error:" line and exits 1;
+a bad flag exits 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+from absl import flags
+from ml_collections import config_flags
+
+from umoe_jax.eval import harness
+from umoe_jax.eval import tasks as tasks_lib
+from umoe_jax.eval.attack import attack_documents
+from umoe_jax.eval.corpora import read_corpus
+from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
+from umoe_jax.eval.errors import EvalError
+from umoe_jax.eval.loading import load_for_eval
+from umoe_jax.eval.results import fmt, markdown_table, write_json
+from umoe_jax.eval.scoring import Scorer
+from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags
+
+
+def _common_flags(fv: flags.FlagValues) -> None:
+  config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py): the "
+                                  "architecture when the checkpoint has no config.json, or alone "
+                                  "for random parameters.", flag_values=fv)
+  flags.DEFINE_string("checkpoint", None, "Training workdir or converted checkpoint directory.",
+                      flag_values=fv)
+  flags.DEFINE_string("tokenizer", None, '"byte" or a tokenizer.json (default: the config\'s '
+                      "data.tokenizer, else byte).", flag_values=fv)
+  flags.DEFINE_integer("bos_id", None, "Token id put before every context / document (1 for "
+                       "Llama-2); default: none for tasks, EOS before documents.", flag_values=fv)
+  flags.DEFINE_integer("batch_size", 16, "Windows per forward pass.", flag_values=fv)
+  flags.DEFINE_string("json", None, "Also write the results to this JSON file.", flag_values=fv)
+  flags.DEFINE_string("compute_dtype", "float32", 'Compute dtype ("" = keep the config\'s).',
+                      flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "Init seed without a checkpoint.", flag_values=fv)
+
+
+def _task_flags(fv, *, tasks_default: Optional[str], fewshot_default: int) -> None:
+  if tasks_default is not None:
+    flags.DEFINE_string("tasks", tasks_default, "Comma-separated: task names ("
+                        + ", ".join(tasks_lib.TASKS) + "), PATH:KIND or NAME=PATH:KIND files "
+                        "(kinds multiple_choice|mc, schema, lm|cloze, race, mmlu), task spec files "
+                        "(.yaml/.json).", flag_values=fv)
+    flags.DEFINE_string("data_dir", tasks_lib.DEFAULT_DATA_DIR, "Directory of the known tasks' "
+                        "JSONL files.", flag_values=fv)
+  flags.DEFINE_integer("limit", None, "Score only the first N items of each task (subject).",
+                       flag_values=fv)
+  flags.DEFINE_integer("num_fewshot", fewshot_default, "Examples before each item (tasks "
+                       "without their own num_fewshot).", flag_values=fv)
+  flags.DEFINE_integer("fewshot_seed", 1234, "Seed of the few-shot draw (lm-eval's default).",
+                       flag_values=fv)
+
+
+def _corpus_flags(fv) -> None:
+  flags.DEFINE_string("data", None, "Corpus: a file, directory or glob (parquet, jsonl, text, "
+                      "WikiText .tokens/.raw).", flag_values=fv)
+  flags.DEFINE_enum("format", "auto", ["auto", "parquet", "jsonl", "text", "wikitext"],
+                    "Corpus format (auto: by file suffix).", flag_values=fv)
+  flags.DEFINE_string("text_field", "text", "Column / key of the text (parquet, jsonl).",
+                      flag_values=fv)
+  flags.DEFINE_integer("context", None, "Tokens per scoring window (default: max_seq_len).",
+                       flag_values=fv)
+  flags.DEFINE_integer("stride", None, "New tokens scored per window after the first "
+                       "(default: --context; smaller = more left context per token).",
+                       flag_values=fv)
+  flags.DEFINE_integer("max_tokens", None, "Score only the first N tokens of the corpus.",
+                       flag_values=fv)
+  flags.DEFINE_bool("detokenize", False, "WikiText: undo its tokenisation before scoring (word "
+                    "counts stay those of the original).", flag_values=fv)
+
+
+# ------------------------------------------------------------------------------------------------
+# Commands
+
+
+def _load(f):
+  model, tokenizer, info = load_for_eval(f.checkpoint, f.config, tokenizer=f.tokenizer,
+                                         seed=f.seed, compute_dtype=f.compute_dtype or None)
+  _log(f"model: {f.checkpoint or '(random parameters)'}; tokenizer: {info['tokenizer']}")
+  return model, tokenizer, info
+
+
+def _run_tasks(f, task_entries) -> tuple[str, dict]:
+  specs = parse_task_list(task_entries, getattr(f, "data_dir", tasks_lib.DEFAULT_DATA_DIR))
+  prepared = harness.prepare_all(specs, num_fewshot=f.num_fewshot, limit=f.limit,   # before the
+                                 fewshot_seed=f.fewshot_seed)                       # model loads
+  model, tokenizer, info = _load(f)
+  results = harness.score_all(Scorer(model, f.batch_size), tokenizer, specs, prepared, f.bos_id,
+                              log=_log)
+  return harness.format_table(results), dict(info, limit=f.limit, results=results)
+
+
+def cmd_tasks(f):
+  return _run_tasks(f, f.tasks)
+
+
+def cmd_mmlu(f):
+  if not f.data_dir:
+    raise EvalError("give --data_dir=<MMLU data/ directory holding dev/, val/, test/>")
+  subjects = tuple(s.strip() for s in f.subjects.split(",") if s.strip()) if f.subjects else None
+  return _run_tasks(f, [TaskSpec(name="mmlu", kind="mmlu", path=f.data_dir,
+                                 num_fewshot=f.num_fewshot, split=f.split, subjects=subjects)])
+
+
+def cmd_race(f):
+  if not f.data:
+    raise EvalError("give --data=<RACE directory, file or .jsonl>, e.g. RACE/test/high")
+  return _run_tasks(f, [TaskSpec(name="race", kind="race", path=f.data)])
+
+
+def _corpus(f):
+  if not f.data:
+    raise EvalError("give --data=<corpus file, directory or glob>")
+  return read_corpus(f.data, f.format, text_field=f.text_field, detokenize=f.detokenize)
+
+
+_PPL_ROWS = ("documents", "tokens", "words", "bytes", "token_ppl", "word_ppl", "bits_per_byte",
+             "mean_document_ppl")
+
+
+def cmd_perplexity(f):
+  corpus = _corpus(f)
+  model, tokenizer, info = _load(f)
+  t0 = time.perf_counter()
+  out = corpus_perplexity(Scorer(model, f.batch_size), tokenizer, corpus.documents,
+                          words=corpus.words, context=f.context, stride=f.stride, bos_id=f.bos_id,
+                          max_tokens=f.max_tokens)
+  out["seconds"] = round(time.perf_counter() - t0, 2)
+  _log(f"{corpus.name}: {out['tokens']} tokens in {out['seconds']:.1f} s "
+       f"(context {out['context']}, stride {out['stride']})")
+  rows = [("metric", corpus.name)] + [(k, fmt(out[k])) for k in _PPL_ROWS if k in out]
+  return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, results=out)
+
+
+def cmd_attack(f):
+  corpus = _corpus(f)
+  model, tokenizer, info = _load(f)
+  # --max_tokens cuts the clean text first; the attack then hits only what is scored.
+  clean_docs, words, _ = truncate(tokenizer, corpus.documents, corpus.words, f.max_tokens)
+  attacked, stats = attack_documents(clean_docs, rate=f.rate, seed=f.attack_seed)
+  scorer = Scorer(model, f.batch_size)
+  clean, hit = (corpus_perplexity(scorer, tokenizer, docs, words=words, context=f.context,
+                                  stride=f.stride, bos_id=f.bos_id)
+                for docs in (clean_docs, attacked))
+  _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} words scored substituted "
+       f"(rate {f.rate}, seed {f.attack_seed})")
+  rows = [("metric", "clean", "attacked")] + [(k, fmt(clean[k]), fmt(hit[k])) for k in _PPL_ROWS
+                                              if k in clean]
+  return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, attack=stats,
+                                    results={"clean": clean, "attacked": hit})
+
+
+def _flags_tasks(fv):
+  _task_flags(fv, tasks_default=",".join(tasks_lib.TASKS), fewshot_default=0)
+
+
+def _flags_mmlu(fv):
+  _task_flags(fv, tasks_default=None, fewshot_default=5)
+  flags.DEFINE_string("data_dir", None, "MMLU's data/ directory (dev/, val/, test/ of "
+                      "<subject>_<split>.csv).", flag_values=fv)
+  flags.DEFINE_string("subjects", None, "Comma-separated subjects (default: all found).",
+                      flag_values=fv)
+  flags.DEFINE_enum("split", "test", ["test", "val"], "Split to score.", flag_values=fv)
+
+
+def _flags_race(fv):
+  _task_flags(fv, tasks_default=None, fewshot_default=0)
+  flags.DEFINE_string("data", None, "RACE data: a directory of its .txt files (e.g. "
+                      "RACE/test/high), one file, or a .jsonl of article objects.", flag_values=fv)
+
+
+def _flags_attack(fv):
+  _corpus_flags(fv)
+  flags.DEFINE_float("rate", 0.025, "Fraction of words substituted.", flag_values=fv)
+  flags.DEFINE_integer("attack_seed", 0, "Seed of the substitution.", flag_values=fv)
+
+
+COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
+    "tasks": (_flags_tasks, cmd_tasks, "zero-/few-shot tasks"),
+    "harness": (_flags_tasks, cmd_tasks, "the same as tasks"),
+    "mmlu": (_flags_mmlu, cmd_mmlu, "MMLU, per subject / category / overall"),
+    "race": (_flags_race, cmd_race, "RACE (lm-eval's scoring)"),
+    "perplexity": (_corpus_flags, cmd_perplexity, "corpus perplexity, sliding windows"),
+    "attack": (_flags_attack, cmd_attack, "clean vs attacked perplexity"),
+}
+
+
+def _usage(prog: str) -> str:
+  lines = [f"usage: {prog} <command> [--flags]  (<command> --help for its flags)", "commands:"]
+  lines += [f"  {name:<11} {doc}" for name, (_, _, doc) in COMMANDS.items()]
+  lines.append(f"  {'lm-eval':<11} lm-evaluation-harness's CLI with --model umoe_jax registered")
+  return "\n".join(lines)
+
+
+def _check_json_path(path: Optional[str]) -> None:
+  """Fail before any scoring when the results could not be written at the end."""
+  if path is None:
+    return
+  parent = os.path.dirname(os.path.abspath(path)) or "."
+  try:
+    os.makedirs(parent, exist_ok=True)
+  except OSError as e:
+    raise EvalError(f"--json={path!r}: cannot create its directory ({e.strerror})") from None
+  if os.path.isdir(path) or not os.access(parent, os.W_OK):
+    raise EvalError(f"--json={path!r} is not a writable file path")
+
+
+def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
+  """Runs `argv` = [command, flags...]; returns the exit status (module docstring)."""
+  argv = list(argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(_usage(prog))
+    return 0 if argv else 2
+  command, rest = argv[0], argv[1:]
+  if command in ("lm-eval", "lm_eval"):
+    try:
+      from umoe_jax.eval.lm_eval_adapter import run_lm_eval_cli
+    except ImportError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+    return run_lm_eval_cli(rest)
+  if command not in COMMANDS:
+    print(f"error: unknown command {command!r}\n{_usage(prog)}", file=sys.stderr)
+    return 2
+  define, run, _ = COMMANDS[command]
+  fv = flags.FlagValues()
+  _common_flags(fv)
+  define(fv)
+  if any(a in ("-h", "--help", "--helpfull") for a in rest):
+    print(f"usage: {prog} {command} [--flags]\n\n{fv.get_help()}")
+    return 0
+  try:
+    extra = fv([f"{prog} {command}"] + rest)[1:]
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if extra:
+    print(f"error: unexpected arguments {extra}", file=sys.stderr)
+    return 2
+  try:
+    _check_json_path(fv.json)
+    table, payload = run(fv)
+  except (EvalError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(table, flush=True)
+  if fv.json:
+    write_json(fv.json, dict(command=command, **payload))
+    _log(f"wrote {fv.json}")
+  return 0

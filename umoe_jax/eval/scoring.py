@@ -1,0 +1,198 @@
+"""Batched log-likelihood scoring of token windows under a CausalLM, padded to a few bucket lengths.
+
+    scorer = Scorer(model, batch_size=16)
+    ll, greedy = scorer.loglikelihood([(ctx_ids, cont_ids), ...])     # float64 [N], bool [N]
+    ll, greedy = scorer.score_windows([(inputs, targets, k), ...])      # one per window
+
+A *window* is (inputs [n], targets [n], k) with n <= max_seq_len and targets[i] the token after
+inputs[i]: its log-likelihood is the sum of log p(target) over the last k targets, and `greedy` says
+whether each of them is the argmax. Requests (context c, continuation x):
+  * the sequence c + x is cut to its last max_seq_len + 1 tokens (contexts truncated from the left),
+    one window scores the len(x) continuation targets;
+  * a continuation longer than max_seq_len (rare: long choices under a byte tokenizer) is scored in
+    windows, last first: each scores up to max_seq_len targets after as many preceding tokens as fit
+    (`windows`); their log-likelihoods add up, greedy is all of theirs.
+
+Speed: windows are sorted by length (longest first), batched `batch_size` at a time, right-padded to
+the smallest bucket length (powers of two from 32, and max_seq_len) that fits the batch, and the
+batch is padded with empty rows to `batch_size`: one compiled forward per bucket, at most
+~log2(T/32)+1, shared by every Scorer of the same model graph (`compile_count()` counts them). The
+device results stay on device until the last batch is dispatched, so the host packs batch i+1 while
+the device runs batch i. Right padding never changes the real tokens (causal attention, per-token
+dropless routing).
+
+Memory: a batch materialises float32 logits [batch_size, bucket, V]; lower batch_size for big V.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from umoe_jax.eval.errors import EvalError
+
+Request = tuple[Sequence[int], Sequence[int]]   # (context token ids, continuation token ids)
+Window = tuple[list[int], list[int], int]       # (inputs, targets, number of scored targets at the end)
+
+_TRACES = [0]   # how many times a scoring forward was traced (= compiled) in this process
+
+
+def compile_count() -> int:
+  """Number of scoring programs compiled so far in this process (one per model graph and shape)."""
+  return _TRACES[0]
+
+
+def bucket_lengths(max_seq_len: int, smallest: int = 32) -> tuple[int, ...]:
+  """Padded sequence lengths: powers of two from `smallest` below max_seq_len, then max_seq_len."""
+  out, n = [], smallest
+  while n < max_seq_len:
+    out.append(n)
+    n *= 2
+  return tuple(out) + (max_seq_len,)
+
+
+def encode_requests(tokenizer, pairs: Sequence[tuple[str, str]],
+                    bos_id: Optional[int] = None) -> list[tuple[list[int], list[int]]]:
+  """(context, continuation) strings -> token ids, each part encoded on its own.
+
+  Trailing whitespace of a context moves to the front of its continuation (as lm-evaluation-harness
+  does: "Answer: " + "B" is scored as "Answer:" + " B"). `bos_id` is put before every context; an
+  empty context (and no BOS) becomes [eos_id].
+  """
+  contexts, continuations = [], []
+  for context, continuation in pairs:
+    stripped = context.rstrip()
+    contexts.append(stripped)
+    continuations.append(context[len(stripped):] + continuation)
+  # One batch call each: the Rust tokenizer encodes in parallel; same ids as one by one.
+  ctx_ids, cont_ids = tokenizer.encode_batch(contexts), tokenizer.encode_batch(continuations)
+  out = []
+  for continuation, ctx, cont in zip(continuations, ctx_ids, cont_ids):
+    if not cont:
+      raise EvalError(f"continuation {continuation!r} encodes to no tokens")
+    ctx = ([bos_id] if bos_id is not None else []) + list(ctx)
+    out.append((ctx or [tokenizer.eos_id], list(cont)))
+  return out
+
+
+def windows(context: Sequence[int], continuation: Sequence[int], max_seq_len: int) -> list[Window]:
+  """The forward windows that score `continuation` after `context` (one unless the continuation is
+  longer than max_seq_len): inputs [n] and targets [n] (n <= max_seq_len), the last k targets scored."""
+  seq, c = list(context) + list(continuation), len(context)
+  out, end = [], len(seq)                  # score targets seq[start:end] from inputs seq[a:end - 1]
+  while end > c:
+    a = max(0, end - 1 - max_seq_len)
+    start = max(c, a + 1)
+    out.append((seq[a:end - 1], seq[a + 1:end], end - start))
+    end = start
+  return out
+
+
+def pack(batch: Sequence[Window], length: int, batch_size: int):
+  """Windows -> (tokens, targets int32 [batch_size, length], mask bool [batch_size, length]).
+
+  Row i holds window i right-padded with 0; mask marks its scored targets. Rows past len(batch) are
+  all padding (mask False).
+  """
+  tokens = np.zeros((batch_size, length), np.int32)
+  targets = np.zeros((batch_size, length), np.int32)
+  mask = np.zeros((batch_size, length), bool)
+  for i, (inputs, tgt, k) in enumerate(batch):
+    n = len(inputs)
+    if n > length:
+      raise ValueError(f"window of {n} input tokens does not fit length {length}")
+    tokens[i, :n] = inputs
+    targets[i, :n] = tgt
+    mask[i, n - k:n] = True
+  return tokens, targets, mask
+
+
+@functools.lru_cache(maxsize=8)
+def _score_fn(graphdef):
+  """Jitted (state, tokens, targets, mask [B, L]) -> (ll float32 [B], greedy bool [B])."""
+
+  @jax.jit
+  def score(state, tokens, targets, mask):
+    _TRACES[0] += 1                                                               # trace time only
+    logits, _ = nnx.merge(graphdef, state)(tokens)                                # [B, L, V] f32
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    logp = target_logit - jax.nn.logsumexp(logits, axis=-1)                       # [B, L]
+    ll = jnp.sum(jnp.where(mask, logp, 0.0), axis=-1)
+    greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~mask, axis=-1)
+    return ll, greedy
+
+  return score
+
+
+class Scorer:
+  """Batched log-likelihoods of continuations under a CausalLM (see the module docstring)."""
+
+  def __init__(self, model: nnx.Module, batch_size: int = 16,
+               buckets: Optional[Sequence[int]] = None):
+    if batch_size < 1:
+      raise EvalError(f"batch_size={batch_size} must be >= 1")
+    self.max_seq_len = model.cfg.max_seq_len
+    self.vocab_size = getattr(model.cfg, "vocab_size", None)
+    self.batch_size = batch_size
+    self.buckets = tuple(sorted(buckets)) if buckets else bucket_lengths(self.max_seq_len)
+    if self.buckets[-1] < self.max_seq_len:
+      self.buckets += (self.max_seq_len,)
+    if self.buckets[-1] > self.max_seq_len:
+      raise EvalError(f"bucket {self.buckets[-1]} exceeds max_seq_len={self.max_seq_len}")
+    self.graphdef, self.state = nnx.split(model)
+    self._score = _score_fn(self.graphdef)
+
+  def bucket(self, n: int) -> int:
+    """The padded length of a batch whose longest window has n inputs."""
+    return next(b for b in self.buckets if b >= n)
+
+  def _check_ids(self, tokens: np.ndarray) -> None:
+    # An embedding lookup past the table gives garbage (NaN) rows, never an error: refuse here.
+    if self.vocab_size is not None and tokens.size and (tokens.max() >= self.vocab_size
+                                                        or tokens.min() < 0):
+      bad = int(tokens.max() if tokens.max() >= self.vocab_size else tokens.min())
+      raise EvalError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size}): "
+                      "the tokenizer does not fit this model")
+
+  def score_windows(self, wins: Sequence[Window]) -> tuple[np.ndarray, np.ndarray]:
+    """(ll float64 [N], greedy bool [N]) of every window, in window order."""
+    for inputs, targets, k in wins:
+      if (not 1 <= len(inputs) <= self.max_seq_len or len(targets) != len(inputs)
+          or not 0 <= k <= len(inputs)):
+        raise EvalError(f"bad window: {len(inputs)} inputs, {len(targets)} targets, {k} scored "
+                        f"(max_seq_len={self.max_seq_len})")
+    order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
+    pending = []
+    for start in range(0, len(order), self.batch_size):
+      idx = order[start:start + self.batch_size]
+      tokens, targets, mask = pack([wins[j] for j in idx], self.bucket(len(wins[idx[0]][0])),
+                                   self.batch_size)
+      self._check_ids(tokens)
+      self._check_ids(targets)
+      pending.append((idx, self._score(self.state, jnp.asarray(tokens), jnp.asarray(targets),
+                                       jnp.asarray(mask))))
+    ll, greedy = np.zeros(len(wins)), np.ones(len(wins), bool)
+    for idx, (out_ll, out_greedy) in pending:
+      ll[idx] = np.asarray(out_ll, np.float64)[:len(idx)]
+      greedy[idx] = np.asarray(out_greedy)[:len(idx)]
+    return ll, greedy
+
+  def loglikelihood(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """(ll float64 [N], greedy bool [N]) of every request's continuation, in request order."""
+    owner, wins = [], []
+    for i, (ctx, cont) in enumerate(requests):
+      if not ctx or not cont:
+        raise EvalError("every request needs at least one context and one continuation token")
+      for w in windows(ctx, cont, self.max_seq_len):
+        owner.append(i)
+        wins.append(w)
+    win_ll, win_greedy = self.score_windows(wins)
+    ll, greedy = np.zeros(len(requests)), np.ones(len(requests), bool)
+    np.add.at(ll, np.asarray(owner, np.int64), win_ll)
+    np.logical_and.at(greedy, np.asarray(owner, np.int64), win_greedy)
+    return ll, greedy
