@@ -95,7 +95,7 @@ def decoding_programs(graphdef):
 
   def forward(state, tokens, positions, cache):
     model = nnx.merge(graphdef, state)
-    logits, _, cache = model(tokens, positions, cache=cache)
+    logits, _, cache = model(tokens, positions, cache=cache, last_logits_only=True)
     return logits[:, -1], cache
 
   @functools.partial(jax.jit, static_argnames="max_new_tokens", donate_argnames="cache")
