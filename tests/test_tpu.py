@@ -8,13 +8,17 @@ in the Pallas interpreter (UMOE_PALLAS_TPU_INTERPRET=1, `interpret=True`).
   * the "splash" attention core (splash MHA and MQA, values wider than keys) against the XLA core,
     values and gradients;
   * both inside a whole model under 8-virtual-device layouts (subprocess) against one device.
-Plus the TPU tables: generation from device_kind, tiles keyed by generation, peak FLOPs for MFU.
+Plus the TPU tables (generation from device_kind, tiles keyed by generation, peak FLOPs for MFU),
+the multi-slice mesh (data across slices) and the workdir check (a gs:// URL is refused clearly).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +27,12 @@ import pytest
 
 from kernels import megablox_gmm, tuning
 from test_kernels import _ref_gmm, _ref_tgmm
+from conftest import ROOT
 from test_parallel import run_script
 from umoe_jax.model.attention.common import causal_attention
 from umoe_jax.ops import gmm as G
 from umoe_jax.ops import pallas_tpu
+from umoe_jax.parallel import mesh as mesh_lib
 from umoe_jax.train import metrics
 
 
@@ -206,3 +212,48 @@ def test_tpu_kernels_under_8_device_layouts(tmp_path, monkeypatch):
   assert report["kernels"]["pallas_calls"] >= 3, report   # splash fwd + the experts' gmm calls
   for layout, r in report["layouts"].items():
     assert r["loss_diff"] < 1e-5 and r["grad_rel"] < 1e-4, (layout, r)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-slice mesh and workdirs.
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeTpu:
+  id: int
+  process_index: int
+  slice_index: int
+
+
+def test_multislice_mesh_puts_data_across_slices():
+  # 2 slices x 2 hosts x 2 chips, listed out of order
+  devices = [_FakeTpu(id=i, process_index=i // 2, slice_index=i // 4) for i in range(8)][::-1]
+  assert mesh_lib.num_slices(devices) == 2 and mesh_lib.num_slices(jax.devices()) == 1
+  grid = mesh_lib.device_grid((4, 2, 1, 1), devices)            # data=4, fsdp=2
+  slices = np.vectorize(lambda d: d.slice_index)(grid)
+  assert (slices[:2] == 0).all() and (slices[2:] == 1).all()   # data's outer factor = the slice
+  hosts = np.vectorize(lambda d: d.process_index)(grid)
+  assert (hosts[:, 0] == hosts[:, 1]).all()                     # fsdp pairs stay on one host
+  assert sorted(d.id for d in grid.flat) == list(range(8))
+  with pytest.raises(ValueError, match=r"span 2 TPU slices, so mesh data=1 must be a multiple of 2"):
+    mesh_lib.device_grid((1, 8, 1, 1), devices)
+
+
+def test_multislice_environment_starts_jax_distributed():
+  from umoe_jax.parallel import distributed
+  # two one-host slices: each slice lists one worker, the multi-slice runtime sets MEGASCALE_*
+  env = {"TPU_WORKER_HOSTNAMES": "t1v-n-0", "MEGASCALE_NUM_SLICES": "2",
+         "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080"}
+  assert distributed.distributed_args(env) == {}
+  assert distributed.distributed_args({"TPU_WORKER_HOSTNAMES": "t1v-n-0", "MEGASCALE_NUM_SLICES": "1"}) is None
+
+
+def test_train_refuses_a_url_workdir_clearly(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                        f"--config={os.path.join(ROOT, 'configs', 'umoe_tiny.py')}",
+                        "--workdir=gs://bucket/runs/x"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode != 0
+  assert "--workdir=gs://bucket/runs/x" in res.stderr and "gcsfuse" in res.stderr, res.stderr[-2000:]
+  assert not os.listdir(tmp_path)   # nothing written (no local "gs:" directory)
