@@ -37,7 +37,7 @@ class CausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                cache: Optional[DecodeCache] = None, remat: bool = False,
-               step: Optional[jax.Array] = None):
+               step: Optional[jax.Array] = None, last_logits_only: bool = False):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
@@ -54,6 +54,9 @@ class CausalLM(nnx.Module):
     routers with a schedule (router.kind smoe_dropout, stablemoe); None = as at the end of training.
 
     `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
+    `last_logits_only=True` returns the logits of the last position only, [B, 1, V] (decoding's
+    prefill: XLA does not narrow the LM head to a slice of its output, e.g. 4 GiB of float32 logits
+    for 32 x 1024 tokens of a 32k vocabulary).
     """
     cfg = self.cfg
     b, t = tokens.shape
@@ -81,7 +84,7 @@ class CausalLM(nnx.Module):
         new_layers.append(layer_cache.arrays)
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
-    h = self.final_norm(h)
+    h = self.final_norm(h[:, -1:] if last_logits_only else h)
     logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),
                      preferred_element_type=jnp.float32)                           # [B, T, V]
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}

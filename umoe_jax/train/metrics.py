@@ -35,9 +35,12 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("B200", 2250e12),
     ("A100", 312e12),
     ("L4", 121e12),
-    ("TPU v6", 918e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 197e12),      # v5e / "TPU v5 lite"
+    # TPU device kinds: v5e "TPU v5 lite", v5p "TPU v5" (or "TPU v5p"), v6e "TPU v6 lite"
+    # (umoe_jax.ops.pallas_tpu); "TPU v5 lite" must come before "TPU v5".
+    ("TPU v6", 918e12),      # v6e
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5e", 197e12),
+    ("TPU v5", 459e12),      # v5p
     ("TPU v4", 275e12),
 )
 

@@ -97,7 +97,7 @@ def check_pool_routing(cfg) -> None:
     raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
 
 
-ATTENTION_CORES = ("xla", "cudnn")
+ATTENTION_CORES = ("xla", "cudnn", "splash")
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "cudnn"):
@@ -154,6 +154,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
       (`k_positions is q_positions`: no cache) and nobody asks for the probabilities, and the XLA
       form elsewhere (CPU, TPU, decoding, other shapes). It assumes what the LM's own positions
       satisfy: they increase along the sequence and are >= 0, so the visibility below is causal.
+      "splash" runs the Pallas TPU splash kernel (`attention.splash`) under the same conditions on
+      TPU (multi-head and one-key-head shapes, pre-mixing included), XLA elsewhere.
   Returns:
     [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
   """
@@ -164,6 +166,12 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   if (core == "cudnn" and not return_probs and k_positions is q_positions
       and jax.default_backend() == "gpu"):
     out = fused_attention(q, k, v)
+    if out is not None:
+      return out.astype(v.dtype)
+  if core == "splash" and not return_probs and k_positions is q_positions:
+    from umoe_jax.model.attention import splash  # Pallas TPU: on TPU or in its interpreter only
+    from umoe_jax.ops import pallas_tpu
+    out = splash.splash_attention(q, k, v) if pallas_tpu.runs_here() else None
     if out is not None:
       return out.astype(v.dtype)
   scale = 1.0 / math.sqrt(q.shape[-1])
