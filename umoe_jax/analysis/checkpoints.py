@@ -176,12 +176,41 @@ def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
     if ref.kind == "converted":
       shardings = jax.tree.map(lambda _: device, target)
       return ckpt_lib.load_init_params(ref.path, abstract_params, shardings)
+    _check_saved_shapes(ref, target)
     item = {"params": target}
     restored = ocp.PyTreeCheckpointer().restore(
         os.path.join(ref.path, "state"), args=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
             partial_restore=True))
     return restored["params"]
+  except ValueError:
+    raise
   except Exception as e:  # pylint: disable=broad-except  (any unreadable or mismatched file)
     raise ValueError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
                      f"config.json ({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def _saved_param_shapes(state_dir: str) -> Optional[dict[str, tuple]]:
+  """{parameter path: shape} from a step's Orbax metadata, or None if it cannot be read so."""
+  import orbax.checkpoint as ocp
+  try:
+    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+    params = tree["params"]
+    return {k: tuple(v.shape) for k, v in _flatten(dict(params)).items()}
+  except Exception:  # pylint: disable=broad-except  (another Orbax layout: the restore decides)
+    return None
+
+
+def _check_saved_shapes(ref: CheckpointRef, target: Any) -> None:
+  """Compares a step's saved parameter shapes with the model's before reading any array: a
+  config.json that does not describe its checkpoint gets an error naming the parameter."""
+  saved = _saved_param_shapes(os.path.join(ref.path, "state"))
+  if saved is None:
+    return
+  want = {k: tuple(v.shape) for k, v in _flatten(target).items()}
+  for k in sorted(set(want) | set(saved)):
+    if saved.get(k) != want.get(k):
+      raise ValueError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
+                       f"config.json: parameter {k} is {saved.get(k) or 'missing'} in the "
+                       f"checkpoint, {want.get(k) or 'absent'} in the model")

@@ -18,6 +18,7 @@ import functools
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from absl import logging
 
 from umoe_jax.analysis import routing
 from umoe_jax.analysis.probe import route_outputs
@@ -32,10 +33,11 @@ def _to_host(x: Any) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def probe_fn(graphdef: Any):
+def probe_fn(graphdef: Any, mesh: Any, rules: Any, capacity_factor: Any, exchange: str):
   """jit((params, tokens [B, T]) -> {router: (expert_ids [B, T, K], picks per expert [E])}),
-  one per model (cached: runs of one model in a process share the compilation). Shardings follow
-  the (committed) inputs."""
+  shardings following the (committed) inputs. Cached per model and parallel context (what the
+  model reads from `use_mesh` while tracing), so runs of one model in a process share it."""
+  del mesh, rules, capacity_factor, exchange  # cache keys only
   import jax
   import jax.numpy as jnp
 
@@ -52,10 +54,11 @@ class RoutingProbe:
   `batches`: host batches {"inputs": [B, T]} of the training's batch layout on `mesh`.
   """
 
-  def __init__(self, graphdef: Any, batches: Sequence[dict], mesh: Any, rules: Any):
+  def __init__(self, graphdef: Any, batches: Sequence[dict], mesh: Any, rules: Any,
+               capacity_factor: Optional[float] = None, exchange: str = "auto"):
     self.mesh, self.rules = mesh, rules
     self.batches = [{"inputs": np.asarray(b["inputs"])} for b in batches]
-    self.fn = probe_fn(graphdef)
+    self.fn = probe_fn(graphdef, mesh, rules, capacity_factor, exchange)
     self.previous: Optional[tuple[int, dict[str, np.ndarray]]] = None
 
   def routes(self, params: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -98,11 +101,15 @@ class RoutingProbe:
     if scalars:
       writer.scalars(step, scalars)
     if jax.process_index() == 0:
-      from umoe_jax.analysis import plots
       n_tokens = sum(b["inputs"].size for b in self.batches) * jax.process_count()
-      fig = plots.load_heatmap(counts, f"Expert load on the routing probe ({n_tokens:,} tokens), "
-                                       f"step {step}")
-      writer.image(step, "routing/load_heatmap", plots.png_bytes(fig))
+      try:  # a picture is not worth stopping a training run for
+        from umoe_jax.analysis import plots
+        fig = plots.load_heatmap(counts, f"Expert load on the routing probe ({n_tokens:,} tokens), "
+                                         f"step {step}")
+        writer.image(step, "routing/load_heatmap", plots.png_bytes(fig))
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("routing probe: no load heatmap image at step %d (%s: %s)", step,
+                        type(e).__name__, e)
       if scalars:
         metrics_lib.log_line(
             f"routing step {step} vs step {previous}: top-1 changed "
@@ -117,4 +124,5 @@ def make_routing_probe(s: Any) -> Optional[RoutingProbe]:
   n = s.config.log.get("routing_probe_batches", 0)
   if not n or not s.eval_batches:
     return None
-  return RoutingProbe(s.programs.parts.graphdef, s.eval_batches[:n], s.mesh, s.rules)
+  return RoutingProbe(s.programs.parts.graphdef, s.eval_batches[:n], s.mesh, s.rules,
+                      s.capacity_factor, s.exchange)
