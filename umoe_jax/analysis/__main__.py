@@ -178,20 +178,23 @@ def _plot_fluctuation(plots_dir: str, result: dict) -> None:
   import numpy as np
 
   from umoe_jax.analysis import plots
+  flucts = result["fluctuation"]
   steps_known = all(ck["step"] is not None for ck in result["checkpoints"])
   x = ([ck["step"] for ck in result["checkpoints"][1:]] if steps_known
-       else list(range(1, len(result["checkpoints"]))))
-  names = list(result["fluctuation"][0]["routers"])
-  series = {name: (x, [f["routers"][name]["top1_change"] for f in result["fluctuation"]],
-                   [f["routers"][name]["jaccard"] for f in result["fluctuation"]]) for name in names}
-  series["mean over routers"] = (x, [float(np.mean([v[1][i] for v in series.values()]))
-                                     for i in range(len(x))],
-                                 [float(np.mean([v[2][i] for v in series.values()]))
-                                  for i in range(len(x))])
+       else list(range(1, len(flucts) + 1)))
+  names = list(flucts[0]["routers"])
+  series = {name: (x, [f["routers"][name]["top1_change"] for f in flucts],
+                   [f["routers"][name]["jaccard"] for f in flucts]) for name in names}
+  series["mean over routers"] = (
+      x, [float(np.mean([f["routers"][n]["top1_change"] for n in names])) for f in flucts],
+      [float(np.mean([f["routers"][n]["jaccard"] for n in names])) for f in flucts])
   fig = plots.fluctuation_figure(
       series, f"Routing change between consecutive checkpoints ({result['probe']['tokens']:,} "
-              f"probe tokens)", xlabel="training step of the later checkpoint" if steps_known
-      else "checkpoint pair", highlight="mean over routers", reference="the previous checkpoint")
+              f"probe tokens)",
+      xlabel="training step of the later checkpoint" if steps_known else "checkpoints compared",
+      highlight="mean over routers", reference="the previous checkpoint",
+      xticklabels=None if steps_known else {i: f"{f['from']} -> {f['to']}"
+                                            for i, f in zip(x, flucts)})
   plots.save_png(fig, os.path.join(plots_dir, "fluctuation.png"))
 
 

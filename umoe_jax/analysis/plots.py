@@ -108,6 +108,14 @@ def load_heatmap(counts: Mapping[str, np.ndarray], title: str = "") -> Figure:
   if widest > 32:  # many experts: panels stacked, each the figure's width
     fig = Figure(figsize=(13.0, n * panel_h + 0.8), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+  elif n > 4:  # many routers per layer (SwitchHead's per-head ones): a grid of 4 columns
+    cols, rows = 4, -(-n // 4)
+    panel_w = max(3.5, 0.3 * widest + 1.5)
+    fig = Figure(figsize=(cols * panel_w + 1.5, rows * panel_h + 0.8), layout="constrained")
+    grid = fig.subplots(rows, cols, squeeze=False)
+    axes = list(grid.reshape(-1)[:n])
+    for ax in grid.reshape(-1)[n:]:
+      ax.set_axis_off()
   else:
     widths = [max(3.5, 0.3 * rel[k][0].shape[1] + 1.5) for k in kinds]
     fig = Figure(figsize=(sum(widths) + 1.5, panel_h + 0.8), layout="constrained")
@@ -150,24 +158,27 @@ def attention_share_heatmap(shares: Mapping[int, Sequence[float]], balanced: flo
 def fluctuation_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
                        title: str = "", xlabel: str = "training step",
                        highlight: Optional[str] = None,
-                       reference: str = "the previous evaluation") -> Figure:
+                       reference: str = "the previous evaluation",
+                       xticklabels: Optional[Mapping[float, str]] = None) -> Figure:
   """{label: (steps, top-1 change, Jaccard)} -> two panels against the step, each point compared
   with `reference`. A label of the form layer_<i>/<router> is coloured by layer and dashed for FFN
-  routers; `highlight` is drawn thick and black."""
+  routers; `highlight` is drawn thick and black. `xticklabels` {x: text} names the x positions
+  (e.g. checkpoint pairs without steps)."""
   fig = Figure(figsize=(11.5, 4.2), layout="constrained")
   ax_change, ax_jac = fig.subplots(1, 2)
   labels = list(series)
   layered = [l for l in labels if l != highlight and _is_router(l)]
   n_layers = 1 + max((split_name(l)[0] for l in layered), default=0)
   cmap = mcolors.LinearSegmentedColormap.from_list("layers", ["#1f77b4", "#2ca02c", "#d62728"])
+  layer_color = lambda layer: cmap(layer / max(n_layers - 1, 1))
   for i, label in enumerate(labels):
     steps, change, jac = series[label]
     kw = dict(marker="o", markersize=3)
     if label == highlight:
-      kw.update(color="black", linewidth=2.5, zorder=5)
+      kw.update(color="black", linewidth=2.5, markersize=6, zorder=5)
     elif _is_router(label):
       layer, kind = split_name(label)
-      kw.update(color=cmap(layer / max(n_layers - 1, 1)), linewidth=1.2, alpha=0.85,
+      kw.update(color=layer_color(layer), linewidth=1.2, alpha=0.85,
                 linestyle="--" if kind.startswith("ffn") else "-")
     else:
       kw.update(color=f"C{i % 10}", linewidth=1.6)
@@ -177,18 +188,28 @@ def fluctuation_figure(series: Mapping[str, tuple[Sequence[float], Sequence[floa
   ax_change.set_ylabel("fraction of probe tokens")
   ax_jac.set_title(f"overlap of each token's top-k set\nwith {reference}")
   ax_jac.set_ylabel(r"mean Jaccard $|A \cap B| \,/\, |A \cup B|$")
+  xs = sorted({float(x) for steps, _, _ in series.values() for x in steps})
   for ax in (ax_change, ax_jac):
     ax.set_xlabel(xlabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if xticklabels:
+      ax.set_xticks(list(xticklabels), list(xticklabels.values()))
+    else:
+      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(xs) == 1:  # one comparison: a column of points, centred
+      ax.set_xlim(xs[0] - 1, xs[0] + 1)
+      if not xticklabels:
+        ax.set_xticks(xs)
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
   handles, names = ax_jac.get_legend_handles_labels()
   if len(labels) > 12 and layered:  # many routers: explain the encoding instead of every line
-    handles = [Line2D([], [], color=cmap(0.0), label="layer 0"),
-               Line2D([], [], color=cmap(0.5), label=f"layer {(n_layers - 1) / 2:g}"),
-               Line2D([], [], color=cmap(1.0), label=f"layer {n_layers - 1}"),
-               Line2D([], [], color="gray", linestyle="-", label="attention router"),
-               Line2D([], [], color="gray", linestyle="--", label="FFN router")]
+    shown = sorted({0, (n_layers - 1) // 2, n_layers - 1})
+    handles = [Line2D([], [], color=layer_color(l), label=f"layer {l}") for l in shown]
+    kinds = {split_name(l)[1].startswith("ffn") for l in layered}
+    if False in kinds:
+      handles.append(Line2D([], [], color="gray", linestyle="-", label="attention router"))
+    if True in kinds:
+      handles.append(Line2D([], [], color="gray", linestyle="--", label="FFN router"))
     if highlight:
       handles.insert(0, Line2D([], [], color="black", linewidth=2.5, label=highlight))
     names = [h.get_label() for h in handles]
