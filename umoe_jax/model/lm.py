@@ -37,11 +37,14 @@ class CausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                cache: Optional[DecodeCache] = None, remat: bool = False,
-               step: Optional[jax.Array] = None, last_logits_only: bool = False):
+               step: Optional[jax.Array] = None, last_logits_only: bool = False,
+               return_routes: bool = False):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
            "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy"}}}
+    `return_routes=True` adds aux["routes"] = {"layer_{i}/<router>": RouterOutput} (every router's
+    expert_ids [B, T, K] and probs [B, T, E]; for routing analysis, `umoe_jax.analysis`).
 
     With a `cache` (`umoe_jax.model.cache.init_cache`) the tokens are the next T of every sequence:
     they are written into the cache's slots [index, index + T), attend over the whole cache, and the
@@ -90,6 +93,8 @@ class CausalLM(nnx.Module):
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
     aux = {"balance_loss": total, "routers": stats}
+    if return_routes:
+      aux["routes"] = routes
     if cache is None:
       return logits, aux
     return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,

@@ -73,6 +73,10 @@ def default_log_config() -> ml_collections.ConfigDict:
       tensorboard=True,            # event files in <workdir>/tensorboard
       jsonl=True,                  # <workdir>/metrics.jsonl, one JSON object per record
       peak_flops=config_dict.placeholder(float),  # per device, for MFU; None: table by device kind
+      routing_probe_batches=1,     # held-out batches whose routing change is logged at every
+                                   # evaluation (umoe_jax/analysis/training.py); 0 disables
+      profile_steps=(),            # steps to trace with jax.profiler into <workdir>/tensorboard,
+                                   # e.g. (10, 11, 12) or --config.log.profile_steps=10,11,12
   ))
 
 
@@ -126,6 +130,20 @@ def check_train(train: Any, model: ModelConfig) -> None:
          f"train.eval_batches={t.eval_batches!r} must be >= 1 when train.eval_every > 0")
   _check(t.eval_batch_size is None or t.eval_batch_size > 0,
          f"train.eval_batch_size={t.eval_batch_size!r} must be positive (or None)")
+
+
+def check_log_analysis(log: Any, train: Any) -> None:
+  """log.routing_probe_batches (int >= 0) and log.profile_steps (steps in [1, train.num_steps])."""
+  n = log.routing_probe_batches
+  _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+         f"log.routing_probe_batches={n!r} must be an integer >= 0 (0 disables)")
+  steps = log.profile_steps
+  _check(isinstance(steps, (tuple, list)), f"log.profile_steps={steps!r} must be a tuple of steps, "
+         "e.g. (10, 11) or --config.log.profile_steps=10,11")
+  for s in steps:
+    _check(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= train.num_steps,
+           f"log.profile_steps={tuple(steps)!r}: step {s!r} is not an integer in [1, "
+           f"train.num_steps={train.num_steps}]")
 
 
 def check_checkpoint(ckpt: Any) -> None:
@@ -197,5 +215,6 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   check_expert_parallel(config.get("expert_parallel"))
   _check(config.log.peak_flops is None or config.log.peak_flops > 0,
          f"log.peak_flops={config.log.peak_flops!r} must be positive (or None)")
+  check_log_analysis(config.log, config.train)
   check_data(config.data, config.train, model)
   return model
