@@ -56,6 +56,9 @@ def bench_one(name: str, layout: str, args) -> dict:
   from umoe_jax.train import metrics as metrics_lib
 
   config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  if args.attention_tiles:
+    from kernels import triton_attention
+    triton_attention.load_table(args.attention_tiles)
   n_dev = 1 if layout == "single" else jax.device_count()
   with config.unlocked():
     config.model.gmm_backend = args.gmm_backend
@@ -158,8 +161,10 @@ def main():
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", action="store_true")
-  ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn"],
+  ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
+  ap.add_argument("--attention_tiles", default=None,
+                  help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--capacity_factor", type=float, default=None,
                   help="expert-parallel buffer capacity factor (default: the config's; None = dropless)")
   ap.add_argument("--exchange", default=None, choices=["auto", "all_to_all", "all_gather"],

@@ -68,13 +68,45 @@ class FlashTiles:
   dq: PassTiles
 
 
+# (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep; BENCHMARKS.md).
+TABLE: dict[tuple[int, int], FlashTiles] = {}
+
+
 def default_tiles(dk: int, d: int) -> FlashTiles:
-  """Tiles by head size (the H200 sweep in BENCHMARKS.md chose these; others are a safe default)."""
+  """TABLE's tiles for (dk, D), else a default by head size."""
+  if (dk, d) in TABLE:
+    return TABLE[(dk, d)]
   if dk <= 256:
     return FlashTiles(fwd=PassTiles(64, 64, 256, 8, 2), dx=PassTiles(64, 64, 256, 8, 2),
                       dk=PassTiles(64, 64, 64, 8, 2), dq=PassTiles(64, 64, 64, 8, 2))
   return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
                     dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
+
+
+def tiles_to_json(tiles: FlashTiles) -> dict:
+  return {name: list(dataclasses.astuple(getattr(tiles, name))) for name in ("fwd", "dx", "dk", "dq")}
+
+
+def tiles_from_json(obj: dict) -> FlashTiles:
+  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ...} -> FlashTiles."""
+  try:
+    return FlashTiles(**{name: PassTiles(*obj[name]) for name in ("fwd", "dx", "dk", "dq")})
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq lists [bm, bn, bd, warps, "
+                     f"stages] ({e!r})") from None
+
+
+def load_table(path: str) -> None:
+  """Adds {"dk,D": tiles_to_json(...)} entries of a JSON file (a sweep's result) to TABLE."""
+  import json
+  with open(path) as f:
+    entries = json.load(f)
+  for key, obj in entries.items():
+    try:
+      dk, d = (int(x) for x in key.split(","))
+    except ValueError:
+      raise ValueError(f"{path}: key {key!r} is not 'dk,D'") from None
+    TABLE[(dk, d)] = tiles_from_json(obj)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,7 +392,14 @@ if HAVE_TRITON:
 # Launch geometry (pure Python).
 
 
+def _check(tiles: PassTiles, pow2_bd: bool) -> None:
+  sizes = (tiles.bm, tiles.bn) + ((tiles.bd,) if pow2_bd else ())
+  if any(n < 1 or n & (n - 1) for n in sizes):
+    raise ValueError(f"attention tiles {tiles}: bm, bn{', bd' if pow2_bd else ''} must be powers of two")
+
+
 def fwd_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=False)
   bd1, bd2 = split_width(tiles.bd)
   n_row_tiles, n_chunks = -(-t * h // tiles.bm), -(-d // tiles.bd)
   return dict(grid0=n_row_tiles * n_chunks, DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn,
@@ -369,6 +408,7 @@ def fwd_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
 
 
 def dx_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=False)
   bd1, bd2 = split_width(tiles.bd)
   n_chunks = -(-d // tiles.bd)
   return dict(grid0=-(-t // tiles.bn) * n_chunks, DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn,
@@ -377,11 +417,13 @@ def dx_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
 
 
 def dk_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=True)  # bd: the D step of the dO X^T contraction
   return dict(grid0=-(-t // tiles.bn), DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn,
               BDK=tiles.bd, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def dq_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=True)
   n_row_tiles = -(-t * h // tiles.bm)
   return dict(grid0=n_row_tiles, DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn, BDK=tiles.bd,
               N_ROW_TILES=n_row_tiles, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -409,29 +451,52 @@ def _forward(q, k, v, tiles: FlashTiles):
   out, lse = _launch(
       _fwd_kernel, grid, (q, k, v),
       [jax.ShapeDtypeStruct((b, t, h, d), q.dtype), jax.ShapeDtypeStruct((b, t * h), jnp.float32)],
-      T=t, H=h, DK=dk, D=d, qk_scale=LOG2E / math.sqrt(dk), **meta)
+      **_common(q, v), **meta)
   return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
+def _common(q, v) -> dict:
+  _, t, h, dk = q.shape
+  return dict(T=t, H=h, DK=dk, D=v.shape[-1], qk_scale=LOG2E / math.sqrt(dk))
+
+
+def _bwd_dx(q, k, v, dout, lse, tiles: PassTiles):
+  """dX [B, T, D] (v's dtype)."""
   b, t, h, dk = q.shape
-  d = v.shape[-1]
+  grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles), b)
+  return _launch(_bwd_dx_kernel, grid, (q, k, dout, lse), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 **_common(q, v), **meta)
+
+
+def _bwd_dk(q, k, v, dout, lse, delta, tiles: PassTiles):
+  """dK [B, T, dk] (k's dtype)."""
+  b, t, h, dk = q.shape
+  grid, meta = _meta(dk_launch(t, h, dk, v.shape[-1], tiles), b)
+  return _launch(_bwd_dk_kernel, grid, (q, k, v, dout, lse, delta),
+                 jax.ShapeDtypeStruct(k.shape, k.dtype), sm_scale=1 / math.sqrt(dk),
+                 **_common(q, v), **meta)
+
+
+def _bwd_dq(q, k, v, dout, lse, delta, tiles: PassTiles):
+  """dQ [B, T, H, dk] (q's dtype)."""
+  b, t, h, dk = q.shape
+  grid, meta = _meta(dq_launch(t, h, dk, v.shape[-1], tiles), b)
+  return _launch(_bwd_dq_kernel, grid, (q, k, v, dout, lse, delta),
+                 jax.ShapeDtypeStruct(q.shape, q.dtype), sm_scale=1 / math.sqrt(dk),
+                 **_common(q, v), **meta)
+
+
+def _delta(out, dout):
+  """delta [B, T*H] float32 = <dO[r], out[r]> per row."""
+  b, t, h, _ = out.shape
+  return jnp.einsum("bthd,bthd->bth", dout, out, preferred_element_type=jnp.float32).reshape(b, t * h)
+
+
+def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
   dout = dout.astype(q.dtype)
-  delta = jnp.einsum("bthd,bthd->bth", dout, out,
-                     preferred_element_type=jnp.float32).reshape(b, t * h)
-  common = dict(T=t, H=h, DK=dk, D=d, qk_scale=LOG2E / math.sqrt(dk))
-  grid, meta = _meta(dx_launch(t, h, dk, d, tiles.dx), b)
-  dv = _launch(_bwd_dx_kernel, grid, (q, k, dout, lse), jax.ShapeDtypeStruct(v.shape, v.dtype),
-               **common, **meta)
-  grid, meta = _meta(dk_launch(t, h, dk, d, tiles.dk), b)
-  dkey = _launch(_bwd_dk_kernel, grid, (q, k, v, dout, lse, delta),
-                 jax.ShapeDtypeStruct(k.shape, k.dtype), sm_scale=1 / math.sqrt(dk), **common,
-                 **meta)
-  grid, meta = _meta(dq_launch(t, h, dk, d, tiles.dq), b)
-  dq = _launch(_bwd_dq_kernel, grid, (q, k, v, dout, lse, delta),
-               jax.ShapeDtypeStruct(q.shape, q.dtype), sm_scale=1 / math.sqrt(dk), **common,
-               **meta)
-  return dq, dkey, dv
+  delta = _delta(out, dout)
+  return (_bwd_dq(q, k, v, dout, lse, delta, tiles.dq), _bwd_dk(q, k, v, dout, lse, delta, tiles.dk),
+          _bwd_dx(q, k, v, dout, lse, tiles.dx))
 
 
 @functools.lru_cache(maxsize=None)

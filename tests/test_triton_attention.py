@@ -38,6 +38,10 @@ def test_launch_geometry_covers_every_row_key_and_column():
     assert ta.dq_launch(t, h, dk, d, tiles.dq)["grid0"] * tiles.dq.bm >= t * h
   with pytest.raises(ValueError):
     ta.fwd_launch(64, 4, 64, 112, ta.PassTiles(64, 64, 112))  # 112 = 64 + 48: no two-piece split
+  with pytest.raises(ValueError, match="powers of two"):
+    ta.dk_launch(64, 4, 64, 112, ta.PassTiles(64, 64, 48))    # the dO X^T step must be one piece
+  with pytest.raises(ValueError, match="powers of two"):
+    ta.fwd_launch(64, 4, 64, 112, ta.PassTiles(48, 64, 64))
 
 
 def test_triton_core_declines_where_it_cannot_run():
