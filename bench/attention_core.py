@@ -8,12 +8,13 @@ non-constant cotangent). TFLOP/s counts useful causal FLOPs: forward 2 * B*H * T
 forward+backward 3x that (no recomputation counted). cuDNN takes head sizes up to 256 only (large:
 no cuDNN row).
 
---sweep times each Triton kernel alone (fwd, dx, dk, dq) over candidate tiles (each first checked
+--sweep=SHAPES times each Triton kernel alone (fwd, dx, dk, dq) over candidate tiles (each first checked
 against the default tiles' result), keeps the fastest per kernel, writes them to
 $OUT/attention_tiles.json (`--attention_tiles` of bench/train_step.py and bench/layer_breakdown.py
 loads it) and times the core again with them.
 
-  python3 bench/attention_core.py [--shapes=base,large] [--sweep] [--sweep_budget_s=150] [--out DIR]
+  python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
+      [--sweep_budget_s=150] [--out DIR]
 """
 from __future__ import annotations
 
@@ -37,15 +38,13 @@ from layer_breakdown import rel, time_fwd_bwd  # noqa: E402
 SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
 
 # Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
+# Round 1 (BENCHMARKS.md) ranked the forward and dX candidates; these are its winners' neighbours
+# and the longer dO X^T steps (bd) of the dK / dQ passes.
 CANDIDATES = {
-    "fwd": [(64, 64, 384, 8, 2), (128, 64, 128, 8, 2), (128, 64, 256, 8, 2), (64, 128, 256, 8, 2),
-            (64, 64, 256, 4, 3), (64, 32, 256, 4, 2)],
-    "dx": [(64, 64, 384, 8, 2), (128, 64, 256, 8, 2), (64, 128, 128, 8, 2), (32, 64, 256, 4, 2),
-           (64, 32, 256, 4, 2)],
-    "dk": [(64, 128, 64, 8, 2), (128, 64, 64, 8, 2), (64, 64, 128, 8, 2), (64, 64, 64, 4, 3),
-           (32, 64, 64, 4, 2)],
-    "dq": [(128, 64, 64, 8, 2), (64, 128, 64, 8, 2), (64, 64, 128, 8, 2), (64, 64, 64, 4, 3),
-           (64, 32, 64, 4, 2)],
+    "fwd": [(128, 32, 256, 8, 3), (64, 64, 384, 8, 2)],
+    "dx": [(32, 64, 256, 8, 2), (32, 64, 384, 8, 2), (32, 64, 256, 4, 3)],
+    "dk": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (64, 64, 128, 8, 3), (32, 64, 128, 4, 2)],
+    "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (64, 64, 128, 8, 3), (64, 32, 128, 4, 2)],
 }
 
 
@@ -153,7 +152,8 @@ def sweep(name, shape, budget_s):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="base,large")
-  ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--sweep", default="", help="shapes to sweep the tiles of, e.g. base")
+  ap.add_argument("--cores", default="xla,cudnn,triton", help="cores to time")
   ap.add_argument("--sweep_budget_s", type=float, default=150.0, help="per shape")
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -167,8 +167,8 @@ def main():
   for name in args.shapes.split(","):
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {ta.tiles_to_json(ta.default_tiles(*shape[3:]))}")
-    results[name] = row = time_cores(name, shape)
-    if args.sweep:
+    results[name] = row = time_cores(name, shape, which=tuple(args.cores.split(",")))
+    if name in args.sweep.split(","):
       chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s)
       row["tiles"] = ta.tiles_to_json(chosen)
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
