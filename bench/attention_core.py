@@ -8,8 +8,9 @@ non-constant cotangent). TFLOP/s counts useful causal FLOPs: forward 2 * B*H * T
 forward+backward 3x that (no recomputation counted). cuDNN takes head sizes up to 256 only (large:
 no cuDNN row).
 
---sweep=SHAPES times each Triton kernel alone (fwd, dx, dk, dq) over candidate tiles (each first checked
-against the default tiles' result), keeps the fastest per kernel, writes them to
+--sweep=SHAPES times each Triton kernel alone (fwd, dx, dk, dq, the fused dxdk) over candidate tiles
+(each first checked against the default tiles' result), keeps the fastest per kernel (the fused
+dX + dK pass when it beats dx + dk), writes them to
 $OUT/attention_tiles.json (`--attention_tiles` of bench/train_step.py and bench/layer_breakdown.py
 loads it) and times the core again with them.
 
@@ -38,13 +39,14 @@ from layer_breakdown import rel, time_fwd_bwd  # noqa: E402
 SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
 
 # Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
-# Round 1 (BENCHMARKS.md) ranked the forward and dX candidates; these are its winners' neighbours
-# and the longer dO X^T steps (bd) of the dK / dQ passes.
+# Rounds 1-2 (BENCHMARKS.md) ranked the fwd / dx / dk ones; round 3: dQ's longer dO X^T step and
+# the fused dX + dK pass (replacing dx and dk when it beats their sum).
 CANDIDATES = {
-    "fwd": [(128, 32, 256, 8, 3), (64, 64, 384, 8, 2)],
-    "dx": [(32, 64, 256, 8, 2), (32, 64, 384, 8, 2), (32, 64, 256, 4, 3)],
-    "dk": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (64, 64, 128, 8, 3), (32, 64, 128, 4, 2)],
-    "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (64, 64, 128, 8, 3), (64, 32, 128, 4, 2)],
+    "fwd": [],
+    "dx": [],
+    "dk": [],
+    "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2)],
+    "dxdk": [(64, 64, 256, 8, 2), (32, 64, 256, 8, 2), (64, 32, 256, 4, 2)],
 }
 
 
@@ -117,13 +119,18 @@ def sweep(name, shape, budget_s):
       "dx": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dx(q, k, v, dout, lse, tl)),
       "dk": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, tl)),
       "dq": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq(q, k, v, dout, lse, delta, tl)),
+      "dxdk": lambda tl: jax.jit(lambda q, k, v: jnp.concatenate(
+          [a.reshape(-1) for a in ta._bwd_dxdk(q, k, v, dout, lse, delta, tl)])),
   }
   t0 = time.perf_counter()
-  best, results = {}, {}
+  best, results, outputs = {}, {}, {}
   for kernel, make in calls.items():
-    cands = [dataclasses.astuple(getattr(base, kernel))] + [c for c in CANDIDATES[kernel]
-                                                            if c != dataclasses.astuple(getattr(base, kernel))]
-    want = None
+    own = getattr(base, kernel)
+    cands = ([] if own is None else [dataclasses.astuple(own)]) + [
+        c for c in CANDIDATES.get(kernel, []) if own is None or c != dataclasses.astuple(own)]
+    # The fused pass is checked against the separate dx and dk passes' outputs.
+    want = (jnp.concatenate([outputs["dx"].reshape(-1), outputs["dk"].reshape(-1)])
+            if kernel == "dxdk" and "dx" in outputs and "dk" in outputs else None)
     results[kernel] = []
     for i, cand in enumerate(cands):
       if i and time.perf_counter() - t0 > budget_s:
@@ -133,7 +140,7 @@ def sweep(name, shape, budget_s):
         f = make(ta.PassTiles(*cand))
         got = f(q, k, v)
         if want is None:
-          want = got
+          want = outputs[kernel] = got
         err = rel(got, want)
         ms = jax_ms(f, q, k, v) if err < 1e-2 else float("nan")
       except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the candidate)
@@ -144,8 +151,11 @@ def sweep(name, shape, budget_s):
       log(f"  {name} {kernel} {cand}: {ms:.3f} ms (vs default tiles {err:.1e})")
       if ms == ms and (kernel not in best or ms < best[kernel][1]):
         best[kernel] = (cand, ms)
-  chosen = ta.FlashTiles(**{kn: ta.PassTiles(*best.get(kn, (dataclasses.astuple(getattr(base, kn)),))[0])
-                            for kn in ("fwd", "dx", "dk", "dq")})
+  pick = lambda kn: ta.PassTiles(*best[kn][0]) if kn in best else getattr(base, kn)
+  fused = "dxdk" in best and ("dx" not in best or "dk" not in best
+                              or best["dxdk"][1] < best["dx"][1] + best["dk"][1])
+  chosen = ta.FlashTiles(fwd=pick("fwd"), dx=pick("dx"), dk=pick("dk"), dq=pick("dq"),
+                         dxdk=pick("dxdk") if fused else None)
   return chosen, results
 
 
@@ -167,7 +177,8 @@ def main():
   for name in args.shapes.split(","):
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {ta.tiles_to_json(ta.default_tiles(*shape[3:]))}")
-    results[name] = row = time_cores(name, shape, which=tuple(args.cores.split(",")))
+    which = tuple(c for c in args.cores.split(",") if c)
+    results[name] = row = time_cores(name, shape, which=which) if which else {}
     if name in args.sweep.split(","):
       chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s)
       row["tiles"] = ta.tiles_to_json(chosen)

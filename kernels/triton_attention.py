@@ -19,6 +19,11 @@ tile past T and the row tile past T*H are masked, the others are not):
   _bwd_dk   program = key tile: dK[keys] = scale * sum_rows dS^T q, dS = P * (dO X^T - delta),
             dO X^T contracted over all of D in BDK-wide steps.
   _bwd_dq   program = row tile: dQ[rows] = scale * sum_keys dS k (the same dS, recomputed).
+  _bwd_dxdk (optional, `FlashTiles.dxdk`) replaces _bwd_dx and _bwd_dk: program = (key tile, D
+            chunk c) computes dX[keys, chunk] and, since dS is linear in dO X^T = sum_c dO_c X_c^T,
+            chunk c's share of dK from the same P and dO_c tiles (shares summed by XLA). It reads
+            each dO tile once for both and keeps X_c in registers, where _bwd_dk re-reads X[keys]
+            across all of D for every row block.
 delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward kernels.
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
@@ -62,10 +67,15 @@ class PassTiles:
 
 @dataclasses.dataclass(frozen=True)
 class FlashTiles:
+  """Tiles of each kernel; with `dxdk` set, the fused dX + dK pass replaces the dx and dk ones."""
   fwd: PassTiles
   dx: PassTiles
   dk: PassTiles
   dq: PassTiles
+  dxdk: PassTiles | None = None
+
+
+PASSES = ("fwd", "dx", "dk", "dq", "dxdk")
 
 
 # (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep; BENCHMARKS.md).
@@ -77,23 +87,26 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
   if (dk, d) in TABLE:
     return TABLE[(dk, d)]
   if dk <= 256:
-    return FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 2),
-                      dk=PassTiles(64, 64, 64, 8, 2), dq=PassTiles(64, 64, 64, 8, 2))
+    return FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
+                      dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 64, 8, 2))
   return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
                     dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
 
 
 def tiles_to_json(tiles: FlashTiles) -> dict:
-  return {name: list(dataclasses.astuple(getattr(tiles, name))) for name in ("fwd", "dx", "dk", "dq")}
+  return {name: list(dataclasses.astuple(getattr(tiles, name))) for name in PASSES
+          if getattr(tiles, name) is not None}
 
 
 def tiles_from_json(obj: dict) -> FlashTiles:
-  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ...} -> FlashTiles."""
+  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ..., optional "dxdk"}."""
   try:
-    return FlashTiles(**{name: PassTiles(*obj[name]) for name in ("fwd", "dx", "dk", "dq")})
+    if set(obj) - set(PASSES):
+      raise KeyError(sorted(set(obj) - set(PASSES)))
+    return FlashTiles(**{name: PassTiles(*obj[name]) for name in PASSES if name in obj})
   except (KeyError, TypeError) as e:
-    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq lists [bm, bn, bd, warps, "
-                     f"stages] ({e!r})") from None
+    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq (and optionally dxdk) lists "
+                     f"[bm, bn, bd, warps, stages] ({e!r})") from None
 
 
 def load_table(path: str) -> None:
@@ -345,6 +358,82 @@ if HAVE_TRITON:
              mask=key_ok[:, None] & (offs_dk < DK)[None, :])
 
   @triton.jit
+  def _dxdk_step(k, x1, x2, q_base, lse_base, delta_base, do_base, r, offs_m, keys, offs_dk, d1, d2,
+                 first_chunk, acc1, acc2, acc_dk, TH, T, H: tl.constexpr, DK: tl.constexpr,
+                 D: tl.constexpr, BD2: tl.constexpr, qk_scale, MASK: tl.constexpr):
+    rows = r + offs_m
+    row_ok = rows < TH
+    pt, q = _probs_t(k, q_base, lse_base, rows, keys, offs_dk, TH, T, H, DK, qk_scale, MASK)
+    ptb = pt.to(do_base.dtype.element_ty)
+    do1 = tl.load(do_base + rows[:, None] * D + d1[None, :],
+                  mask=row_ok[:, None] & (d1 < D)[None, :], other=0.0)
+    acc1 = tl.dot(ptb, do1, acc1)
+    dpt = tl.dot(x1, tl.trans(do1))                  # this chunk's part of (dO X^T)^T [BN, BM]
+    if BD2 > 0:
+      do2 = tl.load(do_base + rows[:, None] * D + d2[None, :],
+                    mask=row_ok[:, None] & (d2 < D)[None, :], other=0.0)
+      acc2 = tl.dot(ptb, do2, acc2)
+      dpt = tl.dot(x2, tl.trans(do2), dpt)
+    delta = tl.load(delta_base + rows, mask=row_ok & first_chunk, other=0.0)
+    acc_dk = tl.dot((pt * (dpt - delta[None, :])).to(q.dtype), q, acc_dk)
+    return acc1, acc2, acc_dk
+
+  @triton.jit
+  def _bwd_dxdk_kernel(q_ptr, k_ptr, x_ptr, do_ptr, lse_ptr, delta_ptr, dx_ptr, dkp_ptr,
+                       T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr,
+                       qk_scale: tl.constexpr, DKP: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD2S: tl.constexpr,
+                       N_CHUNKS: tl.constexpr):
+    # Program (key tile, D chunk c): dX[keys, chunk] as _bwd_dx_kernel, and chunk c's share of
+    # dK / scale, sum_rows (P * (dO_c X_c^T - [c == 0] delta))^T q, into dkp [B, C, T, DK] float32
+    # (dS is linear in dO X^T, so the chunks' shares add up to dS^T q).
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    TH: tl.constexpr = T * H
+    s0 = (pid // N_CHUNKS) * BN
+    c = pid % N_CHUNKS
+    keys = s0 + tl.arange(0, BN)
+    key_ok = keys < T
+    offs_m = tl.arange(0, BM)
+    offs_dk = tl.arange(0, DKP)
+    d1 = c * (BD1 + BD2) + tl.arange(0, BD1)
+    d2 = c * (BD1 + BD2) + BD1 + tl.arange(0, BD2S)
+    k = tl.load(k_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
+                mask=key_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    x_rows = x_ptr + b * (T * D) + keys[:, None] * D
+    x1 = tl.load(x_rows + d1[None, :], mask=key_ok[:, None] & (d1 < D)[None, :], other=0.0)
+    if BD2 > 0:
+      x2 = tl.load(x_rows + d2[None, :], mask=key_ok[:, None] & (d2 < D)[None, :], other=0.0)
+    else:
+      x2 = tl.zeros((BN, BD2S), x_ptr.dtype.element_ty)
+    q_base, lse_base, delta_base = q_ptr + b * (TH * DK), lse_ptr + b * TH, delta_ptr + b * TH
+    do_base = do_ptr + b * (TH * D)
+    first_chunk = c == 0
+    acc1 = tl.zeros((BN, BD1), tl.float32)
+    acc2 = tl.zeros((BN, BD2S), tl.float32)
+    acc_dk = tl.zeros((BN, DKP), tl.float32)
+    r_start, n_diag, r_full, n_full, r_tail = _row_blocks(s0, TH, H, BM, BN)
+    for i in range(0, n_diag):
+      acc1, acc2, acc_dk = _dxdk_step(k, x1, x2, q_base, lse_base, delta_base, do_base,
+                                      r_start + i * BM, offs_m, keys, offs_dk, d1, d2, first_chunk,
+                                      acc1, acc2, acc_dk, TH, T, H, DK, D, BD2, qk_scale, True)
+    for i in range(0, n_full):
+      acc1, acc2, acc_dk = _dxdk_step(k, x1, x2, q_base, lse_base, delta_base, do_base,
+                                      r_full + i * BM, offs_m, keys, offs_dk, d1, d2, first_chunk,
+                                      acc1, acc2, acc_dk, TH, T, H, DK, D, BD2, qk_scale, False)
+    for r in range(r_tail, TH, BM):
+      acc1, acc2, acc_dk = _dxdk_step(k, x1, x2, q_base, lse_base, delta_base, do_base, r, offs_m,
+                                      keys, offs_dk, d1, d2, first_chunk, acc1, acc2, acc_dk, TH, T,
+                                      H, DK, D, BD2, qk_scale, True)
+    dx_rows = dx_ptr + b * (T * D) + keys[:, None] * D
+    tl.store(dx_rows + d1[None, :], acc1.to(dx_ptr.dtype.element_ty),
+             mask=key_ok[:, None] & (d1 < D)[None, :])
+    if BD2 > 0:
+      tl.store(dx_rows + d2[None, :], acc2.to(dx_ptr.dtype.element_ty),
+               mask=key_ok[:, None] & (d2 < D)[None, :])
+    tl.store(dkp_ptr + (b * N_CHUNKS + c) * (T * DK) + keys[:, None] * DK + offs_dk[None, :], acc_dk,
+             mask=key_ok[:, None] & (offs_dk < DK)[None, :])
+
+  @triton.jit
   def _dq_step(q, k_base, x_base, do_base, s0, offs_n, offs_dk, rows, row_ok, pos, lse, delta, acc,
                T, DK: tl.constexpr, D: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, qk_scale, MASK: tl.constexpr):
@@ -486,6 +575,17 @@ def _bwd_dq(q, k, v, dout, lse, delta, tiles: PassTiles):
                  **_common(q, v), **meta)
 
 
+def _bwd_dxdk(q, k, v, dout, lse, delta, tiles: PassTiles):
+  """(dX [B, T, D] in v's dtype, dK [B, T, dk] in k's dtype) from the fused pass."""
+  b, t, h, dk = q.shape
+  grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles), b)
+  dx, parts = _launch(_bwd_dxdk_kernel, grid, (q, k, v, dout, lse, delta),
+                      [jax.ShapeDtypeStruct(v.shape, v.dtype),
+                       jax.ShapeDtypeStruct((b, meta["N_CHUNKS"], t, dk), jnp.float32)],
+                      **_common(q, v), **meta)
+  return dx, (parts.sum(axis=1) / math.sqrt(dk)).astype(k.dtype)
+
+
 def _delta(out, dout):
   """delta [B, T*H] float32 = <dO[r], out[r]> per row."""
   b, t, h, _ = out.shape
@@ -495,8 +595,11 @@ def _delta(out, dout):
 def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
   dout = dout.astype(q.dtype)
   delta = _delta(out, dout)
-  return (_bwd_dq(q, k, v, dout, lse, delta, tiles.dq), _bwd_dk(q, k, v, dout, lse, delta, tiles.dk),
-          _bwd_dx(q, k, v, dout, lse, tiles.dx))
+  dq = _bwd_dq(q, k, v, dout, lse, delta, tiles.dq)
+  if tiles.dxdk is not None:
+    dx, dkey = _bwd_dxdk(q, k, v, dout, lse, delta, tiles.dxdk)
+    return dq, dkey, dx
+  return dq, _bwd_dk(q, k, v, dout, lse, delta, tiles.dk), _bwd_dx(q, k, v, dout, lse, tiles.dx)
 
 
 @functools.lru_cache(maxsize=None)

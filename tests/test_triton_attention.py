@@ -18,9 +18,10 @@ import pytest
 
 from kernels import triton_attention as ta
 
-CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq) tiles as (bm, bn, bd)
+CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, bd)
     (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16))),
-    (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64))),
+    (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16), (16, 16, 48))),
+    (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64), (32, 16, 32))),
     (1, 21, 1, 16, 40, ((16, 32, 32), (16, 16, 24), (32, 16, 16), (16, 16, 32))),
 ]
 
@@ -134,7 +135,7 @@ def _interpreter_check():
     f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
     got = jax.jit(lambda *a: ta.premix_attention(*a, tiles=flash))(*f32)
     want = _reference(*map(jnp.asarray, (q, k, v)))
-    case = f"B={b} T={t} H={h} dk={dk} D={d}"
+    case = f"B={b} T={t} H={h} dk={dk} D={d} fused dxdk={len(tiles) > 4}"
     assert got.shape == (b, t, h, d) and got.dtype == jnp.float32, case
     assert np.isfinite(np.asarray(got)).all(), case
     assert _rel(got, want) < 1e-5, (case, _rel(got, want))
