@@ -88,7 +88,7 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
     return TABLE[(dk, d)]
   if dk <= 256:
     return FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
-                      dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 64, 8, 2))
+                      dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
   return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
                     dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
 
