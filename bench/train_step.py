@@ -6,7 +6,7 @@ For each model config and mesh layout: builds the state and step exactly as `tra
 memory. Usage (GPU):
 
   python bench/train_step.py --configs=dense_base,umoe_base --batch=32 --seq_len=1024 \
-      [--layouts=single,data,expert] [--gmm_backend=auto] [--remat] [--out=$OUT] \
+      [--layouts=single,data,expert] [--gmm_backend=auto] [--remat[=block|dots|dots_no_batch]] [--out=$OUT] \
       [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather]
 
 Layouts: "single" = one device; "data" = data parallel over every device; "expert" = expert parallel
@@ -160,7 +160,8 @@ def main():
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--gmm_backend", default="auto")
-  ap.add_argument("--remat", action="store_true")
+  ap.add_argument("--remat", nargs="?", const="block", default="none",
+                  help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
   ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
   ap.add_argument("--attention_tiles", default=None,
