@@ -106,11 +106,12 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton")):
 
 def sweep(name, shape, budget_s):
   """Fastest tiles per kernel; every candidate is checked against the default tiles' output."""
+  from kernels import attention_tiles as at
   from kernels import triton_attention as ta
   b, t, h, dk, d = shape
   q, k, v, cot = inputs(shape, seed=1)
   k, v = k[:, :, 0], v[:, :, 0]
-  base = ta.default_tiles(dk, d)
+  base = at.default_tiles(dk, d)
   out, lse = jax.jit(lambda q, k, v: ta._forward(q, k, v, base))(q, k, v)
   dout = cot.astype(q.dtype)
   delta = jax.jit(ta._delta)(out, dout)
@@ -137,7 +138,7 @@ def sweep(name, shape, budget_s):
         log(f"  {name} sweep: budget spent, {kernel} stops after {i} candidates")
         break
       try:
-        f = make(ta.PassTiles(*cand))
+        f = make(at.PassTiles(*cand))
         got = f(q, k, v)
         if want is None:
           want = outputs[kernel] = got
@@ -151,10 +152,10 @@ def sweep(name, shape, budget_s):
       log(f"  {name} {kernel} {cand}: {ms:.3f} ms (vs default tiles {err:.1e})")
       if ms == ms and (kernel not in best or ms < best[kernel][1]):
         best[kernel] = (cand, ms)
-  pick = lambda kn: ta.PassTiles(*best[kn][0]) if kn in best else getattr(base, kn)
+  pick = lambda kn: at.PassTiles(*best[kn][0]) if kn in best else getattr(base, kn)
   fused = "dxdk" in best and ("dx" not in best or "dk" not in best
                               or best["dxdk"][1] < best["dx"][1] + best["dk"][1])
-  chosen = ta.FlashTiles(fwd=pick("fwd"), dx=pick("dx"), dk=pick("dk"), dq=pick("dq"),
+  chosen = at.FlashTiles(fwd=pick("fwd"), dx=pick("dx"), dk=pick("dk"), dq=pick("dq"),
                          dxdk=pick("dxdk") if fused else None)
   return chosen, results
 
@@ -168,20 +169,21 @@ def main():
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  from kernels import attention_tiles as at
   from kernels import triton_attention as ta
   if args.attention_tiles:
-    ta.load_table(args.attention_tiles)
+    at.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
   os.makedirs(args.out, exist_ok=True)
   results, table = {}, {}
   for name in args.shapes.split(","):
     shape = SHAPES[name]
-    log(f"{name}: B, T, H, dk, D = {shape}, tiles {ta.tiles_to_json(ta.default_tiles(*shape[3:]))}")
+    log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)
     results[name] = row = time_cores(name, shape, which=which) if which else {}
     if name in args.sweep.split(","):
       chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s)
-      row["tiles"] = ta.tiles_to_json(chosen)
+      row["tiles"] = at.tiles_to_json(chosen)
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
       log(f"  {name}: chosen tiles {row['tiles']}")
       row["tuned"] = time_cores(name, shape, tiles=chosen, which=("triton",))

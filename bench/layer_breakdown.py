@@ -139,8 +139,8 @@ def main():
   from umoe_jax.ops import gmm as G
   G.register_builtin_kernels()
   if args.attention_tiles:
-    from kernels import triton_attention
-    triton_attention.load_table(args.attention_tiles)
+    from kernels import attention_tiles
+    attention_tiles.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
   results = {}
   for name in args.configs.split(","):

@@ -57,8 +57,8 @@ def bench_one(name: str, layout: str, args) -> dict:
 
   config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
   if args.attention_tiles:
-    from kernels import triton_attention
-    triton_attention.load_table(args.attention_tiles)
+    from kernels import attention_tiles
+    attention_tiles.load_table(args.attention_tiles)
   n_dev = 1 if layout == "single" else jax.device_count()
   with config.unlocked():
     config.model.gmm_backend = args.gmm_backend
