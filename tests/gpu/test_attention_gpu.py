@@ -7,7 +7,8 @@ kernel runs when the queries attend to their own keys (the same positions array)
 key positions (a cache: offset queries, a padding key) the XLA form must run instead, and give
 exactly its values. The Triton core (one shared key head, D-wide values) is checked at the base and
 large pre-mixing shapes and at odd ones (T not a multiple of any tile, 3 heads, D = 320 = a partial
-D-chunk), within 1e-2 relative on values and on the gradients of q, k and x.
+D-chunk), within 1e-2 relative on values and on the gradients of q, k and x; so is the optional fused
+dX + dK backward pass (not yet run on a GPU against XLA).
 """
 from __future__ import annotations
 
@@ -82,5 +83,28 @@ def test_triton_core_matches_xla(b, t, h, dk, d):
   assert np.isfinite(np.asarray(out, np.float32)).all()
   assert _rel(out, want) < 1e-2
   for name, a, b_ in zip("qkx", grads, want_grads):
+    assert np.isfinite(np.asarray(a, np.float32)).all(), name
+    assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
+
+
+@pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (2, 203, 3, 64, 320)], ids=["base", "odd"])
+def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
+  """The optional fused dX + dK pass (`FlashTiles.dxdk`, off by default) against the XLA core,
+  dK on its own (a concatenation with dX would hide a dK error)."""
+  import dataclasses
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  kq, kk, kv, kc = jax.random.split(jax.random.key(t + dk), 4)
+  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  tiles = dataclasses.replace(at.default_tiles(dk, d), dxdk=at.PassTiles(64, 32, 256, 4, 2))
+  fused = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
+  xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
+  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
+                                     argnums=(0, 1, 2)))(q, k, v)
+  for name, a, b_ in zip("qkx", grads(fused), grads(xla)):
     assert np.isfinite(np.asarray(a, np.float32)).all(), name
     assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
