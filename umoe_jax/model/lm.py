@@ -11,6 +11,7 @@ from umoe_jax.config import ModelConfig, model_config
 from umoe_jax.model.block import DecoderBlock, make_expert_pools
 from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
+from umoe_jax.model.remat import rematerialise
 from umoe_jax.model.routers import RouterOutput, route_context, routing_stats
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import with_logical_constraint
@@ -36,7 +37,7 @@ class CausalLM(nnx.Module):
                               (ax.EMBED, ax.VOCAB), cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
-               cache: Optional[DecodeCache] = None, remat: bool = False,
+               cache: Optional[DecodeCache] = None, remat: bool | str = False,
                step: Optional[jax.Array] = None, last_logits_only: bool = False,
                return_routes: bool = False):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
@@ -56,7 +57,9 @@ class CausalLM(nnx.Module):
     cache), passed through the blocks as `route_context`. `step` [] int: the training step, for
     routers with a schedule (router.kind smoe_dropout, stablemoe); None = as at the end of training.
 
-    `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
+    `remat` (training only): a policy of `umoe_jax.model.remat.POLICIES` ("none", "block", "dots",
+    "dots_no_batch") for what each decoder block keeps for the backward pass; True = "block"
+    (recompute the whole block), False = "none".
     `last_logits_only=True` returns the logits of the last position only, [B, 1, V] (decoding's
     prefill: XLA does not narrow the LM head to a slice of its output, e.g. 4 GiB of float32 logits
     for 32 x 1024 tokens of a 32k vocabulary).
@@ -77,7 +80,7 @@ class CausalLM(nnx.Module):
     context = route_context(tokens.astype(jnp.int32), step=step,
                             decoding=cache is not None)                             # router extras
     routes: dict[str, RouterOutput] = {}
-    block = nnx.remat(_apply_block) if remat else _apply_block
+    block = rematerialise(_apply_block, remat)
     for i, layer in enumerate(self.layers):
       if cache is None:
         h, layer_routes = block(layer, h, positions, context)
