@@ -55,6 +55,23 @@ class CausalLM(nnx.Module):
 
     `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
     """
+    h, aux, new_cache = self._decoder(tokens, positions, cache=cache, remat=remat, step=step)
+    logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
+                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    if cache is None:
+      return logits, aux
+    return logits, aux, new_cache
+
+  def hidden_states(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
+                    remat: bool = False, step: Optional[jax.Array] = None):
+    """tokens [B, T] int -> (h [B, T, D] in compute_dtype, aux): the decoder's output after the final
+    norm, without the LM head (what a task head reads, e.g. `umoe_jax.finetune`). `aux`, `remat`
+    and `step` as in `__call__`; no cache."""
+    h, aux, _ = self._decoder(tokens, positions, cache=None, remat=remat, step=step)
+    return h, aux
+
+  def _decoder(self, tokens, positions, *, cache, remat, step):
+    """Embedding, blocks and final norm: (h [B, T, D], aux, updated cache or None)."""
     cfg = self.cfg
     b, t = tokens.shape
     if cache is None and t > cfg.max_seq_len:
@@ -82,15 +99,13 @@ class CausalLM(nnx.Module):
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
     h = self.final_norm(h)
-    logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),
-                     preferred_element_type=jnp.float32)                           # [B, T, V]
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
     aux = {"balance_loss": total, "routers": stats}
     if cache is None:
-      return logits, aux
-    return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
-                                    layers=tuple(new_layers))
+      return h, aux, None
+    return h, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
+                               layers=tuple(new_layers))
 
 
 def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):
