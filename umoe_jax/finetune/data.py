@@ -72,7 +72,7 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
   """(where, record) for every record of the file."""
   name = os.path.basename(path)
   if fmt == "jsonl":
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:   # -sig: a byte-order mark is not text
       for lineno, line in enumerate(f, 1):
         if not line.strip():
           continue
@@ -85,7 +85,7 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
         yield f"{name}:{lineno}", record
   elif fmt in ("csv", "tsv"):
     kw = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if fmt == "tsv" else {}
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:
       reader = csv.DictReader(f, **kw)
       try:
         for record in reader:
@@ -131,14 +131,15 @@ def _is_int(text: str) -> bool:
 
 
 def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt: str = "auto",
-                  split: str = "train") -> list[Example]:
+                  key: str = "data.train_path") -> list[Example]:
   """Every example of a file. `label_field=None`: unlabelled (labels None).
 
   Raises DataError naming the file and line for a missing file, an empty file, a record without
-  the text or label field, or a non-string text. `split` names the config key in messages.
+  the text or label field, or a non-string text. `key` (the config key or flag that gave `path`)
+  is named in the messages about the whole file.
   """
   if not os.path.isfile(os.path.expanduser(path)):
-    raise DataError(f"data.{split}_path={path!r}: no such file")
+    raise DataError(f"{key}={path!r}: no such file")
   path = os.path.expanduser(path)
   fmt = file_format(path, fmt)
   out = []
@@ -159,7 +160,7 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
       label = canonical_label(record[label_field], f"{path} ({where})", label_field)
     out.append(Example(text=text, label=label, where=where))
   if not out:
-    raise DataError(f"data.{split}_path={path!r}: the file holds no examples")
+    raise DataError(f"{key}={path!r}: the file holds no examples")
   return out
 
 

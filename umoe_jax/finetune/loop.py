@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
-import time
+import sys
 import types
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from absl import logging
@@ -66,15 +66,6 @@ class Split:
   labels: np.ndarray        # int32 [N] class ids
 
 
-@dataclasses.dataclass
-class Data:
-  label_map: data_lib.LabelMap
-  train: Split
-  dev: Split
-  test: Optional[Split]
-  tokenizer_spec: str
-
-
 def _tokenizer_spec(config: Any, saved: dict) -> tuple[str, str]:
   """(tokenizer, eos_token): data.tokenizer, else the pretraining run's data.tokenizer."""
   d = config.data
@@ -86,25 +77,26 @@ def _tokenizer_spec(config: Any, saved: dict) -> tuple[str, str]:
       raise ConfigError(f"init_from={config.init_from!r} does not name its tokenizer (a converted "
                         f"checkpoint): set data.tokenizer (and data.bos_id=1 for Llama-2)")
     spec, eos = pretrain["tokenizer"], d.eos_token or pretrain.get("eos_token", "")
-  if spec != "byte" and (os.path.exists(os.path.expanduser(spec))):
+  if spec != "byte" and os.path.exists(os.path.expanduser(spec)):
     spec = os.path.abspath(os.path.expanduser(spec))
   return spec, eos
 
 
 def load_data(config: Any, tokenizer) -> tuple[data_lib.LabelMap, Split, Split, Optional[Split]]:
+  """(label map, train, dev, test or None): read, labelled against the training file, tokenized."""
   d, seed = config.data, config.train.seed
   kw = dict(text_field=d.text_field, label_field=d.label_field, fmt=d.format)
-  train = data_lib.read_examples(d.train_path, split="train", **kw)
+  train = data_lib.read_examples(d.train_path, key="data.train_path", **kw)
   label_map = data_lib.build_label_map(train, path=d.train_path, label_names=list(d.label_names))
   if d.dev_path:
-    dev, dev_path = data_lib.read_examples(d.dev_path, split="dev", **kw), d.dev_path
+    dev, dev_path = data_lib.read_examples(d.dev_path, key="data.dev_path", **kw), d.dev_path
   else:
     train, dev = data_lib.carve_dev(train, d.dev_fraction, seed)
     dev_path = f"{d.train_path} (dev carve-out)"
     if not dev:
       raise data_lib.DataError(f"data.train_path={d.train_path!r}: too few examples per class to carve "
                                f"a dev split of data.dev_fraction={d.dev_fraction}; give data.dev_path")
-  test = data_lib.read_examples(d.test_path, split="test", **kw) if d.test_path else None
+  test = data_lib.read_examples(d.test_path, key="data.test_path", **kw) if d.test_path else None
 
   def split(name, path, examples):
     ids = label_map.ids(examples, path=path, train_path=d.train_path)
@@ -138,6 +130,16 @@ def param_labels(params: Any, *, freeze_body: bool, freeze_routers: bool) -> Any
     return BODY
 
   return jax.tree_util.tree_map_with_path(label, params)
+
+
+def check_freeze_routers(abstract_params: Any, t: Any, router_kind: str) -> None:
+  """train.freeze_routers on a backbone without router parameters (dense, hash, AoE) is a mistake."""
+  if not t.freeze_routers or t.freeze_body:
+    return
+  labels = param_labels(nnx.to_pure_dict(abstract_params), freeze_body=False, freeze_routers=True)
+  if not any(v == FROZEN and "['router']" in k for k, v in flat_labels(labels)):
+    raise ConfigError(f"train.freeze_routers=True, but the backbone (router.kind={router_kind!r}) "
+                      f"has no router parameters to freeze")
 
 
 def _schedule_args(t: Any, lr: float, total_steps: int) -> types.SimpleNamespace:
@@ -187,7 +189,7 @@ def train_step(state: dict, batch: dict, *, graphdef: Any, tx: Any, labels: Any,
 
   grads, stats = jax.grad(loss_fn, has_aux=True)(state["params"])
   grads = jax.tree.map(lambda g, lab: jnp.zeros_like(g) if lab == FROZEN else g, grads, labels)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   loss = stats["ce_loss"] + balance_weight * stats["balance_loss"]
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -298,7 +300,6 @@ def expert_counts(steps: list[dict]) -> dict[str, np.ndarray]:
 
 def _read_backbone(config: Any) -> tuple[Any, dict]:
   """(model ConfigDict, the init_from config.json) of the pretrained checkpoint."""
-  import ml_collections
   from umoe_jax.model.decode import read_checkpoint_config
   path = os.path.expanduser(config.init_from)
   if not os.path.isdir(path):
@@ -308,10 +309,7 @@ def _read_backbone(config: Any) -> tuple[Any, dict]:
     raise ConfigError(f"init_from={config.init_from!r} has no config.json with a 'model' section: "
                       f"not a training workdir or a converted checkpoint, so the architecture is "
                       f"unknown")
-  section = ml_collections.ConfigDict(saved["model"])
-  if config.model.compute_dtype:
-    section.compute_dtype = config.model.compute_dtype
-  return section, saved
+  return ml_collections.ConfigDict(saved["model"]), saved
 
 
 def _load_backbone_params(config: Any, abstract_params: Any) -> dict:
@@ -336,13 +334,23 @@ class Run:
     config_lib.validate(config)
     self.config, self.workdir, self.step_hook = config, workdir, step_hook
     t, d = config.train, config.data
-    self.model_section, saved = _read_backbone(config)
+    # A run with checkpoints resumes with the architecture and tokenizer it started with.
+    self.resume_meta = (predict_lib.read_meta(workdir) if ckpt_lib.complete_steps(
+        os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)) else None)
+    if self.resume_meta is not None:
+      self.model_section = ml_collections.ConfigDict(self.resume_meta["model"])
+      self.tokenizer_spec = self.resume_meta["tokenizer"]
+      self.eos_token = self.resume_meta.get("eos_token", "")
+    else:
+      self.model_section, saved = _read_backbone(config)
+      self.tokenizer_spec, self.eos_token = _tokenizer_spec(config, saved)
+    if config.model.compute_dtype:
+      self.model_section.compute_dtype = config.model.compute_dtype
     self.model_cfg = model_config(self.model_section)
     if d.max_len > self.model_cfg.max_seq_len:
       raise ConfigError(f"data.max_len={d.max_len} exceeds the backbone's model.max_seq_len="
                         f"{self.model_cfg.max_seq_len} (init_from={config.init_from!r})")
     from umoe_jax.data.tokenizer import check_vocab, make_tokenizer
-    self.tokenizer_spec, self.eos_token = _tokenizer_spec(config, saved)
     try:
       self.tokenizer = make_tokenizer(self.tokenizer_spec, self.eos_token)
       check_vocab(self.tokenizer, self.model_cfg.vocab_size)
@@ -350,6 +358,11 @@ class Run:
       raise ConfigError(f"tokenizer {self.tokenizer_spec!r} does not fit init_from="
                         f"{config.init_from!r}: {e}") from None
     self.label_map, self.train_split, self.dev, self.test = load_data(config, self.tokenizer)
+    if self.resume_meta is not None and self.resume_meta["labels"] != self.label_map.to_json():
+      raise ConfigError(f"{os.path.join(workdir, predict_lib.CLASSIFIER_FILE)} holds the labels "
+                        f"{self.resume_meta['labels']['names']}, but data.train_path="
+                        f"{d.train_path!r} gives {list(self.label_map.names)}: use a new workdir "
+                        f"for other data")
     self.steps_per_epoch = data_lib.steps_per_epoch(len(self.train_split.rows), t.batch_size)
     self.total_steps = t.epochs * self.steps_per_epoch
 
@@ -357,12 +370,7 @@ class Run:
     model = abstract_classifier(self.model_section, self.label_map.num_classes,
                                 pooling=config.model.pooling, dropout=config.model.head_dropout)
     self.graphdef, self.abstract_params = nnx.split(model, nnx.Param)
-    labels = param_labels(nnx.to_pure_dict(self.abstract_params),
-                          freeze_body=t.freeze_body, freeze_routers=t.freeze_routers)
-    if t.freeze_routers and not t.freeze_body and not any(
-        v == FROZEN and "'router'" in k for k, v in flat_labels(labels)):
-      raise ConfigError(f"train.freeze_routers=True, but the backbone (router.kind="
-                        f"{self.model_cfg.router.kind!r}) has no router parameters to freeze")
+    check_freeze_routers(self.abstract_params, config.train, self.model_cfg.router.kind)
     self.programs = programs(config, self.graphdef, self.abstract_params, self.total_steps)
 
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR),
@@ -384,19 +392,8 @@ class Run:
             "max_len": d.max_len, "text_field": d.text_field, "label_field": d.label_field,
             "train_path": d.train_path}
 
-  def _check_resume_meta(self) -> None:
-    path = os.path.join(self.workdir, predict_lib.CLASSIFIER_FILE)
-    if not os.path.isfile(path):
-      return
-    saved = predict_lib.read_meta(self.workdir)
-    if saved["labels"] != self.label_map.to_json():
-      raise ConfigError(f"{path} holds the labels {saved['labels']['names']}, but "
-                        f"data.train_path={self.config.data.train_path!r} gives "
-                        f"{list(self.label_map.names)}: use a new workdir for other data")
-
   def initial_state(self) -> tuple[dict, str]:
     p = self.programs
-    self._check_resume_meta()
     if self.checkpointer.steps():
       target = predict_lib.single_device_target(p.abstract_state)
       state, step = self.checkpointer.restore_latest(target)
@@ -473,7 +470,6 @@ class Run:
       self.checkpointer.save(step, state)
 
     try:
-      first = True
       while step < self.total_steps:
         if stop.requested(step):
           log()
@@ -486,9 +482,6 @@ class Run:
         state, m = p.train_fn(state, jax.device_put(batch, device_sharding()))
         step += 1
         pending.append((step, m))
-        if first:
-          jax.block_until_ready(m)
-          first = False
         if bar is not None:
           bar.update(1)
         if self.step_hook is not None:
@@ -526,8 +519,9 @@ class Run:
             f"macro-F1 {result['macro_f1']:.4f} | loss {result['loss']:.4f} | majority "
             f"{result['majority_accuracy']:.4f}{' | best so far' if improved else ''}")
     if bar is not None:
-      bar.write(line)
-    metrics_lib.log_line(line)
+      bar.write(line, file=sys.stderr)     # above the progress line; stdout keeps the summary
+    else:
+      metrics_lib.log_line(line)
     return state
 
   def finish(self, state: dict) -> dict:

@@ -198,7 +198,7 @@ def predict_file(checkpoint: str, input_path: str, output_path: str, *, text_fie
   labelled = data_lib.has_field(input_path, label_field, fmt) if os.path.isfile(input_path) else False
   examples = data_lib.read_examples(input_path, text_field=text_field,
                                     label_field=label_field if labelled else None, fmt=fmt,
-                                    split="predict_input")
+                                    key="--input")
   label_map = data_lib.LabelMap.from_json(meta["labels"])
   ids = (label_map.ids(examples, path=input_path, train_path=meta.get("train_path", "?"))
          if labelled else None)
