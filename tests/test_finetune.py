@@ -371,22 +371,42 @@ def cli(*args, timeout=240):
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-@pytest.fixture(scope="session")
-def real_run(tmp_path_factory):
-  """Builds the linux-docs set (6 classes, 30 train + 10 test documents each), pretrains the micro
-  model 200 steps, fine-tunes it 6 epochs; returns the paths and the fine-tuning result."""
-  if not os.path.isdir(CORPUS):
-    pytest.skip(f"linux-docs corpus not found at {CORPUS}")
-  base = tmp_path_factory.mktemp("finetune")
+def _build_real_run(base) -> tuple[dict, dict, dict]:
   info = linux_docs.build(os.path.join(CORPUS, "train-00000-of-00001.parquet"), str(base / "data"),
                           num_classes=6, per_class=40, test_fraction=0.25)
   paths = {"data": str(base / "data"), "train": str(base / "data" / "train.jsonl"),
            "test": str(base / "data" / "test.csv"), "pretrained": str(base / "pretrained"),
-           "finetuned": str(base / "finetuned"), "base": str(base)}
+           "finetuned": str(base / "finetuned")}
   pre = pretrain_loop.run(pretrain_config(), paths["pretrained"])
   assert pre["step"] == 200
   result = loop.run(finetune_config(paths), paths["finetuned"])
   return paths, info, result
+
+
+@pytest.fixture(scope="session")
+def real_run(tmp_path_factory):
+  """Builds the linux-docs set (6 classes, 30 train + 10 test documents each), pretrains the micro
+  model 200 steps, fine-tunes it 6 epochs; returns the paths, the set and the fine-tuning result.
+
+  Under pytest-xdist the workers share one build (the first one builds, under a file lock, in the
+  session's common temporary directory; the others read its results.json)."""
+  if not os.path.isdir(CORPUS):
+    pytest.skip(f"linux-docs corpus not found at {CORPUS}")
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    return _build_real_run(tmp_path_factory.mktemp("finetune"))
+  import fcntl
+  shared = tmp_path_factory.getbasetemp().parent / "finetune_real_run"   # this session's, all workers
+  shared.mkdir(exist_ok=True)
+  with open(shared / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = shared / "done.json"
+    if not done.exists():
+      paths, info, result = _build_real_run(shared)
+      done.write_text(json.dumps({"paths": paths, "info": info}))
+      return paths, info, result
+    saved = json.loads(done.read_text())
+  with open(os.path.join(saved["paths"]["finetuned"], predict_lib.RESULTS_FILE)) as f:
+    return saved["paths"], saved["info"], json.load(f)
 
 
 @needs_corpus
@@ -476,6 +496,32 @@ def test_cli_resumes_finished_run_and_predicts(real_run, tmp_path):
     reference = [json.loads(line) for line in f]
   assert [r["prediction"] for r in rows] == [r["prediction"] for r in reference]
   assert len(rows) == 60 and "prob_ABI" in rows[0]
+
+
+@needs_corpus
+def test_init_from_converted_checkpoint(real_run, tmp_path):
+  """A converted official-layout checkpoint (config.json + params/) initialises the backbone with
+  its exact parameters; it names no tokenizer, so data.tokenizer is required."""
+  from umoe_jax.interop.official import save_converted
+  from umoe_jax.model.decode import load_model
+  paths, info, _ = real_run
+  lm, section, _ = load_model(paths["pretrained"])
+  converted = save_converted(lm, section, str(tmp_path / "converted"))
+  with pytest.raises(ConfigError, match=r"converted.*does not name its tokenizer.*data\.tokenizer"):
+    loop.run(finetune_config(paths, init_from=converted), str(tmp_path / "wd"))
+  r = loop.Run(finetune_config(paths, init_from=converted, **{"data.tokenizer": "byte"}),
+               str(tmp_path / "wd"), step_hook=None)
+  try:
+    state, start = r.initial_state()
+  finally:
+    r.close()
+  assert start == "init_from"
+  expected = nnx.to_pure_dict(nnx.state(lm, nnx.Param))
+  got = state["params"]["backbone"]
+  assert jax.tree.structure(got) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert state["params"]["head"]["kernel"].shape == (64, len(info["classes"]))
 
 
 # ----------------------------------------------------------------------------------------------
