@@ -64,6 +64,26 @@ class CausalLM(nnx.Module):
     prefill: XLA does not narrow the LM head to a slice of its output, e.g. 4 GiB of float32 logits
     for 32 x 1024 tokens of a 32k vocabulary).
     """
+    h, aux, new_cache = self._decoder(tokens, positions, cache=cache, remat=remat, step=step,
+                                      return_routes=return_routes)
+    if last_logits_only:
+      h = h[:, -1:]
+    logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
+                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    if cache is None:
+      return logits, aux
+    return logits, aux, new_cache
+
+  def hidden_states(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
+                    remat: bool | str = False, step: Optional[jax.Array] = None):
+    """tokens [B, T] int -> (h [B, T, D] in compute_dtype, aux): the decoder's output after the final
+    norm, without the LM head (what a task head reads, e.g. `umoe_jax.finetune`). `aux`, `remat`
+    and `step` as in `__call__`; no cache."""
+    h, aux, _ = self._decoder(tokens, positions, cache=None, remat=remat, step=step)
+    return h, aux
+
+  def _decoder(self, tokens, positions, *, cache, remat, step, return_routes=False):
+    """Embedding, blocks and final norm: (h [B, T, D], aux, updated cache or None)."""
     cfg = self.cfg
     b, t = tokens.shape
     if cache is None and t > cfg.max_seq_len:
@@ -90,18 +110,16 @@ class CausalLM(nnx.Module):
         new_layers.append(layer_cache.arrays)
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
-    h = self.final_norm(h[:, -1:] if last_logits_only else h)
-    logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),
-                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    h = self.final_norm(h)
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
     aux = {"balance_loss": total, "routers": stats}
     if return_routes:
       aux["routes"] = routes
     if cache is None:
-      return logits, aux
-    return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
-                                    layers=tuple(new_layers))
+      return h, aux, None
+    return h, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
+                               layers=tuple(new_layers))
 
 
 def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):
