@@ -294,3 +294,31 @@ def test_aoe_rank_defaults_to_a_third_of_the_width():
   m = model_config(_bad("ffn_moe", {"router.kind": "aoe"}))
   assert m.router.aoe_dim == m.d_model // 3
   assert model_config(_bad("ffn_moe", {"router.kind": "aoe", "router.aoe_dim": 7})).router.aoe_dim == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# Imports run one way: validating a config never imports the model (nor flax); the kinds' tables in
+# umoe_jax/kinds.py and the registered classes agree.
+
+
+def test_config_validation_imports_no_model_in_a_fresh_process():
+  code = ("import sys, configs.common as c; from umoe_jax.config import model_config\n"
+          "for f in ('umoe', 'moa', 'switchhead', 'ffn_moe'): model_config(c.model(f, 'tiny'))\n"
+          "bad = [m for m in sys.modules if m.startswith(('umoe_jax.model', 'umoe_jax.ops', 'flax', 'kernels'))]\n"
+          "assert not bad, bad\n")
+  run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_kind_tables_match_the_registered_classes():
+  from umoe_jax import kinds
+  from umoe_jax.model.attention import ATTENTIONS
+  from umoe_jax.model.routers import BALANCE_LOSSES, ROUTERS
+  from umoe_jax.registry import Registry
+  assert ROUTERS.names() == sorted(kinds.ROUTER_KINDS)
+  assert ATTENTIONS.names() == sorted(kinds.ATTENTION_KINDS)
+  assert sorted(BALANCE_LOSSES) == sorted(kinds.BALANCE_LOSS_NAMES)
+  with pytest.raises(ValueError, match="umoe_jax/kinds.py"):
+    ROUTERS.register("not_in_the_table")(object)
+  assert Registry("free").register("anything")(int) is int   # a registry without a table takes any

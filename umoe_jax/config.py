@@ -12,6 +12,8 @@ import types
 import typing
 from typing import Any, Mapping, Optional
 
+from umoe_jax import kinds
+
 ACTIVATIONS = ("silu", "gelu", "relu", "none")
 ROPE_LAYOUTS = ("interleaved", "half")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -103,8 +105,8 @@ class ModelConfig:
 
   @property
   def attention_uses_experts(self) -> bool:
-    from umoe_jax.model.attention import ATTENTIONS  # late: model imports config
-    return getattr(ATTENTIONS.get(self.attention.kind), "uses_expert_pool", False)
+    kind = kinds.ATTENTION_KINDS.get(self.attention.kind)
+    return bool(kind and kind.uses_expert_pool)
 
   @property
   def ffn_uses_experts(self) -> bool:
@@ -169,14 +171,13 @@ def _check(cond: bool, message: str) -> None:
     raise ConfigError(message)
 
 
-def validate(cfg: ModelConfig) -> ModelConfig:
-  """Checks values and combinations; returns `cfg` unchanged when all is well."""
-  from umoe_jax.model.attention import ATTENTIONS
-  from umoe_jax.model.attention.common import ATTENTION_CORES
-  from umoe_jax.model.routers import BALANCE_LOSSES, ROUTERS
-  from umoe_jax.ops.gmm import BACKENDS, register_builtin_kernels
+def _names(table) -> str:
+  return ", ".join(sorted(table))
 
-  register_builtin_kernels()  # kernel backends ("triton", "mosaic") register on import of kernels/
+
+def validate(cfg: ModelConfig) -> ModelConfig:
+  """Checks values and combinations; returns `cfg` unchanged when all is well. Names and traits of
+  the pluggable kinds come from `umoe_jax.kinds` (nothing here imports the model)."""
   for key in ("vocab_size", "d_model", "n_layers", "max_seq_len"):
     _check(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)!r} must be positive")
   _check(cfg.rope_layout in ROPE_LAYOUTS,
@@ -185,18 +186,19 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     _check(getattr(cfg, key) in DTYPES, f"model.{key}={getattr(cfg, key)!r}; valid: {', '.join(DTYPES)}")
   for key in ("norm_eps", "rope_theta", "init_std"):
     _check(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)!r} must be positive")
-  _check(cfg.gmm_backend == "auto" or cfg.gmm_backend in BACKENDS,
-         f"model.gmm_backend={cfg.gmm_backend!r}; valid: auto, {', '.join(BACKENDS.names())}")
+  _check(cfg.gmm_backend == "auto" or cfg.gmm_backend in kinds.GMM_BACKENDS,
+         f"model.gmm_backend={cfg.gmm_backend!r}; valid: auto, {', '.join(kinds.GMM_BACKENDS)}")
 
   att, ffn, moe, router = cfg.attention, cfg.ffn, cfg.moe, cfg.router
-  _check(att.kind in ATTENTIONS, f"model.attention.kind={att.kind!r}; valid: {', '.join(ATTENTIONS.names())}")
+  _check(att.kind in kinds.ATTENTION_KINDS,
+         f"model.attention.kind={att.kind!r}; valid: {_names(kinds.ATTENTION_KINDS)}")
   _check(att.head_dim > 0 and att.head_dim % 2 == 0,
          f"model.attention.head_dim={att.head_dim!r} must be a positive even number (RoPE rotates pairs)")
-  _check(att.core in ATTENTION_CORES,
-         f"model.attention.core={att.core!r}; valid: {', '.join(ATTENTION_CORES)}")
-  ATTENTIONS.get(att.kind).validate(cfg)
+  _check(att.core in kinds.ATTENTION_CORES,
+         f"model.attention.core={att.core!r}; valid: {', '.join(kinds.ATTENTION_CORES)}")
+  _ATTENTION_CHECKS[att.kind](cfg)
 
-  _check(ffn.kind in ("dense", "moe", "none"), f"model.ffn.kind={ffn.kind!r}; valid: dense, moe, none")
+  _check(ffn.kind in kinds.FFN_KINDS, f"model.ffn.kind={ffn.kind!r}; valid: {', '.join(kinds.FFN_KINDS)}")
   if ffn.kind == "dense":
     _check(ffn.d_ff > 0, f"model.ffn.d_ff={ffn.d_ff!r} must be set (> 0) for a dense FFN")
   elif ffn.kind == "moe":
@@ -206,9 +208,98 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   # The activation also serves the dense FFN and always-on experts; routers also serve MoA/SwitchHead.
   _check(moe.activation in ACTIVATIONS,
          f"model.moe.activation={moe.activation!r}; valid: {', '.join(ACTIVATIONS)}")
-  _check(router.kind in ROUTERS, f"model.router.kind={router.kind!r}; valid: {', '.join(ROUTERS.names())}")
-  _check(router.balance_loss in BALANCE_LOSSES,
-         f"model.router.balance_loss={router.balance_loss!r}; valid: {', '.join(BALANCE_LOSSES)}")
+  _validate_router(cfg)
+  pool = cfg.attention_uses_experts or cfg.ffn_uses_experts
+  if pool:
+    _check(moe.n_experts > 0, f"model.moe.n_experts={moe.n_experts!r} must be set (> 0) for routed experts")
+    _check(moe.d_expert > 0, f"model.moe.d_expert={moe.d_expert!r} must be set (> 0) for routed experts")
+    if cfg.ffn_uses_experts:
+      _check(ffn.top_k <= moe.n_experts,
+             f"model.ffn.top_k={ffn.top_k} exceeds model.moe.n_experts={moe.n_experts}")
+  both = cfg.attention_uses_experts and cfg.ffn_uses_experts
+  _check(not moe.share_across_layers or pool,
+         f"model.moe.share_across_layers={moe.share_across_layers!r} needs routed experts (a pool to share)")
+  _check(not router.share_att_ffn or (both and moe.share_pool),
+         f"model.router.share_att_ffn={router.share_att_ffn!r} needs an attention and an FFN that route "
+         f"into one pool (attention.kind={att.kind!r}, ffn.kind={ffn.kind!r}, moe.share_pool={moe.share_pool!r})")
+  if moe.share_always_on:
+    _check(both and att.n_shared_experts > 0 and ffn.n_shared_experts == att.n_shared_experts,
+           f"model.moe.share_always_on={moe.share_always_on!r} needs a pooled attention and MoE FFN with equal "
+           f"always-on widths (attention.n_shared_experts={att.n_shared_experts!r}, "
+           f"ffn.n_shared_experts={ffn.n_shared_experts!r}, attention.kind={att.kind!r}, ffn.kind={ffn.kind!r})")
+  return cfg
+
+
+# Per attention kind: its own checks (each raises ConfigError naming key and value).
+
+
+def _check_heads(cfg: ModelConfig) -> None:
+  """Multi-head variants: at least one head and a positive value head dim."""
+  att = cfg.attention
+  _check(att.n_heads >= 1, f"model.attention.n_heads={att.n_heads!r} must be >= 1")
+  _check(att.v_head_dim >= 1, f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
+
+
+def _check_own_experts(cfg: ModelConfig, what: str = "") -> None:
+  """Variants with their own experts (`attention.n_experts`): 1 <= top_k <= n_experts."""
+  att = cfg.attention
+  _check(att.n_experts >= 1,
+         f"model.attention.n_experts={att.n_experts!r} must be >= 1 for {att.kind}{what}")
+  _check(1 <= att.top_k <= att.n_experts, f"model.attention.top_k={att.top_k!r} must be in [1, "
+         f"attention.n_experts={att.n_experts}] for {att.kind}")
+
+
+def _check_pool_routing(cfg: ModelConfig) -> None:
+  """Variants routing into the layer's pool: top_k in [1, moe.n_experts], shared experts and the
+  low-rank rank non-negative / positive."""
+  att = cfg.attention
+  _check(att.top_k >= 1, f"model.attention.top_k={att.top_k!r} must be >= 1")
+  _check(not cfg.moe.n_experts or att.top_k <= cfg.moe.n_experts,
+         f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
+  _check(att.n_shared_experts >= 0,
+         f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
+  _check(att.q_lora_rank is None or att.q_lora_rank >= 1,
+         f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
+
+
+def _check_premix(cfg: ModelConfig) -> None:
+  _check_pool_routing(cfg)
+  latent = cfg.attention.latent_dim
+  _check(latent is None or latent >= 1, f"model.attention.latent_dim={latent!r} must be >= 1 or None")
+
+
+def _check_postmix(cfg: ModelConfig) -> None:
+  _check_pool_routing(cfg)
+  latent = cfg.attention.latent_dim
+  _check(latent is None, f"model.attention.latent_dim={latent!r}: MLA latent values exist only for "
+         "attention.kind='premix'")
+
+
+def _check_moa(cfg: ModelConfig) -> None:
+  att = cfg.attention
+  _check_own_experts(cfg)
+  _check(att.n_shared_experts in (0, 1),
+         f"model.attention.n_shared_experts={att.n_shared_experts!r}: moa has 0 or 1 always-on head")
+  _check(att.v_head_dim >= 1, f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
+
+
+def _check_switchhead(cfg: ModelConfig) -> None:
+  _check_heads(cfg)
+  _check_own_experts(cfg, " (experts per head)")
+
+
+_ATTENTION_CHECKS = {"mha": _check_heads, "premix": _check_premix, "postmix": _check_postmix,
+                     "moa": _check_moa, "switchhead": _check_switchhead}
+assert set(_ATTENTION_CHECKS) == set(kinds.ATTENTION_KINDS), "a kind without config checks"
+
+
+def _validate_router(cfg: ModelConfig) -> None:
+  """The router section: its values, then what its kind can serve (`kinds.ROUTER_KINDS`)."""
+  router, att = cfg.router, cfg.attention
+  _check(router.kind in kinds.ROUTER_KINDS,
+         f"model.router.kind={router.kind!r}; valid: {_names(kinds.ROUTER_KINDS)}")
+  _check(router.balance_loss in kinds.BALANCE_LOSS_NAMES,
+         f"model.router.balance_loss={router.balance_loss!r}; valid: {', '.join(kinds.BALANCE_LOSS_NAMES)}")
   _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
   _check(router.xmoe_dim >= 1, f"model.router.xmoe_dim={router.xmoe_dim!r} must be >= 1")
   _check(0 < router.xmoe_temperature < float("inf"),
@@ -235,28 +326,22 @@ def validate(cfg: ModelConfig) -> ModelConfig:
          f"model.router.attention_temperature={router.attention_temperature!r} must be positive and finite")
   _check(router.aoe_dim is None or router.aoe_dim >= 1,
          f"model.router.aoe_dim={router.aoe_dim!r} must be None or >= 1")
-  router_validate = getattr(ROUTERS.get(router.kind), "validate", None)
-  if router_validate is not None:
-    router_validate(cfg)
-  pool = cfg.attention_uses_experts or cfg.ffn_uses_experts
-  if pool:
-    _check(moe.n_experts > 0, f"model.moe.n_experts={moe.n_experts!r} must be set (> 0) for routed experts")
-    _check(moe.d_expert > 0, f"model.moe.d_expert={moe.d_expert!r} must be set (> 0) for routed experts")
-    if cfg.ffn_uses_experts:
-      _check(ffn.top_k <= moe.n_experts,
-             f"model.ffn.top_k={ffn.top_k} exceeds model.moe.n_experts={moe.n_experts}")
-  both = cfg.attention_uses_experts and cfg.ffn_uses_experts
-  _check(not moe.share_across_layers or pool,
-         f"model.moe.share_across_layers={moe.share_across_layers!r} needs routed experts (a pool to share)")
-  _check(not router.share_att_ffn or (both and moe.share_pool),
-         f"model.router.share_att_ffn={router.share_att_ffn!r} needs an attention and an FFN that route "
-         f"into one pool (attention.kind={att.kind!r}, ffn.kind={ffn.kind!r}, moe.share_pool={moe.share_pool!r})")
-  if moe.share_always_on:
-    _check(both and att.n_shared_experts > 0 and ffn.n_shared_experts == att.n_shared_experts,
-           f"model.moe.share_always_on={moe.share_always_on!r} needs a pooled attention and MoE FFN with equal "
-           f"always-on widths (attention.n_shared_experts={att.n_shared_experts!r}, "
-           f"ffn.n_shared_experts={ffn.n_shared_experts!r}, attention.kind={att.kind!r}, ffn.kind={ffn.kind!r})")
-  return cfg
+
+  kind = kinds.ROUTER_KINDS[router.kind]
+  key = f"model.router.kind={router.kind!r}"
+  _check(kind.weights or not router.share_att_ffn,
+         f"model.router.share_att_ffn={router.share_att_ffn!r} with {key}: it has no weights to share")
+  if kind.mixing == "attention":
+    _check(kinds.ATTENTION_KINDS[att.kind].exposes_attention_probs,
+           f"{key} with model.attention.kind={att.kind!r}: its routers run before its attention "
+           "probabilities exist; use model.attention.kind='mha' (an FFN-MoE)")
+  if router.kind == "aoe":
+    _check(not kinds.ATTENTION_KINDS[att.kind].has_routers,
+           f"{key} with model.attention.kind={att.kind!r}: AoE experts score themselves in an MoE "
+           "FFN; the attention must have no router (model.attention.kind='mha')")
+  if "attention" not in kind.sublayers:
+    _check(cfg.ffn.kind == "moe", f"{key} with model.ffn.kind={cfg.ffn.kind!r}: it routes an MoE FFN "
+           "(model.ffn.kind='moe')")
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:

@@ -145,37 +145,21 @@ def linear(d_in: int, d_out: int) -> int:
   return int(d_in) * int(d_out)
 
 
+def _router_class(kind: str) -> type:
+  from umoe_jax.model.routers import ROUTERS  # late: the router classes carry their counts
+  return ROUTERS.get(kind)
+
+
 def router_params(cfg: ModelConfig, n_experts: int) -> int:
-  """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k,
-  smoe_dropout (stored, never trained), similarity_aware, attention_aware), X-MoE's D x d_r projection
-  + E x d_r expert embeddings (+ its temperature when learned), StableMoE's E x D centroids + V x d_w
-  token table + E x d_w distilled centroids, none for hash and aoe (its scores are the experts')."""
-  r = cfg.router
-  if r.kind in ("hash", "aoe"):  # aoe: the scores are the pool experts' codes (counted there)
-    return 0
-  if r.kind == "xmoe":
-    return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim) + int(r.xmoe_learn_temperature)
-  if r.kind == "stablemoe":
-    vocab = r.stablemoe_vocab_size or cfg.vocab_size
-    return (linear(n_experts, cfg.d_model) + linear(vocab, r.stablemoe_distill_dim)
-            + linear(n_experts, r.stablemoe_distill_dim))
-  return linear(cfg.d_model, n_experts)
+  """Parameters of one router over `n_experts` experts: its class's `param_count` (beside each
+  router family in `umoe_jax.model.routers`; a D x E map unless the family says otherwise)."""
+  return _router_class(cfg.router.kind).param_count(cfg, cfg.router, n_experts)
 
 
 def router_macs(cfg: ModelConfig, n_experts: int) -> int:
-  """Forward MACs per token of one router (the scores of every expert; StableMoE: the affinities
-  and the distilled scores, its table lookup is free; AoE: every expert's rank-r code). The mixing over earlier tokens of
-  similarity_aware / attention_aware depends on T: `router_pair_macs`."""
-  r = cfg.router
-  if r.kind == "hash":
-    return 0
-  if r.kind == "aoe":  # every expert's code x A^e (D x r), the norms' input
-    return n_experts * routed_expert(cfg)[1]
-  if r.kind == "xmoe":
-    return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim)
-  if r.kind == "stablemoe":
-    return linear(cfg.d_model, n_experts) + linear(r.stablemoe_distill_dim, n_experts)
-  return linear(cfg.d_model, n_experts)
+  """Forward MACs per token of one router (`token_mac_count` of its class). The mixing over
+  earlier tokens of similarity_aware / attention_aware depends on T: `router_pair_macs`."""
+  return _router_class(cfg.router.kind).token_mac_count(cfg, cfg.router, n_experts)
 
 
 def routed_expert(cfg: ModelConfig) -> tuple[int, int]:
@@ -191,14 +175,11 @@ def routed_expert(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def router_pair_macs(cfg: ModelConfig) -> int:
-  """Forward MACs per (query token, key token) pair of one layer's routers: similarity_aware
-  u_i . u_j (D) and the mix of G (E) per router, attention_aware the mix (E; the probabilities are
-  the attention's); 0 for every other kind. The routers of a layer are read off the model."""
-  kind = cfg.router.kind
-  if kind not in ("similarity_aware", "attention_aware"):
-    return 0
-  per_pair = (lambda e: cfg.d_model + e) if kind == "similarity_aware" else (lambda e: e)
-  return sum(per_pair(e) for e in _layer_router_experts(cfg))
+  """Forward MACs per (query token, key token) pair of one layer's routers (`pair_mac_count` of
+  their class: the mixing routers'; 0 for every other kind). The routers of a layer are read off
+  the model."""
+  cls = _router_class(cfg.router.kind)
+  return sum(cls.pair_mac_count(cfg, cfg.router, e) for e in _layer_router_experts(cfg))
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,10 +187,9 @@ def _layer_router_experts(cfg: ModelConfig) -> tuple[int, ...]:
   """E of every router module of one decoder layer (the abstract model's first layer)."""
   from flax import nnx
   from umoe_jax.model import abstract_model
-  from umoe_jax.model.routers import ROUTERS
-  kinds = tuple(ROUTERS.get(n) for n in ROUTERS.names())
+  from umoe_jax.model.routers import RouterStats
   layer = abstract_model(cfg).layers[0]
-  return tuple(m.n_experts for _, m in nnx.iter_graph(layer) if isinstance(m, kinds))
+  return tuple(m.n_experts for _, m in nnx.iter_graph(layer) if isinstance(m, RouterStats))
 
 
 def mlp(cfg: ModelConfig, d_hidden: int) -> int:

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -68,18 +68,7 @@ class MoAStats(AttentionStats):
 class MoAAttention(nnx.Module):
   """Per-expert W_q, W_o; shared single-head W_k, W_v; optional always-on head."""
 
-  uses_expert_pool = False
   stats = MoAStats
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    check_own_experts(cfg, "moa")
-    if att.n_shared_experts not in (0, 1):
-      raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r}: moa has 0 or 1 "
-                        "always-on head")
-    if att.v_head_dim < 1:
-      raise ConfigError(f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:

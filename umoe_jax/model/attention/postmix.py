@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check_pool_routing,
-                                             low_rank_expert_apply, low_rank_expert_params)
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
+                                             low_rank_expert_params)
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -89,16 +89,7 @@ class PostMixStats(AttentionStats):
 class PostMixAttention(nnx.Module):
   """Experts on every token first (routed by that token), then one query mixes the expert outputs."""
 
-  uses_expert_pool = True
   stats = PostMixStats
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    check_pool_routing(cfg)
-    if att.latent_dim is not None:
-      raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r}: MLA latent values exist only "
-                        "for attention.kind='premix'")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check_pool_routing,
-                                             low_rank_expert_apply, low_rank_expert_params)
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
+                                             low_rank_expert_params)
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -40,14 +40,6 @@ from umoe_jax.parallel import rules as ax
 class PreMixAttention(nnx.Module):
   """UMoE attention: routed low-rank expert queries, one key head, values = hidden states."""
 
-  uses_expert_pool = True
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    check_pool_routing(cfg)
-    if att.latent_dim is not None and att.latent_dim < 1:
-      raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r} must be >= 1 or None")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.attention.mha import HeadsQK
 from umoe_jax.model.layers import make_param, normal_init
 from umoe_jax.model.routers import RouterOutput, call_router, make_router
@@ -122,11 +122,6 @@ class SwitchHeadAttention(HeadsQK):
   """Dense per-head q, k; per-head MoE value and output projections."""
 
   stats = SwitchHeadStats
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    super().validate(cfg)
-    check_own_experts(cfg, "switchhead", " (experts per head)")
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     super().__init__(cfg, rngs=rngs)

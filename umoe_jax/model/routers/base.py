@@ -1,0 +1,120 @@
+"""The router contract: `RouterOutput`, the route context, construction, the logged statistics, and
+the tail every softmax-style router shares (top-k of a distribution plus its balance loss)."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from umoe_jax.config import RouterConfig
+from umoe_jax.kinds import ROUTERS
+from umoe_jax.model.routers.losses import BALANCE_LOSSES
+from umoe_jax.stats import linear
+
+
+@struct.dataclass
+class RouterOutput:
+  expert_ids: jax.Array      # [B, T, K] int32
+  gates: jax.Array           # [B, T, K] float32
+  probs: jax.Array           # [B, T, E] float32, the distribution the top-k was taken from
+  balance_loss: jax.Array    # [] float32, coefficient applied
+
+
+def route_context(token_ids: jax.Array, *, step: Optional[jax.Array] = None,
+                  decoding: bool = False) -> dict[str, Any]:
+  """The extras every router call receives.
+
+    "token_ids": [B, T] int32, always;
+    "step":      [] int32, the training step, only when the caller passes one (routers with a
+                 schedule: smoe_dropout, stablemoe; without it they act as at the end of training);
+    "decoding":  True, only while decoding with a KV cache (routers that mix over earlier tokens
+                 refuse: the cache does not keep their routing inputs).
+  """
+  context: dict[str, Any] = {"token_ids": token_ids}
+  if step is not None:
+    context["step"] = jnp.asarray(step, jnp.int32)
+  if decoding:
+    context["decoding"] = True
+  return context
+
+
+def call_router(router: nnx.Module, x: jax.Array,
+                context: Optional[Mapping[str, Any]] = None) -> RouterOutput:
+  """router(x [B, T, D], **context): the one way sub-layers call their routers."""
+  return router(x, **(context or {}))
+
+
+def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, param_dtype,
+                rngs: nnx.Rngs) -> nnx.Module:
+  return ROUTERS.get(cfg.kind)(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
+
+
+def routing_stats(out: RouterOutput, n_experts: int) -> dict[str, jax.Array]:
+  """What the trainer logs for one router: its loss, per-expert pick counts [E], mean entropy."""
+  counts = jnp.bincount(out.expert_ids.reshape(-1), length=n_experts).astype(jnp.float32)
+  entropy = -jnp.sum(out.probs * jnp.log(out.probs + 1e-20), axis=-1).mean()
+  return {"balance_loss": out.balance_loss, "expert_counts": counts, "entropy": entropy}
+
+
+def topk_gates(probs: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+  """Top-k of probs [..., E] -> (gates [..., K] float32, expert_ids [..., K] int32)."""
+  gates, ids = jax.lax.top_k(probs, k)
+  if renormalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return gates, ids.astype(jnp.int32)
+
+
+def probs_route(probs: jax.Array, k: int, cfg: RouterConfig, n_experts: int) -> RouterOutput:
+  """Top-k of a routing distribution probs [B, T, E] with `router.renormalize` and the configured
+  balance loss on probs (the counts are constants): the tail of every softmax-style router."""
+  gates, ids = topk_gates(probs, k, cfg.renormalize)                                 # [B, T, K]
+  loss = BALANCE_LOSSES[cfg.balance_loss](probs, jax.lax.stop_gradient(ids), n_experts)
+  return RouterOutput(expert_ids=ids, gates=gates, probs=probs, balance_loss=cfg.balance_coef * loss)
+
+
+def need_token_ids(kind: str, token_ids: Optional[jax.Array], x: jax.Array) -> jax.Array:
+  """The route context's token ids [B, T], checked against the router input x [B, T, D]."""
+  if token_ids is None:
+    raise ValueError(f"router.kind={kind!r} routes by token id: call the router with token_ids=[B, T] "
+                     "(CausalLM passes route_context={'token_ids': tokens} to every sub-layer)")
+  if token_ids.shape != x.shape[:-1]:
+    raise ValueError(f"token_ids {token_ids.shape} must match the router input's [B, T] "
+                     f"{x.shape[:-1]}")
+  return token_ids
+
+
+class RouterStats:
+  """Parameter and MAC counts of one router (`umoe_jax.stats` reads them by `router.kind`). Every
+  router class inherits these and overrides what differs; `cfg` is the ModelConfig, `router` the
+  sub-layer's RouterConfig. Default: a D x E map."""
+
+  @classmethod
+  def param_count(cls, cfg, router: RouterConfig, n_experts: int) -> int:
+    return linear(cfg.d_model, n_experts)
+
+  @classmethod
+  def token_mac_count(cls, cfg, router: RouterConfig, n_experts: int) -> int:
+    """Forward MACs per token (the scores of every expert)."""
+    return linear(cfg.d_model, n_experts)
+
+  @classmethod
+  def pair_mac_count(cls, cfg, router: RouterConfig, n_experts: int) -> int:
+    """Forward MACs per (query token, earlier token) pair (routers that mix over tokens)."""
+    return 0
+
+
+class ParameterFreeRouter(RouterStats, nnx.Module):
+  """Base of routers without weights of their own (hash routing, AoE)."""
+
+  def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
+               rngs: nnx.Rngs):
+    del d_model, param_dtype, rngs
+    self.n_experts = n_experts
+    self.top_k = top_k
+    self.cfg = cfg
+
+  @classmethod
+  def param_count(cls, cfg, router, n_experts):
+    return 0
