@@ -322,3 +322,56 @@ def test_kind_tables_match_the_registered_classes():
   with pytest.raises(ValueError, match="umoe_jax/kinds.py"):
     ROUTERS.register("not_in_the_table")(object)
   assert Registry("free").register("anything")(int) is int   # a registry without a table takes any
+
+
+# ------------------------------------------------------------------------------------------------
+# Optional keys from the command line, through the real absl / ml_collections flag parsing.
+
+
+def _parse_config_flags(*args):
+  from absl import flags
+  from ml_collections import config_flags
+  argv = ["prog", f"--config={os.path.join(ROOT, 'configs', 'umoe_tiny.py')}", *args]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "experiment", flag_values=fv,
+                                           lock_config=True, sys_argv=argv)
+  fv(argv)
+  return holder.value
+
+
+def test_every_optional_key_takes_none_and_a_value_from_the_command_line():
+  from absl import flags
+  base = _parse_config_flags()
+  assert base.model.attention.q_lora_rank == 8                       # the family's own value
+  cfg = _parse_config_flags("--config.model.attention.q_lora_rank=None",   # README's full query
+                            "--config.model.attention.latent_dim=16",
+                            "--config.expert_parallel.capacity_factor=1.5",
+                            "--config.train.warmup_steps=None", "--config.data.num_epochs=null",
+                            "--config.model.router.aoe_dim=None")
+  m = model_config(cfg.model)
+  assert m.attention.q_lora_rank is None and m.attention.latent_dim == 16
+  assert cfg.expert_parallel.capacity_factor == 1.5 and cfg.train.warmup_steps is None
+  assert cfg.data.num_epochs is None
+  again = _parse_config_flags("--config.expert_parallel.capacity_factor=None",
+                              "--config.model.attention.q_lora_rank=4")
+  assert again.expert_parallel.capacity_factor is None and again.model.attention.q_lora_rank == 4
+  # A value of the wrong type still fails in parsing, naming the flag and the value.
+  with pytest.raises(flags.IllegalFlagValueError, match=r"q_lora_rank=abc"):
+    _parse_config_flags("--config.model.attention.q_lora_rank=abc")
+  # Every Optional field of the model config is such a field.
+  def optional_paths(cls, prefix):
+    import typing
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      if dataclasses.is_dataclass(hints[f.name]):
+        yield from optional_paths(hints[f.name], f"{prefix}{f.name}.")
+      elif type(None) in typing.get_args(hints[f.name]):
+        yield prefix + f.name
+  paths = list(optional_paths(ModelConfig, "model."))
+  assert "model.attention.q_lora_rank" in paths and len(paths) >= 5
+  nones = _parse_config_flags(*[f"--config.{p}=None" for p in paths])
+  for p in paths:
+    node = nones
+    for part in p.split("."):
+      node = node[part]
+    assert node is None, p

@@ -370,21 +370,23 @@ def to_dict(cfg: ModelConfig) -> dict:
 def default_config_dict(cls=ModelConfig):
   """The dataclass defaults as an ml_collections ConfigDict (the one source of the model defaults).
 
-  Optional fields whose default is None become typed placeholders, so that the command line can
-  still set them (`--config.model.attention.latent_dim=192`).
+  Optional fields (`Optional[int]` ...) become `config_fields.optional` fields, so that the command
+  line can set them to a value or to None (`--config.model.attention.q_lora_rank=None`,
+  `--config.model.attention.latent_dim=192`).
   """
   import ml_collections
-  from ml_collections import config_dict
+  from umoe_jax.config_fields import optional
 
   hints = typing.get_type_hints(cls)
   out = {}
   for f in dataclasses.fields(cls):
     value = getattr(cls(), f.name)
+    args = typing.get_args(hints[f.name])
     if dataclasses.is_dataclass(value):
       out[f.name] = default_config_dict(type(value))
-    elif value is None:
-      (inner,) = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
-      out[f.name] = config_dict.placeholder(inner)
+    elif type(None) in args:
+      (inner,) = [a for a in args if a is not type(None)]
+      out[f.name] = optional(inner, value)
     else:
       out[f.name] = value
   return ml_collections.ConfigDict(out)
