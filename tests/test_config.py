@@ -201,6 +201,30 @@ BAD = [
     ("umoe", {"router.kind": "aoe"}, "model.attention.kind", "'premix'"),
     ("dense", {"router.kind": "aoe"}, "model.ffn.kind", "'dense'"),
     ("umoe", {"attention.core": "flash"}, "model.attention.core", "'flash'"),
+    # per sub-layer routers: a bad value is named where it is set
+    ("umoe", {"attention.router.kind": "nope"}, "model.attention.router.kind", "'nope'"),
+    ("umoe", {"ffn.router.balance_coef": -1.0}, "model.ffn.router.balance_coef", "-1.0"),
+    ("umoe", {"ffn.router.kind": "xmoe", "ffn.router.xmoe_dim": 0}, "model.ffn.router.xmoe_dim", "0"),
+    ("umoe", {"attention.router.kind": "aoe", "ffn.router.kind": "aoe"}, "model.attention.router.kind",
+     "'aoe'"),
+    ("umoe", {"ffn.router.kind": "attention_aware"}, "model.attention.kind", "'premix'"),
+    ("umoe", {"router.share_att_ffn": True, "ffn.router.kind": "xmoe"}, "model.ffn.router.kind", "'xmoe'"),
+    ("umoe", {"router.kind": "hash", "router.share_att_ffn": True, "ffn.router.kind": "topk_softmax"},
+     "model.router.share_att_ffn", "True"),
+    ("ffn_moe", {"attention.router.kind": "xmoe"}, "model.attention.router.kind", "'xmoe'"),
+    ("umoe_att", {"ffn.router.renormalize": True}, "model.ffn.router.renormalize", "True"),
+    # z-loss, jitter, aux-loss-free bias balancing
+    ("umoe", {"router.bias_update_rate": -0.001}, "model.router.bias_update_rate", "-0.001"),
+    ("umoe", {"ffn.router.bias_update_rate": -1.0}, "model.ffn.router.bias_update_rate", "-1.0"),
+    ("umoe", {"router.z_loss_coef": -1e-3}, "model.router.z_loss_coef", "-0.001"),
+    ("umoe", {"ffn.router.jitter_eps": 1.5}, "model.ffn.router.jitter_eps", "1.5"),
+    ("umoe", {"router.kind": "hash", "router.z_loss_coef": 1e-3}, "model.router.z_loss_coef", "0.001"),
+    ("umoe", {"ffn.router.kind": "hash", "ffn.router.jitter_eps": 0.01}, "model.ffn.router.jitter_eps",
+     "0.01"),
+    ("umoe", {"router.kind": "stablemoe", "router.bias_update_rate": 1e-3},
+     "model.router.bias_update_rate", "0.001"),
+    ("umoe", {"router.share_att_ffn": True, "router.bias_update_rate": 1e-3}, "model.router.share_att_ffn",
+     "True"),
 ]
 
 
@@ -375,3 +399,21 @@ def test_every_optional_key_takes_none_and_a_value_from_the_command_line():
     for part in p.split("."):
       node = node[part]
     assert node is None, p
+
+
+def test_sub_layer_routers_override_the_global_section():
+  """model.attention.router / model.ffn.router keys override model.router for that sub-layer only;
+  unset keys (None) inherit, derived defaults resolve per sub-layer; a global-only config is as before."""
+  m = common.model("umoe", "tiny")
+  m.router.balance_coef = 0.01
+  m.ffn.router.kind, m.ffn.router.renormalize = "aoe", True
+  m.attention.router.kind, m.attention.router.xmoe_dim = "xmoe", 4
+  cfg = model_config(m)
+  att, ffn = cfg.router_for("attention"), cfg.router_for("ffn")
+  assert (att.kind, att.xmoe_dim, att.renormalize, att.balance_coef) == ("xmoe", 4, False, 0.01)
+  assert (ffn.kind, ffn.renormalize, ffn.balance_coef, ffn.aoe_dim) == ("aoe", True, 0.01, 128 // 3)
+  assert cfg.router.kind == "topk_softmax" and cfg.router.aoe_dim is None
+  assert cfg.router_key("ffn", "kind") == "model.ffn.router.kind"
+  assert cfg.router_key("ffn", "balance_coef") == "model.router.balance_coef"
+  plain = model_config(common.model("umoe", "tiny"))
+  assert plain.router_for("attention") == plain.router_for("ffn") == plain.router

@@ -44,6 +44,24 @@ class RouterConfig:
   similarity_temperature: Optional[float] = None  # similarity_aware: tau of softmax_j(u_i.u_j / tau); None = sqrt(D)
   attention_temperature: float = 1.0  # attention_aware: sigma; the chosen head's A^(1/sigma), renormalised
   aoe_dim: Optional[int] = None       # aoe: rank r of the experts' factorised first projection; None = D // 3
+  z_loss_coef: float = 0.0            # ST-MoE router z-loss mean(logsumexp(logits)^2) weight (typical 1e-3)
+  jitter_eps: float = 0.0             # Switch jitter: router input x * U(1-eps, 1+eps), training only (HF 0.01)
+  bias_update_rate: float = 0.0       # DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved
+                                      # by rate * sign(mean load - load) after each step (paper 1e-3); 0 = off
+
+
+# The keys of a sub-layer's own router section (`model.attention.router`, `model.ffn.router`): every
+# RouterConfig key but the layer-level `share_att_ffn`, each None = take `model.router`'s.
+_LAYER_LEVEL_ROUTER_KEYS = ("share_att_ffn",)
+RouterOverrides = dataclasses.make_dataclass(
+    "RouterOverrides",
+    [(f.name, Optional[hint], dataclasses.field(default=None))
+     for f, hint in zip(dataclasses.fields(RouterConfig), typing.get_type_hints(RouterConfig).values())
+     if f.name not in _LAYER_LEVEL_ROUTER_KEYS],
+    frozen=True)
+RouterOverrides.__module__ = __name__
+RouterOverrides.__doc__ = (
+    "A sub-layer's router keys over `model.router` (None = inherit; see `ModelConfig.router_for`).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +91,7 @@ class AttentionConfig:
   latent_dim: Optional[int] = None    # premix: MLA-style values X W_latent (cache the latent), latent -> D after mixing
   n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
   core: str = "xla"                   # scores/softmax/mix: "xla", or "cudnn" (fused causal kernel on GPU, no cache)
+  router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # its routers' keys over model.router
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +101,7 @@ class FFNConfig:
   d_ff: int = 0                       # dense hidden width
   top_k: int = 2                      # moe: k_ffn
   n_shared_experts: int = 1           # moe: always-on expert of width n_shared * d_expert
+  router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # moe: its router's keys over model.router
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +123,26 @@ class ModelConfig:
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
+  def router_for(self, sublayer: str) -> RouterConfig:
+    """The router config of sub-layer "attention" or "ffn": `model.router` with the keys its own
+    section (`model.<sublayer>.router`) sets, derived defaults filled in (`resolve_router`)."""
+    if sublayer not in SUBLAYERS:
+      raise ValueError(f"sublayer={sublayer!r}; valid: {', '.join(SUBLAYERS)}")
+    return resolve_router(dataclasses.replace(self.router, **_overrides(getattr(self, sublayer).router)),
+                          self)
+
+  def router_key(self, sublayer: str, key: str) -> str:
+    """Where `router_for(sublayer).<key>` comes from: "model.<sublayer>.router.<key>" if that
+    section sets it, else "model.router.<key>" (for error messages)."""
+    own = key in _overrides(getattr(self, sublayer).router)
+    return f"model.{sublayer}.router.{key}" if own else f"model.router.{key}"
+
+  @property
+  def routed_sublayers(self) -> tuple[str, ...]:
+    """The sub-layers with routers: "attention" (an attention kind with routers), "ffn" (an MoE FFN)."""
+    att = kinds.ATTENTION_KINDS.get(self.attention.kind)
+    return (("attention",) if att and att.has_routers else ()) + (("ffn",) if self.ffn_uses_experts else ())
+
   @property
   def attention_uses_experts(self) -> bool:
     kind = kinds.ATTENTION_KINDS.get(self.attention.kind)
@@ -111,6 +151,24 @@ class ModelConfig:
   @property
   def ffn_uses_experts(self) -> bool:
     return self.ffn.kind == "moe"
+
+
+SUBLAYERS = ("attention", "ffn")
+
+
+def _overrides(section) -> dict:
+  return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+
+
+def resolve_router(r: RouterConfig, cfg: "ModelConfig") -> RouterConfig:
+  """Fills a router's defaults that depend on the model (routers are built from the RouterConfig
+  alone): `stablemoe_vocab_size` None -> vocab_size (kind 'stablemoe'), `aoe_dim` None ->
+  d_model // 3 (kind 'aoe')."""
+  if r.kind == "stablemoe" and r.stablemoe_vocab_size is None:
+    r = dataclasses.replace(r, stablemoe_vocab_size=cfg.vocab_size)
+  if r.kind == "aoe" and r.aoe_dim is None:
+    r = dataclasses.replace(r, aoe_dim=max(1, cfg.d_model // 3))
+  return r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,66 +352,101 @@ assert set(_ATTENTION_CHECKS) == set(kinds.ATTENTION_KINDS), "a kind without con
 
 
 def _validate_router(cfg: ModelConfig) -> None:
-  """The router section: its values, then what its kind can serve (`kinds.ROUTER_KINDS`)."""
-  router, att = cfg.router, cfg.attention
-  _check(router.kind in kinds.ROUTER_KINDS,
-         f"model.router.kind={router.kind!r}; valid: {_names(kinds.ROUTER_KINDS)}")
-  _check(router.balance_loss in kinds.BALANCE_LOSS_NAMES,
-         f"model.router.balance_loss={router.balance_loss!r}; valid: {', '.join(kinds.BALANCE_LOSS_NAMES)}")
-  _check(router.balance_coef >= 0, f"model.router.balance_coef={router.balance_coef!r} must be >= 0")
-  _check(router.xmoe_dim >= 1, f"model.router.xmoe_dim={router.xmoe_dim!r} must be >= 1")
-  _check(0 < router.xmoe_temperature < float("inf"),
-         f"model.router.xmoe_temperature={router.xmoe_temperature!r} must be positive and finite")
-  _check(0 <= router.hash_seed < 2 ** 32,
-         f"model.router.hash_seed={router.hash_seed!r} must be in [0, 2**32)")
-  _check(router.smoe_dropout_k_start >= 1,
-         f"model.router.smoe_dropout_k_start={router.smoe_dropout_k_start!r} must be >= 1")
-  _check(router.smoe_dropout_steps >= 1,
-         f"model.router.smoe_dropout_steps={router.smoe_dropout_steps!r} must be >= 1")
-  _check(router.stablemoe_stage2_step >= 0,
-         f"model.router.stablemoe_stage2_step={router.stablemoe_stage2_step!r} must be >= 0")
-  _check(router.stablemoe_distill_dim >= 1,
-         f"model.router.stablemoe_distill_dim={router.stablemoe_distill_dim!r} must be >= 1")
-  _check(0 <= router.stablemoe_distill_coef < float("inf"),
-         f"model.router.stablemoe_distill_coef={router.stablemoe_distill_coef!r} must be >= 0 and finite")
-  _check(router.stablemoe_vocab_size is None or router.stablemoe_vocab_size >= cfg.vocab_size,
-         f"model.router.stablemoe_vocab_size={router.stablemoe_vocab_size!r} must be None or >= "
-         f"model.vocab_size={cfg.vocab_size} (one row per token id)")
-  _check(router.similarity_temperature is None or 0 < router.similarity_temperature < float("inf"),
-         f"model.router.similarity_temperature={router.similarity_temperature!r} must be None or "
-         f"positive and finite")
-  _check(0 < router.attention_temperature < float("inf"),
-         f"model.router.attention_temperature={router.attention_temperature!r} must be positive and finite")
-  _check(router.aoe_dim is None or router.aoe_dim >= 1,
-         f"model.router.aoe_dim={router.aoe_dim!r} must be None or >= 1")
+  """`model.router`'s values, then every routed sub-layer's own router (`router_for`): its values,
+  named where they are set, and what its kind can serve (`kinds.ROUTER_KINDS`)."""
+  _check_router_values(cfg.router, cfg, lambda key: f"model.router.{key}")
+  for sublayer in SUBLAYERS:
+    own = _overrides(getattr(cfg, sublayer).router)
+    if own and sublayer not in cfg.routed_sublayers:
+      name = sorted(own)[0]
+      what = f"attention.kind={cfg.attention.kind!r}" if sublayer == "attention" else f"ffn.kind={cfg.ffn.kind!r}"
+      _check(False, f"model.{sublayer}.router.{name}={own[name]!r}: that sub-layer has no router "
+             f"(model.{what})")
+  for sublayer in cfg.routed_sublayers:
+    _check_router_values(cfg.router_for(sublayer), cfg,
+                         lambda key, s=sublayer: cfg.router_key(s, key))
+    _check_router_placement(cfg, sublayer)
+  kind = kinds.ROUTER_KINDS[cfg.router.kind]
+  if not cfg.ffn_uses_experts and "attention" not in kind.sublayers:  # an FFN router, and no MoE FFN
+    _check(False, f"model.router.kind={cfg.router.kind!r} with model.ffn.kind={cfg.ffn.kind!r}: it "
+           "routes an MoE FFN (model.ffn.kind='moe')")
+  if cfg.router.share_att_ffn and cfg.routed_sublayers == SUBLAYERS:
+    att, ffn = cfg.router_for("attention"), cfg.router_for("ffn")
+    _check(kinds.ROUTER_KINDS[att.kind].weights,
+           f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with {cfg.router_key('attention', 'kind')}="
+           f"{att.kind!r}: it has no weights to share")
+    rate_key = cfg.router_key("attention", "bias_update_rate")
+    _check(att.bias_update_rate == 0, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with "
+           f"{rate_key}={att.bias_update_rate!r}: one selection bias cannot follow two routers' loads")
+    diff = sorted(k for k in _overrides(cfg.attention.router).keys() | _overrides(cfg.ffn.router).keys()
+                  if getattr(att, k) != getattr(ffn, k))
+    if diff:
+      k = diff[0]
+      _check(False, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} needs one router for "
+             f"attention and FFN, but {cfg.router_key('attention', k)}={getattr(att, k)!r} and "
+             f"{cfg.router_key('ffn', k)}={getattr(ffn, k)!r} differ")
 
+
+def _check_router_placement(cfg: ModelConfig, sublayer: str) -> None:
+  """What sub-layer `sublayer`'s router kind can serve there."""
+  router, att = cfg.router_for(sublayer), cfg.attention
   kind = kinds.ROUTER_KINDS[router.kind]
-  key = f"model.router.kind={router.kind!r}"
-  _check(kind.weights or not router.share_att_ffn,
-         f"model.router.share_att_ffn={router.share_att_ffn!r} with {key}: it has no weights to share")
+  key = f"{cfg.router_key(sublayer, 'kind')}={router.kind!r}"
+  if sublayer not in kind.sublayers:
+    what = ("reads the block's attention probabilities, which exist only after the attention"
+            if kind.mixing == "attention" else "scores the experts of an MoE FFN")
+    _check(False, f"{key} with model.attention.kind={att.kind!r}: it {what}; route the attention "
+           "with another kind (model.attention.router.kind) or use model.attention.kind='mha' (an FFN-MoE)")
   if kind.mixing == "attention":
     _check(kinds.ATTENTION_KINDS[att.kind].exposes_attention_probs,
-           f"{key} with model.attention.kind={att.kind!r}: its routers run before its attention "
-           "probabilities exist; use model.attention.kind='mha' (an FFN-MoE)")
-  if router.kind == "aoe":
-    _check(not kinds.ATTENTION_KINDS[att.kind].has_routers,
-           f"{key} with model.attention.kind={att.kind!r}: AoE experts score themselves in an MoE "
-           "FFN; the attention must have no router (model.attention.kind='mha')")
-  if "attention" not in kind.sublayers:
-    _check(cfg.ffn.kind == "moe", f"{key} with model.ffn.kind={cfg.ffn.kind!r}: it routes an MoE FFN "
-           "(model.ffn.kind='moe')")
+           f"{key} with model.attention.kind={att.kind!r}: its attention does not expose its "
+           "probabilities; use model.attention.kind='mha' (an FFN-MoE)")
+
+
+def _check_router_values(router: RouterConfig, cfg: ModelConfig, key) -> None:
+  """Values of one router config; `key(name)` is the dotted key to name in an error."""
+  def check(name: str, ok: bool, rule: str) -> None:
+    _check(ok, f"{key(name)}={getattr(router, name)!r}{'' if rule.startswith(';') else ' '}{rule}")
+
+  finite_positive = lambda v: 0 < v < float("inf")
+  check("kind", router.kind in kinds.ROUTER_KINDS, f"; valid: {_names(kinds.ROUTER_KINDS)}")
+  check("balance_loss", router.balance_loss in kinds.BALANCE_LOSS_NAMES,
+        f"; valid: {', '.join(kinds.BALANCE_LOSS_NAMES)}")
+  check("balance_coef", router.balance_coef >= 0, "must be >= 0")
+  check("xmoe_dim", router.xmoe_dim >= 1, "must be >= 1")
+  check("xmoe_temperature", finite_positive(router.xmoe_temperature), "must be positive and finite")
+  check("hash_seed", 0 <= router.hash_seed < 2 ** 32, "must be in [0, 2**32)")
+  check("smoe_dropout_k_start", router.smoe_dropout_k_start >= 1, "must be >= 1")
+  check("smoe_dropout_steps", router.smoe_dropout_steps >= 1, "must be >= 1")
+  check("stablemoe_stage2_step", router.stablemoe_stage2_step >= 0, "must be >= 0")
+  check("stablemoe_distill_dim", router.stablemoe_distill_dim >= 1, "must be >= 1")
+  check("stablemoe_distill_coef", 0 <= router.stablemoe_distill_coef < float("inf"),
+        "must be >= 0 and finite")
+  check("stablemoe_vocab_size",
+        router.stablemoe_vocab_size is None or router.stablemoe_vocab_size >= cfg.vocab_size,
+        f"must be None or >= model.vocab_size={cfg.vocab_size} (one row per token id)")
+  check("similarity_temperature",
+        router.similarity_temperature is None or finite_positive(router.similarity_temperature),
+        "must be None or positive and finite")
+  check("attention_temperature", finite_positive(router.attention_temperature),
+        "must be positive and finite")
+  check("aoe_dim", router.aoe_dim is None or router.aoe_dim >= 1, "must be None or >= 1")
+  check("z_loss_coef", 0 <= router.z_loss_coef < float("inf"), "must be >= 0 and finite")
+  check("jitter_eps", 0 <= router.jitter_eps < 1, "must be in [0, 1)")
+  check("bias_update_rate", 0 <= router.bias_update_rate < float("inf"), "must be >= 0 and finite")
+  kind = kinds.ROUTER_KINDS.get(router.kind)
+  if kind is not None:
+    for name in ("z_loss_coef", "jitter_eps", "bias_update_rate"):
+      check(name, kind.scores or getattr(router, name) == 0,
+            f"needs a router with scores; {key('kind')}={router.kind!r} has none")
+    check("bias_update_rate", kind.selection_bias or router.bias_update_rate == 0,
+          f"does not apply to {key('kind')}={router.kind!r} (it picks experts its own way)")
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:
-  """Fills the defaults that depend on other keys (routers are built from the RouterConfig alone):
-  `router.stablemoe_vocab_size` None -> vocab_size (kind 'stablemoe'), `router.aoe_dim` None ->
-  d_model // 3 (kind 'aoe')."""
-  r = cfg.router
-  if r.kind == "stablemoe" and r.stablemoe_vocab_size is None:
-    return dataclasses.replace(cfg, router=dataclasses.replace(r, stablemoe_vocab_size=cfg.vocab_size))
-  if r.kind == "aoe" and r.aoe_dim is None:
-    return dataclasses.replace(cfg, router=dataclasses.replace(r, aoe_dim=max(1, cfg.d_model // 3)))
-  return cfg
+  """Fills the defaults that depend on other keys in `model.router` (`resolve_router`); the
+  sub-layers' routers resolve theirs in `ModelConfig.router_for`."""
+  return dataclasses.replace(cfg, router=resolve_router(cfg.router, cfg))
 
 
 def model_config(cfg: Any) -> ModelConfig:

@@ -47,7 +47,8 @@ class RouterKind:
   weights:      has weights of its own (`router.share_att_ffn` can share them);
   sublayers:    which sub-layers it can route ("attention", "ffn");
   decodes:      works with cached decoding (one new token per call);
-  mixing:       mixes the routing of earlier tokens ("similarity" / "attention"; "none").
+  mixing:       mixes the routing of earlier tokens ("similarity" / "attention"; "none");
+  selection_bias: takes the aux-loss-free balancing bias (`router.bias_update_rate`).
   """
   scores: bool = True
   distribution: bool = True
@@ -55,6 +56,7 @@ class RouterKind:
   sublayers: tuple[str, ...] = ("attention", "ffn")
   decodes: bool = True
   mixing: str = "none"
+  selection_bias: bool = True
 
 
 ROUTER_KINDS: dict[str, RouterKind] = {
@@ -62,10 +64,10 @@ ROUTER_KINDS: dict[str, RouterKind] = {
     # gates are sigmoid scores, not a distribution; `probs` is only their normalisation
     "topk_sigmoid": RouterKind(distribution=False),
     "xmoe": RouterKind(),
-    "hash": RouterKind(scores=False, distribution=False, weights=False),
+    "hash": RouterKind(scores=False, distribution=False, weights=False, selection_bias=False),
     "smoe_dropout": RouterKind(),
     # its own routing: greedy top-k of affinities, then of a token-id table; sigmoid gates
-    "stablemoe": RouterKind(distribution=False),
+    "stablemoe": RouterKind(distribution=False, selection_bias=False),
     # softmax-router distributions mixed over earlier tokens; attention_aware reads the block's MHA
     "similarity_aware": RouterKind(mixing="similarity", decodes=False),
     "attention_aware": RouterKind(mixing="attention", decodes=False, sublayers=("ffn",)),

@@ -11,7 +11,7 @@ from umoe_jax.config import ModelConfig, model_config
 from umoe_jax.model.block import DecoderBlock, make_expert_pools
 from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
-from umoe_jax.model.routers import RouterOutput, route_context, routing_stats
+from umoe_jax.model.routers import RouterOutput, fold_rng, route_context, routing_stats
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import with_logical_constraint
 
@@ -37,11 +37,14 @@ class CausalLM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                cache: Optional[DecodeCache] = None, remat: bool = False,
-               step: Optional[jax.Array] = None):
+               step: Optional[jax.Array] = None, rng: Optional[jax.Array] = None):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
-           "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy"}}}
+           "router_losses": {name: [] float32}, the routers' other losses ("z_loss", ...) summed
+                            over routers (coefficients applied); only those some router has,
+           "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy",
+                                                     + that router's other losses by name}}}
 
     With a `cache` (`umoe_jax.model.cache.init_cache`) the tokens are the next T of every sequence:
     they are written into the cache's slots [index, index + T), attend over the whole cache, and the
@@ -52,6 +55,8 @@ class CausalLM(nnx.Module):
     ({"token_ids": tokens}, with a cache the new tokens'; "step" when given; "decoding" with a
     cache), passed through the blocks as `route_context`. `step` [] int: the training step, for
     routers with a schedule (router.kind smoe_dropout, stablemoe); None = as at the end of training.
+    `rng`: a PRNG key in training only (`router.jitter_eps`: the router-input noise), folded with the
+    layer index here and the sub-layer in the block; None (evaluation, decoding) = no noise.
 
     `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
     """
@@ -68,16 +73,17 @@ class CausalLM(nnx.Module):
       new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
     h = with_logical_constraint(h, _ACTIVATION_AXES)   # no-op outside parallel.use_mesh
-    context = route_context(tokens.astype(jnp.int32), step=step,
-                            decoding=cache is not None)                             # router extras
+    context = route_context(tokens.astype(jnp.int32), step=step, decoding=cache is not None,
+                            rng=rng)                                                # router extras
     routes: dict[str, RouterOutput] = {}
     block = nnx.remat(_apply_block) if remat else _apply_block
     for i, layer in enumerate(self.layers):
+      layer_context = fold_rng(context, i)
       if cache is None:
-        h, layer_routes = block(layer, h, positions, context)
+        h, layer_routes = block(layer, h, positions, layer_context)
       else:
         h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
-                                             route_context=context)
+                                             route_context=layer_context)
         new_layers.append(layer_cache.arrays)
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
@@ -86,11 +92,21 @@ class CausalLM(nnx.Module):
                      preferred_element_type=jnp.float32)                           # [B, T, V]
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
-    aux = {"balance_loss": total, "routers": stats}
+    losses: dict[str, jax.Array] = {}
+    for r in routes.values():
+      for name, value in r.aux_losses.items():
+        losses[name] = losses.get(name, jnp.zeros((), jnp.float32)) + value
+    aux = {"balance_loss": total, "router_losses": losses, "routers": stats}
     if cache is None:
       return logits, aux
     return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
                                     layers=tuple(new_layers))
+
+
+  def named_routers(self) -> dict[str, nnx.Module]:
+    """{route name as in aux["routers"] ("layer_{i}/ffn", ...): router module} of every router."""
+    return {f"layer_{i}/{name}": router for i, layer in enumerate(self.layers)
+            for name, router in layer.named_routers().items()}
 
 
 def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):

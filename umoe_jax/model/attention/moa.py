@@ -45,13 +45,13 @@ class MoAStats(AttentionStats):
     per_expert = linear(d, a.head_dim) + linear(a.v_head_dim, d)
     return {"attention": Count(dense),
             "attention_routed": Count(a.n_experts * per_expert, a.top_k * per_expert),
-            "routers": Count(router_params(cfg, a.n_experts))}
+            "routers": Count(router_params(cfg, a.n_experts, "attention"))}
 
   @classmethod
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": router_macs(cfg, cfg.attention.n_experts)}
+            "routers": router_macs(cfg, cfg.attention.n_experts, "attention")}
 
   @classmethod
   def pair_macs(cls, cfg):
@@ -81,7 +81,8 @@ class MoAAttention(nnx.Module):
     kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
     d, dk, dv, e = cfg.d_model, att.head_dim, att.v_head_dim, att.n_experts
     init = normal_init(cfg.init_std)
-    self.router = make_router(cfg.router, d, e, att.top_k, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.router = make_router(cfg.router_for("attention"), d, e, att.top_k,
+                              param_dtype=cfg.param_dtype, rngs=rngs)
     self.q_experts = make_param(rngs, init, (e, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
                                 cfg.param_dtype)
     self.o_experts = make_param(rngs, init, (e, dv, d), (ax.EXPERT, ax.HEAD_DIM, ax.EMBED),

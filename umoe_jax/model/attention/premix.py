@@ -53,8 +53,8 @@ class PreMixAttention(nnx.Module):
     dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
     kw = dict(std=cfg.init_std, rngs=rngs, **dt)
     d, dk = cfg.d_model, att.head_dim
-    self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
-                              rngs=rngs)
+    self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
+                              param_dtype=cfg.param_dtype, rngs=rngs)
     self.k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
     if att.latent_dim is not None:
       self.latent_proj = Linear(d, att.latent_dim, (ax.EMBED, ax.LORA), **kw)

@@ -40,15 +40,19 @@ One module per family:
                  or over the tokens the block's MHA attends to (FFN router; MHA attention only)
   aoe            "aoe": Autonomy-of-Experts (Lv et al. 2025): no router; each expert's low-rank code
                  norm |x A^e| is its score (the block builds an `AoEExpertPool`)
-  base, losses   the contract, the route context, the shared top-k tail, the balance losses
+  base, losses   the contract, the route context, the shared top-k tail, the balance losses and z-loss
+  scoring        the shared path of the routers with scores: jitter, z-loss, the selection bias
+  bias_balance   aux-loss-free balancing: the bias update the training step applies
 The mixing routers are causal (a token mixes itself and earlier tokens) and refuse cached decoding.
 """
 from umoe_jax.kinds import ROUTERS  # noqa: F401
 from umoe_jax.model.routers.base import (ParameterFreeRouter, RouterOutput, RouterStats,  # noqa: F401
-                                         call_router, make_router, need_token_ids, probs_route,
-                                         route_context, routing_stats, topk_gates)
-from umoe_jax.model.routers.losses import (BALANCE_LOSSES, seq_aux_balance_loss,  # noqa: F401
-                                           switch_balance_loss)
+                                         call_router, fold_rng, jitter, make_router,
+                                         need_token_ids, probs_route, route_context, routing_stats,
+                                         topk_gates)
+from umoe_jax.model.routers.losses import (BALANCE_LOSSES, router_z_loss,  # noqa: F401
+                                           seq_aux_balance_loss, switch_balance_loss)
+from umoe_jax.model.routers.scoring import ScoreRouter, biased_top_k  # noqa: F401
 from umoe_jax.model.routers.topk import TopKSigmoidRouter, TopKSoftmaxRouter  # noqa: F401
 from umoe_jax.model.routers.xmoe import XMoERouter, l2_normalize, orthogonal_init  # noqa: F401
 from umoe_jax.model.routers.hashing import HashRouter, hash_expert_ids  # noqa: F401

@@ -9,33 +9,38 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.kinds import ROUTERS
-from umoe_jax.model.routers.base import ParameterFreeRouter, RouterOutput, probs_route
+from umoe_jax.model.routers.scoring import ScoreRouter
 from umoe_jax.stats import linear
 
 
 @ROUTERS.register("aoe")
-class AoERouter(ParameterFreeRouter):
+class AoERouter(ScoreRouter):
   """AoE: p_e = |x A^e|_2, the norm of expert e's rank-r code (`AoEExpertPool.codes`, route context
   "expert_pool"); probs = softmax(p) over all E (float32), top-k of probs. The paper's gates, a
   softmax over the K chosen norms, are `router.renormalize=True`; the megablocks code's are False.
   Its balance loss (Eq. 6) is the Switch loss on softmax(p): `router.balance_loss='switch'`.
   No parameters: the codes' A^e belong to the pool (and learn through the gates and the experts).
-  Serves an MoE FFN behind router-free attention (`model.attention.kind='mha'`); the block builds the
-  layer's pool as an `AoEExpertPool` of rank `router.aoe_dim` (default d_model // 3, the paper's best).
+  Serves an MoE FFN (`model.ffn.router.kind='aoe'`, or `model.router.kind` behind router-free
+  attention); the block builds the pool the FFN routes into as an `AoEExpertPool` of rank
+  `router.aoe_dim` (default d_model // 3, the paper's best). The logits (z-loss, jitter) are the norms.
   """
 
   needs_expert_pool = True
 
-  def __call__(self, x: jax.Array, *, expert_pool: Optional[nnx.Module] = None,
-               **context) -> RouterOutput:
+  def logits(self, x: jax.Array, *, expert_pool: Optional[nnx.Module] = None,
+             **context) -> jax.Array:
+    """x [B, T, D] -> the code norms |x A^e| [B, T, E] float32."""
     del context
     if expert_pool is None or not hasattr(expert_pool, "codes"):
       raise ValueError("router.kind='aoe' scores the experts by their own codes: call it with "
                        "expert_pool=<an AoEExpertPool> (the block adds the FFN's pool to the context)")
     codes = expert_pool.codes(x)                                                       # [B, T, E, r]
     # +tiny under the root: its gradient at an all-zero code (a zero input row) would be inf * 0.
-    norms = jnp.sqrt(jnp.sum(jnp.square(codes), axis=-1) + 1e-12)                      # [B, T, E]
-    return probs_route(jax.nn.softmax(norms, axis=-1), self.top_k, self.cfg, self.n_experts)
+    return jnp.sqrt(jnp.sum(jnp.square(codes), axis=-1) + 1e-12)
+
+  @classmethod
+  def param_count(cls, cfg, router, n_experts):
+    return 0
 
   @classmethod
   def token_mac_count(cls, cfg, router, n_experts):

@@ -2,6 +2,7 @@
 the tail every softmax-style router shares (top-k of a distribution plus its balance loss)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional
 
 import jax
@@ -20,24 +21,49 @@ class RouterOutput:
   gates: jax.Array           # [B, T, K] float32
   probs: jax.Array           # [B, T, E] float32, the distribution the top-k was taken from
   balance_loss: jax.Array    # [] float32, coefficient applied
+  # The router's other losses by name ("z_loss", ...), [] float32 each, coefficients applied;
+  # reported one by one and added to the training objective. Empty for most routers.
+  aux_losses: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
 
 
 def route_context(token_ids: jax.Array, *, step: Optional[jax.Array] = None,
-                  decoding: bool = False) -> dict[str, Any]:
+                  decoding: bool = False, rng: Optional[jax.Array] = None) -> dict[str, Any]:
   """The extras every router call receives.
 
     "token_ids": [B, T] int32, always;
     "step":      [] int32, the training step, only when the caller passes one (routers with a
                  schedule: smoe_dropout, stablemoe; without it they act as at the end of training);
     "decoding":  True, only while decoding with a KV cache (routers that mix over earlier tokens
-                 refuse: the cache does not keep their routing inputs).
+                 refuse: the cache does not keep their routing inputs);
+    "rng":       a PRNG key, only in training (the trainer passes one): the router-input jitter's
+                 noise (`router.jitter_eps`); the LM and the block fold in the layer and the
+                 sub-layer (`fold_rng`), so every sub-layer draws its own noise.
   """
   context: dict[str, Any] = {"token_ids": token_ids}
   if step is not None:
     context["step"] = jnp.asarray(step, jnp.int32)
   if decoding:
     context["decoding"] = True
+  if rng is not None:
+    context["rng"] = rng
   return context
+
+
+def fold_rng(context: Optional[Mapping[str, Any]], index: int) -> Optional[Mapping[str, Any]]:
+  """The context with its "rng" (if any) folded with `index` (a layer, a sub-layer)."""
+  if not context or context.get("rng") is None:
+    return context
+  return {**context, "rng": jax.random.fold_in(context["rng"], index)}
+
+
+def jitter(x: jax.Array, eps: float, rng: Optional[jax.Array]) -> jax.Array:
+  """Switch Transformer's multiplicative router-input noise: x * U(1 - eps, 1 + eps) in float32,
+  drawn per element, in training only (an `rng` in the route context); x unchanged otherwise or
+  with eps = 0. Only the router sees it (the experts get the clean x)."""
+  if rng is None or eps == 0:
+    return x
+  noise = jax.random.uniform(rng, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps)
+  return x.astype(jnp.float32) * noise
 
 
 def call_router(router: nnx.Module, x: jax.Array,
@@ -52,10 +78,12 @@ def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, 
 
 
 def routing_stats(out: RouterOutput, n_experts: int) -> dict[str, jax.Array]:
-  """What the trainer logs for one router: its loss, per-expert pick counts [E], mean entropy."""
+  """What the trainer logs for one router: its balance loss, per-expert pick counts [E], mean
+  entropy, and each of its other losses by name (`aux_losses`: "z_loss", ...)."""
   counts = jnp.bincount(out.expert_ids.reshape(-1), length=n_experts).astype(jnp.float32)
   entropy = -jnp.sum(out.probs * jnp.log(out.probs + 1e-20), axis=-1).mean()
-  return {"balance_loss": out.balance_loss, "expert_counts": counts, "entropy": entropy}
+  return {"balance_loss": out.balance_loss, "expert_counts": counts, "entropy": entropy,
+          **out.aux_losses}
 
 
 def topk_gates(probs: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:

@@ -35,3 +35,9 @@ BALANCE_LOSSES = {
     "switch": switch_balance_loss,
     "none": lambda probs, ids, e: jnp.zeros((), jnp.float32),
 }
+
+
+def router_z_loss(logits: jax.Array) -> jax.Array:
+  """ST-MoE's router z-loss (unscaled): mean over tokens of logsumexp_e(logits)^2; pushes the
+  router logits toward small magnitudes. Args: logits [B, T, E] float32."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))

@@ -14,7 +14,7 @@ from flax import nnx
 
 from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
-from umoe_jax.model.routers.base import RouterOutput, probs_route
+from umoe_jax.model.routers.base import RouterOutput
 from umoe_jax.model.routers.topk import TopKSoftmaxRouter
 
 
@@ -33,8 +33,7 @@ class _TokenMixingRouter(TopKSoftmaxRouter):
       raise NotImplementedError(
           f"router.kind={self.cfg.kind!r} mixes the routing of earlier tokens, which the KV cache "
           "does not keep: cached decoding is not supported (run full forward passes instead)")
-    g = jax.nn.softmax(self.logits(x), axis=-1)                                          # [B, T, E]
-    return probs_route(self.mix(g, x, **context), self.top_k, self.cfg, self.n_experts)
+    return super().__call__(x, **context)
 
 
 def causal_softmax(scores: jax.Array) -> jax.Array:

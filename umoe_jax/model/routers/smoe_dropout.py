@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.kinds import ROUTERS
-from umoe_jax.model.routers.base import RouterOutput
+from umoe_jax.model.routers.scoring import biased_top_k
 from umoe_jax.model.routers.topk import TopKSoftmaxRouter
 from umoe_jax.parallel import rules as ax
 
@@ -35,7 +35,7 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
 
   K is the sub-layer's top_k (the schedule's end; the paper grows k to all E experts: top_k = E).
   Without a "step" in the route context (evaluation, decoding) k = K. No balance loss (the router is
-  fixed, as in the paper). All K slots go through the experts even while k(step) < K (zero gates;
+  fixed, as in the paper; `router.balance_loss` is not used). All K slots go through the experts even while k(step) < K (zero gates;
   the logged expert counts include them); the paper's early-training saving needs shapes that
   change with the step.
   W_r is initialised like `topk_softmax` (no bias, unlike the paper's nn.Linear) and tagged `norm`:
@@ -44,8 +44,11 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
 
   kernel_axes = (ax.NORM, ax.ROUTER_OUT)
 
-  def logits(self, x: jax.Array) -> jax.Array:
+  balance_loss_applies = False   # the router is fixed: nothing to balance by gradient (the paper)
+
+  def logits(self, x: jax.Array, **context) -> jax.Array:
     """x [B, T, D] -> float32 logits [B, T, E]; no gradient reaches W_r (fixed router)."""
+    del context
     w = jax.lax.stop_gradient(self.kernel.value.astype(jnp.float32))
     return jnp.dot(x.astype(jnp.float32), w)
 
@@ -56,13 +59,13 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
     k_start = min(self.cfg.smoe_dropout_k_start, self.top_k)
     return linear_k_schedule(step, k_start, self.top_k, self.cfg.smoe_dropout_steps)
 
-  def __call__(self, x: jax.Array, *, step: Optional[jax.Array] = None, **context) -> RouterOutput:
+  def select(self, probs: jax.Array, *, step: Optional[jax.Array] = None,
+             **context) -> tuple[jax.Array, jax.Array]:
+    """Top-K of probs (+ the selection bias); the slots beyond k(step) get gate 0."""
     del context
-    probs = jax.nn.softmax(self.logits(x), axis=-1)                                    # [B, T, E]
-    top, ids = jax.lax.top_k(probs, self.top_k)                                        # [B, T, K]
+    ids, top = biased_top_k(probs, self.top_k, False, self.bias())                     # [B, T, K]
     active = jnp.arange(self.top_k) < self.active_k(step)                              # [K]
     gates = jnp.where(active, top, 0.0)
     if self.cfg.renormalize:
       gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    return RouterOutput(expert_ids=ids.astype(jnp.int32), gates=gates, probs=probs,
-                        balance_loss=jnp.zeros((), jnp.float32))
+    return ids, gates

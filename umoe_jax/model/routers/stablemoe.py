@@ -11,7 +11,8 @@ from flax import nnx
 from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import make_param
-from umoe_jax.model.routers.base import RouterOutput, RouterStats, need_token_ids
+from umoe_jax.model.routers.base import RouterOutput, RouterStats, jitter, need_token_ids
+from umoe_jax.model.routers.scoring import z_loss_terms
 from umoe_jax.model.routers.xmoe import orthogonal_init
 from umoe_jax.parallel import rules as ax
 from umoe_jax.stats import linear
@@ -55,7 +56,7 @@ class StableMoERouter(RouterStats, nnx.Module):
   is not used (StableMoE's own loss). "Frozen" means no gradient; AdamW's momentum can still move
   emb / C_d for a few updates after the switch (fairseq skips the parameters entirely).
   Init: C and C_d orthogonal with gain 0.1, emb N(0, 1) (the official code). Needs `token_ids` and,
-  for stage 1, `step` in the route context.
+  for stage 1, `step` in the route context. Jitter perturbs the affinities' input; the z-loss is on s.
   """
 
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
@@ -84,10 +85,12 @@ class StableMoERouter(RouterStats, nnx.Module):
     return jnp.dot(emb, self.distill_centroids.value.astype(jnp.float32).T)
 
   def __call__(self, x: jax.Array, *, token_ids: Optional[jax.Array] = None,
-               step: Optional[jax.Array] = None, **context) -> RouterOutput:
+               step: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
+               **context) -> RouterOutput:
     del context
     token_ids = need_token_ids("stablemoe", token_ids, x)
-    s, d = self.affinities(x), self.distilled(token_ids)                                # [B, T, E]
+    s = self.affinities(jitter(x, self.cfg.jitter_eps, rng))                           # [B, T, E]
+    d = self.distilled(token_ids)
     stage1 = (jnp.asarray(False) if step is None
               else jnp.asarray(step) < self.cfg.stablemoe_stage2_step)
     route_scores = jax.lax.stop_gradient(jnp.where(stage1, s, d))
@@ -100,7 +103,7 @@ class StableMoERouter(RouterStats, nnx.Module):
     loss = (self.cfg.balance_coef * stablemoe_balance_loss(s, ids, self.n_experts)
             + self.cfg.stablemoe_distill_coef * distill)
     return RouterOutput(expert_ids=ids, gates=gates, probs=jax.nn.softmax(route_scores, axis=-1),
-                        balance_loss=jnp.where(stage1, loss, 0.0))
+                        balance_loss=jnp.where(stage1, loss, 0.0), aux_losses=z_loss_terms(s, self.cfg))
 
   @classmethod
   def param_count(cls, cfg, router, n_experts):

@@ -8,13 +8,13 @@ from flax import nnx
 from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import kaiming_uniform_init, make_param
-from umoe_jax.model.routers.base import RouterOutput, RouterStats, probs_route, topk_gates
-from umoe_jax.model.routers.losses import BALANCE_LOSSES
+from umoe_jax.model.routers.base import RouterOutput, jitter
+from umoe_jax.model.routers.scoring import ScoreRouter, biased_top_k
 from umoe_jax.parallel import rules as ax
 
 
 @ROUTERS.register("topk_softmax")
-class TopKSoftmaxRouter(RouterStats, nnx.Module):
+class TopKSoftmaxRouter(ScoreRouter):
   """softmax(x W_r) over all experts in float32, top-k (the official UMoE / DeepSeekMoE router).
 
   W_r [D, E] is initialised like PyTorch's kaiming_uniform_(a=sqrt(5)); no bias.
@@ -24,20 +24,14 @@ class TopKSoftmaxRouter(RouterStats, nnx.Module):
 
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
                rngs: nnx.Rngs):
-    self.n_experts = n_experts
-    self.top_k = top_k
-    self.cfg = cfg
+    super().__init__(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
     self.kernel = make_param(rngs, kaiming_uniform_init(d_model), (d_model, n_experts),
                              self.kernel_axes, param_dtype)
 
-  def logits(self, x: jax.Array) -> jax.Array:
+  def logits(self, x: jax.Array, **context) -> jax.Array:
     """x [B, T, D] -> float32 logits [B, T, E]."""
-    return jnp.dot(x.astype(jnp.float32), self.kernel.value.astype(jnp.float32))
-
-  def __call__(self, x: jax.Array, **context) -> RouterOutput:
     del context
-    probs = jax.nn.softmax(self.logits(x), axis=-1)                                    # [B, T, E]
-    return probs_route(probs, self.top_k, self.cfg, self.n_experts)
+    return jnp.dot(x.astype(jnp.float32), self.kernel.value.astype(jnp.float32))
 
 
 @ROUTERS.register("topk_sigmoid")
@@ -48,11 +42,9 @@ class TopKSigmoidRouter(TopKSoftmaxRouter):
   SwitchHead trains without a balance loss (`router.balance_loss="none"`).
   """
 
-  def __call__(self, x: jax.Array, **context) -> RouterOutput:
-    del context
-    scores = jax.nn.sigmoid(self.logits(x))                                            # [B, T, E]
-    gates, ids = topk_gates(scores, self.top_k, self.cfg.renormalize)                  # [B, T, K]
+  def __call__(self, x: jax.Array, *, rng=None, **context) -> RouterOutput:
+    logits = self.logits(jitter(x, self.cfg.jitter_eps, rng))                          # [B, T, E]
+    scores = jax.nn.sigmoid(logits)
+    ids, gates = biased_top_k(scores, self.top_k, self.cfg.renormalize, self.bias())  # [B, T, K]
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    loss = BALANCE_LOSSES[self.cfg.balance_loss](probs, jax.lax.stop_gradient(ids), self.n_experts)
-    return RouterOutput(expert_ids=ids, gates=gates, probs=probs,
-                        balance_loss=self.cfg.balance_coef * loss)
+    return self.output(logits, probs, ids, gates, balance_probs=probs)

@@ -11,8 +11,7 @@ from flax import nnx
 from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import kaiming_uniform_init, make_param
-from umoe_jax.model.routers.base import RouterOutput, RouterStats, topk_gates
-from umoe_jax.model.routers.losses import BALANCE_LOSSES
+from umoe_jax.model.routers.scoring import ScoreRouter
 from umoe_jax.parallel import rules as ax
 from umoe_jax.stats import linear
 
@@ -29,7 +28,7 @@ def orthogonal_init(scale: float):
 
 
 @ROUTERS.register("xmoe")
-class XMoERouter(RouterStats, nnx.Module):
+class XMoERouter(ScoreRouter):
   """X-MoE (Chi et al. 2022, Eqs. 6-8): cosine routing in a low-dimensional space.
 
     z = x W_proj                         W_proj [D, d_r] (router.xmoe_dim = d_r, default 16)
@@ -46,9 +45,7 @@ class XMoERouter(RouterStats, nnx.Module):
 
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
                rngs: nnx.Rngs):
-    self.n_experts = n_experts
-    self.top_k = top_k
-    self.cfg = cfg
+    super().__init__(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
     d_r = cfg.xmoe_dim
     # d_r is small and replicated like the low-rank codes (logical axis LORA).
     self.proj = make_param(rngs, kaiming_uniform_init(d_model), (d_model, d_r), (ax.EMBED, ax.LORA),
@@ -75,17 +72,16 @@ class XMoERouter(RouterStats, nnx.Module):
       return jnp.float32(self.cfg.xmoe_temperature)
     return jnp.exp(self.log_temperature.value.astype(jnp.float32)[0])
 
-  def __call__(self, x: jax.Array, **context) -> RouterOutput:
+  def logits(self, x: jax.Array, **context) -> jax.Array:
+    """The gating logits s / tau [B, T, E]."""
     del context
-    s = self.scores(x)                                                                 # [B, T, E]
-    probs = jax.nn.softmax(s / self.temperature(), axis=-1)
-    gates, ids = topk_gates(probs, self.top_k, self.cfg.renormalize)                   # [B, T, K]
-    balance_probs = (jax.nn.softmax(s / self.cfg.xmoe_temperature, axis=-1)
-                     if self.log_temperature is not None else probs)
-    loss = BALANCE_LOSSES[self.cfg.balance_loss](balance_probs, jax.lax.stop_gradient(ids),
-                                                 self.n_experts)
-    return RouterOutput(expert_ids=ids, gates=gates, probs=probs,
-                        balance_loss=self.cfg.balance_coef * loss)
+    return self.scores(x) / self.temperature()
+
+  def balance_probs(self, probs: jax.Array, x: jax.Array) -> jax.Array:
+    """softmax(s / tau_0) with the fixed tau_0 (paper Eq. 8; no gradient to the learned tau)."""
+    if self.log_temperature is None:
+      return probs
+    return jax.nn.softmax(self.scores(x) / self.cfg.xmoe_temperature, axis=-1)
 
   @classmethod
   def param_count(cls, cfg, router, n_experts):
