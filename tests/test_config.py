@@ -225,6 +225,30 @@ BAD = [
      "model.router.bias_update_rate", "0.001"),
     ("umoe", {"router.share_att_ffn": True, "router.bias_update_rate": 1e-3}, "model.router.share_att_ffn",
      "True"),
+    # mixing over any router with a distribution
+    ("umoe", {"ffn.router.kind": "hash", "ffn.router.mixing": "similarity"}, "model.ffn.router.mixing",
+     "'similarity'"),
+    ("umoe", {"router.kind": "topk_sigmoid", "router.mixing": "similarity"}, "model.router.mixing",
+     "'similarity'"),
+    ("umoe", {"router.mixing": "graph"}, "model.router.mixing", "'graph'"),
+    ("ffn_moe", {"ffn.router.kind": "similarity_aware", "ffn.router.mixing": "attention"},
+     "model.ffn.router.mixing", "'attention'"),
+    ("umoe", {"ffn.router.mixing": "attention"}, "model.attention.kind", "'premix'"),
+    ("umoe", {"attention.router.mixing": "attention"}, "model.attention.router.mixing", "'attention'"),
+    # top-P and expert choice
+    ("ffn_moe", {"router.selection": "top_p"}, "model.router.entropy_coef", "0.0"),
+    ("ffn_moe", {"router.selection": "top_p", "router.entropy_coef": 1e-4, "router.top_p": 1.5},
+     "model.router.top_p", "1.5"),
+    ("umoe", {"router.selection": "expert_choice"}, "model.router.selection", "'expert_choice'"),
+    ("ffn_moe", {"router.selection": "greedy"}, "model.router.selection", "'greedy'"),
+    ("ffn_moe", {"router.kind": "smoe_dropout", "router.selection": "top_p", "router.entropy_coef": 1e-4},
+     "model.router.selection", "'top_p'"),
+    ("ffn_moe", {"ffn.router.selection": "expert_choice", "ffn.router.bias_update_rate": 1e-3},
+     "model.ffn.router.bias_update_rate", "0.001"),
+    ("ffn_moe", {"ffn.router.selection": "expert_choice", "ffn.router.expert_choice_slots": 99},
+     "model.ffn.router.expert_choice_slots", "99"),
+    ("ffn_moe", {"router.selection": "expert_choice", "router.expert_choice_capacity": 0.0},
+     "model.router.expert_choice_capacity", "0.0"),
 ]
 
 
@@ -417,3 +441,20 @@ def test_sub_layer_routers_override_the_global_section():
   assert cfg.router_key("ffn", "balance_coef") == "model.router.balance_coef"
   plain = model_config(common.model("umoe", "tiny"))
   assert plain.router_for("attention") == plain.router_for("ffn") == plain.router
+
+
+def test_routers_that_cannot_decode_are_refused_when_the_cache_is_made():
+  """Expert choice (it sees later tokens) and mixing (the cache keeps no routing inputs): a
+  ConfigError naming the key from `check_cached_decoding`, which `init_cache` runs first."""
+  from umoe_jax.config import check_cached_decoding
+  for changes, key, value in [({"ffn.router.selection": "expert_choice"}, "model.ffn.router.selection",
+                                "'expert_choice'"),
+                               ({"ffn.router.mixing": "similarity"}, "model.ffn.router.mixing",
+                                "'similarity'"),
+                               ({"router.kind": "similarity_aware"}, "model.router.kind",
+                                "'similarity_aware'")]:
+    cfg = model_config(_bad("ffn_moe", changes))
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value}") + ".*decod"):
+      check_cached_decoding(cfg)
+  check_cached_decoding(model_config(_bad("ffn_moe", {"ffn.router.selection": "top_p",
+                                                      "ffn.router.entropy_coef": 1e-4})))

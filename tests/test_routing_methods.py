@@ -222,3 +222,184 @@ def test_train_step_bias_balancing_jitter_and_z_loss():
   host = jax.tree.map(np.asarray, m)
   scalars, _ = metrics_lib.summarize([host])
   assert scalars["train/z_loss"] == pytest.approx(z) and "moe/layer_0/ffn/bias_spread" in scalars
+
+
+# ------------------------------------------------------------------------------------------------
+# Mutual-Inform mixing (router.mixing) over any router with a distribution.
+
+
+def _causal_mix_np(g, s_scores):
+  """P[b, i] = sum_{j <= i} softmax_j(s[b, i, :i+1]) g[b, j], as loops."""
+  b, t, _ = g.shape
+  p = np.zeros_like(g)
+  for bi in range(b):
+    for i in range(t):
+      p[bi, i] = _softmax(s_scores[bi, i, :i + 1]) @ g[bi, :i + 1]
+  return p
+
+
+def test_similarity_inform_xmoe_matches_float64_reference():
+  """The seed's "Similarity-inform X-MoE": X-MoE's softmax(s / tau) mixed over earlier similar
+  tokens (x_i . x_j / tau_s), then top-k of the mixture; the balance loss on the mixture."""
+  b, t, d, e, k, tau_s = 2, 6, 8, 6, 2, 1.5
+  rng = np.random.default_rng(8)
+  proj, emb, x = rng.standard_normal((d, 4)), rng.standard_normal((e, 4)), rng.standard_normal((b, t, d))
+  r = _router("xmoe", d, e, k, {"proj": proj, "expert_embed": emb}, xmoe_dim=4,
+              xmoe_learn_temperature=False, mixing="similarity", similarity_temperature=tau_s,
+              balance_loss="switch", balance_coef=0.5)
+  out = r(jnp.asarray(x, jnp.float32))
+  x32 = x.astype(np.float32).astype(np.float64)
+  z = x32 @ proj
+  s = (z / np.linalg.norm(z, axis=-1, keepdims=True)) @ (emb / np.linalg.norm(emb, axis=-1,
+                                                                              keepdims=True)).T
+  p = _causal_mix_np(_softmax(s / 0.3), np.einsum("bid,bjd->bij", x32, x32) / tau_s)
+  ids = _top_k(p, k)
+  np.testing.assert_allclose(np.asarray(out.probs), p, rtol=2e-5, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  np.testing.assert_allclose(np.asarray(out.gates), np.take_along_axis(p, ids, -1), rtol=2e-5)
+  f = np.bincount(ids.reshape(-1), minlength=e) / ids.size
+  np.testing.assert_allclose(float(out.balance_loss), 0.5 * e * np.sum(f * p.reshape(-1, e).mean(0)),
+                             rtol=2e-5)
+  with pytest.raises(NotImplementedError, match="cached decoding"):
+    r(jnp.asarray(x, jnp.float32), decoding=True)
+
+
+def test_attention_inform_smoe_dropout_matches_float64_reference():
+  """The seed's "Attention-inform SMoE-Dropout": the fixed router's softmax mixed by the block's
+  attention head of least (running) entropy, then SMoE-Dropout's k(step) active slots."""
+  b, h, t, d, e, k = 1, 2, 5, 8, 6, 3
+  rng = np.random.default_rng(9)
+  w, x = rng.standard_normal((d, e)) * 2, rng.standard_normal((b, t, d))
+  logits_a = rng.standard_normal((b, h, t, t)) * np.array([3.0, 0.3])[None, :, None, None]
+  a = np.where(np.tril(np.ones((t, t), bool)), np.exp(logits_a), 0.0)
+  a = a / a.sum(-1, keepdims=True)
+  r = _router("smoe_dropout", d, e, k, {"kernel": w}, mixing="attention", smoe_dropout_k_start=1,
+              smoe_dropout_steps=4)
+  out = r(jnp.asarray(x, jnp.float32), attention_probs=jnp.asarray(a, jnp.float32),
+          step=jnp.int32(2))
+  ent = -np.sum(np.where(a > 0, a * np.log(np.where(a > 0, a, 1)), 0), -1)         # [B, H, T]
+  running = np.cumsum(ent, -1) / np.arange(1, t + 1)
+  head = running.argmin(1)                                                          # [B, T]
+  g = _softmax(x.astype(np.float32).astype(np.float64) @ w)
+  p = np.stack([[a[bi, head[bi, i], i] @ g[bi] for i in range(t)] for bi in range(b)])
+  ids = _top_k(p, k)
+  gates = np.where(np.arange(k) < 2, np.take_along_axis(p, ids, -1), 0.0)        # k(2) = 1 + 1
+  np.testing.assert_allclose(np.asarray(out.probs), p, rtol=2e-5, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=2e-5, atol=1e-7)
+  assert float(out.balance_loss) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# AoE completed: top-P with its entropy loss, expert choice, parameter matching.
+
+
+def _aoe_router_and_pool(d, e, k, r, rng, **cfg):
+  from umoe_jax.model.experts import AoEExpertPool
+  pool = nnx.eval_shape(lambda: AoEExpertPool(e, d, 5, rank=r, activation="silu", std=0.02,
+                                              param_dtype="float32", compute_dtype="float32",
+                                              gmm_backend="xla", rngs=nnx.Rngs(params=0)))
+  w_a = rng.standard_normal((e, d, r)) / np.sqrt(d) * np.linspace(0.5, 2.0, e)[:, None, None]
+  pool.w_a.set_value(jnp.asarray(w_a, jnp.float32))
+  return _router("aoe", d, e, k, {}, aoe_dim=r, **cfg), pool, w_a
+
+
+def test_aoe_top_p_matches_a_loop():
+  """AoE top-P (P = 0.6, at most K slots): per token, experts by softmax(|x A^e|) until the sum
+  reaches P; the rest of the K slots masked (gate 0, out of the load and the balance loss); the
+  entropy loss is mean_t H(softmax(norms)); all against float64 loops."""
+  b, t, d, e, k, r, p_top, coef = 2, 6, 8, 6, 4, 3, 0.6, 1e-2
+  rng = np.random.default_rng(10)
+  router, pool, w_a = _aoe_router_and_pool(d, e, k, r, rng, selection="top_p", top_p=p_top,
+                                           entropy_coef=coef, renormalize=True,
+                                           balance_loss="switch", balance_coef=1.0)
+  x = rng.standard_normal((b, t, d))
+  out = router(jnp.asarray(x, jnp.float32), expert_pool=pool)
+  x32 = x.astype(np.float32).astype(np.float64)
+  norms = np.sqrt(np.sum(np.einsum("btd,edr->bter", x32, w_a) ** 2, -1) + 1e-12)
+  probs = _softmax(norms)
+  ids, gates, mask = np.zeros((b, t, k), int), np.zeros((b, t, k)), np.zeros((b, t, k), bool)
+  for bi in range(b):
+    for ti in range(t):
+      order = np.argsort(-probs[bi, ti], kind="stable")
+      total, used = 0.0, 0
+      while used < k and (used == 0 or total < p_top):
+        total += probs[bi, ti, order[used]]
+        used += 1
+      ids[bi, ti] = order[:k]
+      mask[bi, ti, :used] = True
+      chosen = probs[bi, ti, order[:used]]
+      gates[bi, ti, :used] = chosen / chosen.sum()
+  np.testing.assert_array_equal(np.asarray(out.slot_mask), mask)
+  assert 1 < mask.sum(-1).max() and mask.sum(-1).min() >= 1       # a varying number of experts
+  np.testing.assert_array_equal(np.where(mask, np.asarray(out.expert_ids), -1), np.where(mask, ids, -1))
+  np.testing.assert_allclose(np.asarray(out.gates), gates, rtol=2e-5, atol=1e-7)
+  entropy = np.mean(-np.sum(probs * np.log(probs), -1))
+  np.testing.assert_allclose(float(out.aux_losses["entropy_loss"]), coef * entropy, rtol=2e-5)
+  counts = np.zeros(e)
+  for bi, ti, j in zip(*np.nonzero(mask)):
+    counts[ids[bi, ti, j]] += 1
+  from umoe_jax.model.routers import routing_stats
+  np.testing.assert_array_equal(np.asarray(routing_stats(out, e)["expert_counts"]), counts)
+  np.testing.assert_allclose(float(out.balance_loss),
+                             e * np.sum(counts / counts.sum() * probs.reshape(-1, e).mean(0)), rtol=2e-5)
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+def test_expert_choice_capacity_and_selection(slots):
+  """Every expert takes exactly C = ceil(c N / E) of the batch's N tokens, those of highest
+  probability (a loop over experts); a token's picks fill its slots best first (with fewer slots
+  than E, its best ones: experts may then end below C). AoE with expert choice: by its norms."""
+  b, t, d, e, c_f = 2, 5, 8, 4, 1.5
+  rng = np.random.default_rng(11)
+  w, x = rng.standard_normal((d, e)) * 2, rng.standard_normal((b, t, d))
+  r = _router("topk_softmax", d, e, 2, {"kernel": w}, selection="expert_choice",
+              expert_choice_capacity=c_f, expert_choice_slots=slots, balance_loss="none")
+  aoe, pool, w_a = _aoe_router_and_pool(d, e, 2, 3, rng, selection="expert_choice",
+                                        expert_choice_capacity=c_f, expert_choice_slots=slots,
+                                        balance_loss="none")
+  x32 = x.astype(np.float32).astype(np.float64)
+  norms = np.sqrt(np.sum(np.einsum("btd,edr->bter", x32, w_a) ** 2, -1) + 1e-12)
+  n, cap = b * t, int(np.ceil(c_f * b * t / e))
+  for out, probs in ((r(jnp.asarray(x, jnp.float32)), _softmax(x32 @ w)),
+                     (aoe(jnp.asarray(x, jnp.float32), expert_pool=pool), _softmax(norms))):
+    flat = probs.reshape(n, e)
+    picked = np.zeros((n, e), bool)
+    for ex in range(e):                                  # each expert: its top-C tokens
+      picked[np.argsort(-flat[:, ex], kind="stable")[:cap], ex] = True
+    s = slots or e
+    ids = np.asarray(out.expert_ids).reshape(n, s)
+    mask = np.asarray(out.slot_mask).reshape(n, s)
+    gates = np.asarray(out.gates).reshape(n, s)
+    got = np.zeros((n, e), bool)
+    for tok in range(n):
+      want = sorted(np.nonzero(picked[tok])[0], key=lambda ex: -flat[tok, ex])[:s]
+      assert list(ids[tok][mask[tok]]) == want, tok
+      got[tok, ids[tok][mask[tok]]] = True
+      np.testing.assert_allclose(gates[tok][mask[tok]], flat[tok, want], rtol=2e-5)
+      assert (gates[tok][~mask[tok]] == 0).all()
+    if slots is None:
+      np.testing.assert_array_equal(got, picked)
+      assert (got.sum(0) == cap).all()                     # every expert exactly full
+    else:
+      assert (got.sum(0) <= cap).all() and (got.sum(1) <= slots).all()
+    assert got.sum(1).max() > got.sum(1).min()             # tokens get different numbers
+
+
+def test_aoe_parameter_matching():
+  """Eq. 5: the widened expert of AoE has the parameters of its SMoE baseline (rounded up): the
+  paper's numbers, and a gated / plain tiny model counted on the real modules."""
+  from umoe_jax.model.routers.aoe import matched_expert_width
+  assert matched_expert_width(768, 3072, 256, gated=True) == 3840      # the paper's small models
+  assert matched_expert_width(1280, 5120, 400, gated=True) == 6470     # its 4B model
+  for gated in (True, False):
+    d, f, r = 128, 32, 40
+    wide = matched_expert_width(d, f, r, gated)
+    base = tiny_config("ffn_moe", **{"d_model": d, "moe.d_expert": f, "moe.gated": gated})
+    aoe = tiny_config("ffn_moe", **{"d_model": d, "moe.d_expert": wide, "moe.gated": gated,
+                                    "router.kind": "aoe", "router.aoe_dim": r})
+    e = base.moe.n_experts
+    per_expert = lambda cfg: stats.model_params(cfg)["experts"] / (e * cfg.n_layers)
+    extra = per_expert(aoe) - per_expert(base)
+    assert 0 <= extra < r + (2 if gated else 1) * d, (gated, extra)   # within one column of F'
+    assert stats.param_mismatches(aoe) == {}

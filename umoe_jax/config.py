@@ -44,6 +44,16 @@ class RouterConfig:
   similarity_temperature: Optional[float] = None  # similarity_aware: tau of softmax_j(u_i.u_j / tau); None = sqrt(D)
   attention_temperature: float = 1.0  # attention_aware: sigma; the chosen head's A^(1/sigma), renormalised
   aoe_dim: Optional[int] = None       # aoe: rank r of the experts' factorised first projection; None = D // 3
+  mixing: str = "none"                # Mutual-Inform SMoE over any router with a distribution: "similarity"
+                                      # (similar earlier tokens) or "attention" (the block's MHA), causal
+  selection: str = "top_k"            # "top_k", "top_p" (until the cumulative prob passes top_p, at most top_k
+                                      # slots), "expert_choice" (each expert takes its top tokens; FFN only,
+                                      # sees future tokens, no cached decoding)
+  top_p: float = 0.6                  # top_p: the cumulative probability P (HMoE / AoE: 0.6)
+  entropy_coef: float = 0.0           # weight of the routing-entropy loss mean_t H(probs); top_p needs it (AoE 1e-4)
+  expert_choice_capacity: Optional[float] = None  # expert_choice: capacity factor c (C = c N / E tokens per
+                                      # expert); None = the sub-layer's top_k (the AoE paper: 2)
+  expert_choice_slots: Optional[int] = None  # expert_choice: slots per token (its best picks); None = E (all)
   z_loss_coef: float = 0.0            # ST-MoE router z-loss mean(logsumexp(logits)^2) weight (typical 1e-3)
   jitter_eps: float = 0.0             # Switch jitter: router input x * U(1-eps, 1+eps), training only (HF 0.01)
   bias_update_rate: float = 0.0       # DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved
@@ -154,6 +164,12 @@ class ModelConfig:
 
 
 SUBLAYERS = ("attention", "ffn")
+
+
+def router_mixing(r: RouterConfig) -> str:
+  """The mixing a router applies: its kind's (similarity_aware, attention_aware) or `mixing`."""
+  implied = kinds.ROUTER_KINDS[r.kind].mixing if r.kind in kinds.ROUTER_KINDS else "none"
+  return implied if implied != "none" else r.mixing
 
 
 def _overrides(section) -> dict:
@@ -392,12 +408,22 @@ def _check_router_placement(cfg: ModelConfig, sublayer: str) -> None:
   router, att = cfg.router_for(sublayer), cfg.attention
   kind = kinds.ROUTER_KINDS[router.kind]
   key = f"{cfg.router_key(sublayer, 'kind')}={router.kind!r}"
+  if router.selection == "expert_choice":
+    _check(sublayer == "ffn", f"{cfg.router_key(sublayer, 'selection')}='expert_choice' on the "
+           "attention sub-layer: expert choice routes an MoE FFN (model.ffn.router.selection)")
+    slots = router.expert_choice_slots
+    _check(slots is None or slots <= cfg.moe.n_experts,
+           f"{cfg.router_key(sublayer, 'expert_choice_slots')}={slots!r} exceeds model.moe.n_experts="
+           f"{cfg.moe.n_experts}")
   if sublayer not in kind.sublayers:
     what = ("reads the block's attention probabilities, which exist only after the attention"
             if kind.mixing == "attention" else "scores the experts of an MoE FFN")
     _check(False, f"{key} with model.attention.kind={att.kind!r}: it {what}; route the attention "
            "with another kind (model.attention.router.kind) or use model.attention.kind='mha' (an FFN-MoE)")
-  if kind.mixing == "attention":
+  if router_mixing(router) == "attention":
+    _check(sublayer == "ffn", f"{cfg.router_key(sublayer, 'mixing')}='attention' on the attention "
+           "sub-layer: it reads the block's attention probabilities, which exist only after the "
+           "attention; mix the FFN's router (model.ffn.router.mixing)")
     _check(kinds.ATTENTION_KINDS[att.kind].exposes_attention_probs,
            f"{key} with model.attention.kind={att.kind!r}: its attention does not expose its "
            "probabilities; use model.attention.kind='mha' (an FFN-MoE)")
@@ -435,12 +461,52 @@ def _check_router_values(router: RouterConfig, cfg: ModelConfig, key) -> None:
   check("jitter_eps", 0 <= router.jitter_eps < 1, "must be in [0, 1)")
   check("bias_update_rate", 0 <= router.bias_update_rate < float("inf"), "must be >= 0 and finite")
   kind = kinds.ROUTER_KINDS.get(router.kind)
+  check("mixing", router.mixing in kinds.MIXINGS, f"; valid: {', '.join(kinds.MIXINGS)}")
+  check("selection", router.selection in kinds.SELECTIONS, f"; valid: {', '.join(kinds.SELECTIONS)}")
+  check("top_p", 0 < router.top_p <= 1, "must be in (0, 1]")
+  check("entropy_coef", 0 <= router.entropy_coef < float("inf"), "must be >= 0 and finite")
+  check("entropy_coef", router.selection != "top_p" or router.entropy_coef > 0,
+        f"with {key('selection')}='top_p': top-P needs the entropy loss (the AoE paper's 1e-4), else "
+        "the scores flatten and every token takes all its slots")
+  check("expert_choice_capacity", router.expert_choice_capacity is None
+        or 0 < router.expert_choice_capacity < float("inf"), "must be None or positive and finite")
+  check("expert_choice_slots", router.expert_choice_slots is None or router.expert_choice_slots >= 1,
+        "must be None or >= 1")
   if kind is not None:
+    check("mixing", kind.mixing == "none" or router.mixing in ("none", kind.mixing),
+          f"conflicts with {key('kind')}={router.kind!r}, which mixes by {kind.mixing!r}")
+    check("mixing", router.mixing == "none" or kind.distribution,
+          f"needs a router with a distribution to mix; {key('kind')}={router.kind!r} has none")
+    check("selection", router.selection in kind.selections,
+          f"; valid for {key('kind')}={router.kind!r}: {', '.join(kind.selections)}")
+    check("entropy_coef", kind.distribution or router.entropy_coef == 0,
+          f"needs a router with a distribution; {key('kind')}={router.kind!r} has none")
+    check("bias_update_rate", router.bias_update_rate == 0 or router.selection == "top_k",
+          f"moves the top-k choice; {key('selection')}={router.selection!r} picks otherwise "
+          "(expert choice is balanced by construction)")
     for name in ("z_loss_coef", "jitter_eps", "bias_update_rate"):
       check(name, kind.scores or getattr(router, name) == 0,
             f"needs a router with scores; {key('kind')}={router.kind!r} has none")
     check("bias_update_rate", kind.selection_bias or router.bias_update_rate == 0,
           f"does not apply to {key('kind')}={router.kind!r} (it picks experts its own way)")
+
+
+def check_cached_decoding(cfg: ModelConfig) -> None:
+  """Raises ConfigError, naming the key, if a router of `cfg` cannot route one new token per call
+  with a KV cache: mixing over earlier tokens (the cache keeps no routing inputs) or expert
+  choice (an expert's choice depends on the later tokens)."""
+  for sublayer in cfg.routed_sublayers:
+    router = cfg.router_for(sublayer)
+    mixing = router_mixing(router)
+    if mixing != "none":
+      name = "mixing" if router.mixing != "none" else "kind"
+      raise ConfigError(f"{cfg.router_key(sublayer, name)}={getattr(router, name)!r}: the {mixing} "
+                        "mixing reads the routing of earlier tokens, which the KV cache does not "
+                        "keep; cached decoding is not supported (run full forward passes)")
+    if getattr(router, "selection", "top_k") == "expert_choice":
+      raise ConfigError(f"{cfg.router_key(sublayer, 'selection')}='expert_choice': an expert picks "
+                        "among all tokens of the batch, later ones included; a causal LM with it "
+                        "cannot decode token by token")
 
 
 def resolve(cfg: ModelConfig) -> ModelConfig:

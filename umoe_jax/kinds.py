@@ -48,7 +48,8 @@ class RouterKind:
   sublayers:    which sub-layers it can route ("attention", "ffn");
   decodes:      works with cached decoding (one new token per call);
   mixing:       mixes the routing of earlier tokens ("similarity" / "attention"; "none");
-  selection_bias: takes the aux-loss-free balancing bias (`router.bias_update_rate`).
+  selection_bias: takes the aux-loss-free balancing bias (`router.bias_update_rate`);
+  selections:   the `router.selection` values it accepts.
   """
   scores: bool = True
   distribution: bool = True
@@ -57,17 +58,20 @@ class RouterKind:
   decodes: bool = True
   mixing: str = "none"
   selection_bias: bool = True
+  selections: tuple[str, ...] = ("top_k", "top_p", "expert_choice")
 
 
 ROUTER_KINDS: dict[str, RouterKind] = {
     "topk_softmax": RouterKind(),
     # gates are sigmoid scores, not a distribution; `probs` is only their normalisation
-    "topk_sigmoid": RouterKind(distribution=False),
+    "topk_sigmoid": RouterKind(distribution=False, selections=("top_k",)),
     "xmoe": RouterKind(),
-    "hash": RouterKind(scores=False, distribution=False, weights=False, selection_bias=False),
-    "smoe_dropout": RouterKind(),
+    "hash": RouterKind(scores=False, distribution=False, weights=False, selection_bias=False,
+                       selections=("top_k",)),
+    # its own selection: k grows with the step
+    "smoe_dropout": RouterKind(selections=("top_k",)),
     # its own routing: greedy top-k of affinities, then of a token-id table; sigmoid gates
-    "stablemoe": RouterKind(distribution=False, selection_bias=False),
+    "stablemoe": RouterKind(distribution=False, selection_bias=False, selections=("top_k",)),
     # softmax-router distributions mixed over earlier tokens; attention_aware reads the block's MHA
     "similarity_aware": RouterKind(mixing="similarity", decodes=False),
     "attention_aware": RouterKind(mixing="attention", decodes=False, sublayers=("ffn",)),
@@ -75,6 +79,8 @@ ROUTER_KINDS: dict[str, RouterKind] = {
     "aoe": RouterKind(weights=False, sublayers=("ffn",)),
 }
 
+MIXINGS = ("none", "similarity", "attention")             # router.mixing
+SELECTIONS = ("top_k", "top_p", "expert_choice")          # router.selection
 BALANCE_LOSS_NAMES = ("seq_aux", "switch", "none")   # router.balance_loss
 
 ATTENTIONS: Registry[type] = Registry("attention kind", names=ATTENTION_KINDS)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from umoe_jax.config import ModelConfig
+from umoe_jax.config import ModelConfig, router_mixing
 from umoe_jax.model.attention import ATTENTIONS
 from umoe_jax.model.experts import AoEExpertPool, ExpertPool
 from umoe_jax.model.ffn import DenseFFN, MoEFFN
@@ -23,7 +23,8 @@ from umoe_jax.model.layers import RMSNorm
 from umoe_jax.model.routers import ROUTERS, fold_rng
 
 
-def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs, *, ffn: bool) -> ExpertPool | AoEExpertPool:
+def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs, *,
+                     ffn: bool = True) -> ExpertPool | AoEExpertPool:
   """A routed pool; `ffn`: the FFN routes into it (an AoE FFN router makes it an `AoEExpertPool`)."""
   kw = dict(activation=cfg.moe.activation, std=cfg.init_std, param_dtype=cfg.param_dtype,
             compute_dtype=cfg.compute_dtype, gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated)
@@ -69,10 +70,11 @@ class DecoderBlock(nnx.Module):
       self.ffn.shared_expert = nnx.data(self.attention.shared_expert)
 
     self.experts, self.ffn_experts = pools if pools is not None else make_expert_pools(cfg, rngs)
-    # router.kind='attention_aware': the FFN router reads this layer's attention probabilities;
+    # router mixing 'attention': the FFN router reads this layer's attention probabilities;
     # router.kind='aoe': it reads the FFN's expert pool (the experts score themselves).
-    router_cls = ROUTERS.get(cfg.router_for("ffn").kind)
-    self.ffn_reads_attention = cfg.ffn_uses_experts and getattr(router_cls, "needs_attention_probs", False)
+    ffn_router = cfg.router_for("ffn")
+    router_cls = ROUTERS.get(ffn_router.kind)
+    self.ffn_reads_attention = cfg.ffn_uses_experts and router_mixing(ffn_router) == "attention"
     self.ffn_reads_pool = cfg.ffn_uses_experts and getattr(router_cls, "needs_expert_pool", False)
 
   def named_routers(self) -> dict[str, nnx.Module]:

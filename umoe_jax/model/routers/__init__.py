@@ -15,8 +15,8 @@ every sub-layer, which calls `self.router(x, **route_context)`:
                      the applied updates, the learning-rate schedule's count; absent = as at the
                      end of training: evaluation, decoding);
   "decoding"         True during cached decoding (the mixing routers refuse it);
-  "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when the
-                     router class sets `needs_attention_probs` (attention_aware).
+  "attention_probs"  [B, H, T, S] float32, added by the block to its FFN router's context when that
+                     router mixes by attention (`router.mixing='attention'`, kind attention_aware).
   "expert_pool"      the FFN's expert pool, added by the block when the router class sets
                      `needs_expert_pool` (aoe: the experts score themselves).
 A router that needs another extra adds a key there; no call site changes.
@@ -35,15 +35,19 @@ One module per family:
                  linearly with the step from `smoe_dropout_k_start` to the sub-layer's top_k
   stablemoe      "stablemoe": StableMoE (Dai et al. 2022): learned centroids distilled into a token-id
                  router (stage 1), routing frozen to that router from `stablemoe_stage2_step`
-  mutual_inform  "similarity_aware", "attention_aware" (Nguyen et al. 2025, "Graph of Tokens" /
-                 Mutual-Inform SMoE): softmax-router distributions mixed over similar earlier tokens,
-                 or over the tokens the block's MHA attends to (FFN router; MHA attention only)
+  mutual_inform  `router.mixing` (Nguyen et al. 2025, "Graph of Tokens" / Mutual-Inform SMoE) over
+                 any router with a distribution: mixed over similar earlier tokens, or over the
+                 tokens the block's MHA attends to (FFN router; MHA attention only); the kinds
+                 "similarity_aware", "attention_aware" are topk_softmax with that mixing
   aoe            "aoe": Autonomy-of-Experts (Lv et al. 2025): no router; each expert's low-rank code
                  norm |x A^e| is its score (the block builds an `AoEExpertPool`)
   base, losses   the contract, the route context, the shared top-k tail, the balance losses and z-loss
   scoring        the shared path of the routers with scores: jitter, z-loss, the selection bias
+  selection      `router.selection`: top-k (+ bias), top-P (with its entropy loss)
+  expert_choice  `router.selection='expert_choice'`: each expert takes its top-C tokens of the batch
+                 (sees future tokens: no cached decoding; FFN routers only)
   bias_balance   aux-loss-free balancing: the bias update the training step applies
-The mixing routers are causal (a token mixes itself and earlier tokens) and refuse cached decoding.
+The mixing is causal (a token mixes itself and earlier tokens) and refuses cached decoding.
 """
 from umoe_jax.kinds import ROUTERS  # noqa: F401
 from umoe_jax.model.routers.base import (ParameterFreeRouter, RouterOutput, RouterStats,  # noqa: F401
@@ -52,7 +56,9 @@ from umoe_jax.model.routers.base import (ParameterFreeRouter, RouterOutput, Rout
                                          topk_gates)
 from umoe_jax.model.routers.losses import (BALANCE_LOSSES, router_z_loss,  # noqa: F401
                                            seq_aux_balance_loss, switch_balance_loss)
-from umoe_jax.model.routers.scoring import ScoreRouter, biased_top_k  # noqa: F401
+from umoe_jax.model.routers.scoring import ScoreRouter  # noqa: F401
+from umoe_jax.model.routers.selection import biased_top_k, entropy_loss, top_p_select  # noqa: F401
+from umoe_jax.model.routers.expert_choice import expert_choice_select  # noqa: F401
 from umoe_jax.model.routers.topk import TopKSigmoidRouter, TopKSoftmaxRouter  # noqa: F401
 from umoe_jax.model.routers.xmoe import XMoERouter, l2_normalize, orthogonal_init  # noqa: F401
 from umoe_jax.model.routers.hashing import HashRouter, hash_expert_ids  # noqa: F401

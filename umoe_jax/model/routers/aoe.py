@@ -46,3 +46,25 @@ class AoERouter(ScoreRouter):
   def token_mac_count(cls, cfg, router, n_experts):
     """Every expert's code x A^e (D x r), the norms' input (the codes' weights are the pool's)."""
     return n_experts * linear(cfg.d_model, router.aoe_dim)
+
+
+def matched_expert_width(d_model: int, d_expert: int, rank: int, gated: bool) -> int:
+  """The AoE paper's parameter matching (Eq. 5): the expert width F' that gives an AoE expert
+  (rank-r factorised activated projection) the parameters of the SMoE expert of width F it is
+  compared with, rounded up (so AoE never has fewer):
+
+    gated (SwiGLU, the paper):  3 D F = D r + r F' + 2 D F'   ->  F' = (3 D F - D r) / (r + 2 D)
+    not gated:                  2 D F = D r + r F' + D F'     ->  F' = (2 D F - D r) / (r + D)
+
+  E.g. D = 768, F = 3072, r = 256 (the paper's small models): 3840; D = 1280, F = 5120, r = 400
+  (its 4B model): 6470. Use it as `model.moe.d_expert` of the AoE model.
+  """
+  if not 1 <= rank:
+    raise ValueError(f"rank={rank!r} must be >= 1")
+  n_mats = 3 if gated else 2
+  num = n_mats * d_model * d_expert - d_model * rank
+  den = rank + (n_mats - 1) * d_model
+  if num <= 0:
+    raise ValueError(f"rank={rank} leaves no room for an expert of the parameters of width "
+                     f"{d_expert} (d_model={d_model}, gated={gated})")
+  return -(-num // den)

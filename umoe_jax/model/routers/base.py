@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from umoe_jax.config import RouterConfig
+from umoe_jax.config import RouterConfig, router_mixing
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.routers.losses import BALANCE_LOSSES
 from umoe_jax.stats import linear
@@ -24,6 +24,9 @@ class RouterOutput:
   # The router's other losses by name ("z_loss", ...), [] float32 each, coefficients applied;
   # reported one by one and added to the training objective. Empty for most routers.
   aux_losses: Mapping[str, jax.Array] = dataclasses.field(default_factory=dict)
+  # [B, T, K] bool: the slots that carry a pick (top-P's and expert choice's unused slots have gate
+  # 0 and are left out of the load); None = every slot.
+  slot_mask: Optional[jax.Array] = None
 
 
 def route_context(token_ids: jax.Array, *, step: Optional[jax.Array] = None,
@@ -78,9 +81,10 @@ def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, 
 
 
 def routing_stats(out: RouterOutput, n_experts: int) -> dict[str, jax.Array]:
-  """What the trainer logs for one router: its balance loss, per-expert pick counts [E], mean
-  entropy, and each of its other losses by name (`aux_losses`: "z_loss", ...)."""
-  counts = jnp.bincount(out.expert_ids.reshape(-1), length=n_experts).astype(jnp.float32)
+  """What the trainer logs for one router: its balance loss, per-expert pick counts [E] (active
+  slots only), mean entropy, and each of its other losses by name (`aux_losses`: "z_loss", ...)."""
+  weights = None if out.slot_mask is None else out.slot_mask.reshape(-1).astype(jnp.float32)
+  counts = jnp.bincount(out.expert_ids.reshape(-1), weights, length=n_experts).astype(jnp.float32)
   entropy = -jnp.sum(out.probs * jnp.log(out.probs + 1e-20), axis=-1).mean()
   return {"balance_loss": out.balance_loss, "expert_counts": counts, "entropy": entropy,
           **out.aux_losses}
@@ -129,8 +133,10 @@ class RouterStats:
 
   @classmethod
   def pair_mac_count(cls, cfg, router: RouterConfig, n_experts: int) -> int:
-    """Forward MACs per (query token, earlier token) pair (routers that mix over tokens)."""
-    return 0
+    """Forward MACs per (query token, earlier token) pair: the mixing over tokens
+    (`router.mixing`; `mutual_inform.pair_macs`), 0 without."""
+    from umoe_jax.model.routers.mutual_inform import pair_macs
+    return pair_macs(router_mixing(router), cfg.d_model, n_experts)
 
 
 class ParameterFreeRouter(RouterStats, nnx.Module):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.kinds import ROUTERS
-from umoe_jax.model.routers.scoring import biased_top_k
+from umoe_jax.model.routers.selection import biased_top_k
 from umoe_jax.model.routers.topk import TopKSoftmaxRouter
 from umoe_jax.parallel import rules as ax
 
@@ -59,8 +59,7 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
     k_start = min(self.cfg.smoe_dropout_k_start, self.top_k)
     return linear_k_schedule(step, k_start, self.top_k, self.cfg.smoe_dropout_steps)
 
-  def select(self, probs: jax.Array, *, step: Optional[jax.Array] = None,
-             **context) -> tuple[jax.Array, jax.Array]:
+  def select(self, probs: jax.Array, *, step: Optional[jax.Array] = None, **context):
     """Top-K of probs (+ the selection bias); the slots beyond k(step) get gate 0."""
     del context
     ids, top = biased_top_k(probs, self.top_k, False, self.bias())                     # [B, T, K]
@@ -68,4 +67,4 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
     gates = jnp.where(active, top, 0.0)
     if self.cfg.renormalize:
       gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    return ids, gates
+    return ids, gates, None     # the inactive slots stay in the load (as before: see above)

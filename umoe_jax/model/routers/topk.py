@@ -9,7 +9,8 @@ from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import kaiming_uniform_init, make_param
 from umoe_jax.model.routers.base import RouterOutput, jitter
-from umoe_jax.model.routers.scoring import ScoreRouter, biased_top_k
+from umoe_jax.model.routers.scoring import ScoreRouter
+from umoe_jax.model.routers.selection import biased_top_k
 from umoe_jax.parallel import rules as ax
 
 
