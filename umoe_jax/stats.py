@@ -116,7 +116,7 @@ import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
-from umoe_jax.config import ModelConfig, model_config, resolve
+from umoe_jax.config import ModelConfig, model_config, resolve, router_mixing
 from umoe_jax.registry import Registry
 
 # Parameter components, in table order.
@@ -181,7 +181,9 @@ def routed_expert(cfg: ModelConfig, aoe: bool = False) -> tuple[int, int]:
 def router_pair_macs(cfg: ModelConfig) -> int:
   """Forward MACs per (query token, key token) pair of one layer's routers (`pair_mac_count` of
   their class: the mixing routers'; 0 for every other kind). The routers of a layer (with their own
-  configs) are read off the model."""
+  configs) are read off the model, when any of them mixes (the model is not built otherwise)."""
+  if all(router_mixing(cfg.router_for(s)) == "none" for s in cfg.routed_sublayers):
+    return 0
   return sum(cls.pair_mac_count(cfg, router, e) for cls, router, e in _layer_routers(cfg))
 
 
