@@ -3,9 +3,11 @@
 The contract every router keeps (the dispatch code relies on nothing else):
   __call__(x [B, T, D], **context) -> RouterOutput
 with `expert_ids [B, T, K]`, `gates [B, T, K]`, the full routing distribution `probs [B, T, E]` and a
-scalar `balance_loss` (already multiplied by its coefficient). `context` carries optional extras a
-router may use (token ids for hash routing, attention probabilities for attention-informed routing);
-routers ignore what they do not need.
+scalar `balance_loss` (already multiplied by its coefficient); optionally `aux_losses` (other named
+losses, coefficients applied: "z_loss", "entropy_loss") and `slot_mask [B, T, K]` (the slots that
+carry a pick; top-P and expert choice leave some empty, with gate 0). `context` carries optional
+extras a router may use (token ids for hash routing, attention probabilities for attention-informed
+routing, the jitter key in training); routers ignore what they do not need.
 
 The route context: `CausalLM` builds one dict (`route_context`) and hands it through every block to
 every sub-layer, which calls `self.router(x, **route_context)`:
@@ -52,8 +54,7 @@ The mixing is causal (a token mixes itself and earlier tokens) and refuses cache
 from umoe_jax.kinds import ROUTERS  # noqa: F401
 from umoe_jax.model.routers.base import (ParameterFreeRouter, RouterOutput, RouterStats,  # noqa: F401
                                          call_router, fold_rng, jitter, make_router,
-                                         need_token_ids, probs_route, route_context, routing_stats,
-                                         topk_gates)
+                                         need_token_ids, route_context, routing_stats)
 from umoe_jax.model.routers.losses import (BALANCE_LOSSES, router_z_loss,  # noqa: F401
                                            seq_aux_balance_loss, switch_balance_loss)
 from umoe_jax.model.routers.scoring import ScoreRouter  # noqa: F401

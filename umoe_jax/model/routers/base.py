@@ -1,5 +1,5 @@
-"""The router contract: `RouterOutput`, the route context, construction, the logged statistics, and
-the tail every softmax-style router shares (top-k of a distribution plus its balance loss)."""
+"""The router contract: `RouterOutput`, the route context, construction, the logged statistics, the
+router-input jitter and the parameter / MAC counts every router class carries (`RouterStats`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,6 @@ from flax import nnx, struct
 
 from umoe_jax.config import RouterConfig, router_mixing
 from umoe_jax.kinds import ROUTERS
-from umoe_jax.model.routers.losses import BALANCE_LOSSES
 from umoe_jax.stats import linear
 
 
@@ -88,22 +87,6 @@ def routing_stats(out: RouterOutput, n_experts: int) -> dict[str, jax.Array]:
   entropy = -jnp.sum(out.probs * jnp.log(out.probs + 1e-20), axis=-1).mean()
   return {"balance_loss": out.balance_loss, "expert_counts": counts, "entropy": entropy,
           **out.aux_losses}
-
-
-def topk_gates(probs: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-  """Top-k of probs [..., E] -> (gates [..., K] float32, expert_ids [..., K] int32)."""
-  gates, ids = jax.lax.top_k(probs, k)
-  if renormalize:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return gates, ids.astype(jnp.int32)
-
-
-def probs_route(probs: jax.Array, k: int, cfg: RouterConfig, n_experts: int) -> RouterOutput:
-  """Top-k of a routing distribution probs [B, T, E] with `router.renormalize` and the configured
-  balance loss on probs (the counts are constants): the tail of every softmax-style router."""
-  gates, ids = topk_gates(probs, k, cfg.renormalize)                                 # [B, T, K]
-  loss = BALANCE_LOSSES[cfg.balance_loss](probs, jax.lax.stop_gradient(ids), n_experts)
-  return RouterOutput(expert_ids=ids, gates=gates, probs=probs, balance_loss=cfg.balance_coef * loss)
 
 
 def need_token_ids(kind: str, token_ids: Optional[jax.Array], x: jax.Array) -> jax.Array:
