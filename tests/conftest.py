@@ -82,6 +82,10 @@ def randomize_params(module: nnx.Module, seed: int, router_std_times_sqrt_d: flo
     name = path[-1]
     if name == "scale":
       new = 1.0 + rng.uniform(-0.5, 0.5, shape)
+    elif name == "selection_bias":   # balancing state, not a weight: starts at zero
+      new = np.zeros(shape)
+    elif len(shape) < 2:             # e.g. X-MoE's log temperature
+      new = rng.uniform(-0.5, 0.5, shape)
     elif name == "embed":
       new = rng.standard_normal(shape)
     elif "router" in path:

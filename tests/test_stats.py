@@ -214,7 +214,8 @@ def test_related_work_router_kinds_counted(name, router):
   assert stats.param_mismatches(cfg) == {}
   assert stats.total_params(cfg, from_model=False) == stats.total_params(cfg)
   m = stats.as_model_config(cfg)
-  n_routers = len(stats._layer_router_experts(m)) * m.n_layers
+  experts = [e for _, _, e in stats._layer_routers(m)]
+  n_routers = len(experts) * m.n_layers
   added = stats.total_params(cfg) - stats.total_params(base)
   if router == "stablemoe":
     if name != "switchhead_tiny":  # pool routers over moe.n_experts (E x D centroids replace D x E)
@@ -226,12 +227,12 @@ def test_related_work_router_kinds_counted(name, router):
            - stats.forward_mac_breakdown(base, b, t)["routers"])
   pairs = b * t * t
   if router == "similarity_aware":
-    assert extra == pairs * sum(m.d_model + e for e in stats._layer_router_experts(m)) * m.n_layers
+    assert extra == pairs * sum(m.d_model + e for e in experts) * m.n_layers
   elif router == "attention_aware":
     assert extra == pairs * m.moe.n_experts * m.n_layers
   elif router == "stablemoe":
     assert extra == b * t * sum(m.router.stablemoe_distill_dim * e
-                                for e in stats._layer_router_experts(m)) * m.n_layers
+                                for e in experts) * m.n_layers
   else:
     assert extra == 0
 

@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
+from umoe_jax.config_fields import optional
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES
@@ -41,7 +41,7 @@ def default_train_config() -> ml_collections.ConfigDict:
       seq_len=1024,                # tokens per sequence (<= model.max_seq_len)
       num_steps=50_000,            # optimizer steps (the cosine schedule ends here)
       learning_rate=4e-4,          # peak LR (official README)
-      warmup_steps=config_dict.placeholder(int),  # None: warmup_ratio * num_steps
+      warmup_steps=optional(int),  # None: warmup_ratio * num_steps
       warmup_ratio=0.05,           # official: 5% linear warmup (DeepSpeed's is log-shaped)
       min_lr_ratio=1e-4,           # cosine floor / peak (DeepSpeed WarmupCosineLR cos_min_ratio)
       b1=0.9,
@@ -55,7 +55,7 @@ def default_train_config() -> ml_collections.ConfigDict:
       log_every=50,                # steps between console / TensorBoard / JSONL records
       eval_every=1000,             # steps between validation passes; 0 disables
       eval_batches=20,             # held-out batches per validation pass
-      eval_batch_size=config_dict.placeholder(int),  # None: global_batch_size // grad_accum_steps
+      eval_batch_size=optional(int),  # None: global_batch_size // grad_accum_steps
   ))
 
 
@@ -72,7 +72,7 @@ def default_log_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       tensorboard=True,            # event files in <workdir>/tensorboard
       jsonl=True,                  # <workdir>/metrics.jsonl, one JSON object per record
-      peak_flops=config_dict.placeholder(float),  # per device, for MFU; None: table by device kind
+      peak_flops=optional(float),  # per device, for MFU; None: table by device kind
       routing_probe_batches=1,     # held-out batches whose routing change is logged at every
                                    # evaluation (umoe_jax/analysis/training.py); 0 disables
       profile_steps=(),            # steps to trace with jax.profiler into <workdir>/tensorboard,

@@ -4,11 +4,13 @@ TensorBoard files are written with tensorboard's own event writer (no TensorFlow
 
 Names (TensorBoard tags = JSONL keys):
   train/loss, train/lm_loss, train/perplexity (exp lm_loss), train/balance_loss (all routers),
+  train/<name> for each other router loss summed over routers (train/z_loss, ...),
   train/learning_rate, train/grad_norm (before clipping), train/skipped_steps (so far, the whole
   run), train/interval_skipped_steps (updates dropped in this log interval; the interval means above
   and below are over its finite steps only, so one NaN step does not blank the interval),
   perf/tokens_per_sec, perf/tokens_per_sec_per_device, perf/step_time_s, perf/mfu (if peak known),
-  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router, e.g.
+  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router (and its other
+      losses, z_loss ..., and bias_spread under aux-loss-free balancing), e.g.
       moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e / mean_e count_e and
       load_cv = std_e / mean_e of the per-step expert counts, averaged over the interval;
   moe/<layer>/<router>/expert_load: histogram over expert ids weighted by routed tokens (interval);
@@ -99,6 +101,8 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dic
       "train/grad_norm": mean("grad_norm"),
       "train/interval_skipped_steps": float(skipped),
   }
+  for name in sorted(steps[0].get("router_losses", {})):   # z_loss, ...: each on its own
+    scalars[f"train/{name}"] = float(np.mean([float(s["router_losses"][name]) for s in steps]))
   counts: dict[str, np.ndarray] = {}
   for name in sorted(steps[0]["routers"]):
     per_step = [s["routers"][name] for s in steps]

@@ -6,9 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.registry import Registry
-
-ATTENTIONS: Registry[type] = Registry("attention kind")
+from umoe_jax.kinds import ATTENTION_CORES, ATTENTIONS  # noqa: F401  (the registry and core names)
 
 
 # Routed low-rank expert projection (pre-mixing queries, post-mixing keys):
@@ -56,48 +54,6 @@ def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: st
   if a_norm is not None:
     code = a_norm(code)
   return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
-
-
-# Config checks shared by several variants (each raises ConfigError naming key and value).
-
-
-def check_heads(cfg) -> None:
-  """Multi-head variants: at least one head and a positive value head dim."""
-  from umoe_jax.config import ConfigError
-  att = cfg.attention
-  if att.n_heads < 1:
-    raise ConfigError(f"model.attention.n_heads={att.n_heads!r} must be >= 1")
-  if att.v_head_dim < 1:
-    raise ConfigError(f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
-
-
-def check_own_experts(cfg, kind: str, what: str = "") -> None:
-  """Variants with their own experts (`attention.n_experts`): 1 <= top_k <= n_experts."""
-  from umoe_jax.config import ConfigError
-  att = cfg.attention
-  if att.n_experts < 1:
-    raise ConfigError(f"model.attention.n_experts={att.n_experts!r} must be >= 1 for {kind}{what}")
-  if not 1 <= att.top_k <= att.n_experts:
-    raise ConfigError(f"model.attention.top_k={att.top_k!r} must be in [1, attention.n_experts="
-                      f"{att.n_experts}] for {kind}")
-
-
-def check_pool_routing(cfg) -> None:
-  """Variants routing into the layer's pool: top_k in [1, moe.n_experts], shared experts and the
-  low-rank rank non-negative / positive."""
-  from umoe_jax.config import ConfigError
-  att = cfg.attention
-  if att.top_k < 1:
-    raise ConfigError(f"model.attention.top_k={att.top_k!r} must be >= 1")
-  if cfg.moe.n_experts and att.top_k > cfg.moe.n_experts:
-    raise ConfigError(f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
-  if att.n_shared_experts < 0:
-    raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
-  if att.q_lora_rank is not None and att.q_lora_rank < 1:
-    raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
-
-
-ATTENTION_CORES = ("xla", "cudnn", "triton", "splash")
 
 
 def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array):
