@@ -93,6 +93,47 @@ def test_combine():
   assert rel_err(out, ref) < 1e-6
 
 
+@pytest.mark.parametrize("path", ["combine", "apply_experts", "gmm_combine"])
+def test_combine_accumulates_in_float32(path):
+  """The K-slot sum of bf16 expert outputs is accumulated in float32 and rounded to bf16 once: the
+  result is the correctly rounded bf16 of the exact sum. Each token adds one large slot (32..64,
+  where bf16's spacing is 0.25..0.5) to K-1 small ones (0.5..1) with gates in (0.5, 1): a bf16
+  accumulator rounds at every add (sequentially ~64% of the outputs off, pairwise ~40%).
+  Through `combine`, the unfused `apply_experts` (identity experts) and the fused `gmm_combine`
+  (identity expert matrices), which every pool, SwitchHead and expert-parallel combine goes through."""
+  import ml_dtypes
+  from umoe_jax.ops import fused_dispatch
+  n, k, e, d = 64, 16, 16, 64
+  rng = np.random.default_rng(21)
+  to_bf16 = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+  y = to_bf16(np.concatenate([rng.uniform(32, 64, (n, 1, d)), rng.uniform(0.5, 1, (n, k - 1, d))], 1))
+  g = to_bf16(rng.uniform(0.5, 1, (n, k)))
+  exact = np.einsum("nkd,nk->nd", y.astype(np.float64), g.astype(np.float64))
+  ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+  yj, gj = jnp.asarray(y), jnp.asarray(g)
+  if path == "combine":
+    out = jax.jit(dispatch.combine)(yj, gj)
+    # XLA on CPU runs a bf16 reduction in float32 anyway, so the values alone cannot catch a bf16
+    # jnp.sum; the program must ask for float32 (other backends may take bf16 at its word).
+    for eqn in jax.make_jaxpr(dispatch.combine)(yj, gj).eqns:
+      if eqn.primitive.name in ("reduce_sum", "dot_general"):
+        assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
+  elif path == "apply_experts":  # identity experts on per-slot rows: the expert outputs are y
+    out = jax.jit(lambda y, g: dispatch.apply_experts(
+        y, dispatch.make_plan(ids, e), g, lambda rows, gs: rows))(yj, gj)
+  else:  # rows in expert order times identity matrices (exact in bf16), then un-sort and combine
+    eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.bfloat16), (e, d, d))
+    plan = dispatch.make_plan(ids, e)
+    h = dispatch.permute(yj, plan, k)
+    out = jax.jit(lambda h, g: fused_dispatch.gmm_combine(h, eye, plan, g, backend="xla"))(h, gj)
+  assert out.dtype == jnp.bfloat16
+  out = np.asarray(out, np.float64)
+  want = to_bf16(exact).astype(np.float64)
+  # float32 rounding can flip a sum that lies within ~1e-6 of a bf16 rounding midpoint: allow 1%.
+  assert np.mean(out != want) <= 0.01, f"{np.mean(out != want):.1%} not correctly rounded"
+  assert np.all(np.abs(out - exact) <= np.abs(exact) * 2.0 ** -8)  # within one bf16 step
+
+
 def _expert_weights(seed):
   rng = np.random.default_rng(seed)
   return (rng.standard_normal((E, D, F)).astype(np.float32) / np.sqrt(D),
