@@ -278,14 +278,37 @@ def test_ablation_switches_share_modules():
   assert _count(m) == n_base + 2 * (e * d * f + 2 * d * f)  # w_gate + the two always-on gates
 
 
+def _unshared(p, switch):
+  """The parameters of a model with `switch` as the plain model's layout, each shared weight copied
+  to every place that uses it (nnx lists a shared module once, where it first occurs)."""
+  layers = p["layers"]
+  for i in layers:
+    if switch.get("moe.share_across_layers"):      # one pool for all layers: layer 0's
+      layers[i]["experts"] = layers[0]["experts"]
+    if switch.get("router.share_att_ffn"):         # the FFN routes with the attention's weights
+      layers[i]["ffn"]["router"] = layers[i]["attention"]["router"]
+    if switch.get("moe.share_always_on"):          # one always-on expert for both sub-layers
+      layers[i]["ffn"]["shared_expert"] = layers[i]["attention"]["shared_expert"]
+  return p
+
+
 @pytest.mark.parametrize("switch", [{"moe.share_across_layers": True}, {"router.share_att_ffn": True},
                                     {"moe.share_always_on": True}, {"ffn.kind": "none"},
                                     {"moe.share_pool": False}])
-def test_ablation_forward_matches_stats(switch):
+def test_ablation_forward_matches_reference_and_stats(switch):
+  """Each ablation's 2-layer LM on random tokens against the float64 loop LM (reference.causal_lm)
+  given the shared weights in every place that uses them: logits, routing and balance loss."""
   cfg = tiny_config("umoe", n_layers=2, **switch)
   model = random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 60)
-  logits, aux = model(jnp.zeros((1, 6), jnp.int32))
-  assert logits.shape == (1, 6, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
+  tokens = np.random.default_rng(61).integers(0, cfg.vocab_size, (2, 7)).astype(np.int32)
+  logits, aux = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens))
+  ref, routes, loss = R.causal_lm(tokens, _unshared(numpy_params(model), switch), cfg)
+  assert rel_err(logits, ref) < F32_BOUND
+  assert set(aux["routers"]) == set(routes)
+  for name, (_, ids, _) in routes.items():
+    np.testing.assert_array_equal(np.asarray(aux["routers"][name]["expert_counts"]),
+                                  np.bincount(ids.reshape(-1), minlength=cfg.moe.n_experts), name)
+  np.testing.assert_allclose(float(aux["balance_loss"]), loss, rtol=1e-5)
   assert stats.param_mismatches(cfg) == {}
   assert stats.total_params(cfg) == _count(model)
 
