@@ -51,8 +51,9 @@ def _premix_attention(s, n_experts):
   return 3 * d * dh + n_experts * (d * r + r * dh) + r + d * n_experts + _mlp(d, s["de"])
 
 
-def hand_params(family: str, scale: str) -> int:
-  s = DIMS[scale]
+def hand_params(family: str, scale) -> int:
+  """Parameters of `family` at `scale` ("base", "large", or a dict of the DIMS keys)."""
+  s = DIMS[scale] if isinstance(scale, str) else scale
   d, h, dh = s["d"], s["heads"], s["dh"]
   mha = 4 * d * h * dh                                      # q, k, v (d x H dh), o (H dh x d)
   dense_ffn = _mlp(d, s["d_ff"])
@@ -79,8 +80,9 @@ def hand_params(family: str, scale: str) -> int:
   return s["layers"] * (layer + norms) + 2 * s["vocab"] * d + d   # + embedding, LM head, final norm
 
 
-def hand_macs(family: str, scale: str, batch: int = 4, seq_len: int = 1024) -> int:
-  s = DIMS[scale]
+def hand_macs(family: str, scale, batch: int = 4, seq_len: int = 1024) -> int:
+  """Forward MACs of `family` at `scale` (as in `hand_params`) over batch x seq_len tokens."""
+  s = DIMS[scale] if isinstance(scale, str) else scale
   d, h, dh = s["d"], s["heads"], s["dh"]
   mha = 4 * d * h * dh
   dense_ffn = _mlp(d, s["d_ff"])
