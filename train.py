@@ -36,6 +36,12 @@ class _QuietLibraries(std_logging.Filter):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if "://" in _WORKDIR.value:  # os-level writers would make a local "gs:" directory
+    raise SystemExit(
+        f"--workdir={_WORKDIR.value}: the trainer writes its config, metrics and TensorBoard files "
+        f"with local file I/O, so a URL is not a workdir; mount the bucket with Cloud Storage FUSE "
+        f"(gcsfuse --implicit-dirs --rename-dir-limit=200000 BUCKET /gcs/BUCKET) and pass the "
+        f"mount path, e.g. --workdir=/gcs/BUCKET/runs/NAME (docs/tpu.md)")
   logging.get_absl_handler().addFilter(_QuietLibraries())
   from umoe_jax.parallel import distributed
   distributed.initialize_from_env()  # before anything touches a device

@@ -1,6 +1,7 @@
 """Grouped expert matmul benchmark at the UMoE shapes (T = 32*1024 tokens), one GPU.
 
   python bench/gmm.py [--sweep] [--backends triton,mosaic] [--no-torch] [--out DIR]
+  python bench/gmm.py --backends=megablox --no-torch --sweep --sweep-backends=megablox   # a TPU
 
 Prints, per shape, TFLOP/s of: a dense matmul of equal FLOPs, our kernels fwd and fwd+bwd (fwd + input
 grad + weight grad = 3x the forward FLOPs), JAX's shipped Mosaic GPU ragged_dot fwd, jax.lax.ragged_dot
@@ -154,9 +155,11 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
   import jax
   import jax.numpy as jnp
   from kernels import tuning
-  mod = {"triton": "kernels.triton_gmm", "mosaic": "kernels.mgpu_gmm"}[backend_name]
+  mod = {"triton": "kernels.triton_gmm", "mosaic": "kernels.mgpu_gmm",
+         "megablox": "kernels.megablox_gmm"}[backend_name]
   import importlib
   kmod = importlib.import_module(mod)
+  table_backend = getattr(kmod, "tuning_key", lambda: backend_name)()  # megablox: "megablox/<gen>"
   best_rows = {}
   for name, M, K, N, E in shapes:
     x, w, dy, gs = make_inputs(M, K, N, E)
@@ -165,7 +168,7 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
       best = (0.0, None)
       if op not in ops:
         continue
-      for cfg in tuning.candidates(backend_name, op, kc, no, M)[:MAX_CANDS]:
+      for cfg in tuning.candidates(table_backend, op, kc, no, M)[:MAX_CANDS]:
         try:
           if op == "tgmm":
             f = jax.jit(functools.partial(kmod.TGMM, out_dtype=jnp.bfloat16, num_groups=E, config=cfg))
@@ -183,7 +186,7 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm")):
                                                     cfg=str(cfg), tflops=tf))
         if tf > best[0]:
           best = (tf, cfg)
-      key = (backend_name, op, kc, no, tuning.m_bucket(M))  # M-specific: base-up != base-att
+      key = (table_backend, op, kc, no, tuning.m_bucket(M))  # M-specific: base-up != base-att
       best_rows[key] = best
       if best[1] is not None:  # the timed section below then runs the tuned config
         tuning.TABLE[key] = best[1]
@@ -385,7 +388,8 @@ def main():
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
   ap.add_argument("--sweep-gathered", action="store_true", help="tiles of the fused-dispatch calls")
-  ap.add_argument("--sweep-ops", default="triton:gmm,gmm_t,tgmm;mosaic:gmm,gmm_t,tgmm")
+  ap.add_argument("--sweep-ops",
+                  default="triton:gmm,gmm_t,tgmm;mosaic:gmm,gmm_t,tgmm;megablox:gmm,gmm_t,tgmm")
   ap.add_argument("--backends", default="triton,mosaic")
   ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
   ap.add_argument("--no-torch", action="store_true")

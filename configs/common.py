@@ -117,9 +117,9 @@ TRAIN_SCALES = {
     "tiny": dict(global_batch_size=8, seq_len=128, num_steps=300, learning_rate=2e-3,
                  log_every=10, eval_every=100, eval_batches=4),
     "base": dict(global_batch_size=1024, seq_len=1024, num_steps=50_000, grad_accum_steps=8,
-                 remat=True),
+                 remat="block"),
     "large": dict(global_batch_size=1024, seq_len=1024, num_steps=50_000, grad_accum_steps=8,
-                  remat=True),
+                  remat="block"),
 }
 CHECKPOINT_SCALES = {
     "tiny": dict(every=100, keep=2),

@@ -1,8 +1,11 @@
-"""GPU kernels for umoe-jax. Importing this package registers the kernel backends of `umoe_jax.ops.gmm`.
+"""GPU and TPU kernels for umoe-jax. Importing this package registers the kernel backends of
+`umoe_jax.ops.gmm`.
 
-Backends (all `platforms=("gpu",)`):
-  "mosaic"  Pallas Mosaic GPU (wgmma + TMA, pipelined), kernels/mgpu_gmm.py
-  "triton"  Triton through jax-triton, kernels/triton_gmm.py
+Backends:
+  "mosaic"    Pallas Mosaic GPU (wgmma + TMA, pipelined), kernels/mgpu_gmm.py      platforms ("gpu",)
+  "triton"    Triton through jax-triton, kernels/triton_gmm.py                      platforms ("gpu",)
+  "megablox"  Pallas TPU (JAX's megablox kernels), kernels/megablox_gmm.py          platforms ("tpu",)
+              (+ "cpu" under UMOE_PALLAS_TPU_INTERPRET=1: the Pallas interpreter, for tests)
 
 Every import here is guarded: on a CPU-only machine (no Triton, no jax_triton, a jax whose Pallas
 Mosaic GPU API differs) importing this package must never fail; a backend whose module cannot load is
@@ -19,7 +22,8 @@ from kernels import tuning  # noqa: F401  (pure Python)
 _log = logging.getLogger(__name__)
 
 # auto priority: higher wins. Set from the H200 measurements in BENCHMARKS.md.
-AUTO_PRIORITY = {"triton": 20, "mosaic": 10}
+# megablox is the one TPU kernel (against XLA ragged_dot there); not yet measured on a TPU.
+AUTO_PRIORITY = {"triton": 20, "mosaic": 10, "megablox": 10}
 
 
 def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False):
@@ -32,9 +36,11 @@ def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False):
     _log.debug("gmm backend %s not registered: %r", name, e)
     return
   _gmm_api.BACKENDS.register(name)(_gmm_api.GmmBackend(
-      gmm=getattr(mod, gmm_attr), tgmm=getattr(mod, tgmm_attr), platforms=("gpu",),
+      gmm=getattr(mod, gmm_attr), tgmm=getattr(mod, tgmm_attr),
+      platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))),
       auto_priority=AUTO_PRIORITY[name], available=mod.available, row_index=row_index))
 
 
 _register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm", row_index=True)
 _register("mosaic", "kernels.mgpu_gmm", "mgpu_gmm", "mgpu_tgmm")
+_register("megablox", "kernels.megablox_gmm", "megablox_gmm", "megablox_tgmm")

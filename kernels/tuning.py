@@ -11,6 +11,13 @@ larger than L2 can want other tiles).
 
 For gmm/gmm_t: kc = contraction dim, no = output dim. For tgmm: kc = K (rows of the output tile),
 no = N (output cols); bm/bn then give the output tile and bk the rows accumulated per step.
+
+Pallas TPU (backend "megablox", kernels/megablox_gmm.py) rows are keyed by TPU generation: backend
+"megablox/<gen>" (`umoe_jax.ops.pallas_tpu.generation`: "v5e", "v5p", "v6e", ...), e.g.
+("megablox/v6e", "gmm", 768, 192). bm / bk / bn are megablox's (tm, tk, tn) for gmm and gmm_t, and
+(tk, tn) output tile + tm rows per step for tgmm, as above. No TPU row is measured yet (none was
+reachable): `default_config` gives each generation a starting tile sized to its scoped-VMEM default,
+and `bench/gmm.py --sweep --sweep-backends=megablox` on a TPU prints the rows for this table.
 """
 from __future__ import annotations
 
@@ -83,9 +90,26 @@ def _width_ok(w: int) -> bool:
   return rest == 0 or (rest & (rest - 1)) == 0
 
 
+# Pallas TPU starting tiles per generation, (gmm (bm, bk, bn), tgmm (bm, bn, bk)): double-buffered
+# bf16 operand blocks + output blocks + a float32 accumulator under the default scoped VMEM (16 MiB
+# on v4 / v5e / v5p, 32 MiB on v6e): gmm 512 x 1024 x 1024 takes ~10 MiB, tgmm 512 x 1024 out x 512
+# rows ~9 MiB. Widths are multiples of 256 (v6e's MXU is 256 x 256; 128 x 128 before it).
+MEGABLOX_DEFAULTS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {
+    "v4": ((512, 512, 512), (512, 512, 512)),
+    "v5e": ((512, 1024, 1024), (512, 1024, 512)),
+    "v5p": ((512, 1024, 1024), (512, 1024, 512)),
+    "v6e": ((512, 1024, 1024), (1024, 1024, 512)),
+}
+
+
 def default_config(backend: str, op: str, m: int, kc: int, no: int, g: int) -> TileConfig:
   """A sane tile for any shape: wide output tiles where the output width allows."""
   del m, g
+  if backend.startswith("megablox"):
+    gen = backend.partition("/")[2]
+    mm, tg = MEGABLOX_DEFAULTS.get(gen, MEGABLOX_DEFAULTS["v5e"])
+    bm, bx, by = tg if op == "tgmm" else mm
+    return TileConfig(bm=bm, bk=bx, bn=by) if op != "tgmm" else TileConfig(bm=bm, bn=bx, bk=by)
   if backend == "triton":
     if op == "tgmm":
       bm = 128 if kc >= 128 else 64
@@ -135,7 +159,11 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
     for ns in (out[0].num_stages + 1, out[0].num_stages + 2):
       out += [dataclasses.replace(out[0], num_stages=ns),
               dataclasses.replace(out[0], num_stages=ns, persistent=1)]
-  if backend == "triton":
+  if backend.startswith("megablox"):  # (tm, tk, tn) for gmm, (tk, tn, tm) for tgmm: 128-multiples
+    for a, b, c in ((256, 512, 512), (512, 512, 1024), (512, 1024, 512), (1024, 1024, 1024),
+                    (256, 1024, 1024), (1024, 512, 512)):
+      out.append(TileConfig(bm=a, bn=b, bk=c) if plain == "tgmm" else TileConfig(bm=a, bk=b, bn=c))
+  elif backend == "triton":
     if plain == "tgmm":
       widths = sorted({w for w in (64, 128, 192, 256) if w <= max(no, 64) and _width_ok(w)})
       for bm, bn, bk, nw, ns in ((128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4),

@@ -47,6 +47,7 @@ def small_config(**train):
   c.train.update(train)
   c.checkpoint.update(dict(every=2, keep=3))
   c.log.peak_flops = 1e12  # no CPU entry in the peak table: exercise MFU anyway
+  c.log.routing_probe_batches = 0  # one compile less per run; tests/test_analysis_run.py tests it
   return c
 
 

@@ -70,7 +70,7 @@ class AttentionConfig:
   q_lora_norm: bool = True            # premix: RMSNorm on the rank-r code (official code); False = Eq. 11
   latent_dim: Optional[int] = None    # premix: MLA-style values X W_latent (cache the latent), latent -> D after mixing
   n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
-  core: str = "xla"                   # scores/softmax/mix: "xla", or "cudnn" (fused causal kernel on GPU, no cache)
+  core: str = "xla"                   # scores/softmax/mix: "xla", "cudnn" or "triton" (fused causal kernels on GPU, no cache)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,7 @@ def config(num_steps: int, layout: str):
   c.train.update(dict(global_batch_size=8, seq_len=32, num_steps=num_steps, learning_rate=3e-3,
                       warmup_steps=2, log_every=1, eval_every=1000, eval_batches=1))
   c.checkpoint.update(dict(every=2, keep=3))
+  c.log.routing_probe_batches = 0  # one compile less per process (tested in test_analysis_run)
   c.mesh = {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
   return c
 

@@ -9,9 +9,11 @@ How it runs:
     [P - L_i, P) at positions 0 .. L_i - 1, its padding slots get position -1 (never attended, see
     `umoe_jax.model.cache`). Every row then writes its next token into the same slot P + s, so the
     cache needs one scalar write index and each step is the same compiled program for the whole batch.
-  * One forward pass over the padded prompt fills the cache (prefill), then one jit-compiled step per
-    new token feeds the previous token and samples the next. Both are compiled once per model graph,
-    batch size and cache length; temperature, top-p and the RNG key are traced arguments.
+  * One jitted forward pass over the padded prompt fills the cache (prefill); then one jitted
+    on-device loop (`lax.while_loop`, the cache in its state) samples a token, feeds it back and
+    samples the next, until `max_new_tokens` or every row has emitted EOS: no host round-trip per
+    token, one device -> host copy of the result. Both are compiled once per model graph, batch
+    size, prompt length and `max_new_tokens`; temperature, top-p, EOS and the RNG key are traced.
   * temperature == 0 is greedy (argmax, deterministic); otherwise logits / temperature, restricted to
     the smallest set of most likely tokens whose probability reaches top_p (top_p=1: all), sampled.
   * A row that emits `eos_id` keeps emitting `eos_id`; generation stops early when every row has.
@@ -58,39 +60,78 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array,
                   top_p: jax.Array) -> jax.Array:
   """logits [B, V] -> token ids [B] int32: argmax when temperature <= 0, else top-p sampling."""
   logits = logits.astype(jnp.float32)
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = logits / jnp.maximum(temperature, 1e-6)
-  order = jnp.argsort(-scaled, axis=-1)                                          # most likely first
-  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs      # mass of the strictly more likely tokens
-  keep = before < top_p                            # the first token is always kept
-  sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-  choice = jax.random.categorical(key, sorted_logits, axis=-1)                   # index into order
-  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-  return jnp.where(temperature > 0, sampled, greedy)
+
+  def greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def nucleus(logits):
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled, axis=-1)                                        # most likely first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs    # mass of the strictly more likely tokens
+    keep = before < top_p                          # the first token is always kept
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    choice = jax.random.categorical(key, sorted_logits, axis=-1)                 # index into order
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  # a branch, not a select: greedy decoding skips the sort over the vocabulary
+  return jax.lax.cond(temperature > 0, nucleus, greedy, logits)
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(graphdef):
-  """Jitted prefill and step for one model graph (shapes re-specialise as usual)."""
+def decoding_programs(graphdef):
+  """(prefill, decode) for one model graph (`nnx.split(model)[0]`), jitted; each compiles once per
+  batch size, prompt length, cache length (and `max_new_tokens` for decode).
 
-  @jax.jit
-  def prefill(state, tokens, positions, cache):
+  prefill(state, tokens [B, P], positions [B, P], cache) -> (last logits [B, V] float32, cache)
+  decode(state, logits [B, V], cache, next_pos [B], key, temperature, top_p, eos_id,
+         max_new_tokens=N) -> (tokens [B, N] int32, lengths [B] int32, cache)
+
+  `decode` is one on-device `lax.while_loop`: sample a token, feed it, sample the next, ... until N
+  tokens or every row has emitted `eos_id` (-1 = no EOS). temperature, top_p [] float32, eos_id []
+  int32 and the key are traced. Both donate the cache they are given.
+  """
+
+  def forward(state, tokens, positions, cache):
     model = nnx.merge(graphdef, state)
-    logits, _, cache = model(tokens, positions, cache=cache)
+    logits, _, cache = model(tokens, positions, cache=cache, last_logits_only=True)
     return logits[:, -1], cache
 
-  @jax.jit
-  def step(state, tokens, positions, cache):
-    model = nnx.merge(graphdef, state)
-    logits, _, cache = model(tokens[:, None], positions[:, None], cache=cache)
-    return logits[:, -1], cache
+  @functools.partial(jax.jit, static_argnames="max_new_tokens", donate_argnames="cache")
+  def decode(state, logits, cache, next_pos, key, temperature, top_p, eos_id, *, max_new_tokens):
+    n = max_new_tokens
+    b = logits.shape[0]
 
-  return prefill, step
+    def pick(s, logits, key, done, lengths, out):
+      """Samples token s of every row; a finished row repeats eos_id."""
+      key, sub = jax.random.split(key)
+      tok = jnp.where(done, eos_id, sample_logits(logits, sub, temperature, top_p))
+      newly = ~done & (tok == eos_id)
+      lengths = jnp.where(newly, s + 1, lengths)
+      out = jax.lax.dynamic_update_slice(out, tok[:, None], (0, s))
+      return tok, key, done | newly, lengths, out
 
+    def cond(carry):
+      s, _, _, _, done, _, _ = carry
+      return (s < n) & ~jnp.all(done)
 
-_sample = jax.jit(sample_logits)
+    def body(carry):
+      s, tok, key, cache, done, lengths, out = carry
+      # the token sampled at step s - 1 sits at position prompt length + s - 1
+      logits, cache = forward(state, tok[:, None], (next_pos + s - 1)[:, None], cache)
+      tok, key, done, lengths, out = pick(s, logits, key, done, lengths, out)
+      return s + 1, tok, key, cache, done, lengths, out
+
+    # After an early stop the unwritten columns keep eos_id (with no EOS every column is written).
+    out = jnp.full((b, n), eos_id, jnp.int32)
+    first = pick(0, logits, key, jnp.zeros((b,), bool), jnp.full((b,), n, jnp.int32), out)
+    tok, key, done, lengths, out = first
+    carry = (jnp.int32(1), tok, key, cache, done, lengths, out)
+    _, _, _, cache, _, lengths, out = jax.lax.while_loop(cond, body, carry)
+    return out, lengths, cache
+
+  return jax.jit(forward, donate_argnames="cache"), decode
 
 
 @dataclasses.dataclass
@@ -127,6 +168,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+    raise ValueError(f"eos_id={eos_id} is outside the model's vocabulary [0, {cfg.vocab_size})")
   tokens, positions = left_pad(prompts, pad_id)
   bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
   if bad.size:  # an embedding lookup out of range would silently give NaN / garbage rows
@@ -138,31 +181,16 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     raise ValueError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
                      f"model.max_seq_len={cfg.max_seq_len}")
   graphdef, state = nnx.split(model)
-  prefill, step = _compiled(graphdef)
+  prefill, decode = decoding_programs(graphdef)
   cache = init_cache(cfg, b, total, cache_dtype)
-  temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
-  key = jax.random.key(seed)
-
   logits, cache = prefill(state, jnp.asarray(tokens), jnp.asarray(positions), cache)
-  next_pos = jnp.asarray(positions[:, -1] + 1)                                  # [B] = prompt lengths
-  out = np.zeros((b, max_new_tokens), np.int32)
-  done = np.zeros((b,), bool)
-  lengths = np.full((b,), max_new_tokens, np.int32)
-  for s in range(max_new_tokens):
-    key, sub = jax.random.split(key)
-    tok = np.asarray(_sample(logits, sub, temperature, top_p))
-    if eos_id is not None:
-      tok = np.where(done, eos_id, tok)
-      newly = (~done) & (tok == eos_id)
-      lengths[newly] = s + 1
-      done |= newly
-    out[:, s] = tok
-    if s + 1 == max_new_tokens or (eos_id is not None and done.all()):
-      if eos_id is not None:
-        out[:, s + 1:] = eos_id
-      break
-    logits, cache = step(state, jnp.asarray(tok), next_pos + s, cache)
-  return GenerateOutput(tokens=out, lengths=lengths, prompt_tokens=tokens, prompt_positions=positions)
+  out, lengths, _ = decode(state, logits, cache, jnp.asarray(positions[:, -1] + 1),
+                           jax.random.key(seed), jnp.float32(temperature), jnp.float32(top_p),
+                           jnp.int32(-1 if eos_id is None else eos_id),
+                           max_new_tokens=max_new_tokens)
+  out, lengths = jax.device_get((out, lengths))  # the only device -> host copy of the decoding
+  return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(lengths), prompt_tokens=tokens,
+                        prompt_positions=positions)
 
 
 # ----------------------------------------------------------------------------------------------

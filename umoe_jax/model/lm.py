@@ -11,6 +11,7 @@ from umoe_jax.config import ModelConfig, model_config
 from umoe_jax.model.block import DecoderBlock, make_expert_pools
 from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
+from umoe_jax.model.remat import rematerialise
 from umoe_jax.model.routers import RouterOutput, route_context, routing_stats
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import with_logical_constraint
@@ -36,12 +37,15 @@ class CausalLM(nnx.Module):
                               (ax.EMBED, ax.VOCAB), cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
-               cache: Optional[DecodeCache] = None, remat: bool = False,
-               step: Optional[jax.Array] = None):
+               cache: Optional[DecodeCache] = None, remat: bool | str = False,
+               step: Optional[jax.Array] = None, last_logits_only: bool = False,
+               return_routes: bool = False):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
            "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy"}}}
+    `return_routes=True` adds aux["routes"] = {"layer_{i}/<router>": RouterOutput} (every router's
+    expert_ids [B, T, K] and probs [B, T, E]; for routing analysis, `umoe_jax.analysis`).
 
     With a `cache` (`umoe_jax.model.cache.init_cache`) the tokens are the next T of every sequence:
     they are written into the cache's slots [index, index + T), attend over the whole cache, and the
@@ -53,8 +57,33 @@ class CausalLM(nnx.Module):
     cache), passed through the blocks as `route_context`. `step` [] int: the training step, for
     routers with a schedule (router.kind smoe_dropout, stablemoe); None = as at the end of training.
 
-    `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
+    `remat` (training only): a policy of `umoe_jax.model.remat.POLICIES` ("none", "block", "dots",
+    "dots_no_batch") for what each decoder block keeps for the backward pass; True = "block"
+    (recompute the whole block), False = "none".
+    `last_logits_only=True` returns the logits of the last position only, [B, 1, V] (decoding's
+    prefill: XLA does not narrow the LM head to a slice of its output, e.g. 4 GiB of float32 logits
+    for 32 x 1024 tokens of a 32k vocabulary).
     """
+    h, aux, new_cache = self._decoder(tokens, positions, cache=cache, remat=remat, step=step,
+                                      return_routes=return_routes)
+    if last_logits_only:
+      h = h[:, -1:]
+    logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
+                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    if cache is None:
+      return logits, aux
+    return logits, aux, new_cache
+
+  def hidden_states(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
+                    remat: bool | str = False, step: Optional[jax.Array] = None):
+    """tokens [B, T] int -> (h [B, T, D] in compute_dtype, aux): the decoder's output after the final
+    norm, without the LM head (what a task head reads, e.g. `umoe_jax.finetune`). `aux`, `remat`
+    and `step` as in `__call__`; no cache."""
+    h, aux, _ = self._decoder(tokens, positions, cache=None, remat=remat, step=step)
+    return h, aux
+
+  def _decoder(self, tokens, positions, *, cache, remat, step, return_routes=False):
+    """Embedding, blocks and final norm: (h [B, T, D], aux, updated cache or None)."""
     cfg = self.cfg
     b, t = tokens.shape
     if cache is None and t > cfg.max_seq_len:
@@ -71,7 +100,7 @@ class CausalLM(nnx.Module):
     context = route_context(tokens.astype(jnp.int32), step=step,
                             decoding=cache is not None)                             # router extras
     routes: dict[str, RouterOutput] = {}
-    block = nnx.remat(_apply_block) if remat else _apply_block
+    block = rematerialise(_apply_block, remat)
     for i, layer in enumerate(self.layers):
       if cache is None:
         h, layer_routes = block(layer, h, positions, context)
@@ -82,15 +111,15 @@ class CausalLM(nnx.Module):
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
     h = self.final_norm(h)
-    logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),
-                     preferred_element_type=jnp.float32)                           # [B, T, V]
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
     aux = {"balance_loss": total, "routers": stats}
+    if return_routes:
+      aux["routes"] = routes
     if cache is None:
-      return logits, aux
-    return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
-                                    layers=tuple(new_layers))
+      return h, aux, None
+    return h, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
+                               layers=tuple(new_layers))
 
 
 def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):

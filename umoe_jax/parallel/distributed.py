@@ -9,8 +9,9 @@
      SLURM_LAUNCH_NODE_IPADDR; port JAX_COORDINATOR_PORT (default 12345). (The launch node is the
      last resort: under `salloc` it is the login node, which runs no task.) With one task per GPU
      (SLURM_NTASKS_PER_NODE == SLURM_GPUS_ON_NODE) each process gets its SLURM_LOCALID GPU;
-  3. a TPU pod slice (TPU_WORKER_HOSTNAMES / a multi-host TPU VM): `jax.distributed.initialize()`
-     with no arguments (JAX discovers the slice itself);
+  3. a TPU pod slice (TPU_WORKER_HOSTNAMES / a multi-host TPU VM) or several slices
+     (MEGASCALE_NUM_SLICES > 1, set by the multi-slice runtime): `jax.distributed.initialize()`
+     with no arguments (JAX discovers the slices itself);
   4. otherwise nothing (one process).
 """
 from __future__ import annotations
@@ -66,6 +67,8 @@ def distributed_args(env: Optional[Mapping[str, str]] = None) -> Optional[dict]:
       args["local_device_ids"] = [int(env["SLURM_LOCALID"])]   # one task per GPU
     return args
   if env.get("TPU_WORKER_HOSTNAMES") and len(env["TPU_WORKER_HOSTNAMES"].split(",")) > 1:
+    return {}
+  if int(env.get("MEGASCALE_NUM_SLICES", "1") or 1) > 1:  # multi-slice (even of one-host slices)
     return {}
   return None
 

@@ -10,6 +10,10 @@ allow it, since `jax.devices()` lists devices process by process):
           all-to-all (`expert_parallel.py`)
 
 The batch is split over data x fsdp x expert (see `rules.DEFAULT_RULES`).
+
+Several TPU slices (multi-slice, devices with distinct `slice_index`): "data" is the axis that crosses
+slices, over the data-center network (DCN); every other axis stays inside a slice on ICI. `data` must
+then be a multiple of the number of slices (its outer factor = the slice).
 """
 from __future__ import annotations
 
@@ -73,16 +77,40 @@ def make_mesh(mesh_config: Any = None, devices: Optional[Sequence[jax.Device]] =
   """
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape(mesh_config, len(devices))
-  shape = tuple(sizes[a] for a in MESH_AXES)
+  grid = device_grid(tuple(sizes[a] for a in MESH_AXES), devices)
+  return Mesh(grid, MESH_AXES, **_auto_axis_types(len(MESH_AXES)))
+
+
+def num_slices(devices: Sequence[Any]) -> int:
+  """TPU slices the devices span (1 off TPU and on one slice)."""
+  return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def device_grid(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
+  """Devices arranged as `shape` (axes MESH_AXES): topology-aware where JAX knows the topology;
+  over several TPU slices, data's outer factor runs over the slices (DCN) and the rest over ICI."""
+  from jax.experimental import mesh_utils
+  slices = num_slices(devices)
+  if slices > 1:
+    if shape[0] % slices:
+      raise ValueError(f"the devices span {slices} TPU slices, so mesh data={shape[0]} must be a "
+                       f"multiple of {slices}: data parallelism is the axis that crosses slices "
+                       f"(DCN); set --config.mesh.data={slices} (or a multiple)")
+    ici = (shape[0] // slices,) + tuple(shape[1:])
+    dcn = (slices,) + (1,) * (len(shape) - 1)
+    try:
+      return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                  allow_split_physical_axes=True)
+    except Exception:  # pylint: disable=broad-except  (fall back to slice-major list order)
+      key = lambda d: (getattr(d, "slice_index", 0), d.process_index, d.id)
+      return np.asarray(sorted(devices, key=key), dtype=object).reshape(shape)
   try:
     # Topology-aware order on TPU/GPU (keeps inner axes on fast links); a plain reshape elsewhere.
-    from jax.experimental import mesh_utils
-    grid = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+    return mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
   except Exception:  # pylint: disable=broad-except  (unusual topologies: fall back to list order)
     # Process-major order: inner axes stay inside one host whenever their product divides it.
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    grid = np.asarray(ordered, dtype=object).reshape(shape)
-  return Mesh(grid, MESH_AXES, **_auto_axis_types(len(MESH_AXES)))
+    return np.asarray(ordered, dtype=object).reshape(shape)
 
 
 def _auto_axis_types(n: int) -> dict:

@@ -50,7 +50,7 @@ def default_train_config() -> ml_collections.ConfigDict:
       weight_decay=0.01,           # AdamW, decoupled; never applied to norm scales
       grad_clip=1.0,               # global-norm clipping; 0 disables
       grad_accum_steps=1,          # micro-batches per step (scan inside the jitted step)
-      remat=False,                 # recompute each decoder block in the backward pass
+      remat="none",                # decoder-block rematerialisation: none|block|dots|dots_no_batch
       on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
       log_every=50,                # steps between console / TensorBoard / JSONL records
       eval_every=1000,             # steps between validation passes; 0 disables
@@ -73,6 +73,10 @@ def default_log_config() -> ml_collections.ConfigDict:
       tensorboard=True,            # event files in <workdir>/tensorboard
       jsonl=True,                  # <workdir>/metrics.jsonl, one JSON object per record
       peak_flops=config_dict.placeholder(float),  # per device, for MFU; None: table by device kind
+      routing_probe_batches=1,     # held-out batches whose routing change is logged at every
+                                   # evaluation (umoe_jax/analysis/training.py); 0 disables
+      profile_steps=(),            # steps to trace with jax.profiler into <workdir>/tensorboard,
+                                   # e.g. (10, 11, 12) or --config.log.profile_steps=10,11,12
   ))
 
 
@@ -118,6 +122,9 @@ def check_train(train: Any, model: ModelConfig) -> None:
   _check(t.eps > 0, f"train.eps={t.eps!r} must be positive")
   _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay!r} must be >= 0")
   _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip!r} must be >= 0 (0 disables clipping)")
+  from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
+  _check(isinstance(t.remat, bool) or t.remat in REMAT_POLICIES,
+         f"train.remat={t.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
   _check(t.log_every >= 1, f"train.log_every={t.log_every!r} must be >= 1")
@@ -126,6 +133,20 @@ def check_train(train: Any, model: ModelConfig) -> None:
          f"train.eval_batches={t.eval_batches!r} must be >= 1 when train.eval_every > 0")
   _check(t.eval_batch_size is None or t.eval_batch_size > 0,
          f"train.eval_batch_size={t.eval_batch_size!r} must be positive (or None)")
+
+
+def check_log_analysis(log: Any, train: Any) -> None:
+  """log.routing_probe_batches (int >= 0) and log.profile_steps (steps in [1, train.num_steps])."""
+  n = log.routing_probe_batches
+  _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+         f"log.routing_probe_batches={n!r} must be an integer >= 0 (0 disables)")
+  steps = log.profile_steps
+  _check(isinstance(steps, (tuple, list)), f"log.profile_steps={steps!r} must be a tuple of steps, "
+         "e.g. (10, 11) or --config.log.profile_steps=10,11")
+  for s in steps:
+    _check(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= train.num_steps,
+           f"log.profile_steps={tuple(steps)!r}: step {s!r} is not an integer in [1, "
+           f"train.num_steps={train.num_steps}]")
 
 
 def check_checkpoint(ckpt: Any) -> None:
@@ -197,5 +218,6 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   check_expert_parallel(config.get("expert_parallel"))
   _check(config.log.peak_flops is None or config.log.peak_flops > 0,
          f"log.peak_flops={config.log.peak_flops!r} must be positive (or None)")
+  check_log_analysis(config.log, config.train)
   check_data(config.data, config.train, model)
   return model

@@ -23,6 +23,7 @@ import numpy as np
 from absl import logging
 
 from umoe_jax import data as data_lib
+from umoe_jax.analysis import training as routing_probe_lib
 from umoe_jax.eval import perplexity
 from umoe_jax.parallel import mesh as mesh_lib
 from umoe_jax.parallel import sharding as sharding_lib
@@ -30,6 +31,7 @@ from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import config as config_lib
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train import optimizer as optimizer_lib
+from umoe_jax.train import profiler as profiler_lib
 from umoe_jax.train import state as state_lib
 from umoe_jax.train import step as step_lib
 
@@ -254,8 +256,11 @@ def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
 class Trainer:
   """The loop over steps, with its logging, evaluation, checkpointing and stop handling."""
 
-  def __init__(self, s: Setup, state, step: int, *, step_hook: Optional[Callable[[int], None]]):
+  def __init__(self, s: Setup, state, step: int, *, step_hook: Optional[Callable[[int], None]],
+               profiler: Optional[profiler_lib.StepProfiler] = None):
     self.s, self.state, self.step = s, state, step
+    self.profiler = profiler or profiler_lib.StepProfiler()
+    self.routing_probe = routing_probe_lib.make_routing_probe(s)  # log.routing_probe_batches
     self.t = s.config.train
     self.step_hook = step_hook
     self.pending: list = []          # device metrics of steps not yet fetched
@@ -348,6 +353,8 @@ class Trainer:
       metrics_lib.log_line(f"eval step {self.step}: loss {result['loss']:.4f} | ppl "
                            f"{result['perplexity']:.2f} | {result['tokens']:,.0f} tokens | "
                            f"{time.perf_counter() - t0:.1f} s")
+    if self.routing_probe is not None:
+      self.routing_probe.log(self.step, self.state.params, self.s.writer)
     self.last_eval = {"step": self.step, **result}
 
   def save(self) -> None:
@@ -372,6 +379,7 @@ class Trainer:
         logging.warning("stopped at step %d on request; checkpoint saved", self.step)
         return True
       batch = sharding_lib.global_batch(next(self.s.train_iter), self.s.mesh, self.s.rules)
+      self.profiler.before(self.step + 1)
       try:
         self.state, m = self.s.programs.train_fn(self.state, batch)
       except Exception:  # pylint: disable=broad-except
@@ -383,6 +391,7 @@ class Trainer:
           return True
         raise
       self.step += 1
+      self.profiler.after(self.step, m)
       self.pending.append((self.step, m))
       if first:  # compile + first step: excluded from throughput
         first = False
@@ -427,8 +436,9 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
     logging.info("starting at step %d (%s) in %s", step, start, workdir)
     with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
                                                       expert_capacity_factor=s.capacity_factor,
-                                                      expert_exchange=s.exchange):
-      trainer = Trainer(s, state, step, step_hook=step_hook)
+                                                      expert_exchange=s.exchange), \
+        profiler_lib.StepProfiler.from_config(config, workdir) as profiler:
+      trainer = Trainer(s, state, step, step_hook=step_hook, profiler=profiler)
       stopped = trainer.train(stop)
       trainer.log()
     return {"step": trainer.step, "stopped": stopped, "start": start, "eval": trainer.last_eval,

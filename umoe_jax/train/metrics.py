@@ -12,7 +12,9 @@ Names (TensorBoard tags = JSONL keys):
       moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e / mean_e count_e and
       load_cv = std_e / mean_e of the per-step expert counts, averaged over the interval;
   moe/<layer>/<router>/expert_load: histogram over expert ids weighted by routed tokens (interval);
-  eval/loss, eval/perplexity.
+  eval/loss, eval/perplexity;
+  routing/... (routing fluctuation on a probe batch at every evaluation, images of its expert load:
+      `umoe_jax.analysis.training`).
 Every writer acts on process 0 only.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import time
 from typing import Any, Mapping, Optional, Sequence
 
@@ -35,9 +38,12 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("B200", 2250e12),
     ("A100", 312e12),
     ("L4", 121e12),
-    ("TPU v6", 918e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 197e12),      # v5e / "TPU v5 lite"
+    # TPU device kinds: v5e "TPU v5 lite", v5p "TPU v5" (or "TPU v5p"), v6e "TPU v6 lite"
+    # (umoe_jax.ops.pallas_tpu); "TPU v5 lite" must come before "TPU v5".
+    ("TPU v6", 918e12),      # v6e
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5e", 197e12),
+    ("TPU v5", 459e12),      # v5p
     ("TPU v4", 275e12),
 )
 
@@ -165,6 +171,12 @@ class _EventWriter:
         bucket_limit=list(bucket_limits), bucket=list(bucket_counts))
     self._add(step, [self._summary_pb2.Summary.Value(tag=tag, histo=histo)])
 
+  def image(self, step: int, tag: str, png: bytes) -> None:
+    width, height = struct.unpack(">II", png[16:24])  # the PNG header's IHDR chunk
+    image = self._summary_pb2.Summary.Image(height=height, width=width, colorspace=4,
+                                            encoded_image_string=png)
+    self._add(step, [self._summary_pb2.Summary.Value(tag=tag, image=image)])
+
   def flush(self) -> None:
     self._writer.flush()
 
@@ -213,6 +225,11 @@ class MetricWriter:
           step, router_tag(name, "expert_load"), bucket_limits=(ids + 0.5).tolist(),
           bucket_counts=c.tolist(), min=0.0, max=float(len(c) - 1), num=total,
           sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()))
+
+  def image(self, step: int, tag: str, png: bytes) -> None:
+    """A PNG image (e.g. `umoe_jax.analysis.plots.png_bytes(fig)`) in TensorBoard's images tab."""
+    if self.is_main and self._tb is not None:
+      self._tb.image(step, tag, png)
 
   def flush(self) -> None:
     if self._tb is not None:

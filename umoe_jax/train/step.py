@@ -34,8 +34,8 @@ from umoe_jax.eval.perplexity import token_nll
 from umoe_jax.train.state import TrainState
 
 
-def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool, total_tokens: jax.Array,
-             accum_steps: int, step: Optional[jax.Array]):
+def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str,
+             total_tokens: jax.Array, accum_steps: int, step: Optional[jax.Array]):
   """Objective whose gradient, summed over micro-batches, is the batch's gradient."""
   model = nnx.merge(graphdef, params)
   # The step reaches routers with a schedule (SMoE-Dropout's growing k, StableMoE's stage switch).
@@ -63,7 +63,7 @@ def _reduce_micro(stats: dict, accum_steps: int) -> dict:
   return out
 
 
-def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool,
+def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool | str,
                     step: Optional[jax.Array] = None):
   """(grads, stats) of the whole batch, accumulating over `accum_steps` micro-batches; `step` []
   int32 is the training step the routers see (None: as at the end of training)."""
@@ -90,7 +90,7 @@ def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int
 
 
 def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.GradientTransformation,
-               schedule: optax.Schedule, accum_steps: int = 1, remat: bool = False,
+               schedule: optax.Schedule, accum_steps: int = 1, remat: bool | str = False,
                on_nonfinite: str = "stop") -> tuple[TrainState, dict]:
   """One optimizer update on `batch` ({"inputs", "targets": int32 [B, T]}, optional "loss_mask").
 

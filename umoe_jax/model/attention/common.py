@@ -97,7 +97,23 @@ def check_pool_routing(cfg) -> None:
     raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
 
 
-ATTENTION_CORES = ("xla", "cudnn")
+ATTENTION_CORES = ("xla", "cudnn", "triton", "splash")
+
+
+def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+  """Causal attention through the Triton kernel of one shared key head (kernels/triton_attention.py:
+  pre-mixing's D-wide values in one pass, no per-chunk cuDNN calls), or None where it cannot run
+  (no GPU / Triton, float32, several key heads, S != T, head dim > 512).
+
+  Args: q [B, T, H, Dk], k [B, T, 1, Dk], v [B, T, 1, Dv]. Returns [B, T, H, Dv] or None.
+  """
+  try:
+    from kernels import triton_attention as kernel
+  except Exception:  # noqa: BLE001  (no kernels package on the path: the caller falls back)
+    return None
+  if not kernel.supported(q, k, v):
+    return None
+  return kernel.premix_attention(q, k[:, :, 0], v[:, :, 0])
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "cudnn"):
@@ -152,7 +168,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     core: `model.attention.core`: "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
       causal kernel (`fused_attention`) on GPU when the queries attend to their own keys
       (`k_positions is q_positions`: no cache) and nobody asks for the probabilities, and the XLA
-      form elsewhere (CPU, TPU, decoding, other shapes). It assumes what the LM's own positions
+      form elsewhere (CPU, TPU, decoding, other shapes). "triton" runs the Triton kernel of one
+      shared key head (`triton_attention`) in those cases, and "cudnn"'s choice for the shapes it
+      does not take (several key heads, float32). "splash" runs the Pallas TPU splash kernel
+      (`attention.splash`) under the same conditions on TPU (multi-head and one-key-head shapes,
+      pre-mixing included), XLA elsewhere. The fused cores assume what the LM's own positions
       satisfy: they increase along the sequence and are >= 0, so the visibility below is causal.
   Returns:
     [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
@@ -161,9 +181,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
   if core not in ATTENTION_CORES:
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
-  if (core == "cudnn" and not return_probs and k_positions is q_positions
-      and jax.default_backend() == "gpu"):
-    out = fused_attention(q, k, v)
+  if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
+    out = triton_attention(q, k, v) if core == "triton" else None
+    if out is None and jax.default_backend() == "gpu":
+      out = fused_attention(q, k, v)
+    if out is not None:
+      return out.astype(v.dtype)
+  if core == "splash" and not return_probs and k_positions is q_positions:
+    from umoe_jax.model.attention import splash  # Pallas TPU: on TPU or in its interpreter only
+    from umoe_jax.ops import pallas_tpu
+    out = splash.splash_attention(q, k, v) if pallas_tpu.runs_here() else None
     if out is not None:
       return out.astype(v.dtype)
   scale = 1.0 / math.sqrt(q.shape[-1])

@@ -1,0 +1,281 @@
+"""Routing statistics on hand-built routing, the probe's collection from a model, and the figures.
+
+The statistics are checked against figures worked out by hand in the comments (and, on random
+routing, against plain Python set loops); the figures by their axes, titles and plotted data.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import random_module, tiny_config
+from umoe_jax.analysis import plots, probe, report, routing
+from umoe_jax.model.lm import CausalLM
+
+
+# ------------------------------------------------------------------------------------------------
+# Statistics on hand-built routing
+
+
+def test_top1_change_and_jaccard_by_hand():
+  a = np.array([[0, 1], [2, 3], [1, 0], [3, 2]])
+  b = np.array([[0, 1], [3, 2], [1, 2], [0, 3]])
+  # top-1: 0=0, 2!=3, 1=1, 3!=0 -> 2 of 4 changed.
+  assert routing.top1_change(a, b) == 0.5
+  # Jaccard per token: {0,1}={0,1}: 1; {2,3}={3,2}: 1; {0,1} vs {1,2}: 1/3; {2,3} vs {0,3}: 1/3.
+  assert routing.mean_jaccard(a, b) == pytest.approx((1 + 1 + 1 / 3 + 1 / 3) / 4, abs=1e-12)
+  assert routing.top1_change(a, a) == 0.0 and routing.mean_jaccard(a, a) == 1.0
+  # top-1 routing: Jaccard is 1 - change exactly.
+  assert routing.mean_jaccard(a[:, :1], b[:, :1]) == 1 - routing.top1_change(a, b)
+  with pytest.raises(ValueError, match=r"\(4, 2\) and \(4, 1\)"):
+    routing.mean_jaccard(a, b[:, :1])
+
+
+def test_jaccard_and_overlap_match_set_loops():
+  rng = np.random.default_rng(7)
+  n, e = 300, 9
+  pick = lambda k: np.stack([rng.permutation(e)[:k] for _ in range(n)])
+  a, b, f = pick(3), pick(3), pick(5)
+  jac = np.mean([len(set(x) & set(y)) / len(set(x) | set(y)) for x, y in zip(a, b)])
+  assert routing.mean_jaccard(a, b) == pytest.approx(jac, rel=1e-12)
+  got = routing.pick_overlap(a, f, e)
+  assert got["overlap"] == pytest.approx(np.mean([len(set(x) & set(y)) / 3 for x, y in zip(a, f)]),
+                                         rel=1e-12)
+  assert got["top1_same"] == pytest.approx(np.mean([x[0] == y[0] for x, y in zip(a, f)]))
+  assert got["overlap_chance"] == 5 / 9 and got["top1_same_chance"] == 1 / 9
+  # Independent uniform picks land near the chance values.
+  assert abs(got["overlap"] - 5 / 9) < 0.1
+
+
+def test_entropy_by_hand():
+  probs = np.array([[0.25, 0.25, 0.25, 0.25], [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]])
+  assert routing.entropy(probs) == pytest.approx((math.log(4) + 0 + math.log(2)) / 3, rel=1e-12)
+
+
+def test_load_figures_by_hand():
+  ids = np.array([[0, 1], [0, 2], [0, 1]])
+  counts = routing.expert_counts(ids, 5)
+  assert counts.tolist() == [3, 2, 1, 0, 0]
+  s = routing.load_stats(counts)
+  # mean 6/5 = 1.2: max/mean = 2.5; variance (1.8^2 + 0.8^2 + 0.2^2 + 1.2^2 + 1.2^2) / 5 = 1.36.
+  assert s["load_max_mean"] == pytest.approx(2.5, rel=1e-12)
+  assert s["load_cv"] == pytest.approx(math.sqrt(1.36) / 1.2, rel=1e-12)
+  assert s["dead_experts"] == 2 and s["dead_expert_ids"] == [3, 4]
+  with pytest.raises(ValueError, match=r"\[0, 2\)"):
+    routing.expert_counts(ids, 2)
+
+
+def test_token_consistency_by_hand():
+  tokens = np.array([5, 5, 5, 7, 7, 9])
+  top1 = np.array([0, 0, 1, 2, 2, 3])
+  # id 5: expert 0 in 2 of 3; id 7: expert 2 in 2 of 2; id 9 occurs once (left out): 4 / 5.
+  assert routing.token_consistency(tokens, top1) == (pytest.approx(0.8, rel=1e-12), 2)
+  c, n = routing.token_consistency(np.array([1, 2, 3]), np.array([0, 0, 0]))
+  assert math.isnan(c) and n == 0
+
+
+def test_shared_pool_overlap_and_split_by_hand():
+  att = np.array([[0], [1], [2]])
+  ffn = np.array([[0, 1], [2, 3], [1, 2]])
+  got = routing.pick_overlap(att, ffn, 4)
+  # same top-1: 0=0, 1!=2, 2!=1 -> 1/3; |A & F| / min(1, 2): 1, 0, 1 -> 2/3; chance max(1, 2)/4.
+  assert got["top1_same"] == pytest.approx(1 / 3) and got["overlap"] == pytest.approx(2 / 3)
+  assert got["overlap_chance"] == 0.5
+  share = routing.attention_share([2, 0, 1, 0], [2, 1, 3, 0])
+  assert share[:3].tolist() == [0.5, 0.0, 0.25] and math.isnan(share[3])
+  summary = report.shared_pool_summary(probe.Routes(att, np.full((3, 4), 0.25)),
+                                       probe.Routes(ffn, np.full((3, 4), 0.25)))
+  # attention picks [1, 1, 1, 0], FFN picks [1, 2, 2, 1].
+  assert summary["attention_share"][:3] == [0.5, 1 / 3, 1 / 3] and summary["attention_share"][3] == 0
+  assert summary["attention_share_balanced"] == 1 / 3
+
+
+def test_report_text_and_json(tmp_path):
+  tokens = np.array([4, 4, 6, 6])
+  r0 = {"layer_0/attention": probe.Routes(np.array([[0], [0], [1], [1]]), np.full((4, 2), 0.5)),
+        "layer_0/ffn": probe.Routes(np.array([[0, 1], [1, 0], [1, 0], [0, 1]]), np.full((4, 2), 0.5))}
+  r1 = {"layer_0/attention": probe.Routes(np.array([[1], [0], [1], [1]]), np.full((4, 2), 0.5)),
+        "layer_0/ffn": r0["layer_0/ffn"]}
+  ref = lambda step: type("Ref", (), {"path": f"ckpt/{step}", "step": step})()
+  pairs = [(0, "layer_0/attention", "layer_0/ffn")]
+  rep = {"probe": {"tokens": 4, "seq_len": 2, "seed": 0, "data": "hand", "tokenizer": "byte"},
+         "routers": report.router_info(r0),
+         "checkpoints": [report.checkpoint_entry("10", ref(10), r0, tokens, pairs),
+                         report.checkpoint_entry("20", ref(20), r1, tokens, pairs)],
+         "fluctuation": [report.fluctuation_entry("10", "20", *[{k: v.expert_ids for k, v in r.items()}
+                                                              for r in (r0, r1)])]}
+  assert rep["fluctuation"][0]["routers"]["layer_0/attention"] == {"top1_change": 0.25,
+                                                                    "jaccard": 0.75}
+  # Step 20: token id 4 went to experts 1 and 0 (consistency 1/2), id 6 to 1 twice: 3/4.
+  assert rep["checkpoints"][1]["routers"]["layer_0/attention"]["token_consistency"] == 0.75
+  text = report.format_report(rep)
+  assert "10->20 top-1 changed" in text and "layer_0/attention" in text
+  assert "0.250" in text and "0.750" in text and "ln E" in text and "Shared expert pool" in text
+  path = tmp_path / "r.json"
+  report.write_json(rep, str(path))
+  back = json.loads(path.read_text())  # strict JSON: NaN written as null
+  assert back["checkpoints"][0]["routers"]["layer_0/ffn"]["expert_counts"] == [4, 4]
+
+
+def test_select_routers_and_pairs():
+  names = ["layer_1/ffn", "layer_0/attention", "layer_0/ffn", "layer_1/attention"]
+  assert probe.select_routers(names, []) == ["layer_0/attention", "layer_0/ffn",
+                                             "layer_1/attention", "layer_1/ffn"]
+  assert probe.select_routers(names, ["ffn"]) == ["layer_0/ffn", "layer_1/ffn"]
+  assert probe.select_routers(names, ["layer_1/attention"]) == ["layer_1/attention"]
+  with pytest.raises(ValueError, match=r"unknown router name 'fnn'.*attention, ffn"):
+    probe.select_routers(names, ["fnn"])
+  assert probe.shared_pool_pairs(tiny_config("umoe", n_layers=2), names) == [
+      (0, "layer_0/attention", "layer_0/ffn"), (1, "layer_1/attention", "layer_1/ffn")]
+  assert probe.shared_pool_pairs(tiny_config("umoe", **{"moe.share_pool": False}), names) == []
+  assert probe.shared_pool_pairs(tiny_config("ffn_moe"), ["layer_0/ffn"]) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The probe reads the model's own routing
+
+
+def test_collect_matches_the_models_routing():
+  cfg = tiny_config("umoe", n_layers=2)
+  model = random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)), seed=3)
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = nnx.to_pure_dict(params)
+  rng = np.random.default_rng(0)
+  rows = rng.integers(0, cfg.vocab_size, (3, 16)).astype(np.int32)
+  _, aux = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, return_routes=True))(params, rows)
+  fn = jax.jit(functools.partial(probe.route_outputs, graphdef=graphdef))
+  n = 40  # fewer than the 48 tokens of the rows: the first 40, row by row
+  got = probe.collect(fn, params, rows, n_tokens=n, batch_size=2)  # last batch padded
+  assert sorted(got) == sorted(aux["routers"])
+  for name, r in got.items():
+    full = aux["routes"][name]
+    np.testing.assert_array_equal(r.expert_ids, np.asarray(full.expert_ids).reshape(48, -1)[:n])
+    np.testing.assert_allclose(r.probs, np.asarray(full.probs).reshape(48, -1)[:n], rtol=1e-5,
+                               atol=1e-7)
+    # The model's own per-router pick counts (over all 48 tokens) from the routing it used.
+    all_counts = routing.expert_counts(np.asarray(full.expert_ids).reshape(48, -1), r.n_experts)
+    np.testing.assert_array_equal(all_counts, np.asarray(aux["routers"][name]["expert_counts"]))
+    assert r.expert_ids.shape == (n, cfg.attention.top_k if name.endswith("attention")
+                                  else cfg.ffn.top_k)
+  # Layer 0's attention router sees only the token embedding: routing is a function of the id.
+  ids = np.tile(np.arange(8, dtype=np.int32), (2, 2))                          # [2, 16]
+  two = probe.collect(fn, params, ids, n_tokens=32, batch_size=2)
+  c, n_ids = routing.token_consistency(ids.reshape(-1), two["layer_0/attention"].expert_ids[:, 0])
+  assert (c, n_ids) == (1.0, 8)
+  assert routing.token_consistency(ids.reshape(-1), two["layer_1/ffn"].expert_ids[:, 0])[0] < 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Figures
+
+
+def _png_ok(path) -> tuple[int, int]:
+  from matplotlib import image
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  arr = image.imread(path)
+  assert arr.ndim == 3 and arr.shape[0] > 100 and arr.shape[1] > 100
+  assert arr[..., :3].std() > 0.05  # not a blank picture
+  return arr.shape[:2]
+
+
+def test_load_heatmap_panels(tmp_path):
+  counts = {"layer_0/attention": [3, 1, 0, 4], "layer_1/attention": [2, 2, 2, 2],
+            "layer_0/ffn": [5, 5, 1, 1], "layer_1/ffn": [0, 6, 3, 3]}
+  fig = plots.load_heatmap(counts, "title here")
+  panels = [ax for ax in fig.axes if ax.get_title()]
+  assert [ax.get_title() for ax in panels] == ["attention router", "FFN router"]
+  assert fig.get_suptitle() == "title here"
+  for ax in panels:
+    assert ax.get_xlabel() == "expert id" and ax.get_ylabel() == "layer"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1"]
+  # Colour data = picks / mean picks: layer 0 attention mean 2 -> [1.5, 0.5, 0, 2].
+  np.testing.assert_allclose(panels[0].images[0].get_array()[0], [1.5, 0.5, 0.0, 2.0])
+  np.testing.assert_allclose(panels[1].images[0].get_array()[1], [0.0, 2.0, 1.0, 1.0])
+  cbar = [ax for ax in fig.axes if ax not in panels][0]
+  assert "1 = balanced" in cbar.get_ylabel() and "no pick" in cbar.get_ylabel()
+  # Dead experts are marked (one x per unused expert) and cells carry their values.
+  assert len(panels[0].collections[0].get_offsets()) == 1
+  assert "1.50" in [t.get_text() for t in panels[0].texts]
+  _png_ok(plots.save_png(fig, str(tmp_path / "heat.png")))
+
+
+def test_fluctuation_and_share_figures(tmp_path):
+  series = {"layer_0/attention": ([10, 20], [0.5, 0.1], [0.5, 0.9]),
+            "layer_0/ffn": ([10, 20], [0.4, 0.2], [0.6, 0.7]),
+            "mean over routers": ([10, 20], [0.45, 0.15], [0.55, 0.8])}
+  fig = plots.fluctuation_figure(series, highlight="mean over routers")
+  change, jac = fig.axes[:2]
+  assert "top-1 expert changed" in change.get_title() and "Jaccard" in jac.get_ylabel()
+  assert change.get_xlabel() == "training step" and change.get_ylabel() == "fraction of probe tokens"
+  lines = {l.get_label(): l for l in change.get_lines()}
+  assert set(lines) == set(series)
+  np.testing.assert_allclose(lines["layer_0/ffn"].get_ydata(), [0.4, 0.2])
+  assert lines["layer_0/ffn"].get_linestyle() == "--" and lines["mean over routers"].get_linewidth() > 2
+  assert [t.get_text() for t in jac.get_legend().get_texts()] == list(series)
+  _png_ok(plots.save_png(fig, str(tmp_path / "fluct.png")))
+  fig = plots.attention_share_heatmap({0: [0.5, 0.0, None], 1: [0.2, 0.9, 1.0]}, 1 / 3)
+  ax = fig.axes[0]
+  assert "attention picks / all picks" in ax.get_title()
+  assert fig.axes[1].get_ylabel() == "attention share"
+  _png_ok(plots.save_png(fig, str(tmp_path / "share.png")))
+
+
+def _write_metrics(path, records):
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+
+
+def test_plot_command_reads_runs(tmp_path, capsys):
+  from umoe_jax import plot
+  a, b = str(tmp_path / "run_a"), str(tmp_path / "run_b")
+  _write_metrics(a, [{"step": 10, "train/lm_loss": 5.0, "train/perplexity": 148.4},
+                     {"step": 10, "eval/loss": 5.2, "eval/perplexity": 181.3},
+                     {"step": 20, "train/lm_loss": 4.0, "train/perplexity": 54.6},
+                     {"step": 20, "train/lm_loss": 3.9, "train/perplexity": 49.4},   # resumed: wins
+                     {"step": 20, "routing/layer_0/ffn/top1_change": 0.3,
+                      "routing/layer_0/ffn/jaccard": 0.6, "routing/top1_change": 0.3,
+                      "routing/jaccard": 0.6},
+                     {"step": 30, "routing/layer_0/ffn/top1_change": 0.1,
+                      "routing/layer_0/ffn/jaccard": 0.8, "routing/top1_change": 0.1,
+                      "routing/jaccard": 0.8}])
+  _write_metrics(b, [{"step": 5, "train/lm_loss": 6.0, "train/perplexity": 403.4}])
+  m = plot.read_metrics(a)
+  assert m["train/lm_loss"] == ([10, 20], [5.0, 3.9])
+  assert plot.fluctuation_series(m) == {"layer_0/ffn": ([20, 30], [0.3, 0.1], [0.6, 0.8]),
+                                        "mean over routers": ([20, 30], [0.3, 0.1], [0.6, 0.8])}
+  fig = plots.loss_figure({"run_a": {k: m[k] for k in plot.CURVE_KEYS if k in m},
+                           "run_b": {k: v for k, v in plot.read_metrics(b).items()}})
+  loss_ax, ppl_ax = fig.axes[:2]
+  assert loss_ax.get_title().startswith("LM loss") and ppl_ax.get_yscale() == "log"
+  ys = [list(l.get_ydata()) for l in loss_ax.get_lines()]
+  assert ys == [[5.0, 3.9], [5.2], [6.0]]  # run_a train, run_a eval, run_b train
+  legend = [t.get_text() for t in ppl_ax.get_legend().get_texts()]
+  assert legend[:2] == ["run_a", "run_b"] and "eval (held-out)" in legend
+  out = str(tmp_path / "plots")
+  assert plot.main([a, b, "--out", out]) == 0
+  written = capsys.readouterr().out.split()
+  assert [os.path.basename(p) for p in written] == ["curves.png", "routing_fluctuation.png"]
+  for p in written:
+    _png_ok(p)
+
+
+def test_plot_command_bad_input(tmp_path, capsys):
+  from umoe_jax import plot
+  assert plot.main([str(tmp_path / "nowhere")]) == 2
+  assert "no metrics.jsonl" in capsys.readouterr().err
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\nnot json\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics record"):
+    plot.read_metrics(str(bad))

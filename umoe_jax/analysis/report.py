@@ -1,0 +1,137 @@
+"""The routing report: per-checkpoint and between-checkpoint figures as one JSON-able dict, and
+its text tables.
+
+  report = {
+    "probe": {"tokens", "seq_len", "seed", "data", "tokenizer"},
+    "routers": {router: {"layer", "router", "n_experts", "top_k"}},
+    "checkpoints": [{"label", "path", "step",
+                     "routers": {router: routing.router_summary(...)},
+                     "shared_pool": {"layer_<i>": shared_pool_summary(...)}}],
+    "fluctuation": [{"from", "to", "routers": {router: {"top1_change", "jaccard"}}}],
+  }
+NaN (e.g. no repeated token id) is written as null in the JSON file.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from umoe_jax.analysis import routing
+from umoe_jax.analysis.probe import Routes, split_name
+
+
+def shared_pool_summary(att: Routes, ffn: Routes) -> dict:
+  """Attention vs FFN use of one layer's shared pool (routing.pick_overlap, attention_share)."""
+  e = att.n_experts
+  att_counts = routing.expert_counts(att.expert_ids, e)
+  ffn_counts = routing.expert_counts(ffn.expert_ids, e)
+  return {**routing.pick_overlap(att.expert_ids, ffn.expert_ids, e),
+          "attention_share": routing.attention_share(att_counts, ffn_counts).tolist(),
+          "attention_share_balanced": att.top_k / (att.top_k + ffn.top_k),
+          "attention_picks": att_counts.tolist(), "ffn_picks": ffn_counts.tolist()}
+
+
+def checkpoint_entry(label: str, ref: Any, routes: Mapping[str, Routes], token_ids: np.ndarray,
+                     pairs: Sequence[tuple[int, str, str]]) -> dict:
+  """One checkpoint's figures: every router's summary and every shared pool's split."""
+  return {"label": label, "path": ref.path, "step": ref.step,
+          "routers": {name: routing.router_summary(r.expert_ids, r.probs, token_ids, r.n_experts)
+                      for name, r in routes.items()},
+          "shared_pool": {f"layer_{i}": shared_pool_summary(routes[a], routes[f])
+                          for i, a, f in pairs}}
+
+
+def router_info(routes: Mapping[str, Routes]) -> dict:
+  info = {}
+  for name, r in routes.items():
+    layer, kind = split_name(name)
+    info[name] = {"layer": layer, "router": kind, "n_experts": r.n_experts, "top_k": r.top_k}
+  return info
+
+
+def fluctuation_entry(label_a: str, label_b: str, ids_a: Mapping[str, np.ndarray],
+                      ids_b: Mapping[str, np.ndarray]) -> dict:
+  return {"from": label_a, "to": label_b, "routers": routing.fluctuation(ids_a, ids_b)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Text
+
+
+def _fmt(x: Any, spec: str = ".3f") -> str:
+  if x is None or (isinstance(x, float) and math.isnan(x)):
+    return "-"
+  return format(x, spec)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  """A plain text table: first column left-aligned, the others right-aligned."""
+  widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+  line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths)))
+  return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+  """The report as text: a header and up to three tables."""
+  p, info = report["probe"], report["routers"]
+  out = [f"Routing on {p['tokens']:,} probe tokens of {p['data']} (windows of {p['seq_len']}, "
+         f"seed {p['seed']}, tokenizer {p['tokenizer']}); {len(report['checkpoints'])} checkpoint(s)",
+         ""]
+  rows = []
+  for ck in report["checkpoints"]:
+    for name, s in ck["routers"].items():
+      e = info[name]["n_experts"]
+      rows.append([name, ck["label"], f"{e}/{info[name]['top_k']}", _fmt(s["entropy"]),
+                   _fmt(math.log(e)), _fmt(s["load_max_mean"], ".2f"), _fmt(s["load_cv"], ".2f"),
+                   str(s["dead_experts"]), _fmt(s["token_consistency"])])
+  out += ["Per router and checkpoint (entropy in nats, ln E = uniform; load = picks per expert; "
+          "token-id consistency over ids seen twice or more)",
+          table(["router", "ckpt", "E/K", "entropy", "ln E", "load max/mean", "load CV", "dead",
+                 "token-id consist."], rows)]
+  if report["fluctuation"]:
+    names = list(report["fluctuation"][0]["routers"])
+    header = ["router"]
+    for f in report["fluctuation"]:
+      header += [f"{f['from']}->{f['to']} top-1 changed", "Jaccard"]
+    rows = [[name] + [v for f in report["fluctuation"]
+                      for v in (_fmt(f["routers"][name]["top1_change"]),
+                                _fmt(f["routers"][name]["jaccard"]))] for name in names]
+    out += ["", "Routing fluctuation between consecutive checkpoints (fraction of probe tokens whose "
+            "top-1 expert changed; mean Jaccard overlap of their top-k sets)", table(header, rows)]
+  shared = [(ck["label"], layer, s) for ck in report["checkpoints"]
+            for layer, s in ck["shared_pool"].items()]
+  if shared:
+    rows = []
+    for label, layer, s in shared:
+      share = np.asarray([np.nan if v is None else v for v in s["attention_share"]], np.float64)
+      lo, hi = (np.nanmin(share), np.nanmax(share)) if np.isfinite(share).any() else (None, None)
+      rows.append([layer, label, f"{_fmt(s['top1_same'])} ({_fmt(s['top1_same_chance'])})",
+                   f"{_fmt(s['overlap'])} ({_fmt(s['overlap_chance'])})",
+                   f"{_fmt(lo, '.2f')}..{_fmt(hi, '.2f')} ({_fmt(s['attention_share_balanced'], '.2f')})"])
+    out += ["", "Shared expert pool: attention vs FFN picks of each token (chance in brackets) and "
+            "each expert's attention share of its picks (min..max over experts; proportional in "
+            "brackets)", table(["layer", "ckpt", "same top-1", "top-k overlap", "attention share"],
+                               rows)]
+  return "\n".join(out)
+
+
+def _json_safe(x: Any) -> Any:
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if isinstance(x, dict):
+    return {k: _json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_json_safe(v) for v in x]
+  if isinstance(x, np.generic):
+    return _json_safe(x.item())
+  return x
+
+
+def write_json(report: Mapping[str, Any], path: str) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(_json_safe(dict(report)), f, indent=1)
+    f.write("\n")

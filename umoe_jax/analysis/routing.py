@@ -1,0 +1,145 @@
+"""Routing statistics of routers on a fixed probe set: pure numpy functions, no model.
+
+Notation: N probe tokens, E experts a router picks from, K picks per token.
+  expert_ids  [N, K] int; slot 0 is the router's first pick (its highest score: `jax.lax.top_k`
+              order), called the token's top-1 expert
+  probs       [N, E] float, the routing distribution the picks were taken from
+  token_ids   [N] int
+
+Between two checkpoints a and b (same probe tokens):
+  top1_change(a, b)    fraction of tokens whose top-1 expert differs
+  mean_jaccard(a, b)   mean over tokens of |S_a & S_b| / |S_a | S_b|, S = the token's K picks
+One checkpoint:
+  entropy(probs)       mean over tokens of -sum_e p_e ln p_e, in nats (ln E = uniform routing)
+  expert_counts        picks per expert [E] (N K in all)
+  load_stats           load max / mean, coefficient of variation (population std / mean) and the
+                       experts that received no pick
+  token_consistency    over the token ids that occur at least twice: the fraction of their
+                       occurrences whose top-1 expert is that id's most frequent top-1 expert
+                       (1 = routing is a function of the token id; ids seen once say nothing)
+A pool shared by the attention and the FFN sub-layer of a layer (UMoE), with picks A [N, K_a] of
+the attention router and F [N, K_f] of the FFN router:
+  pick_overlap         top1_same: fraction of tokens with the same top-1 expert (chance 1/E);
+                       overlap: mean |A & F| / min(K_a, K_f) (chance for independent uniform
+                       picks: E|A & F| = K_a K_f / E, i.e. max(K_a, K_f) / E)
+  attention_share      per expert, attention picks / (attention + FFN picks); K_a / (K_a + K_f)
+                       when the expert serves both sub-layers in proportion to their picks
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+from umoe_jax.train.metrics import load_balance
+
+
+def _check_ids(a: np.ndarray, b: np.ndarray) -> None:
+  if a.ndim != 2 or a.shape != b.shape:
+    raise ValueError(f"expert_ids must both be [N, K] of one shape; got {a.shape} and {b.shape}")
+
+
+def top1_change(ids_a: np.ndarray, ids_b: np.ndarray) -> float:
+  """Fraction of the N tokens whose top-1 expert (slot 0) differs between [N, K] picks a and b."""
+  ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
+  _check_ids(ids_a, ids_b)
+  return float(np.mean(ids_a[:, 0] != ids_b[:, 0]))
+
+
+def pick_intersection(ids_a: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
+  """|S_a & S_b| per token [N] of picks [N, K_a] and [N, K_b] (each token's picks are distinct)."""
+  ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
+  if ids_a.ndim != 2 or ids_b.ndim != 2 or len(ids_a) != len(ids_b):
+    raise ValueError(f"expert_ids must be [N, K] with one N; got {ids_a.shape} and {ids_b.shape}")
+  return np.sum(ids_a[:, :, None] == ids_b[:, None, :], axis=(1, 2))
+
+
+def mean_jaccard(ids_a: np.ndarray, ids_b: np.ndarray) -> float:
+  """Mean over tokens of |S_a & S_b| / |S_a | S_b| of the [N, K] picks of two checkpoints."""
+  ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
+  _check_ids(ids_a, ids_b)
+  inter = pick_intersection(ids_a, ids_b)
+  union = 2 * ids_a.shape[1] - inter
+  return float(np.mean(inter / union))
+
+
+def entropy(probs: np.ndarray) -> float:
+  """Mean routing entropy in nats of probs [N, E] (0 ln 0 = 0)."""
+  p = np.asarray(probs, np.float64)
+  terms = np.where(p > 0, -p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+  return float(np.mean(np.sum(terms, axis=-1)))
+
+
+def expert_counts(expert_ids: np.ndarray, n_experts: int) -> np.ndarray:
+  """Picks per expert [E] (int64) of expert_ids [N, K]."""
+  ids = np.asarray(expert_ids).reshape(-1)
+  if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+    raise ValueError(f"expert ids must lie in [0, {n_experts}); got {ids.min()}..{ids.max()}")
+  return np.bincount(ids, minlength=n_experts).astype(np.int64)
+
+
+def load_stats(counts: np.ndarray) -> dict:
+  """{"load_max_mean", "load_cv", "dead_experts" (how many got no pick), "dead_expert_ids"}."""
+  counts = np.asarray(counts)
+  max_mean, cv = load_balance(counts)
+  dead = np.flatnonzero(counts == 0)
+  return {"load_max_mean": max_mean, "load_cv": cv, "dead_experts": int(dead.size),
+          "dead_expert_ids": dead.tolist()}
+
+
+def token_consistency(token_ids: np.ndarray, top1: np.ndarray) -> tuple[float, int]:
+  """(consistency, number of token ids it is taken over) of token_ids [N] routed to top1 [N].
+
+  Over ids occurring at least twice: sum_v max_e c[v, e] / sum_v n_v, with c[v, e] the occurrences
+  of id v whose top-1 is e and n_v those of v. NaN (and 0 ids) if no id repeats.
+  """
+  token_ids, top1 = np.asarray(token_ids).reshape(-1), np.asarray(top1).reshape(-1)
+  if token_ids.shape != top1.shape:
+    raise ValueError(f"token_ids {token_ids.shape} and top-1 experts {top1.shape} must match")
+  pairs, pair_counts = np.unique(np.stack([token_ids, top1], axis=1), axis=0, return_counts=True)
+  # np.unique sorts the (id, expert) rows: the rows of one id are contiguous.
+  starts = np.flatnonzero(np.r_[True, pairs[1:, 0] != pairs[:-1, 0]])
+  per_id_max = np.maximum.reduceat(pair_counts, starts)
+  per_id_total = np.add.reduceat(pair_counts, starts)
+  repeated = per_id_total >= 2
+  if not repeated.any():
+    return float("nan"), 0
+  return float(per_id_max[repeated].sum() / per_id_total[repeated].sum()), int(repeated.sum())
+
+
+def pick_overlap(att_ids: np.ndarray, ffn_ids: np.ndarray, n_experts: int) -> dict:
+  """Attention vs FFN picks [N, K_a], [N, K_f] of one shared pool of E experts (module docstring)."""
+  att_ids, ffn_ids = np.asarray(att_ids), np.asarray(ffn_ids)
+  k_a, k_f = att_ids.shape[1], ffn_ids.shape[1]
+  inter = pick_intersection(att_ids, ffn_ids)
+  return {"top1_same": float(np.mean(att_ids[:, 0] == ffn_ids[:, 0])),
+          "top1_same_chance": 1.0 / n_experts,
+          "overlap": float(np.mean(inter / min(k_a, k_f))),
+          "overlap_chance": max(k_a, k_f) / n_experts}
+
+
+def attention_share(att_counts: np.ndarray, ffn_counts: np.ndarray) -> np.ndarray:
+  """Per expert, attention picks / (attention + FFN picks) [E]; NaN for an expert neither used."""
+  att, ffn = np.asarray(att_counts, np.float64), np.asarray(ffn_counts, np.float64)
+  total = att + ffn
+  return np.where(total > 0, att / np.where(total > 0, total, 1.0), np.nan)
+
+
+def router_summary(expert_ids: np.ndarray, probs: Optional[np.ndarray],
+                   token_ids: np.ndarray, n_experts: int) -> dict:
+  """Every one-checkpoint figure of one router (entropy only with probs)."""
+  counts = expert_counts(expert_ids, n_experts)
+  consistency, n_ids = token_consistency(token_ids, np.asarray(expert_ids)[:, 0])
+  out = {"entropy": entropy(probs) if probs is not None else float("nan"),
+         **load_stats(counts), "token_consistency": consistency, "token_ids_repeated": n_ids,
+         "expert_counts": counts.tolist()}
+  return out
+
+
+def fluctuation(ids_a: Mapping[str, np.ndarray], ids_b: Mapping[str, np.ndarray]) -> dict:
+  """{router: {"top1_change", "jaccard"}} between two checkpoints' picks {router: [N, K]}."""
+  missing = sorted(set(ids_a) ^ set(ids_b))
+  if missing:
+    raise ValueError(f"the two checkpoints' routers differ: {', '.join(missing)}")
+  return {name: {"top1_change": top1_change(ids_a[name], ids_b[name]),
+                 "jaccard": mean_jaccard(ids_a[name], ids_b[name])} for name in ids_a}

@@ -1,0 +1,121 @@
+r"""Plots of training runs from their metrics.jsonl.
+
+  python -m umoe_jax.plot runs/a runs/b [--out=plots] [--title="..."]
+
+Writes into --out (created):
+  curves.png                 LM loss and perplexity of every run against the step (training
+                             interval means as lines, held-out evaluations as dashed markers);
+  routing_fluctuation.png    if a run logged the routing probe (routing/... keys, every evaluation):
+                             the top-1 change and top-k Jaccard against the step: one run = one line
+                             per router and their mean, several runs = the mean of each run.
+Each argument is a run's workdir (or its metrics.jsonl). A step logged twice (a resumed run) keeps
+its last record. Needs no JAX.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Sequence
+
+CURVE_KEYS = ("train/lm_loss", "eval/loss", "train/perplexity", "eval/perplexity")
+
+
+def read_metrics(run: str) -> dict[str, tuple[list, list]]:
+  """{key: (steps, values)} of a run's metrics.jsonl, steps ascending, the last record of a step
+  winning. Raises ValueError naming the file (and line) when it is missing or not JSON lines."""
+  path = run if run.endswith(".jsonl") else os.path.join(run, "metrics.jsonl")
+  if not os.path.isfile(path):
+    raise ValueError(f"{run!r}: no metrics.jsonl (expected {path}); give training workdirs")
+  by_key: dict[str, dict[int, float]] = {}
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+        step = int(rec["step"])
+      except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}:{lineno}: not a metrics record ({type(e).__name__}: {e})") from None
+      for key, value in rec.items():
+        if key != "step" and isinstance(value, (int, float)):
+          by_key.setdefault(key, {})[step] = float(value)
+  out = {}
+  for key, points in by_key.items():
+    steps = sorted(points)
+    out[key] = (steps, [points[s] for s in steps])
+  return out
+
+
+def run_label(run: str) -> str:
+  run = run[:-len("metrics.jsonl")] if run.endswith("metrics.jsonl") else run
+  return os.path.basename(os.path.normpath(run)) or run
+
+
+def fluctuation_series(metrics: dict[str, tuple[list, list]]) -> dict[str, tuple]:
+  """{router (or "mean over routers"): (steps, top-1 change, Jaccard)} of one run's routing keys."""
+  out = {}
+  for key, (steps, change) in metrics.items():
+    if not (key.startswith("routing/") and key.endswith("/top1_change")):
+      continue
+    name = key[len("routing/"):-len("/top1_change")] or "mean over routers"
+    jac_steps, jac = metrics.get(f"routing/{name}/jaccard" if name != "mean over routers"
+                                 else "routing/jaccard", ([], []))
+    if jac_steps == steps:
+      out[name] = (steps, change, jac)
+  return out
+
+
+def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
+  """Writes the figures of the module docstring; returns their paths."""
+  from umoe_jax.analysis import plots
+
+  if not runs:
+    raise ValueError("give at least one run directory")
+  metrics = {}
+  for run in runs:
+    label = run_label(run)
+    while label in metrics:
+      label += "'"
+    metrics[label] = read_metrics(run)
+  curves = {label: {k: m[k] for k in CURVE_KEYS if k in m} for label, m in metrics.items()}
+  if not any(curves.values()):
+    raise ValueError(f"no loss records ({', '.join(CURVE_KEYS)}) in {', '.join(runs)}")
+  os.makedirs(out_dir, exist_ok=True)
+  written = [plots.save_png(plots.loss_figure(curves, title),
+                            os.path.join(out_dir, "curves.png"))]
+  fluct = {label: fluctuation_series(m) for label, m in metrics.items()}
+  fluct = {label: f for label, f in fluct.items() if f}
+  if fluct:
+    if len(fluct) == 1:
+      (label, series), = fluct.items()
+      fig = plots.fluctuation_figure(series, f"Routing fluctuation on the probe batch: {label}",
+                                     highlight="mean over routers")
+    else:
+      series = {label: f["mean over routers"] for label, f in fluct.items()
+                if "mean over routers" in f}
+      fig = plots.fluctuation_figure(series, "Routing fluctuation on the probe batch (mean over "
+                                             "routers)")
+    written.append(plots.save_png(fig, os.path.join(out_dir, "routing_fluctuation.png")))
+  return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(prog="python -m umoe_jax.plot", description=__doc__.split("\n\n")[0])
+  parser.add_argument("runs", nargs="+", help="training workdirs (or their metrics.jsonl)")
+  parser.add_argument("--out", default="plots", help="output directory (default: plots)")
+  parser.add_argument("--title", default="", help="title of the curves figure")
+  args = parser.parse_args(argv)
+  try:
+    written = plot_runs(args.runs, args.out, args.title)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for path in written:
+    print(path)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
