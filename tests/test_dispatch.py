@@ -200,45 +200,45 @@ def test_apply_experts_gradient():
 # Dispatch fused into the first / last grouped matmul (umoe_jax.ops.fused_dispatch).
 
 
-def _row_index_backend():
+def _row_index_backend(monkeypatch):
   """A CPU backend that takes the `row_index` arguments itself (as the Triton kernels do), so the
-  fused ops' index / scale plumbing is exercised without a GPU."""
+  fused ops' index / scale plumbing is exercised without a GPU. Registered for the calling test only
+  (a backend left in the registry would reach tests that list every registered backend)."""
   from umoe_jax.ops import gmm as G
   name = "test_row_index"
-  if name not in G.BACKENDS:
-    xla = G.BACKENDS.get("xla")
+  xla = G.BACKENDS.get("xla")
 
-    def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-               row_dot=None):
-      if lhs_index is not None:
-        lhs = jnp.take(lhs, lhs_index, axis=0)
-      out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
-      dots = None if row_dot is None else jnp.einsum("md,md->m", out, row_dot)
-      if row_scale is not None:
-        out = out * row_scale[:, None]
-      return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
+  def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
+             row_dot=None):
+    if lhs_index is not None:
+      lhs = jnp.take(lhs, lhs_index, axis=0)
+    out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+    dots = None if row_dot is None else jnp.einsum("md,md->m", out, row_dot)
+    if row_scale is not None:
+      out = out * row_scale[:, None]
+    return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
 
-    def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-                lhs_scale=None):
-      lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
-      rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
-      if lhs_scale is not None:
-        lhs = lhs * lhs_scale[:, None]
-      return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
+  def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
+              lhs_scale=None):
+    lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
+    rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
+    if lhs_scale is not None:
+      lhs = lhs * lhs_scale[:, None]
+    return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
-    G.BACKENDS.register(name)(G.GmmBackend(gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",),
-                                           auto_priority=-1, row_index=True))
+  monkeypatch.setitem(G.BACKENDS._entries, name, G.GmmBackend(
+      gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",), auto_priority=-1, row_index=True))
   return name
 
 
 @pytest.mark.parametrize("backend", ["xla", "row_index"])
 @pytest.mark.parametrize("per_slot", [False, True])
 @pytest.mark.parametrize("case", list(ID_CASES))
-def test_fused_dispatch_matches_apply_experts(backend, per_slot, case):
+def test_fused_dispatch_matches_apply_experts(backend, per_slot, case, monkeypatch):
   """gather_gmm + gmm_combine: values and every gradient (x, gates, both weights) equal the
   unfused permute -> gmm -> gmm -> unpermute -> combine, float32, on fresh random inputs."""
   from umoe_jax.ops import fused_dispatch
-  backend = _row_index_backend() if backend == "row_index" else backend
+  backend = _row_index_backend(monkeypatch) if backend == "row_index" else backend
   ids = jnp.asarray(ID_CASES[case])
   rng = np.random.default_rng(11)
   w1, w2 = (jnp.asarray(w) for w in _expert_weights(12))
