@@ -65,7 +65,7 @@ def hand_params(family: str, scale) -> int:
   elif family == "moa":  # shared k, v heads; per expert head W_q, W_o; 1 always-on head; router
     e = s["att_experts"]
     layer = 2 * d * dh + (e + 1) * (d * dh + dh * d) + d * e + dense_ffn
-  elif family == "switchhead":  # q, k; per head E value (d x dh) and output (dh x d) experts, a router each
+  elif family == "switchhead":  # q, k; per head E value (d x dh), E output (dh x d) experts, 2 routers
     e = s["sh_experts"]
     layer = 2 * d * h * dh + h * e * (d * dh + dh * d) + 2 * h * d * e + dense_ffn
   elif family == "umoe_att":                                # the pool serves attention only
@@ -87,9 +87,9 @@ def hand_macs(family: str, scale, batch: int = 4, seq_len: int = 1024) -> int:
   mha = 4 * d * h * dh
   dense_ffn = _mlp(d, s["d_ff"])
   moe_ffn = d * s["experts"] + (s["k_ffn"] + 1) * _mlp(d, s["de"])   # router, k routed + always-on
-  premix = (3 * d * dh + s["k_att"] * (s["d"] * s["rank"] + s["rank"] * dh)  # only k routed W_a, W_b
-            + (s["k_att"] + 1) * _mlp(d, s["de"]))                        # k routed + always-on expert
   ka = s["k_att"]
+  premix = (3 * d * dh + ka * (d * s["rank"] + s["rank"] * dh)   # only the k routed W_a, W_b
+            + (ka + 1) * _mlp(d, s["de"]))                      # k routed + the always-on expert
   if family == "dense":
     token, pair = mha + dense_ffn, h * (dh + dh)
   elif family == "ffn_moe":

@@ -106,7 +106,8 @@ def test_combine_accumulates_in_float32(path):
   n, k, e, d = 64, 16, 16, 64
   rng = np.random.default_rng(21)
   to_bf16 = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
-  y = to_bf16(np.concatenate([rng.uniform(32, 64, (n, 1, d)), rng.uniform(0.5, 1, (n, k - 1, d))], 1))
+  y = to_bf16(np.concatenate([rng.uniform(32, 64, (n, 1, d)), rng.uniform(0.5, 1, (n, k - 1, d))],
+                             axis=1))
   g = to_bf16(rng.uniform(0.5, 1, (n, k)))
   exact = np.einsum("nkd,nk->nd", y.astype(np.float64), g.astype(np.float64))
   ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)

@@ -306,19 +306,21 @@ def test_cli_on_saved_checkpoint(tmp_path, tiny):
   per_pair = iter([(sum(logp[i, len(c) - 1 + j, t] for j, t in enumerate(x)),
                     all(np.argmax(logp[i, len(c) - 1 + j]) == t for j, t in enumerate(x)))
                    for i, (c, x) in enumerate(flat)])
-  scored = {name: [[next(per_pair) for _ in doc] for doc in per_task] for name, per_task in pairs.items()}
-  docs = tasks.load_task("arc_easy", data_dir, limit=2)
+  scored = {name: [[next(per_pair) for _ in doc] for doc in per_task]
+            for name, per_task in pairs.items()}
+  arc, wino = (list(zip(scored[n], tasks.load_task(n, data_dir, limit=2)))
+               for n in ("arc_easy", "winogrande"))
+  lam = scored["lambada_openai"]
   expected = {
       "arc_easy": {
-          "acc": np.mean([np.argmax([ll for ll, _ in s]) == d.gold for s, d in zip(scored["arc_easy"], docs)]),
+          "acc": np.mean([np.argmax([ll for ll, _ in s]) == d.gold for s, d in arc]),
           "acc_norm": np.mean([np.argmax([ll / len(c) for (ll, _), c in zip(s, d.choices)]) == d.gold
-                               for s, d in zip(scored["arc_easy"], docs)])},
-      "winogrande": {"acc": np.mean([np.argmax([ll for ll, _ in s]) == d.gold for s, d in
-                                     zip(scored["winogrande"], tasks.load_task("winogrande", data_dir, limit=2))])},
-      "lambada_openai": {"acc": np.mean([s[0][1] for s in scored["lambada_openai"]]),
-                         "ppl": math.exp(-np.mean([s[0][0] for s in scored["lambada_openai"]]))},
+                               for s, d in arc])},
+      "winogrande": {"acc": np.mean([np.argmax([ll for ll, _ in s]) == d.gold for s, d in wino])},
+      "lambada_openai": {"acc": np.mean([s[0][1] for s in lam]),
+                         "ppl": math.exp(-np.mean([s[0][0] for s in lam]))},
   }
   for name, metrics in expected.items():
     assert saved[name]["n"] == 2
     for key, value in metrics.items():
-      assert math.isclose(saved[name][key], value, rel_tol=1e-5), (name, key, saved[name][key], value)
+      assert math.isclose(saved[name][key], value, rel_tol=1e-5), (name, key, saved[name][key])

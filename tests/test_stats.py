@@ -166,8 +166,8 @@ def test_cli_json_and_override():
   cfg = load("umoe_tiny")
   m = cfg.model  # the hand count of tests/paper_counts.py at this config's dimensions
   dims = dict(d=m.d_model, layers=m.n_layers, vocab=m.vocab_size, heads=m.attention.n_heads,
-              dh=m.attention.head_dim, d_ff=m.ffn.d_ff, experts=m.moe.n_experts, de=m.moe.d_expert, k_ffn=m.ffn.top_k, k_att=m.attention.top_k,
-              rank=m.attention.q_lora_rank)
+              dh=m.attention.head_dim, d_ff=m.ffn.d_ff, experts=m.moe.n_experts, de=m.moe.d_expert,
+              k_ffn=m.ffn.top_k, k_att=m.attention.top_k, rank=m.attention.q_lora_rank)
   assert base["params"]["total"] == paper_counts.hand_params("umoe", dims)
   assert base["params"]["check"] == two["params"]["check"] == "ok"
   assert base["macs"]["forward"] == paper_counts.hand_macs("umoe", dims, 4, m.max_seq_len)

@@ -36,7 +36,8 @@ def pytest_terminal_summary(terminalreporter):
                      for b in sorted(_TALLY))
   if gpu_backends.on_gpu():
     expected = gpu_backends.expected_backends()
-    where = f"{len(ran)} of {len(expected)} expected ({', '.join(expected) or 'UMOE_GPU_BACKENDS is empty'})"
+    names = ", ".join(expected) or "UMOE_GPU_BACKENDS is empty"
+    where = f"{len(ran)} of {len(expected)} expected ({names})"
   else:
     where = f"{len(ran)} (no GPU)"
   terminalreporter.write_line(f"GPU kernel backends run: {where}{'; ' + detail if detail else ''}")

@@ -169,7 +169,7 @@ def test_transpose_rhs_api_gradients(backend):
   m, k, n, spec = CASES["ragged"]
   gs = _sizes(spec, np.random.default_rng(3))
   x, w, dy, gsj = _inputs(m, n, k, gs, ("transpose_rhs",))  # lhs [M, N], w [G, K, N]^T -> [M, K]
-  dyk = jax.random.normal(_key("transpose_rhs", "cotangent"), (m, k), jnp.float32).astype(jnp.bfloat16)
+  dyk = jax.random.normal(_key("transpose_rhs", "cotangent"), (m, k)).astype(jnp.bfloat16)
 
   def loss(be):
     def f(a, b):
