@@ -24,6 +24,7 @@ import configs.common  # noqa: E402
 from umoe_jax.config import ModelConfig, model_config  # noqa: E402
 
 import reference  # noqa: E402,F401
+from ci_checks import pytest_runtest_makereport  # noqa: E402,F401  (UMOE_CI=1: required tests run)
 
 
 def pytest_configure(config):
