@@ -97,7 +97,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   Bind the keyword arguments with functools.partial and jit with `donate_argnums=0`.
   Returns the new state and metrics: loss, lm_loss, balance_loss, grad_norm (before clipping),
   learning_rate, tokens, nonfinite (this step's loss or gradient norm is NaN / inf), applied (0 if
-  the update was dropped: non-finite, or the state is halted), and per router {"balance_loss",
+  the update was dropped: non-finite, or the state is halted), param_norm (global norm of the
+  parameters after the step: what the save guard watches), and per router {"balance_loss",
   "expert_counts" [E], "entropy"}.
   """
   applied_steps = state.step - state.skipped  # the counter the learning-rate schedule reads too
@@ -115,9 +116,10 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  new_params = keep(params, state.params)
   new_state = state.replace(
       step=state.step + 1,
-      params=keep(params, state.params),
+      params=new_params,
       opt_state=keep(opt_state, state.opt_state),
       skipped=state.skipped + (1 - apply.astype(jnp.int32)),
       halted=halted)
@@ -130,6 +132,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       "tokens": stats["tokens"],
       "nonfinite": (~finite).astype(jnp.int32),
       "applied": apply.astype(jnp.int32),
+      "param_norm": optax.tree.norm(new_params),
       "routers": stats["routers"],
   }
   return new_state, metrics
