@@ -62,20 +62,32 @@ class _QuietLibraries(std_logging.Filter):
     return True
 
 
-def _quiet_orphaned_callbacks(debug: bool) -> None:
-  """After a failed Orbax save, TensorStore completes the other writes of that save and calls back
-  into the asyncio loop Orbax has already closed; each callback reports 'Event loop is closed' as
-  an unraisable exception (hundreds on a full disk). They carry no information beyond the error
-  the run reports, so they are counted, not printed (`--debug` prints them)."""
+def _orphaned_orbax_work(unraisable) -> bool:
+  """Whether an unraisable exception is the echo of an Orbax operation abandoned after an error
+  that the run reports itself (so it adds nothing but a screenful of traceback):
+
+  * after a failed save, TensorStore completes the other writes of that save and calls back into
+    the asyncio loop Orbax has already closed: 'Event loop is closed' (hundreds on a full disk);
+  * after a failed restore (e.g. the model changed), the reads of the other arrays are coroutines
+    that were never awaited; at exit Python finalises them and prints their read errors.
+  """
+  error, obj = unraisable.exc_value, unraisable.object
+  if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename
+
+
+def _quiet_orphaned_orbax_work(debug: bool) -> None:
+  """Counts, instead of printing, the exceptions `_orphaned_orbax_work` recognises (--debug prints
+  them)."""
   if debug:
     return
   previous = sys.unraisablehook
 
   def hook(unraisable):
-    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-        unraisable.exc_value):
-      return
-    previous(unraisable)
+    if not _orphaned_orbax_work(unraisable):
+      previous(unraisable)
 
   sys.unraisablehook = hook
 
@@ -145,6 +157,8 @@ def _hint(error: BaseException) -> str:
     return hint
   if isinstance(error, ckpt_lib.CheckpointSaveError):
     return "free space (or fix the directory) and run the same command again"
+  if isinstance(error, ckpt_lib.CheckpointMismatchError):
+    return "pass the config the run was started with, or another --workdir for the new one"
   if isinstance(error, ckpt_lib.CheckpointError):
     return ("a run resumes with the config it was started with; --config.checkpoint.restore_step=N "
             "picks another checkpoint")
@@ -190,7 +204,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   debug = _debug()
   logging.get_absl_handler().addFilter(_QuietLibraries(debug))
-  _quiet_orphaned_callbacks(debug)
+  _quiet_orphaned_orbax_work(debug)
   from umoe_jax.parallel import distributed
   distributed.initialize_from_env()  # before anything touches a device
   from umoe_jax.train import loop

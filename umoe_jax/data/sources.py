@@ -35,6 +35,7 @@ import functools
 import glob
 import json
 import os
+import threading
 from typing import Any, Sequence
 
 import grain
@@ -73,6 +74,7 @@ class _BadRecords:
 
   def __init__(self):
     self.seen: set[str] = set()
+    self._lock = threading.Lock()  # reader threads: counts and log lines in one order
 
   @property
   def skipped(self) -> int:
@@ -81,10 +83,11 @@ class _BadRecords:
   def __call__(self, policy: str, what: str) -> None:
     if policy != "skip":
       raise DataError(what, hint=SKIP_HINT)
-    if what not in self.seen:
-      self.seen.add(what)
-      logging.warning("skipping bad data (data.on_bad_record='skip'; bad records so far: %d): %s",
-                      len(self.seen), what)
+    with self._lock:
+      if what not in self.seen:
+        self.seen.add(what)
+        logging.warning("skipping bad data (data.on_bad_record='skip'; bad records so far: %d): %s",
+                        len(self.seen), what)
 
 
 bad_record = _BadRecords()

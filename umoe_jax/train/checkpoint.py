@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from umoe_jax import data as data_lib
 from umoe_jax.config import ConfigError
@@ -56,10 +58,15 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
 ABANDONED_DIR = "checkpoints_abandoned"
 CONFIG_FILE = "config.json"
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # Orbax's per-step metadata (holds custom_metadata)
 
 
 class CheckpointError(RuntimeError):
   """No checkpoint of a run could be restored."""
+
+
+class CheckpointMismatchError(CheckpointError):
+  """A checkpoint's arrays do not fit the current config (the model or optimizer changed)."""
 
 
 class CheckpointSaveError(CheckpointError):
@@ -93,6 +100,16 @@ def check_workdir(workdir: str) -> None:
   except OSError as e:
     what = "is not writable" if existing == path else f"cannot be created in {existing!r}"
     raise WorkdirError(f"--workdir={workdir!r} {what} ({e.strerror or e})") from None
+
+
+def step_metadata(directory: str, step: int) -> dict:
+  """The `custom_metadata` saved with `step` (Orbax's <step>/_CHECKPOINT_METADATA, read as JSON
+  without building item handlers); {} for checkpoints written without it."""
+  try:
+    with open(os.path.join(directory, str(step), STEP_METADATA_FILE), encoding="utf-8") as f:
+      return dict(json.load(f).get("custom_metadata") or {})
+  except (OSError, ValueError, AttributeError):
+    return {}
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -130,6 +147,14 @@ def resume_source(checkpoint_dir: str, init_from: str = "",
   """Where a run starts: its own checkpoint (the latest, or `restore_step`), else `init_from`, else
   scratch. Checks everything it can without reading a checkpoint (ConfigError)."""
   steps = complete_steps(checkpoint_dir)
+  if restore_step is not None and steps and steps[-1] > restore_step and step_metadata(
+      checkpoint_dir, steps[-1]).get("restored_from") == restore_step:
+    # An earlier run already branched from restore_step and saved since: continue that branch
+    # (restarting the same command must not go back to restore_step again).
+    logging.warning("checkpoint.restore_step=%d was applied by an earlier run, whose checkpoints "
+                    "continue from it: resuming from the latest, step %d (unset "
+                    "checkpoint.restore_step to silence this)", restore_step, steps[-1])
+    return ResumeSource("workdir", checkpoint_dir)
   if restore_step is not None:
     if restore_step not in steps:
       have = f"its complete steps are {steps}" if steps else "it holds no complete checkpoint"
@@ -186,6 +211,19 @@ class _ProtectedSteps:
     return [c.step in self.steps for c in checkpoints]
 
 
+def _path_name(path) -> str:
+  """A tree path as 'params/layers/0/embed' (dict keys, indices and attributes alike)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
 def _save_problem(error: BaseException) -> str:
   """A short cause of a failed save: "no space left on device", or the error's first line."""
   text = " ".join(str(error).split())
@@ -232,10 +270,7 @@ class Checkpointer:
 
   def metadata(self, step: int) -> dict:
     """The `custom_metadata` saved with `step` ({} for checkpoints written without it)."""
-    try:
-      return dict(self.manager.metadata(step).custom_metadata or {})
-    except Exception:  # pylint: disable=broad-except  (older or foreign checkpoints)
-      return {}
+    return step_metadata(self.directory, step)
 
   def save(self, step: int, state: Any, data_iter: Optional[Any] = None,
            metadata: Optional[dict] = None) -> None:
@@ -255,6 +290,10 @@ class Checkpointer:
                         custom_metadata=metadata or {})
     except Exception as e:  # pylint: disable=broad-except
       # An async save reports its failure at the next save: name the step that failed.
+      try:
+        self.manager.wait_until_finished()
+      except Exception:  # pylint: disable=broad-except  (the same failure, reported below)
+        pass
       failed = previous if previous is not None and previous not in self._complete() else step
       raise self._save_failed(failed, e) from e
 
@@ -275,7 +314,32 @@ class Checkpointer:
     return CheckpointSaveError(
         f"saving {what} to {self.directory} failed ({_save_problem(error)}); {last}")
 
+  def _check_fits(self, step: int, target: Any) -> None:
+    """CheckpointMismatchError naming the first arrays whose paths or shapes differ between step
+    `step`'s saved state and `target`, read from the metadata alone: a mismatch is a config change,
+    not damage, and a restore attempt would only leave Orbax reads pending."""
+    state_dir = os.path.join(self.directory, str(step), "state")
+    try:
+      saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
+    except Exception:  # pylint: disable=broad-except  (unreadable: the restore reports the damage)
+      return
+    on_disk = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(saved)}
+    wanted = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params/"), k))  # params first
+    problems = [f"{k} is {on_disk[k]} on disk, {wanted[k]} here" for k in order(wanted)
+                if k in on_disk and on_disk[k] != wanted[k]]
+    problems += [f"{k} is not in the checkpoint" for k in order(set(wanted) - set(on_disk))]
+    problems += [f"{k} is in the checkpoint only" for k in order(set(on_disk) - set(wanted))]
+    if problems:
+      more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+      raise CheckpointMismatchError(
+          f"checkpoint step {step} in {self.directory} does not fit this config: "
+          f"{'; '.join(problems[:2])}{more}. A run resumes with the model and optimizer config it "
+          f"was started with ({os.path.join(os.path.dirname(self.directory), CONFIG_FILE)}); to "
+          f"start over with the new one, move {self.directory} away")
+
   def _restore_step(self, step: int, target: Any, data_iter: Optional[Any]):
+    self._check_fits(step, target)
     items = {"state": ocp.args.StandardRestore(target)}
     if data_iter is not None:
       saved = _saved_process_counts(os.path.join(self.directory, str(step)))
@@ -298,6 +362,8 @@ class Checkpointer:
       return self.restore_latest(target, data_iter)
     try:
       return self._restore_step(step, target, data_iter), step
+    except CheckpointMismatchError:
+      raise
     except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
       raise CheckpointError(
           f"checkpoint step {step} in {self.directory} (checkpoint.restore_step) cannot be restored "
@@ -314,6 +380,8 @@ class Checkpointer:
     for step in reversed(self.steps()):
       try:
         state = self._restore_step(step, target, data_iter)
+      except CheckpointMismatchError:
+        raise  # a config change, not damage: the older steps were written with the same config
       except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
         logging.warning("checkpoint step %d in %s cannot be restored (%s: %s); trying the previous "
                         "one", step, self.directory, type(e).__name__, str(e)[:500])

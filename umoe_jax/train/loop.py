@@ -276,21 +276,6 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
                source=source)
 
 
-def _restore_step_to_use(s: Setup) -> Optional[int]:
-  """checkpoint.restore_step, unless an earlier run already branched from it (its saves say
-  `restored_from`: then the latest checkpoint continues that branch and is the one to resume)."""
-  wanted = s.source.step
-  steps = s.checkpointer.steps()
-  if wanted is None or not steps or steps[-1] <= wanted:
-    return wanted
-  if s.checkpointer.metadata(steps[-1]).get("restored_from") == wanted:
-    logging.warning("checkpoint.restore_step=%d was applied by an earlier run, whose checkpoints "
-                    "continue from it: resuming from the latest, step %d (unset "
-                    "checkpoint.restore_step to silence this)", wanted, steps[-1])
-    return None
-  return wanted
-
-
 def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
   """(state, step, source): the run's own checkpoint > checkpoint.init_from > scratch.
 
@@ -299,11 +284,11 @@ def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
   source = s.source
   if source.kind == "workdir":
     target = state_lib.checkpoint_tree(state_lib.with_shardings(p.abstract, p.shardings))
-    wanted = _restore_step_to_use(s)
-    tree, step = s.checkpointer.restore(target, s.train_iter, wanted)
+    tree, step = s.checkpointer.restore(target, s.train_iter, source.step)
     logging.info("resumed from %s step %d", s.checkpointer.directory, step)
     s.resume_metadata = s.checkpointer.metadata(step)
-    s.restored_from = wanted if wanted is not None else s.resume_metadata.get("restored_from")
+    s.restored_from = (source.step if source.step is not None
+                       else s.resume_metadata.get("restored_from"))
     return state_lib.from_checkpoint_tree(tree, p.not_halted_fn()), step, "workdir"
   if source.kind == "init_from":
     params = ckpt_lib.load_init_params(source.path, p.parts.abstract_params, p.shardings.params)
