@@ -364,6 +364,8 @@ def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
     message = assert_fails(proc, 2, "config error", r"unknown key train\.stepz \(in "
                            r"--config\.train\.stepz\); valid keys of train: .*\bnum_steps\b")
     assert "AttributeError" not in message
+    debug = cli(workdir, "--config.train.stepz=5", "--debug", timeout=90)  # the traceback, on demand
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
   else:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -603,22 +605,36 @@ def test_protected_step_survives_rotation(tmp_path):
 
 def test_save_guard_judges_norm_growth_and_loss_spikes():
   from umoe_jax.train import guard
-  g = guard.SaveGuard(max_loss_ratio=3.0, max_param_norm_ratio=4.0)
+  g = guard.SaveGuard(max_loss_ratio=3.0, max_param_norm_ratio=4.0)  # from scratch
   losses = 2 + 0.1 * np.random.default_rng(0).standard_normal(20)
-  for step in range(1, 21):  # losses around 2, norm 10 -> 12
-    g.observe(step, {"loss": losses[step - 1], "applied": 1, "param_norm": 10 + 0.1 * step})
+  for step in range(1, 21):  # losses around 2; the norm of fresh weights may grow (no reference)
+    g.observe(step, {"loss": losses[step - 1], "applied": 1, "param_norm": 3.0 * step})
   assert g.check() is None
-  g.commit(passed=True)
-  g.observe(21, {"loss": np.nan, "applied": 0, "param_norm": 12.0})  # a skipped step: no verdict
+  g.commit(passed=True)  # saved at step 20: norm reference 60
+  g.observe(21, {"loss": np.nan, "applied": 0, "param_norm": 60.0})  # skipped: state unchanged
   assert g.check() is None
-  g.observe(22, {"loss": 7.0, "applied": 1, "param_norm": 12.0})
+  g.observe(22, {"loss": 7.0, "applied": 1, "param_norm": 60.0})
   median = float(np.median(losses))
-  assert g.check().startswith(f"the mean loss since the last check is 7, {7 / median:.3g}x the "
-                              f"median {median:.4g} of the steps before")
+  assert g.check() == (f"the mean loss of the last step is 7, {7 / median:.3g}x the median "
+                       f"{median:.4g} of the steps before (checkpoint.max_loss_ratio=3)")
   g.commit(passed=False)
-  g.observe(23, {"loss": 2.0, "applied": 1, "param_norm": 49.0})
-  assert re.match(r"the parameter norm grew to 49, 4.08x its 12 at step 20, the last checkpoint",
-                  g.check())
+  g.observe(23, {"loss": 2.0, "applied": 1, "param_norm": 245.0})
+  assert g.check() == ("the parameter norm grew to 245, 4.08x its 60 at step 20, the last "
+                       "checkpoint that passed (checkpoint.max_param_norm_ratio=4)")
   g.observe(24, {"loss": 2.0, "applied": 1, "param_norm": float("inf")})
   assert g.check() == "the parameter norm is inf"
+  # A resumed run: the references saved with its checkpoint.
+  g = guard.SaveGuard(max_loss_ratio=3.0, max_param_norm_ratio=4.0,
+                      reference={"param_norm": 10.0, "step": 4, "loss_median": 2.0})
+  g.observe(5, {"loss": 7.0, "applied": 1, "param_norm": 11.0})
+  assert g.check().startswith("the mean loss of the last step is 7, 3.5x the median 2 ")
+  g.observe(6, {"loss": 2.0, "applied": 1, "param_norm": 41.0})
+  assert "41, 4.1x its 10 at step 4, the checkpoint this run resumed from" in g.check()
+  # Trained weights without saved references (init_from): judged against the first step.
+  g = guard.SaveGuard(max_loss_ratio=0, max_param_norm_ratio=4.0, trained_start=True)
+  g.observe(1, {"loss": 2.0, "applied": 1, "param_norm": 10.0})
+  g.observe(2, {"loss": 90.0, "applied": 1, "param_norm": 39.0})
+  assert g.check() is None  # loss check disabled, 3.9x
+  g.observe(3, {"loss": 2.0, "applied": 1, "param_norm": 41.0})
+  assert "its 10 after step 1, the first of this run" in g.check()
   assert guard.SaveGuard(max_loss_ratio=0, max_param_norm_ratio=0).check() is None

@@ -70,7 +70,7 @@ def default_checkpoint_config() -> ml_collections.ConfigDict:
       # Save guard (umoe_jax/train/guard.py): a state is not saved if its parameter norm grew more
       # than this x since the last checkpoint that passed, or its recent loss is more than this x
       # the median of the steps before. 0 disables the check.
-      max_param_norm_ratio=4.0,
+      max_param_norm_ratio=10.0,
       max_loss_ratio=3.0,
   ))
 

@@ -6,15 +6,18 @@ loop asks `SaveGuard.check()` before each save, from the host metrics of every s
 param_norm after the update, applied). A save is refused when
 
   * the parameter norm is not finite, or is more than `checkpoint.max_param_norm_ratio` x the norm
-    at the last checkpoint that passed (at the run's first step when none has);
-  * the mean of the finite losses since the last check is above `checkpoint.max_loss_ratio` x the
-    median of the WINDOW finite losses before them (with at least MIN_HISTORY of them; a resumed
-    run uses the median saved with its checkpoint until it has its own).
+    at the last checkpoint that passed. The reference is the checkpoint a run resumed from (or the
+    first step of a run that resumed or started from `init_from`: trained weights); a run from
+    scratch has none until its first save passes, because freshly initialised weights (std 0.02)
+    can legitimately grow several-fold in the first hundreds of steps;
+  * the mean of the last TAIL finite losses since the previous check is above
+    `checkpoint.max_loss_ratio` x the median of the WINDOW finite losses before them (with at least
+    MIN_HISTORY of them; a resumed run uses the median saved with its checkpoint until then).
 
 Steps whose update was dropped (non-finite, `train.on_nonfinite="skip"`) leave the state as it
 was, so they are not held against it: their losses are simply not counted. A ratio of 0 disables
-its check. The reference values travel with each checkpoint (`metadata()`, restored by
-`from_metadata`), so a resumed run is judged against the same norm.
+its check. The reference values travel with each checkpoint (`metadata()`, passed back as
+`reference`), so a resumed run is judged against the same norm.
 
 `SkipLimit`: more than `train.max_consecutive_skips` dropped updates in a row (0: no limit) raise
 DivergenceError, and so does a run that applied none of its steps.
@@ -36,10 +39,14 @@ class SaveGuard:
   """Judges the state at a save point from the metrics of the steps that led to it."""
 
   WINDOW = 200       # finite losses the median is taken over
+  TAIL = 10          # latest losses compared with that median
   MIN_HISTORY = 8    # losses needed before the loss check applies
 
   def __init__(self, *, max_loss_ratio: float, max_param_norm_ratio: float,
-               reference: Optional[Mapping[str, Any]] = None):
+               reference: Optional[Mapping[str, Any]] = None, trained_start: bool = False):
+    """`reference`: the metadata() saved with the checkpoint the run resumed from; `trained_start`:
+    the run starts from trained weights (a checkpoint or init_from), so its first step is a norm
+    reference when `reference` has none."""
     self.max_loss_ratio = max_loss_ratio
     self.max_param_norm_ratio = max_param_norm_ratio
     reference = reference or {}
@@ -47,8 +54,9 @@ class SaveGuard:
     self.ref_what = (f"at step {reference['step']}, the checkpoint this run resumed from"
                      if "step" in reference else "at the checkpoint this run resumed from")
     self.saved_median: Optional[float] = reference.get("loss_median")
-    self.history: collections.deque = collections.deque(maxlen=self.WINDOW)
-    self.recent: list[float] = []           # finite losses of applied steps since the last check
+    self.trained_start = trained_start
+    self.losses: collections.deque = collections.deque(maxlen=self.WINDOW + self.TAIL)
+    self.new = 0                             # finite losses since the last check
     self.param_norm: Optional[float] = None  # after the latest step
     self.step: Optional[int] = None          # the latest step observed
 
@@ -58,16 +66,17 @@ class SaveGuard:
     if int(m.get("applied", 1)):
       loss = float(m["loss"])
       if math.isfinite(loss):
-        self.recent.append(loss)
+        self.losses.append(loss)
+        self.new += 1
     if "param_norm" in m:
       self.param_norm = float(m["param_norm"])
-      if self.ref_norm is None and math.isfinite(self.param_norm):
-        self.ref_norm = self.param_norm  # a fresh run: judged against its first step
+      if self.ref_norm is None and self.trained_start and math.isfinite(self.param_norm):
+        self.ref_norm = self.param_norm
         self.ref_what = f"after step {step}, the first of this run"
 
-  def _median(self) -> Optional[float]:
-    if len(self.history) >= self.MIN_HISTORY:
-      return float(np.median(self.history))
+  def _median(self, losses: list) -> Optional[float]:
+    if len(losses) >= self.MIN_HISTORY:
+      return float(np.median(losses[-self.WINDOW:]))
     return self.saved_median
 
   def check(self) -> Optional[str]:
@@ -80,20 +89,22 @@ class SaveGuard:
       return (f"the parameter norm grew to {norm:.4g}, {norm / self.ref_norm:.3g}x its "
               f"{self.ref_norm:.4g} {self.ref_what} (checkpoint.max_param_norm_ratio="
               f"{self.max_param_norm_ratio:g})")
-    median = self._median()
-    if self.max_loss_ratio and self.recent and median:
-      loss = float(np.mean(self.recent))
-      if loss > self.max_loss_ratio * median:
-        return (f"the mean loss since the last check is {loss:.4g}, {loss / median:.3g}x the median "
-                f"{median:.4g} of the steps before (checkpoint.max_loss_ratio="
+    if self.max_loss_ratio and self.new:
+      losses = list(self.losses)
+      k = min(self.TAIL, self.new)
+      tail, before = losses[-k:], losses[:-k]
+      median = self._median(before)
+      loss = float(np.mean(tail))
+      if median and loss > self.max_loss_ratio * median:
+        last = f"last {k} steps" if k > 1 else "last step"
+        return (f"the mean loss of the {last} is {loss:.4g}, {loss / median:.3g}x the "
+                f"median {median:.4g} of the steps before (checkpoint.max_loss_ratio="
                 f"{self.max_loss_ratio:g})")
     return None
 
   def commit(self, passed: bool) -> None:
-    """Closes the interval after a check: its losses join the history; a pass moves the norm
-    reference to the state just saved."""
-    self.history.extend(self.recent)
-    self.recent = []
+    """Closes the interval after a check; a pass moves the norm reference to the state saved."""
+    self.new = 0
     if passed and self.param_norm is not None:
       self.ref_norm = self.param_norm
       self.ref_what = f"at step {self.step}, the last checkpoint that passed"
@@ -103,7 +114,7 @@ class SaveGuard:
     out = {}
     if self.ref_norm is not None:
       out["param_norm"], out["step"] = self.ref_norm, self.step
-    median = self._median()
+    median = self._median(list(self.losses))
     if median is not None:
       out["loss_median"] = median
     return out

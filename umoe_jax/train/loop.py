@@ -222,6 +222,19 @@ def _close_iterator(it: Any) -> None:
     close()
 
 
+def _all_processes_agree(ok: bool) -> None:
+  """With several processes: DataError on every one if any found its share of the data unusable
+  (that one raises its own message), instead of the others waiting for it in the first step."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+  flags = np.asarray(multihost_utils.process_allgather(np.asarray(ok)))
+  if ok and not flags.all():
+    bad = [int(i) for i in np.flatnonzero(~flags)]
+    raise DataError(f"process(es) {bad} found too little or bad training data (their logs say "
+                    "which file); every process stops")
+
+
 def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = None) -> Setup:
   """Checks and builds everything before the start state; writes nothing. With `stack`, the data
   iterator and the checkpoint manager are closed when it exits (else the caller closes them)."""
@@ -248,9 +261,14 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
 
   # Data.
   proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  train_iter = data_lib.make_train_iterator(config.data, seq_len=t.seq_len,
-                                            global_batch_size=t.global_batch_size, seed=t.seed,
-                                            **proc)
+  try:
+    train_iter = data_lib.make_train_iterator(config.data, seq_len=t.seq_len,
+                                              global_batch_size=t.global_batch_size, seed=t.seed,
+                                              **proc)
+  except DataError:
+    _all_processes_agree(False)
+    raise
+  _all_processes_agree(True)
   if stack is not None:
     stack.callback(_close_iterator, train_iter)
   eval_batches = []
@@ -314,7 +332,8 @@ class Trainer:
     ck = s.config.checkpoint
     self.guard = guard_lib.SaveGuard(max_loss_ratio=ck.max_loss_ratio,
                                      max_param_norm_ratio=ck.max_param_norm_ratio,
-                                     reference=s.resume_metadata.get("guard"))
+                                     reference=s.resume_metadata.get("guard"),
+                                     trained_start=s.source.kind != "scratch")
     self.skips = guard_lib.SkipLimit(self.t.max_consecutive_skips)
     s.checkpointer.protect(s.resume_metadata.get("protected_step"))
     self.run_start = time.perf_counter()
