@@ -211,6 +211,12 @@ class _ProtectedSteps:
     return [c.step in self.steps for c in checkpoints]
 
 
+def _one_line(error: BaseException, limit: int) -> str:
+  """'Type: message' on one line (Orbax errors carry multi-line TensorStore specs), cut to `limit`."""
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 def _path_name(path) -> str:
   """A tree path as 'params/layers/0/embed' (dict keys, indices and attributes alike)."""
   parts = []
@@ -233,7 +239,7 @@ def _save_problem(error: BaseException) -> str:
     return "permission denied"
   if "Read-only file system" in text or "os_error_code='30'" in text:
     return "read-only file system"
-  return f"{type(error).__name__}: {text[:300]}"
+  return _one_line(error, 300)
 
 
 class Checkpointer:
@@ -367,7 +373,7 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
       raise CheckpointError(
           f"checkpoint step {step} in {self.directory} (checkpoint.restore_step) cannot be restored "
-          f"({type(e).__name__}: {str(e)[:300]})") from e
+          f"({_one_line(e, 300)})") from e
 
   def restore_latest(self, target: Any, data_iter: Optional[Any] = None) -> tuple[Any, int]:
     """(state, step) from the newest checkpoint that restores; damaged newer ones are moved aside.
@@ -383,8 +389,8 @@ class Checkpointer:
       except CheckpointMismatchError:
         raise  # a config change, not damage: the older steps were written with the same config
       except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
-        logging.warning("checkpoint step %d in %s cannot be restored (%s: %s); trying the previous "
-                        "one", step, self.directory, type(e).__name__, str(e)[:500])
+        logging.warning("checkpoint step %d in %s cannot be restored (%s); trying the previous one",
+                        step, self.directory, _one_line(e, 300))
         damaged.append((step, e))
         continue
       if damaged:
@@ -392,7 +398,7 @@ class Checkpointer:
         logging.warning("resumed from checkpoint step %d instead of the damaged step(s) %s (moved "
                         "to %s)", step, [s for s, _ in damaged], self._aside_dir(DAMAGED_DIR))
       return state, step
-    detail = "; ".join(f"step {s}: {type(e).__name__}: {str(e)[:200]}" for s, e in damaged)
+    detail = "; ".join(f"step {s}: {_one_line(e, 200)}" for s, e in damaged)
     raise CheckpointError(
         f"no checkpoint in {self.directory} can be restored ({detail}). If the model or optimizer "
         f"config changed, restore the old config; to start over, move {self.directory} away")
