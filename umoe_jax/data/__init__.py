@@ -21,12 +21,13 @@ from ml_collections import ConfigDict
 from umoe_jax.config_fields import optional
 from umoe_jax.data.checkpoint import restore_args, save_args
 from umoe_jax.data.pipeline import load_tokenizer, make_eval_batches, make_train_iterator
-from umoe_jax.data.sources import SOURCES
+from umoe_jax.data.sources import SOURCES, DataError
 from umoe_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "SOURCES", "Tokenizer", "check_vocab", "default_data_config",
-    "load_tokenizer", "make_eval_batches", "make_train_iterator", "restore_args", "save_args",
+    "ByteTokenizer", "DataError", "HFTokenizer", "SOURCES", "Tokenizer", "check_vocab",
+    "default_data_config", "load_tokenizer", "make_eval_batches", "make_train_iterator",
+    "restore_args", "save_args",
 ]
 
 
@@ -47,4 +48,7 @@ def default_data_config() -> ConfigDict:
       read_threads=4,            # Threads reading + tokenizing documents of indexed sources.
       worker_count=0,            # >0: that many grain worker processes (mp_prefetch).
       prefetch_batches=2,        # With worker_count=0: batches a background thread prepares ahead.
+      # A damaged file / row group or a bad JSON line: "error" (DataError naming the file and
+      # line / row group) or "skip" (dropped; each logged once and counted).
+      on_bad_record="error",
   ))

@@ -361,8 +361,14 @@ def _st_dtype(name: str, path: str, tensor: str):
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
   """Tensors of one .safetensors file as (memory-mapped, read-only) numpy arrays; no torch needed."""
   with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
+    head = f.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    try:
+      if not 0 < n <= os.path.getsize(path) - 8:
+        raise ValueError(f"header length {n}")
+      header = json.loads(f.read(n))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a bad length
+      raise StateDictError(f"{path} is not a safetensors file, or is truncated ({e})") from None
   mm = np.memmap(path, dtype=np.uint8, mode="r")
   out = {}
   for name, info in header.items():
@@ -456,14 +462,34 @@ def load_official_state_dict(path: str) -> dict[str, np.ndarray]:
 
 
 def load_official_config(path: str) -> dict:
-  """config.json of a checkpoint directory (or the path of a config .json file)."""
+  """config.json of a checkpoint directory (or the path of a config .json file).
+
+  A missing file, a file given instead of the directory, or a config.json that is not a JSON
+  object raise errors naming the path and the problem."""
   path = os.fspath(path)
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: no official config.json")
-  with open(path) as f:
-    return json.load(f)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{os.path.dirname(path)}: no config.json (an official checkpoint "
+                              "directory holds config.json and model.safetensors or shards)")
+  elif os.path.isfile(path) and not path.endswith(".json"):
+    raise OfficialConfigError(f"{path} is a file; pass the official checkpoint directory that "
+                              "holds it (config.json + model.safetensors / shards / "
+                              "pytorch_model.bin)")
+  elif not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such checkpoint directory or config .json file")
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise OfficialConfigError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                              f"{e.msg})") from None
+  except UnicodeDecodeError:
+    raise OfficialConfigError(f"{path} is not a text (JSON) file") from None
+  if not isinstance(config, dict):
+    raise OfficialConfigError(f"{path} holds a JSON {type(config).__name__}, not an object of "
+                              "config fields")
+  return config
 
 
 # ----------------------------------------------------------------------------------------------

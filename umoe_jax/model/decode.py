@@ -203,9 +203,30 @@ def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
   for d in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
     path = os.path.join(d, "config.json")
     if os.path.isfile(path):
-      with open(path) as f:
-        return json.load(f)
+      try:
+        with open(path, encoding="utf-8") as f:
+          return json.load(f)
+      except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e}); a training workdir or a converted "
+                         "checkpoint writes it") from None
   return None
+
+
+def _check_checkpoint_dir(checkpoint: str) -> None:
+  """FileNotFoundError naming `checkpoint` and what it lacks, unless it holds parameters."""
+  from umoe_jax.config import ConfigError
+  from umoe_jax.train.checkpoint import init_from_checkpoints
+  if not os.path.exists(checkpoint):
+    raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist")
+  if not os.path.isdir(checkpoint):
+    raise FileNotFoundError(f"checkpoint {checkpoint!r} is a file; pass the directory (a training "
+                            "workdir or a converted checkpoint)")
+  try:
+    init_from_checkpoints(checkpoint)
+  except ConfigError:
+    raise FileNotFoundError(
+        f"checkpoint directory {checkpoint!r} holds no parameters: expected params/ (a converted "
+        "checkpoint) or checkpoints/<step>/ with a complete step (a training workdir)") from None
 
 
 def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,
@@ -219,14 +240,21 @@ def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: in
   """
   import ml_collections
 
+  if checkpoint:
+    _check_checkpoint_dir(checkpoint)
   saved = read_checkpoint_config(checkpoint) if checkpoint else None
   if saved is not None:
     model_section = ml_collections.ConfigDict(saved["model"] if "model" in saved else saved)
   elif config is not None:
     model_section = ml_collections.ConfigDict(
         config.model.to_dict() if hasattr(config, "model") else dict(config))
+  elif checkpoint:
+    raise FileNotFoundError(
+        f"checkpoint directory {checkpoint!r} has no config.json (nor has its parent): a training "
+        "workdir and a converted checkpoint carry one; pass a config (--config=configs/<model>.py) "
+        "to give the architecture")
   else:
-    raise ValueError("load_model needs a checkpoint with a config.json or a config")
+    raise ValueError("load_model needs a checkpoint directory or a config")
   if compute_dtype:
     model_section.compute_dtype = compute_dtype
   cfg = model_config(model_section)
@@ -234,8 +262,6 @@ def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: in
   from umoe_jax.model.lm import CausalLM, abstract_model
   if not checkpoint:
     return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), model_section, saved
-  if not os.path.isdir(checkpoint):
-    raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist")
   from umoe_jax.train.checkpoint import load_init_params
   graphdef, abstract_params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

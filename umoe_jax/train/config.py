@@ -52,6 +52,7 @@ def default_train_config() -> ml_collections.ConfigDict:
       grad_accum_steps=1,          # micro-batches per step (scan inside the jitted step)
       remat="none",                # decoder-block rematerialisation: none|block|dots|dots_no_batch
       on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
+      max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
       log_every=50,                # steps between console / TensorBoard / JSONL records
       eval_every=1000,             # steps between validation passes; 0 disables
       eval_batches=20,             # held-out batches per validation pass
@@ -65,6 +66,12 @@ def default_checkpoint_config() -> ml_collections.ConfigDict:
       keep=3,                      # newest checkpoints kept
       async_save=True,             # write in a background thread while training continues
       init_from="",                # params of a converted checkpoint, used when the workdir has none
+      restore_step=config_dict.placeholder(int),  # resume from this step (None: the latest)
+      # Save guard (umoe_jax/train/guard.py): a state is not saved if its parameter norm grew more
+      # than this x since the last checkpoint that passed, or its recent loss is more than this x
+      # the median of the steps before. 0 disables the check.
+      max_param_norm_ratio=10.0,
+      max_loss_ratio=3.0,
   ))
 
 
@@ -127,6 +134,8 @@ def check_train(train: Any, model: ModelConfig) -> None:
          f"train.remat={t.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
+  _check(t.max_consecutive_skips >= 0,
+         f"train.max_consecutive_skips={t.max_consecutive_skips!r} must be >= 0 (0: no limit)")
   _check(t.log_every >= 1, f"train.log_every={t.log_every!r} must be >= 1")
   _check(t.eval_every >= 0, f"train.eval_every={t.eval_every!r} must be >= 0 (0 disables)")
   _check(t.eval_every == 0 or t.eval_batches >= 1,
@@ -154,6 +163,11 @@ def check_checkpoint(ckpt: Any) -> None:
   _check(ckpt.keep >= 1, f"checkpoint.keep={ckpt.keep!r} must be >= 1")
   _check(not ckpt.init_from or os.path.isdir(os.path.expanduser(ckpt.init_from)),
          f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
+  _check(ckpt.restore_step is None or ckpt.restore_step >= 0,
+         f"checkpoint.restore_step={ckpt.restore_step!r} must be a step >= 0 (or None: the latest)")
+  for key in ("max_param_norm_ratio", "max_loss_ratio"):
+    _check(ckpt[key] == 0 or ckpt[key] > 1,
+           f"checkpoint.{key}={ckpt[key]!r} must be > 1 (or 0: no check)")
 
 
 def check_expert_parallel(section: Any) -> None:
@@ -181,6 +195,9 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   _check_keys(data_cfg, data_lib.default_data_config(), "data")
   _check(data_cfg.source in data_lib.SOURCES,
          f"data.source={data_cfg.source!r}; valid: {', '.join(data_lib.SOURCES)}")
+  policies = data_lib.sources.BAD_RECORD_POLICIES
+  _check(data_cfg.on_bad_record in policies,
+         f"data.on_bad_record={data_cfg.on_bad_record!r}; valid: {', '.join(policies)}")
   if data_cfg.source != "builtin":
     _check(bool(data_cfg.train_path), f"data.train_path is empty; data.source={data_cfg.source!r} "
            "needs a file, directory or glob")
@@ -197,6 +214,24 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   except (ValueError, OSError) as e:
     raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r}: {e}") from e
   return tokenizer
+
+
+def check_override(config: ml_collections.ConfigDict, path: str) -> None:
+  """Raises ConfigError unless `path` ("train.num_steps") names a key of `config`: what a
+  `--config.<path>=value` command-line override may set. Message as for unknown keys in `validate`."""
+  node, done = config, []
+  for part in path.split("."):
+    if not isinstance(node, (ml_collections.ConfigDict, dict)):
+      raise ConfigError(f"{'.'.join(done)} is a value (={node!r}), not a section: no key {path}")
+    if part not in node:
+      if not done:
+        raise ConfigError(f"unknown config key {part!r} (in --config.{path}); valid top-level keys: "
+                          f"{', '.join(k for k in SECTIONS if k in config)}")
+      name = ".".join(done)
+      raise ConfigError(f"unknown key {name}.{part} (in --config.{path}); valid keys of {name}: "
+                        f"{', '.join(sorted(node.keys()))}")
+    node = node[part]
+    done.append(part)
 
 
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:

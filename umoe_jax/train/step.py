@@ -116,6 +116,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   Bind the keyword arguments with functools.partial and jit with `donate_argnums=0`.
   Returns the new state and metrics: loss, lm_loss, balance_loss, router_losses ({name: value}, the
   routers' other losses: "z_loss", ...), grad_norm (before clipping), learning_rate, tokens,
+  param_norm (global norm of the parameters after the step: what the save guard watches),
   nonfinite (this step's loss or gradient norm is NaN / inf), applied (0 if the update was dropped:
   non-finite, or the state is halted), and per router {"balance_loss", "expert_counts" [E],
   "entropy", its other losses, and "bias_spread" (max - min of its selection bias after the update)
@@ -139,9 +140,10 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   # Aux-loss-free balancing: selection biases follow this batch's loads (no gradient of their own).
   params, bias_spreads = update_selection_biases(params, graphdef, stats["routers"])
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  new_params = keep(params, state.params)
   new_state = state.replace(
       step=state.step + 1,
-      params=keep(params, state.params),
+      params=new_params,
       opt_state=keep(opt_state, state.opt_state),
       skipped=state.skipped + (1 - apply.astype(jnp.int32)),
       halted=halted)
@@ -154,6 +156,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       "tokens": stats["tokens"],
       "nonfinite": (~finite).astype(jnp.int32),
       "applied": apply.astype(jnp.int32),
+      "param_norm": optax.tree.norm(new_params),
       "router_losses": stats["router_losses"],
       "routers": {name: {**r, **({"bias_spread": bias_spreads[name]} if name in bias_spreads else {})}
                   for name, r in stats["routers"].items()},
