@@ -305,6 +305,15 @@ def test_dev_carve_out_is_deterministic_stratified_and_order_free():
   # a one-example class stays in training
   _, dev4 = data_lib.carve_dev(ex[:6] + [data_lib.Example("only", "z", "f:99")], 0.5, seed=0)
   assert "z" not in {e.label for e in dev4}
+  # Copies of a text never straddle the split (no dev example also seen in training), and the dev
+  # share stays within round(fraction * n) of each class.
+  for seed in range(10):
+    dup = ([data_lib.Example(f"t{i % 3}", "a", f"f:{i}") for i in range(10)]
+           + [data_lib.Example(f"u{i}", "b", f"g:{i}") for i in range(4)])
+    train, dev = data_lib.carve_dev(dup, 0.5, seed=seed)
+    assert not {e.text for e in train} & {e.text for e in dev}, seed
+    assert sum(e.label == "a" for e in dev) <= 5 and sum(e.label == "b" for e in dev) == 2, seed
+    assert len(train) + len(dev) == len(dup) and dev, seed
 
 
 def test_train_batches_cover_each_epoch_once():

@@ -15,9 +15,9 @@ map does not hold is an error naming the file, line and value, and so is a class
 examples (an integer label map with a gap, or a declared name that never occurs).
 
 Without a dev file a dev split is carved from the training file (`carve_dev`): per class, the
-examples whose sha256(seed, text) sorts first, `dev_fraction` of the class (at least one example
-stays in training). The split depends only on the texts, labels and the seed, not on the file order,
-and duplicate texts of a class land on the same side.
+texts whose sha256(seed, text) sorts first, up to `dev_fraction` of the class's examples (at least
+one example stays in training). The split depends only on the texts, labels and the seed, not on the
+file order, and all copies of a text of a class land on the same side.
 
 Batches (`batches`): rows of token ids right-padded with `pad_id` to the smallest bucket length that
 fits the longest row (powers of two from 32, and `max_len`: few compiled shapes), lengths [B],
@@ -270,17 +270,23 @@ def _split_key(seed: int, text: str) -> str:
 
 def carve_dev(examples: Sequence[Example], fraction: float,
               seed: int) -> tuple[list[Example], list[Example]]:
-  """(train, dev): per class, round(fraction * n) examples (at most n - 1) by sha256(seed, text)."""
+  """(train, dev): per class, up to n_dev = min(round(fraction * n), n - 1) examples, taken as whole
+  groups of equal texts in the order of sha256(seed, text); a group that would overshoot n_dev is
+  passed over (so copies of a text never land on both sides)."""
   if not 0 < fraction < 1:
     raise DataError(f"data.dev_fraction={fraction!r} must be in (0, 1) when no data.dev_path is given")
-  by_class: dict[str, list[int]] = {}
+  by_class: dict[str, dict[str, list[int]]] = {}
   for i, e in enumerate(examples):
-    by_class.setdefault(e.label, []).append(i)
+    by_class.setdefault(e.label, {}).setdefault(e.text, []).append(i)
   dev_ids = set()
-  for ids in by_class.values():
-    n_dev = min(int(round(fraction * len(ids))), len(ids) - 1)
-    ranked = sorted(ids, key=lambda i: (_split_key(seed, examples[i].text), i))
-    dev_ids.update(ranked[:n_dev])
+  for groups in by_class.values():
+    n = sum(len(ids) for ids in groups.values())
+    n_dev = min(int(round(fraction * n)), n - 1)
+    taken = 0
+    for text in sorted(groups, key=lambda text: _split_key(seed, text)):
+      if taken + len(groups[text]) <= n_dev:
+        dev_ids.update(groups[text])
+        taken += len(groups[text])
   train = [e for i, e in enumerate(examples) if i not in dev_ids]
   dev = [e for i, e in enumerate(examples) if i in dev_ids]
   return train, dev
