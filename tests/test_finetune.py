@@ -284,6 +284,18 @@ def test_readers_labels_and_line_numbers(tmp_path):
   m = data_lib.build_label_map([data_lib.Example("a", "pos", "f:1"), data_lib.Example("b", "neg", "f:2")],
                                path="f")
   assert m.names == ("neg", "pos") and m.value(1) == "pos"
+  # Bytes that are not UTF-8 (a Latin-1 export): an error naming the file and the line.
+  for name, body in (("latin.csv", b"text,label\nok,a\ncaf\xe9,b\n"),
+                     ("latin.jsonl", b'{"text": "ok", "label": "a"}\n{"text": "caf\xe9", "label": "b"}\n')):
+    (tmp_path / name).write_bytes(body)
+    line = 3 if name.endswith(".csv") else 2
+    with pytest.raises(DataError, match=rf"{name}:{line}: not UTF-8 text \(byte 0xe9\)"):
+      data_lib.read_examples(str(tmp_path / name), text_field="text", label_field="label")
+  # A line separator inside a JSON string is text, not the end of a record.
+  sep = _write(tmp_path / "sep.jsonl", json.dumps({"text": "a\u2028b", "label": "x"},
+                                                  ensure_ascii=False) + "\n")
+  assert [e.text for e in data_lib.read_examples(sep, text_field="text", label_field="label")] == [
+      "a\u2028b"]
   import pandas as pd
   pq_path = str(tmp_path / "p.parquet")
   pd.DataFrame({"text": ["u", "v"], "label": [1, 0]}).to_parquet(pq_path)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
+import io
 import json
 import os
 from typing import Any, Iterator, Optional, Sequence
@@ -68,33 +69,45 @@ def file_format(path: str, fmt: str = "auto") -> str:
   return _EXTENSIONS[ext]
 
 
+def _read_text(path: str) -> str:
+  """The file as text: UTF-8, a leading byte-order mark dropped; other bytes are an error naming
+  the line."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    return raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b"\n") + 1
+    raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as "
+                    f"UTF-8") from None
+
+
 def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
   """(where, record) for every record of the file."""
   name = os.path.basename(path)
   if fmt == "jsonl":
-    with open(path, encoding="utf-8-sig") as f:   # -sig: a byte-order mark is not text
-      for lineno, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
-        if not isinstance(record, dict):
-          raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        yield f"{name}:{lineno}", record
+    # split on "\n" only: str.splitlines would also cut at U+2028 etc. inside JSON strings
+    for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
+      if not isinstance(record, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+      yield f"{name}:{lineno}", record
   elif fmt in ("csv", "tsv"):
     kw = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if fmt == "tsv" else {}
-    with open(path, encoding="utf-8-sig", newline="") as f:
-      reader = csv.DictReader(f, **kw)
-      try:
-        for record in reader:
-          if None in record:
-            raise DataError(f"{path}:{reader.line_num}: more fields than the header "
-                            f"{reader.fieldnames}")
-          yield f"{name}:{reader.line_num}", record
-      except csv.Error as e:
-        raise DataError(f"{path}:{reader.line_num}: {e}") from None
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""), **kw)
+    try:
+      for record in reader:
+        if None in record:
+          raise DataError(f"{path}:{reader.line_num}: more fields than the header "
+                          f"{reader.fieldnames}")
+        yield f"{name}:{reader.line_num}", record
+    except csv.Error as e:
+      raise DataError(f"{path}:{reader.line_num}: {e}") from None
   elif fmt == "parquet":
     import pyarrow.parquet as pq
     try:
