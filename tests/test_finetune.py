@@ -229,6 +229,18 @@ def test_freeze_routers_without_routers_is_an_error():
   loop.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)   # has routers
 
 
+def test_config_takes_remat_policies_and_the_old_bool():
+  from umoe_jax.finetune.config import validate
+  config = default_config()
+  config.init_from, config.data.train_path = "runs/x", "train.jsonl"   # validate reads no file
+  for remat in ("none", "block", "dots", "dots_no_batch", True, False):
+    config.model.remat = remat
+    validate(config)
+  config.model.remat = "dot"
+  with pytest.raises(ConfigError, match=r"model\.remat='dot'; valid: none, block, dots"):
+    validate(config)
+
+
 # ----------------------------------------------------------------------------------------------
 # Metrics by hand.
 

@@ -42,6 +42,7 @@ from umoe_jax.finetune import data as data_lib
 from umoe_jax.finetune import predict as predict_lib
 from umoe_jax.finetune.metrics import majority_accuracy
 from umoe_jax.finetune.model import init_head
+from umoe_jax.model.remat import policy_name
 from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train import optimizer as optimizer_lib
@@ -169,7 +170,7 @@ def make_optimizer(t: Any, labels: Any, decay: Any, total_steps: int):
 
 
 def train_step(state: dict, batch: dict, *, graphdef: Any, tx: Any, labels: Any, schedules: dict,
-               balance_weight: float, remat: bool) -> tuple[dict, dict]:
+               balance_weight: float, remat: bool | str) -> tuple[dict, dict]:
   """One update. state: {"step", "params", "opt_state", "rng", "best_score", "best_step"};
   batch: `data.collate` arrays. A non-finite loss or gradient drops the update (metrics say so)."""
   key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
@@ -237,7 +238,7 @@ def programs(config: Any, graphdef: Any, abstract_params: Any, total_steps: int)
   pure = nnx.to_pure_dict(abstract_params)
   labels = param_labels(pure, freeze_body=t.freeze_body, freeze_routers=t.freeze_routers)
   key = (graphdef, flat_labels(labels), tuple((k, t[k]) for k in OPTIMIZER_KEYS), total_steps,
-         float(t.balance_loss_weight), bool(config.model.remat))
+         float(t.balance_loss_weight), policy_name(config.model.remat))
   if key not in _PROGRAMS:
     decay = optimizer_lib.decay_mask(abstract_params)
     decay["head"]["bias"] = False
@@ -250,7 +251,7 @@ def programs(config: Any, graphdef: Any, abstract_params: Any, total_steps: int)
         "best_step": jax.ShapeDtypeStruct((), jnp.int32)}
     step = functools.partial(train_step, graphdef=graphdef, tx=tx, labels=labels,
                              schedules=schedules, balance_weight=float(t.balance_loss_weight),
-                             remat=bool(config.model.remat))
+                             remat=policy_name(config.model.remat))
     while len(_PROGRAMS) >= 4:
       _PROGRAMS.pop(next(iter(_PROGRAMS)))
     # Explicit placement: state and batch are committed to the device, so every step (fresh,
