@@ -196,6 +196,51 @@ def _run_steps(cfg, progs, state, n=3):
   return flat(before), flat(after), metrics
 
 
+def test_learning_rate_groups_and_weight_decay_by_hand():
+  """Zero gradients leave only AdamW's decoupled decay: update t of a parameter p is
+  -lr_group(t) * wd * p, with the head's LR on the head kernel, the body's on the decoder, and no
+  change at all for norm scales, the head bias, the unused LM head and frozen routers; lr(t) is the
+  group's cosine (no warmup) over the run's steps."""
+  import math
+  import optax
+  _, model = _classifier("ffn_moe", num_classes=3, seed=7)
+  graphdef, params_state = nnx.split(model, nnx.Param)
+  config = default_config()
+  t = config.train
+  t.head_learning_rate, t.body_learning_rate, t.weight_decay, t.warmup_ratio = 0.1, 0.02, 0.5, 0.0
+  t.freeze_routers = True
+  progs = loop.programs(config, graphdef, params_state, total_steps=4)
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(params_state))
+  zeros = jax.tree.map(np.zeros_like, params)
+  opt_state = jax.jit(progs.tx.init)(params)
+
+  @jax.jit
+  def update(opt_state, params):
+    updates, opt_state = progs.tx.update(zeros, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(x, np.float64)
+                       for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  expected = flat(params)
+  groups = {"head": 0, "body": 0, "none": 0}
+  for step in range(3):
+    params, opt_state = update(opt_state, params)
+    cosine = (1 + math.cos(math.pi * step / 4)) / 2
+    for key, got in flat(params).items():
+      if key == "['head']['kernel']":
+        lr, group = t.head_learning_rate * cosine, "head"
+      elif (key == "['head']['bias']" or "norm" in key or "['lm_head']" in key
+            or "['router']" in key):
+        lr, group = 0.0, "none"
+      else:
+        assert key.startswith("['backbone']"), key
+        lr, group = t.body_learning_rate * cosine, "body"
+      groups[group] += step == 0
+      expected[key] = expected[key] * (1 - lr * t.weight_decay)
+      np.testing.assert_allclose(got, expected[key], rtol=2e-6, err_msg=f"step {step} {key}")
+  assert groups["head"] == 1 and groups["body"] > 5 and groups["none"] > 5, groups
+
+
 def test_freeze_body_changes_only_the_head():
   cfg, progs, state = _step_setup(freeze_body=True)
   before, after, _ = _run_steps(cfg, progs, state)
