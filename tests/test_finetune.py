@@ -28,6 +28,8 @@ from umoe_jax.config import ConfigError
 from umoe_jax.finetune import data as data_lib
 from umoe_jax.finetune import linux_docs
 from umoe_jax.finetune import loop
+from umoe_jax.finetune import optimizer as optimizer_lib
+from umoe_jax.finetune import step as step_lib
 from umoe_jax.finetune import predict as predict_lib
 from umoe_jax.finetune.config import default_config
 from umoe_jax.finetune.data import DataError
@@ -174,12 +176,12 @@ def _step_setup(freeze_body=False, freeze_routers=False, family="ffn_moe"):
   config.train.freeze_body, config.train.freeze_routers = freeze_body, freeze_routers
   config.train.head_learning_rate = config.train.body_learning_rate = 1e-2
   config.model.head_dropout = 0.0
-  progs = loop.programs(config, graphdef, params_state, total_steps=10)
+  progs = step_lib.programs(config, graphdef, params_state, total_steps=10)
   params = nnx.to_pure_dict(params_state)
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": progs.tx.init(params),
            "rng": jnp.zeros((2,), jnp.uint32), "best_score": jnp.zeros(()),
            "best_step": jnp.zeros((), jnp.int32)}
-  return cfg, progs, jax.device_put(state, loop.device_sharding())
+  return cfg, progs, jax.device_put(state, predict_lib.device_sharding())
 
 
 def _run_steps(cfg, progs, state, n=3):
@@ -189,7 +191,7 @@ def _run_steps(cfg, progs, state, n=3):
   for s in range(n):
     rows = [rng.integers(0, cfg.vocab_size, rng.integers(3, 12)).astype(np.int32) for _ in range(4)]
     batch = data_lib.collate(rows, rng.integers(0, 3, 4), batch_size=4, max_len=16)
-    state, m = progs.train_fn(state, jax.device_put(batch, loop.device_sharding()))
+    state, m = progs.train_fn(state, jax.device_put(batch, predict_lib.device_sharding()))
     metrics.append(jax.device_get(m))
   after = jax.tree.map(np.asarray, state["params"])
   flat = lambda t: dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(t))
@@ -209,7 +211,7 @@ def test_learning_rate_groups_and_weight_decay_by_hand():
   t = config.train
   t.head_learning_rate, t.body_learning_rate, t.weight_decay, t.warmup_ratio = 0.1, 0.02, 0.5, 0.0
   t.freeze_routers = True
-  progs = loop.programs(config, graphdef, params_state, total_steps=4)
+  progs = step_lib.programs(config, graphdef, params_state, total_steps=4)
   params = jax.tree.map(np.asarray, nnx.to_pure_dict(params_state))
   zeros = jax.tree.map(np.zeros_like, params)
   opt_state = jax.jit(progs.tx.init)(params)
@@ -269,9 +271,9 @@ def test_freeze_routers_without_routers_is_an_error():
     t = default_config().train
     t.freeze_routers = True
     with pytest.raises(ConfigError, match=f"router.kind='{cfg.router.kind}'.*no router parameters"):
-      loop.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)
+      optimizer_lib.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)
   cfg, model = _classifier("ffn_moe")
-  loop.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)   # has routers
+  optimizer_lib.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)   # has routers
 
 
 def test_config_takes_remat_policies_and_the_old_bool():
@@ -539,7 +541,7 @@ def test_resume_after_sigterm_equals_uninterrupted_run(real_run, tmp_path):
     assert second[key] == straight[key], key
   meta = predict_lib.read_meta(workdir)
   abstract = nnx.state(predict_lib.make_classifier(meta), nnx.Param)
-  device = loop.device_sharding()
+  device = predict_lib.device_sharding()
   shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract))
   final = [ckpt_lib.load_init_params(w, abstract, shardings)
            for w in (paths["finetuned"], workdir)]

@@ -19,9 +19,11 @@ texts whose sha256(seed, text) sorts first, up to `dev_fraction` of the class's 
 one example stays in training). The split depends only on the texts, labels and the seed, not on the
 file order, and all copies of a text of a class land on the same side.
 
-Batches (`batches`): rows of token ids right-padded with `pad_id` to the smallest bucket length that
-fits the longest row (powers of two from 32, and `max_len`: few compiled shapes), lengths [B],
-labels [B] and weights [B] (0 for the rows that fill the last batch up to the batch size).
+`load_splits` puts it together for a run: (label map, train, dev, test) token rows and class ids.
+
+Batches (`train_batch`, `eval_batches`): rows of token ids right-padded with `pad_id` to the
+smallest bucket length that fits the longest row (powers of two from 32, and `max_len`: few compiled
+shapes), lengths [B], labels [B] and weights [B] (0 for the rows that fill the last batch).
 """
 from __future__ import annotations
 
@@ -385,3 +387,43 @@ def eval_batches(rows: Sequence[np.ndarray], labels: Optional[np.ndarray], *, ba
     idx = np.asarray(order[start:start + batch_size])
     yield idx, collate([rows[i] for i in idx], None if labels is None else labels[idx],
                        batch_size=batch_size, max_len=max_len, pad_id=pad_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's splits.
+
+
+@dataclasses.dataclass
+class Split:
+  name: str                 # train | dev | test
+  path: str                 # the file (dev carved from train: the train file, so noted)
+  rows: list                # int32 token rows, `encode`d
+  labels: np.ndarray        # int32 [N] class ids
+
+
+def load_splits(config: Any, tokenizer) -> tuple[LabelMap, Split, Split, Optional[Split]]:
+  """(label map, train, dev, test or None) of the fine-tuning config's `data` section: read,
+  labelled against the training file, the dev split carved when there is no dev file, tokenized."""
+  d, seed = config.data, config.train.seed
+  kw = dict(text_field=d.text_field, label_field=d.label_field, fmt=d.format)
+  train = read_examples(d.train_path, key="data.train_path", **kw)
+  label_map = build_label_map(train, path=d.train_path, label_names=list(d.label_names))
+  if d.dev_path:
+    dev, dev_path = read_examples(d.dev_path, key="data.dev_path", **kw), d.dev_path
+  else:
+    train, dev = carve_dev(train, d.dev_fraction, seed)
+    dev_path = f"{d.train_path} (dev carve-out)"
+    if not dev:
+      raise DataError(f"data.train_path={d.train_path!r}: too few examples per class to carve a dev "
+                      f"split of data.dev_fraction={d.dev_fraction}; give data.dev_path")
+  test = read_examples(d.test_path, key="data.test_path", **kw) if d.test_path else None
+
+  def split(name, path, examples):
+    ids = label_map.ids(examples, path=path, train_path=d.train_path)
+    rows = encode([e.text for e in examples], tokenizer, max_len=d.max_len, bos_id=d.bos_id,
+                  append_eos=d.append_eos)
+    return Split(name, path, rows, ids)
+
+  return (label_map, split("train", d.train_path, train), split("dev", dev_path, dev),
+          split("test", d.test_path, test) if test is not None else None)
+
