@@ -675,6 +675,11 @@ def test_bad_input_errors_name_file_line_and_value(real_run, tmp_path):
                                        "data.dev_fraction": 0.5}), paths["finetuned"])
   with pytest.raises(ConfigError, match=r"pretrained.*has no classifier\.json"):
     loop.run(finetune_config(paths), paths["pretrained"])
+  # ... or with settings that change what the trained head reads.
+  for key, value in (("model.pooling", "mean"), ("data.max_len", 32), ("data.append_eos", False)):
+    with pytest.raises(ConfigError, match=rf"classifier\.json: this run was trained with {key}="):
+      loop.run(finetune_config(paths, **{key: value}), paths["finetuned"])
+  assert predict_lib.read_meta(paths["finetuned"])["pooling"] == "last"   # left as it was
   assert not os.path.exists(tmp_path / "wd" / "checkpoints")   # nothing was trained
 
 

@@ -91,6 +91,8 @@ class Run:
                         f"{self.resume_meta['labels']['names']}, but data.train_path="
                         f"{d.train_path!r} gives {list(self.label_map.names)}: use a new workdir "
                         f"for other data")
+    if self.resume_meta is not None:
+      self._check_resume_settings()
     self.steps_per_epoch = data_lib.steps_per_epoch(len(self.train_split.rows), t.batch_size)
     self.total_steps = t.epochs * self.steps_per_epoch
 
@@ -107,6 +109,19 @@ class Run:
                                       async_save=False)
     self.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
                                            jsonl=config.log.jsonl)
+
+  # Settings that change what the trained parameters read (the token rows, the pooled feature):
+  # a run resumes only with those it was trained with.
+  RESUME_KEYS = (("model", "pooling"), ("data", "max_len"), ("data", "bos_id"),
+                 ("data", "append_eos"))
+
+  def _check_resume_settings(self) -> None:
+    path = os.path.join(self.workdir, predict_lib.CLASSIFIER_FILE)
+    for section, key in self.RESUME_KEYS:
+      saved, now = self.resume_meta.get(key), self.config[section][key]
+      if key in self.resume_meta and saved != now:
+        raise ConfigError(f"{path}: this run was trained with {section}.{key}={saved!r}, but the "
+                          f"config sets {now!r}; resume with the same setting or use a new workdir")
 
   # -- start point -------------------------------------------------------------------------------
 
