@@ -86,38 +86,55 @@ def load_table(path: str) -> None:
 # Launch geometry.
 
 
-def _check(tiles: PassTiles, pow2_bd: bool) -> None:
+# tl.dot on NVIDIA GPUs contracts at least 16 elements (bf16 / fp16), and the older Triton releases
+# want M and N of 16 too; the Triton interpreter checks neither, so the bounds are checked here.
+MIN_DOT = 16
+
+
+def key_width(dk: int) -> int:
+  """DKP, the key width inside the kernels: dk padded to a power of two >= MIN_DOT (masked loads)."""
+  return max(MIN_DOT, _pow2_at_least(dk))
+
+
+def _check(tiles: PassTiles, pow2_bd: bool, contracts_bd: bool = False) -> None:
+  """bm, bn: powers of two >= MIN_DOT (each is a dot's contraction in some pass); bd: one power of
+  two (`pow2_bd`) or two; a bd the pass contracts over (`contracts_bd`) >= MIN_DOT per piece."""
   sizes = (tiles.bm, tiles.bn) + ((tiles.bd,) if pow2_bd else ())
   if any(n < 1 or n & (n - 1) for n in sizes):
     raise ValueError(f"attention tiles {tiles}: bm, bn{', bd' if pow2_bd else ''} must be powers of two")
+  pieces = (tiles.bd,) if pow2_bd else tuple(p for p in split_width(tiles.bd) if p)
+  if min(tiles.bm, tiles.bn) < MIN_DOT or (contracts_bd and min(pieces) < MIN_DOT):
+    raise ValueError(f"attention tiles {tiles}: bm, bn{' and bd (each piece)' if contracts_bd else ''} "
+                     f"must be >= {MIN_DOT} (a tl.dot contraction)")
 
 
 def fwd_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
   _check(tiles, pow2_bd=False)
   bd1, bd2 = split_width(tiles.bd)
   n_row_tiles, n_chunks = -(-t * h // tiles.bm), -(-d // tiles.bd)
-  return dict(grid0=n_row_tiles * n_chunks, DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=n_row_tiles * n_chunks, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
               BD1=bd1, BD2=bd2, BD2S=max(bd2, 1), N_ROW_TILES=n_row_tiles, N_CHUNKS=n_chunks,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def dx_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
-  _check(tiles, pow2_bd=False)
+def dx_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles, *, fused_dk: bool = False) -> dict:
+  """The dX pass, or with `fused_dk` the fused dX + dK pass (it also contracts X_c dO_c^T over bd)."""
+  _check(tiles, pow2_bd=False, contracts_bd=fused_dk)
   bd1, bd2 = split_width(tiles.bd)
   n_chunks = -(-d // tiles.bd)
-  return dict(grid0=-(-t // tiles.bn) * n_chunks, DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=-(-t // tiles.bn) * n_chunks, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
               BD1=bd1, BD2=bd2, BD2S=max(bd2, 1), N_CHUNKS=n_chunks, num_warps=tiles.num_warps,
               num_stages=tiles.num_stages)
 
 
 def dk_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
-  _check(tiles, pow2_bd=True)  # bd: the D step of the dO X^T contraction
-  return dict(grid0=-(-t // tiles.bn), DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn,
+  _check(tiles, pow2_bd=True, contracts_bd=True)  # bd: the D step of the dO X^T contraction
+  return dict(grid0=-(-t // tiles.bn), DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
               BDK=tiles.bd, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def dq_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
-  _check(tiles, pow2_bd=True)
+  _check(tiles, pow2_bd=True, contracts_bd=True)
   n_row_tiles = -(-t * h // tiles.bm)
-  return dict(grid0=n_row_tiles, DKP=_pow2_at_least(dk), BM=tiles.bm, BN=tiles.bn, BDK=tiles.bd,
+  return dict(grid0=n_row_tiles, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn, BDK=tiles.bd,
               N_ROW_TILES=n_row_tiles, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -27,7 +27,7 @@ tile past T and the row tile past T*H are masked, the others are not):
 delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward kernels.
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
-column tiles; the key width dk is padded to a power of two inside the kernels (masked loads).
+column tiles; the key width dk is padded to a power of two >= 16 inside the kernels (masked loads).
 
 `premix_attention` is the differentiable JAX entry (jax.custom_vjp); `supported` says whether the
 kernels take given arrays (callers fall back to XLA otherwise). Kernel launches go through
@@ -470,7 +470,7 @@ def _bwd_dq(q, k, v, dout, lse, delta, tiles: PassTiles):
 def _bwd_dxdk(q, k, v, dout, lse, delta, tiles: PassTiles):
   """(dX [B, T, D] in v's dtype, dK [B, T, dk] in k's dtype) from the fused pass."""
   b, t, h, dk = q.shape
-  grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles), b)
+  grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles, fused_dk=True), b)
   dx, parts = _launch(_bwd_dxdk_kernel, grid, (q, k, v, dout, lse, delta),
                       [jax.ShapeDtypeStruct(v.shape, v.dtype),
                        jax.ShapeDtypeStruct((b, meta["N_CHUNKS"], t, dk), jnp.float32)],
@@ -542,11 +542,18 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 def supported(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
   """Whether the kernels take q [B,T,H,dk], k [B,S,1,dk], v [B,S,1,D] here: a GPU with Triton and
-  jax-triton, operands of one dtype in DTYPES, one key head, S == T, dk <= MAX_HEAD_DIM."""
-  return (available() and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+  jax-triton, and `supported_shapes`."""
+  return available() and supported_shapes(q, k, v)
+
+
+def supported_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+  """Operands of one dtype in DTYPES, one key head, S == T, dk <= MAX_HEAD_DIM, and every offset
+  within a sequence (row * width, T*H rows of D or dk) inside int32, as the kernels compute it."""
+  return (q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
           and q.ndim == k.ndim == v.ndim == 4 and k.shape[2] == 1 and v.shape[2] == 1
           and k.shape[1] == q.shape[1] == v.shape[1] and k.shape[-1] == q.shape[-1]
-          and q.shape[-1] <= MAX_HEAD_DIM)
+          and q.shape[-1] <= MAX_HEAD_DIM
+          and q.shape[1] * q.shape[2] * max(v.shape[-1], q.shape[-1]) < 2**31)
 
 
 def available() -> bool:

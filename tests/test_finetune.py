@@ -28,6 +28,8 @@ from umoe_jax.config import ConfigError
 from umoe_jax.finetune import data as data_lib
 from umoe_jax.finetune import linux_docs
 from umoe_jax.finetune import loop
+from umoe_jax.finetune import optimizer as optimizer_lib
+from umoe_jax.finetune import step as step_lib
 from umoe_jax.finetune import predict as predict_lib
 from umoe_jax.finetune.config import default_config
 from umoe_jax.finetune.data import DataError
@@ -174,12 +176,12 @@ def _step_setup(freeze_body=False, freeze_routers=False, family="ffn_moe"):
   config.train.freeze_body, config.train.freeze_routers = freeze_body, freeze_routers
   config.train.head_learning_rate = config.train.body_learning_rate = 1e-2
   config.model.head_dropout = 0.0
-  progs = loop.programs(config, graphdef, params_state, total_steps=10)
+  progs = step_lib.programs(config, graphdef, params_state, total_steps=10)
   params = nnx.to_pure_dict(params_state)
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": progs.tx.init(params),
            "rng": jnp.zeros((2,), jnp.uint32), "best_score": jnp.zeros(()),
            "best_step": jnp.zeros((), jnp.int32)}
-  return cfg, progs, jax.device_put(state, loop.device_sharding())
+  return cfg, progs, jax.device_put(state, predict_lib.device_sharding())
 
 
 def _run_steps(cfg, progs, state, n=3):
@@ -189,11 +191,56 @@ def _run_steps(cfg, progs, state, n=3):
   for s in range(n):
     rows = [rng.integers(0, cfg.vocab_size, rng.integers(3, 12)).astype(np.int32) for _ in range(4)]
     batch = data_lib.collate(rows, rng.integers(0, 3, 4), batch_size=4, max_len=16)
-    state, m = progs.train_fn(state, jax.device_put(batch, loop.device_sharding()))
+    state, m = progs.train_fn(state, jax.device_put(batch, predict_lib.device_sharding()))
     metrics.append(jax.device_get(m))
   after = jax.tree.map(np.asarray, state["params"])
   flat = lambda t: dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(t))
   return flat(before), flat(after), metrics
+
+
+def test_learning_rate_groups_and_weight_decay_by_hand():
+  """Zero gradients leave only AdamW's decoupled decay: update t of a parameter p is
+  -lr_group(t) * wd * p, with the head's LR on the head kernel, the body's on the decoder, and no
+  change at all for norm scales, the head bias, the unused LM head and frozen routers; lr(t) is the
+  group's cosine (no warmup) over the run's steps."""
+  import math
+  import optax
+  _, model = _classifier("ffn_moe", num_classes=3, seed=7)
+  graphdef, params_state = nnx.split(model, nnx.Param)
+  config = default_config()
+  t = config.train
+  t.head_learning_rate, t.body_learning_rate, t.weight_decay, t.warmup_ratio = 0.1, 0.02, 0.5, 0.0
+  t.freeze_routers = True
+  progs = step_lib.programs(config, graphdef, params_state, total_steps=4)
+  params = jax.tree.map(np.asarray, nnx.to_pure_dict(params_state))
+  zeros = jax.tree.map(np.zeros_like, params)
+  opt_state = jax.jit(progs.tx.init)(params)
+
+  @jax.jit
+  def update(opt_state, params):
+    updates, opt_state = progs.tx.update(zeros, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(x, np.float64)
+                       for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  expected = flat(params)
+  groups = {"head": 0, "body": 0, "none": 0}
+  for step in range(3):
+    params, opt_state = update(opt_state, params)
+    cosine = (1 + math.cos(math.pi * step / 4)) / 2
+    for key, got in flat(params).items():
+      if key == "['head']['kernel']":
+        lr, group = t.head_learning_rate * cosine, "head"
+      elif (key == "['head']['bias']" or "norm" in key or "['lm_head']" in key
+            or "['router']" in key):
+        lr, group = 0.0, "none"
+      else:
+        assert key.startswith("['backbone']"), key
+        lr, group = t.body_learning_rate * cosine, "body"
+      groups[group] += step == 0
+      expected[key] = expected[key] * (1 - lr * t.weight_decay)
+      np.testing.assert_allclose(got, expected[key], rtol=2e-6, err_msg=f"step {step} {key}")
+  assert groups["head"] == 1 and groups["body"] > 5 and groups["none"] > 5, groups
 
 
 def test_freeze_body_changes_only_the_head():
@@ -224,9 +271,21 @@ def test_freeze_routers_without_routers_is_an_error():
     t = default_config().train
     t.freeze_routers = True
     with pytest.raises(ConfigError, match=f"router.kind='{cfg.router.kind}'.*no router parameters"):
-      loop.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)
+      optimizer_lib.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)
   cfg, model = _classifier("ffn_moe")
-  loop.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)   # has routers
+  optimizer_lib.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)   # has routers
+
+
+def test_config_takes_remat_policies_and_the_old_bool():
+  from umoe_jax.finetune.config import validate
+  config = default_config()
+  config.init_from, config.data.train_path = "runs/x", "train.jsonl"   # validate reads no file
+  for remat in ("none", "block", "dots", "dots_no_batch", True, False):
+    config.model.remat = remat
+    validate(config)
+  config.model.remat = "dot"
+  with pytest.raises(ConfigError, match=r"model\.remat='dot'; valid: none, block, dots"):
+    validate(config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +343,18 @@ def test_readers_labels_and_line_numbers(tmp_path):
   m = data_lib.build_label_map([data_lib.Example("a", "pos", "f:1"), data_lib.Example("b", "neg", "f:2")],
                                path="f")
   assert m.names == ("neg", "pos") and m.value(1) == "pos"
+  # Bytes that are not UTF-8 (a Latin-1 export): an error naming the file and the line.
+  for name, body in (("latin.csv", b"text,label\nok,a\ncaf\xe9,b\n"),
+                     ("latin.jsonl", b'{"text": "ok", "label": "a"}\n{"text": "caf\xe9", "label": "b"}\n')):
+    (tmp_path / name).write_bytes(body)
+    line = 3 if name.endswith(".csv") else 2
+    with pytest.raises(DataError, match=rf"{name}:{line}: not UTF-8 text \(byte 0xe9\)"):
+      data_lib.read_examples(str(tmp_path / name), text_field="text", label_field="label")
+  # A line separator inside a JSON string is text, not the end of a record.
+  sep = _write(tmp_path / "sep.jsonl", json.dumps({"text": "a\u2028b", "label": "x"},
+                                                  ensure_ascii=False) + "\n")
+  assert [e.text for e in data_lib.read_examples(sep, text_field="text", label_field="label")] == [
+      "a\u2028b"]
   import pandas as pd
   pq_path = str(tmp_path / "p.parquet")
   pd.DataFrame({"text": ["u", "v"], "label": [1, 0]}).to_parquet(pq_path)
@@ -305,6 +376,15 @@ def test_dev_carve_out_is_deterministic_stratified_and_order_free():
   # a one-example class stays in training
   _, dev4 = data_lib.carve_dev(ex[:6] + [data_lib.Example("only", "z", "f:99")], 0.5, seed=0)
   assert "z" not in {e.label for e in dev4}
+  # Copies of a text never straddle the split (no dev example also seen in training), and the dev
+  # share stays within round(fraction * n) of each class.
+  for seed in range(10):
+    dup = ([data_lib.Example(f"t{i % 3}", "a", f"f:{i}") for i in range(10)]
+           + [data_lib.Example(f"u{i}", "b", f"g:{i}") for i in range(4)])
+    train, dev = data_lib.carve_dev(dup, 0.5, seed=seed)
+    assert not {e.text for e in train} & {e.text for e in dev}, seed
+    assert sum(e.label == "a" for e in dev) <= 5 and sum(e.label == "b" for e in dev) == 2, seed
+    assert len(train) + len(dev) == len(dup) and dev, seed
 
 
 def test_train_batches_cover_each_epoch_once():
@@ -461,7 +541,7 @@ def test_resume_after_sigterm_equals_uninterrupted_run(real_run, tmp_path):
     assert second[key] == straight[key], key
   meta = predict_lib.read_meta(workdir)
   abstract = nnx.state(predict_lib.make_classifier(meta), nnx.Param)
-  device = loop.device_sharding()
+  device = predict_lib.device_sharding()
   shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract))
   final = [ckpt_lib.load_init_params(w, abstract, shardings)
            for w in (paths["finetuned"], workdir)]
@@ -595,6 +675,11 @@ def test_bad_input_errors_name_file_line_and_value(real_run, tmp_path):
                                        "data.dev_fraction": 0.5}), paths["finetuned"])
   with pytest.raises(ConfigError, match=r"pretrained.*has no classifier\.json"):
     loop.run(finetune_config(paths), paths["pretrained"])
+  # ... or with settings that change what the trained head reads.
+  for key, value in (("model.pooling", "mean"), ("data.max_len", 32), ("data.append_eos", False)):
+    with pytest.raises(ConfigError, match=rf"classifier\.json: this run was trained with {key}="):
+      loop.run(finetune_config(paths, **{key: value}), paths["finetuned"])
+  assert predict_lib.read_meta(paths["finetuned"])["pooling"] == "last"   # left as it was
   assert not os.path.exists(tmp_path / "wd" / "checkpoints")   # nothing was trained
 
 

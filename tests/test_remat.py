@@ -77,3 +77,29 @@ def test_remat_config_values():
     train_config.validate(config)
   with pytest.raises(ValueError, match="'dot'"):
     policy_name("dot")
+  config.train.remat = 1
+  with pytest.raises(ConfigError, match=r"train\.remat=1"):
+    train_config.validate(config)
+
+
+def test_remat_keeps_the_bool_form_of_older_configs(tmp_path):
+  """A config file written before the policies (`c.train.remat = True`) and the flag
+  --config.train.remat=True|False still load and validate, as block / none."""
+  from absl import flags
+  from ml_collections import config_flags
+  config = configs.common.experiment("umoe", "tiny")
+  for old, name in ((True, "block"), (False, "none")):
+    config.train.remat = old
+    train_config.validate(config)
+    assert policy_name(config.train.remat) == name
+  path = tmp_path / "old_config.py"
+  path.write_text("import configs.common\n\ndef get_config():\n"
+                  "  c = configs.common.experiment('umoe', 'tiny')\n  c.train.remat = True\n  return c\n")
+  for flag, want in (([], True), (["--config.train.remat=False"], False),
+                     (["--config.train.remat=dots"], "dots")):
+    argv = ["train.py", f"--config={path}", *flag]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    assert fv.config.train.remat == want and type(fv.config.train.remat) is type(want), flag
+    train_config.validate(fv.config)

@@ -44,6 +44,19 @@ def test_launch_geometry_covers_every_row_key_and_column():
     at.dk_launch(64, 4, 64, 112, at.PassTiles(64, 64, 48))    # the dO X^T step must be one piece
   with pytest.raises(ValueError, match="powers of two"):
     at.fwd_launch(64, 4, 64, 112, at.PassTiles(48, 64, 64))
+  # tl.dot contracts >= 16 elements on the GPU (the interpreter does not check): a small head is
+  # padded to 16 keys' width, and tiles with a contraction under 16 are refused up front.
+  for launch in (at.fwd_launch, at.dx_launch, at.dk_launch, at.dq_launch):
+    assert launch(37, 3, 8, 80, at.PassTiles(16, 16, 16))["DKP"] == 16
+  with pytest.raises(ValueError, match=">= 16"):
+    at.fwd_launch(64, 4, 64, 128, at.PassTiles(64, 8, 64))     # p V contracts over bn keys
+  with pytest.raises(ValueError, match=">= 16"):
+    at.dx_launch(64, 4, 64, 128, at.PassTiles(8, 64, 64))      # P^T dO contracts over bm rows
+  with pytest.raises(ValueError, match=">= 16"):
+    at.dq_launch(64, 4, 64, 128, at.PassTiles(64, 64, 8))      # dO X^T in bd-wide steps
+  at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24))        # dX: 16 + 8 columns are fine,
+  with pytest.raises(ValueError, match=">= 16"):               # but the fused pass contracts them
+    at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24), fused_dk=True)
 
 
 def test_triton_core_declines_where_it_cannot_run():
@@ -63,6 +76,21 @@ def test_triton_core_declines_where_it_cannot_run():
   assert not ta.supported(q, jnp.zeros((2, 11, 1, 16), q.dtype), jnp.zeros((2, 11, 1, 40), q.dtype))
   with pytest.raises(ValueError, match="premix_attention wants"):
     ta.premix_attention(q, k, v[:, :, 0])
+
+
+def test_kernel_shape_limits():
+  """The shapes the kernels take (whatever the machine): one key head of the queries' width, S == T,
+  bf16 / fp16, dk <= 512, and T*H*D inside int32 (the kernels' in-sequence offsets)."""
+  import jax
+  import jax.numpy as jnp
+  sds = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  ok = lambda t, h, dk, d, **kw: ta.supported_shapes(sds(2, t, h, dk, **kw), sds(2, t, 1, dk, **kw),
+                                                     sds(2, t, 1, d, **kw))
+  assert ok(1024, 4, 192, 768) and ok(1024, 4, 512, 2048) and ok(37, 3, 8, 80)
+  assert ok(1024, 4, 192, 768, dtype=jnp.float16) and not ok(1024, 4, 192, 768, dtype=jnp.float32)
+  assert not ok(1024, 4, 576, 768)                         # a head wider than MAX_HEAD_DIM
+  assert ok(2**17, 4, 128, 2**12 - 64) and not ok(2**17, 4, 128, 2**12)   # 2^31 offsets
+  assert not ta.supported_shapes(sds(2, 9, 3, 16), sds(2, 9, 1, 32), sds(2, 9, 1, 40))
 
 
 def test_config_accepts_triton_core_and_names_a_bad_one():
@@ -189,6 +217,8 @@ def _interpreter_check():
   for a, w in zip(gs1, gs0):
     if np.linalg.norm(np.asarray(w)) > 0:
       assert _rel(a, w) < 1e-4, _rel(a, w)
+    else:  # e.g. experts no token reached: no gradient through the kernel either
+      assert not np.any(np.asarray(a)), np.abs(np.asarray(a)).max()
   print("TRITON_ATTENTION_INTERPRETER_OK")
 
 

@@ -7,7 +7,7 @@ kernel runs when the queries attend to their own keys (the same positions array)
 key positions (a cache: offset queries, a padding key) the XLA form must run instead, and give
 exactly its values. The Triton core (one shared key head, D-wide values) is checked at the base and
 large pre-mixing shapes and at odd ones (T not a multiple of any tile, 3 heads, D = 320 = a partial
-D-chunk), within 1e-2 relative on values and on the gradients of q, k and x; so is the optional fused
+D-chunk; a head of 8, padded to the 16-wide key tl.dot needs), within 1e-2 relative on values and on the gradients of q, k and x; so is the optional fused
 dX + dK backward pass (not yet run on a GPU against XLA).
 """
 from __future__ import annotations
@@ -61,8 +61,9 @@ def test_cudnn_core_matches_xla(h, hk, dk, dv, offset):
 
 
 @pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (1, 300, 4, 512, 2048),
-                                        (2, 203, 3, 64, 320), (3, 77, 1, 128, 256)],
-                         ids=["base", "large", "odd", "one-head"])
+                                        (2, 203, 3, 64, 320), (3, 77, 1, 128, 256),
+                                        (2, 77, 2, 8, 64)],
+                         ids=["base", "large", "odd", "one-head", "small-head"])
 def test_triton_core_matches_xla(b, t, h, dk, d):
   from kernels import triton_attention as ta
   kq, kk, kv, kc = jax.random.split(jax.random.key(t * 7 + dk), 4)

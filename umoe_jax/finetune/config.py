@@ -47,7 +47,9 @@ def default_config() -> ml_collections.ConfigDict:
       pooling="last",              # last (last non-padding token) | mean (over non-padding tokens)
       head_dropout=0.1,            # dropout on the pooled features (training only)
       compute_dtype="",            # "" = the checkpoint's (bfloat16 in the recipes); e.g. float32
-      remat=False,                 # recompute decoder blocks in the backward pass
+      # what each decoder block keeps for the backward pass: none | block | dots | dots_no_batch
+      # (umoe_jax/model/remat.py); a bool as in older configs (True = block)
+      remat=config_dict.FieldReference("none", field_type=object),
   ))
   c.train = ml_collections.ConfigDict(dict(
       seed=0,                      # head init, data order, dropout, dev carve-out
@@ -117,6 +119,9 @@ def validate(config: Any) -> None:
   _check(d.max_len >= 2, f"data.max_len={d.max_len!r} must be >= 2")
   _check(m.pooling in POOLINGS, f"model.pooling={m.pooling!r}; valid: {', '.join(POOLINGS)}")
   _check(0 <= m.head_dropout < 1, f"model.head_dropout={m.head_dropout!r} must be in [0, 1)")
+  from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
+  _check(isinstance(m.remat, bool) or (isinstance(m.remat, str) and m.remat in REMAT_POLICIES),
+         f"model.remat={m.remat!r}; valid: {', '.join(REMAT_POLICIES)} (or a bool)")
   _check(t.epochs >= 1, f"train.epochs={t.epochs!r} must be >= 1")
   _check(t.batch_size >= 1, f"train.batch_size={t.batch_size!r} must be >= 1")
   _check(t.eval_batch_size >= 1, f"train.eval_batch_size={t.eval_batch_size!r} must be >= 1")

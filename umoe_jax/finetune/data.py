@@ -15,19 +15,22 @@ map does not hold is an error naming the file, line and value, and so is a class
 examples (an integer label map with a gap, or a declared name that never occurs).
 
 Without a dev file a dev split is carved from the training file (`carve_dev`): per class, the
-examples whose sha256(seed, text) sorts first, `dev_fraction` of the class (at least one example
-stays in training). The split depends only on the texts, labels and the seed, not on the file order,
-and duplicate texts of a class land on the same side.
+texts whose sha256(seed, text) sorts first, up to `dev_fraction` of the class's examples (at least
+one example stays in training). The split depends only on the texts, labels and the seed, not on the
+file order, and all copies of a text of a class land on the same side.
 
-Batches (`batches`): rows of token ids right-padded with `pad_id` to the smallest bucket length that
-fits the longest row (powers of two from 32, and `max_len`: few compiled shapes), lengths [B],
-labels [B] and weights [B] (0 for the rows that fill the last batch up to the batch size).
+`load_splits` puts it together for a run: (label map, train, dev, test) token rows and class ids.
+
+Batches (`train_batch`, `eval_batches`): rows of token ids right-padded with `pad_id` to the
+smallest bucket length that fits the longest row (powers of two from 32, and `max_len`: few compiled
+shapes), lengths [B], labels [B] and weights [B] (0 for the rows that fill the last batch).
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
 import hashlib
+import io
 import json
 import os
 from typing import Any, Iterator, Optional, Sequence
@@ -68,33 +71,45 @@ def file_format(path: str, fmt: str = "auto") -> str:
   return _EXTENSIONS[ext]
 
 
+def _read_text(path: str) -> str:
+  """The file as text: UTF-8, a leading byte-order mark dropped; other bytes are an error naming
+  the line."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    return raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line = raw[:e.start].count(b"\n") + 1
+    raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file as "
+                    f"UTF-8") from None
+
+
 def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
   """(where, record) for every record of the file."""
   name = os.path.basename(path)
   if fmt == "jsonl":
-    with open(path, encoding="utf-8-sig") as f:   # -sig: a byte-order mark is not text
-      for lineno, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
-        if not isinstance(record, dict):
-          raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        yield f"{name}:{lineno}", record
+    # split on "\n" only: str.splitlines would also cut at U+2028 etc. inside JSON strings
+    for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
+      if not isinstance(record, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+      yield f"{name}:{lineno}", record
   elif fmt in ("csv", "tsv"):
     kw = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if fmt == "tsv" else {}
-    with open(path, encoding="utf-8-sig", newline="") as f:
-      reader = csv.DictReader(f, **kw)
-      try:
-        for record in reader:
-          if None in record:
-            raise DataError(f"{path}:{reader.line_num}: more fields than the header "
-                            f"{reader.fieldnames}")
-          yield f"{name}:{reader.line_num}", record
-      except csv.Error as e:
-        raise DataError(f"{path}:{reader.line_num}: {e}") from None
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""), **kw)
+    try:
+      for record in reader:
+        if None in record:
+          raise DataError(f"{path}:{reader.line_num}: more fields than the header "
+                          f"{reader.fieldnames}")
+        yield f"{name}:{reader.line_num}", record
+    except csv.Error as e:
+      raise DataError(f"{path}:{reader.line_num}: {e}") from None
   elif fmt == "parquet":
     import pyarrow.parquet as pq
     try:
@@ -270,17 +285,23 @@ def _split_key(seed: int, text: str) -> str:
 
 def carve_dev(examples: Sequence[Example], fraction: float,
               seed: int) -> tuple[list[Example], list[Example]]:
-  """(train, dev): per class, round(fraction * n) examples (at most n - 1) by sha256(seed, text)."""
+  """(train, dev): per class, up to n_dev = min(round(fraction * n), n - 1) examples, taken as whole
+  groups of equal texts in the order of sha256(seed, text); a group that would overshoot n_dev is
+  passed over (so copies of a text never land on both sides)."""
   if not 0 < fraction < 1:
     raise DataError(f"data.dev_fraction={fraction!r} must be in (0, 1) when no data.dev_path is given")
-  by_class: dict[str, list[int]] = {}
+  by_class: dict[str, dict[str, list[int]]] = {}
   for i, e in enumerate(examples):
-    by_class.setdefault(e.label, []).append(i)
+    by_class.setdefault(e.label, {}).setdefault(e.text, []).append(i)
   dev_ids = set()
-  for ids in by_class.values():
-    n_dev = min(int(round(fraction * len(ids))), len(ids) - 1)
-    ranked = sorted(ids, key=lambda i: (_split_key(seed, examples[i].text), i))
-    dev_ids.update(ranked[:n_dev])
+  for groups in by_class.values():
+    n = sum(len(ids) for ids in groups.values())
+    n_dev = min(int(round(fraction * n)), n - 1)
+    taken = 0
+    for text in sorted(groups, key=lambda text: _split_key(seed, text)):
+      if taken + len(groups[text]) <= n_dev:
+        dev_ids.update(groups[text])
+        taken += len(groups[text])
   train = [e for i, e in enumerate(examples) if i not in dev_ids]
   dev = [e for i, e in enumerate(examples) if i in dev_ids]
   return train, dev
@@ -366,3 +387,43 @@ def eval_batches(rows: Sequence[np.ndarray], labels: Optional[np.ndarray], *, ba
     idx = np.asarray(order[start:start + batch_size])
     yield idx, collate([rows[i] for i in idx], None if labels is None else labels[idx],
                        batch_size=batch_size, max_len=max_len, pad_id=pad_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run's splits.
+
+
+@dataclasses.dataclass
+class Split:
+  name: str                 # train | dev | test
+  path: str                 # the file (dev carved from train: the train file, so noted)
+  rows: list                # int32 token rows, `encode`d
+  labels: np.ndarray        # int32 [N] class ids
+
+
+def load_splits(config: Any, tokenizer) -> tuple[LabelMap, Split, Split, Optional[Split]]:
+  """(label map, train, dev, test or None) of the fine-tuning config's `data` section: read,
+  labelled against the training file, the dev split carved when there is no dev file, tokenized."""
+  d, seed = config.data, config.train.seed
+  kw = dict(text_field=d.text_field, label_field=d.label_field, fmt=d.format)
+  train = read_examples(d.train_path, key="data.train_path", **kw)
+  label_map = build_label_map(train, path=d.train_path, label_names=list(d.label_names))
+  if d.dev_path:
+    dev, dev_path = read_examples(d.dev_path, key="data.dev_path", **kw), d.dev_path
+  else:
+    train, dev = carve_dev(train, d.dev_fraction, seed)
+    dev_path = f"{d.train_path} (dev carve-out)"
+    if not dev:
+      raise DataError(f"data.train_path={d.train_path!r}: too few examples per class to carve a dev "
+                      f"split of data.dev_fraction={d.dev_fraction}; give data.dev_path")
+  test = read_examples(d.test_path, key="data.test_path", **kw) if d.test_path else None
+
+  def split(name, path, examples):
+    ids = label_map.ids(examples, path=path, train_path=d.train_path)
+    rows = encode([e.text for e in examples], tokenizer, max_len=d.max_len, bos_id=d.bos_id,
+                  append_eos=d.append_eos)
+    return Split(name, path, rows, ids)
+
+  return (label_map, split("train", d.train_path, train), split("dev", dev_path, dev),
+          split("test", d.test_path, test) if test is not None else None)
+

@@ -1,18 +1,11 @@
 """The fine-tuning loop: `run(config, workdir)`.
 
-  check the config -> the backbone's config and tokenizer (init_from) -> read, label, carve, tokenize
-  -> classifier, optimizer (optax.multi_transform: head / body / frozen) -> start point (own
-  checkpoint > init_from backbone + fresh head) -> epochs of steps; at every epoch end: dev accuracy
+  check the config -> the backbone's architecture and tokenizer (`backbone`, from init_from; on
+  resume from the workdir's classifier.json) -> the splits (`data.load_splits`) -> the classifier
+  and its compiled step (`step.programs`) -> the start point (the workdir's latest checkpoint, else
+  init_from's backbone and a fresh head) -> epochs of steps; at every epoch end the dev accuracy
   and macro-F1, the best dev epoch saved to <workdir>/best, a training checkpoint
   -> the best checkpoint scored on dev and test: results.json, test_predictions.jsonl.
-
-Loss = cross-entropy of the labels (mean over the batch's real rows) + train.balance_loss_weight x the
-routers' balance losses (each router's coefficient already applied, as in pretraining), so routing
-stays balanced while the routers adapt. Frozen parameters (`param_labels`: the backbone's unused LM
-head always; the whole backbone with train.freeze_body; every router with train.freeze_routers) get
-zero gradients before clipping and zero updates, so they stay bit-identical and their backward pass
-is dead code XLA removes. Head and body have their own AdamW with its own warmup + cosine schedule
-(`umoe_jax.train.optimizer`); the gradient is clipped over the trained parameters jointly.
 
 Step s trains on the slice (s mod S) of the permutation of epoch s // S (`data.train_batch`) and
 draws its dropout from fold_in(rng, s), so a run resumed from a checkpoint at step s continues exactly
@@ -21,254 +14,35 @@ One device, one process (the model is small next to pretraining; the mesh machin
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import sys
-import types
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 
 from umoe_jax.config import ConfigError, model_config
+from umoe_jax.finetune import backbone as backbone_lib
 from umoe_jax.finetune import config as config_lib
 from umoe_jax.finetune import data as data_lib
 from umoe_jax.finetune import predict as predict_lib
 from umoe_jax.finetune.metrics import majority_accuracy
-from umoe_jax.finetune.model import init_head
+from umoe_jax.finetune.model import abstract_classifier, init_head
+from umoe_jax.finetune.optimizer import check_freeze_routers
+from umoe_jax.finetune.predict import device_sharding
+from umoe_jax.finetune.step import programs
 from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import metrics as metrics_lib
-from umoe_jax.train import optimizer as optimizer_lib
-from umoe_jax.train.loop import StopRequest
-
-HEAD, BODY, FROZEN = "head", "body", "frozen"
+from umoe_jax.train.loop import NonFiniteError, StopRequest
 
 
-class NonFiniteError(FloatingPointError):
-  """The fine-tuning loss or gradient became NaN / inf."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Data.
-
-
-@dataclasses.dataclass
-class Split:
-  name: str                 # train | dev | test
-  path: str                 # the file (dev carved from train: the train file)
-  rows: list                # int32 token rows
-  labels: np.ndarray        # int32 [N] class ids
-
-
-def _tokenizer_spec(config: Any, saved: dict) -> tuple[str, str]:
-  """(tokenizer, eos_token): data.tokenizer, else the pretraining run's data.tokenizer."""
-  d = config.data
-  if d.tokenizer:
-    spec, eos = d.tokenizer, d.eos_token
-  else:
-    pretrain = saved.get("data") or {}
-    if not pretrain.get("tokenizer"):
-      raise ConfigError(f"init_from={config.init_from!r} does not name its tokenizer (a converted "
-                        f"checkpoint): set data.tokenizer (and data.bos_id=1 for Llama-2)")
-    spec, eos = pretrain["tokenizer"], d.eos_token or pretrain.get("eos_token", "")
-  if spec != "byte" and os.path.exists(os.path.expanduser(spec)):
-    spec = os.path.abspath(os.path.expanduser(spec))
-  return spec, eos
-
-
-def load_data(config: Any, tokenizer) -> tuple[data_lib.LabelMap, Split, Split, Optional[Split]]:
-  """(label map, train, dev, test or None): read, labelled against the training file, tokenized."""
-  d, seed = config.data, config.train.seed
-  kw = dict(text_field=d.text_field, label_field=d.label_field, fmt=d.format)
-  train = data_lib.read_examples(d.train_path, key="data.train_path", **kw)
-  label_map = data_lib.build_label_map(train, path=d.train_path, label_names=list(d.label_names))
-  if d.dev_path:
-    dev, dev_path = data_lib.read_examples(d.dev_path, key="data.dev_path", **kw), d.dev_path
-  else:
-    train, dev = data_lib.carve_dev(train, d.dev_fraction, seed)
-    dev_path = f"{d.train_path} (dev carve-out)"
-    if not dev:
-      raise data_lib.DataError(f"data.train_path={d.train_path!r}: too few examples per class to carve "
-                               f"a dev split of data.dev_fraction={d.dev_fraction}; give data.dev_path")
-  test = data_lib.read_examples(d.test_path, key="data.test_path", **kw) if d.test_path else None
-
-  def split(name, path, examples):
-    ids = label_map.ids(examples, path=path, train_path=d.train_path)
-    rows = data_lib.encode([e.text for e in examples], tokenizer, max_len=d.max_len,
-                           bos_id=d.bos_id, append_eos=d.append_eos)
-    return Split(name, path, rows, ids)
-
-  return (label_map, split("train", d.train_path, train), split("dev", dev_path, dev),
-          split("test", d.test_path, test) if test is not None else None)
-
-
-# ----------------------------------------------------------------------------------------------
-# Parameters: groups, optimizer.
-
-
-def _key_name(k) -> str:
-  return str(getattr(k, "key", getattr(k, "idx", k)))
-
-
-def param_labels(params: Any, *, freeze_body: bool, freeze_routers: bool) -> Any:
-  """Pure dict like `params` of "head" | "body" | "frozen" (see the module docstring)."""
-
-  def label(path, _):
-    names = [_key_name(k) for k in path]
-    if names[0] == "head":
-      return HEAD
-    if names[:2] == ["backbone", "lm_head"] or freeze_body:
-      return FROZEN
-    if freeze_routers and "router" in names:
-      return FROZEN
-    return BODY
-
-  return jax.tree_util.tree_map_with_path(label, params)
-
-
-def check_freeze_routers(abstract_params: Any, t: Any, router_kind: str) -> None:
-  """train.freeze_routers on a backbone without router parameters (dense, hash, AoE) is a mistake."""
-  if not t.freeze_routers or t.freeze_body:
-    return
-  labels = param_labels(nnx.to_pure_dict(abstract_params), freeze_body=False, freeze_routers=True)
-  if not any(v == FROZEN and "['router']" in k for k, v in flat_labels(labels)):
-    raise ConfigError(f"train.freeze_routers=True, but the backbone (router.kind={router_kind!r}) "
-                      f"has no router parameters to freeze")
-
-
-def _schedule_args(t: Any, lr: float, total_steps: int) -> types.SimpleNamespace:
-  """The `train` fields `umoe_jax.train.optimizer` reads, for one parameter group."""
-  return types.SimpleNamespace(learning_rate=lr, num_steps=total_steps, warmup_steps=None,
-                               warmup_ratio=t.warmup_ratio, min_lr_ratio=t.min_lr_ratio, b1=t.b1,
-                               b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, grad_clip=0.0)
-
-
-def make_optimizer(t: Any, labels: Any, decay: Any, total_steps: int):
-  """(tx, {group: schedule}): clip over all trained gradients, then AdamW per group; frozen: zero."""
-  present = set(jax.tree.leaves(labels))
-  transforms, schedules = {FROZEN: optax.set_to_zero()}, {}
-  for group, lr in ((HEAD, t.head_learning_rate), (BODY, t.body_learning_rate)):
-    if group in present:
-      args = _schedule_args(t, lr, total_steps)
-      transforms[group] = optimizer_lib.make_optimizer(args, decay)
-      schedules[group] = optimizer_lib.learning_rate_schedule(args)
-  tx = optax.multi_transform(transforms, labels)
-  if t.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(float(t.grad_clip)), tx)
-  return tx, schedules
-
-
-# ----------------------------------------------------------------------------------------------
-# The step.
-
-
-def train_step(state: dict, batch: dict, *, graphdef: Any, tx: Any, labels: Any, schedules: dict,
-               balance_weight: float, remat: bool) -> tuple[dict, dict]:
-  """One update. state: {"step", "params", "opt_state", "rng", "best_score", "best_step"};
-  batch: `data.collate` arrays. A non-finite loss or gradient drops the update (metrics say so)."""
-  key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-
-  def loss_fn(params):
-    logits, aux = nnx.merge(graphdef, params)(batch["tokens"], batch["lengths"], dropout_rng=key,
-                                              remat=remat)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["labels"][:, None], axis=-1)[:, 0]
-    w = batch["weights"]
-    count = jnp.maximum(jnp.sum(w), 1.0)
-    ce = jnp.sum(w * nll) / count
-    correct = jnp.sum(w * (jnp.argmax(logits, axis=-1) == batch["labels"]))
-    loss = ce + balance_weight * aux["balance_loss"]
-    return loss, {"ce_loss": ce, "balance_loss": aux["balance_loss"], "routers": aux["routers"],
-                  "correct": correct, "count": jnp.sum(w)}
-
-  grads, stats = jax.grad(loss_fn, has_aux=True)(state["params"])
-  grads = jax.tree.map(lambda g, lab: jnp.zeros_like(g) if lab == FROZEN else g, grads, labels)
-  grad_norm = optax.tree.norm(grads)
-  loss = stats["ce_loss"] + balance_weight * stats["balance_loss"]
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-  params = optax.apply_updates(state["params"], updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-  new_state = dict(state, step=state["step"] + 1, params=keep(params, state["params"]),
-                   opt_state=keep(opt_state, state["opt_state"]))
-  metrics = dict(stats, loss=loss, grad_norm=grad_norm, finite=finite,
-                 **{f"learning_rate_{g}": s(state["step"]) for g, s in schedules.items()})
-  return new_state, metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-  labels: Any              # pure dict of HEAD | BODY | FROZEN, like the params
-  tx: Any
-  schedules: dict          # group -> optax schedule
-  abstract_state: dict     # ShapeDtypeStructs of the train state
-  train_fn: Callable       # jitted (state, batch) -> (state, metrics); state donated
-
-
-def device_sharding() -> jax.sharding.Sharding:
-  """Where fine-tuning runs: the first device."""
-  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-
-# Keys of config.train that shape the compiled step (the others steer the loop only).
-OPTIMIZER_KEYS = ("head_learning_rate", "body_learning_rate", "warmup_ratio", "min_lr_ratio", "b1",
-                  "b2", "eps", "weight_decay", "grad_clip", "freeze_body", "freeze_routers")
-
-# Built programs by (graphdef, groups, optimizer settings, steps, ...): a second run in one process
-# (resume, the tests) reuses the compiled step instead of tracing a new one.
-_PROGRAMS: dict = {}
-
-
-def flat_labels(labels: Any) -> tuple:
-  """((path string, group), ...) of a labels tree."""
-  return tuple((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(labels))
-
-
-def programs(config: Any, graphdef: Any, abstract_params: Any, total_steps: int) -> Programs:
-  """The optimizer and jitted step of this classifier and config. `abstract_params`: the nnx.State
-  of the abstract classifier's parameters (its logical axes pick the weight-decay mask)."""
-  t = config.train
-  pure = nnx.to_pure_dict(abstract_params)
-  labels = param_labels(pure, freeze_body=t.freeze_body, freeze_routers=t.freeze_routers)
-  key = (graphdef, flat_labels(labels), tuple((k, t[k]) for k in OPTIMIZER_KEYS), total_steps,
-         float(t.balance_loss_weight), bool(config.model.remat))
-  if key not in _PROGRAMS:
-    decay = optimizer_lib.decay_mask(abstract_params)
-    decay["head"]["bias"] = False
-    tx, schedules = make_optimizer(t, labels, decay, total_steps)
-    abstract_state = {
-        "step": jax.ShapeDtypeStruct((), jnp.int32), "params": pure,
-        "opt_state": jax.eval_shape(tx.init, pure),
-        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
-        "best_score": jax.ShapeDtypeStruct((), jnp.float32),
-        "best_step": jax.ShapeDtypeStruct((), jnp.int32)}
-    step = functools.partial(train_step, graphdef=graphdef, tx=tx, labels=labels,
-                             schedules=schedules, balance_weight=float(t.balance_loss_weight),
-                             remat=bool(config.model.remat))
-    while len(_PROGRAMS) >= 4:
-      _PROGRAMS.pop(next(iter(_PROGRAMS)))
-    # Explicit placement: state and batch are committed to the device, so every step (fresh,
-    # restored or updated state alike) hits one compiled program.
-    device = device_sharding()
-    _PROGRAMS[key] = Programs(labels=labels, tx=tx, schedules=schedules,
-                              abstract_state=abstract_state,
-                              train_fn=jax.jit(step, in_shardings=device, out_shardings=device,
-                                               donate_argnums=0))
-  return _PROGRAMS[key]
-
-
-# ----------------------------------------------------------------------------------------------
-# Metrics of a log interval.
-
-
-def summarize(steps: list[dict]) -> dict[str, float]:
-  """Host metrics of the interval's steps -> TensorBoard scalars (means; accuracy over all rows)."""
+def summarize(steps: list[dict]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+  """Host metrics of a log interval's steps (`step.train_step`) -> (TensorBoard scalars: interval
+  means, the accuracy over all rows, the routers' `metrics.router_summary`; expert-count sums)."""
   mean = lambda key: float(np.mean([float(s[key]) for s in steps]))
   out = {"train/loss": mean("loss"), "train/ce_loss": mean("ce_loss"),
          "train/balance_loss": mean("balance_loss"), "train/grad_norm": mean("grad_norm"),
@@ -277,54 +51,8 @@ def summarize(steps: list[dict]) -> dict[str, float]:
   for key in steps[0]:
     if key.startswith("learning_rate_"):
       out[f"train/{key}"] = mean(key)
-  for name in sorted(steps[0]["routers"]):
-    per_step = [s["routers"][name] for s in steps]
-    for key in ("balance_loss", "entropy"):
-      if key in per_step[0]:
-        out[metrics_lib.router_tag(name, key)] = float(np.mean([float(r[key]) for r in per_step]))
-    if "expert_counts" in per_step[0]:
-      loads = [metrics_lib.load_balance(r["expert_counts"]) for r in per_step]
-      out[metrics_lib.router_tag(name, "load_max_mean")] = float(np.mean([x[0] for x in loads]))
-  return out
-
-
-def expert_counts(steps: list[dict]) -> dict[str, np.ndarray]:
-  return {name: np.sum([np.asarray(s["routers"][name]["expert_counts"], np.float64) for s in steps],
-                       axis=0)
-          for name in sorted(steps[0]["routers"]) if "expert_counts" in steps[0]["routers"][name]}
-
-
-# ----------------------------------------------------------------------------------------------
-# The run.
-
-
-def _read_backbone(config: Any) -> tuple[Any, dict]:
-  """(model ConfigDict, the init_from config.json) of the pretrained checkpoint."""
-  from umoe_jax.model.decode import read_checkpoint_config
-  path = os.path.expanduser(config.init_from)
-  if not os.path.isdir(path):
-    raise ConfigError(f"init_from={config.init_from!r}: no such directory")
-  saved = read_checkpoint_config(path)
-  if saved is None or not isinstance(saved, dict) or "model" not in saved:
-    raise ConfigError(f"init_from={config.init_from!r} has no config.json with a 'model' section: "
-                      f"not a training workdir or a converted checkpoint, so the architecture is "
-                      f"unknown")
-  return ml_collections.ConfigDict(saved["model"]), saved
-
-
-def _load_backbone_params(config: Any, abstract_params: Any) -> dict:
-  """The backbone's parameters (pure dict) from init_from; errors name the checkpoint."""
-  backbone = abstract_params["backbone"]
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(backbone))
-  try:
-    return ckpt_lib.load_init_params(os.path.abspath(os.path.expanduser(config.init_from)),
-                                     backbone, shardings)
-  except ConfigError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  (Orbax: missing / mismatched arrays)
-    raise ConfigError(f"init_from={config.init_from!r}: its parameters do not restore into the "
-                      f"architecture of its config.json ({type(e).__name__}: {str(e)[:300]})") from None
+  routers, counts = metrics_lib.router_summary(steps)
+  return {**out, **routers}, counts
 
 
 class Run:
@@ -342,8 +70,8 @@ class Run:
       self.tokenizer_spec = self.resume_meta["tokenizer"]
       self.eos_token = self.resume_meta.get("eos_token", "")
     else:
-      self.model_section, saved = _read_backbone(config)
-      self.tokenizer_spec, self.eos_token = _tokenizer_spec(config, saved)
+      self.model_section, saved = backbone_lib.read_backbone(config)
+      self.tokenizer_spec, self.eos_token = backbone_lib.tokenizer_spec(config, saved)
     if config.model.compute_dtype:
       self.model_section.compute_dtype = config.model.compute_dtype
     self.model_cfg = model_config(self.model_section)
@@ -357,16 +85,17 @@ class Run:
     except (ValueError, OSError) as e:
       raise ConfigError(f"tokenizer {self.tokenizer_spec!r} does not fit init_from="
                         f"{config.init_from!r}: {e}") from None
-    self.label_map, self.train_split, self.dev, self.test = load_data(config, self.tokenizer)
+    self.label_map, self.train_split, self.dev, self.test = data_lib.load_splits(config, self.tokenizer)
     if self.resume_meta is not None and self.resume_meta["labels"] != self.label_map.to_json():
       raise ConfigError(f"{os.path.join(workdir, predict_lib.CLASSIFIER_FILE)} holds the labels "
                         f"{self.resume_meta['labels']['names']}, but data.train_path="
                         f"{d.train_path!r} gives {list(self.label_map.names)}: use a new workdir "
                         f"for other data")
+    if self.resume_meta is not None:
+      self._check_resume_settings()
     self.steps_per_epoch = data_lib.steps_per_epoch(len(self.train_split.rows), t.batch_size)
     self.total_steps = t.epochs * self.steps_per_epoch
 
-    from umoe_jax.finetune.model import abstract_classifier
     model = abstract_classifier(self.model_section, self.label_map.num_classes,
                                 pooling=config.model.pooling, dropout=config.model.head_dropout)
     self.graphdef, self.abstract_params = nnx.split(model, nnx.Param)
@@ -380,6 +109,19 @@ class Run:
                                       async_save=False)
     self.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
                                            jsonl=config.log.jsonl)
+
+  # Settings that change what the trained parameters read (the token rows, the pooled feature):
+  # a run resumes only with those it was trained with.
+  RESUME_KEYS = (("model", "pooling"), ("data", "max_len"), ("data", "bos_id"),
+                 ("data", "append_eos"))
+
+  def _check_resume_settings(self) -> None:
+    path = os.path.join(self.workdir, predict_lib.CLASSIFIER_FILE)
+    for section, key in self.RESUME_KEYS:
+      saved, now = self.resume_meta.get(key), self.config[section][key]
+      if key in self.resume_meta and saved != now:
+        raise ConfigError(f"{path}: this run was trained with {section}.{key}={saved!r}, but the "
+                          f"config sets {now!r}; resume with the same setting or use a new workdir")
 
   # -- start point -------------------------------------------------------------------------------
 
@@ -399,7 +141,7 @@ class Run:
       state, step = self.checkpointer.restore_latest(target)
       logging.info("resumed from %s step %d", self.checkpointer.directory, step)
       return state, "workdir"
-    params = {"backbone": _load_backbone_params(self.config, self.abstract_params),
+    params = {"backbone": backbone_lib.load_backbone_params(self.config, self.abstract_params),
               "head": init_head(self.model_section, self.label_map.num_classes,
                                 seed=self.config.train.seed)}
     rng = jax.random.key_data(jax.random.key(self.config.train.seed)).astype(jnp.uint32)
@@ -414,7 +156,7 @@ class Run:
 
   # -- evaluation -------------------------------------------------------------------------------
 
-  def evaluate(self, params: Any, split: Split) -> tuple[dict, np.ndarray]:
+  def evaluate(self, params: Any, split: data_lib.Split) -> tuple[dict, np.ndarray]:
     probs = predict_lib.probabilities((self.graphdef, params), split.rows,
                                       batch_size=self.config.train.eval_batch_size,
                                       max_len=self.config.data.max_len)
@@ -454,9 +196,9 @@ class Run:
       fetch()
       if not interval:
         return
-      scalars = summarize(interval)
+      scalars, counts = summarize(interval)
       self.writer.scalars(step, scalars)
-      self.writer.expert_histograms(step, expert_counts(interval))
+      self.writer.expert_histograms(step, counts)
       line = (f"loss {scalars['train/loss']:.4f} (ce {scalars['train/ce_loss']:.4f} bal "
               f"{scalars['train/balance_loss']:.4f}) | acc {scalars['train/accuracy']:.3f}")
       if bar is not None:

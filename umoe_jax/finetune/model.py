@@ -75,10 +75,11 @@ class SequenceClassifier(nnx.Module):
                                    rngs=rngs)
 
   def __call__(self, tokens: jax.Array, lengths: jax.Array, *,
-               dropout_rng: Optional[jax.Array] = None, remat: bool = False):
+               dropout_rng: Optional[jax.Array] = None, remat: bool | str = False):
     """tokens [B, T] int, lengths [B] int -> (logits [B, C] float32, aux of `CausalLM`).
 
     `dropout_rng`: a key for the head's dropout (training); None = no dropout (evaluation).
+    `remat`: the backbone's rematerialisation policy (`CausalLM.__call__`).
     """
     h, aux = self.backbone.hidden_states(tokens, remat=remat)
     return self.head(pool(h, lengths, self.pooling), dropout_rng), aux

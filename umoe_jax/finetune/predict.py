@@ -81,9 +81,14 @@ def make_classifier(meta: dict, *, compute_dtype: Optional[str] = None):
                              dropout=meta.get("head_dropout", 0.0))
 
 
+def device_sharding() -> jax.sharding.Sharding:
+  """Where fine-tuning and scoring run: the first device."""
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
 def single_device_target(abstract_tree: Any) -> Any:
   """ShapeDtypeStructs on the first device: an Orbax restore target."""
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  device = device_sharding()
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                       abstract_tree)
 

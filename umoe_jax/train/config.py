@@ -50,7 +50,8 @@ def default_train_config() -> ml_collections.ConfigDict:
       weight_decay=0.01,           # AdamW, decoupled; never applied to norm scales
       grad_clip=1.0,               # global-norm clipping; 0 disables
       grad_accum_steps=1,          # micro-batches per step (scan inside the jitted step)
-      remat="none",                # decoder-block rematerialisation: none|block|dots|dots_no_batch
+      # decoder-block rematerialisation: none|block|dots|dots_no_batch, or (older configs) a bool
+      remat=config_dict.FieldReference("none", field_type=object),
       on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
       max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
       log_every=50,                # steps between console / TensorBoard / JSONL records
@@ -130,7 +131,7 @@ def check_train(train: Any, model: ModelConfig) -> None:
   _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay!r} must be >= 0")
   _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip!r} must be >= 0 (0 disables clipping)")
   from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
-  _check(isinstance(t.remat, bool) or t.remat in REMAT_POLICIES,
+  _check(isinstance(t.remat, bool) or (isinstance(t.remat, str) and t.remat in REMAT_POLICIES),
          f"train.remat={t.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")

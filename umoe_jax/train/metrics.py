@@ -106,6 +106,15 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dic
     scalars[f"train/{name}"] = float(np.mean([float(s["router_losses"][name]) for s in steps]))
   if "param_norm" in steps[-1]:
     scalars["train/param_norm"] = float(steps[-1]["param_norm"])
+  routers, counts = router_summary(steps)
+  return {**scalars, **routers}, counts
+
+
+def router_summary(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+  """The steps' `routers` metrics ({name: {"balance_loss", "entropy", "expert_counts" [E], ...}})
+  -> (interval means of every scalar and of the per-step load max/mean and CV per router, tagged
+  `router_tag`; expert-count sums per router)."""
+  scalars: dict[str, float] = {}
   counts: dict[str, np.ndarray] = {}
   for name in sorted(steps[0]["routers"]):
     per_step = [s["routers"][name] for s in steps]
