@@ -121,7 +121,7 @@ def test_ragged_layout_by_hand():
   2 experts, receive buffers of 6 rows; sender 1's rows for shard 0 overflow it by 2."""
   import jax
   import jax.numpy as jnp
-  from umoe_jax.parallel.exchange import ragged_layout
+  from umoe_jax.parallel.exchange import ragged_layout, ragged_layout_by_expert
   counts = jnp.array([[[3, 1], [0, 2]],     # sender 0: 4 rows for shard 0 (3 + 1), 2 for shard 1
                       [[4, 0], [1, 1]]])    # sender 1: 4 for shard 0, 2 for shard 1
   expected = {
@@ -138,6 +138,21 @@ def test_ragged_layout_by_hand():
   # A buffer large enough for everything (the dropless worst case): nothing dropped.
   lay = layout(counts, 1, 8)
   assert np.asarray(lay.send_sizes).tolist() == [4, 2] and int(lay.dropped) == 0
+  # One slice per (peer, expert), flattened d*2 + e: the rows land in expert order. Shard 0's
+  # buffer: expert 0 = sender 0's 3 rows [0, 3) then sender 1's 2 [3, 5), expert 1 = sender 0's 1
+  # [5, 6); shard 1's: expert 0 = sender 1's 1 [0, 1), expert 1 = sender 0's 2 [1, 3), sender 1's 1.
+  by_expert = {
+      0: dict(input_offsets=[0, 3, 4, 4], send_sizes=[3, 1, 0, 2], output_offsets=[0, 5, 0, 1],
+              recv_offsets=[0, 5, 3, 6], recv_sizes=[3, 1, 2, 0], recv_counts=[[3, 1], [2, 0]],
+              back_offsets=[0, 3, 0, 4], dropped=0),
+      1: dict(input_offsets=[0, 4, 4, 5], send_sizes=[2, 0, 1, 1], output_offsets=[3, 6, 0, 3],
+              recv_offsets=[0, 1, 0, 3], recv_sizes=[0, 2, 1, 1], recv_counts=[[0, 2], [1, 1]],
+              back_offsets=[4, 4, 4, 5], dropped=2),
+  }
+  layout = jax.jit(ragged_layout_by_expert, static_argnums=2)
+  for me, want in by_expert.items():
+    got = layout(counts, me, 6)._asdict()
+    assert {k: np.asarray(v).tolist() for k, v in got.items()} == want, (me, got)
 
 
 def test_ragged_receive_plan_by_hand():
@@ -244,7 +259,7 @@ def test_expert_map_auto_exchange(multi_device_report):
   assert section["expert=8/auto_collectives"] == ["all_to_all"]
   assert section["data=4,expert=2/auto_collectives"] == ["all_gather", "reduce_scatter"]
   grads = [k for k in section if "/grad/" in k]
-  assert len(grads) == 12, grads  # 3 layouts x 4 (exchange, chunks), each within 1e-5 of one device
+  assert len(grads) == 15, grads  # 3 layouts x 5 (exchange, chunks), each within 1e-5 of one device
 
 
 @pytest.mark.parametrize("layout", ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4",
@@ -274,6 +289,7 @@ def test_ragged_all_to_all_emulation(multi_device_report):
   assert section["doc_example"] == [[1, 3, -1, -1], [2, 2, 4, -1]]
   assert section["random_rows"] > 0
   assert section["native_ragged_ops/None"] == section["native_ragged_ops/('data', 'expert')"] == 4
+  assert section["native_ragged_ops/None/expert"] == 4
   assert "chunks=3 must be >= 1 and divide the 8" in section["chunks_error"]
 
 

@@ -60,12 +60,14 @@ def _run(mesh, x, ids, gates, w, exch, chunks):
   return np.asarray(y), np.asarray(sent), [np.asarray(g) for g in grads]
 
 
+@pytest.mark.parametrize("slices", ["peer", "expert"])
 @pytest.mark.parametrize("skewed", [False, True])
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_native_ragged_matches_emulation_and_loop(monkeypatch, skewed, chunks):
+def test_native_ragged_matches_emulation_and_loop(monkeypatch, slices, skewed, chunks):
   mesh = mesh_lib.make_mesh(dict(expert=len(GPUS)), devices=GPUS)
   x, ids, gates, w = _inputs(7 + chunks, skewed)
   ref = _loop(x, ids, gates, w)
+  monkeypatch.setenv(exchange.SLICES_ENV, slices)
   assert exchange.ragged_impl("gpu") == "native"
   native = _run(mesh, x, ids, gates, w, "ragged", chunks)
   monkeypatch.setenv(exchange.IMPL_ENV, "dense")

@@ -4,6 +4,7 @@ Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map r
                                                  large_structure restore variants
 Writes {section: {"ok": bool, "error": str, ...numbers}}; each section runs even if another failed.
 """
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,7 +27,7 @@ import configs.umoe_tiny as tiny
 from umoe_jax.model import build_model
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
-from umoe_jax.parallel import exchange, expert_parallel, mesh as mesh_lib, sharding
+from umoe_jax.parallel import exchange as exchange_lib, expert_parallel, mesh as mesh_lib, sharding
 
 LAYOUTS = ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4", "fsdp=2,tensor=2,expert=2"]
 # Forced exchanges (LAYOUTS run "auto": all_to_all for both pools on expert=8, all_gather for the FFN
@@ -159,18 +160,21 @@ def _with(variants, exchange, chunks=1):
 EXPERT_MAP_CASES = [
     ("expert=8", None, _with(_BOTH, "auto") + _with(_SHORT, "all_gather") +
      _with(_SHORT[::3] + _SKEW, "ragged") + _with(_SHORT[2:3], "ragged", 2) +
-     _with(_SHORT[:1], "all_gather", 2)),
+     _with(_SKEW[:1] + _SHORT[3:], "ragged@expert") + _with(_SHORT[:1], "all_gather", 2)),
     ("data=2,expert=4", None, _with(_BOTH, "auto") + _with(_SHORT + _SKEW, "all_gather") +
      _with(_SKEW, "all_to_all") + _with(_SHORT[1:3] + _SKEW[:1], "ragged") +
-     _with(_SHORT[1:2], "ragged", 4) + _with(_SHORT[:1], "all_to_all", 2)),
+     _with(_SHORT[1:2], "ragged", 4) + _with(_SHORT[2:3] + _SKEW[1:], "ragged@expert") +
+     _with(_SHORT[:1], "all_to_all", 2)),
     ("data=4,expert=2", None, _with(_SHORT + _SKEW, "auto") + _with(_SHORT[:3], "all_to_all") +
      _with(_SKEW[:1] + _SHORT[2:3], "ragged")),
     # Experts over two mesh axes (EP = 8): the shard index is linearised like the collectives.
     ("data=2,expert=4", ("data", "expert"), _with(_SHORT[::2], "all_gather") +
-     _with(_SHORT[:1], "all_to_all") + _with(_SHORT[:3:2], "ragged")),
+     _with(_SHORT[:1], "all_to_all") + _with(_SHORT[:3:2], "ragged") +
+     _with(_SHORT[:1], "ragged@expert")),
 ]
 # Gradients (dropless, both call forms) vs the single-device dispatch, per layout: one program.
-GRAD_EXCHANGES = [("all_to_all", 1), ("all_gather", 1), ("ragged", 1), ("ragged", 2)]
+GRAD_EXCHANGES = [("all_to_all", 1), ("all_gather", 1), ("ragged", 1), ("ragged", 2),
+                  ("ragged@expert", 2)]
 
 
 def _routing(rng, n, k, e):
@@ -182,6 +186,21 @@ def _routing(rng, n, k, e):
   hot = rng.random(n) < 0.9
   skewed[hot] = np.stack([rng.permutation(4)[:k] for _ in range(int(hot.sum()))])
   return dict(spread=spread, skewed=skewed)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+  """$name = value while tracing (nothing when value is empty)."""
+  old = os.environ.get(name)
+  if value:
+    os.environ[name] = value
+  try:
+    yield
+  finally:
+    if value and old is None:
+      del os.environ[name]
+    elif value:
+      os.environ[name] = old
 
 
 def _collectives(fn, *args) -> set:
@@ -210,9 +229,11 @@ def check_expert_map():
     tag = layout + ("" if expert_rule is None else f"/experts_over={'x'.join(expert_rule)}")
 
     def emap(x_, ids_, w_, g_, cf_, exchange, chunks=1, mesh_=mesh, rules_=rules):
-      return expert_parallel.expert_map(x_, jnp.asarray(ids_), g_, (w_,), names, _expert_fn,
-                                        num_experts=e, mesh=mesh_, rules=rules_,
-                                        capacity_factor=cf_, exchange=exchange, chunks=chunks)
+      exchange, _, slices = exchange.partition("@")   # "ragged@expert": per-(peer, expert) slices
+      with _env(exchange_lib.SLICES_ENV, slices):
+        return expert_parallel.expert_map(x_, jnp.asarray(ids_), g_, (w_,), names, _expert_fn,
+                                          num_experts=e, mesh=mesh_, rules=rules_,
+                                          capacity_factor=cf_, exchange=exchange, chunks=chunks)
 
     @jax.jit
     def all_variants(x2, x3, w_, g_, variants=tuple(variants)):
@@ -225,7 +246,7 @@ def check_expert_map():
 
     results = all_variants(xs[2], xs[3], w, gates)
     for (ids_name, rank, use_g, cf, exchange, chunks), (y, dropped, sent) in zip(variants, results):
-      strategy = expert_parallel.resolve_exchange(exchange, k, ep)
+      strategy = expert_parallel.resolve_exchange(exchange.partition("@")[0], k, ep)
       cap = expert_parallel.capacity(n // shards // chunks, k, ep, e // ep, cf, strategy)
       ids = id_sets[ids_name]
       ref, ref_dropped, ref_sent = _numpy_expected(xs[rank], ids, gates if use_g else None, w,
@@ -294,7 +315,7 @@ def _ragged_call(mesh, sizes_per_device, operand, out_rows, send, in_off, out_of
   """exchange.ragged_all_to_all ("dense", the CPU emulation) over mesh axis "x", one row of every
   argument per device."""
   def f(op, s_, io, oo, r_):
-    out = exchange.ragged_all_to_all(op[0], jnp.full((out_rows,) + op.shape[2:], -1, op.dtype),
+    out = exchange_lib.ragged_all_to_all(op[0], jnp.full((out_rows,) + op.shape[2:], -1, op.dtype),
                                      io[0], s_[0], oo[0], r_[0], axes=("x",), impl="dense",
                                      max_slice=sizes_per_device)
     return out[None]
@@ -353,19 +374,21 @@ def check_ragged():
   x, g = jnp.ones((64, 8)), jnp.full((64, k), 0.5)
   w = jnp.asarray(rng.standard_normal((e, 8, 5)).astype(np.float32))
   mesh = mesh_lib.make_mesh(parse("data=2,expert=4"))
-  os.environ[exchange.IMPL_ENV] = "native"
+  os.environ[exchange_lib.IMPL_ENV] = "native"
   try:
-    for rule in (None, ("data", "expert")):
+    for rule, slices in ((None, ""), (("data", "expert"), ""), (None, "expert")):
       rules = None if rule is None else [(n_, rule if n_ == "expert" else t)
                                          for n_, t in sharding.normalize_rules(None)]
       loss = lambda x_, w_: jnp.sum(expert_parallel.expert_map(
           x_, ids, g, (w_,), (("expert", "embed", None),), _expert_fn, num_experts=e, mesh=mesh,
           rules=rules, exchange="ragged")[0] ** 2)
-      text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
-      out[f"native_ragged_ops/{rule}"] = text.count("ragged_all_to_all")
-      assert text.count("ragged_all_to_all") == 4, out   # forward there and back, and transposes
+      with _env(exchange_lib.SLICES_ENV, slices):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+      key = f"native_ragged_ops/{rule}" + (f"/{slices}" if slices else "")
+      out[key] = text.count("ragged_all_to_all")
+      assert out[key] == 4, out   # forward there and back, and their transposes
   finally:
-    del os.environ[exchange.IMPL_ENV]
+    del os.environ[exchange_lib.IMPL_ENV]
   try:   # chunks must divide the tokens per device (64 over 8 batch shards)
     expert_parallel.expert_map(x, ids, g, (w,), (("expert", "embed", None),), _expert_fn,
                                num_experts=e, mesh=mesh, exchange="ragged", chunks=3)

@@ -18,6 +18,12 @@ EP expert shards of E_local experts, D / D_out row widths in / out):
      the kernels skip them and write zeros);
   4. the reverse `ragged_all_to_all` sends each output row back to the slot it came from.
 
+$UMOE_RAGGED_SLICES=expert (read when tracing) sends one slice per (peer, local expert) instead,
+with offsets that put the rows straight into local-expert order (`ragged_layout_by_expert`): no
+reordering gathers over the receive buffer, forward or backward, for EP*E_local (mostly small)
+transfers instead of EP. Which is faster depends on XLA's GPU ragged all-to-all (per-slice costs,
+openxla/xla#46982); both are to be measured.
+
 Rows on the wire per device and direction (balanced routing; all_to_all / all_gather for comparison):
     ragged      n*K rows in total, (EP-1)/EP of them off-device: exact, whatever the routing
     all_to_all  EP * n*min(K, E_local) rows (dense chunks padded to the dropless worst case)
@@ -56,6 +62,7 @@ from umoe_jax.ops import dispatch
 from umoe_jax.ops.varying import varying_axes, vary_like
 
 IMPL_ENV = "UMOE_RAGGED_ALL_TO_ALL"
+SLICES_ENV = "UMOE_RAGGED_SLICES"
 NATIVE_PLATFORMS = ("gpu", "tpu")
 
 
@@ -109,18 +116,42 @@ def ragged_layout(counts_all: jax.Array, me, cap: int) -> RaggedLayout:
     cap: receive-buffer rows per device. Each receiver takes its senders' slices in sender order
       until `cap` rows; a sender's kept rows are the head of its slice (lowest local experts first).
   """
+  counts_all, total, start, kept, kept_counts = _kept(counts_all, cap)
+  landed = _exclusive_cumsum(kept, 0)                               # [S, D] offsets in the receiver
+  return RaggedLayout(input_offsets=start[me], send_sizes=kept[me], output_offsets=landed[me],
+                      recv_offsets=landed[:, me], recv_sizes=kept[:, me],
+                      recv_counts=kept_counts[:, me], back_offsets=start[:, me],
+                      dropped=jnp.sum(total[me] - kept[me]))
+
+
+def _kept(counts_all: jax.Array, cap: int):
+  """(counts [S, D, E_l], totals [S, D], sender offsets [S, D], kept [S, D], kept counts
+  [S, D, E_l]) under the receive-buffer cut of `ragged_layout`."""
   counts_all = counts_all.astype(jnp.int32)
   total = counts_all.sum(-1)                                        # [S, D]
   start = _exclusive_cumsum(total, 1)                               # [S, D] offsets in the sender
   before = _exclusive_cumsum(total, 0)                              # [S, D] rows of earlier senders
   kept = jnp.clip(cap - before, 0, total)                           # [S, D]
-  landed = _exclusive_cumsum(kept, 0)                               # [S, D] offsets in the receiver
   kept_counts = jnp.diff(jnp.minimum(jnp.cumsum(counts_all, -1), kept[..., None]), axis=-1,
                          prepend=0)                                 # [S, D, E_l]
-  return RaggedLayout(input_offsets=start[me], send_sizes=kept[me], output_offsets=landed[me],
-                      recv_offsets=landed[:, me], recv_sizes=kept[:, me],
-                      recv_counts=kept_counts[:, me], back_offsets=start[:, me],
-                      dropped=jnp.sum(total[me] - kept[me]))
+  return counts_all, total, start, kept, kept_counts
+
+
+def ragged_layout_by_expert(counts_all: jax.Array, me, cap: int) -> RaggedLayout:
+  """`ragged_layout` with one slice per (peer, local expert) instead of per peer: the offsets put
+  the received rows straight into local-expert-major order (inside an expert, senders in order), so
+  the receiver needs no reordering. Same kept rows; the offset / size fields are [EP * E_local],
+  slice d*E_local + e for (peer d, expert e); recv_counts as in `ragged_layout`."""
+  counts_all, total, start, kept, kept_counts = _kept(counts_all, cap)
+  sender_at = start[..., None] + _exclusive_cumsum(counts_all, -1)  # [S, D, E_l] in the sender
+  group = kept_counts.sum(0)                                        # [D, E_l] rows per expert
+  landed = (_exclusive_cumsum(group, 1)[None] +
+            _exclusive_cumsum(kept_counts, 0))                      # [S, D, E_l] in the receiver
+  flat = lambda a: a.reshape(-1)
+  return RaggedLayout(input_offsets=flat(sender_at[me]), send_sizes=flat(kept_counts[me]),
+                      output_offsets=flat(landed[me]), recv_offsets=flat(landed[:, me]),
+                      recv_sizes=flat(kept_counts[:, me]), recv_counts=kept_counts[:, me],
+                      back_offsets=flat(sender_at[:, me]), dropped=jnp.sum(total[me] - kept[me]))
 
 
 def receive_plan(recv_counts: jax.Array, rows: int) -> dispatch.DispatchPlan:
@@ -155,23 +186,23 @@ def receive_plan(recv_counts: jax.Array, rows: int) -> dispatch.DispatchPlan:
 
 def _dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                              recv_sizes, *, axis, max_slice: int):
-  """`jax.lax.ragged_all_to_all`'s contract (one slice per peer, non-overlapping writes) with a
-  dense all_to_all of [EP, max_slice, ...] packed slices; max_slice >= every send size."""
-  ep = send_sizes.shape[0]
+  """`jax.lax.ragged_all_to_all`'s contract (slice i goes to peer i // (N / EP); non-overlapping
+  writes) with a dense all_to_all of [N, max_slice, ...] packed slices; max_slice >= every size."""
+  n = send_sizes.shape[0]
   i = jnp.arange(max_slice, dtype=jnp.int32)
-  src = jnp.clip(input_offsets[:, None] + i[None, :], 0, operand.shape[0] - 1)          # [EP, S]
+  src = jnp.clip(input_offsets[:, None] + i[None, :], 0, operand.shape[0] - 1)          # [N, S]
   valid = i[None, :] < send_sizes[:, None]
-  packed = jnp.take(operand, src, axis=0)                                               # [EP, S, .]
+  packed = jnp.take(operand, src, axis=0)                                               # [N, S, .]
   packed = jnp.where(valid.reshape(valid.shape + (1,) * (operand.ndim - 1)), packed,
                      jnp.zeros((), operand.dtype))
-  recv = jax.lax.all_to_all(packed, axis, 0, 0, tiled=True)                             # [EP, S, .]
-  landed = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # [EP] in my output, per s
+  recv = jax.lax.all_to_all(packed, axis, 0, 0, tiled=True)                             # [N, S, .]
+  landed = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # [N] in my output
   r = jnp.arange(output.shape[0], dtype=jnp.int32)
-  inside = (r[None, :] >= landed[:, None]) & (r[None, :] < (landed + recv_sizes)[:, None])  # [EP, R]
-  sender = jnp.argmax(inside, axis=0)
+  inside = (r[None, :] >= landed[:, None]) & (r[None, :] < (landed + recv_sizes)[:, None])  # [N, R]
+  piece = jnp.argmax(inside, axis=0)
   hit = jnp.any(inside, axis=0)
-  idx = sender * max_slice + jnp.clip(r - landed[sender], 0, max_slice - 1)
-  got = jnp.take(recv.reshape((ep * max_slice,) + recv.shape[2:]), idx, axis=0)
+  idx = piece * max_slice + jnp.clip(r - landed[piece], 0, max_slice - 1)
+  got = jnp.take(recv.reshape((n * max_slice,) + recv.shape[2:]), idx, axis=0)
   return jnp.where(hit.reshape(hit.shape + (1,) * (output.ndim - 1)), got, output)
 
 
@@ -189,16 +220,30 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
   return _dense_ragged_all_to_all(operand, output, *args, axis=axis, max_slice=max_slice)
 
 
+def ragged_slices() -> str:
+  """$UMOE_RAGGED_SLICES (read when tracing): "peer" (default; EP slices per ragged all-to-all, the
+  receiver reorders rows by expert with `receive_plan`) or "expert" (EP * E_local slices that land
+  in expert order: no reordering pass over the receive buffer, more, smaller transfers)."""
+  choice = os.environ.get(SLICES_ENV, "peer") or "peer"
+  if choice not in ("peer", "expert"):
+    raise ValueError(f"{SLICES_ENV}={choice!r} must be peer or expert")
+  return choice
+
+
 def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, local_fn: Callable, weights, *,
-                    ep: int, axes: Sequence[str], cap: int, pair_rows: int, impl: str):
+                    ep: int, axes: Sequence[str], cap: int, tokens: int, impl: str,
+                    slices: str = "peer"):
   """Steps 2-4 of the module docstring for one device.
 
   Args:
     rows: [M, D] this device's (token, slot) rows sorted by global expert.
     group_sizes: [E] rows per global expert (E = EP * E_local).
     local_fn: `(rows [cap, D] by local expert, group_sizes [E_local], *weights) -> [cap, D_out]`.
-    cap: receive-buffer rows; pair_rows: most rows one sender can have for one receiver (the
-      dense emulation's slice size).
+    cap: receive-buffer rows.
+    tokens: n, the tokens behind the M = n*K rows (distinct experts per token: a slice for one
+      peer has at most n*min(K, E_local) rows, for one expert at most n; the dense emulation's
+      slice size).
+    slices: "peer" or "expert" (`ragged_slices`).
   Returns:
     (out [M, D_out] in `rows`' order, zero for dropped rows; dropped rows []; rows sent per
     shard [EP]).
@@ -209,17 +254,25 @@ def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, local_fn: Callable,
   counts = group_sizes.reshape(ep, e_local).astype(jnp.int32)                  # [EP, E_l]
   with jax.named_scope("ep_ragged_counts"):
     counts_all = jax.lax.all_gather(counts, axis, axis=0)                      # [EP, EP, E_l]
-  lay = ragged_layout(counts_all, jax.lax.axis_index(axis), cap)
-  slice_rows = max(1, min(pair_rows, cap, m))
+  me = jax.lax.axis_index(axis)
+  if slices == "expert":
+    lay = ragged_layout_by_expert(counts_all, me, cap)
+    slice_rows = max(1, min(tokens, cap))
+  else:
+    lay = ragged_layout(counts_all, me, cap)
+    slice_rows = max(1, min(tokens * min(m // tokens, e_local), cap, m))
   with jax.named_scope("ep_ragged_all_to_all"):
     recv = ragged_all_to_all(rows, jnp.zeros((cap, d), rows.dtype), lay.input_offsets,
                              lay.send_sizes, lay.output_offsets, lay.recv_sizes, axes=axes,
                              impl=impl, max_slice=slice_rows)                  # [cap, D]
-  plan = receive_plan(lay.recv_counts, cap)
-  local_out = local_fn(dispatch.permute(recv, plan, 1), plan.group_sizes, *weights)  # [cap, D_out]
-  back = dispatch.unpermute(local_out, plan)                                   # sender-major
+  if slices == "expert":   # already in local-expert order
+    back = local_fn(recv, lay.recv_counts.sum(0), *weights)                   # [cap, D_out]
+  else:
+    plan = receive_plan(lay.recv_counts, cap)
+    local_out = local_fn(dispatch.permute(recv, plan, 1), plan.group_sizes, *weights)
+    back = dispatch.unpermute(local_out, plan)                                 # sender-major
   with jax.named_scope("ep_ragged_all_to_all"):
     out = ragged_all_to_all(back, jnp.zeros((m, back.shape[-1]), back.dtype), lay.recv_offsets,
                             lay.recv_sizes, lay.back_offsets, lay.send_sizes, axes=axes,
                             impl=impl, max_slice=slice_rows)                   # [M, D_out]
-  return out, lay.dropped, lay.send_sizes
+  return out, lay.dropped, lay.send_sizes.reshape(ep, -1).sum(1)

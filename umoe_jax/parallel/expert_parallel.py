@@ -49,11 +49,13 @@ issue chunk i+1's exchange while chunk i's experts compute. The values do not ch
 with a capacity factor each chunk has its own buffers (c x a chunk's balanced load). The overlap
 itself only happens on GPU / TPU with the latency-hiding scheduler
 (`--xla_gpu_enable_latency_hiding_scheduler=true`) and must be measured there; on CPU the chunks run
-one after the other. With expert axes of size 1 (data / fsdp / tensor layouts) both collapse to the
-local dispatch: no collective, every device runs all experts on its own tokens (weights are gathered
-from their FSDP shards at the shard_map boundary). Tensor parallelism inside the experts: the hidden
-width F stays split over the tensor axis, the down projection gives partial sums, `psum` over tensor
-adds them.
+one after the other.
+
+With expert axes of size 1 (data / fsdp / tensor layouts) every exchange collapses to the local
+dispatch (chunks ignored): no collective, every device runs all experts on its own tokens (weights
+are gathered from their FSDP shards at the shard_map boundary). Tensor parallelism inside the
+experts: the hidden width F stays split over the tensor axis, the down projection gives partial
+sums, `psum` over tensor adds them.
 
 Buffer policy (`capacity`): the expert buffer holds C rows per pair (all_to_all) or M_buf rows per
 shard (all_gather).
@@ -333,6 +335,7 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
   n_chunk = n // shards // chunks
   cap = capacity(n_chunk, k, ep, e_local, capacity_factor, strategy)
   impl = ragged.ragged_impl(platform) if strategy == "ragged" else None
+  slices = ragged.ragged_slices() if strategy == "ragged" else None
 
   def weight_spec(names):
     spec = []
@@ -373,7 +376,7 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
       elif strategy == "ragged":
         out, dropped, sent = ragged.ragged_exchange(
             rows, plan.group_sizes, fn, ws, ep=ep, axes=expert_axes, cap=cap,
-            pair_rows=ids_l.shape[0] * min(k, e_local), impl=impl)
+            tokens=ids_l.shape[0], impl=impl, slices=slices)
       else:
         expert_sorted = jnp.take(ids_l.reshape(-1).astype(jnp.int32), plan.order)
         out, dropped = _all_to_all_exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
