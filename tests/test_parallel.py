@@ -290,11 +290,12 @@ def test_ragged_all_to_all_emulation(multi_device_report):
   assert section["random_rows"] > 0
   assert section["native_ragged_ops/None"] == section["native_ragged_ops/('data', 'expert')"] == 4
   assert section["native_ragged_ops/None/expert"] == 4
+  assert section["native_ragged_ops/None/chunks=2"] == 8     # two independent exchanges
   assert "chunks=3 must be >= 1 and divide the 8" in section["chunks_error"]
 
 
 @pytest.mark.parametrize("run", ["fsdp=2,expert=4/auto/chunks=1", "fsdp=2,expert=4/ragged/chunks=2",
-                                 "fsdp=1,expert=8/ragged/chunks=1"])
+                                 "fsdp=-1,expert=8/ragged/chunks=1"])
 def test_large_structure_fsdp_x_expert(multi_device_report, run):
   """UMoE-large's structure (64 experts, FFN top-10, attention top-3, block remat) with FSDP x
   expert parallelism, one forward + backward vs one device; experts split over "expert" and the

@@ -376,17 +376,20 @@ def check_ragged():
   mesh = mesh_lib.make_mesh(parse("data=2,expert=4"))
   os.environ[exchange_lib.IMPL_ENV] = "native"
   try:
-    for rule, slices in ((None, ""), (("data", "expert"), ""), (None, "expert")):
+    # Chunks: independent collectives per chunk (what lets the scheduler overlap them).
+    for rule, slices, chunks in ((None, "", 1), (("data", "expert"), "", 1), (None, "expert", 1),
+                                 (None, "", 2)):
       rules = None if rule is None else [(n_, rule if n_ == "expert" else t)
                                          for n_, t in sharding.normalize_rules(None)]
       loss = lambda x_, w_: jnp.sum(expert_parallel.expert_map(
           x_, ids, g, (w_,), (("expert", "embed", None),), _expert_fn, num_experts=e, mesh=mesh,
-          rules=rules, exchange="ragged")[0] ** 2)
+          rules=rules, exchange="ragged", chunks=chunks)[0] ** 2)
       with _env(exchange_lib.SLICES_ENV, slices):
         text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
-      key = f"native_ragged_ops/{rule}" + (f"/{slices}" if slices else "")
+      key = (f"native_ragged_ops/{rule}" + (f"/{slices}" if slices else "") +
+             (f"/chunks={chunks}" if chunks > 1 else ""))
       out[key] = text.count("ragged_all_to_all")
-      assert out[key] == 4, out   # forward there and back, and their transposes
+      assert out[key] == 4 * chunks, out   # forward there and back, and their transposes
   finally:
     del os.environ[exchange_lib.IMPL_ENV]
   try:   # chunks must divide the tokens per device (64 over 8 batch shards)
@@ -491,9 +494,9 @@ def check_restore():
 # ----------------------------------------------------------------------------------------------
 # FSDP x expert parallelism for UMoE-large's structure (common.large_structure_cfg), block remat as
 # configs/umoe_large.py: loss and gradients of one batch vs one device, per (layout, exchange,
-# chunks). fsdp=-1 with expert=8 on 8 devices is fsdp=1.
+# chunks). fsdp=-1 with expert=8 on 8 devices resolves to fsdp=1.
 LARGE_RUNS = [("fsdp=2,expert=4", "auto", 1), ("fsdp=2,expert=4", "ragged", 2),
-              ("fsdp=1,expert=8", "ragged", 1)]
+              ("fsdp=-1,expert=8", "ragged", 1)]
 
 
 def check_large_structure():
