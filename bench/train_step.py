@@ -7,10 +7,21 @@ memory. Usage (GPU):
 
   python bench/train_step.py --configs=dense_base,umoe_base --batch=32 --seq_len=1024 \
       [--layouts=single,data,expert] [--gmm_backend=auto] [--remat[=block|dots|dots_no_batch]] [--out=$OUT] \
-      [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather]
+      [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather|ragged] [--chunks=C]
+  python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
-Layouts: "single" = one device; "data" = data parallel over every device; "expert" = expert parallel
-over every device (mesh data=1, expert=N) with data parallel batch sharding.
+A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
+--exchange / --chunks / --capacity_factor, then the config's. Layouts over N devices (default: all;
+@N takes the first N):
+  single       one device
+  data         data parallel (mesh data=N)
+  fsdp         FSDP (mesh fsdp=N: params and optimizer state split, batch split)
+  expert       expert parallel (mesh expert=N; the batch is split over the expert axis too)
+  fsdp_expert  FSDP x expert parallel (mesh fsdp=2, expert=N/2; UMoE-large on 8: fsdp=2 x expert=4)
+The batch is --batch sequences per device. After the rows, the table gives each row's scaling
+efficiency = (tokens/s per device) / (tokens/s of the same config's single row in this command).
+`--time_limit_s` starts no row that the slowest row so far would carry past the limit (device
+machines stop a command at their limit; the rows measured so far are in $OUT/train_step.json).
 """
 from __future__ import annotations
 
@@ -37,17 +48,57 @@ def log(*a):
   print(*a, flush=True)
 
 
+LAYOUTS = ("single", "data", "fsdp", "expert", "fsdp_expert")
+EXCHANGES = ("auto", "all_to_all", "all_gather", "ragged")  # umoe_jax.parallel.sharding's
+
+
+def parse_layout(layout: str, available: int) -> tuple[str, int]:
+  """'expert@4' -> ('expert', 4); 'data' -> ('data', available); 'single' -> ('single', 1)."""
+  kind, _, count = layout.partition("@")
+  if kind not in LAYOUTS:
+    raise ValueError(f"unknown layout {kind!r} in {layout!r}; valid: {', '.join(LAYOUTS)}")
+  n = 1 if kind == "single" else int(count) if count else available
+  if n < 1 or n > available:
+    raise ValueError(f"layout {layout!r} wants {n} devices; {available} available")
+  if kind == "fsdp_expert" and (n < 4 or n % 2):
+    raise ValueError(f"layout {layout!r}: fsdp_expert is fsdp=2 x expert=N/2, N even and >= 4")
+  return kind, n
+
+
 def layout_mesh(layout: str, n: int) -> dict:
-  if layout == "single":
-    return dict(data=1, fsdp=1, tensor=1, expert=1)
-  if layout == "data":
-    return dict(data=n, fsdp=1, tensor=1, expert=1)
-  if layout == "expert":
-    return dict(data=1, fsdp=1, tensor=1, expert=n)
-  raise ValueError(f"unknown layout {layout!r}")
+  sizes = dict(data=1, fsdp=1, tensor=1, expert=1)
+  if layout == "fsdp_expert":
+    sizes.update(fsdp=2, expert=n // 2)
+  elif layout != "single":
+    sizes[layout] = n
+  return sizes
 
 
-def bench_one(name: str, layout: str, args) -> dict:
+def parse_row(row: str) -> dict:
+  """'umoe_base:expert@8:ragged:2:1.5' -> {config, layout, exchange, chunks, capacity_factor}
+  (None = not given)."""
+  parts = row.split(":")
+  if len(parts) < 2 or len(parts) > 5 or not all(parts):
+    raise ValueError(f"row {row!r} must be CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]")
+  kind = parts[1].partition("@")[0]
+  if kind not in LAYOUTS:  # (the device count is checked in the row's process: no GPU use here)
+    raise ValueError(f"row {row!r}: unknown layout {kind!r}; valid: {', '.join(LAYOUTS)}")
+  if len(parts) > 2 and parts[2] not in EXCHANGES + ("-",):
+    raise ValueError(f"row {row!r}: unknown exchange {parts[2]!r}; valid: {', '.join(EXCHANGES)}")
+  field = lambda i, cast: cast(parts[i]) if len(parts) > i and parts[i] != "-" else None
+  return dict(config=parts[0], layout=parts[1], exchange=field(2, str), chunks=field(3, int),
+              capacity_factor=field(4, float))
+
+
+def row_spec(r: dict) -> str:
+  fields = [r.get("exchange"), r.get("chunks"), r.get("capacity_factor")]
+  while fields and fields[-1] is None:
+    fields.pop()
+  return ":".join([r["config"], r["layout"]] + ["-" if f is None else str(f) for f in fields])
+
+
+def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
+              capacity_factor=None) -> dict:
   from umoe_jax import stats
   from umoe_jax.parallel import sharding as sharding_lib
   from umoe_jax.parallel import mesh as mesh_lib
@@ -59,7 +110,7 @@ def bench_one(name: str, layout: str, args) -> dict:
   if args.attention_tiles:
     from kernels import attention_tiles
     attention_tiles.load_table(args.attention_tiles)
-  n_dev = 1 if layout == "single" else jax.device_count()
+  layout_kind, n_dev = parse_layout(layout, jax.device_count())
   with config.unlocked():
     config.model.gmm_backend = args.gmm_backend
     if args.attention_core is not None:
@@ -69,17 +120,23 @@ def bench_one(name: str, layout: str, args) -> dict:
     config.train.remat = args.remat
     config.train.grad_accum_steps = 1
     config.train.eval_every = 0
-    config.mesh = layout_mesh(layout, n_dev)
+    config.mesh = layout_mesh(layout_kind, n_dev)
   model_cfg = train_config.validate(config)
   mesh = mesh_lib.make_mesh(config.mesh, devices=jax.devices()[:n_dev])
   rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
   with config.unlocked():
-    if args.capacity_factor is not None:
-      config.expert_parallel.capacity_factor = args.capacity_factor
-    if args.exchange is not None:
-      config.expert_parallel.exchange = args.exchange
+    capacity_factor = capacity_factor or args.capacity_factor
+    if capacity_factor is not None:
+      config.expert_parallel.capacity_factor = capacity_factor
+    exchange = exchange or args.exchange
+    if exchange is not None:
+      config.expert_parallel.exchange = exchange
+    chunks = chunks or args.chunks
+    if chunks is not None:
+      config.expert_parallel.chunks = chunks
   train_config.check_expert_parallel(config.get("expert_parallel"))
   cf, exchange = loop.expert_parallel_settings(config)
+  chunks = (config.get("expert_parallel") or {}).get("chunks", 1)
   progs = loop.config_programs(config, model_cfg, mesh, rules)
 
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
@@ -89,7 +146,8 @@ def bench_one(name: str, layout: str, args) -> dict:
   batch = {"inputs": jax.device_put(tokens[:, :-1], batch_sharding),
            "targets": jax.device_put(tokens[:, 1:], batch_sharding)}
 
-  with sharding_lib.use_mesh(mesh, rules, expert_capacity_factor=cf, expert_exchange=exchange):
+  with sharding_lib.use_mesh(mesh, rules, expert_capacity_factor=cf, expert_exchange=exchange,
+                             expert_chunks=chunks):
     t0 = time.perf_counter()
     state = progs.init_fn(config.train.seed)
     state, m = progs.train_fn(state, batch)
@@ -117,6 +175,7 @@ def bench_one(name: str, layout: str, args) -> dict:
              mfu=flops_tok * tok_s / (peak * n_dev), compile_s=compile_s, first_loss=first_loss,
              last_loss=last_loss, loss_check=ok, peak_mem_gb=mem.get("peak_bytes_in_use", 0) / 2**30,
              gmm_backend=args.gmm_backend, remat=args.remat, capacity_factor=cf, exchange=exchange,
+             chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
@@ -126,7 +185,7 @@ def bench_one(name: str, layout: str, args) -> dict:
   return row
 
 
-def _bench_subprocess(name: str, layout: str) -> dict:
+def _bench_subprocess(row: dict) -> dict:
   """One row in a fresh process: its peak memory and compile time are its own."""
   import subprocess
   import tempfile
@@ -138,11 +197,11 @@ def _bench_subprocess(name: str, layout: str) -> dict:
     elif not a.startswith(own):
       argv.append(a)
   with tempfile.TemporaryDirectory() as tmp:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--runs={name}:{layout}",
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--runs={row_spec(row)}",
                            f"--out={tmp}", *argv], check=False)
     path = os.path.join(tmp, "train_step.json")
     if not os.path.exists(path):
-      raise RuntimeError(f"row {name}:{layout} exited with {proc.returncode} and wrote no result")
+      raise RuntimeError(f"row {row_spec(row)} exited with {proc.returncode} and wrote no result")
     with open(path) as f:
       row = json.load(f)[0]
   if "error" in row:
@@ -168,43 +227,87 @@ def main():
                   help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--capacity_factor", type=float, default=None,
                   help="expert-parallel buffer capacity factor (default: the config's; None = dropless)")
-  ap.add_argument("--exchange", default=None, choices=["auto", "all_to_all", "all_gather"],
+  ap.add_argument("--exchange", default=None,
+                  choices=EXCHANGES,
                   help="expert-parallel token exchange (default: the config's, normally auto = "
                        "all_gather when top-k >= expert-axis size)")
+  ap.add_argument("--chunks", type=int, default=None,
+                  help="expert_parallel.chunks: token chunks per device exchanged separately, so "
+                       "that exchange and expert compute can overlap (default: the config's, 1)")
+  ap.add_argument("--time_limit_s", type=float, default=None,
+                  help="start no row the slowest row so far would carry past this many seconds")
   ap.add_argument("--in_process", action="store_true",
                   help="run every row in this process (default: one subprocess per row, so that peak "
                        "memory and compile caches are per row)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   rows = []
-  runs = [tuple(r.split(":")) for r in args.runs.split(",")] if args.runs else [
-      (name, layout) for layout in args.layouts.split(",") for name in args.configs.split(",")]
-  if args.in_process or len(runs) == 1:
+  try:
+    runs = [parse_row(r) for r in args.runs.split(",")] if args.runs else [
+        parse_row(f"{name}:{layout}") for layout in args.layouts.split(",")
+        for name in args.configs.split(",")]
+  except ValueError as e:
+    ap.error(str(e))
+  in_process = args.in_process or len(runs) == 1
+  if in_process:
     log("devices:", jax.devices())  # (not in a parent of subprocesses: it would take the GPUs' memory)
-  for name, layout in runs:
+  start, slowest = time.perf_counter(), 0.0
+  for run in runs:
+    name, layout = run["config"], run["layout"]
+    elapsed = time.perf_counter() - start
+    if args.time_limit_s is not None and elapsed + slowest > args.time_limit_s:
+      log(f"{row_spec(run)}: skipped (time limit: {elapsed:.0f} s + slowest row {slowest:.0f} s "
+          f"> {args.time_limit_s:.0f} s)")
+      rows.append(dict(config=name, layout=layout, error="skipped: time limit"))
+      continue
+    t0 = time.perf_counter()
     try:
-      rows.append(bench_one(name, layout, args) if args.in_process or len(runs) == 1
-                  else _bench_subprocess(name, layout))
+      rows.append(bench_one(name, layout, args, run["exchange"], run["chunks"],
+                            run["capacity_factor"]) if in_process
+                  else _bench_subprocess(run))
       r = rows[-1]
-      log(f"{name:14s} {layout:7s} step {r['step_ms']:8.1f} ms  {r['tokens_per_s'] / 1e3:8.1f}k tok/s  "
-          f"MFU {100 * r['mfu']:5.1f}%  loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
+      log(f"{name:14s} {layout:14s} {r['exchange']:10s} c{r['chunks']} step {r['step_ms']:8.1f} ms  "
+          f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
+          f"loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
           f"(check {'ok' if r['loss_check'] else 'FAILED'})  compile {r['compile_s']:.0f}s  "
           f"mem {r['peak_mem_gb']:.1f} GB")
     except Exception as e:  # noqa: BLE001  (report and go on with the next row)
       log(f"{name} {layout}: FAILED {type(e).__name__}: {str(e)[:400]}")
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))
+    slowest = max(slowest, time.perf_counter() - t0)
+    add_efficiency(rows)
     os.makedirs(args.out, exist_ok=True)  # after every row: a run cut short keeps what it measured
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
       json.dump(rows, f, indent=1)
-  log("\nconfig          layout  dev  step ms   tok/s (k)  per dev  MFU   anchor (k, official torch)")
+  print_table(rows)
+
+
+def add_efficiency(rows: list) -> None:
+  """rows[i]["scaling_efficiency"] = tokens/s per device / the same config's single-device tokens/s
+  (rows of the same --batch and --seq_len: one command)."""
+  single = {r["config"]: r["tokens_per_s"] for r in rows
+            if "error" not in r and r["devices"] == 1 and r["layout"] == "single"}
+  for r in rows:
+    if "error" not in r and r["config"] in single:
+      r["scaling_efficiency"] = r["tokens_per_s_per_device"] / single[r["config"]]
+
+
+def print_table(rows: list) -> None:
+  log("\nconfig          layout          dev  mesh (d,f,t,e)  exchange    chunks  cf     step ms   "
+      "tok/s (k)  per dev  efficiency  MFU    peak GB  anchor (k, official torch)")
   for r in rows:
     if "error" in r:
-      log(f"{r['config']:15s} {r['layout']:7s} FAILED")
+      log(f"{r['config']:15s} {r['layout']:15s} FAILED ({r['error'][:60]})")
       continue
     anchor = r["anchor_tokens_per_s"]
-    log(f"{r['config']:15s} {r['layout']:7s} {r['devices']:3d} {r['step_ms']:8.1f} "
+    m = r["mesh"]
+    eff = r.get("scaling_efficiency")
+    log(f"{r['config']:15s} {r['layout']:15s} {r['devices']:3d}  "
+        f"{m['data']},{m['fsdp']},{m['tensor']},{m['expert']:<10d} {r['exchange']:11s} "
+        f"{r['chunks']:6d}  {r['capacity_factor'] or '-':5}  {r['step_ms']:8.1f} "
         f"{r['tokens_per_s'] / 1e3:10.1f} {r['tokens_per_s_per_device'] / 1e3:8.1f} "
-        f"{100 * r['mfu']:5.1f}%  {anchor / 1e3 if anchor else float('nan'):6.1f}")
+        f"{'%9.1f%%' % (100 * eff) if eff is not None else '        -'}  {100 * r['mfu']:5.1f}%  "
+        f"{r['peak_mem_gb']:7.1f}  {anchor / 1e3 if anchor else float('nan'):6.1f}")
 
 
 if __name__ == "__main__":

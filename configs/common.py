@@ -151,7 +151,8 @@ def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
   # (worst-case buffers); a float = buffers of c x the balanced load, overflow rows dropped and
   # counted. exchange: "auto" (all_gather when top-k >= expert-axis size, else all_to_all),
   # "all_to_all" (each (token, slot) row to its expert's shard) or "all_gather" (each token once to
-  # every shard, partial outputs reduce-scattered back).
+  # every shard, partial outputs reduce-scattered back) or "ragged" (exact-size ragged all-to-all).
+  # chunks: token chunks per device, exchanged separately so exchange and expert compute overlap.
   config.expert_parallel = dict(capacity_factor=optional(float),
-                                exchange="auto")
+                                exchange="auto", chunks=1)
   return config

@@ -315,6 +315,10 @@ def test_expert_parallel_settings():
   del old["expert_parallel"]["exchange"]
   assert loop.expert_parallel_settings(old) == (1.25, "auto")
   train_config.check_expert_parallel(old["expert_parallel"])
+  # chunks reaches the trainer's use_mesh (and is 1 in configs saved before it existed).
+  assert loop.expert_chunks(c) == 1 and loop.expert_chunks(old) == 1
+  c.expert_parallel.chunks = 3
+  assert loop.expert_chunks(c) == 3
   # The library entry points reject a bad value too.
   with pytest.raises(ValueError, match=r"expert_exchange='ring'"):
     with sharding.use_mesh(None, expert_exchange="ring"):

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from umoe_jax.parallel import distributed, mesh, rules, sharding
@@ -49,6 +50,21 @@ def test_mesh_shape_fill_and_errors():
     mesh.mesh_shape(dict(data=-1, fsdp=-1), 8)
   with pytest.raises(ValueError, match="unknown mesh axis 'pipe'"):
     mesh.mesh_shape(dict(pipe=2), 8)
+
+
+def test_hierarchical_layout_keeps_inner_axes_inside_a_host():
+  """4 hosts x 8 GPUs (device ids process-major, as on GPU clusters): the default order keeps
+  expert (and tensor x expert) inside a host and puts data / fsdp across hosts."""
+  import types
+  devices = [types.SimpleNamespace(id=i, process_index=i // 8) for i in range(32)]
+  grid = lambda **sizes: mesh.device_grid(tuple(mesh.mesh_shape(sizes, 32)[a]
+                                                for a in mesh.MESH_AXES), devices)
+  assert mesh.within_host_axes(grid(data=4, expert=8), mesh.MESH_AXES) == ("expert",)
+  assert mesh.within_host_axes(grid(data=4, fsdp=2, expert=4), mesh.MESH_AXES) == ("fsdp",
+                                                                                     "expert")
+  assert mesh.within_host_axes(grid(fsdp=4, tensor=2, expert=4), mesh.MESH_AXES) == ("tensor",
+                                                                                      "expert")
+  assert mesh.within_host_axes(grid(data=2, expert=16), mesh.MESH_AXES) == ()   # 16 > 8 per host
 
 
 def test_rules_round_trip_through_config():
@@ -95,6 +111,102 @@ def test_expert_buffer_sizes():
   assert capacity(n, k, 1, 16, 0.5, "local") == n * k                      # no exchange, no drop
   # UMoE-base FFN pool on 2 GPUs (32 x 1024 tokens each, K=15, 64 experts per shard).
   assert capacity(32768, 15, 2, 64, None, "all_gather") == 2 * 32768 * 15
+  # ragged: a receive buffer per shard, like all_gather (only the real rows are sent).
+  assert capacity(n, k, ep, e_local, None, "ragged") == 8 * 8 * 2
+  assert capacity(n, k, ep, e_local, 0.5, "ragged") == 12
+
+
+def test_ragged_layout_by_hand():
+  """Offsets and sizes of the ragged exchange from a count matrix worked out by hand: 2 shards of
+  2 experts, receive buffers of 6 rows; sender 1's rows for shard 0 overflow it by 2."""
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.parallel.exchange import ragged_layout, ragged_layout_by_expert
+  counts = jnp.array([[[3, 1], [0, 2]],     # sender 0: 4 rows for shard 0 (3 + 1), 2 for shard 1
+                      [[4, 0], [1, 1]]])    # sender 1: 4 for shard 0, 2 for shard 1
+  expected = {
+      0: dict(input_offsets=[0, 4], send_sizes=[4, 2], output_offsets=[0, 0], recv_offsets=[0, 4],
+              recv_sizes=[4, 2], recv_counts=[[3, 1], [2, 0]], back_offsets=[0, 0], dropped=0),
+      # Shard 0 has 4 rows from sender 0, so only 2 of sender 1's 4 fit (its expert-0 rows first).
+      1: dict(input_offsets=[0, 4], send_sizes=[2, 2], output_offsets=[4, 2], recv_offsets=[0, 2],
+              recv_sizes=[2, 2], recv_counts=[[0, 2], [1, 1]], back_offsets=[4, 4], dropped=2),
+  }
+  layout = jax.jit(ragged_layout, static_argnums=2)
+  for me, want in expected.items():
+    got = layout(counts, me, 6)._asdict()
+    assert {k: np.asarray(v).tolist() for k, v in got.items()} == want, (me, got)
+  # A buffer large enough for everything (the dropless worst case): nothing dropped.
+  lay = layout(counts, 1, 8)
+  assert np.asarray(lay.send_sizes).tolist() == [4, 2] and int(lay.dropped) == 0
+  # One slice per (peer, expert), flattened d*2 + e: the rows land in expert order. Shard 0's
+  # buffer: expert 0 = sender 0's 3 rows [0, 3) then sender 1's 2 [3, 5), expert 1 = sender 0's 1
+  # [5, 6); shard 1's: expert 0 = sender 1's 1 [0, 1), expert 1 = sender 0's 2 [1, 3), sender 1's 1.
+  by_expert = {
+      0: dict(input_offsets=[0, 3, 4, 4], send_sizes=[3, 1, 0, 2], output_offsets=[0, 5, 0, 1],
+              recv_offsets=[0, 5, 3, 6], recv_sizes=[3, 1, 2, 0], recv_counts=[[3, 1], [2, 0]],
+              back_offsets=[0, 3, 0, 4], dropped=0),
+      1: dict(input_offsets=[0, 4, 4, 5], send_sizes=[2, 0, 1, 1], output_offsets=[3, 6, 0, 3],
+              recv_offsets=[0, 1, 0, 3], recv_sizes=[0, 2, 1, 1], recv_counts=[[0, 2], [1, 1]],
+              back_offsets=[4, 4, 4, 5], dropped=2),
+  }
+  layout = jax.jit(ragged_layout_by_expert, static_argnums=2)
+  for me, want in by_expert.items():
+    got = layout(counts, me, 6)._asdict()
+    assert {k: np.asarray(v).tolist() for k, v in got.items()} == want, (me, got)
+
+
+def test_ragged_receive_plan_by_hand():
+  """Sender-major receive buffer -> local-expert-major rows without a sort. Buffer of 8 rows:
+  r0-2 sender 0 expert 0, r3 sender 0 expert 1, r4-5 sender 1 expert 0, r6-7 unused."""
+  import jax
+  import jax.numpy as jnp
+  from umoe_jax.ops import dispatch
+  from umoe_jax.parallel.exchange import receive_plan
+  plan = jax.jit(receive_plan, static_argnums=1)(jnp.array([[3, 1], [2, 0]]), 8)
+  assert np.asarray(plan.order).tolist() == [0, 1, 2, 4, 5, 3, 6, 7]
+  assert np.asarray(plan.inverse).tolist() == [0, 1, 2, 5, 3, 4, 6, 7]
+  assert np.asarray(plan.group_sizes).tolist() == [5, 1]
+  # Random counts (empty senders and experts included) against a stable sort by (expert, sender).
+  rng = np.random.default_rng(0)
+  rows = 40                                   # >= 4 senders x 3 experts x 3 rows
+
+  @jax.jit
+  def plan_and_round_trip(c, x):
+    plan = receive_plan(c, rows)
+    return plan.order, dispatch.unpermute(dispatch.permute(x, plan, 1), plan)
+  for _ in range(20):
+    c = rng.integers(0, 4, (4, 3)) * (rng.random((4, 3)) < 0.7)
+    sender = np.repeat(np.arange(4), c.sum(1))
+    expert = np.concatenate([np.repeat(np.arange(3), c[s]) for s in range(4)])
+    want = np.lexsort((np.arange(len(expert)), sender, expert))       # (expert, sender, row)
+    x = rng.standard_normal((rows, 2)).astype(np.float32)
+    order, back = plan_and_round_trip(jnp.asarray(c, jnp.int32), x)
+    order = np.asarray(order)
+    assert order[:len(want)].tolist() == want.tolist(), c
+    assert order[len(want):].tolist() == list(range(len(want), rows))
+    assert np.array_equal(np.asarray(back), x)
+
+
+def test_resolve_exchange_and_chunks_settings(monkeypatch):
+  from umoe_jax.parallel import expert_parallel
+  from umoe_jax.train import config as train_config
+  assert expert_parallel.resolve_exchange("auto", 3, 8, "gpu") == "all_to_all"   # until measured
+  assert expert_parallel.resolve_exchange("auto", 15, 8, "gpu") == "all_gather"
+  assert expert_parallel.resolve_exchange("ragged", 15, 8, "cpu") == "ragged"
+  assert expert_parallel.resolve_exchange("ragged", 3, 1, "gpu") == "local"
+  monkeypatch.setattr(expert_parallel, "AUTO_RAGGED_PLATFORMS", ("gpu",))
+  assert expert_parallel.resolve_exchange("auto", 3, 8, "gpu") == "ragged"
+  assert expert_parallel.resolve_exchange("auto", 3, 8, "cpu") == "all_to_all"
+  with pytest.raises(ValueError, match="'ragged_a2a' must be one of"):
+    expert_parallel.resolve_exchange("ragged_a2a", 3, 8)
+  train_config.check_expert_parallel(dict(exchange="ragged", chunks=4, capacity_factor=None))
+  for bad in (0, 2.0, True):
+    with pytest.raises(ValueError, match=f"expert_parallel.chunks={bad!r} must be an int >= 1"):
+      train_config.check_expert_parallel(dict(chunks=bad))
+  one = mesh.make_mesh(dict(data=1), devices=__import__("jax").devices()[:1])
+  with pytest.raises(ValueError, match="expert_chunks=0 must be an int >= 1"):
+    with sharding.use_mesh(one, expert_chunks=0):
+      pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,7 +238,7 @@ def test_state_shardings(multi_device_report):
 def test_expert_map_matches_oracle_and_counts_drops(multi_device_report):
   section = _section(multi_device_report, "expert_map")
   cases = {k: v for k, v in section.items() if isinstance(v, dict) and "strategy" in v}
-  for strategy in ("all_to_all", "all_gather"):
+  for strategy in ("all_to_all", "all_gather", "ragged"):
     ran = {k: v for k, v in cases.items() if v["strategy"] == strategy}
     assert any(v["dropped"] > 0 for k, v in ran.items() if "cf=0.5" in k), strategy
     # Dropless under skewed routing (90% of tokens on one shard's experts): nothing dropped.
@@ -147,7 +259,7 @@ def test_expert_map_auto_exchange(multi_device_report):
   assert section["expert=8/auto_collectives"] == ["all_to_all"]
   assert section["data=4,expert=2/auto_collectives"] == ["all_gather", "reduce_scatter"]
   grads = [k for k in section if "/grad/" in k]
-  assert len(grads) == 6, grads   # 3 layouts x 2 exchanges, each within 1e-5 of one device
+  assert len(grads) == 15, grads  # 3 layouts x 5 (exchange, chunks), each within 1e-5 of one device
 
 
 @pytest.mark.parametrize("layout", ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4",
@@ -168,6 +280,35 @@ def test_exchange_matches_single_device(multi_device_report, layout, exchange):
   result = _section(multi_device_report, "layouts")[f"{layout}/{exchange}"]
   assert result["step1_loss_diff"] < LOSS_TOL, result
   assert result["grad_diff"] < GRAD_TOL, result
+
+
+def test_ragged_all_to_all_emulation(multi_device_report):
+  """The CPU emulation of ragged_all_to_all follows jax's documented example and a numpy loop; the
+  native collective (GPU / TPU) lowers, there and back, forward and backward (4 ops)."""
+  section = _section(multi_device_report, "ragged")
+  assert section["doc_example"] == [[1, 3, -1, -1], [2, 2, 4, -1]]
+  assert section["random_rows"] > 0
+  assert section["native_ragged_ops/None"] == section["native_ragged_ops/('data', 'expert')"] == 4
+  assert section["native_ragged_ops/None/expert"] == 4
+  assert section["native_ragged_ops/None/chunks=2"] == 8     # two independent exchanges
+  assert "chunks=3 must be >= 1 and divide the 8" in section["chunks_error"]
+
+
+@pytest.mark.parametrize("run", ["fsdp=2,expert=4/auto/chunks=1", "fsdp=2,expert=4/ragged/chunks=2",
+                                 "fsdp=-1,expert=8/ragged/chunks=1"])
+def test_large_structure_fsdp_x_expert(multi_device_report, run):
+  """UMoE-large's structure (64 experts, FFN top-10, attention top-3, block remat) with FSDP x
+  expert parallelism, one forward + backward vs one device; experts split over "expert" and the
+  model width over "fsdp"; auto runs all_gather for the FFN (K=10 >= EP) and all_to_all for the
+  queries, ragged replaces both (no reduce-scatter of partial outputs)."""
+  result = _section(multi_device_report, "large_structure")[run]
+  assert result["step1_loss_diff"] < LOSS_TOL, result
+  assert result["grad_diff"] < GRAD_TOL, result
+  assert result["w_up_spec"].startswith("P('expert', 'fsdp'"), result
+  if "/auto/" in run:
+    assert result["collectives"] == ["all_gather", "all_to_all", "reduce_scatter"], result
+  else:   # the counts' all-gather and the (emulated) ragged all-to-all
+    assert result["collectives"] == ["all_gather", "all_to_all"], result
 
 
 # The other attention variants of the zoo (no expert-parallel route of their own: their routed
@@ -254,9 +395,10 @@ def test_two_processes_train_checkpoint_resume(tmp_path):
   run_dir.mkdir()
   _train(ref_dir, 4, "data=1", processes=1)
   ref = _losses(ref_dir)
-  # Steps 1-2 on expert=8 across both processes (the all-to-all crosses processes), checkpoint at 2;
-  # then fresh processes resume from it onto another mesh, fsdp=2 x expert=4, for steps 3-4.
-  first = _train(run_dir, 2, "expert=8", processes=2)
+  # Steps 1-2 on expert=8 across both processes with the ragged exchange (crossing processes),
+  # checkpoint at 2; then fresh processes resume from it onto another mesh, fsdp=2 x expert=4 with
+  # the auto exchange (all_to_all: K=2 < EP=4), for steps 3-4.
+  first = _train(run_dir, 2, "expert=8,exchange=ragged", processes=2)
   assert all(w["info"]["process_count"] == 2 and w["info"]["global_devices"] == 8 for w in first)
   assert all(w["summary"]["start"] == "scratch" and w["summary"]["step"] == 2 for w in first)
   second = _train(run_dir, 4, "fsdp=2,expert=4", processes=2)

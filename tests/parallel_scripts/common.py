@@ -38,6 +38,17 @@ def tiny_cfg(family: str = "umoe", **moe):
   return model_config(m)
 
 
+def large_structure_cfg():
+  """UMoE-large's structure (configs/umoe_large.py: 64 experts, FFN top-10, attention top-3, low-rank
+  queries, 4 heads) at toy widths, one layer, float32. On expert=8 a shard holds 8 experts < K=10."""
+  m = configs.common.model("umoe", "large")
+  m.n_layers, m.max_seq_len, m.vocab_size, m.d_model = 1, SEQ, 128, 64
+  m.compute_dtype, m.gmm_backend = "float32", "xla"
+  m.attention.head_dim = m.attention.v_head_dim = 16
+  m.attention.q_lora_rank, m.moe.d_expert = 4, 16
+  return model_config(m)
+
+
 def model_parts(cfg):
   abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)))
   graphdef, abstract_params = nnx.split(abstract, nnx.Param)
@@ -65,9 +76,9 @@ def tokens(seed: int = 1, batch: int = BATCH, vocab: int = 128) -> np.ndarray:
   return np.asarray(jax.random.randint(jax.random.key(seed), (batch, SEQ + 1), 0, vocab))
 
 
-def loss_fn(params, batch, graphdef):
+def loss_fn(params, batch, graphdef, remat="none"):
   model = nnx.merge(graphdef, params)
-  logits, aux = model(batch[:, :-1])
+  logits, aux = model(batch[:, :-1], remat=remat)
   logp = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
   return ce + aux["balance_loss"] + sum(aux.get("router_losses", {}).values())

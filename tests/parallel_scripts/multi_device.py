@@ -1,9 +1,10 @@
 """All single-process, 8-device checks in one process (one JAX start-up), run by test_parallel.py.
 
-Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map layouts restore
-                                                 variants
+Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map ragged layouts
+                                                 large_structure restore variants
 Writes {section: {"ok": bool, "error": str, ...numbers}}; each section runs even if another failed.
 """
+import contextlib
 import dataclasses
 import functools
 import json
@@ -27,7 +28,7 @@ from umoe_jax.config import model_config
 from umoe_jax.model import build_model
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
-from umoe_jax.parallel import expert_parallel, mesh as mesh_lib, sharding
+from umoe_jax.parallel import exchange as exchange_lib, expert_parallel, mesh as mesh_lib, sharding
 
 LAYOUTS = ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4", "fsdp=2,tensor=2,expert=2"]
 # Forced exchanges (LAYOUTS run "auto": all_to_all for both pools on expert=8, all_gather for the FFN
@@ -101,49 +102,80 @@ def _expert_fn(rows, group_sizes, w, *, tensor_axes):
   return jnp.tanh(gmm(rows, w, group_sizes, backend="xla"))
 
 
-def _numpy_expected(x, ids, gates, w, groups, ep, cap):
-  """Loop oracle with the capacity rule: the tokens split into `groups` contiguous groups that share
-  buffers (all_to_all: each batch shard; all_gather: the EP batch shards of one gather); per group,
-  rows in (expert, token, slot) order, each destination shard keeps its first `cap` rows."""
+def _numpy_expected(x, ids, gates, w, shards, ep, cap, strategy, chunks=1):
+  """Loop oracle with the capacity rule. The tokens are split into `shards` contiguous device
+  blocks, each into `chunks` chunks; one exchange instance is a (device, chunk) for all_to_all and
+  the same chunk of the EP devices of an expert group for all_gather / ragged. Per instance each
+  destination shard keeps its first `cap` rows in (expert, token, slot) order (all_to_all,
+  all_gather) or (sender device, expert, token, slot) order (ragged).
+  Returns (output, dropped rows, rows sent [shards, EP] as `expert_map`'s stats count them)."""
   n, k = ids.shape
   e_local = w.shape[0] // ep
-  per = n // groups
+  per = n // shards
+  cper = per // chunks
+  devs = 1 if strategy == "all_to_all" else ep
   out = np.zeros((n, k, w.shape[-1]))
+  sent = np.zeros((shards, ep), int)
   dropped = 0
-  for s in range(groups):
-    pairs = sorted(((ids[t, j], t, j) for t in range(s * per, (s + 1) * per) for j in range(k)))
-    used = np.zeros(ep, int)
-    for e, t, j in pairs:
-      d = e // e_local
-      if used[d] >= cap:
-        dropped += 1
-        continue
-      used[d] += 1
-      row = x[t] if x.ndim == 2 else x[t, j]
-      out[t, j] = np.tanh(row @ w[e])
+  for g0 in range(0, shards, devs):
+    for c in range(chunks):
+      toks = [t for dev in range(g0, g0 + devs) for t in range(dev * per + c * cper,
+                                                                dev * per + (c + 1) * cper)]
+      key = ((lambda p: (p[1] // per,) + p) if strategy == "ragged" else (lambda p: p))
+      pairs = sorted(((ids[t, j], t, j) for t in toks for j in range(k)), key=key)
+      used = np.zeros(ep, int)
+      for e, t, j in pairs:
+        d = e // e_local
+        if used[d] >= cap:
+          dropped += 1
+          continue
+        used[d] += 1
+        if strategy == "ragged":
+          sent[t // per, d] += 1
+        row = x[t] if x.ndim == 2 else x[t, j]
+        out[t, j] = np.tanh(row @ w[e])
+  if strategy == "all_to_all":
+    sent[:] = chunks * cap
+  elif strategy == "all_gather":
+    sent[:] = per * (1 if x.ndim == 2 else k)
   comb = None if gates is None else np.einsum("nkd,nk->nd", out, gates)
-  return (out if gates is None else comb), dropped
+  return (out if gates is None else comb), dropped, sent
 
 
 # (layout, EXPERT rule override or None, variants). A variant is (ids, x rank, gates?, capacity
-# factor, exchange): both input forms, both output forms, dropless and dropping, both exchanges and
-# "auto" with K=3 < EP (-> all_to_all) and K >= EP (-> all_gather), skewed routing (dropless: no drop).
+# factor, exchange, chunks): both input forms, both output forms, dropless and dropping, every
+# exchange and "auto" with K=3 < EP (-> all_to_all) and K >= EP (-> all_gather), skewed routing
+# (dropless: no drop), the chunked (overlapped) forms.
 _BOTH = [("spread", 2, True, None), ("spread", 3, True, None), ("spread", 2, False, None),
          ("spread", 3, False, None), ("spread", 2, True, 0.5), ("spread", 3, False, 0.5),
          ("spread", 2, True, 100.0)]
 _SHORT = [("spread", 2, True, None), ("spread", 3, False, None), ("spread", 2, True, 0.5),
           ("spread", 3, False, 0.5)]
 _SKEW = [("skewed", 2, True, None), ("skewed", 3, False, None)]
+
+
+def _with(variants, exchange, chunks=1):
+  return [v + (exchange, chunks) for v in variants]
+
+
 EXPERT_MAP_CASES = [
-    ("expert=8", None, [v + ("auto",) for v in _BOTH] + [v + ("all_gather",) for v in _SHORT]),
-    ("data=2,expert=4", None, [v + ("auto",) for v in _BOTH] +
-     [v + ("all_gather",) for v in _SHORT + _SKEW] + [v + ("all_to_all",) for v in _SKEW]),
-    ("data=4,expert=2", None, [v + ("auto",) for v in _SHORT + _SKEW] +
-     [v + ("all_to_all",) for v in _SHORT[:3]]),
+    ("expert=8", None, _with(_BOTH, "auto") + _with(_SHORT, "all_gather") +
+     _with(_SHORT[::3] + _SKEW, "ragged") + _with(_SHORT[2:3], "ragged", 2) +
+     _with(_SKEW[:1] + _SHORT[3:], "ragged@expert") + _with(_SHORT[:1], "all_gather", 2)),
+    ("data=2,expert=4", None, _with(_BOTH, "auto") + _with(_SHORT + _SKEW, "all_gather") +
+     _with(_SKEW, "all_to_all") + _with(_SHORT[1:3] + _SKEW[:1], "ragged") +
+     _with(_SHORT[1:2], "ragged", 4) + _with(_SHORT[2:3] + _SKEW[1:], "ragged@expert") +
+     _with(_SHORT[:1], "all_to_all", 2)),
+    ("data=4,expert=2", None, _with(_SHORT + _SKEW, "auto") + _with(_SHORT[:3], "all_to_all") +
+     _with(_SKEW[:1] + _SHORT[2:3], "ragged")),
     # Experts over two mesh axes (EP = 8): the shard index is linearised like the collectives.
-    ("data=2,expert=4", ("data", "expert"), [v + ("all_gather",) for v in _SHORT[::2]] +
-     [("spread", 2, True, None, "all_to_all")]),
+    ("data=2,expert=4", ("data", "expert"), _with(_SHORT[::2], "all_gather") +
+     _with(_SHORT[:1], "all_to_all") + _with(_SHORT[:3:2], "ragged") +
+     _with(_SHORT[:1], "ragged@expert")),
 ]
+# Gradients (dropless, both call forms) vs the single-device dispatch, per layout: one program.
+GRAD_EXCHANGES = [("all_to_all", 1), ("all_gather", 1), ("ragged", 1), ("ragged", 2),
+                  ("ragged@expert", 2)]
 
 
 def _routing(rng, n, k, e):
@@ -155,6 +187,21 @@ def _routing(rng, n, k, e):
   hot = rng.random(n) < 0.9
   skewed[hot] = np.stack([rng.permutation(4)[:k] for _ in range(int(hot.sum()))])
   return dict(spread=spread, skewed=skewed)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+  """$name = value while tracing (nothing when value is empty)."""
+  old = os.environ.get(name)
+  if value:
+    os.environ[name] = value
+  try:
+    yield
+  finally:
+    if value and old is None:
+      del os.environ[name]
+    elif value:
+      os.environ[name] = old
 
 
 def _collectives(fn, *args) -> set:
@@ -182,35 +229,40 @@ def check_expert_map():
     ep, shards = math.prod(mesh.shape[a] for a in expert_rule or ("expert",)), 8
     tag = layout + ("" if expert_rule is None else f"/experts_over={'x'.join(expert_rule)}")
 
-    def emap(x_, ids_, w_, g_, cf_, exchange, mesh_=mesh, rules_=rules):
-      return expert_parallel.expert_map(x_, jnp.asarray(ids_), g_, (w_,), names, _expert_fn,
-                                        num_experts=e, mesh=mesh_, rules=rules_,
-                                        capacity_factor=cf_, exchange=exchange)
+    def emap(x_, ids_, w_, g_, cf_, exchange, chunks=1, mesh_=mesh, rules_=rules):
+      exchange, _, slices = exchange.partition("@")   # "ragged@expert": per-(peer, expert) slices
+      with _env(exchange_lib.SLICES_ENV, slices):
+        return expert_parallel.expert_map(x_, jnp.asarray(ids_), g_, (w_,), names, _expert_fn,
+                                          num_experts=e, mesh=mesh_, rules=rules_,
+                                          capacity_factor=cf_, exchange=exchange, chunks=chunks)
 
     @jax.jit
     def all_variants(x2, x3, w_, g_, variants=tuple(variants)):
       res = []
-      for ids_name, rank, use_g, cf, exchange in variants:
+      for ids_name, rank, use_g, cf, exchange, chunks in variants:
         y, st = emap(x2 if rank == 2 else x3, id_sets[ids_name], w_, g_ if use_g else None, cf,
-                     exchange)
-        res.append((y, st["dropped_rows"]))
+                     exchange, chunks)
+        res.append((y, st["dropped_rows"], st["sent_rows"]))
       return res
 
     results = all_variants(xs[2], xs[3], w, gates)
-    for (ids_name, rank, use_g, cf, exchange), (y, dropped) in zip(variants, results):
-      strategy = expert_parallel.resolve_exchange(exchange, k, ep)
-      cap = expert_parallel.capacity(n // shards, k, ep, e // ep, cf, strategy)
-      groups = shards // ep if strategy == "all_gather" else shards
+    for (ids_name, rank, use_g, cf, exchange, chunks), (y, dropped, sent) in zip(variants, results):
+      strategy = expert_parallel.resolve_exchange(exchange.partition("@")[0], k, ep)
+      cap = expert_parallel.capacity(n // shards // chunks, k, ep, e // ep, cf, strategy)
       ids = id_sets[ids_name]
-      ref, ref_dropped = _numpy_expected(xs[rank], ids, gates if use_g else None, w, groups, ep,
-                                         cap)
+      ref, ref_dropped, ref_sent = _numpy_expected(xs[rank], ids, gates if use_g else None, w,
+                                                   shards, ep, cap, strategy, chunks)
       err = float(np.max(np.abs(np.asarray(y) - ref)))
       key = (f"{tag}/{ids_name}/x{rank}/{'gates' if use_g else 'slots'}/cf={cf}/"
-             f"{exchange}->{strategy}")
+             f"{exchange}->{strategy}" + (f"/chunks={chunks}" if chunks > 1 else ""))
       assert err < 1e-5, (key, err)
       assert int(dropped) == ref_dropped, (key, int(dropped), ref_dropped)
       assert (ref_dropped > 0) == (cf == 0.5), (key, ref_dropped)   # overflow is live / absent
-      out[key] = dict(err=err, dropped=int(dropped), strategy=strategy)
+      assert np.array_equal(np.asarray(sent), ref_sent), (key, np.asarray(sent), ref_sent)
+      if strategy == "ragged":   # exactly the routed rows that fit cross the exchange
+        assert int(np.sum(sent)) == n * k - ref_dropped, (key, int(np.sum(sent)))
+      out[key] = dict(err=err, dropped=int(dropped), strategy=strategy, chunks=chunks,
+                      sent=np.asarray(sent).tolist())
 
     # "auto" runs the collectives of the strategy it resolves to.
     auto = expert_parallel.resolve_exchange("auto", k, ep)
@@ -220,10 +272,10 @@ def check_expert_map():
     assert seen == expected[auto], (tag, auto, seen)
     out[f"{tag}/auto_collectives"] = sorted(seen)
 
-    # Gradients (dropless) equal the single-device dispatch's, for both exchanges.
-    def loss_ep(x2, x3, w_, exchange):
+    # Gradients (dropless) equal the single-device dispatch's, for every exchange (one program).
+    def loss_ep(x2, x3, w_, exchange, chunks):
       return sum(jnp.sum(jnp.sin(emap(x, id_sets["spread"], w_, jnp.asarray(gates), None,
-                                      exchange)[0])) for x in (x2, x3))
+                                      exchange, chunks)[0])) for x in (x2, x3))
 
     def loss_ref(x2, x3, w_):
       plan = dispatch.make_plan(jnp.asarray(id_sets["spread"]), e)
@@ -231,12 +283,14 @@ def check_expert_map():
       return sum(jnp.sum(jnp.sin(dispatch.apply_experts(x, plan, jnp.asarray(gates), fn)))
                  for x in (x2, x3))
     g_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(xs[2], xs[3], w)
-    for exchange in ("all_to_all", "all_gather") if expert_rule is None else ():
-      g_ep = jax.jit(jax.grad(functools.partial(loss_ep, exchange=exchange),
-                              argnums=(0, 1, 2)))(xs[2], xs[3], w)
+    exchanges = GRAD_EXCHANGES if expert_rule is None else []
+    g_eps = jax.jit(lambda *a: [jax.grad(functools.partial(loss_ep, exchange=ex, chunks=c),
+                                         argnums=(0, 1, 2))(*a) for ex, c in exchanges]
+                    )(xs[2], xs[3], w)
+    for (exchange, chunks), g_ep in zip(exchanges, g_eps):
       gerr = common.max_abs_diff(g_ep, g_ref)
-      assert gerr < 1e-5, (tag, exchange, gerr)
-      out[f"{tag}/grad/{exchange}"] = dict(err=gerr)
+      assert gerr < 1e-5, (tag, exchange, chunks, gerr)
+      out[f"{tag}/grad/{exchange}" + (f"/chunks={chunks}" if chunks > 1 else "")] = dict(err=gerr)
   # The model sows the dropped-row count when a capacity factor is set.
   cfg = common.tiny_cfg()
   mesh = mesh_lib.make_mesh(dict(expert=8))
@@ -252,6 +306,99 @@ def check_expert_map():
     counts = [int(v) for v in jax.tree.leaves(sown)]
     assert counts and sum(counts) > 0, (exchange, sown)
     out[f"model_sown_dropped_rows/{exchange}"] = counts
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _ragged_call(mesh, sizes_per_device, operand, out_rows, send, in_off, out_off, recv):
+  """exchange.ragged_all_to_all ("dense", the CPU emulation) over mesh axis "x", one row of every
+  argument per device."""
+  def f(op, s_, io, oo, r_):
+    out = exchange_lib.ragged_all_to_all(op[0], jnp.full((out_rows,) + op.shape[2:], -1, op.dtype),
+                                     io[0], s_[0], oo[0], r_[0], axes=("x",), impl="dense",
+                                     max_slice=sizes_per_device)
+    return out[None]
+  spec = P("x")
+  run = jax.jit(expert_parallel._shard_map(f, mesh, (spec,) * 5, spec))
+  return np.asarray(run(operand, send, in_off, out_off, recv))
+
+
+def check_ragged():
+  """The dense emulation of `jax.lax.ragged_all_to_all` against its documented contract: the
+  example of jax's docstring (2 devices) and a numpy loop (8 devices, random sizes, gaps between
+  the received slices, 2-D rows); and the native collective lowers through expert_map."""
+  out = {}
+  devs = np.asarray(jax.devices())
+  mesh2 = jax.sharding.Mesh(devs[:2], ("x",), **mesh_lib._auto_axis_types(1))
+  got = _ragged_call(mesh2, 2, np.array([[1, 2, 2], [3, 4, 0]], np.float32), 4,
+                     np.array([[1, 2], [1, 1]]), np.array([[0, 1], [0, 1]]),
+                     np.array([[0, 0], [1, 2]]), np.array([[1, 1], [2, 1]]))
+  expected = np.array([[1, 3, -1, -1], [2, 2, 4, -1]], np.float32)   # untouched rows keep `output`
+  assert np.array_equal(got, expected), got
+  out["doc_example"] = got.tolist()
+
+  mesh8 = jax.sharding.Mesh(devs, ("x",), **mesh_lib._auto_axis_types(1))
+  rng = np.random.default_rng(3)
+  p_, out_rows = 8, 40
+  send = rng.integers(0, 4, (p_, p_))                         # send[s, d] rows from s to d
+  in_off = np.zeros((p_, p_), int)
+  for s_ in range(p_):                                        # slices in a random order, with gaps
+    pos = 0
+    for d in rng.permutation(p_):
+      pos += rng.integers(0, 2)
+      in_off[s_, d] = pos
+      pos += send[s_, d]
+  operand = rng.standard_normal((p_, int((in_off + send).max()) + 2, 2)).astype(np.float32)
+  out_off = np.zeros((p_, p_), int)                           # out_off[s, d]: where on d
+  for d in range(p_):
+    pos = 0
+    for s_ in rng.permutation(p_):
+      pos += rng.integers(0, 2)
+      out_off[s_, d] = pos
+      pos += send[s_, d]
+  recv = send.T                                               # recv[d, s] = send[s, d]
+  got = _ragged_call(mesh8, int(send.max()), operand, out_rows, send, in_off, out_off, recv)
+  ref = np.full((p_, out_rows, 2), -1, np.float32)
+  for s_ in range(p_):
+    for d in range(p_):
+      n_ = send[s_, d]
+      ref[d, out_off[s_, d]:out_off[s_, d] + n_] = operand[s_, in_off[s_, d]:in_off[s_, d] + n_]
+  assert np.array_equal(got, ref), np.argwhere(got != ref)[:5]
+  out["random_rows"] = int(send.sum())
+
+  # The native collective (what GPU / TPU run) lowers, forward and backward, for both axis forms.
+  rng = np.random.default_rng(0)
+  e, k = 16, 3
+  ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(64)]).astype(np.int32))
+  x, g = jnp.ones((64, 8)), jnp.full((64, k), 0.5)
+  w = jnp.asarray(rng.standard_normal((e, 8, 5)).astype(np.float32))
+  mesh = mesh_lib.make_mesh(parse("data=2,expert=4"))
+  os.environ[exchange_lib.IMPL_ENV] = "native"
+  try:
+    # Chunks: independent collectives per chunk (what lets the scheduler overlap them).
+    for rule, slices, chunks in ((None, "", 1), (("data", "expert"), "", 1), (None, "expert", 1),
+                                 (None, "", 2)):
+      rules = None if rule is None else [(n_, rule if n_ == "expert" else t)
+                                         for n_, t in sharding.normalize_rules(None)]
+      loss = lambda x_, w_: jnp.sum(expert_parallel.expert_map(
+          x_, ids, g, (w_,), (("expert", "embed", None),), _expert_fn, num_experts=e, mesh=mesh,
+          rules=rules, exchange="ragged", chunks=chunks)[0] ** 2)
+      with _env(exchange_lib.SLICES_ENV, slices):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+      key = (f"native_ragged_ops/{rule}" + (f"/{slices}" if slices else "") +
+             (f"/chunks={chunks}" if chunks > 1 else ""))
+      out[key] = text.count("ragged_all_to_all")
+      assert out[key] == 4 * chunks, out   # forward there and back, and their transposes
+  finally:
+    del os.environ[exchange_lib.IMPL_ENV]
+  try:   # chunks must divide the tokens per device (64 over 8 batch shards)
+    expert_parallel.expert_map(x, ids, g, (w,), (("expert", "embed", None),), _expert_fn,
+                               num_experts=e, mesh=mesh, exchange="ragged", chunks=3)
+    out["chunks_error"] = "none"
+  except ValueError as err:
+    out["chunks_error"] = str(err)
   return out
 
 
@@ -343,6 +490,51 @@ def check_restore():
   diff = abs(float(loss_a) - float(loss_b))
   assert diff < 1e-5, (float(loss_a), float(loss_b))
   return dict(value_diff=value_diff, next_loss_diff=diff)
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP x expert parallelism for UMoE-large's structure (common.large_structure_cfg), block remat as
+# configs/umoe_large.py: loss and gradients of one batch vs one device, per (layout, exchange,
+# chunks). fsdp=-1 with expert=8 on 8 devices resolves to fsdp=1.
+LARGE_RUNS = [("fsdp=2,expert=4", "auto", 1), ("fsdp=2,expert=4", "ragged", 2),
+              ("fsdp=-1,expert=8", "ragged", 1)]
+
+
+def check_large_structure():
+  cfg = common.large_structure_cfg()
+  graphdef, abstract_params = common.model_parts(cfg)
+  params = common.init_params(cfg)
+  batch = common.tokens(seed=4)
+  def grad_fn(p, b):  # a fresh function per program: a jitted step is traced under its first mesh
+    return jax.value_and_grad(functools.partial(common.loss_fn, graphdef=graphdef,
+                                                remat="block"))(p, b)
+  t0 = time.time()
+  ref_loss, ref_grads = jax.jit(grad_fn)(params, batch)
+  report = dict(ref_loss=float(ref_loss), grad_scale=common.max_abs(ref_grads),
+                seconds_one_device=round(time.time() - t0, 1))
+  for layout, exch, chunks in LARGE_RUNS:
+    t0 = time.time()
+    mesh = mesh_lib.make_mesh(parse(layout))
+    _, p_sh, _ = common.sharded_step(graphdef, abstract_params, mesh)
+    w_up = p_sh["layers"][0]["experts"]["w_up"].spec
+    assert w_up[:2] == ("expert", "fsdp"), w_up     # experts split, FSDP over the model width
+    b_sh = sharding.batch_sharding(mesh)
+    rep = jax.sharding.NamedSharding(mesh, P())
+    step = jax.jit(lambda p, b: grad_fn(p, b), in_shardings=(p_sh, b_sh), out_shardings=(rep, p_sh))
+    args = (jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
+    with sharding.use_mesh(mesh, expert_exchange=exch, expert_chunks=chunks):
+      lowered = step.lower(*args)
+    # The stablehlo holds only shard_map's own collectives (the partitioner adds the rest later).
+    text = lowered.as_text()
+    seen = sorted(c for c in ("all_to_all", "all_gather", "reduce_scatter")
+                  if f"stablehlo.{c}" in text)
+    loss, grads = lowered.compile()(*args)
+    key = f"{layout}/{exch}/chunks={chunks}"
+    report[key] = dict(step1_loss_diff=abs(float(loss) - float(ref_loss)),
+                       grad_diff=common.max_abs_diff(grads, ref_grads), w_up_spec=str(w_up),
+                       collectives=seen, seconds=round(time.time() - t0, 1))
+    print(key, report[key], flush=True)
+  return report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,8 +652,9 @@ def check_variants():
   return report
 
 
-CHECKS = dict(shardings=check_shardings, expert_map=check_expert_map, layouts=check_layouts,
-              restore=check_restore, variants=check_variants)
+CHECKS = dict(shardings=check_shardings, expert_map=check_expert_map, ragged=check_ragged,
+              layouts=check_layouts, large_structure=check_large_structure, restore=check_restore,
+              variants=check_variants)
 
 
 def main(out_path, sections):

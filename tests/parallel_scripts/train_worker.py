@@ -1,6 +1,7 @@
 """One process of a `umoe_jax.train.loop.run` on CPU (launched by tests/test_parallel.py).
 
-Usage: train_worker.py WORKDIR NUM_STEPS LAYOUT
+Usage: train_worker.py WORKDIR NUM_STEPS LAYOUT   (LAYOUT: mesh sizes, e.g. "fsdp=2,expert=4",
+                                                 optionally with ",exchange=ragged")
   With JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set, the process joins a
   multi-process run first (`distributed.initialize_from_env`, as train.py does). Running it again
   with a larger NUM_STEPS on the same WORKDIR resumes from the latest checkpoint.
@@ -79,7 +80,9 @@ def config(num_steps: int, layout: str):
                       warmup_steps=2, log_every=1, eval_every=1000, eval_batches=1))
   c.checkpoint.update(dict(every=2, keep=3))
   c.log.routing_probe_batches = 0  # one compile less per process (tested in test_analysis_run)
-  c.mesh = {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
+  settings = dict(kv.split("=") for kv in layout.split(","))
+  c.expert_parallel.exchange = settings.pop("exchange", "auto")
+  c.mesh = {k: int(v) for k, v in settings.items()}
   return c
 
 

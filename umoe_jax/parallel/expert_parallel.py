@@ -28,14 +28,34 @@ E_local = experts per shard):
   routing. Memory: the gathered tokens' permuted copy has EP*n*K rows. Partial sums cross shards in
   the output dtype (the single-device path rounds once, after its float32 combine).
 
+"ragged" (`exchange.py`): exact-size `jax.lax.ragged_all_to_all` of the same (token, slot) rows as
+"all_to_all": per device n*K rows in total whatever the routing, instead of EP dense chunks of the
+worst case; a receive buffer of the dropless worst case (EP * n*min(K, E_local) rows, only the real
+rows multiplied) or of c x the balanced load with a capacity factor. Emulated with a dense
+all_to_all on CPU, where XLA has no ragged all-to-all.
+
 exchange="auto" (default) takes "all_gather" when K >= EP (then nearly every token has a slot on
 every shard, and all_to_all would send each token's row ~K/EP times to each shard, padded to the
-worst case), else "all_to_all". `use_mesh(..., expert_exchange=...)` / `config.expert_parallel.
-exchange` pick one. With expert axes of size 1 (data / fsdp / tensor layouts) both collapse to the
-local dispatch: no collective, every device runs all experts on its own tokens (weights are gathered
-from their FSDP shards at the shard_map boundary). Tensor parallelism inside the experts: the hidden
-width F stays split over the tensor axis, the down projection gives partial sums, `psum` over tensor
-adds them.
+worst case), else "all_to_all" -- or "ragged" on the platforms in `AUTO_RAGGED_PLATFORMS`, where
+ragged replaces all_to_all (it sends a subset of all_to_all's rows). That tuple is empty until the
+ragged collective is measured on GPUs (BENCHMARKS.md, "to run"): XLA's GPU ragged all-to-all has
+known slow paths, so auto stays with the dense exchanges. `use_mesh(..., expert_exchange=...)` /
+`config.expert_parallel.exchange` pick one.
+
+Overlap (`chunks=C`, `use_mesh(..., expert_chunks=C)`, `config.expert_parallel.chunks`): each device's
+tokens are split into C contiguous chunks, each exchanged and computed on its own (a Python-unrolled
+loop: C independent collectives and gmm groups, forward and backward), so that XLA's scheduler can
+issue chunk i+1's exchange while chunk i's experts compute. The values do not change (dropless);
+with a capacity factor each chunk has its own buffers (c x a chunk's balanced load). The overlap
+itself only happens on GPU / TPU with the latency-hiding scheduler
+(`--xla_gpu_enable_latency_hiding_scheduler=true`) and must be measured there; on CPU the chunks run
+one after the other.
+
+With expert axes of size 1 (data / fsdp / tensor layouts) every exchange collapses to the local
+dispatch (chunks ignored): no collective, every device runs all experts on its own tokens (weights
+are gathered from their FSDP shards at the shard_map boundary). Tensor parallelism inside the
+experts: the hidden width F stays split over the tensor axis, the down projection gives partial
+sums, `psum` over tensor adds them.
 
 Buffer policy (`capacity`): the expert buffer holds C rows per pair (all_to_all) or M_buf rows per
 shard (all_gather).
@@ -48,8 +68,10 @@ shard (all_gather).
     did not pick; all_gather drops the last rows in (local expert, token, slot) order) and counted:
     `stats["dropped_rows"]` (global count), sown by the pool as `nnx.Intermediate`
     "ep_dropped_rows".
+  * "ragged" sizes its receive buffer per shard like all_gather (same two formulas); only the rows
+    that fit are sent.
 
-The all-to-all is the dense `jax.lax.all_to_all` (fixed-size chunks): it runs on every backend
+"all_to_all" is the dense `jax.lax.all_to_all` (fixed-size chunks): it runs on every backend
 (CPU included) and on GPU avoids `ragged_all_to_all`'s slow paths (openxla/xla#33386).
 """
 from __future__ import annotations
@@ -66,6 +88,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.ops.varying import match_varying, vary_like
+from umoe_jax.parallel import exchange as ragged
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES as EXCHANGES
 from umoe_jax.parallel.sharding import current_context, normalize_rules
@@ -105,26 +128,34 @@ def _axis_arg(axes: tuple[str, ...]):
   return axes[0] if len(axes) == 1 else axes
 
 
-def resolve_exchange(exchange: str, slots: int, ep: int) -> str:
+# Platforms on which "auto" takes "ragged" where it would take "all_to_all". Empty until measured on
+# GPUs (BENCHMARKS.md, "Multi-GPU scaling ... to run"); add "gpu" / "tpu" once ragged is faster there.
+AUTO_RAGGED_PLATFORMS: tuple[str, ...] = ()
+
+
+def resolve_exchange(exchange: str, slots: int, ep: int, platform: str = "cpu") -> str:
   """The exchange `expert_map` runs: "local" when ep == 1 (no collective), "auto" -> "all_gather"
-  when slots >= ep else "all_to_all", an explicit choice as given."""
+  when slots >= ep, else "ragged" on `AUTO_RAGGED_PLATFORMS` and "all_to_all" elsewhere; an
+  explicit choice as given."""
   if exchange not in EXCHANGES:
     raise ValueError(f"expert-parallel exchange {exchange!r} must be one of {EXCHANGES}")
   if ep == 1:
     return "local"
   if exchange == "auto":
-    return "all_gather" if slots >= ep else "all_to_all"
+    if slots >= ep:
+      return "all_gather"
+    return "ragged" if platform in AUTO_RAGGED_PLATFORMS else "all_to_all"
   return exchange
 
 
 def capacity(tokens_per_device: int, slots: int, ep: int, experts_per_shard: int,
              capacity_factor: Optional[float], exchange: str = "all_to_all") -> int:
   """Expert buffer rows (see the module docstring): per (sender, receiver) pair for "all_to_all",
-  per shard (all EP senders) for "all_gather". With ep == 1 there is no exchange and nothing can be
-  dropped: the device's own M = tokens * slots rows."""
+  per shard (all EP senders) for "all_gather" and "ragged". With ep == 1 there is no exchange and
+  nothing can be dropped: the device's own M = tokens * slots rows."""
   if ep == 1:
     return tokens_per_device * slots
-  senders = ep if exchange == "all_gather" else 1
+  senders = ep if exchange in ("all_gather", "ragged") else 1
   dropless = senders * tokens_per_device * min(slots, experts_per_shard)
   if capacity_factor is None:
     return max(dropless, 1)
@@ -221,8 +252,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
                weights: Sequence[jax.Array], weight_axes: Sequence[Sequence[Optional[str]]],
                local_fn: LocalFn, *, num_experts: int, mesh: Optional[Mesh] = None,
                rules: Any = None, capacity_factor: Any = "context",
-               exchange: str = "context", fused_local: Optional[Callable] = None
-               ) -> tuple[jax.Array, dict]:
+               exchange: str = "context", chunks: Any = "context",
+               fused_local: Optional[Callable] = None) -> tuple[jax.Array, dict]:
   """Applies routed experts to every (token, slot) row across the mesh.
 
     gates given:  out[n] = sum_k gates[n, k] * f_{ids[n, k]}(x[n] or x[n, k])   -> [N, D_out]
@@ -242,14 +273,20 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     num_experts: E.
     mesh, rules: default from `use_mesh`.
     capacity_factor: None = dropless; a float = buffer capacity factor; default from `use_mesh`.
-    exchange: "auto" | "all_to_all" | "all_gather" (module docstring); default from `use_mesh`.
+    exchange: "auto" | "all_to_all" | "all_gather" | "ragged" (module docstring); default from
+      `use_mesh`.
+    chunks: token chunks per device, each exchanged on its own (overlap; module docstring); must
+      divide the tokens per device; default from `use_mesh`.
     fused_local: optional `(x, plan, gates, *local_weights) -> [n, D_out]`, the whole routed
       forward with the dispatch fused into the kernels; used instead of permute + local_fn +
       combine when nothing is exchanged (expert axis 1), gates are given and the hidden width is
       not split over tensor axes.
   Returns:
     (out, stats) with stats = {"dropped_rows": [] int32 (global), "capacity": buffer rows (per pair
-    for all_to_all, per shard for all_gather)}; `resolve_exchange` tells which exchange ran.
+    for all_to_all, per shard for all_gather / ragged; per chunk), "sent_rows": [batch shards, EP]
+    int32, rows each device puts on the wire for each expert shard (itself included; summed over
+    chunks; all_to_all: its padded chunks, all_gather: its token rows, zeros without exchange)};
+    `resolve_exchange` tells which exchange ran.
   """
   ctx = current_context()
   if mesh is None:
@@ -261,6 +298,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     capacity_factor = ctx.expert_capacity_factor if ctx is not None else None
   if exchange == "context":
     exchange = ctx.expert_exchange if ctx is not None else "auto"
+  if chunks == "context":
+    chunks = ctx.expert_chunks if ctx is not None else 1
 
   n, k = expert_ids.shape
   batch_axes = _mesh_axes(rules, ax.BATCH, mesh)
@@ -287,8 +326,16 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
          for dim, name in zip(w.shape, names) if name == ax.EXPERT_MLP):
     tensor_axes = ()   # hidden width not divisible: replicated over tensor, like the params
   e_local = num_experts // ep
-  strategy = resolve_exchange(exchange, k, ep)
-  cap = capacity(n // shards, k, ep, e_local, capacity_factor, strategy)
+  platform = mesh.devices.flat[0].platform
+  strategy = resolve_exchange(exchange, k, ep, platform)
+  chunks = 1 if strategy == "local" else int(chunks)
+  if chunks < 1 or (n // shards) % chunks:
+    raise ValueError(f"expert-parallel chunks={chunks} must be >= 1 and divide the {n // shards} "
+                     f"tokens per device ({n} tokens over {shards} batch shards)")
+  n_chunk = n // shards // chunks
+  cap = capacity(n_chunk, k, ep, e_local, capacity_factor, strategy)
+  impl = ragged.ragged_impl(platform) if strategy == "ragged" else None
+  slices = ragged.ragged_slices() if strategy == "ragged" else None
 
   def weight_spec(names):
     spec = []
@@ -307,10 +354,13 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
               tuple(weight_spec(names) for names in weight_axes))
   fn = functools.partial(local_fn, tensor_axes=tensor_axes)
 
-  def per_device(x_l, ids_l, gates_l, ws):
+  def one_chunk(x_l, ids_l, gates_l, ws):
+    """(y, rows dropped here, rows sent per expert shard [EP]) for one chunk of tokens."""
+    sent = jnp.zeros((ep,), jnp.int32)
     if strategy == "all_gather":
       y, dropped = _all_gather_exchange(x_l, ids_l, gates_l, fn, ws, e_local=e_local,
                                         axes=expert_axes, cap=cap)
+      sent = sent + math.prod(x_l.shape[:-1])
     elif strategy == "local" and fused_local is not None and gates_l is not None and not tensor_axes:
       # No exchange: the single-device routed forward with the dispatch fused into the kernels.
       plan = dispatch.make_plan(ids_l, num_experts)
@@ -323,24 +373,40 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
       if strategy == "local":
         out = fn(rows, plan.group_sizes, *ws)                                 # [M, D_out]
         dropped = jnp.zeros((), jnp.int32)
+      elif strategy == "ragged":
+        out, dropped, sent = ragged.ragged_exchange(
+            rows, plan.group_sizes, fn, ws, ep=ep, axes=expert_axes, cap=cap,
+            tokens=ids_l.shape[0], impl=impl, slices=slices)
       else:
         expert_sorted = jnp.take(ids_l.reshape(-1).astype(jnp.int32), plan.order)
         out, dropped = _all_to_all_exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
                                             axis=_axis_arg(expert_axes), cap=cap)
+        sent = sent + cap
       y = _to_tokens(out, plan, k, gates_l)                                   # [n, (K,) D_out]
+    return y, dropped.astype(jnp.int32), sent.astype(jnp.int32)
+
+  def per_device(x_l, ids_l, gates_l, ws):
+    # Independent exchanges per chunk (unrolled), so the scheduler may overlap chunk i+1's
+    # collectives with chunk i's expert matmuls.
+    parts = [one_chunk(*(None if a is None else a[c * n_chunk:(c + 1) * n_chunk]
+                         for a in (x_l, ids_l, gates_l)), ws) for c in range(chunks)]
+    y = parts[0][0] if chunks == 1 else jnp.concatenate([p[0] for p in parts], axis=0)
+    dropped = sum(p[1] for p in parts)
+    sent = sum(p[2] for p in parts)
     if batch_axes:
       dropped = jax.lax.psum(dropped, _axis_arg(batch_axes))
-    return y, dropped.astype(jnp.int32)
+    return y, dropped.astype(jnp.int32), sent[None]
 
   out_spec = P(bspec, None) if gates is not None else P(bspec, None, None)
+  out_specs = (out_spec, P(), P(bspec, None))
   if gates is None:
     run = _shard_map(lambda a, b, w: per_device(a, b, None, w), mesh,
-                     (in_specs[0], in_specs[1], in_specs[3]), (out_spec, P()))
-    y, dropped = run(x, expert_ids, tuple(weights))
+                     (in_specs[0], in_specs[1], in_specs[3]), out_specs)
+    y, dropped, sent = run(x, expert_ids, tuple(weights))
   else:
-    run = _shard_map(per_device, mesh, in_specs, (out_spec, P()))
-    y, dropped = run(x, expert_ids, gates, tuple(weights))
-  return y, {"dropped_rows": dropped, "capacity": cap}
+    run = _shard_map(per_device, mesh, in_specs, out_specs)
+    y, dropped, sent = run(x, expert_ids, gates, tuple(weights))
+  return y, {"dropped_rows": dropped, "capacity": cap, "sent_rows": sent}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,14 @@ allow it, since `jax.devices()` lists devices process by process):
 
 The batch is split over data x fsdp x expert (see `rules.DEFAULT_RULES`).
 
+Hierarchy on GPU clusters: the grid is `jax.devices()` sorted by id (process-major: a host's GPUs
+are consecutive) reshaped to (data, fsdp, tensor, expert), so the innermost axes stay inside a host
+(on NVLink) whenever their product divides the GPUs per host, and the outer ones cross hosts. E.g.
+4 hosts x 8 GPUs: data=4, expert=8 keeps each expert exchange inside a node and only the gradient
+all-reduce crosses nodes; data=4, fsdp=2, expert=4 adds FSDP inside the node (HSDP); fsdp=4,
+expert=8 shards parameters across nodes. `within_host_axes` / `describe` say which axes stay inside
+a process.
+
 Several TPU slices (multi-slice, devices with distinct `slice_index`): "data" is the axis that crosses
 slices, over the data-center network (DCN); every other axis stays inside a slice on ICI. `data` must
 then be a multiple of the number of slices (its outer factor = the slice).
@@ -127,8 +135,21 @@ def axis_size(mesh: Mesh, axes: Any) -> int:
   return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
 
 
+def within_host_axes(grid: np.ndarray, axis_names: Sequence[str]) -> tuple[str, ...]:
+  """The axes (of size > 1) along which every line of the device grid stays inside one process
+  (one host when a process drives a host's GPUs): their collectives never leave the host."""
+  owner = np.vectorize(lambda d: d.process_index)(grid)
+  return tuple(name for i, name in enumerate(axis_names) if grid.shape[i] > 1 and
+               np.all(owner == np.take(owner, [0], axis=i)))
+
+
 def describe(mesh: Mesh) -> str:
-  """'data=8 fsdp=1 tensor=1 expert=1 (8 devices, 1 process)'."""
+  """'data=8 fsdp=1 tensor=1 expert=1 (8 devices, 1 process)'; with several processes also the
+  axes that stay inside a process, e.g. '(32 devices, 4 processes; inside a process: expert)'."""
   sizes = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
   procs = len({d.process_index for d in mesh.devices.flat})
-  return f"{sizes} ({mesh.devices.size} devices, {procs} process{'es' if procs > 1 else ''})"
+  text = f"{sizes} ({mesh.devices.size} devices, {procs} process{'es' if procs > 1 else ''}"
+  if procs > 1:
+    inside = within_host_axes(mesh.devices, mesh.axis_names)
+    text += f"; inside a process: {', '.join(inside) if inside else 'none'}"
+  return text + ")"

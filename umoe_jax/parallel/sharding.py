@@ -70,15 +70,19 @@ class ParallelContext:
     `expert_parallel.py`).
   expert_exchange: how expert parallelism moves tokens, one of `EXPERT_EXCHANGES`: "all_to_all"
     (each (token, slot) row to its expert's shard), "all_gather" (each token once to every shard,
-    partial outputs reduce-scattered back), "auto" (all_gather when top-k >= expert-axis size).
+    partial outputs reduce-scattered back), "ragged" (exact-size ragged all-to-all of the
+    all_to_all rows), "auto" (all_gather when top-k >= expert-axis size).
+  expert_chunks: token chunks per device exchanged one after another, so that the exchange of one
+    overlaps the experts of another (1 = no chunking).
   """
   mesh: Mesh
   rules: tuple[tuple[str, ax.MeshAxes], ...]
   expert_capacity_factor: Optional[float] = None
   expert_exchange: str = "auto"
+  expert_chunks: int = 1
 
 
-EXPERT_EXCHANGES = ("auto", "all_to_all", "all_gather")
+EXPERT_EXCHANGES = ("auto", "all_to_all", "all_gather", "ragged")
 
 
 _CONTEXT: contextvars.ContextVar[Optional[ParallelContext]] = contextvars.ContextVar(
@@ -95,7 +99,8 @@ def _set_jax_mesh(mesh: Mesh):
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Optional[Iterable[Any]] = None, *,
-             expert_capacity_factor: Optional[float] = None, expert_exchange: str = "auto"):
+             expert_capacity_factor: Optional[float] = None, expert_exchange: str = "auto",
+             expert_chunks: int = 1):
   """Makes `mesh` and `rules` active: trace (call or first-call) the jitted train step inside it.
 
   Activation constraints and the expert-parallel path of `ExpertPool.route` only act inside this
@@ -105,9 +110,11 @@ def use_mesh(mesh: Mesh, rules: Optional[Iterable[Any]] = None, *,
     raise ValueError(f"expert_capacity_factor={expert_capacity_factor!r} must be > 0 or None")
   if expert_exchange not in EXPERT_EXCHANGES:
     raise ValueError(f"expert_exchange={expert_exchange!r} must be one of {EXPERT_EXCHANGES}")
+  if isinstance(expert_chunks, bool) or not isinstance(expert_chunks, int) or expert_chunks < 1:
+    raise ValueError(f"expert_chunks={expert_chunks!r} must be an int >= 1")
   ctx = ParallelContext(mesh=mesh, rules=normalize_rules(rules),
                         expert_capacity_factor=expert_capacity_factor,
-                        expert_exchange=expert_exchange)
+                        expert_exchange=expert_exchange, expert_chunks=expert_chunks)
   token = _CONTEXT.set(ctx)
   try:
     with _set_jax_mesh(mesh):

@@ -8,7 +8,7 @@ An experiment config (`configs/common.py: experiment()`) is a ConfigDict with th
   checkpoint   default_checkpoint_config() below
   log          default_log_config() below
   mesh, sharding_rules   parallelism (umoe_jax.parallel), optional
-  expert_parallel        capacity_factor, exchange (umoe_jax/parallel/expert_parallel.py), optional
+  expert_parallel        capacity_factor, exchange, chunks (umoe_jax/parallel/expert_parallel.py), optional
 
 `validate(config)` runs before anything is built or read, and raises `ConfigError` naming the key and
 value for: an unknown key in any section, a missing data file, a tokenizer larger than the model's
@@ -175,10 +175,10 @@ def check_checkpoint(ckpt: Any) -> None:
 
 def check_expert_parallel(section: Any) -> None:
   """`expert_parallel` (optional; keys optional, so configs saved before a key existed still load):
-  capacity_factor None or > 0, exchange one of EXPERT_EXCHANGES."""
+  capacity_factor None or > 0, exchange one of EXPERT_EXCHANGES, chunks an int >= 1."""
   if section is None:
     return
-  valid = ("capacity_factor", "exchange")
+  valid = ("capacity_factor", "exchange", "chunks")
   _check(hasattr(section, "keys"), f"expert_parallel={section!r} must be a dict with keys {valid}")
   for key in sorted(section.keys()):
     _check(key in valid, f"unknown key expert_parallel.{key} (={section[key]!r}); valid keys of "
@@ -189,6 +189,9 @@ def check_expert_parallel(section: Any) -> None:
   exchange = section.get("exchange", "auto")
   _check(isinstance(exchange, str) and exchange in EXPERT_EXCHANGES,
          f"expert_parallel.exchange={exchange!r} must be one of {', '.join(EXPERT_EXCHANGES)}")
+  chunks = section.get("chunks", 1)
+  _check(isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1,
+         f"expert_parallel.chunks={chunks!r} must be an int >= 1 (token chunks per device)")
 
 
 def check_data(data_cfg: Any, train: Any, model: ModelConfig):

@@ -128,12 +128,13 @@ class Programs:
 
 
 # Cached, so that a second run in one process (a notebook, the tests) reuses the compilations.
-# `capacity_factor` and `exchange` are part of the keys because the model reads them from `use_mesh`
-# while tracing.
+# `capacity_factor`, `exchange` and `chunks` are part of the keys because the model reads them from
+# `use_mesh` while tracing.
 @functools.lru_cache(maxsize=4)
 def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tuple,
-                    capacity_factor: Optional[float], exchange: str = "auto") -> Programs:
-  del capacity_factor, exchange
+                    capacity_factor: Optional[float], exchange: str = "auto",
+                    chunks: int = 1) -> Programs:
+  del capacity_factor, exchange, chunks
   t = types.SimpleNamespace(**dict(optimizer_items))
   parts = state_lib.model_parts(model_cfg)
   tx = optimizer_lib.make_optimizer(t, optimizer_lib.decay_mask(parts.abstract_params))
@@ -154,9 +155,9 @@ def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tu
 
 @functools.lru_cache(maxsize=8)
 def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: Any, rules: tuple,
-             capacity_factor: Optional[float], exchange: str = "auto") -> Programs:
+             capacity_factor: Optional[float], exchange: str = "auto", chunks: int = 1) -> Programs:
   """Everything compiled for one (model, optimizer, step options, mesh) combination."""
-  base = _state_programs(model_cfg, optimizer_items, mesh, rules, capacity_factor, exchange)
+  base = _state_programs(model_cfg, optimizer_items, mesh, rules, capacity_factor, exchange, chunks)
   t = dict(step_items)
   train = functools.partial(step_lib.train_step, graphdef=base.parts.graphdef, tx=base.tx,
                             schedule=base.schedule, accum_steps=t["grad_accum_steps"],
@@ -174,11 +175,16 @@ def expert_parallel_settings(config: Any) -> tuple[Optional[float], str]:
   return ep.get("capacity_factor"), ep.get("exchange", "auto")
 
 
+def expert_chunks(config: Any) -> int:
+  """`config.expert_parallel.chunks` (default 1): what `use_mesh(..., expert_chunks=)` takes."""
+  return (config.get("expert_parallel") or {}).get("chunks", 1)
+
+
 def config_programs(config: Any, model_cfg: Any, mesh: Any, rules: tuple) -> Programs:
   t = config.train
   return programs(model_cfg, tuple((k, t[k]) for k in OPTIMIZER_KEYS),
                   tuple((k, t[k]) for k in STEP_KEYS), mesh, rules,
-                  *expert_parallel_settings(config))
+                  *expert_parallel_settings(config), expert_chunks(config))
 
 
 @dataclasses.dataclass
@@ -198,6 +204,7 @@ class Setup:
   source: ckpt_lib.ResumeSource
   writer: Optional[metrics_lib.MetricWriter] = None  # made by `run` once the start state exists
   resume_metadata: dict = dataclasses.field(default_factory=dict)  # of the restored checkpoint
+  chunks: int = 1                      # expert_parallel.chunks
   restored_from: Optional[int] = None  # checkpoint.restore_step this run's branch started from
 
 
@@ -293,7 +300,7 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
   return Setup(config=config, model_cfg=model_cfg, workdir=workdir, mesh=mesh, rules=rules,
                capacity_factor=capacity_factor, exchange=exchange, programs=progs,
                train_iter=train_iter, eval_batches=eval_batches, checkpointer=checkpointer,
-               source=source)
+               source=source, chunks=expert_chunks(config))
 
 
 def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
@@ -572,7 +579,8 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
     logging.info("starting at step %d (%s) in %s", step, start, workdir)
     with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
                                                       expert_capacity_factor=s.capacity_factor,
-                                                      expert_exchange=s.exchange), \
+                                                      expert_exchange=s.exchange,
+                                                      expert_chunks=s.chunks), \
         profiler_lib.StepProfiler.from_config(config, workdir) as profiler:
       trainer = Trainer(s, state, step, step_hook=step_hook, profiler=profiler)
       stopped = trainer.train(stop)
