@@ -247,6 +247,10 @@ def test_train_step_bias_balancing_jitter_and_z_loss():
   host = jax.tree.map(np.asarray, m)
   scalars, _ = metrics_lib.summarize([host])
   assert scalars["train/z_loss"] == pytest.approx(z) and "moe/layer_0/ffn/bias_spread" in scalars
+  # The console line shows every term of the loss, the z-loss among them.
+  line = metrics_lib.console_line(3, 3, {**scalars, "perf/step_time_s": 0.1})
+  assert (f"(lm {scalars['train/lm_loss']:.4f} bal {scalars['train/balance_loss']:.4f} "
+          f"z {z:.4f})") in line, line
 
 
 # ------------------------------------------------------------------------------------------------
