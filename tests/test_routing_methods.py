@@ -33,6 +33,11 @@ def test_sub_layers_build_their_own_router_kinds():
   assert stats.param_mismatches(cfg) == {}
   hashed = tiny_config("umoe", **{"ffn.router.kind": "hash"})
   assert stats.param_mismatches(hashed) == {}
+  # The aux-loss-free selection biases ([E] per router with a bias_update_rate) are counted.
+  biased = tiny_config("umoe", **{"attention.router.bias_update_rate": 1e-3})
+  assert stats.param_mismatches(biased) == {}
+  assert (stats.model_params(biased)["routers"] - stats.model_params(tiny_config("umoe"))["routers"]
+          == biased.moe.n_experts * biased.n_layers)
   assert stats.model_params(hashed)["routers"] < stats.model_params(tiny_config("umoe"))["routers"]
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
   logits, aux = nnx.jit(lambda m, t: m(t))(model, tokens)
