@@ -223,6 +223,7 @@ def main(argv) -> int:
   from absl import flags
 
   from umoe_jax.analysis import report
+  from umoe_jax.output import write_json
 
   if len(argv) < 2 or argv[1] not in COMMANDS:
     raise SystemExit(f"usage: python -m umoe_jax.analysis {{{'|'.join(COMMANDS)}}} --checkpoints=... "
@@ -242,7 +243,7 @@ def main(argv) -> int:
     raise SystemExit(f"error: {e}") from None
   print(report.format_report(result))
   if f.json:
-    report.write_json(result, f.json)
+    write_json(f.json, result, indent=1)
     log(f"wrote {f.json}")
   if f.plots:
     log(f"wrote plots to {f.plots}")

@@ -11,7 +11,6 @@ lm-eval. Modules, one idea each:
   corpus_ppl   sliding-window perplexity: token, word, bits per byte
   attack       seeded word-swap attack of a text
   loading      model + tokenizer from a checkpoint, with clear errors (`EvalError`, `errors`)
-  results      tables and atomic JSON
   lm_eval_adapter  the `umoe_jax` model for lm-evaluation-harness (optional dependency)
   perplexity   validation loss inside a training run (used by the trainer)
 """

@@ -31,9 +31,9 @@ from umoe_jax.eval.corpora import read_corpus
 from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.loading import load_for_eval
-from umoe_jax.eval.results import fmt, markdown_table, write_json
 from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
+from umoe_jax.output import fmt, markdown_table, write_json
 
 
 def _log(msg: str) -> None:

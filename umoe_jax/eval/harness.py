@@ -33,10 +33,10 @@ from flax import nnx
 from umoe_jax.eval import fewshot, mmlu, race
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
-from umoe_jax.eval.results import fmt, markdown_table
 from umoe_jax.eval.scoring import (Request, Scorer, Window, bucket_lengths,  # noqa: F401 (re-exported)
                                    compile_count, encode_requests, pack, windows)
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
+from umoe_jax.output import fmt, markdown_table
 
 # ------------------------------------------------------------------------------------------------
 # Metrics
