@@ -12,7 +12,6 @@ import glob
 import gzip
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ from umoe_jax.analysis import __main__ as analysis_cli
 from umoe_jax.analysis import checkpoints as ckpt
 from umoe_jax.analysis import probe, routing
 from umoe_jax.config import ConfigError
+from umoe_jax.load import load_params
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 CORPUS = os.path.join(SHARED, "corpora", "linux-docs")
@@ -85,7 +85,7 @@ def test_training_logs_routing_fluctuation(run):
   fn = jax.jit(functools.partial(probe.route_outputs, graphdef=parts.graphdef))
   ids = []
   for ref in refs:
-    params = ckpt.load_params(ref, parts.abstract_params)
+    params = load_params(ref, parts.abstract_params)
     routes = probe.collect(fn, params, batch["inputs"], n_tokens=batch["inputs"].size,
                            batch_size=len(batch["inputs"]))
     ids.append({name: r.expert_ids for name, r in routes.items()})
@@ -198,7 +198,7 @@ def test_checkpoints_of_different_shapes(run, tmp_path):
   with pytest.raises(ValueError, match=r"cannot read the parameters of checkpoint .*liar.*: "
                                        r"parameter layers\.0\.\S+ is \(16, 32\) in the "
                                        r"checkpoint, \(8, 32\) in the model"):
-    ckpt.load_params(liar, parts.abstract_params)
+    load_params(liar, parts.abstract_params)
 
 
 def test_probe_corpus_shorter_than_n_tokens(run, tmp_path):

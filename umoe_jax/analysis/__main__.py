@@ -11,8 +11,8 @@ checkpoint; the top-1 change and top-k Jaccard between consecutive checkpoints; 
 shared by attention and FFN, how often they pick the same experts and each expert's attention share.
 Definitions: `umoe_jax/analysis/routing.py`; the JSON layout: `umoe_jax/analysis/report.py`.
 
---checkpoints: see `umoe_jax/analysis/checkpoints.py` (step directories, workdirs = their latest
-step, converted checkpoints, globs). --data: the probe corpus, a file / directory / glob read as
+--checkpoints: see `umoe_jax/analysis/checkpoints.py` and `umoe_jax/load.py` (step directories,
+workdirs = their latest step, converted checkpoints, globs). --data: the probe corpus, a file / directory / glob read as
 --source (default: from the name: .parquet, .jsonl, an ArrayRecord directory, else text files), or
 "builtin"; default: the held-out data of the first checkpoint's run. The tokenizer is --tokenizer,
 else the run's data.tokenizer, else the byte tokenizer. --plots writes load heatmaps per checkpoint,
@@ -92,6 +92,7 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   from umoe_jax import data as data_lib
   from umoe_jax.analysis import checkpoints as ckpt
   from umoe_jax.analysis import probe, report
+  from umoe_jax.load import load_params
   from umoe_jax.train import state as state_lib
 
   refs = ckpt.resolve(checkpoints)
@@ -129,7 +130,7 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
       parts = state_lib.model_parts(cfg)
       fns[cfg] = (parts, jax.jit(functools.partial(probe.route_outputs, graphdef=parts.graphdef)))
     parts, fn = fns[cfg]
-    params = ckpt.load_params(ref, parts.abstract_params)
+    params = load_params(ref, parts.abstract_params)
     if selected is None:
       names = list(jax.eval_shape(fn, params, rows[:1]))
       if not names:

@@ -10,7 +10,7 @@ lm-eval. Modules, one idea each:
   corpora      perplexity corpora (parquet, jsonl, text, WikiText) and WikiText word counts
   corpus_ppl   sliding-window perplexity: token, word, bits per byte
   attack       seeded word-swap attack of a text
-  loading      model + tokenizer from a checkpoint, with clear errors (`EvalError`, `errors`)
+  errors       `EvalError`: bad input, printed by the CLI as one line (model loading: `umoe_jax.load`)
   lm_eval_adapter  the `umoe_jax` model for lm-evaluation-harness (optional dependency)
   perplexity   validation loss inside a training run (used by the trainer)
 """

@@ -59,13 +59,14 @@ class UMoELM(LM):
                max_batch_size: Any = None, device: Any = None, *, model=None, tokenizer_obj=None):
     super().__init__()
     if model is None:
-      from umoe_jax.eval.loading import load_for_eval
+      from umoe_jax.load import load_model_and_tokenizer
       cfg = None
       if config:
         from umoe_jax.stats import load_config_file
         cfg = load_config_file(config)
-      model, tokenizer_obj, _ = load_for_eval(checkpoint, cfg, tokenizer=tokenizer,
-                                              seed=int(seed), compute_dtype=compute_dtype)
+      model, tokenizer_obj, _ = load_model_and_tokenizer(checkpoint, cfg, tokenizer=tokenizer,
+                                                         seed=int(seed),
+                                                         compute_dtype=compute_dtype)
     elif tokenizer_obj is None:
       raise EvalError("UMoELM(model=...) needs tokenizer_obj= too")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):
