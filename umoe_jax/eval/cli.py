@@ -153,7 +153,7 @@ def cmd_perplexity(f):
   t0 = time.perf_counter()
   out = corpus_perplexity(Scorer(model, f.batch_size), tokenizer, corpus.documents,
                           words=corpus.words, context=f.context, stride=f.stride, bos_id=f.bos_id,
-                          max_tokens=f.max_tokens)
+                          max_tokens=f.max_tokens, originals=corpus.originals)
   out["seconds"] = round(time.perf_counter() - t0, 2)
   _log(f"{corpus.name}: {out['tokens']} tokens in {out['seconds']:.1f} s "
        f"(context {out['context']}, stride {out['stride']})")
@@ -165,7 +165,8 @@ def cmd_attack(f):
   corpus = _corpus(f)
   model, tokenizer, info = _load(f)
   # --max_tokens cuts the clean text first; the attack then hits only what is scored.
-  clean_docs, words, _ = truncate(tokenizer, corpus.documents, corpus.words, f.max_tokens)
+  clean_docs, words, _ = truncate(tokenizer, corpus.documents, corpus.words, f.max_tokens,
+                                  corpus.originals)
   attacked, stats = attack_documents(clean_docs, rate=f.rate, seed=f.attack_seed)
   scorer = Scorer(model, f.batch_size)
   clean, hit = (corpus_perplexity(scorer, tokenizer, docs, words=words, context=f.context,

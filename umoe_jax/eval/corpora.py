@@ -41,6 +41,7 @@ class Corpus:
   name: str
   documents: list[str]                  # what is scored (detokenized if asked)
   words: Optional[list[int]] = None     # WikiText word count of each original document
+  originals: Optional[list[str]] = None  # with --detokenize: the documents before it, line for line
 
 
 def wikitext_words(text: str) -> int:
@@ -60,7 +61,8 @@ _DETOK_RULES = [
 
 
 def detokenize_wikitext(text: str) -> str:
-  """WikiText's tokenised form -> ordinary text (see `_DETOK_RULES`), line by line."""
+  """WikiText's tokenised form -> ordinary text (see `_DETOK_RULES`), line by line: no rule
+  matches a line end, so line i of the result is line i of `text` detokenized."""
   for pattern, repl in _DETOK_RULES:
     text = re.sub(pattern, repl, text)
   return text
@@ -142,6 +144,8 @@ def read_corpus(path: str, fmt: str = "auto", *, text_field: str = "text",
   if not docs:
     raise EvalError(f"--data={path!r}: no text")
   words = [wikitext_words(d) for d in docs] if kind == "wikitext" else None
+  originals = None
   if kind == "wikitext" and detokenize:
-    docs = [detokenize_wikitext(d) for d in docs]
-  return Corpus(name=os.path.basename(os.path.normpath(path)), documents=docs, words=words)
+    originals, docs = docs, [detokenize_wikitext(d) for d in docs]
+  return Corpus(name=os.path.basename(os.path.normpath(path)), documents=docs, words=words,
+                originals=originals)
