@@ -222,6 +222,7 @@ def test_fluctuation_and_share_figures(tmp_path):
   np.testing.assert_allclose(lines["layer_0/ffn"].get_ydata(), [0.4, 0.2])
   assert lines["layer_0/ffn"].get_linestyle() == "--" and lines["mean over routers"].get_linewidth() > 2
   assert [t.get_text() for t in jac.get_legend().get_texts()] == list(series)
+  assert [t.get_text() for t in change.get_xticklabels()] == ["10", "20"]  # the measured steps
   _png_ok(plots.save_png(fig, str(tmp_path / "fluct.png")))
   fig = plots.attention_share_heatmap({0: [0.5, 0.0, None], 1: [0.2, 0.9, 1.0]}, 1 / 3)
   ax = fig.axes[0]
