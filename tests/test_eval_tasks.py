@@ -112,6 +112,10 @@ def test_bad_task_entries(tmp_path):
     taskspec.parse_task_list("piqa,piqa")
   with pytest.raises(FileNotFoundError, match="task spec file not found"):
     taskspec.parse_task_list(str(tmp_path / "none.yaml"))
+  mc = _jsonl(tmp_path / "mc.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])
+  for limit in (0, -3):   # not "mc.jsonl: no records": the file is fine
+    with pytest.raises(EvalError, match=f"task 'mc': limit={limit} must be >= 1"):
+      harness.prepare(taskspec.TaskSpec("mc", "multiple_choice", mc), limit=limit)
 
 
 # ------------------------------------------------------------------------------------------------

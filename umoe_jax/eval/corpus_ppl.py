@@ -57,6 +57,12 @@ def rolling_windows(tokens: Sequence[int], prefix: int, context: int, stride: in
   return out
 
 
+def window_sizes(scorer: Scorer, context: Optional[int], stride: Optional[int]) -> tuple[int, int]:
+  """(context, stride) with their defaults: max_seq_len, and the context (0 is no default)."""
+  context = scorer.max_seq_len if context is None else context
+  return context, context if stride is None else stride
+
+
 def _safe_exp(x: float) -> float:
   return math.exp(min(x, 700.0))
 
@@ -66,8 +72,7 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
                             ) -> np.ndarray:
   """Sum of log p(token) over each document's tokens (float64 [D]); defaults: context =
   max_seq_len, stride = context."""
-  context = context or scorer.max_seq_len
-  stride = stride or context
+  context, stride = window_sizes(scorer, context, stride)
   if context > scorer.max_seq_len:
     raise EvalError(f"--context={context} exceeds the model's max_seq_len={scorer.max_seq_len}")
   owner, wins = [], []
@@ -150,8 +155,7 @@ def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
          "token_ppl": _safe_exp(nll / n_tokens),
          "bits_per_byte": nll / (math.log(2) * max(n_bytes, 1)),
          "mean_document_ppl": float(np.mean([_safe_exp(x) for x in -ll / lengths])),
-         "context": context or scorer.max_seq_len,
-         "stride": stride or context or scorer.max_seq_len}
+         **dict(zip(("context", "stride"), window_sizes(scorer, context, stride)))}
   if counts is not None:
     out["words"] = sum(counts)
     out["word_ppl"] = _safe_exp(nll / out["words"])

@@ -119,6 +119,9 @@ def prepare(spec: TaskSpec, *, num_fewshot: int = 0, limit: Optional[int] = None
   first_n, one PreparedTask per subject).
   """
   limit = spec.limit if spec.limit is not None else limit
+  if limit is not None and limit < 1:   # else every reader would report an empty file
+    raise EvalError(f"task {spec.name!r}: limit={limit} must be >= 1 (--limit, or the task "
+                    "spec's limit)")
   seed = spec.fewshot_seed if spec.fewshot_seed is not None else fewshot_seed
   if spec.kind == "mmlu":
     k = spec.num_fewshot if spec.num_fewshot is not None else 5
