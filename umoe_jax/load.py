@@ -93,9 +93,10 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def _saved_param_shapes(state_dir: str) -> Optional[dict[str, tuple]]:
   """{parameter path: shape} from a step's Orbax metadata, or None if it cannot be read so."""
   import orbax.checkpoint as ocp
-  try:
-    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
-    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+  from etils import epath
+  try:  # the handler's metadata: the Checkpointer's also looks for step metadata (and warns)
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir))
+    tree = getattr(meta, "tree", meta)
     return {k: tuple(v.shape) for k, v in flatten(dict(tree["params"])).items()}
   except Exception:  # pylint: disable=broad-except  (another Orbax layout: the restore decides)
     return None
