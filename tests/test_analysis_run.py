@@ -222,6 +222,8 @@ def test_unknown_router_and_missing_paths(run, tmp_path):
     analysis_cli.analyze(str(tmp_path / "nowhere"))
   with pytest.raises(ValueError, match=r"is neither a training workdir"):
     analysis_cli.analyze(str(tmp_path))
+  with pytest.raises(ValueError, match=r"--batch_size=0 must be >= 1"):
+    analysis_cli.analyze(f"{workdir}/checkpoints/8", tokens=64, batch_size=0)
 
 
 @pytest.mark.parametrize("key,value,match", [

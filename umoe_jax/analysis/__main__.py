@@ -95,6 +95,8 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   from umoe_jax.load import load_params
   from umoe_jax.train import state as state_lib
 
+  if batch_size < 1:  # else range(0, rows, 0) fails with a message that names no flag
+    raise ValueError(f"--batch_size={batch_size} must be >= 1")
   refs = ckpt.resolve(checkpoints)
   cfgs = ckpt.model_configs(refs)
   for note in ckpt.check_same_shapes(refs, cfgs):
