@@ -172,8 +172,8 @@ def cmd_attack(f):
   clean, hit = (corpus_perplexity(scorer, tokenizer, docs, words=words, context=f.context,
                                   stride=f.stride, bos_id=f.bos_id)
                 for docs in (clean_docs, attacked))
-  _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} words scored substituted "
-       f"(rate {f.rate}, seed {f.attack_seed})")
+  _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} whitespace-separated words "
+       f"scored substituted (rate {f.rate}, seed {f.attack_seed})")
   rows = [("metric", "clean", "attacked")] + [(k, fmt(clean[k]), fmt(hit[k])) for k in _PPL_ROWS
                                               if k in clean]
   return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, attack=stats,
