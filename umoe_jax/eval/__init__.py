@@ -3,6 +3,7 @@ lm-eval. Modules, one idea each:
 
   scoring      batched, bucketed log-likelihood of token windows (`Scorer`)
   tasks        JSONL readers: multiple choice, schema, lm (cloze); the known task files
+  jsonl        JSON-lines records with file:line errors (tasks, RACE, corpora)
   fewshot      k-shot prompts with lm-evaluation-harness's draw and delimiters
   taskspec     which tasks: names, PATH:KIND, YAML / JSON spec files
   harness      task metrics (acc, acc_norm, ppl) and `evaluate`

@@ -25,13 +25,13 @@ inside brackets and quotes, ...), for models trained on ordinary text.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Optional
 
 from umoe_jax.data.sources import resolve_files
 from umoe_jax.eval.errors import EvalError
+from umoe_jax.eval.jsonl import read_records
 
 FORMATS = ("auto", "parquet", "jsonl", "text", "wikitext")
 
@@ -90,19 +90,11 @@ def _read_text(path: str) -> str:
 
 def _read_jsonl(path: str, text_field: str) -> list[str]:
   docs = []
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, 1):
-      if not raw.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        rec = json.loads(raw.decode("utf-8"))
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EvalError(f"{where}: invalid JSON line ({e})") from None
-      if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-        raise EvalError(f"{where}: expected an object with a string field {text_field!r} "
-                        "(--text_field)")
-      docs.append(rec[text_field])
+  for where, rec in read_records(path):
+    if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+      raise EvalError(f"{where}: expected an object with a string field {text_field!r} "
+                      "(--text_field)")
+    docs.append(rec[text_field])
   return docs
 
 
