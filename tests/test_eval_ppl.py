@@ -219,7 +219,7 @@ def test_attack_substitutes_uniformly_over_the_vocabulary():
         picked[i] += 1
         if o == "a":
           became[n] += 1
-  assert picked.sum() == 400 * 10 and abs(picked.mean() - 40) < 1e-9 and picked.std() < 12
+  assert picked.sum() == 400 * 10 and picked.std() < 12   # Binomial(400, 0.1): std 6 per position
   total = sum(became.values())
   assert all(abs(v / total - 1 / 3) < 0.06 for v in became.values()), became
 
