@@ -16,9 +16,10 @@ model_args (all optional but one of checkpoint / config): checkpoint, config (a 
 tokenizer, bos_id, batch_size, compute_dtype (default float32), seed, max_gen_toks (default 256).
 
 The three request types run on this library's code, so they score exactly as our own commands:
-  loglikelihood          `Scorer.loglikelihood` on `encode_requests` (context and continuation
-                         encoded apart, a context's trailing spaces moved to the continuation, an
-                         empty context scored after EOS/BOS): the numbers of `umoe_jax.eval tasks`;
+  loglikelihood          `Scorer.loglikelihood` on `encode_requests` (lm-eval's Hugging Face
+                         encoding: a context's trailing spaces moved to the continuation, whose ids
+                         are the tail of the whole text's; an empty context scored after EOS/BOS):
+                         the numbers of `umoe_jax.eval tasks`;
   loglikelihood_rolling  `corpus_ppl.document_loglikelihoods` with context = stride = max_seq_len
                          after an EOS (BOS) prefix: lm-eval's rolling windows, and our `perplexity`;
   generate_until         `umoe_jax.model.decode.generate`, greedy unless do_sample / temperature > 0,
