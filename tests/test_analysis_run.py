@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from test_train import ROOT, small_config
-from umoe_jax.analysis import __main__ as analysis_cli
+from umoe_jax.analysis import cli as analysis_cli
 from umoe_jax.analysis import checkpoints as ckpt
 from umoe_jax.analysis import probe, routing
 from umoe_jax.config import ConfigError
