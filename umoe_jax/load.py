@@ -187,12 +187,12 @@ def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: in
   return nnx.merge(parts.graphdef, state), section, ref
 
 
-def tokenizer_spec(flag: Optional[str], ref: Optional[CheckpointRef], config: Any) -> tuple[str, str]:
-  """(tokenizer spec, eos token): the flag, else the checkpoint's (or config's) data.tokenizer,
-  else "byte"."""
+def tokenizer_spec(flag: Optional[str], saved: Optional[dict], config: Any = None
+                   ) -> tuple[str, str]:
+  """(tokenizer spec, eos token): the flag, else the data.tokenizer of the checkpoint's config.json
+  (`saved`) or of the experiment ConfigDict `config`, else "byte"."""
   if flag:
     return flag, ""
-  saved = ref.config if ref is not None else None
   for source in (saved, config.to_dict() if hasattr(config, "to_dict") else None):
     data = (source or {}).get("data") or {}
     if data.get("tokenizer"):
@@ -208,7 +208,7 @@ def load_model_and_tokenizer(checkpoint: Optional[str] = None, config: Any = Non
 
   model, section, ref = load_model(checkpoint, config, seed=seed,
                                    compute_dtype=compute_dtype or None)
-  spec, eos_token = tokenizer_spec(tokenizer, ref, config)
+  spec, eos_token = tokenizer_spec(tokenizer, ref.config if ref else None, config)
   try:
     tok = make_tokenizer(spec, eos_token)
     check_vocab(tok, section.vocab_size)

@@ -49,6 +49,7 @@ def probe_data_config(data: str, *, source: str, tokenizer: str, text_field: str
                       run_config: dict) -> tuple[Any, str]:
   """(data ConfigDict whose eval split is the probe corpus, its description)."""
   from umoe_jax import data as data_lib
+  from umoe_jax.load import tokenizer_spec
   from umoe_jax.train.config import _path_exists  # one definition of "exists" (globs too)
 
   cfg = data_lib.default_data_config()
@@ -57,7 +58,7 @@ def probe_data_config(data: str, *, source: str, tokenizer: str, text_field: str
     if not run_data:
       raise ValueError("give --data=PATH (or --data=builtin): the first checkpoint has no run config "
                        "with a data section (a converted checkpoint)")
-    for key in ("source", "eval_path", "text_field", "tokenizer", "eos_token"):
+    for key in ("source", "eval_path", "text_field"):
       if key in run_data:
         cfg[key] = run_data[key]
     describe = cfg.eval_path or f"{cfg.source} held-out split"
@@ -69,11 +70,8 @@ def probe_data_config(data: str, *, source: str, tokenizer: str, text_field: str
       raise ValueError(f"--data={data!r}: no such file, directory or glob match")
     cfg.eval_path = "" if cfg.source == "builtin" else data
     cfg.text_field = text_field
-    cfg.tokenizer = run_data.get("tokenizer", "byte")
-    cfg.eos_token = run_data.get("eos_token", "")
     describe = data if cfg.source != "builtin" else "the builtin held-out split"
-  if tokenizer:
-    cfg.tokenizer, cfg.eos_token = tokenizer, ""
+  cfg.tokenizer, cfg.eos_token = tokenizer_spec(tokenizer, run_config)
   cfg.read_threads = 1
   return cfg, describe
 
