@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py); "
@@ -45,6 +45,8 @@ def main(argv) -> int:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
   if not _PROMPT.value:
     raise SystemExit("--prompt is required")
+  if not flags.FLAGS["verbosity"].present:  # Orbax's INFO lines would bury the continuations
+    logging.set_verbosity(logging.WARNING)
   from umoe_jax.load import LoadError, load_model_and_tokenizer
   from umoe_jax.model.decode import generate
 

@@ -221,7 +221,7 @@ def define_flags():
 
 
 def main(argv) -> int:
-  from absl import flags
+  from absl import flags, logging
 
   from umoe_jax.analysis import report
   from umoe_jax.output import write_json
@@ -232,6 +232,8 @@ def main(argv) -> int:
   if len(argv) > 2:
     raise SystemExit(f"unexpected arguments: {argv[2:]}")
   f = flags.FLAGS
+  if not f["verbosity"].present:  # Orbax's INFO lines (a dozen per checkpoint read) hide the report
+    logging.set_verbosity(logging.WARNING)
   if not f.checkpoints:
     raise SystemExit("--checkpoints=A,B,... is required")
   log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
