@@ -12,6 +12,7 @@ import glob
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -183,6 +184,18 @@ def _fake_run(tmp_path, workdir, name, **model):
   (fake / "config.json").write_text(json.dumps(config))
   os.symlink(os.path.join(workdir, "checkpoints", "8"), fake / "checkpoints" / "8")
   return str(fake / "checkpoints" / "8")
+
+
+def test_glob_skips_a_save_in_progress(run, tmp_path):
+  """'<workdir>/checkpoints/*' while the run trains: Orbax's unfinished <step>.orbax-checkpoint-tmp-<t>
+  directory is not a checkpoint (it was taken for a workdir without checkpoints: an error)."""
+  workdir, _ = run
+  fake = tmp_path / "live"
+  (fake / "checkpoints" / "12.orbax-checkpoint-tmp-1733000000").mkdir(parents=True)
+  shutil.copy(os.path.join(workdir, "config.json"), fake / "config.json")
+  for step in ("4", "8"):
+    os.symlink(os.path.join(workdir, "checkpoints", step), fake / "checkpoints" / step)
+  assert [r.step for r in ckpt.resolve(f"{fake}/checkpoints/*")] == [4, 8]
 
 
 def test_checkpoints_of_different_shapes(run, tmp_path):

@@ -1,6 +1,7 @@
 """Which checkpoints a routing analysis compares, and whether their models have the same shapes.
 
-A checkpoint spec is a comma-separated list; each item (glob patterns expanded, sorted by step) is
+A checkpoint spec is a comma-separated list; each item (glob patterns expanded, sorted by step,
+saves still in progress left out) is
 a checkpoint directory as `umoe_jax.load.resolve_checkpoint` reads it: a training step
 (`<workdir>/checkpoints/<step>`), a training workdir or its `checkpoints/` directory (the latest
 complete step), or a converted checkpoint. Items are compared in the order given ("consecutive" =
@@ -14,6 +15,8 @@ from __future__ import annotations
 import glob
 import os
 from typing import Any, Sequence
+
+import orbax.checkpoint as ocp
 
 from umoe_jax.load import CheckpointRef, LoadError, flatten, resolve_checkpoint
 
@@ -43,7 +46,9 @@ def resolve(spec: str | Sequence[str]) -> list[CheckpointRef]:
       matches = glob.glob(os.path.expanduser(item))
       if not matches:
         raise ValueError(f"checkpoint pattern {item!r} matches nothing")
-      found = [resolve_checkpoint(m) for m in matches if os.path.isdir(m)]
+      # a save in progress (<step>.orbax-checkpoint-tmp-<t>, while the run trains) is no step yet
+      found = [resolve_checkpoint(m) for m in matches
+               if os.path.isdir(m) and not ocp.step.is_tmp_checkpoint(m)]
       refs += sorted(found, key=lambda r: (r.run, r.step if r.step is not None else -1))
     else:
       refs.append(resolve_checkpoint(item))
