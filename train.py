@@ -10,11 +10,17 @@ Examples:
       --config.model.vocab_size=50304
   tensorboard --logdir runs
 
-Running it again with the same --workdir resumes from the latest checkpoint. SIGTERM / Ctrl-C save a
-checkpoint and exit; a second Ctrl-C aborts at once. Config keys: configs/common.py and
-umoe_jax/train/config.py.
+Running it again with the same --workdir resumes from the latest checkpoint
+(--config.checkpoint.restore_step=N: from step N). SIGTERM / Ctrl-C save a checkpoint and exit; a
+second Ctrl-C aborts at once. Config keys: configs/common.py and umoe_jax/train/config.py.
+
+An error a user can fix (config, data, checkpoint, workdir, mesh, divergence) prints one line naming
+the bad value or file, plus a hint, and exits with status 1 (2 for a bad command line); `--debug`
+(or UMOE_DEBUG=1) shows the traceback as well.
 """
 import logging as std_logging
+import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -22,38 +28,207 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and metrics.")
+_DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of errors (also: UMOE_DEBUG=1).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+EXIT_USER_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _debug(argv=None) -> bool:
+  if os.environ.get("UMOE_DEBUG", "") not in ("", "0"):
+    return True
+  if argv is not None:  # before the flags are parsed
+    return "--debug" in argv or "-debug" in argv
+  return _DEBUG.value
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops the INFO chatter of Orbax and grain (one line per file written); warnings pass."""
+  """Drops the INFO chatter of Orbax and grain (one line per file written); warnings pass, and
+  errors pass without the tracebacks Orbax attaches (the loop reports the error itself)."""
+
+  def __init__(self, debug: bool):
+    super().__init__()
+    self.debug = debug
 
   def filter(self, record):
-    return record.levelno >= std_logging.WARNING or not any(
-        part in record.pathname for part in ("/orbax/", "/grain/"))
+    library = any(part in record.pathname for part in ("/orbax/", "/grain/"))
+    if not library:
+      return True
+    if record.levelno < std_logging.WARNING:
+      return False
+    if not self.debug and record.exc_info:
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _orphaned_orbax_work(unraisable) -> bool:
+  """Whether an unraisable exception is the echo of an Orbax operation abandoned after an error
+  that the run reports itself (so it adds nothing but a screenful of traceback):
+
+  * after a failed save, TensorStore completes the other writes of that save and calls back into
+    the asyncio loop Orbax has already closed: 'Event loop is closed' (hundreds on a full disk);
+  * after a failed restore (e.g. the model changed), the reads of the other arrays are coroutines
+    that were never awaited; at exit Python finalises them and prints their read errors.
+  """
+  error, obj = unraisable.exc_value, unraisable.object
+  if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename
+
+
+def _quiet_orphaned_orbax_work(debug: bool) -> None:
+  """Counts, instead of printing, the exceptions `_orphaned_orbax_work` recognises (--debug prints
+  them)."""
+  if debug:
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _orphaned_orbax_work(unraisable):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
+def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERROR):
+  message = " ".join(str(error).split()) or type(error).__name__
+  lines = [f"{kind}: {message}"]
+  if hint:
+    lines.append(f"  hint: {hint}")
+  if not _debug(sys.argv):
+    lines.append("  (--debug shows the traceback)")
+  print("\n".join(lines), file=sys.stderr, flush=True)
+  raise SystemExit(code)
+
+
+def _config_path(argv) -> str:
+  for i, arg in enumerate(argv):
+    for prefix in ("--config=", "-config="):
+      if arg.startswith(prefix):
+        return arg[len(prefix):]
+    if arg in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+  return ""
+
+
+def _diagnose_overrides(argv) -> None:
+  """Raises the project's ConfigError for an unknown `--config.<key>` override, which
+  ml_collections reports only as AttributeError / KeyError from inside the flag parser."""
+  from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+  from umoe_jax.train import config as config_lib
+  path = _config_path(argv)
+  if not path:
+    return
+  config = ConfigFileFlagParser(name="config", lock_config=False).parse(path)
+  for arg in argv:
+    if arg.startswith(("--config.", "-config.", "--noconfig.", "-noconfig.")):
+      key = arg.split("=", 1)[0].split("config.", 1)[1]
+      config_lib.check_override(config, key)
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with every failure as one line (exit 2) instead of a traceback."""
+  debug = _debug(argv)
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    if debug:
+      raise
+    from umoe_jax.config import ConfigError
+    try:
+      _diagnose_overrides(argv)
+    except ConfigError as config_error:
+      _fail("config error", config_error, "python train.py --helpfull lists the flags; configs/"
+            "common.py and umoe_jax/train/config.py list the keys", EXIT_USAGE)
+    except Exception:  # pylint: disable=broad-except  (report the original error below)
+      pass
+    what = str(e) if isinstance(e, flags.Error) else f"{type(e).__name__}: {e}"
+    _fail("command-line error", what, "python train.py --helpfull lists the flags", EXIT_USAGE)
+
+
+def _hint(error: BaseException) -> str:
+  from umoe_jax.config import ConfigError
+  from umoe_jax.train import checkpoint as ckpt_lib
+  from umoe_jax.train import loop
+  hint = getattr(error, "hint", "")
+  if hint:
+    return hint
+  if isinstance(error, ckpt_lib.CheckpointSaveError):
+    return "free space (or fix the directory) and run the same command again"
+  if isinstance(error, ckpt_lib.CheckpointMismatchError):
+    return "pass the config the run was started with, or another --workdir for the new one"
+  if isinstance(error, ckpt_lib.CheckpointError):
+    return ("a run resumes with the config it was started with; --config.checkpoint.restore_step=N "
+            "picks another checkpoint")
+  if isinstance(error, ckpt_lib.WorkdirError):
+    return "pass a writable directory as --workdir"
+  if isinstance(error, (loop.NonFiniteError, loop.DivergenceError)):
+    return "lower train.learning_rate (or raise train.warmup_steps) and resume from a good checkpoint"
+  if isinstance(error, ConfigError):
+    return "configs/common.py and umoe_jax/train/config.py list every key and its meaning"
+  return ""
+
+
+_KINDS = (("ConfigError", "config error"), ("DataError", "data error"),
+          ("CheckpointSaveError", "checkpoint save error"), ("CheckpointError", "checkpoint error"),
+          ("WorkdirError", "workdir error"), ("NonFiniteError", "training stopped"),
+          ("DivergenceError", "training stopped"))
+
+
+def _kind(error: BaseException) -> str:
+  names = {cls.__name__ for cls in type(error).__mro__}
+  return next((kind for name, kind in _KINDS if name in names), "error")
+
+
+def _load_config():
+  """The --config ConfigDict; a file that does not load is a one-line error (ml_collections defers
+  it to the first use of the config)."""
+  path = _config_path(sys.argv).split(":", 1)[0]
+  if path and not os.path.isfile(path):
+    _fail("config error", f"--config={path}: no such file", "pass a file of configs/, e.g. "
+          "--config=configs/umoe_tiny.py", EXIT_USAGE)
+  config = _CONFIG.value
+  try:
+    config.keys()
+  except Exception as e:  # pylint: disable=broad-except  (the error of loading the file)
+    if _debug():
+      raise
+    _fail("config error", f"--config={path} does not load: {e}", "", EXIT_USAGE)
+  return config
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  debug = _debug()
   if "://" in _WORKDIR.value:  # os-level writers would make a local "gs:" directory
     raise SystemExit(
         f"--workdir={_WORKDIR.value}: the trainer writes its config, metrics and TensorBoard files "
         f"with local file I/O, so a URL is not a workdir; mount the bucket with Cloud Storage FUSE "
         f"(gcsfuse --implicit-dirs --rename-dir-limit=200000 BUCKET /gcs/BUCKET) and pass the "
         f"mount path, e.g. --workdir=/gcs/BUCKET/runs/NAME (docs/tpu.md)")
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  logging.get_absl_handler().addFilter(_QuietLibraries(debug))
+  _quiet_orphaned_orbax_work(debug)
   from umoe_jax.parallel import distributed
   distributed.initialize_from_env()  # before anything touches a device
-  from umoe_jax.config import ConfigError
   from umoe_jax.train import loop
+  config = _load_config()
   try:
-    result = loop.run(_CONFIG.value, _WORKDIR.value)
-  except ConfigError as e:
-    logging.error("config error: %s", e)
-    raise SystemExit(f"config error: {e}") from None
-  logging.info("done: step %d%s", result["step"], " (stopped by signal)" if result["stopped"] else "")
+    result = loop.run(config, _WORKDIR.value)
+  except loop.USER_ERRORS as e:
+    if debug:
+      raise
+    _fail(_kind(e), e, _hint(e))
+  except KeyboardInterrupt:
+    if debug:
+      raise
+    print("aborted (second Ctrl-C): no checkpoint saved for the current step", file=sys.stderr)
+    raise SystemExit(130) from None
+  for line in loop.summary(result, config):
+    logging.info("%s", line)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

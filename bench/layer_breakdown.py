@@ -7,9 +7,10 @@ For each config (default: umoe_base and dense_base, 32 x 1024 tokens, bf16 compu
 And the attention core (scores, causal softmax, mix) at the config's shapes:
   xla        `causal_attention` (what the models run: scores materialised in float32);
   cudnn      the same call with `core="cudnn"` (`fused_attention`: cuDNN's fused kernel; pre-mixing's
-             D-wide values cut into key-width chunks that share the key head).
-The cuDNN core is checked against the XLA one (values and input gradients) before it is timed.
-`--attention_core=cudnn` also runs the block and sub-layers with it.
+             D-wide values cut into key-width chunks that share the key head);
+  triton     `core="triton"` (kernels/triton_attention.py; one shared key head: pre-mixing only).
+The fused cores are checked against the XLA one (values and input gradients) before they are timed.
+`--attention_core=cudnn|triton` also runs the block and sub-layers with it.
 
   python3 bench/layer_breakdown.py [--configs=umoe_base,dense_base] [--out DIR]
 """
@@ -102,21 +103,24 @@ def breakdown(name, batch, seq_len, attention_core):
   k = jax.random.normal(kk, (batch, seq_len, hk, dk), jnp.float32).astype(dt)
   v = jax.random.normal(kv, (batch, seq_len, hv, dv), jnp.float32).astype(dt)
   xla_core = lambda q, k, v: causal_attention(q, k, v, positions, positions)
-  flash = lambda q, k, v: causal_attention(q, k, v, positions, positions, core="cudnn")
   row["core_xla_fwd"], row["core_xla_fwd_bwd"] = time_fwd_bwd(xla_core, q, k, v)
-  try:
-    got, want = jax.jit(flash)(q, k, v), jax.jit(xla_core)(q, k, v)
-    row["core_cudnn_err"] = rel(got, want)
-    g_got = jax.jit(jax.grad(lambda *a: jnp.sum(flash(*a).astype(jnp.float32) ** 2), (0, 1, 2)))(q, k, v)
-    g_want = jax.jit(jax.grad(lambda *a: jnp.sum(xla_core(*a).astype(jnp.float32) ** 2), (0, 1, 2)))(q, k, v)
-    row["core_cudnn_grad_err"] = max(rel(a, b) for a, b in zip(g_got, g_want))
-    if row["core_cudnn_err"] < 2e-2 and row["core_cudnn_grad_err"] < 5e-2:
-      row["core_cudnn_fwd"], row["core_cudnn_fwd_bwd"] = time_fwd_bwd(flash, q, k, v)
-    else:
-      log(f"  {name}: cuDNN core disagrees with XLA: {row['core_cudnn_err']:.2e} / "
-          f"{row['core_cudnn_grad_err']:.2e}; not timed")
-  except Exception as e:  # noqa: BLE001
-    log(f"  {name}: cuDNN core failed: {repr(e)[:300]}")
+  for fused in ("cudnn", "triton"):
+    if fused == "triton" and hk != 1:
+      continue  # the Triton kernel takes one shared key head (MHA shapes would be cuDNN's again)
+    flash = lambda q, k, v, fused=fused: causal_attention(q, k, v, positions, positions, core=fused)
+    try:
+      got, want = jax.jit(flash)(q, k, v), jax.jit(xla_core)(q, k, v)
+      row[f"core_{fused}_err"] = rel(got, want)
+      loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), (0, 1, 2)))
+      row[f"core_{fused}_grad_err"] = max(rel(a, b) for a, b in zip(loss(flash)(q, k, v),
+                                                                    loss(xla_core)(q, k, v)))
+      if row[f"core_{fused}_err"] < 2e-2 and row[f"core_{fused}_grad_err"] < 5e-2:
+        row[f"core_{fused}_fwd"], row[f"core_{fused}_fwd_bwd"] = time_fwd_bwd(flash, q, k, v)
+      else:
+        log(f"  {name}: {fused} core disagrees with XLA: {row[f'core_{fused}_err']:.2e} / "
+            f"{row[f'core_{fused}_grad_err']:.2e}; not timed")
+    except Exception as e:  # noqa: BLE001
+      log(f"  {name}: {fused} core failed: {repr(e)[:300]}")
   row["n_layers"] = mcfg.n_layers
   log(f"  {name}: " + ", ".join(f"{a} {b:.3g}" for a, b in row.items()))
   return row
@@ -127,11 +131,16 @@ def main():
   ap.add_argument("--configs", default="umoe_base,dense_base")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--seq_len", type=int, default=1024)
-  ap.add_argument("--attention_core", default="xla", choices=["xla", "cudnn"])
+  ap.add_argument("--attention_core", default="xla", choices=["xla", "cudnn", "triton"])
+  ap.add_argument("--attention_tiles", default=None,
+                  help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   from umoe_jax.ops import gmm as G
   G.register_builtin_kernels()
+  if args.attention_tiles:
+    from kernels import attention_tiles
+    attention_tiles.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
   results = {}
   for name in args.configs.split(","):
@@ -140,11 +149,12 @@ def main():
   with open(os.path.join(args.out, "layer_breakdown.json"), "w") as f:
     json.dump(results, f, indent=1)
   log("\nms per layer (fwd / fwd+bwd); x layers = per step")
-  log(f"{'config':12s} {'block':>14s} {'attention':>14s} {'ffn':>14s} {'core xla':>14s} {'core cudnn':>14s}")
+  log(f"{'config':12s} {'block':>14s} {'attention':>14s} {'ffn':>14s} {'core xla':>14s} {'core cudnn':>14s} "
+      f"{'core triton':>14s}")
   for name, r in results.items():
     g = lambda k: r.get(k, float("nan"))
     cells = [f"{g(p + '_fwd'):6.2f}/{g(p + '_fwd_bwd'):6.2f}"
-             for p in ("block", "attention", "ffn", "core_xla", "core_cudnn")]
+             for p in ("block", "attention", "ffn", "core_xla", "core_cudnn", "core_triton")]
     log(f"{name:12s} " + " ".join(f"{c:>14s}" for c in cells))
 
 

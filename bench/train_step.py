@@ -6,7 +6,7 @@ For each model config and mesh layout: builds the state and step exactly as `tra
 memory. Usage (GPU):
 
   python bench/train_step.py --configs=dense_base,umoe_base --batch=32 --seq_len=1024 \
-      [--layouts=single,data,expert] [--gmm_backend=auto] [--remat] [--out=$OUT] \
+      [--layouts=single,data,expert] [--gmm_backend=auto] [--remat[=block|dots|dots_no_batch]] [--out=$OUT] \
       [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather]
 
 Layouts: "single" = one device; "data" = data parallel over every device; "expert" = expert parallel
@@ -56,6 +56,9 @@ def bench_one(name: str, layout: str, args) -> dict:
   from umoe_jax.train import metrics as metrics_lib
 
   config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  if args.attention_tiles:
+    from kernels import attention_tiles
+    attention_tiles.load_table(args.attention_tiles)
   n_dev = 1 if layout == "single" else jax.device_count()
   with config.unlocked():
     config.model.gmm_backend = args.gmm_backend
@@ -157,9 +160,12 @@ def main():
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--gmm_backend", default="auto")
-  ap.add_argument("--remat", action="store_true")
-  ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn"],
+  ap.add_argument("--remat", nargs="?", const="block", default="none",
+                  help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
+  ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
+  ap.add_argument("--attention_tiles", default=None,
+                  help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--capacity_factor", type=float, default=None,
                   help="expert-parallel buffer capacity factor (default: the config's; None = dropless)")
   ap.add_argument("--exchange", default=None, choices=["auto", "all_to_all", "all_gather"],

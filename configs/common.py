@@ -35,6 +35,7 @@ from __future__ import annotations
 import ml_collections
 
 from umoe_jax.config import default_config_dict
+from umoe_jax.config_fields import optional
 from umoe_jax.parallel.rules import DEFAULT_RULES
 
 # Shape of each scale: width, depth, attention head dim, dense FFN width, MoE pool.
@@ -117,9 +118,9 @@ TRAIN_SCALES = {
     "tiny": dict(global_batch_size=8, seq_len=128, num_steps=300, learning_rate=2e-3,
                  log_every=10, eval_every=100, eval_batches=4),
     "base": dict(global_batch_size=1024, seq_len=1024, num_steps=50_000, grad_accum_steps=8,
-                 remat=True),
+                 remat="block"),
     "large": dict(global_batch_size=1024, seq_len=1024, num_steps=50_000, grad_accum_steps=8,
-                  remat=True),
+                  remat="block"),
 }
 CHECKPOINT_SCALES = {
     "tiny": dict(every=100, keep=2),
@@ -151,6 +152,6 @@ def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
   # counted. exchange: "auto" (all_gather when top-k >= expert-axis size, else all_to_all),
   # "all_to_all" (each (token, slot) row to its expert's shard) or "all_gather" (each token once to
   # every shard, partial outputs reduce-scattered back).
-  config.expert_parallel = dict(capacity_factor=ml_collections.config_dict.placeholder(float),
+  config.expert_parallel = dict(capacity_factor=optional(float),
                                 exchange="auto")
   return config

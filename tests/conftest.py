@@ -24,6 +24,7 @@ import configs.common  # noqa: E402
 from umoe_jax.config import ModelConfig, model_config  # noqa: E402
 
 import reference  # noqa: E402,F401
+from ci_checks import pytest_runtest_makereport  # noqa: E402,F401  (UMOE_CI=1: required tests run)
 
 
 def pytest_configure(config):
@@ -82,6 +83,10 @@ def randomize_params(module: nnx.Module, seed: int, router_std_times_sqrt_d: flo
     name = path[-1]
     if name == "scale":
       new = 1.0 + rng.uniform(-0.5, 0.5, shape)
+    elif name == "selection_bias":   # balancing state, not a weight: starts at zero
+      new = np.zeros(shape)
+    elif len(shape) < 2:             # e.g. X-MoE's log temperature
+      new = rng.uniform(-0.5, 0.5, shape)
     elif name == "embed":
       new = rng.standard_normal(shape)
     elif "router" in path:

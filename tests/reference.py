@@ -325,6 +325,8 @@ def block(h: np.ndarray, p: Mapping, cfg, forced: Optional[Mapping] = None):
   else:
     raise NotImplementedError(cfg.attention.kind)
   h = h + a
+  if cfg.ffn.kind == "none":   # every expert to attention: no FFN sub-layer
+    return h, routes
   xf = np.stack([rms_norm_vec(h[t], p["ffn_norm"]["scale"], cfg.norm_eps) for t in range(t_)])
   if cfg.ffn.kind == "dense":
     f = dense_ffn(xf, p["ffn"], cfg)

@@ -233,7 +233,7 @@ def test_unknown_router_and_missing_paths(run, tmp_path):
     analysis_cli.analyze(f"{workdir}/checkpoints/8", data="/nonexistent/x.parquet")
   with pytest.raises(ValueError, match=r"checkpoint '.*nowhere': no such directory"):
     analysis_cli.analyze(str(tmp_path / "nowhere"))
-  with pytest.raises(ValueError, match=r"is neither a training workdir"):
+  with pytest.raises(ValueError, match=r"holds no parameters: expected params/"):
     analysis_cli.analyze(str(tmp_path))
   with pytest.raises(ValueError, match=r"--batch_size=0 must be >= 1"):
     analysis_cli.analyze(f"{workdir}/checkpoints/8", tokens=64, batch_size=0)

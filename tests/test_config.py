@@ -11,6 +11,7 @@ import sys
 import ml_collections
 import pytest
 
+import paper_counts
 from conftest import ROOT
 import configs.common as common
 from umoe_jax.config import ConfigError, ModelConfig, model_config, to_dict
@@ -37,16 +38,21 @@ def test_every_config_file_validates(name):
 @pytest.mark.parametrize("scale", SCALES)
 def test_paper_families(family, scale):
   m = model_config(common.model(family, scale))
-  s = common.SCALES[scale]
-  assert (m.d_model, m.n_layers, m.vocab_size) == (s["d_model"], s["n_layers"], s["vocab_size"])
+  # base / large: the official dimensions (umoe.md section 2, written out in tests/paper_counts.py);
+  # tiny is the project's own choice, with no source but configs/common.py: kinds only.
+  s = paper_counts.DIMS.get(scale)
+  if s is not None:
+    assert (m.d_model, m.n_layers, m.vocab_size) == (s["d"], s["layers"], s["vocab"])
   if family == "dense":
-    assert (m.attention.kind, m.ffn.kind, m.ffn.d_ff) == ("mha", "dense", s["d_ff"])
+    assert (m.attention.kind, m.ffn.kind) == ("mha", "dense")
+    assert s is None or m.ffn.d_ff == s["d_ff"]
   elif family == "ffn_moe":
-    assert (m.attention.kind, m.ffn.kind, m.ffn.top_k) == ("mha", "moe", s["k_ffn"])
+    assert (m.attention.kind, m.ffn.kind) == ("mha", "moe")
+    assert s is None or m.ffn.top_k == s["k_ffn"]
   else:
     assert (m.attention.kind, m.ffn.kind) == ("premix", "moe")
-    assert (m.attention.top_k, m.ffn.top_k, m.attention.q_lora_rank) == (
-        s["k_att"], s["k_ffn"], s["q_lora_rank"])
+    assert s is None or (m.attention.top_k, m.ffn.top_k, m.attention.q_lora_rank) == (
+        s["k_att"], s["k_ffn"], s["rank"])
     assert m.moe.share_pool
   # The official recipe (umoe.md section 2): silu non-gated experts, unnormalized top-k softmax
   # gates, DeepSeek sequence-wise balance loss with alpha 0.001, RoPE theta 1e4, eps 1e-6.
@@ -201,6 +207,54 @@ BAD = [
     ("umoe", {"router.kind": "aoe"}, "model.attention.kind", "'premix'"),
     ("dense", {"router.kind": "aoe"}, "model.ffn.kind", "'dense'"),
     ("umoe", {"attention.core": "flash"}, "model.attention.core", "'flash'"),
+    # per sub-layer routers: a bad value is named where it is set
+    ("umoe", {"attention.router.kind": "nope"}, "model.attention.router.kind", "'nope'"),
+    ("umoe", {"ffn.router.balance_coef": -1.0}, "model.ffn.router.balance_coef", "-1.0"),
+    ("umoe", {"ffn.router.kind": "xmoe", "ffn.router.xmoe_dim": 0}, "model.ffn.router.xmoe_dim", "0"),
+    ("umoe", {"attention.router.kind": "aoe", "ffn.router.kind": "aoe"}, "model.attention.router.kind",
+     "'aoe'"),
+    ("umoe", {"ffn.router.kind": "attention_aware"}, "model.attention.kind", "'premix'"),
+    ("umoe", {"router.share_att_ffn": True, "ffn.router.kind": "xmoe"}, "model.ffn.router.kind", "'xmoe'"),
+    ("umoe", {"router.kind": "hash", "router.share_att_ffn": True, "ffn.router.kind": "topk_softmax"},
+     "model.router.share_att_ffn", "True"),
+    ("ffn_moe", {"attention.router.kind": "xmoe"}, "model.attention.router.kind", "'xmoe'"),
+    ("umoe_att", {"ffn.router.renormalize": True}, "model.ffn.router.renormalize", "True"),
+    # z-loss, jitter, aux-loss-free bias balancing
+    ("umoe", {"router.bias_update_rate": -0.001}, "model.router.bias_update_rate", "-0.001"),
+    ("umoe", {"ffn.router.bias_update_rate": -1.0}, "model.ffn.router.bias_update_rate", "-1.0"),
+    ("umoe", {"router.z_loss_coef": -1e-3}, "model.router.z_loss_coef", "-0.001"),
+    ("umoe", {"ffn.router.jitter_eps": 1.5}, "model.ffn.router.jitter_eps", "1.5"),
+    ("umoe", {"router.kind": "hash", "router.z_loss_coef": 1e-3}, "model.router.z_loss_coef", "0.001"),
+    ("umoe", {"ffn.router.kind": "hash", "ffn.router.jitter_eps": 0.01}, "model.ffn.router.jitter_eps",
+     "0.01"),
+    ("umoe", {"router.kind": "stablemoe", "router.bias_update_rate": 1e-3},
+     "model.router.bias_update_rate", "0.001"),
+    ("umoe", {"router.share_att_ffn": True, "router.bias_update_rate": 1e-3}, "model.router.share_att_ffn",
+     "True"),
+    # mixing over any router with a distribution
+    ("umoe", {"ffn.router.kind": "hash", "ffn.router.mixing": "similarity"}, "model.ffn.router.mixing",
+     "'similarity'"),
+    ("umoe", {"router.kind": "topk_sigmoid", "router.mixing": "similarity"}, "model.router.mixing",
+     "'similarity'"),
+    ("umoe", {"router.mixing": "graph"}, "model.router.mixing", "'graph'"),
+    ("ffn_moe", {"ffn.router.kind": "similarity_aware", "ffn.router.mixing": "attention"},
+     "model.ffn.router.mixing", "'attention'"),
+    ("umoe", {"ffn.router.mixing": "attention"}, "model.attention.kind", "'premix'"),
+    ("umoe", {"attention.router.mixing": "attention"}, "model.attention.router.mixing", "'attention'"),
+    # top-P and expert choice
+    ("ffn_moe", {"router.selection": "top_p"}, "model.router.entropy_coef", "0.0"),
+    ("ffn_moe", {"router.selection": "top_p", "router.entropy_coef": 1e-4, "router.top_p": 1.5},
+     "model.router.top_p", "1.5"),
+    ("umoe", {"router.selection": "expert_choice"}, "model.router.selection", "'expert_choice'"),
+    ("ffn_moe", {"router.selection": "greedy"}, "model.router.selection", "'greedy'"),
+    ("ffn_moe", {"router.kind": "smoe_dropout", "router.selection": "top_p", "router.entropy_coef": 1e-4},
+     "model.router.selection", "'top_p'"),
+    ("ffn_moe", {"ffn.router.selection": "expert_choice", "ffn.router.bias_update_rate": 1e-3},
+     "model.ffn.router.bias_update_rate", "0.001"),
+    ("ffn_moe", {"ffn.router.selection": "expert_choice", "ffn.router.expert_choice_slots": 99},
+     "model.ffn.router.expert_choice_slots", "99"),
+    ("ffn_moe", {"router.selection": "expert_choice", "router.expert_choice_capacity": 0.0},
+     "model.router.expert_choice_capacity", "0.0"),
 ]
 
 
@@ -294,3 +348,119 @@ def test_aoe_rank_defaults_to_a_third_of_the_width():
   m = model_config(_bad("ffn_moe", {"router.kind": "aoe"}))
   assert m.router.aoe_dim == m.d_model // 3
   assert model_config(_bad("ffn_moe", {"router.kind": "aoe", "router.aoe_dim": 7})).router.aoe_dim == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# Imports run one way: validating a config never imports the model (nor flax); the kinds' tables in
+# umoe_jax/kinds.py and the registered classes agree.
+
+
+def test_config_validation_imports_no_model_in_a_fresh_process():
+  code = ("import sys, configs.common as c; from umoe_jax.config import model_config\n"
+          "for f in ('umoe', 'moa', 'switchhead', 'ffn_moe'): model_config(c.model(f, 'tiny'))\n"
+          "bad = [m for m in sys.modules if m.startswith(('umoe_jax.model', 'umoe_jax.ops', 'flax', 'kernels'))]\n"
+          "assert not bad, bad\n")
+  run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_kind_tables_match_the_registered_classes():
+  from umoe_jax import kinds
+  from umoe_jax.model.attention import ATTENTIONS
+  from umoe_jax.model.routers import BALANCE_LOSSES, ROUTERS
+  from umoe_jax.registry import Registry
+  assert ROUTERS.names() == sorted(kinds.ROUTER_KINDS)
+  assert ATTENTIONS.names() == sorted(kinds.ATTENTION_KINDS)
+  assert sorted(BALANCE_LOSSES) == sorted(kinds.BALANCE_LOSS_NAMES)
+  with pytest.raises(ValueError, match="umoe_jax/kinds.py"):
+    ROUTERS.register("not_in_the_table")(object)
+  assert Registry("free").register("anything")(int) is int   # a registry without a table takes any
+
+
+# ------------------------------------------------------------------------------------------------
+# Optional keys from the command line, through the real absl / ml_collections flag parsing.
+
+
+def _parse_config_flags(*args):
+  from absl import flags
+  from ml_collections import config_flags
+  argv = ["prog", f"--config={os.path.join(ROOT, 'configs', 'umoe_tiny.py')}", *args]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, "experiment", flag_values=fv,
+                                           lock_config=True, sys_argv=argv)
+  fv(argv)
+  return holder.value
+
+
+def test_every_optional_key_takes_none_and_a_value_from_the_command_line():
+  from absl import flags
+  base = _parse_config_flags()
+  assert base.model.attention.q_lora_rank == 8                       # the family's own value
+  cfg = _parse_config_flags("--config.model.attention.q_lora_rank=None",   # README's full query
+                            "--config.model.attention.latent_dim=16",
+                            "--config.expert_parallel.capacity_factor=1.5",
+                            "--config.train.warmup_steps=None", "--config.data.num_epochs=null",
+                            "--config.model.router.aoe_dim=None")
+  m = model_config(cfg.model)
+  assert m.attention.q_lora_rank is None and m.attention.latent_dim == 16
+  assert cfg.expert_parallel.capacity_factor == 1.5 and cfg.train.warmup_steps is None
+  assert cfg.data.num_epochs is None
+  again = _parse_config_flags("--config.expert_parallel.capacity_factor=None",
+                              "--config.model.attention.q_lora_rank=4")
+  assert again.expert_parallel.capacity_factor is None and again.model.attention.q_lora_rank == 4
+  # A value of the wrong type still fails in parsing, naming the flag and the value.
+  with pytest.raises(flags.IllegalFlagValueError, match=r"q_lora_rank=abc"):
+    _parse_config_flags("--config.model.attention.q_lora_rank=abc")
+  # Every Optional field of the model config is such a field.
+  def optional_paths(cls, prefix):
+    import typing
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      if dataclasses.is_dataclass(hints[f.name]):
+        yield from optional_paths(hints[f.name], f"{prefix}{f.name}.")
+      elif type(None) in typing.get_args(hints[f.name]):
+        yield prefix + f.name
+  paths = list(optional_paths(ModelConfig, "model."))
+  assert "model.attention.q_lora_rank" in paths and len(paths) >= 5
+  nones = _parse_config_flags(*[f"--config.{p}=None" for p in paths])
+  for p in paths:
+    node = nones
+    for part in p.split("."):
+      node = node[part]
+    assert node is None, p
+
+
+def test_sub_layer_routers_override_the_global_section():
+  """model.attention.router / model.ffn.router keys override model.router for that sub-layer only;
+  unset keys (None) inherit, derived defaults resolve per sub-layer; a global-only config is as before."""
+  m = common.model("umoe", "tiny")
+  m.router.balance_coef = 0.01
+  m.ffn.router.kind, m.ffn.router.renormalize = "aoe", True
+  m.attention.router.kind, m.attention.router.xmoe_dim = "xmoe", 4
+  cfg = model_config(m)
+  att, ffn = cfg.router_for("attention"), cfg.router_for("ffn")
+  assert (att.kind, att.xmoe_dim, att.renormalize, att.balance_coef) == ("xmoe", 4, False, 0.01)
+  assert (ffn.kind, ffn.renormalize, ffn.balance_coef, ffn.aoe_dim) == ("aoe", True, 0.01, 128 // 3)
+  assert cfg.router.kind == "topk_softmax" and cfg.router.aoe_dim is None
+  assert cfg.router_key("ffn", "kind") == "model.ffn.router.kind"
+  assert cfg.router_key("ffn", "balance_coef") == "model.router.balance_coef"
+  plain = model_config(common.model("umoe", "tiny"))
+  assert plain.router_for("attention") == plain.router_for("ffn") == plain.router
+
+
+def test_routers_that_cannot_decode_are_refused_when_the_cache_is_made():
+  """Expert choice (it sees later tokens) and mixing (the cache keeps no routing inputs): a
+  ConfigError naming the key from `check_cached_decoding`, which `init_cache` runs first."""
+  from umoe_jax.config import check_cached_decoding
+  for changes, key, value in [({"ffn.router.selection": "expert_choice"}, "model.ffn.router.selection",
+                                "'expert_choice'"),
+                               ({"ffn.router.mixing": "similarity"}, "model.ffn.router.mixing",
+                                "'similarity'"),
+                               ({"router.kind": "similarity_aware"}, "model.router.kind",
+                                "'similarity_aware'")]:
+    cfg = model_config(_bad("ffn_moe", changes))
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={value}") + ".*decod"):
+      check_cached_decoding(cfg)
+  check_cached_decoding(model_config(_bad("ffn_moe", {"ffn.router.selection": "top_p",
+                                                      "ffn.router.entropy_coef": 1e-4})))

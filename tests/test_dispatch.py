@@ -93,6 +93,48 @@ def test_combine():
   assert rel_err(out, ref) < 1e-6
 
 
+@pytest.mark.parametrize("path", ["combine", "apply_experts", "gmm_combine"])
+def test_combine_accumulates_in_float32(path):
+  """The K-slot sum of bf16 expert outputs is accumulated in float32 and rounded to bf16 once: the
+  result is the correctly rounded bf16 of the exact sum. Each token adds one large slot (32..64,
+  where bf16's spacing is 0.25..0.5) to K-1 small ones (0.5..1) with gates in (0.5, 1): a bf16
+  accumulator rounds at every add (sequentially ~64% of the outputs off, pairwise ~40%).
+  Through `combine`, the unfused `apply_experts` (identity experts) and the fused `gmm_combine`
+  (identity expert matrices), which every pool, SwitchHead and expert-parallel combine goes through."""
+  import ml_dtypes
+  from umoe_jax.ops import fused_dispatch
+  n, k, e, d = 64, 16, 16, 64
+  rng = np.random.default_rng(21)
+  to_bf16 = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+  y = to_bf16(np.concatenate([rng.uniform(32, 64, (n, 1, d)), rng.uniform(0.5, 1, (n, k - 1, d))],
+                             axis=1))
+  g = to_bf16(rng.uniform(0.5, 1, (n, k)))
+  exact = np.einsum("nkd,nk->nd", y.astype(np.float64), g.astype(np.float64))
+  ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+  yj, gj = jnp.asarray(y), jnp.asarray(g)
+  if path == "combine":
+    out = jax.jit(dispatch.combine)(yj, gj)
+    # XLA on CPU runs a bf16 reduction in float32 anyway, so the values alone cannot catch a bf16
+    # jnp.sum; the program must ask for float32 (other backends may take bf16 at its word).
+    for eqn in jax.make_jaxpr(dispatch.combine)(yj, gj).eqns:
+      if eqn.primitive.name in ("reduce_sum", "dot_general"):
+        assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
+  elif path == "apply_experts":  # identity experts on per-slot rows: the expert outputs are y
+    out = jax.jit(lambda y, g: dispatch.apply_experts(
+        y, dispatch.make_plan(ids, e), g, lambda rows, gs: rows))(yj, gj)
+  else:  # rows in expert order times identity matrices (exact in bf16), then un-sort and combine
+    eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.bfloat16), (e, d, d))
+    plan = dispatch.make_plan(ids, e)
+    h = dispatch.permute(yj, plan, k)
+    out = jax.jit(lambda h, g: fused_dispatch.gmm_combine(h, eye, plan, g, backend="xla"))(h, gj)
+  assert out.dtype == jnp.bfloat16
+  out = np.asarray(out, np.float64)
+  want = to_bf16(exact).astype(np.float64)
+  # float32 rounding can flip a sum that lies within ~1e-6 of a bf16 rounding midpoint: allow 1%.
+  assert np.mean(out != want) <= 0.01, f"{np.mean(out != want):.1%} not correctly rounded"
+  assert np.all(np.abs(out - exact) <= np.abs(exact) * 2.0 ** -8)  # within one bf16 step
+
+
 def _expert_weights(seed):
   rng = np.random.default_rng(seed)
   return (rng.standard_normal((E, D, F)).astype(np.float32) / np.sqrt(D),
@@ -159,45 +201,45 @@ def test_apply_experts_gradient():
 # Dispatch fused into the first / last grouped matmul (umoe_jax.ops.fused_dispatch).
 
 
-def _row_index_backend():
+def _row_index_backend(monkeypatch):
   """A CPU backend that takes the `row_index` arguments itself (as the Triton kernels do), so the
-  fused ops' index / scale plumbing is exercised without a GPU."""
+  fused ops' index / scale plumbing is exercised without a GPU. Registered for the calling test only
+  (a backend left in the registry would reach tests that list every registered backend)."""
   from umoe_jax.ops import gmm as G
   name = "test_row_index"
-  if name not in G.BACKENDS:
-    xla = G.BACKENDS.get("xla")
+  xla = G.BACKENDS.get("xla")
 
-    def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-               row_dot=None):
-      if lhs_index is not None:
-        lhs = jnp.take(lhs, lhs_index, axis=0)
-      out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
-      dots = None if row_dot is None else jnp.einsum("md,md->m", out, row_dot)
-      if row_scale is not None:
-        out = out * row_scale[:, None]
-      return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
+  def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
+             row_dot=None):
+    if lhs_index is not None:
+      lhs = jnp.take(lhs, lhs_index, axis=0)
+    out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+    dots = None if row_dot is None else jnp.einsum("md,md->m", out, row_dot)
+    if row_scale is not None:
+      out = out * row_scale[:, None]
+    return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
 
-    def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-                lhs_scale=None):
-      lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
-      rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
-      if lhs_scale is not None:
-        lhs = lhs * lhs_scale[:, None]
-      return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
+  def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
+              lhs_scale=None):
+    lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
+    rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
+    if lhs_scale is not None:
+      lhs = lhs * lhs_scale[:, None]
+    return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
-    G.BACKENDS.register(name)(G.GmmBackend(gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",),
-                                           auto_priority=-1, row_index=True))
+  monkeypatch.setitem(G.BACKENDS._entries, name, G.GmmBackend(
+      gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",), auto_priority=-1, row_index=True))
   return name
 
 
 @pytest.mark.parametrize("backend", ["xla", "row_index"])
 @pytest.mark.parametrize("per_slot", [False, True])
 @pytest.mark.parametrize("case", list(ID_CASES))
-def test_fused_dispatch_matches_apply_experts(backend, per_slot, case):
+def test_fused_dispatch_matches_apply_experts(backend, per_slot, case, monkeypatch):
   """gather_gmm + gmm_combine: values and every gradient (x, gates, both weights) equal the
   unfused permute -> gmm -> gmm -> unpermute -> combine, float32, on fresh random inputs."""
   from umoe_jax.ops import fused_dispatch
-  backend = _row_index_backend() if backend == "row_index" else backend
+  backend = _row_index_backend(monkeypatch) if backend == "row_index" else backend
   ids = jnp.asarray(ID_CASES[case])
   rng = np.random.default_rng(11)
   w1, w2 = (jnp.asarray(w) for w in _expert_weights(12))

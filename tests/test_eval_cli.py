@@ -265,6 +265,7 @@ def _lm_eval_tasks(tmp, mc, wino, lam, docs, shots):
   return str(d)
 
 
+@pytest.mark.ci_required
 def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, capsys):
   pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
                       "requirements-eval.txt); CI installs it")

@@ -56,9 +56,10 @@ def test_fewshot_prompts_hand_built():
     fewshot.fewshot_prefixes(docs, 3, pool=pool)
 
 
+@pytest.mark.ci_required
 def test_fewshot_draw_equals_lm_eval_sampler():
   samplers = pytest.importorskip("lm_eval.api.samplers", reason="lm-eval not installed "
-                                 "(pip install -r requirements-eval.txt)")
+                                 "(pip install -r requirements-eval.txt; CI installs it)")
   docs = [tasks_lib.MultipleChoice(f"q{i}", ("a", "b"), i % 2) for i in range(9)]
   ours = fewshot.draw_examples(docs, 3, seed=1234)
   theirs = samplers.ContextSampler(docs, rnd=1234)

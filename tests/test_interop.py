@@ -30,7 +30,8 @@ from flax import nnx  # noqa: E402
 from umoe_jax.interop import official  # noqa: E402
 
 DATA = os.path.join(ROOT, "tests", "data", "official")
-FIXTURES = ("dense", "ffn_moe", "umoe", "umoe_att", "umoe_att_moe_ffn", "umoe_full_q", "umoe_megatron")
+FIXTURES = ("dense", "ffn_moe", "umoe", "umoe_att", "umoe_att_moe_ffn", "umoe_full_q", "umoe_megatron",
+            "moa", "switchhead", "umoe_mla")
 TOL = 1e-4
 EXPECTED_KINDS = {  # fixture -> (attention.kind, ffn.kind, expert layout named by its config.json)
     "dense": ("mha", "dense", "unsloth"),         # no grouped weights; the current code writes the flag
@@ -40,6 +41,9 @@ EXPECTED_KINDS = {  # fixture -> (attention.kind, ffn.kind, expert layout named 
     "umoe_att_moe_ffn": ("premix", "moe", "unsloth"),   # its own GroupedMoE pool: moe.share_pool=False
     "umoe_full_q": ("premix", "moe", "unsloth"),        # q_lora_rank=None: per-expert q_proj
     "umoe_megatron": ("premix", "moe", "megatron"),
+    "moa": ("moa", "dense", "unsloth"),                 # per-expert q / o as raw views whatever the flag
+    "switchhead": ("switchhead", "dense", "unsloth"),   # per-head V / O GroupedMatrixMoE: raw views
+    "umoe_mla": ("premix", "moe", "unsloth"),           # mla: latent_code / code2value
 }
 
 
@@ -119,6 +123,20 @@ def test_logits_match_official(name):
   assert err < TOL, f"{name}: relative error {err:.3e} >= {TOL}"
 
 
+def test_config_mapping_of_moa_switchhead_mla():
+  moa = official.config_from_official(official.load_official_config(fixture_dir("moa")))
+  assert (moa.attention.kind, moa.attention.n_experts, moa.attention.top_k,
+          moa.attention.n_shared_experts, moa.attention.v_head_dim) == ("moa", 8, 3, 1, 12)
+  sh = official.config_from_official(official.load_official_config(fixture_dir("switchhead")))
+  assert (sh.attention.kind, sh.attention.n_heads, sh.attention.n_experts, sh.attention.top_k) == (
+      "switchhead", 4, 4, 2)
+  mla = official.config_from_official(official.load_official_config(fixture_dir("umoe_mla")))
+  assert mla.attention.kind == "premix" and mla.attention.latent_dim == 8 and mla.ffn.kind == "moe"
+  cj = official.load_official_config(fixture_dir("moa"))
+  with pytest.raises(official.OfficialConfigError, match="no_ffn_moe=False"):
+    official.config_from_official(dict(cj, no_ffn_moe=False))
+
+
 def test_config_mapping_umoe():
   cfg = official.config_from_official(official.load_official_config(fixture_dir("umoe")))
   assert cfg.d_model == 48 and cfg.n_layers == 2 and cfg.vocab_size == 128 and cfg.max_seq_len == 64
@@ -183,8 +201,10 @@ def test_wrong_expert_layout_is_detected_by_logits():
 # Checkpoint formats
 
 
+@pytest.mark.ci_required
 def test_pytorch_bin_checkpoint(tmp_path):
-  torch = pytest.importorskip("torch", reason="torch is not installed: the pytorch_model.bin path needs it")
+  torch = pytest.importorskip("torch", reason="torch is not installed: the pytorch_model.bin path "
+                              "needs it (CI installs it)")
   sd = official.load_official_state_dict(fixture_dir("ffn_moe"))
   d = copy_fixture("ffn_moe", tmp_path / "ckpt", weights=False)
   torch.save({k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, os.path.join(d, "pytorch_model.bin"))
@@ -271,7 +291,7 @@ def test_state_dict_of_another_family_is_refused():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("mla", True), ("share_layer", True), ("swiglue_mlp", True), ("use_te_group_linear", True),
+    ("postmix_att_moe", True), ("share_layer", True), ("swiglue_mlp", True), ("use_te_group_linear", True),
     ("ffn_separate_router", False), ("res_query_lora", False), ("scoring_func", "sigmoid"),
     ("hidden_act", "gelu"), ("rope_scaling", {"type": "linear", "factor": 2.0}),
     ("topk_method", "group_limited_greedy"), ("model_type", "deepseek_v2"),
@@ -327,8 +347,8 @@ def test_cli_reports_unsupported_config(tmp_path, capsys):
   d = copy_fixture("umoe", tmp_path / "ckpt")
   with open(os.path.join(d, "config.json")) as f:
     cj = json.load(f)
-  cj["mla"] = True
+  cj["share_layer"] = True
   with open(os.path.join(d, "config.json"), "w") as f:
     json.dump(cj, f)
   assert official.main([f"--checkpoint={d}", f"--output={tmp_path / 'out'}"]) == 2
-  assert "mla=True" in capsys.readouterr().err
+  assert "share_layer=True" in capsys.readouterr().err

@@ -1,10 +1,10 @@
 """CPU tests of kernels/: backend wiring, tuning-table lookup, launch geometry and work-list schedules
 against numpy, the gather-only fused dispatch against umoe_jax.ops.dispatch, and the kernels themselves
 where an interpreter runs them on CPU:
-  - Pallas Mosaic GPU forward gmm under the Mosaic GPU interpreter (InterpretGPUParams);
-    the transposed form and tgmm are skipped: the interpreter's wgmma has no transposed operands.
-  - the Triton kernels (all three ops) under TRITON_INTERPRET=1, only where Triton is installed
-    (not in CI; the GPU tests in tests/gpu cover them on hardware).
+  - the Pallas Mosaic GPU kernels (gmm, transposed gmm, tgmm) under the Mosaic GPU interpreter
+    (InterpretGPUParams), with the two things its jax 0.10 version lacks filled in by the test;
+  - the Triton kernels (all three ops) under TRITON_INTERPRET=1 where Triton is installed (CI installs
+    it; the GPU tests in tests/gpu cover both on hardware).
 """
 from __future__ import annotations
 
@@ -216,43 +216,97 @@ def test_group_row_blocks():
 # Kernels under interpreters.
 
 
-def _mgpu_interpret():
+def _mgpu_interpreter(monkeypatch):
+  """Runs `plgpu.kernel` in the Mosaic GPU interpreter (returns a list that counts the kernels run).
+
+  Strict: a read past the end of a buffer gives NaN (real TMA gives zeros), as does memory never
+  written, so a kernel that uses padding rows or leaves output rows unwritten fails. The interpreter
+  of jax 0.10 lacks two things the kernels use, taught here: a wgmma operand read through a transpose
+  (the transposed gmm's B tile, tgmm's A tile) is first copied, transposed, into scoped shared memory;
+  `layout_cast` (a register-layout hint for the compiler) is the identity on values.
+  """
   try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
+    from jax._src.state.types import TransposeTransform
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
   except Exception as e:  # noqa: BLE001
     pytest.skip(f"no Mosaic GPU interpreter in this jax: {e!r}")
-  return InterpretGPUParams
-
-
-def test_mosaic_gmm_forward_in_interpreter(monkeypatch):
-  params = _mgpu_interpret()
   from kernels import mgpu_gmm
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  orig = plgpu.kernel
-  monkeypatch.setattr(plgpu, "kernel", lambda *a, **kw: orig(*a, interpret=params(), **kw))
-  monkeypatch.setattr(mgpu_gmm, "_num_sms", lambda: 2)
-  # Empty groups, groups smaller than a tile, boundaries inside tiles, padding rows past the sum.
-  gs = np.array([0, 21, 2, 0, 17], np.int32)
-  m, k, n = 45, 32, 32  # M % 8 != 0: exercises the row padding TMA needs
-  x = jax.random.normal(jax.random.key(3), (m, k), jnp.float32).astype(jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(4), (len(gs), k, n), jnp.float32).astype(jnp.bfloat16)
-  cfg = tuning.TileConfig(16, 32, 16, num_stages=2)
-  try:
-    out = mgpu_gmm.mgpu_gmm(x, w, jnp.asarray(gs), out_dtype=jnp.float32, config=cfg)
-  except NotImplementedError as e:
-    pytest.skip(f"Mosaic GPU interpreter cannot run this kernel here: {e!r}")
+  if not mgpu_gmm.HAVE_MGPU:
+    pytest.skip("this jax lacks the Pallas Mosaic GPU API the kernels use (kernels/mgpu_gmm.py)")
+  params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
+  kernel, wgmma, launched = plgpu.kernel, plgpu.wgmma, []
+
+  def interpreted(*args, **kw):
+    launched.append(kw.get("out_type"))
+    return kernel(*args, interpret=params, **kw)
+
+  def transposed(ref):
+    t = getattr(ref, "transforms", ())
+    return bool(t) and isinstance(t[-1], TransposeTransform)
+
+  def wgmma_through_copies(acc, a, b, **kw):
+    ops = [a, b]
+    moved = [i for i, ref in enumerate(ops) if transposed(ref)]
+
+    def run(*copies):
+      for i, copy in zip(moved, copies):
+        ref = ops[i]
+        base = dataclasses.replace(ref, transforms=ref.transforms[:-1])
+        copy[...] = jnp.transpose(base[...], ref.transforms[-1].permutation)
+        ops[i] = copy
+      wgmma(acc, *ops, **kw)
+
+    pl.run_scoped(run, *[plgpu.SMEM(ops[i].shape, ops[i].dtype) for i in moved])
+
+  monkeypatch.setattr(plgpu, "kernel", interpreted)
+  monkeypatch.setattr(plgpu, "wgmma", wgmma_through_copies)
+  monkeypatch.setattr(plgpu, "layout_cast", lambda x, layout: x)
+  monkeypatch.setattr(mgpu_gmm, "_num_sms", lambda: 2)  # two persistent programs share the work
+  return launched
+
+
+# Empty groups, groups smaller than a tile, group boundaries inside row blocks, padding rows past
+# sum(group_sizes); M % 8 != 0 (the row padding TMA needs). gmm / gmm^T: 64-row blocks, so the last
+# block reads past the padded M = 144; tgmm: M pads to 160 = 5 blocks of 32 rows (an aligned block
+# read past M would be NaN here, zeros on hardware, where tgmm's row mask relies on it).
+MOSAIC_CASES = {  # op: (M, K, N, group sizes, TileConfig(bm, bn, bk))
+    "gmm": (141, 32, 32, [0, 61, 2, 0, 70], tuning.TileConfig(64, 16, 16, num_stages=2)),
+    "gmm_t": (141, 32, 32, [0, 61, 2, 0, 70], tuning.TileConfig(64, 16, 16, num_stages=2)),
+    "tgmm": (157, 32, 32, [0, 40, 3, 0, 100, 0], tuning.TileConfig(16, 16, 32, num_stages=2)),
+}
+
+
+@pytest.mark.ci_required
+@pytest.mark.parametrize("op", sorted(MOSAIC_CASES))
+def test_mosaic_kernels_in_interpreter(monkeypatch, op):
+  """Every Mosaic GPU op (gmm, gmm with a transposed rhs, tgmm) under the interpreter against numpy."""
+  launched = _mgpu_interpreter(monkeypatch)
+  from kernels import mgpu_gmm
+  m, k, n, gs, cfg = MOSAIC_CASES[op]
+  gs = np.asarray(gs, np.int32)
+  keys = jax.random.split(jax.random.key(3), 3)
+  a = jax.random.normal(keys[0], (m, n if op == "gmm_t" else k), jnp.float32).astype(jnp.bfloat16)
+  if op == "tgmm":
+    b = jax.random.normal(keys[1], (m, n), jnp.float32).astype(jnp.bfloat16)
+    assert mgpu_gmm.tgmm_supported(m + (-m) % 8, k, n, jnp.bfloat16, cfg)
+    out = mgpu_gmm.mgpu_tgmm(a, b, jnp.asarray(gs), out_dtype=jnp.float32, config=cfg)
+    want = _ref_tgmm(a, b, gs)
+  else:
+    w = jax.random.normal(keys[2], (len(gs), k, n), jnp.float32).astype(jnp.bfloat16)
+    tr = op == "gmm_t"
+    assert mgpu_gmm.gmm_supported(m + (-m) % 8, n if tr else k, k if tr else n, jnp.bfloat16, cfg)
+    out = mgpu_gmm.mgpu_gmm(a, w, jnp.asarray(gs), transpose_rhs=tr, out_dtype=jnp.float32, config=cfg)
+    want = _ref_gmm(a, w, gs, transpose_rhs=tr)
+  assert len(launched) == 1, "the kernel did not run (a fallback answered)"
   out = np.asarray(out)
-  assert out.shape == (m, n)
-  np.testing.assert_allclose(out, _ref_gmm(x, w, gs), rtol=1e-5, atol=1e-4)
-  assert np.all(out[gs.sum():] == 0)
-
-
-@pytest.mark.skip(reason="the Mosaic GPU interpreter's wgmma does not take transposed operands "
-                  "(TransposeTransform), which the transposed gmm and tgmm need; covered on GPU by "
-                  "tests/gpu/test_gmm_gpu.py")
-def test_mosaic_transposed_and_tgmm_in_interpreter():
-  pass
+  assert out.shape == want.shape
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+  if op == "tgmm":
+    assert np.all(out[gs == 0] == 0), "an empty group's weight gradient is zero"
+  else:
+    assert np.all(out[gs.sum():] == 0), "padding rows are zero"
 
 
 class _NpDtype:
@@ -360,8 +414,9 @@ def _triton_interpreter_check():
   print("TRITON_INTERPRETER_OK")
 
 
+@pytest.mark.ci_required
 def test_triton_kernels_in_interpreter():
-  pytest.importorskip("triton", reason="Triton is not installed (only on GPU machines)")
+  pytest.importorskip("triton", reason="Triton is not installed (pip install triton; CI installs it)")
   import subprocess
   here = os.path.dirname(os.path.abspath(__file__))
   env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",

@@ -173,7 +173,10 @@ def test_exchange_matches_single_device(multi_device_report, layout, exchange):
 # The other attention variants of the zoo (no expert-parallel route of their own: their routed
 # experts run through the XLA partitioner), one forward + backward each vs one device. A variant that
 # is wrong under a mesh gets pytest.param(..., marks=pytest.mark.xfail(strict=True, reason=<bug>)).
-VARIANTS = ["moa", "switchhead", "switchhead_sigmoid", "umoe_att", "postmix", "umoe_mla"]
+VARIANTS = ["moa", "switchhead", "switchhead_sigmoid", "umoe_att", "postmix", "umoe_mla",
+            # routing methods (issue 14): AoE's pool with expert choice and attention mixing; per
+            # sub-layer routers with similarity mixing / bias / z-loss, top-P over an AoE FFN
+            "aoe_expert_choice", "umoe_routing"]
 VARIANT_LAYOUTS = ["data=2,expert=4", "tensor=8"]
 
 

@@ -15,6 +15,8 @@ if ROOT not in sys.path:
 
 from umoe_jax import stats  # noqa: E402
 
+import paper_counts  # noqa: E402  (hand counts of the paper's configs from their dimensions)
+
 
 def load(name):
   return stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
@@ -37,7 +39,8 @@ MAC_TARGETS = {
 def test_params_match_paper_and_analytic_breakdown(name):
   cfg = load(name)
   total = stats.total_params(cfg)                                   # counted on the real model
-  assert abs(total - PARAM_TARGETS[name]) <= 1e-3 * PARAM_TARGETS[name], total
+  assert total == paper_counts.hand_params(*name.rsplit("_", 1))   # by hand, exactly
+  assert abs(total - PARAM_TARGETS[name]) <= 1e5, total             # the figure's printed 0.1M
   assert stats.param_mismatches(cfg) == {}                          # every component agrees
   assert stats.total_params(cfg, from_model=False) == total
 
@@ -45,7 +48,9 @@ def test_params_match_paper_and_analytic_breakdown(name):
 @pytest.mark.parametrize("name", sorted(MAC_TARGETS))
 def test_forward_macs_match_targets(name):
   macs = stats.forward_macs(load(name), batch=4, seq_len=1024)
-  assert abs(macs - MAC_TARGETS[name]) <= 1e-2 * MAC_TARGETS[name], macs / 1e9
+  assert macs == paper_counts.hand_macs(*name.rsplit("_", 1))      # by hand, exactly
+  printed = 1e8 if name.endswith("_base") else 1e9                  # the figures' last digit
+  assert abs(macs - MAC_TARGETS[name]) <= printed, macs / 1e9
   assert stats.forward_flops(load(name), 4, 1024) == 2 * macs
 
 
@@ -134,7 +139,8 @@ def test_table_mentions_the_figures():
   s = stats.model_stats(load("umoe_base"), batch=4, seq_len=1024, name="umoe_base")
   assert s["params"]["check"] == "ok" and s["kv_cache"]["check"] in ("ok", "skipped")
   table = stats.format_table(s)
-  for text in ("540.49M", "617.52G", "960 values", "attention_routed", "ok"):
+  params, macs = paper_counts.hand_params("umoe", "base"), paper_counts.hand_macs("umoe", "base")
+  for text in (f"{params / 1e6:.2f}M", f"{macs / 1e9:.2f}G", "960 values", "attention_routed", "ok"):
     assert text in table
   json.dumps(s)                                                   # JSON-ready
 
@@ -158,9 +164,13 @@ def test_cli_json_and_override():
                    ["--config=configs/umoe_tiny.py", "--config.model.n_layers=2", "--json",
                     "--batch=2", "--seq_len=128"])
   cfg = load("umoe_tiny")
-  assert base["params"]["total"] == stats.total_params(cfg)
+  m = cfg.model  # the hand count of tests/paper_counts.py at this config's dimensions
+  dims = dict(d=m.d_model, layers=m.n_layers, vocab=m.vocab_size, heads=m.attention.n_heads,
+              dh=m.attention.head_dim, d_ff=m.ffn.d_ff, experts=m.moe.n_experts, de=m.moe.d_expert,
+              k_ffn=m.ffn.top_k, k_att=m.attention.top_k, rank=m.attention.q_lora_rank)
+  assert base["params"]["total"] == paper_counts.hand_params("umoe", dims)
   assert base["params"]["check"] == two["params"]["check"] == "ok"
-  assert base["macs"]["forward"] == stats.forward_macs(cfg, 4, cfg.model.max_seq_len)
+  assert base["macs"]["forward"] == paper_counts.hand_macs("umoe", dims, 4, m.max_seq_len)
   assert two["overrides"] == {"model.n_layers": 2} and two["model"]["n_layers"] == 2
 
   # Everything outside the layers (embedding, LM head, final norm) stays; the layers halve.
@@ -206,15 +216,18 @@ def test_related_work_router_kinds_counted(name, router):
   """Parameters agree with the model; by kind: SMoE-Dropout's fixed map and the mixing routers are
   a D x E map like top-k; StableMoE adds its token table and distilled centroids; the mixing over
   earlier tokens costs (D + E) (similarity) or E (attention) MACs per (query, key) pair per router."""
-  if router == "attention_aware" and name != "ffn_moe_tiny":
-    return  # rejected by validation (tests/test_config.py)
   cfg, base = load(name), load(name)
   with cfg.unlocked():
     cfg.model.router.kind = router
+  if router == "attention_aware" and name != "ffn_moe_tiny":  # needs MHA's probabilities: refused
+    with pytest.raises(ValueError, match="model.router.kind='attention_aware' with model.attention"):
+      stats.total_params(cfg)
+    return
   assert stats.param_mismatches(cfg) == {}
   assert stats.total_params(cfg, from_model=False) == stats.total_params(cfg)
   m = stats.as_model_config(cfg)
-  n_routers = len(stats._layer_router_experts(m)) * m.n_layers
+  experts = [e for _, _, e in stats._layer_routers(m)]
+  n_routers = len(experts) * m.n_layers
   added = stats.total_params(cfg) - stats.total_params(base)
   if router == "stablemoe":
     if name != "switchhead_tiny":  # pool routers over moe.n_experts (E x D centroids replace D x E)
@@ -226,12 +239,12 @@ def test_related_work_router_kinds_counted(name, router):
            - stats.forward_mac_breakdown(base, b, t)["routers"])
   pairs = b * t * t
   if router == "similarity_aware":
-    assert extra == pairs * sum(m.d_model + e for e in stats._layer_router_experts(m)) * m.n_layers
+    assert extra == pairs * sum(m.d_model + e for e in experts) * m.n_layers
   elif router == "attention_aware":
     assert extra == pairs * m.moe.n_experts * m.n_layers
   elif router == "stablemoe":
     assert extra == b * t * sum(m.router.stablemoe_distill_dim * e
-                                for e in stats._layer_router_experts(m)) * m.n_layers
+                                for e in experts) * m.n_layers
   else:
     assert extra == 0
 

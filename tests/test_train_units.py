@@ -250,6 +250,9 @@ def _target():
 def test_resume_source_precedence(tmp_path):
   ckpt_dir, init = str(tmp_path / "w" / "checkpoints"), tmp_path / "converted"
   init.mkdir()
+  with pytest.raises(ConfigError, match="holds neither params/"):  # checked before anything runs
+    ckpt_lib.resume_source(ckpt_dir, str(init))
+  (init / "params").mkdir()  # the layout of a converted checkpoint
   assert ckpt_lib.resume_source(ckpt_dir, "") == ckpt_lib.ResumeSource("scratch")
   assert ckpt_lib.resume_source(ckpt_dir, str(init)) == ckpt_lib.ResumeSource("init_from", str(init))
   # An unfinished save (tmp directory only) is not a checkpoint.
@@ -294,16 +297,17 @@ def test_damaged_checkpoint_fallback(tmp_path, damage, caplog):
   assert ckpt_lib.complete_steps(d) == [1, 2, 3]
 
 
-# A failed Orbax restore leaves an un-awaited read coroutine behind (Orbax internals, harmless).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_no_readable_checkpoint_is_an_error(tmp_path):
+def test_checkpoint_of_another_shape_is_an_error(tmp_path):
   d = str(tmp_path / "checkpoints")
   ck = ckpt_lib.Checkpointer(d, keep=5, async_save=False)
   ck.save(1, _tree(1))
   ck.close()
   wrong = {"w": jax.ShapeDtypeStruct((3, 3), jnp.float32),
            "step": jax.ShapeDtypeStruct((), jnp.int32)}
-  with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint .* can be restored"):
+  # Found from the metadata, before any read: a config change, not damage.
+  with pytest.raises(ckpt_lib.CheckpointError,
+                     match=r"checkpoint step 1 in .* does not fit this config: w is \(8, 4\) on disk, "
+                           r"\(3, 3\) here\. A run resumes with the model and optimizer config"):
     ckpt_lib.Checkpointer(d, keep=5).restore_latest(wrong)
   assert ckpt_lib.complete_steps(d) == [1]  # nothing moved aside
 

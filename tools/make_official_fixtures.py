@@ -20,6 +20,12 @@ Families (each derived from a released config in `model_libs/configs/` with tiny
     umoe_full_q    umoe with q_lora_rank=null: full per-expert queries (`q_proj`, E*Dk x D)
     umoe_megatron  umoe with use_megatron_cutlass_group_gemm=true (the other expert weight layout,
                    the one of the code the paper's runs used, before commit 95284fd of 2025-07-25)
+    moa            small-moa-1024              MoAMoEAttention (3 of 8 expert heads + 1 shared) + dense MLP
+    switchhead     1B-switchhead-1024          SwitchHead (4 heads, top-2 of 4 V/O experts each) + dense MLP
+    umoe_mla       small-mla-UMoE-1024         umoe with MLA-style latent values (latent_size 8)
+
+Post-mixing has no fixture: the official UMoEDecoderLayer never builds its PostMixMoEAttention (with
+postmix_att_moe it still runs PreMixMoEAttention), so the official code has no post-mixing model.
 
 The official model needs CUDA-only kernels: `grouped_gemm` (fanshiqing/grouped_gemm: `ops.permute`,
 `ops.unpermute`, `ops.gmm`, always used for permutation) and, by default (`use_unsloth_moe=True`),
@@ -73,6 +79,11 @@ FAMILIES = {
                                                      q_lora_rank=4,
                                                      use_unsloth_moe=False,
                                                      use_megatron_cutlass_group_gemm=True)),
+    "moa": ("small-moa-1024", dict(num_experts_per_tok=3)),
+    "switchhead": ("1B-switchhead-1024", dict(num_experts_per_tok=2, n_shared_experts=0,
+                                              n_routed_experts=4)),
+    "umoe_mla": ("small-mla-UMoE-1024", dict(num_experts_per_tok=3, ffn_num_experts_per_tok=4,
+                                             q_lora_rank=4, latent_size=8)),
 }
 BATCH, SEQ = 2, 24
 

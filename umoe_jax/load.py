@@ -44,19 +44,35 @@ class CheckpointRef:
     return os.path.join(self.run, CONFIG_FILE)
 
 
-def _read_config(directory: str) -> Optional[dict]:
-  """<directory>/config.json, or None when there is none; LoadError when it is not a config."""
-  path = os.path.join(directory, CONFIG_FILE)
+def _read_json(path: str) -> Optional[dict]:
+  """The JSON file `path`, or None when there is none; LoadError when it is not JSON."""
   if not os.path.isfile(path):
     return None
   try:
     with open(path, encoding="utf-8") as f:
-      config = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise LoadError(f"{path}: not valid JSON ({e})") from None
-  if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-    raise LoadError(f"{path} has no 'model' section")
+      return json.load(f)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise LoadError(f"{path} is not valid JSON ({e}); a training workdir or a converted "
+                    "checkpoint writes it") from None
+
+
+def _read_config(directory: str) -> Optional[dict]:
+  """<directory>/config.json, or None when there is none; LoadError when it is not a config."""
+  config = _read_json(os.path.join(directory, CONFIG_FILE))
+  if config is not None and (not isinstance(config, dict)
+                             or not isinstance(config.get("model"), dict)):
+    raise LoadError(f"{os.path.join(directory, CONFIG_FILE)} has no 'model' section")
   return config
+
+
+def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
+  """The config.json of a checkpoint directory or of its parent (a workdir's `checkpoints/`) as
+  it is, or None when neither has one; LoadError when it is not JSON."""
+  for d in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
+    config = _read_json(os.path.join(d, CONFIG_FILE))
+    if config is not None:
+      return config
+  return None
 
 
 def resolve_checkpoint(path: str) -> CheckpointRef:
@@ -64,6 +80,9 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   from umoe_jax.train.checkpoint import CHECKPOINT_DIR, complete_steps
 
   path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isfile(path):
+    raise LoadError(f"checkpoint {path!r} is a file; pass the directory (a training workdir, one of "
+                    "its checkpoints/<step>, or a converted checkpoint)")
   if not os.path.isdir(path):
     raise LoadError(f"checkpoint {path!r}: no such directory")
   if os.path.isdir(os.path.join(path, "params")):
@@ -75,8 +94,9 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   ckpt_dir = path if name == CHECKPOINT_DIR else os.path.join(path, CHECKPOINT_DIR)
   steps = complete_steps(ckpt_dir)
   if not steps:
-    raise LoadError(f"checkpoint {path!r} is neither a training workdir with checkpoints, a "
-                    f"<workdir>/checkpoints/<step> directory, nor a converted checkpoint (params/)")
+    raise LoadError(f"checkpoint {path!r} holds no parameters: expected params/ (a converted "
+                    "checkpoint), checkpoints/<step>/ with a complete step (a training workdir), or "
+                    "a <workdir>/checkpoints/<step> directory")
   return resolve_checkpoint(os.path.join(ckpt_dir, str(steps[-1])))
 
 

@@ -2,17 +2,18 @@
 
 A new variant is one class (or function) plus one decorator line::
 
-    ROUTERS = Registry("router")
+    ROUTERS = Registry("router", names=ROUTER_KINDS)      # umoe_jax/kinds.py
 
     @ROUTERS.register("topk_softmax")
     class TopKSoftmaxRouter(...): ...
 
-Config validation asks `ROUTERS.names()` for the valid choices, so an unknown name fails with an
-error that lists them.
+The registries of model classes live in the leaf module `umoe_jax.kinds` beside the tables of their
+names, which config validation reads (so validating a config never imports the model); `get` of an
+unknown name fails with an error that lists the registered ones.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -20,11 +21,18 @@ T = TypeVar("T")
 class Registry(Generic[T]):
   """A name -> object table with a readable error for unknown names."""
 
-  def __init__(self, kind: str):
+  def __init__(self, kind: str, names: Optional[Iterable[str]] = None):
+    """`names`: the only names that may be registered (a table of a leaf module, `umoe_jax.kinds`);
+    None = any."""
     self.kind = kind
+    self._allowed = None if names is None else frozenset(names)
     self._entries: dict[str, T] = {}
 
   def register(self, name: str) -> Callable[[T], T]:
+    if self._allowed is not None and name not in self._allowed:
+      raise ValueError(f"{self.kind} {name!r} is not in its table of names: add it to "
+                       f"umoe_jax/kinds.py first (known: {', '.join(sorted(self._allowed))})")
+
     def decorator(obj: T) -> T:
       if name in self._entries:
         raise ValueError(f"{self.kind} {name!r} is registered twice")

@@ -116,7 +116,7 @@ import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
-from umoe_jax.config import ModelConfig, model_config, resolve
+from umoe_jax.config import ModelConfig, model_config, resolve, router_mixing
 from umoe_jax.output import text_table
 from umoe_jax.registry import Registry
 
@@ -146,71 +146,58 @@ def linear(d_in: int, d_out: int) -> int:
   return int(d_in) * int(d_out)
 
 
-def router_params(cfg: ModelConfig, n_experts: int) -> int:
-  """Parameters of one router over `n_experts` experts, by `router.kind`: a D x E map (top-k,
-  smoe_dropout (stored, never trained), similarity_aware, attention_aware), X-MoE's D x d_r projection
-  + E x d_r expert embeddings (+ its temperature when learned), StableMoE's E x D centroids + V x d_w
-  token table + E x d_w distilled centroids, none for hash and aoe (its scores are the experts')."""
-  r = cfg.router
-  if r.kind in ("hash", "aoe"):  # aoe: the scores are the pool experts' codes (counted there)
-    return 0
-  if r.kind == "xmoe":
-    return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim) + int(r.xmoe_learn_temperature)
-  if r.kind == "stablemoe":
-    vocab = r.stablemoe_vocab_size or cfg.vocab_size
-    return (linear(n_experts, cfg.d_model) + linear(vocab, r.stablemoe_distill_dim)
-            + linear(n_experts, r.stablemoe_distill_dim))
-  return linear(cfg.d_model, n_experts)
+def _router_class(kind: str) -> type:
+  from umoe_jax.model.routers import ROUTERS  # late: the router classes carry their counts
+  return ROUTERS.get(kind)
 
 
-def router_macs(cfg: ModelConfig, n_experts: int) -> int:
-  """Forward MACs per token of one router (the scores of every expert; StableMoE: the affinities
-  and the distilled scores, its table lookup is free; AoE: every expert's rank-r code). The mixing over earlier tokens of
-  similarity_aware / attention_aware depends on T: `router_pair_macs`."""
-  r = cfg.router
-  if r.kind == "hash":
-    return 0
-  if r.kind == "aoe":  # every expert's code x A^e (D x r), the norms' input
-    return n_experts * routed_expert(cfg)[1]
-  if r.kind == "xmoe":
-    return linear(cfg.d_model, r.xmoe_dim) + linear(n_experts, r.xmoe_dim)
-  if r.kind == "stablemoe":
-    return linear(cfg.d_model, n_experts) + linear(r.stablemoe_distill_dim, n_experts)
-  return linear(cfg.d_model, n_experts)
+def router_params(cfg: ModelConfig, n_experts: int, sublayer: str) -> int:
+  """Parameters of one router of `sublayer` ("attention" / "ffn") over `n_experts` experts: its
+  class's `param_count` (beside each router family in `umoe_jax.model.routers`; a D x E map unless
+  the family says otherwise), for the sub-layer's router config (`ModelConfig.router_for`)."""
+  router = cfg.router_for(sublayer)
+  return _router_class(router.kind).param_count(cfg, router, n_experts)
 
 
-def routed_expert(cfg: ModelConfig) -> tuple[int, int]:
+def router_macs(cfg: ModelConfig, n_experts: int, sublayer: str) -> int:
+  """Forward MACs per token of one router of `sublayer` (`token_mac_count` of its class). The
+  mixing over earlier tokens of similarity_aware / attention_aware depends on T: `router_pair_macs`."""
+  router = cfg.router_for(sublayer)
+  return _router_class(router.kind).token_mac_count(cfg, router, n_experts)
+
+
+def routed_expert(cfg: ModelConfig, aoe: bool = False) -> tuple[int, int]:
   """(weights of one routed pool expert = its MACs per pick, the part every token reads whether
-  picked or not). An MLP D -> d_e -> D; AoE (router.kind='aoe') factorises the activated projection
-  through rank r, D x r + r x d_e, and every token computes every expert's D x r code (its score)."""
+  picked or not). An MLP D -> d_e -> D; in an AoE pool (`aoe`: an FFN router of kind 'aoe') the
+  activated projection is factorised through rank r, D x r + r x d_e, and every token computes
+  every expert's D x r code (its score)."""
   f = cfg.moe.d_expert
-  if cfg.router.kind != "aoe":
+  if not aoe:
     return mlp(cfg, f), 0
-  r = cfg.router.aoe_dim
+  r = cfg.router_for("ffn").aoe_dim
   return linear(cfg.d_model, r) + linear(r, f) + (2 if cfg.moe.gated else 1) * linear(cfg.d_model, f), \
       linear(cfg.d_model, r)
 
 
 def router_pair_macs(cfg: ModelConfig) -> int:
-  """Forward MACs per (query token, key token) pair of one layer's routers: similarity_aware
-  u_i . u_j (D) and the mix of G (E) per router, attention_aware the mix (E; the probabilities are
-  the attention's); 0 for every other kind. The routers of a layer are read off the model."""
-  kind = cfg.router.kind
-  if kind not in ("similarity_aware", "attention_aware"):
+  """Forward MACs per (query token, key token) pair of one layer's routers (`pair_mac_count` of
+  their class: the mixing routers'; 0 for every other kind). The routers of a layer (with their own
+  configs) are read off the model, when any of them mixes (the model is not built otherwise)."""
+  if all(router_mixing(cfg.router_for(s)) == "none" for s in cfg.routed_sublayers):
     return 0
-  per_pair = (lambda e: cfg.d_model + e) if kind == "similarity_aware" else (lambda e: e)
-  return sum(per_pair(e) for e in _layer_router_experts(cfg))
+  return sum(cls.pair_mac_count(cfg, router, e) for cls, router, e in _layer_routers(cfg))
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_router_experts(cfg: ModelConfig) -> tuple[int, ...]:
-  """E of every router module of one decoder layer (the abstract model's first layer)."""
+def _layer_routers(cfg: ModelConfig) -> tuple[tuple[type, Any, int], ...]:
+  """(class, RouterConfig, E) of every router module of one decoder layer (the abstract model's
+  first layer)."""
   from flax import nnx
   from umoe_jax.model import abstract_model
-  from umoe_jax.model.routers import ROUTERS
-  kinds = tuple(ROUTERS.get(n) for n in ROUTERS.names())
+  from umoe_jax.model.routers import RouterStats
   layer = abstract_model(cfg).layers[0]
-  return tuple(m.n_experts for _, m in nnx.iter_graph(layer) if isinstance(m, kinds))
+  return tuple((type(m), m.cfg, m.n_experts) for _, m in nnx.iter_graph(layer)
+               if isinstance(m, RouterStats))
 
 
 def mlp(cfg: ModelConfig, d_hidden: int) -> int:
@@ -388,7 +375,7 @@ class PreMixStats(AttentionStats):
     per_expert, lora_norm = low_rank_expert_count(cfg)
     return {"attention": Count(dense),
             "attention_routed": Count(e * per_expert, a.top_k * per_expert),
-            "routers": Count(router_params(cfg, e)),
+            "routers": Count(router_params(cfg, e, "attention")),
             "shared_experts": Count(mlp(cfg, cfg.moe.d_expert * a.n_shared_experts)),
             "norms": Count(lora_norm)}
 
@@ -404,7 +391,8 @@ class PreMixStats(AttentionStats):
     if cls._latent(cfg):  # latent code of every token, code -> d for every mixed vector
       proj += linear(d, cls._latent(cfg)) * (1 + cls._n_queries(cfg))
     return {"attention": proj, "attention_routed": p["attention_routed"].active,
-            "routers": router_macs(cfg, cfg.moe.n_experts), "shared_experts": p["shared_experts"].total}
+            "routers": router_macs(cfg, cfg.moe.n_experts, "attention"),
+            "shared_experts": p["shared_experts"].total}
 
   @classmethod
   def pair_macs(cls, cfg):
@@ -442,14 +430,14 @@ class MoEFFNStats(FFNStats):
 
   @classmethod
   def token_macs(cls, cfg):
-    return {"routers": router_macs(cfg, cfg.moe.n_experts),
+    return {"routers": router_macs(cfg, cfg.moe.n_experts, "ffn"),
             "shared_experts": mlp(cfg, cfg.moe.d_expert * cfg.ffn.n_shared_experts)}
 
   @classmethod
   def params(cls, cfg):
     macs = cls.token_macs(cfg)
     return {"routers": Count(0 if cls._reuses(cfg, cfg.router, "share_att_ffn")
-                             else router_params(cfg, cfg.moe.n_experts)),
+                             else router_params(cfg, cfg.moe.n_experts, "ffn")),
             "shared_experts": Count(0 if cls._reuses(cfg, cfg.moe, "share_always_on")
                                     else macs["shared_experts"]),
             "norms": Count(cfg.d_model)}
@@ -506,15 +494,17 @@ def as_model_config(cfg: Any) -> ModelConfig:
   return model_config(cfg)
 
 
-def _pools(cfg: ModelConfig) -> list[int]:
-  """Routed expert pools of one layer, as the picks per token each receives (mirrors block.py)."""
+def _pools(cfg: ModelConfig) -> list[tuple[int, bool]]:
+  """Routed expert pools of one layer, as (picks per token it receives, whether it is an AoE pool:
+  the FFN routes into it with kind 'aoe') (mirrors block.py)."""
   att_uses, ffn_uses = cfg.attention_uses_experts, cfg.ffn_uses_experts
   picks_att = attention_stats(cfg.attention.kind).pool_picks(cfg) if att_uses else 0
   picks_ffn = ffn_stats(cfg.ffn.kind).pool_picks(cfg) if ffn_uses else 0
+  aoe = ffn_uses and cfg.router_for("ffn").kind == "aoe"
   if att_uses and ffn_uses and not cfg.moe.share_pool:
-    return [picks_att, picks_ffn]
+    return [(picks_att, False), (picks_ffn, aoe)]
   if att_uses or ffn_uses:
-    return [picks_att + picks_ffn]
+    return [(picks_att + picks_ffn, aoe)]
   return []
 
 
@@ -524,12 +514,16 @@ def _pools(cfg: ModelConfig) -> list[int]:
 
 def _pool_params(cfg: ModelConfig) -> list[Count]:
   """The routed pools of the model with the distinct experts one token can touch in each."""
-  e, (per_expert, scoring) = cfg.moe.n_experts, routed_expert(cfg)
-  # every token also reads the scoring part of the experts it does not pick (AoE's codes)
-  active = lambda picked: picked * per_expert + (e - picked) * scoring
-  if cfg.moe.share_across_layers:  # one pool, every layer picks from it
-    return [Count(e * per_expert, active(min(e, picks * cfg.n_layers))) for picks in _pools(cfg)]
-  return [Count(e * per_expert, active(min(e, picks))) * cfg.n_layers for picks in _pools(cfg)]
+  e, out = cfg.moe.n_experts, []
+  for picks, aoe in _pools(cfg):
+    per_expert, scoring = routed_expert(cfg, aoe)
+    # every token also reads the scoring part of the experts it does not pick (AoE's codes)
+    active = lambda picked: picked * per_expert + (e - picked) * scoring
+    if cfg.moe.share_across_layers:  # one pool, every layer picks from it
+      out.append(Count(e * per_expert, active(min(e, picks * cfg.n_layers))))
+    else:
+      out.append(Count(e * per_expert, active(min(e, picks))) * cfg.n_layers)
+  return out
 
 
 def layer_params(cfg: Any) -> dict[str, Count]:
@@ -637,8 +631,7 @@ def forward_mac_breakdown(cfg: Any, batch: int = 4, seq_len: int = 1024, *,
   per_token: dict[str, int] = {}
   _merge(per_token, att.token_macs(cfg))
   _merge(per_token, ffn.token_macs(cfg))
-  picks = sum(_pools(cfg))
-  _merge(per_token, {"experts": picks * routed_expert(cfg)[0]})
+  _merge(per_token, {"experts": sum(picks * routed_expert(cfg, aoe)[0] for picks, aoe in _pools(cfg))})
   tokens = batch * seq_len
   out = {name: macs * tokens * cfg.n_layers for name, macs in per_token.items()}
   pairs = batch * att.pairs(cfg, seq_len, causal)

@@ -1,9 +1,15 @@
 """GPU checks of every kernel backend of `umoe_jax.ops.gmm` against a float32 reference.
 
-Skipped without a GPU. Every check draws fresh random bf16 inputs (never zeros), poisons nothing it
-does not overwrite, and compares with ||out - ref|| / ||ref|| < 1e-2 (plus exact zeros in padding rows).
+Skipped without a GPU. On a GPU the tests run for every backend this machine must have
+(`gpu_backends.expected_backends()`: triton, and mosaic on Hopper; `UMOE_GPU_BACKENDS` overrides),
+and a test of a backend that is missing fails naming it and why. Every check draws random bf16 inputs
+(never zeros) from seeds fixed by the test's name and case, so a failure reproduces in a new process
+and under `-k`; poisons nothing it does not overwrite, and compares with ||out - ref|| / ||ref|| < 1e-2
+(plus exact zeros in padding rows).
 """
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import pytest
@@ -11,20 +17,34 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import gpu_backends
 from umoe_jax.ops import gmm as G
 
 G.register_builtin_kernels()
 
-pytestmark = pytest.mark.skipif(
-    not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
+pytestmark = pytest.mark.skipif(not gpu_backends.on_gpu(), reason="needs a GPU")
 
-BACKENDS = [n for n in ("triton", "mosaic") if n in G.BACKENDS and G.BACKENDS.get(n).available()]
-_seed = [1000]
+# Without a GPU every backend is listed, so that the tests collect (and skip, saying why).
+BACKENDS = (gpu_backends.expected_backends() if gpu_backends.on_gpu()
+            else list(gpu_backends.KERNEL_BACKENDS))
 
 
-def _key():
-  _seed[0] += 1
-  return jax.random.key(_seed[0])
+def _require(backend):
+  """The backend's raw ops; fails the test (naming the backend and the cause) if it is missing."""
+  reason = gpu_backends.missing_reason(backend)
+  if reason:
+    pytest.fail(f"kernel backend {backend!r} is expected on this machine but missing: {reason} "
+                f"(UMOE_GPU_BACKENDS={','.join(gpu_backends.expected_backends())!r})")
+  return G.BACKENDS.get(backend)
+
+
+def _seed(*tag) -> int:
+  """A seed fixed by `tag` (a test's name and case): the same in every process (unlike hash())."""
+  return zlib.crc32(repr(tag).encode())
+
+
+def _key(*tag):
+  return jax.random.key(_seed(*tag))
 
 
 def _ref_gmm(x, w, gs, transpose_rhs=False):
@@ -56,8 +76,8 @@ def _rel(out, ref):
   return np.linalg.norm(out - ref) / (den if den > 0 else 1.0)
 
 
-def _inputs(m, k, n, gs):
-  k1, k2, k3 = jax.random.split(_key(), 3)
+def _inputs(m, k, n, gs, tag):
+  k1, k2, k3 = jax.random.split(_key(*tag), 3)
   x = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
   w = (jax.random.normal(k2, (len(gs), k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
   dy = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
@@ -103,10 +123,10 @@ def _sizes(spec, rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_raw_ops(backend, case):
+  be = _require(backend)
   m, k, n, spec = CASES[case]
-  gs = _sizes(spec, np.random.default_rng(hash(case) % 2**31))
-  x, w, dy, gsj = _inputs(m, k, n, gs)
-  be = G.BACKENDS.get(backend)
+  gs = _sizes(spec, np.random.default_rng(_seed("sizes", case)))
+  x, w, dy, gsj = _inputs(m, k, n, gs, ("raw_ops", case))
   used = int(gs.sum())
 
   out = jax.jit(lambda a, b, c: be.gmm(a, b, c, transpose_rhs=False, out_dtype=jnp.bfloat16))(x, w, gsj)
@@ -128,9 +148,10 @@ def test_raw_ops(backend, case):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["ragged", "padding_rows", "skewed_90pct", "empty_groups"])
 def test_gradients_match_reference(backend, case):
+  _require(backend)
   m, k, n, spec = CASES[case]
-  gs = _sizes(spec, np.random.default_rng(7 + hash(case) % 1000))
-  x, w, dy, gsj = _inputs(m, k, n, gs)
+  gs = _sizes(spec, np.random.default_rng(_seed("sizes", case)))
+  x, w, dy, gsj = _inputs(m, k, n, gs, ("gradients", case))
 
   def loss(fn):
     return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * dy.astype(jnp.float32))
@@ -144,10 +165,11 @@ def test_gradients_match_reference(backend, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_transpose_rhs_api_gradients(backend):
+  _require(backend)
   m, k, n, spec = CASES["ragged"]
   gs = _sizes(spec, np.random.default_rng(3))
-  x, w, dy, gsj = _inputs(m, n, k, gs)  # lhs [M, N] against w [G, K, N] transposed -> [M, K]
-  dyk = jax.random.normal(_key(), (m, k), jnp.float32).astype(jnp.bfloat16)
+  x, w, dy, gsj = _inputs(m, n, k, gs, ("transpose_rhs",))  # lhs [M, N], w [G, K, N]^T -> [M, K]
+  dyk = jax.random.normal(_key("transpose_rhs", "cotangent"), (m, k)).astype(jnp.bfloat16)
 
   def loss(be):
     def f(a, b):
@@ -164,10 +186,13 @@ def test_transpose_rhs_api_gradients(backend):
     assert _rel(o, np.asarray(r)) < 1e-2
 
 
-def test_auto_picks_a_kernel_on_gpu():
+def test_auto_picks_the_fastest_expected_kernel_on_gpu():
   if not BACKENDS:
-    pytest.skip("no kernel backend available")
-  assert G.resolve_backend("auto", "gpu") in BACKENDS
+    pytest.skip("no kernel backend expected here (UMOE_GPU_BACKENDS is empty)")
+  for backend in BACKENDS:
+    _require(backend)
+  import kernels
+  assert G.resolve_backend("auto", "gpu") == max(BACKENDS, key=kernels.AUTO_PRIORITY.get)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -178,15 +203,16 @@ def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   scaling) against the unfused float32 XLA layer: values and the gradients of x, gates, w_up, w_down."""
   from umoe_jax.ops import dispatch as D
   from umoe_jax.ops import fused_dispatch as FD
+  _require(backend)
   n, k, e, d, f = 1000, 6, 16, 192, 256
-  rng = np.random.default_rng(hash((per_slot, routing)) % 1000)
+  rng = np.random.default_rng(_seed("fused_ids", per_slot, routing))
   if routing == "random":
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])
   else:  # 90% of the tokens put all their slots on experts 0..k-1
     ids = np.stack([np.arange(k) if rng.random() < 0.9 else rng.choice(e, k, replace=False)
                     for _ in range(n)])
   ids = jnp.asarray(ids, jnp.int32)
-  k1, k2, k3, k4, k5 = jax.random.split(_key(), 5)
+  k1, k2, k3, k4, k5 = jax.random.split(_key("fused", per_slot, routing), 5)
   x = jax.random.normal(k1, (n, k, d) if per_slot else (n, d), jnp.float32).astype(jnp.bfloat16)
   w1 = (jax.random.normal(k2, (e, d, f)) / np.sqrt(d)).astype(jnp.bfloat16)
   w2 = (jax.random.normal(k3, (e, f, d)) / np.sqrt(f)).astype(jnp.bfloat16)
@@ -218,11 +244,12 @@ def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
 def test_triton_persistent_grid(persistent):
   """The persistent (flattened-loop) Triton gmm: every row written once, padding rows zero."""
   if "triton" not in BACKENDS:
-    pytest.skip("no triton backend")
+    pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
+  _require("triton")
   from kernels import triton_gmm, tuning
   m, k, n = 3001, 256, 192
   gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)  # 2834 rows used, 167 padding
-  x, w, _, gsj = _inputs(m, k, n, gs)
+  x, w, _, gsj = _inputs(m, k, n, gs, ("persistent", persistent))
   cfg = tuning.TileConfig(128, 192, 64, 8, 3, persistent=persistent)
   out = np.asarray(jax.jit(lambda a, b, g: triton_gmm.triton_gmm(a, b, g, config=cfg))(x, w, gsj),
                    np.float32)

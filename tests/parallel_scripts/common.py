@@ -54,6 +54,9 @@ def init_params(cfg, seed: int = 0) -> dict:
     keys = [getattr(k, "key", None) for k in path]
     if "router" in keys:
       return jnp.asarray(rng.standard_normal(x.shape) * 2.0 / np.sqrt(x.shape[0]), x.dtype)
+    if keys[-1] == "w_a":   # AoE's codes [E, D, r] score the experts: spread their norms too
+      scale = np.linspace(0.5, 2.0, x.shape[0])[:, None, None] / np.sqrt(x.shape[1])
+      return jnp.asarray(rng.standard_normal(x.shape) * scale, x.dtype)
     return x
   return jax.tree_util.tree_map_with_path(spread, pure)
 
@@ -67,7 +70,7 @@ def loss_fn(params, batch, graphdef):
   logits, aux = model(batch[:, :-1])
   logp = jax.nn.log_softmax(logits, axis=-1)
   ce = -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
-  return ce + aux["balance_loss"]
+  return ce + aux["balance_loss"] + sum(aux.get("router_losses", {}).values())
 
 
 TX = optax.adamw(1e-2, eps=1e-6, weight_decay=0.1)

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import configs.umoe_tiny as tiny
+from umoe_jax.config import model_config
 from umoe_jax.model import build_model
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
@@ -357,6 +358,28 @@ def _variant_cfg(family: str, **attention):
   return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, **attention))
 
 
+def _routing_cfg(family: str, *, attention=None, ffn=None):
+  """A tiny family with its sub-layers' own router sections (`model.<sublayer>.router`)."""
+  cfg = common.tiny_cfg(family)
+  section = lambda sub, keys: dataclasses.replace(getattr(cfg, sub), router=dataclasses.replace(
+      getattr(cfg, sub).router, **(keys or {})))
+  return model_config(dataclasses.replace(cfg, attention=section("attention", attention),
+                                          ffn=section("ffn", ffn)))
+
+
+# The routing methods of issue 14 (routers/*), two programs' worth: AoE's pool with expert choice
+# (a top-C over the whole batch) and attention mixing behind MHA; per sub-layer routers in a UMoE
+# whose FFN is AoE's with top-P, its attention router X-MoE with similarity mixing, bias, z-loss.
+ROUTING_VARIANTS = {
+    "aoe_expert_choice": lambda: _routing_cfg("ffn_moe", ffn=dict(
+        kind="aoe", aoe_dim=8, selection="expert_choice", expert_choice_capacity=2.0,
+        mixing="attention", balance_loss="none", z_loss_coef=1e-3)),
+    "umoe_routing": lambda: _routing_cfg("umoe", attention=dict(
+        kind="xmoe", xmoe_learn_temperature=False, mixing="similarity", bias_update_rate=1e-3,
+        z_loss_coef=1e-3), ffn=dict(kind="aoe", aoe_dim=8, selection="top_p", entropy_coef=1e-2)),
+}
+
+
 # 16 routed experts where the zoo has 15 (moa, umoe_att), so that expert=4 splits them (15 would
 # stay replicated). SwitchHead: 4 heads x 4 experts = 16 groups.
 VARIANTS = {
@@ -366,6 +389,7 @@ VARIANTS = {
     "umoe_att": lambda: common.tiny_cfg("umoe_att", n_experts=16),
     "postmix": lambda: _variant_cfg("umoe", kind="postmix"),
     "umoe_mla": lambda: common.tiny_cfg("umoe_mla"),
+    **ROUTING_VARIANTS,
 }
 # fsdp=8 also matches (checked by hand: VARIANT_LAYOUTS="data=2,expert=4;tensor=8;fsdp=8"); left out
 # of the default run to keep the compile time down.

@@ -16,16 +16,18 @@ Pre-tokenize a large corpus once with `python -m umoe_jax.data.prepare` (see pre
 """
 from __future__ import annotations
 
-from ml_collections import ConfigDict, config_dict
+from ml_collections import ConfigDict
 
+from umoe_jax.config_fields import optional
 from umoe_jax.data.checkpoint import restore_args, save_args
 from umoe_jax.data.pipeline import load_tokenizer, make_eval_batches, make_train_iterator
-from umoe_jax.data.sources import SOURCES
+from umoe_jax.data.sources import SOURCES, DataError
 from umoe_jax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "SOURCES", "Tokenizer", "check_vocab", "default_data_config",
-    "load_tokenizer", "make_eval_batches", "make_train_iterator", "restore_args", "save_args",
+    "ByteTokenizer", "DataError", "HFTokenizer", "SOURCES", "Tokenizer", "check_vocab",
+    "default_data_config", "load_tokenizer", "make_eval_batches", "make_train_iterator",
+    "restore_args", "save_args",
 ]
 
 
@@ -42,8 +44,11 @@ def default_data_config() -> ConfigDict:
       eos_token="",              # Override the EOS token of a tokenizer.json ("" = auto-detect).
       shuffle=True,              # Global shuffle (indexed sources) / chunks + window (streamed ones).
       shuffle_window=10_000,     # Documents per shuffle window for parquet / jsonl.
-      num_epochs=config_dict.placeholder(int),  # None: repeat forever (reshuffled every epoch).
+      num_epochs=optional(int),  # None: repeat forever (reshuffled every epoch).
       read_threads=4,            # Threads reading + tokenizing documents of indexed sources.
       worker_count=0,            # >0: that many grain worker processes (mp_prefetch).
       prefetch_batches=2,        # With worker_count=0: batches a background thread prepares ahead.
+      # A damaged file / row group or a bad JSON line: "error" (DataError naming the file and
+      # line / row group) or "skip" (dropped; each logged once and counted).
+      on_bad_record="error",
   ))

@@ -19,6 +19,12 @@ Every stage is a grain dataset, so the whole iterator state (position in the chu
 readers, shuffle window, packing remainder, prefetch) is `get_state()` / `set_state()` JSON, and a
 restored iterator yields exactly the batches the uninterrupted one would have yielded. The order is a
 pure function of (data, seed, process_index, process_count, worker_count).
+
+Too little data: a training stream is repeated forever, so a process whose share of one epoch holds
+no full batch (an empty file, documents that are all empty, fewer tokens than one batch) would spin
+through empty epochs. `make_train_iterator` therefore first reads one pass of this process's share,
+in file order, until it has one batch of tokens (cheap: a batch's worth of documents on a real
+corpus), and raises `sources.DataError` naming the path, the documents and the tokens it found.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import grain
 import numpy as np
 
 from umoe_jax.data import sources
+from umoe_jax.data.sources import DataError
 from umoe_jax.data.tokenizer import Tokenizer, make_tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -140,6 +147,48 @@ def batched_dataset(data_config, *, split: str, seq_len: int, batch_size: int, s
   return ds.batch(batch_size, drop_remainder=True)
 
 
+def _split_name(data_config, split: str) -> str:
+  path, key = sources.split_path(data_config, split)
+  return f"{key}={path!r}" if data_config.source != "builtin" else f"the built-in corpus ({split})"
+
+
+def check_one_batch(data_config, *, split: str, seq_len: int, batch_size: int,
+                    process_index: int = 0, process_count: int = 1,
+                    tokenizer: Tokenizer | None = None) -> None:
+  """Raises DataError unless one pass over this process's share of `split` holds one batch.
+
+  Packing cuts the token stream (documents + EOS) into windows of seq_len + 1 tokens, so a batch
+  needs batch_size * (seq_len + 1) tokens. Reads documents in file order and stops as soon as there
+  are enough; the message gives the documents and tokens of the whole pass otherwise.
+  """
+  tok = tokenizer or load_tokenizer(data_config)
+  need = batch_size * (seq_len + 1)
+  docs = sources.document_dataset(data_config, split=split, seed=0, shuffle=False, num_epochs=1,
+                                   process_index=process_index, process_count=process_count)
+  skipped_before = sources.bad_record.skipped
+  it = iter(docs)
+  n_docs = n_tokens = 0
+  try:
+    for doc in it:
+      n_docs += 1
+      n_tokens += len(tok.encode_array(doc) if isinstance(doc, str) else doc) + 1  # + EOS
+      if n_tokens >= need:
+        return
+  finally:
+    close = getattr(it, "close", None)
+    if close is not None:
+      close()
+  share = f" (the share of process {process_index} of {process_count})" if process_count > 1 else ""
+  skipped = sources.bad_record.skipped - skipped_before
+  dropped = f", {skipped} bad records skipped" if skipped else ""
+  found = ("0 documents (no rows, or only empty / null texts)" if n_docs == 0 else
+           f"{n_docs} non-empty document{'s' if n_docs > 1 else ''}, {n_tokens:,} tokens with EOS")
+  raise DataError(
+      f"{_split_name(data_config, split)} ({data_config.source}){share} holds {found}{dropped}; one "
+      f"batch needs {batch_size} x {seq_len + 1} = {need:,} tokens",
+      hint="use more data, or lower train.global_batch_size / train.seq_len")
+
+
 def make_train_iterator(data_config, *, seq_len: int, global_batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
   """The checkpointable iterator of this process's training batches.
@@ -148,13 +197,17 @@ def make_train_iterator(data_config, *, seq_len: int, global_batch_size: int, se
   process_count and T = seq_len; forever if `data_config.num_epochs` is None. Save / restore its
   position with `it.get_state()` / `it.set_state(state)` or with Orbax through
   `grain.checkpoint.CheckpointSave(it)` / `grain.checkpoint.CheckpointRestore(it)` (see
-  `umoe_jax.data.checkpoint`).
+  `umoe_jax.data.checkpoint`). Raises DataError (`check_one_batch`) if one epoch of this process's
+  share holds no full batch.
   """
+  batch_size = per_process_batch_size(global_batch_size, process_count)
+  tok = load_tokenizer(data_config)
+  check_one_batch(data_config, split="train", seq_len=seq_len, batch_size=batch_size,
+                  process_index=process_index, process_count=process_count, tokenizer=tok)
   ds = batched_dataset(
-      data_config, split="train", seq_len=seq_len,
-      batch_size=per_process_batch_size(global_batch_size, process_count), seed=seed,
+      data_config, split="train", seq_len=seq_len, batch_size=batch_size, seed=seed,
       shuffle=data_config.shuffle, num_epochs=data_config.num_epochs,
-      process_index=process_index, process_count=process_count)
+      process_index=process_index, process_count=process_count, tokenizer=tok)
   if data_config.worker_count > 0:
     # Worker w runs the whole pipeline on its slice w::worker_count of the document stream; outputs
     # are taken round-robin, so the order is deterministic for a given worker_count (but differs

@@ -20,6 +20,13 @@ there are at least as many chunks as processes, otherwise every process reads ev
 documents `[process_index::process_count]` of each. Shares are disjoint and together cover the data;
 their sizes can differ by a chunk, so processes reach the end of an epoch at different steps (use
 `num_epochs=None` for training and stop on a step count).
+
+Bad data (`data.on_bad_record`): a file that cannot be opened (a parquet footer that is truncated),
+a row group that cannot be decoded, a JSON-lines line that is not a JSON object with a string
+`text_field`, or a text file that cannot be read raises `DataError` naming the file and the row group
+/ line ("error", the default), or is dropped with a warning naming it and a running count ("skip"). A
+whole file that cannot be opened is dropped under "skip" too; a missing `text_field` column stays an
+error (that is a config mistake, not a bad record).
 """
 from __future__ import annotations
 
@@ -28,19 +35,72 @@ import functools
 import glob
 import json
 import os
+import threading
 from typing import Any, Sequence
 
 import grain
 import numpy as np
+from absl import logging
 
 from umoe_jax.data import builtin
 
 SOURCES = ("builtin", "parquet", "jsonl", "text", "arrayrecord")
+BAD_RECORD_POLICIES = ("error", "skip")
 
 INDEXED_SOURCES = ("builtin", "text", "arrayrecord")
 JSONL_CHUNK_BYTES = 64 << 20  # Large enough that chunk bookkeeping is free, small enough to shard.
 ARRAYRECORD_SUFFIX = ".array_record"
 METADATA_FILE = "metadata.json"
+
+
+class DataError(ValueError):
+  """A data file is empty, unreadable or holds a bad record; the message names the file (and the
+  line or row group). `hint` says what to do about it."""
+
+  def __init__(self, message: str, hint: str = ""):
+    super().__init__(message)
+    self.hint = hint
+
+
+SKIP_HINT = "set --config.data.on_bad_record=skip to drop bad records (each is logged and counted)"
+
+
+class _BadRecords:
+  """Applies data.on_bad_record: raise DataError, or drop the record with a warning naming it.
+
+  Each bad record is logged and counted once per process (later epochs drop it silently); reader
+  threads share the count, each grain worker process has its own.
+  """
+
+  def __init__(self):
+    self.seen: set[str] = set()
+    self._lock = threading.Lock()  # reader threads: counts and log lines in one order
+
+  @property
+  def skipped(self) -> int:
+    return len(self.seen)
+
+  def __call__(self, policy: str, what: str) -> None:
+    if policy != "skip":
+      raise DataError(what, hint=SKIP_HINT)
+    with self._lock:
+      if what not in self.seen:
+        self.seen.add(what)
+        logging.warning("skipping bad data (data.on_bad_record='skip'; bad records so far: %d): %s",
+                        len(self.seen), what)
+
+
+bad_record = _BadRecords()
+
+
+def check_bad_record_policy(policy: str) -> None:
+  if policy not in BAD_RECORD_POLICIES:
+    raise ValueError(f"data.on_bad_record={policy!r}; valid: {', '.join(BAD_RECORD_POLICIES)}")
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,62 +206,125 @@ class Chunk:
   doc_stride: int = 1
 
 
-def _parquet_chunks(files: Sequence[str], text_field: str) -> list[Chunk]:
+def _open_parquet(path: str):
+  """pq.ParquetFile(path) (reads only the footer); DataError naming the file if it is not one."""
   import pyarrow.parquet as pq
+  try:
+    return pq.ParquetFile(path)
+  except Exception as e:  # pylint: disable=broad-except  (pyarrow raises ArrowInvalid, OSError, ...)
+    raise DataError(f"parquet file {path!r} cannot be opened ({_one_line(e)}): truncated, damaged or "
+                    "not a parquet file", hint=SKIP_HINT) from e
 
+
+def _parquet_chunks(files: Sequence[str], text_field: str, on_bad_record: str = "error") -> list[Chunk]:
   chunks = []
   for path in files:
-    meta = pq.ParquetFile(path)  # Reads only the footer.
+    try:
+      meta = _open_parquet(path)
+    except DataError as e:
+      if on_bad_record != "skip":
+        raise
+      bad_record(on_bad_record, f"{e} (the whole file)")
+      continue
     names = meta.schema_arrow.names
     if text_field not in names:
-      raise ValueError(f"parquet file {path!r} has no column {text_field!r} (data.text_field); "
-                       f"columns: {names}")
+      raise DataError(f"parquet file {path!r} has no column {text_field!r} (data.text_field); "
+                      f"columns: {names}", hint="set data.text_field to the column with the text")
     chunks += [Chunk("parquet", path, index=rg) for rg in range(meta.num_row_groups)]
   return chunks
 
 
-def _jsonl_chunks(files: Sequence[str], text_field: str) -> list[Chunk]:
+def _jsonl_chunks(files: Sequence[str], text_field: str, on_bad_record: str = "error") -> list[Chunk]:
   chunks = []
   for path in files:
-    with open(path, "rb") as f:  # Fail early on the first record rather than in a reader thread.
-      first = next((line for line in f if line.strip()), None)
-    if first is not None:
-      _jsonl_text(first, text_field, path)
+    if on_bad_record != "skip":  # Fail early on the first record rather than in a reader thread.
+      with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+          if line.strip():
+            try:
+              _jsonl_text(line, text_field)
+            except ValueError as e:
+              raise DataError(f"{path}:{lineno}: {e}", hint=SKIP_HINT) from None
+            break
     size = os.path.getsize(path)
     chunks += [Chunk("jsonl", path, start=s, stop=min(s + JSONL_CHUNK_BYTES, size))
                for s in range(0, size, JSONL_CHUNK_BYTES)]
   return chunks
 
 
-def _jsonl_text(line: bytes, text_field: str, path: str) -> str:
-  record = json.loads(line)
+def _jsonl_text(line: bytes, text_field: str) -> str | None:
+  """The text of one JSON-lines record (None: null); ValueError saying what is wrong otherwise."""
+  try:
+    record = json.loads(line)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    snippet = f"{line[:80]!r}{'...' if len(line) > 80 else ''}"
+    raise ValueError(f"not valid JSON ({_one_line(e, 120)}): {snippet}") from None
   if not isinstance(record, dict) or text_field not in record:
     keys = list(record) if isinstance(record, dict) else type(record).__name__
-    raise ValueError(f"JSON-lines file {path!r} has a record without field {text_field!r} "
-                     f"(data.text_field); record keys: {keys}")
-  return record[text_field]
+    raise ValueError(f"record without field {text_field!r} (data.text_field); record keys: {keys}")
+  text = record[text_field]
+  if text is not None and not isinstance(text, str):
+    raise ValueError(f"field {text_field!r} is a {type(text).__name__}, not a string")
+  return text
 
 
-def read_chunk(chunk: Chunk, text_field: str) -> list[str]:
-  """All non-empty documents of one chunk, in file order (after the chunk's doc striding)."""
+def _lines_before(path: str, offset: int) -> int:
+  """Number of newlines in the first `offset` bytes of `path` (line numbers for messages only)."""
+  count = 0
+  with open(path, "rb") as f:
+    while offset > 0:
+      block = f.read(min(offset, 1 << 22))
+      if not block:
+        break
+      count += block.count(b"\n")
+      offset -= len(block)
+  return count
+
+
+def _read_jsonl_chunk(chunk: Chunk, text_field: str, on_bad_record: str) -> list:
+  texts = []
+  first_line = None  # line number of the chunk's first line: counted only when a message needs it
+  with open(chunk.path, "rb") as f:
+    # A line belongs to the chunk holding its first byte: skip the tail of a line that started
+    # in the previous chunk (seeking one byte back keeps a line that starts exactly at `start`).
+    if chunk.start > 0:
+      f.seek(chunk.start - 1)
+      f.readline()
+    start = f.tell()
+    index = 0  # of the current line within the chunk
+    while f.tell() < chunk.stop:
+      line = f.readline()
+      if not line:
+        break
+      index += 1
+      if not line.strip():
+        continue
+      try:
+        texts.append(_jsonl_text(line, text_field))
+      except ValueError as e:
+        if first_line is None:
+          first_line = _lines_before(chunk.path, start) + 1
+        bad_record(on_bad_record, f"{chunk.path}:{first_line + index - 1}: {e}")
+  return texts
+
+
+def read_chunk(chunk: Chunk, text_field: str, on_bad_record: str = "error") -> list[str]:
+  """All non-empty documents of one chunk, in file order (after the chunk's doc striding).
+
+  Bad records follow `on_bad_record` (module docstring): DataError naming the file and row group /
+  line, or dropped with a warning.
+  """
   if chunk.kind == "parquet":
-    import pyarrow.parquet as pq
-    table = pq.ParquetFile(chunk.path).read_row_group(chunk.index, columns=[text_field])
-    texts = table.column(0).to_pylist()
+    try:
+      table = _open_parquet(chunk.path).read_row_group(chunk.index, columns=[text_field])
+      texts = table.column(0).to_pylist()
+    except Exception as e:  # pylint: disable=broad-except  (damaged pages: ArrowInvalid, OSError)
+      what = (str(e) if isinstance(e, DataError) else
+              f"parquet file {chunk.path!r}: row group {chunk.index} cannot be read ({_one_line(e)})")
+      bad_record(on_bad_record, what)
+      return []
   else:
-    texts = []
-    with open(chunk.path, "rb") as f:
-      # A line belongs to the chunk holding its first byte: skip the tail of a line that started
-      # in the previous chunk (seeking one byte back keeps a line that starts exactly at `start`).
-      if chunk.start > 0:
-        f.seek(chunk.start - 1)
-        f.readline()
-      while f.tell() < chunk.stop:
-        line = f.readline()
-        if not line:
-          break
-        if line.strip():
-          texts.append(_jsonl_text(line, text_field, chunk.path))
+    texts = _read_jsonl_chunk(chunk, text_field, on_bad_record)
   texts = texts[chunk.doc_offset::chunk.doc_stride]
   return [t for t in texts if t]  # Null / empty documents would only add a stray EOS.
 
@@ -218,9 +341,17 @@ class _Documents(grain.experimental.FlatMapTransform):
 # Indexed sources: a sequence of items plus a function reading one item.
 
 
-def _read_text_file(path: str) -> str:
-  with open(path, encoding="utf-8", errors="replace") as f:
-    return f.read()
+@dataclasses.dataclass(frozen=True)
+class _ReadTextFile:
+  on_bad_record: str = "error"
+
+  def __call__(self, path: str) -> str:
+    try:
+      with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+    except OSError as e:
+      bad_record(self.on_bad_record, f"text file {path!r} cannot be read ({_one_line(e)})")
+      return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +367,7 @@ def _indexed(config, path: str, key: str, split: str) -> tuple[Any, Any]:
   if config.source == "builtin":
     return builtin.document_names("validation" if split == "eval" else "train"), builtin.read_document
   if config.source == "text":
-    return resolve_files(path, key=key), _read_text_file
+    return resolve_files(path, key=key), _ReadTextFile(config.get("on_bad_record", "error"))
   files, meta = arrayrecord_files(path, key)
   records = grain.sources.ArrayRecordDataSource(files)
   if len(records) != meta["num_documents"]:
@@ -285,11 +416,15 @@ def document_dataset(config, *, split: str, seed: int, shuffle: bool, num_epochs
     # repeat *after* shuffle: grain then reseeds the permutation for every epoch.
     return ds.repeat(num_epochs).map(read)
 
+  on_bad = config.get("on_bad_record", "error")
+  check_bad_record_policy(on_bad)
   files = resolve_files(path, (".parquet",) if config.source == "parquet" else (), key=key)
   make_chunks = _parquet_chunks if config.source == "parquet" else _jsonl_chunks
-  chunks = make_chunks(files, config.text_field)
+  chunks = make_chunks(files, config.text_field, on_bad)
   if not chunks:
-    raise ValueError(f"{key}={path!r} ({config.source}) holds no data")
+    raise DataError(f"{key}={path!r} ({config.source}) holds no data: {_name_some(files, 3)} "
+                    f"{'have' if len(files) > 1 else 'has'} no row groups / bytes",
+                    hint=f"point {key} at files with documents")
   if len(chunks) >= process_count:
     chunks = chunks[process_index::process_count]
   else:
@@ -298,7 +433,8 @@ def document_dataset(config, *, split: str, seed: int, shuffle: bool, num_epochs
   ds = grain.MapDataset.source(chunks)
   if shuffle:
     ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs).map(functools.partial(read_chunk, text_field=config.text_field))
+  ds = ds.repeat(num_epochs).map(functools.partial(read_chunk, text_field=config.text_field,
+                                                   on_bad_record=on_bad))
   # Reader threads decode the next chunks while documents of the current one are consumed. The
   # flat map's state is (position in the chunk list, index inside the chunk): a restore re-reads
   # one chunk.
@@ -317,5 +453,5 @@ def count_documents(config, split: str = "train") -> int | None:
     return len(_indexed(config, path, key, split)[0])
   if config.source == "parquet":
     import pyarrow.parquet as pq
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in resolve_files(path, (".parquet",), key=key))
+    return sum(_open_parquet(f).metadata.num_rows for f in resolve_files(path, (".parquet",), key=key))
   return None

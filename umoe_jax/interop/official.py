@@ -56,6 +56,21 @@ Mapping (official name under `model.` -> ours; W is a torch Linear weight [out, 
     vo.shared_experts.{gate_proj,down_proj}    attention/shared_expert/{up,down}/kernel = W.T
     vo.gate_ffn.weight [E, D]                  ffn/router/kernel = W.T     (UMoE: FFN routes into vo)
     vo.ffn_shared_experts.{gate_proj,down_proj} ffn/shared_expert/{up,down}/kernel = W.T
+    self_attn.latent_code.weight [L, D]        attention/latent_proj/kernel = W.T   (mla: MLA-style values)
+    self_attn.code2value.weight [D, L]         attention/latent_up/kernel = W.T
+  MoA attention (MoAMoEAttention, baseline_moa); per-expert matrices are raw views [E, in, out]
+    self_attn.q_proj.weight [E*Dk, D]          attention/q_experts [E, D, Dk] = W.reshape
+    self_attn.o_proj.weight [E*Dv, D]          attention/o_experts [E, Dv, D] = W.reshape
+    self_attn.{k_proj,v_proj}.weight           attention/{k_proj,v_proj}/kernel = W.T (one shared head)
+    self_attn.gate.weight [E, D]               attention/router/kernel = W.T
+    self_attn.shared_q_proj / shared_experts   attention/shared_q_proj / shared_o_proj kernels = W.T
+  SwitchHead attention (SwitchHead, baseline_switchhead): per head h a GroupedMatrixMoE for V and O
+    self_attn.{q_proj,k_proj}.weight [H*Dk, D] attention/{q_proj,k_proj}/kernel = W.T (head-major)
+    self_attn.v_experts.h.linear.weight [E*Dv, D]  attention/v_experts/w[h*E:(h+1)*E] = W.reshape(E, D, Dv)
+    self_attn.o_experts.h.linear.weight [E*D, Dv]  attention/o_experts/w[h*E:(h+1)*E] = W.reshape(E, Dv, D)
+    self_attn.{v,o}_experts.h.gate.weight      attention/{v,o}_experts/router/h/kernel = W.T
+  Post-mixing (postmix_att_moe) is refused: the official decoder layer never builds its
+  PostMixMoEAttention (premix_att_moe builds PreMixMoEAttention), so no official model has it.
   FFN of the dense / UMoE-Att models (VanillaMLP; `gate_proj` is its first, non-gated matrix)
     mlp.{gate_proj,down_proj}.weight           ffn/mlp/{up,down}/kernel = W.T
   FFN of the FFN-MoE model (GroupedMoE)
@@ -118,12 +133,13 @@ class StateDictError(ValueError):
 # selects code paths this project does not have.
 _MODEL_KEY_NOT_MAPPED = "the model has it ({}), but the converter does not map its weights yet"
 _UNSUPPORTED_FLAGS = {
-    "mla": _MODEL_KEY_NOT_MAPPED.format("model.attention.latent_dim"),
     "share_layer": _MODEL_KEY_NOT_MAPPED.format("model.moe.share_across_layers"),
     "swiglue_mlp": _MODEL_KEY_NOT_MAPPED.format("model.moe.gated"),
-    "baseline_moa": _MODEL_KEY_NOT_MAPPED.format("model.attention.kind='moa'"),
-    "baseline_switchhead": _MODEL_KEY_NOT_MAPPED.format("model.attention.kind='switchhead'"),
-    "postmix_att_moe": _MODEL_KEY_NOT_MAPPED.format("model.attention.kind='postmix'"),
+    # The official UMoEDecoderLayer never builds its PostMixMoEAttention: with premix_att_moe it
+    # builds PreMixMoEAttention, whose expert module only gains key projections it never reads.
+    "postmix_att_moe": ("the official decoder layer runs pre-mixing attention with it (its "
+                        "PostMixMoEAttention class is never instantiated), so there is no official "
+                        "post-mixing model to import; model.attention.kind='postmix' is ours"),
     "skip_shared_ffn": _MODEL_KEY_NOT_MAPPED.format("model.ffn.kind='none'"),
     "one_head_attention_moe": "OneHeadAttentionMoE",
     "mix_then_routing_unify": "MixThenRoutingMoE",
@@ -183,6 +199,10 @@ def _activation(cj: Mapping[str, Any]) -> str:
 def _family(cj: Mapping[str, Any]) -> str:
   """Which decoder layer the official UMoEDecoderLayer builds for this config."""
   premix = bool(cj.get("premix_att_moe"))
+  if not premix and cj.get("baseline_moa"):
+    return "moa"
+  if not premix and cj.get("baseline_switchhead"):
+    return "switchhead"
   if premix and cj.get("share_att_ffn_moe"):
     return "umoe"
   routed_ffn = cj.get("n_routed_experts") is not None and not cj.get("no_ffn_moe")
@@ -238,7 +258,8 @@ def config_from_official(config_json: Mapping[str, Any] | str, *, compute_dtype:
                             ("topk_method", lambda v: v == "greedy", "'greedy'")):
       if not ok(cj.get(field)):
         raise _unsupported(field, cj.get(field), f"only {want} routing is implemented")
-    moe.update(n_experts=_need(cj, "n_routed_experts"), d_expert=_need(cj, "moe_intermediate_size"))
+    if family not in ("moa", "switchhead"):   # those two own their experts (attention.n_experts)
+      moe.update(n_experts=_need(cj, "n_routed_experts"), d_expert=_need(cj, "moe_intermediate_size"))
     renorm = bool(cj.get("norm_topk_prob", False))
     if not renorm and float(_get(cj, "routed_scaling_factor", 1.0)) != 1.0:
       raise _unsupported("routed_scaling_factor", cj["routed_scaling_factor"], "gates are not rescaled here")
@@ -252,7 +273,15 @@ def config_from_official(config_json: Mapping[str, Any] | str, *, compute_dtype:
     elif family != "dense" and family != "ffn_moe":   # (no effect on dense / FFN-MoE models)
       raise _unsupported("no_act", True, "the pre-mixing experts would have no activation but the FFN would")
 
-  if family in ("dense", "ffn_moe"):
+  if family in ("moa", "switchhead"):
+    if not cj.get("no_ffn_moe"):
+      raise _unsupported("no_ffn_moe", cj.get("no_ffn_moe"), f"{family} with a routed FFN "
+                         "(the released baselines have a dense MLP)")
+    k_att = _need(cj, "num_experts_per_tok")
+    att.update(kind=family, n_experts=_need(cj, "n_routed_experts"), top_k=k_att)
+    if family == "moa":   # the always-on head (the official code allows 0 or 1)
+      att["n_shared_experts"] = n_shared
+  elif family in ("dense", "ffn_moe"):
     att["kind"] = "mha"
     if cj.get("q_lora_rank") is not None:
       raise _unsupported("q_lora_rank", cj["q_lora_rank"],
@@ -274,8 +303,10 @@ def config_from_official(config_json: Mapping[str, Any] | str, *, compute_dtype:
                          "q_a_layernorm always uses eps 1e-6 in the official code; ours uses rms_norm_eps")
     att_shared = 0 if cj.get("disable_share_expert_for_att") else n_shared
     att.update(kind="premix", top_k=k_att, n_shared_experts=att_shared, q_lora_rank=r, q_lora_norm=True)
+    if cj.get("mla"):     # values X W_latent_code (cached), code2value after mixing
+      att["latent_dim"] = _need(cj, "latent_size")
 
-  if family == "dense":
+  if family in ("dense", "moa", "switchhead"):
     ffn.update(kind="dense", d_ff=_need(cj, "intermediate_size"))
   elif family in ("ffn_moe", "umoe_att_moe_ffn"):
     first_dense, freq = _get(cj, "first_k_dense_replace", 0), _get(cj, "moe_layer_freq", 1)
@@ -301,7 +332,7 @@ def config_from_official(config_json: Mapping[str, Any] | str, *, compute_dtype:
     ffn.update(kind="moe", top_k=k_ffn, n_shared_experts=ffn_shared)
     moe["share_pool"] = True
   if routers:
-    tops = [att["top_k"]] if att["kind"] == "premix" else []
+    tops = [att["top_k"]] if att["kind"] in ("premix", "moa", "switchhead") else []
     tops += [ffn["top_k"]] if ffn["kind"] == "moe" else []
     if router["renormalize"] and 1 in tops:
       raise _unsupported("norm_topk_prob", True, "the official code skips renormalisation when top-k is 1")
@@ -330,8 +361,14 @@ def _st_dtype(name: str, path: str, tensor: str):
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
   """Tensors of one .safetensors file as (memory-mapped, read-only) numpy arrays; no torch needed."""
   with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
+    head = f.read(8)
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    try:
+      if not 0 < n <= os.path.getsize(path) - 8:
+        raise ValueError(f"header length {n}")
+      header = json.loads(f.read(n))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a bad length
+      raise StateDictError(f"{path} is not a safetensors file, or is truncated ({e})") from None
   mm = np.memmap(path, dtype=np.uint8, mode="r")
   out = {}
   for name, info in header.items():
@@ -425,14 +462,34 @@ def load_official_state_dict(path: str) -> dict[str, np.ndarray]:
 
 
 def load_official_config(path: str) -> dict:
-  """config.json of a checkpoint directory (or the path of a config .json file)."""
+  """config.json of a checkpoint directory (or the path of a config .json file).
+
+  A missing file, a file given instead of the directory, or a config.json that is not a JSON
+  object raise errors naming the path and the problem."""
   path = os.fspath(path)
   if os.path.isdir(path):
     path = os.path.join(path, "config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: no official config.json")
-  with open(path) as f:
-    return json.load(f)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{os.path.dirname(path)}: no config.json (an official checkpoint "
+                              "directory holds config.json and model.safetensors or shards)")
+  elif os.path.isfile(path) and not path.endswith(".json"):
+    raise OfficialConfigError(f"{path} is a file; pass the official checkpoint directory that "
+                              "holds it (config.json + model.safetensors / shards / "
+                              "pytorch_model.bin)")
+  elif not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such checkpoint directory or config .json file")
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise OfficialConfigError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                              f"{e.msg})") from None
+  except UnicodeDecodeError:
+    raise OfficialConfigError(f"{path} is not a text (JSON) file") from None
+  if not isinstance(config, dict):
+    raise OfficialConfigError(f"{path} holds a JSON {type(config).__name__}, not an object of "
+                              "config fields")
+  return config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -445,6 +502,18 @@ Transform = Callable[[np.ndarray], dict[tuple, np.ndarray]]
 class _Spec:
   shape: tuple          # the official tensor's expected shape
   make: Transform       # official array -> {our path: array}
+
+
+@dataclasses.dataclass
+class _Part:
+  """Block `index` of `count` along axis 0 of our parameter (one official tensor per block)."""
+  index: int
+  count: int
+  value: np.ndarray
+
+
+def _part(transform: Transform, index: int, count: int) -> Transform:
+  return lambda w: {p: _Part(index, count, v) for p, v in transform(w).items()}
 
 
 def _t(path: tuple) -> Transform:
@@ -523,6 +592,30 @@ def _official_specs(cfg: ModelConfig, layout: str) -> tuple[dict[str, _Spec], li
         _mlp(specs, f"{vo}.shared_experts", ua + ("shared_expert",), d, fs)
       else:
         ignorable += shared_names
+      if att.latent_dim is not None:   # official mla: latent_code [L, D], code2value [D, L]
+        specs[f"{a}.latent_code.weight"] = _Spec((att.latent_dim, d), _t(ua + ("latent_proj", "kernel")))
+        specs[f"{a}.code2value.weight"] = _Spec((d, att.latent_dim), _t(ua + ("latent_up", "kernel")))
+    elif att.kind == "moa":         # MoAMoEAttention: per-expert q / o as raw [E, in, out] views
+      ea, dv = att.n_experts, att.v_head_dim
+      specs[f"{a}.q_proj.weight"] = _Spec((ea * dk, d), _grouped(ua + ("q_experts",), ea, d, dk, "megatron"))
+      specs[f"{a}.o_proj.weight"] = _Spec((ea * dv, d), _grouped(ua + ("o_experts",), ea, dv, d, "megatron"))
+      specs[f"{a}.k_proj.weight"] = _Spec((dk, d), _t(ua + ("k_proj", "kernel")))
+      specs[f"{a}.v_proj.weight"] = _Spec((dv, d), _t(ua + ("v_proj", "kernel")))
+      specs[f"{a}.gate.weight"] = _Spec((ea, d), _t(ua + ("router", "kernel")))
+      if att.n_shared_experts:
+        specs[f"{a}.shared_q_proj.weight"] = _Spec((dk, d), _t(ua + ("shared_q_proj", "kernel")))
+        specs[f"{a}.shared_experts.weight"] = _Spec((d, dv), _t(ua + ("shared_o_proj", "kernel")))
+    elif att.kind == "switchhead":  # SwitchHead: per head a GroupedMatrixMoE for V and one for O
+      h, ea, dv = att.n_heads, att.n_experts, att.v_head_dim
+      specs[f"{a}.q_proj.weight"] = _Spec((h * dk, d), _t(ua + ("q_proj", "kernel")))
+      specs[f"{a}.k_proj.weight"] = _Spec((h * dk, d), _t(ua + ("k_proj", "kernel")))
+      for which, d_in, d_out in (("v", d, dv), ("o", dv, d)):
+        experts = ua + (f"{which}_experts",)
+        for hi in range(h):
+          m = f"{a}.{which}_experts.{hi}"
+          specs[f"{m}.gate.weight"] = _Spec((ea, d), _t(experts + ("router", hi, "kernel")))
+          grouped = _grouped(experts + ("w",), ea, d_in, d_out, "megatron")   # head hi: w[hi*E:]
+          specs[f"{m}.linear.weight"] = _Spec((ea * d_out, d_in), _part(grouped, hi, h))
     else:
       raise StateDictError(f"model.attention.kind={att.kind!r} has no official counterpart")
 
@@ -611,7 +704,13 @@ def _convert_to_model(state_dict: Mapping[str, Any], model_cfg, expert_layout: s
       raise StateDictError(f"official tensor {name} has shape {tuple(w.shape)}, expected {spec.shape} "
                            f"(-> our {ours})")
     for path, value in spec.make(w).items():
-      converted[path] = value
+      if isinstance(value, _Part):     # one block of a parameter stacked from several tensors
+        converted.setdefault(path, [None] * value.count)[value.index] = value.value
+      else:
+        converted[path] = value
+  for path, value in converted.items():
+    if isinstance(value, list):
+      converted[path] = np.concatenate(value, axis=0)
 
   extra = sorted(_path_str(p) for p in set(converted) - set(target))
   absent = sorted(_path_str(p) for p in set(target) - set(converted))

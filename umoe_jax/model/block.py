@@ -5,7 +5,8 @@ sub-layers route into the same `ExpertPool`; otherwise each MoE sub-layer gets i
 `moe.share_across_layers` the LM builds the pool(s) once and hands the same modules to every block.
 
 Ablation switches wired here (both share modules, so their parameters exist and count once):
-  router.share_att_ffn   the FFN router uses the attention router's weights (own top-k, own loss);
+  router.share_att_ffn   the FFN router uses the attention router's weights (own top-k, own loss;
+                         the two sub-layers' router configs must agree);
   moe.share_always_on    the FFN uses the attention's always-on expert.
 With `ffn.kind="none"` the block has no FFN sub-layer (all experts to attention).
 """
@@ -14,29 +15,33 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from umoe_jax.config import ModelConfig
+from umoe_jax.config import ModelConfig, router_mixing
 from umoe_jax.model.attention import ATTENTIONS
 from umoe_jax.model.experts import AoEExpertPool, ExpertPool
 from umoe_jax.model.ffn import DenseFFN, MoEFFN
 from umoe_jax.model.layers import RMSNorm
-from umoe_jax.model.routers import ROUTERS
+from umoe_jax.model.routers import ROUTERS, fold_rng
 
 
-def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs) -> ExpertPool | AoEExpertPool:
+def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs, *,
+                     ffn: bool = True) -> ExpertPool | AoEExpertPool:
+  """A routed pool; `ffn`: the FFN routes into it (an AoE FFN router makes it an `AoEExpertPool`)."""
   kw = dict(activation=cfg.moe.activation, std=cfg.init_std, param_dtype=cfg.param_dtype,
             compute_dtype=cfg.compute_dtype, gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated)
-  if cfg.router.kind == "aoe":  # Autonomy-of-Experts: experts with low-rank codes that score them
-    return AoEExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, rank=cfg.router.aoe_dim, **kw)
+  router = cfg.router_for("ffn")
+  if ffn and router.kind == "aoe":  # Autonomy-of-Experts: experts with low-rank codes that score them
+    return AoEExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, rank=router.aoe_dim, **kw)
   return ExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, **kw)
 
 
 def make_expert_pools(cfg: ModelConfig, rngs: nnx.Rngs):
   """(pool of the attention or the FFN, separate FFN pool or None) of one layer."""
   att_pool, ffn_pool = cfg.attention_uses_experts, cfg.ffn_uses_experts
-  experts = make_expert_pool(cfg, rngs) if (att_pool or ffn_pool) else None
   # A second pool only when both sub-layers route but must not share (an ablation).
-  ffn_experts = (make_expert_pool(cfg, rngs)
-                 if att_pool and ffn_pool and not cfg.moe.share_pool else None)
+  separate = att_pool and ffn_pool and not cfg.moe.share_pool
+  experts = (make_expert_pool(cfg, rngs, ffn=ffn_pool and not separate)
+             if (att_pool or ffn_pool) else None)
+  ffn_experts = make_expert_pool(cfg, rngs, ffn=True) if separate else None
   return experts, ffn_experts
 
 
@@ -65,11 +70,23 @@ class DecoderBlock(nnx.Module):
       self.ffn.shared_expert = nnx.data(self.attention.shared_expert)
 
     self.experts, self.ffn_experts = pools if pools is not None else make_expert_pools(cfg, rngs)
-    # router.kind='attention_aware': the FFN router reads this layer's attention probabilities;
+    # router mixing 'attention': the FFN router reads this layer's attention probabilities;
     # router.kind='aoe': it reads the FFN's expert pool (the experts score themselves).
-    router_cls = ROUTERS.get(cfg.router.kind)
-    self.ffn_reads_attention = cfg.ffn_uses_experts and getattr(router_cls, "needs_attention_probs", False)
+    ffn_router = cfg.router_for("ffn")
+    router_cls = ROUTERS.get(ffn_router.kind)
+    self.ffn_reads_attention = cfg.ffn_uses_experts and router_mixing(ffn_router) == "attention"
     self.ffn_reads_pool = cfg.ffn_uses_experts and getattr(router_cls, "needs_expert_pool", False)
+
+  def named_routers(self) -> dict[str, nnx.Module]:
+    """{route name as in the routes the block returns: router module} of its sub-layers' routers
+    (a sub-layer's own `named_routers()`, else its `router` under the name "attention" / "ffn")."""
+    out = {}
+    for default, sub in (("attention", self.attention), ("ffn", self.ffn)):
+      if hasattr(sub, "named_routers"):
+        out.update(sub.named_routers())
+      elif getattr(sub, "router", None) is not None:
+        out[default] = sub.router
+    return out
 
   def __call__(self, h: jax.Array, positions: jax.Array, cache=None, route_context=None):
     """h [B, T, D] -> (h [B, T, D], {router_name: RouterOutput}) (+ the layer's updated cache).
@@ -79,10 +96,11 @@ class DecoderBlock(nnx.Module):
     """
     extra = {"return_probs": True} if self.ffn_reads_attention else {}
     a, att_routes, *rest = self.attention(self.attention_norm(h), positions, experts=self.experts,
-                                          cache=cache, route_context=route_context, **extra)
-    ffn_context = route_context
+                                          cache=cache, route_context=fold_rng(route_context, 0),
+                                          **extra)
+    ffn_context = fold_rng(route_context, 1)   # its own jitter noise
     if self.ffn_reads_attention:
-      ffn_context = {**(route_context or {}), "attention_probs": rest.pop()}
+      ffn_context = {**(ffn_context or {}), "attention_probs": rest.pop()}
     new_cache = rest
     h = h + a.astype(h.dtype)
     ffn_routes = {}

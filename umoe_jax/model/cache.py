@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from umoe_jax.config import check_cached_decoding
+
 EMPTY = -1  # key position of an unwritten or padding slot
 
 
@@ -83,7 +85,9 @@ def cache_values_per_token(cfg) -> int:
 
 
 def init_cache(cfg, batch: int, max_len: int, dtype: Optional[str] = None) -> DecodeCache:
-  """An empty cache of `max_len` slots for `batch` sequences (dtype: default the compute dtype)."""
+  """An empty cache of `max_len` slots for `batch` sequences (dtype: default the compute dtype).
+  Raises ConfigError first if a router of `cfg` cannot decode token by token."""
+  check_cached_decoding(cfg)
   dtype = jnp.dtype(dtype or cfg.compute_dtype)
   shapes = cache_shapes(cfg)
   layer = lambda: {n: jnp.zeros((batch, max_len) + tuple(s), dtype) for n, s in shapes.items()}

@@ -186,4 +186,3 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   out, lengths = jax.device_get((out, lengths))  # the only device -> host copy of the decoding
   return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(lengths), prompt_tokens=tokens,
                         prompt_positions=positions)
-

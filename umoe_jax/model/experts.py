@@ -108,7 +108,9 @@ class AoEExpertPool(nnx.Module):
     gated:      E_i(x) = (act((x A^i) B^i) * (x W_up^i)) W_down^i        + w_up (AoE's factorised W_g)
 
   The K chosen codes are recomputed by the first grouped matmul (K/E of the scoring cost) instead
-  of gathered from the router's [N, E, r] scores. One device only (no multi-device mesh).
+  of gathered from the router's [N, E, r] scores. Under a mesh the experts split over the expert
+  axes like `ExpertPool`'s (`expert_parallel.route_aoe_pool`); the scores' einsum over all experts
+  is partitioned by XLA.
   """
 
   def __init__(self, n_experts: int, d_model: int, d_expert: int, *, rank: int, activation: str,
@@ -132,36 +134,53 @@ class AoEExpertPool(nnx.Module):
     """x [..., D] -> every expert's code x A^i [..., E, r] in float32 (the routing scores' input)."""
     return jnp.einsum("...d,edr->...er", x.astype(jnp.float32), self.w_a.value.astype(jnp.float32))
 
-  def _hidden(self, first: jax.Array, up: jax.Array | None) -> jax.Array:
-    """The hidden rows [M, F] from the factorised projection (and the gated pool's up rows)."""
-    return expert_hidden(first, None, self.activation) if up is None else expert_hidden(
-        up, first, self.activation)
+  def weights(self) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
+    """(w_a, w_b, w_up or None, w_down) in the compute dtype."""
+    dt = self.compute_dtype
+    return (self.w_a.value.astype(dt), self.w_b.value.astype(dt),
+            None if self.w_up is None else self.w_up.value.astype(dt), self.w_down.value.astype(dt))
 
   def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, D] sorted by expert, group_sizes [E] -> [M, D]."""
-    dt, backend = self.compute_dtype, self.gmm_backend
-    rows = rows.astype(dt)
-    code = gmm(rows, self.w_a.value.astype(dt), group_sizes, backend=backend)         # [M, r]
-    first = gmm(code, self.w_b.value.astype(dt), group_sizes, backend=backend)        # [M, F]
-    up = (None if self.w_up is None
-          else gmm(rows, self.w_up.value.astype(dt), group_sizes, backend=backend))
-    return gmm(self._hidden(first, up), self.w_down.value.astype(dt), group_sizes, backend=backend)
+    return aoe_expert_rows(rows.astype(self.compute_dtype), group_sizes, *self.weights(),
+                           activation=self.activation, backend=self.gmm_backend)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None) -> jax.Array:
-    """sum_k gates[n, k] * E_{ids[n, k]}(x[n]); x [N, D], expert_ids / gates [N, K] -> [N, D]."""
-    if expert_parallel.is_active():  # its routed path (expert_parallel.route_pool) knows w_up only
-      raise NotImplementedError("router.kind='aoe' (AoEExpertPool) runs on one device only: the "
-                                "multi-device routed path (parallel.expert_parallel) has no AoE pool")
+    """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]); x [N, D] or [N, K, D], expert_ids /
+    gates [N, K] -> [N, D]."""
+    if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
+      return expert_parallel.route_aoe_pool(self, x, expert_ids, gates)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
-    dt, backend, k = self.compute_dtype, self.gmm_backend, gates.shape[1]
-    x = x.astype(dt)
-    with jax.named_scope("expert_code"):
-      code = gather_gmm(x, self.w_a.value.astype(dt), plan, k, backend=backend)        # [M, r]
-    with jax.named_scope("expert_up"):
-      first = gmm(code, self.w_b.value.astype(dt), plan.group_sizes, backend=backend)  # [M, F]
-      up = (None if self.w_up is None
-            else gather_gmm(x, self.w_up.value.astype(dt), plan, k, backend=backend))
-    with jax.named_scope("expert_down"):
-      return gmm_combine(self._hidden(first, up), self.w_down.value.astype(dt), plan, gates,
-                         backend=backend)
+    return aoe_routed_mlp(x.astype(self.compute_dtype), plan, gates, *self.weights(),
+                          activation=self.activation, backend=self.gmm_backend)
+
+
+def _aoe_hidden(first: jax.Array, up: jax.Array | None, activation: str) -> jax.Array:
+  """The hidden rows [M, F] from the factorised projection (and the gated pool's up rows)."""
+  return expert_hidden(first, None, activation) if up is None else expert_hidden(up, first, activation)
+
+
+def aoe_expert_rows(rows, group_sizes, w_a, w_b, w_up, w_down, *, activation: str, backend: str,
+                    preferred_element_type=None) -> jax.Array:
+  """The AoE experts on rows [M, D] sorted by expert -> [M, D] (also each device's part of the
+  expert-parallel forward; `preferred_element_type` for its partial sums)."""
+  code = gmm(rows, w_a, group_sizes, backend=backend)                               # [M, r]
+  first = gmm(code, w_b, group_sizes, backend=backend)                              # [M, F]
+  up = None if w_up is None else gmm(rows, w_up, group_sizes, backend=backend)
+  kw = {} if preferred_element_type is None else dict(preferred_element_type=preferred_element_type)
+  return gmm(_aoe_hidden(first, up, activation), w_down, group_sizes, backend=backend, **kw)
+
+
+def aoe_routed_mlp(x, plan: dispatch.DispatchPlan, gates, w_a, w_b, w_up, w_down, *,
+                   activation: str, backend: str) -> jax.Array:
+  """The AoE pool's routed forward, dispatch fused into the first and last matmuls: x [N, D] or
+  [N, K, D], gates [N, K] -> [N, D]."""
+  k = gates.shape[1]
+  with jax.named_scope("expert_code"):
+    code = gather_gmm(x, w_a, plan, k, backend=backend)                              # [M, r]
+  with jax.named_scope("expert_up"):
+    first = gmm(code, w_b, plan.group_sizes, backend=backend)                        # [M, F]
+    up = None if w_up is None else gather_gmm(x, w_up, plan, k, backend=backend)
+  with jax.named_scope("expert_down"):
+    return gmm_combine(_aoe_hidden(first, up, activation), w_down, plan, gates, backend=backend)

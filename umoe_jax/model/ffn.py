@@ -32,7 +32,7 @@ class MoEFFN(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     moe, ffn = cfg.moe, cfg.ffn
-    self.router = make_router(cfg.router, cfg.d_model, moe.n_experts, ffn.top_k,
+    self.router = make_router(cfg.router_for("ffn"), cfg.d_model, moe.n_experts, ffn.top_k,
                               param_dtype=cfg.param_dtype, rngs=rngs)
     self.shared_expert = (
         MLP(cfg.d_model, moe.d_expert * ffn.n_shared_experts, activation=moe.activation,

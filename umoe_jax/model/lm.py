@@ -11,7 +11,8 @@ from umoe_jax.config import ModelConfig, model_config
 from umoe_jax.model.block import DecoderBlock, make_expert_pools
 from umoe_jax.model.cache import DecodeCache
 from umoe_jax.model.layers import RMSNorm, make_param, normal_init
-from umoe_jax.model.routers import RouterOutput, route_context, routing_stats
+from umoe_jax.model.remat import rematerialise
+from umoe_jax.model.routers import RouterOutput, fold_rng, route_context, routing_stats
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.sharding import with_logical_constraint
 
@@ -36,13 +37,16 @@ class CausalLM(nnx.Module):
                               (ax.EMBED, ax.VOCAB), cfg.param_dtype)
 
   def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
-               cache: Optional[DecodeCache] = None, remat: bool = False,
-               step: Optional[jax.Array] = None, last_logits_only: bool = False,
-               return_routes: bool = False):
+               cache: Optional[DecodeCache] = None, remat: bool | str = False,
+               step: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
+               last_logits_only: bool = False, return_routes: bool = False):
     """tokens [B, T] int -> (logits [B, T, V] float32, aux).
 
     aux = {"balance_loss": [] float32 (sum over routers, coefficients applied),
-           "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy"}}}
+           "router_losses": {name: [] float32}, the routers' other losses ("z_loss", ...) summed
+                            over routers (coefficients applied); only those some router has,
+           "routers": {"layer_{i}/{attention|ffn}": {"balance_loss", "expert_counts" [E], "entropy",
+                                                     + that router's other losses by name}}}
     `return_routes=True` adds aux["routes"] = {"layer_{i}/<router>": RouterOutput} (every router's
     expert_ids [B, T, K] and probs [B, T, E]; for routing analysis, `umoe_jax.analysis`).
 
@@ -55,12 +59,37 @@ class CausalLM(nnx.Module):
     ({"token_ids": tokens}, with a cache the new tokens'; "step" when given; "decoding" with a
     cache), passed through the blocks as `route_context`. `step` [] int: the training step, for
     routers with a schedule (router.kind smoe_dropout, stablemoe); None = as at the end of training.
+    `rng`: a PRNG key in training only (`router.jitter_eps`: the router-input noise), folded with the
+    layer index here and the sub-layer in the block; None (evaluation, decoding) = no noise.
 
-    `remat=True` recomputes each decoder block in the backward pass (`nnx.remat`; training only).
+    `remat` (training only): a policy of `umoe_jax.model.remat.POLICIES` ("none", "block", "dots",
+    "dots_no_batch") for what each decoder block keeps for the backward pass; True = "block"
+    (recompute the whole block), False = "none".
     `last_logits_only=True` returns the logits of the last position only, [B, 1, V] (decoding's
     prefill: XLA does not narrow the LM head to a slice of its output, e.g. 4 GiB of float32 logits
     for 32 x 1024 tokens of a 32k vocabulary).
     """
+    h, aux, new_cache = self._decoder(tokens, positions, cache=cache, remat=remat, step=step,
+                                      rng=rng, return_routes=return_routes)
+    if last_logits_only:
+      h = h[:, -1:]
+    logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
+                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    if cache is None:
+      return logits, aux
+    return logits, aux, new_cache
+
+  def hidden_states(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
+                    remat: bool | str = False, step: Optional[jax.Array] = None,
+                    rng: Optional[jax.Array] = None):
+    """tokens [B, T] int -> (h [B, T, D] in compute_dtype, aux): the decoder's output after the final
+    norm, without the LM head (what a task head reads, e.g. `umoe_jax.finetune`). `aux`, `remat`
+    `step` and `rng` as in `__call__`; no cache."""
+    h, aux, _ = self._decoder(tokens, positions, cache=None, remat=remat, step=step, rng=rng)
+    return h, aux
+
+  def _decoder(self, tokens, positions, *, cache, remat, step, rng=None, return_routes=False):
+    """Embedding, blocks and final norm: (h [B, T, D], aux, updated cache or None)."""
     cfg = self.cfg
     b, t = tokens.shape
     if cache is None and t > cfg.max_seq_len:
@@ -74,31 +103,40 @@ class CausalLM(nnx.Module):
       new_layers = []
     h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
     h = with_logical_constraint(h, _ACTIVATION_AXES)   # no-op outside parallel.use_mesh
-    context = route_context(tokens.astype(jnp.int32), step=step,
-                            decoding=cache is not None)                             # router extras
+    context = route_context(tokens.astype(jnp.int32), step=step, decoding=cache is not None,
+                            rng=rng)                                                # router extras
     routes: dict[str, RouterOutput] = {}
-    block = nnx.remat(_apply_block) if remat else _apply_block
+    block = rematerialise(_apply_block, remat)
     for i, layer in enumerate(self.layers):
+      layer_context = fold_rng(context, i)
       if cache is None:
-        h, layer_routes = block(layer, h, positions, context)
+        h, layer_routes = block(layer, h, positions, layer_context)
       else:
         h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
-                                             route_context=context)
+                                             route_context=layer_context)
         new_layers.append(layer_cache.arrays)
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
-    h = self.final_norm(h[:, -1:] if last_logits_only else h)
-    logits = jnp.dot(h, self.lm_head.value.astype(cfg.compute_dtype),
-                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    h = self.final_norm(h)
     stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
-    aux = {"balance_loss": total, "routers": stats}
+    losses: dict[str, jax.Array] = {}
+    for r in routes.values():
+      for name, value in r.aux_losses.items():
+        losses[name] = losses.get(name, jnp.zeros((), jnp.float32)) + value
+    aux = {"balance_loss": total, "router_losses": losses, "routers": stats}
     if return_routes:
       aux["routes"] = routes
     if cache is None:
-      return logits, aux
-    return logits, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
-                                    layers=tuple(new_layers))
+      return h, aux, None
+    return h, aux, DecodeCache(index=cache.index + t, key_positions=key_positions,
+                               layers=tuple(new_layers))
+
+
+  def named_routers(self) -> dict[str, nnx.Module]:
+    """{route name as in aux["routers"] ("layer_{i}/ffn", ...): router module} of every router."""
+    return {f"layer_{i}/{name}": router for i, layer in enumerate(self.layers)
+            for name, router in layer.named_routers().items()}
 
 
 def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):

@@ -1,7 +1,7 @@
 """Expert parallelism: routed experts split over the mesh's expert axes, tokens exchanged between them.
 
-Inside `use_mesh(...)` with more than one device, `ExpertPool.route` and the pre-mixing attention's
-routed queries call `expert_map` instead of the single-device dispatch. `expert_map` is one
+Inside `use_mesh(...)` with more than one device, `ExpertPool.route` / `AoEExpertPool.route` and the
+pre-mixing attention's routed queries call `expert_map` instead of the single-device dispatch. `expert_map` is one
 `shard_map` over the whole mesh (the batch is split over the expert axes too). Two exchanges
 (n = tokens per device, K = slots per token, D / D_out = row widths in / out, EP = expert-axes size,
 E_local = experts per shard):
@@ -344,7 +344,7 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
 
 
 # ----------------------------------------------------------------------------------------------
-# The two model call sites.
+# The model call sites: the pool (ExpertPool, AoEExpertPool) and the pre-mixing queries.
 
 
 def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, activation, dtype,
@@ -385,6 +385,45 @@ def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> j
                         fused_local=functools.partial(_pool_fused, activation=pool.activation,
                                                       dtype=pool.compute_dtype,
                                                       backend=pool.gmm_backend))
+  ctx = current_context()
+  if ctx is not None and ctx.expert_capacity_factor is not None:
+    pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
+  return y
+
+
+def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, activation, dtype,
+               backend):
+  """One device's AoE experts (w_b / w_up / w_down's hidden width may be split over tensor)."""
+  from umoe_jax.model.experts import aoe_expert_rows
+  rows, w_a, w_b, w_down, *rest = match_varying(rows.astype(dtype), w_a, w_b, w_down,
+                                                *([] if w_up is None else [w_up]))
+  ws = [w.astype(dtype) for w in (w_a, w_b)] + [rest[0].astype(dtype) if rest else None,
+                                                w_down.astype(dtype)]
+  if not tensor_axes:
+    return aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend)
+  part = aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend,
+                         preferred_element_type=jnp.float32)                             # partial
+  return jax.lax.psum(part, _axis_arg(tensor_axes)).astype(dtype)
+
+
+def _aoe_fused(x, plan, gates, w_a, w_b, w_down, w_up=None, *, activation, dtype, backend):
+  from umoe_jax.model.experts import aoe_routed_mlp
+  x, gates, w_a, w_b, w_down, *rest = match_varying(
+      x.astype(dtype), gates, w_a.astype(dtype), w_b.astype(dtype), w_down.astype(dtype),
+      *([] if w_up is None else [w_up.astype(dtype)]))
+  return aoe_routed_mlp(x, plan, gates, w_a, w_b, rest[0] if rest else None, w_down,
+                        activation=activation, backend=backend)
+
+
+def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
+  """`AoEExpertPool.route` under a mesh: the codes' A^i, B^i and the up / down maps split over the
+  expert axes like `route_pool`'s (the hidden width F over tensor)."""
+  from flax import nnx
+  kw = dict(activation=pool.activation, dtype=pool.compute_dtype, backend=pool.gmm_backend)
+  params = [pool.w_a, pool.w_b, pool.w_down] + ([pool.w_up] if pool.w_up is not None else [])
+  y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
+                        tuple(_names(p) for p in params), functools.partial(_aoe_local, **kw),
+                        num_experts=pool.n_experts, fused_local=functools.partial(_aoe_fused, **kw))
   ctx = current_context()
   if ctx is not None and ctx.expert_capacity_factor is not None:
     pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])

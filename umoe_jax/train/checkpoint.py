@@ -7,6 +7,8 @@ Workdir layout:
                                             RNG, skipped
   <workdir>/checkpoints/<step>/data         grain iterator position, process_<i>-of-<n>.json
   <workdir>/checkpoints_damaged/<step>-<t>  checkpoints that failed to restore, moved aside
+  <workdir>/checkpoints_abandoned/<step>-<t>  checkpoints newer than `checkpoint.restore_step`, moved
+                                            aside when a run resumes from that older step
 
 Atomicity: Orbax writes a step into `<step>.orbax-checkpoint-tmp-<ts>` and renames it to `<step>` only
 after every file (and every process) has finished; a crash mid-save leaves a tmp directory that is
@@ -21,32 +23,93 @@ Resume order (`resume_source`, the one place that decides):
   3. scratch: parameters from `train.seed`.
 A damaged latest checkpoint (missing or truncated files) is reported with a warning, moved to
 checkpoints_damaged/, and the previous one is used. If no checkpoint can be read the run stops
-(it never silently restarts from scratch over an existing run).
+(it never silently restarts from scratch over an existing run). `checkpoint.restore_step=N` resumes
+from step N instead of the latest (no fallback); the later steps are moved to checkpoints_abandoned/
+once the run starts, and the saves of the new branch record `restored_from: N`, so that restarting
+the same command later continues the new branch instead of going back to N again.
+
+Nothing is written before a run has restored (or built) its start state: the manager does not create
+`checkpoints/` until the first save. A save that fails (a full disk, ...) raises CheckpointSaveError
+naming the step, the directory, the cause and the last complete step; its partial
+`<step>.orbax-checkpoint-tmp-*` directory is removed. Each save carries `custom_metadata` (the save
+guard's reference values, see guard.py); a step can be protected from keep-last-K rotation.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from umoe_jax import data as data_lib
 from umoe_jax.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
+ABANDONED_DIR = "checkpoints_abandoned"
 CONFIG_FILE = "config.json"
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"  # Orbax's per-step metadata (holds custom_metadata)
 
 
 class CheckpointError(RuntimeError):
   """No checkpoint of a run could be restored."""
+
+
+class CheckpointMismatchError(CheckpointError):
+  """A checkpoint's arrays do not fit the current config (the model or optimizer changed)."""
+
+
+class CheckpointSaveError(CheckpointError):
+  """Writing a checkpoint failed (a full disk, permissions, ...); the earlier steps are intact."""
+
+
+class WorkdirError(ValueError):
+  """--workdir cannot hold a run (a file, or not writable)."""
+
+
+def check_workdir(workdir: str) -> None:
+  """Raises WorkdirError unless `workdir` is (or can be created as) a writable directory.
+
+  Writes nothing: writability is probed with an anonymous temporary file in the nearest existing
+  ancestor (root ignores permission bits, a read-only mount does not). URLs (gs://...) are left to
+  the storage library.
+  """
+  if "://" in workdir:
+    return
+  path = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise WorkdirError(f"--workdir={workdir!r} is a file, not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise WorkdirError(f"--workdir={workdir!r} cannot be created: {existing!r} is a file")
+  try:
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    what = "is not writable" if existing == path else f"cannot be created in {existing!r}"
+    raise WorkdirError(f"--workdir={workdir!r} {what} ({e.strerror or e})") from None
+
+
+def step_metadata(directory: str, step: int) -> dict:
+  """The `custom_metadata` saved with `step` (Orbax's <step>/_CHECKPOINT_METADATA, read as JSON
+  without building item handlers); {} for checkpoints written without it."""
+  try:
+    with open(os.path.join(directory, str(step), STEP_METADATA_FILE), encoding="utf-8") as f:
+      return dict(json.load(f).get("custom_metadata") or {})
+  except (OSError, ValueError, AttributeError):
+    return {}
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -60,16 +123,50 @@ def complete_steps(directory: str) -> list[int]:
 class ResumeSource:
   kind: str        # "workdir" | "init_from" | "scratch"
   path: str = ""   # the checkpoint directory (workdir) or the init_from directory
+  step: Optional[int] = None  # workdir: checkpoint.restore_step (None: the latest that restores)
 
 
-def resume_source(checkpoint_dir: str, init_from: str = "") -> ResumeSource:
-  """Where a run starts: its own latest checkpoint, else `init_from`, else scratch."""
-  if complete_steps(checkpoint_dir):
+def init_from_checkpoints(path: str) -> tuple[str, list[int]]:
+  """("params", []) for a converted checkpoint, else (checkpoint directory, its complete steps) of
+  a training workdir or its `checkpoints/`; ConfigError naming `path` when it holds neither."""
+  if not os.path.isdir(path):
+    raise ConfigError(f"checkpoint.init_from={path!r}: no such directory")
+  if os.path.isdir(os.path.join(path, "params")):
+    return "params", []
+  ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
+  ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else path
+  steps = complete_steps(ckpt_dir)
+  if not steps:
+    raise ConfigError(f"checkpoint.init_from={path!r} holds neither params/ (a converted checkpoint) "
+                      f"nor complete training checkpoints (in {ckpt_dir!r})")
+  return ckpt_dir, steps
+
+
+def resume_source(checkpoint_dir: str, init_from: str = "",
+                  restore_step: Optional[int] = None) -> ResumeSource:
+  """Where a run starts: its own checkpoint (the latest, or `restore_step`), else `init_from`, else
+  scratch. Checks everything it can without reading a checkpoint (ConfigError)."""
+  steps = complete_steps(checkpoint_dir)
+  if restore_step is not None and steps and steps[-1] > restore_step and step_metadata(
+      checkpoint_dir, steps[-1]).get("restored_from") == restore_step:
+    # An earlier run already branched from restore_step and saved since: continue that branch
+    # (restarting the same command must not go back to restore_step again).
+    logging.warning("checkpoint.restore_step=%d was applied by an earlier run, whose checkpoints "
+                    "continue from it: resuming from the latest, step %d (unset "
+                    "checkpoint.restore_step to silence this)", restore_step, steps[-1])
+    return ResumeSource("workdir", checkpoint_dir)
+  if restore_step is not None:
+    if restore_step not in steps:
+      have = f"its complete steps are {steps}" if steps else "it holds no complete checkpoint"
+      raise ConfigError(f"checkpoint.restore_step={restore_step}: no such checkpoint in "
+                        f"{checkpoint_dir} ({have})")
+    return ResumeSource("workdir", checkpoint_dir, restore_step)
+  if steps:
     return ResumeSource("workdir", checkpoint_dir)
   if init_from:
-    if not os.path.isdir(os.path.expanduser(init_from)):
-      raise ConfigError(f"checkpoint.init_from={init_from!r}: no such directory")
-    return ResumeSource("init_from", os.path.expanduser(init_from))
+    path = os.path.expanduser(init_from)
+    init_from_checkpoints(path)
+    return ResumeSource("init_from", path)
   return ResumeSource("scratch")
 
 
@@ -103,37 +200,180 @@ def _saved_process_counts(step_dir: str) -> set[int]:
   return {int(m.group(1)) for n in names if (m := re.search(r"-of-(\d+)\.json$", n))}
 
 
+class _ProtectedSteps:
+  """Orbax preservation policy: keep the steps in `steps` whatever the keep-last-K policy says."""
+
+  def __init__(self):
+    self.steps: set[int] = set()
+
+  def should_preserve(self, checkpoints, *, context):
+    del context
+    return [c.step in self.steps for c in checkpoints]
+
+
+def _one_line(error: BaseException, limit: int) -> str:
+  """'Type: message' on one line (Orbax errors carry multi-line TensorStore specs), cut to `limit`."""
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _path_name(path) -> str:
+  """A tree path as 'params/layers/0/embed' (dict keys, indices and attributes alike)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _save_problem(error: BaseException) -> str:
+  """A short cause of a failed save: "no space left on device", or the error's first line."""
+  text = " ".join(str(error).split())
+  if "No space left" in text or "os_error_code='28'" in text or "ENOSPC" in text:
+    return "no space left on device"
+  if "Permission denied" in text or "os_error_code='13'" in text:
+    return "permission denied"
+  if "Read-only file system" in text or "os_error_code='30'" in text:
+    return "read-only file system"
+  return _one_line(error, 300)
+
+
 class Checkpointer:
-  """An Orbax CheckpointManager with items "state" (TrainState) and "data" (grain iterator)."""
+  """An Orbax CheckpointManager with items "state" (TrainState) and "data" (grain iterator).
+
+  Creates no directory until the first save. `protect(step)` keeps a step out of keep-last-K
+  rotation. Failed saves raise CheckpointSaveError (module docstring). Use as a context manager (or
+  call `close`): on an exception it shuts down without raising again, so the first error is the
+  one reported.
+  """
 
   def __init__(self, directory: str, *, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+    self._protected = _ProtectedSteps()
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy(
+        [ocp.checkpoint_managers.LatestN(n=keep), self._protected])
+    options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=False,
                                            enable_async_checkpointing=async_save)
     self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "data"),
                                          options=options)
+    self._in_flight: Optional[int] = None  # step of a save that may still be writing
+    self._failed = False
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def save(self, step: int, state: Any, data_iter: Optional[Any] = None) -> None:
+  def protect(self, step: Optional[int]) -> None:
+    """Keeps `step` (only it: an earlier protected step is released) out of rotation."""
+    self._protected.steps = {step} if step is not None else set()
+
+  @property
+  def protected(self) -> Optional[int]:
+    return next(iter(self._protected.steps), None)
+
+  def metadata(self, step: int) -> dict:
+    """The `custom_metadata` saved with `step` ({} for checkpoints written without it)."""
+    return step_metadata(self.directory, step)
+
+  def save(self, step: int, state: Any, data_iter: Optional[Any] = None,
+           metadata: Optional[dict] = None) -> None:
     """Starts saving (returns once the arrays are copied off the device when async)."""
     items = {"state": ocp.args.StandardSave(state)}
     if data_iter is not None:
       items["data"] = data_lib.save_args(data_iter)
-    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    if not os.path.isdir(self.directory):
+      if jax.process_index() == 0:
+        os.makedirs(self.directory, exist_ok=True)
+      _barrier("umoe_checkpoint_mkdir")
+    if jax.process_index() == 0:
+      logging.info("checkpoint: saving step %d to %s", step, os.path.join(self.directory, str(step)))
+    previous, self._in_flight = self._in_flight, step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True,
+                        custom_metadata=metadata or {})
+    except Exception as e:  # pylint: disable=broad-except
+      # An async save reports its failure at the next save: name the step that failed.
+      try:
+        self.manager.wait_until_finished()
+      except Exception:  # pylint: disable=broad-except  (the same failure, reported below)
+        pass
+      failed = previous if previous is not None and previous not in self._complete() else step
+      raise self._save_failed(failed, e) from e
+
+  def _complete(self) -> list[int]:
+    return complete_steps(self.directory)
+
+  def _save_failed(self, step: Optional[int], error: BaseException) -> CheckpointSaveError:
+    self._failed = True
+    self._in_flight = None
+    if jax.process_index() == 0:  # the partial step: never listed as a step, but it takes space
+      prefix = "*" if step is None else str(step)
+      for tmp in glob.glob(os.path.join(self.directory, f"{prefix}.orbax-checkpoint-tmp*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+    done = self._complete()
+    last = (f"the last complete checkpoint is step {done[-1]} (a restart resumes from it)" if done
+            else "no checkpoint is complete")
+    what = "a checkpoint" if step is None else f"checkpoint step {step}"
+    return CheckpointSaveError(
+        f"saving {what} to {self.directory} failed ({_save_problem(error)}); {last}")
+
+  def _check_fits(self, step: int, target: Any) -> None:
+    """CheckpointMismatchError naming the first arrays whose paths or shapes differ between step
+    `step`'s saved state and `target`, read from the metadata alone: a mismatch is a config change,
+    not damage, and a restore attempt would only leave Orbax reads pending."""
+    state_dir = os.path.join(self.directory, str(step), "state")
+    try:
+      saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
+    except Exception:  # pylint: disable=broad-except  (unreadable: the restore reports the damage)
+      return
+    on_disk = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(saved)}
+    wanted = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params/"), k))  # params first
+    problems = [f"{k} is {on_disk[k]} on disk, {wanted[k]} here" for k in order(wanted)
+                if k in on_disk and on_disk[k] != wanted[k]]
+    problems += [f"{k} is not in the checkpoint" for k in order(set(wanted) - set(on_disk))]
+    problems += [f"{k} is in the checkpoint only" for k in order(set(on_disk) - set(wanted))]
+    if problems:
+      more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+      raise CheckpointMismatchError(
+          f"checkpoint step {step} in {self.directory} does not fit this config: "
+          f"{'; '.join(problems[:2])}{more}. A run resumes with the model and optimizer config it "
+          f"was started with ({os.path.join(os.path.dirname(self.directory), CONFIG_FILE)}); to "
+          f"start over with the new one, move {self.directory} away")
 
   def _restore_step(self, step: int, target: Any, data_iter: Optional[Any]):
+    self._check_fits(step, target)
     items = {"state": ocp.args.StandardRestore(target)}
     if data_iter is not None:
       saved = _saved_process_counts(os.path.join(self.directory, str(step)))
       if saved and jax.process_count() not in saved:
-        logging.warning("checkpoint %d holds the data position of %s process(es), this run has %d: "
-                        "the data iterator starts from the beginning of its stream", step,
-                        sorted(saved), jax.process_count())
+        # Each process's share of the stream is a function of the process count (sources.py), so
+        # a position saved by n processes does not exist in a stream of m: start over.
+        logging.warning(
+            "checkpoint %d holds the data position of %s process(es), this run has %d: parameters, "
+            "optimizer state and step restore exactly, but the data iterator restarts from the "
+            "beginning of this run's stream (epoch 0 of train.seed; data seen before is seen again)",
+            step, "/".join(str(n) for n in sorted(saved)), jax.process_count())
       else:
         items["data"] = data_lib.restore_args(data_iter)
     return self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+
+  def restore(self, target: Any, data_iter: Optional[Any] = None,
+              step: Optional[int] = None) -> tuple[Any, int]:
+    """(state, step) of checkpoint `step`, or of the newest one that restores when None."""
+    if step is None:
+      return self.restore_latest(target, data_iter)
+    try:
+      return self._restore_step(step, target, data_iter), step
+    except CheckpointMismatchError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
+      raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} (checkpoint.restore_step) cannot be restored "
+          f"({_one_line(e, 300)})") from e
 
   def restore_latest(self, target: Any, data_iter: Optional[Any] = None) -> tuple[Any, int]:
     """(state, step) from the newest checkpoint that restores; damaged newer ones are moved aside.
@@ -146,39 +386,77 @@ class Checkpointer:
     for step in reversed(self.steps()):
       try:
         state = self._restore_step(step, target, data_iter)
+      except CheckpointMismatchError:
+        raise  # a config change, not damage: the older steps were written with the same config
       except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
-        logging.warning("checkpoint step %d in %s cannot be restored (%s: %s); trying the previous "
-                        "one", step, self.directory, type(e).__name__, str(e)[:500])
+        logging.warning("checkpoint step %d in %s cannot be restored (%s); trying the previous one",
+                        step, self.directory, _one_line(e, 300))
         damaged.append((step, e))
         continue
       if damaged:
-        self._move_aside([s for s, _ in damaged])
+        self._move_aside([s for s, _ in damaged], DAMAGED_DIR)
         logging.warning("resumed from checkpoint step %d instead of the damaged step(s) %s (moved "
-                        "to %s)", step, [s for s, _ in damaged], self._damaged_dir())
+                        "to %s)", step, [s for s, _ in damaged], self._aside_dir(DAMAGED_DIR))
       return state, step
-    detail = "; ".join(f"step {s}: {type(e).__name__}: {str(e)[:200]}" for s, e in damaged)
+    detail = "; ".join(f"step {s}: {_one_line(e, 200)}" for s, e in damaged)
     raise CheckpointError(
         f"no checkpoint in {self.directory} can be restored ({detail}). If the model or optimizer "
         f"config changed, restore the old config; to start over, move {self.directory} away")
 
-  def _damaged_dir(self) -> str:
-    return os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)
+  def set_aside_newer(self, step: int) -> list[int]:
+    """Moves the checkpoints after `step` to checkpoints_abandoned/ (a run resumed from `step`
+    continues another branch); returns their steps."""
+    newer = [s for s in self.steps() if s > step]
+    if newer:
+      self._move_aside(newer, ABANDONED_DIR)
+      logging.warning("resuming from checkpoint step %d (checkpoint.restore_step): the newer "
+                      "checkpoints %s were moved to %s", step, newer, self._aside_dir(ABANDONED_DIR))
+    return newer
 
-  def _move_aside(self, steps: list[int]) -> None:
+  def _aside_dir(self, name: str) -> str:
+    return os.path.join(os.path.dirname(self.directory), name)
+
+  def _move_aside(self, steps: list[int], name: str) -> None:
     if jax.process_index() == 0:
-      os.makedirs(self._damaged_dir(), exist_ok=True)
+      os.makedirs(self._aside_dir(name), exist_ok=True)
       for step in steps:
-        dst = os.path.join(self._damaged_dir(), f"{step}-{int(time.time())}")
+        dst = os.path.join(self._aside_dir(name), f"{step}-{int(time.time())}")
         shutil.move(os.path.join(self.directory, str(step)), dst)
-    _barrier("umoe_checkpoint_move_damaged")
+    _barrier("umoe_checkpoint_move_aside")
     self.manager.reload()
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Blocks until the last save is written; CheckpointSaveError if it failed."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_failed(self._in_flight, e) from e
+    self._in_flight = None
 
-  def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+  def close(self, *, quiet: bool = False) -> None:
+    """Waits for the last save and shuts the manager's threads down. A failed last save raises
+    CheckpointSaveError, or (quiet=True, while another error is being reported) is logged."""
+    try:
+      if not self._failed:
+        self.wait()
+    except CheckpointSaveError as e:
+      if not quiet:
+        self._shutdown()
+        raise
+      logging.error("%s", e)
+    self._shutdown()
+
+  def _shutdown(self) -> None:
+    try:
+      self.manager.close()
+    except Exception as e:  # pylint: disable=broad-except  (a failure that was already reported)
+      logging.warning("closing the checkpoint manager: %s: %s", type(e).__name__, str(e)[:200])
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    self.close(quiet=exc_type is not None)
 
 
 def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> Any:
@@ -200,12 +478,7 @@ def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> A
     nnx.replace_by_pure_dict(target, target_dict)
     restored = ocp.StandardCheckpointer().restore(os.path.abspath(params_dir), target)
     return nnx.to_pure_dict(restored)
-  ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
-  ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else path
-  steps = complete_steps(ckpt_dir)
-  if not steps:
-    raise ConfigError(f"checkpoint.init_from={path!r} holds neither params/ (a converted checkpoint) "
-                      f"nor training checkpoints")
+  ckpt_dir, steps = init_from_checkpoints(path)
   state_dir = os.path.join(os.path.abspath(ckpt_dir), str(steps[-1]), "state")
   item = {"params": target_dict}
   restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(

@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
+from umoe_jax.config_fields import optional
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES
@@ -41,7 +41,7 @@ def default_train_config() -> ml_collections.ConfigDict:
       seq_len=1024,                # tokens per sequence (<= model.max_seq_len)
       num_steps=50_000,            # optimizer steps (the cosine schedule ends here)
       learning_rate=4e-4,          # peak LR (official README)
-      warmup_steps=config_dict.placeholder(int),  # None: warmup_ratio * num_steps
+      warmup_steps=optional(int),  # None: warmup_ratio * num_steps
       warmup_ratio=0.05,           # official: 5% linear warmup (DeepSpeed's is log-shaped)
       min_lr_ratio=1e-4,           # cosine floor / peak (DeepSpeed WarmupCosineLR cos_min_ratio)
       b1=0.9,
@@ -50,12 +50,14 @@ def default_train_config() -> ml_collections.ConfigDict:
       weight_decay=0.01,           # AdamW, decoupled; never applied to norm scales
       grad_clip=1.0,               # global-norm clipping; 0 disables
       grad_accum_steps=1,          # micro-batches per step (scan inside the jitted step)
-      remat=False,                 # recompute each decoder block in the backward pass
+      # decoder-block rematerialisation: none|block|dots|dots_no_batch, or (older configs) a bool
+      remat=config_dict.FieldReference("none", field_type=object),
       on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
+      max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
       log_every=50,                # steps between console / TensorBoard / JSONL records
       eval_every=1000,             # steps between validation passes; 0 disables
       eval_batches=20,             # held-out batches per validation pass
-      eval_batch_size=config_dict.placeholder(int),  # None: global_batch_size // grad_accum_steps
+      eval_batch_size=optional(int),  # None: global_batch_size // grad_accum_steps
   ))
 
 
@@ -65,6 +67,12 @@ def default_checkpoint_config() -> ml_collections.ConfigDict:
       keep=3,                      # newest checkpoints kept
       async_save=True,             # write in a background thread while training continues
       init_from="",                # params of a converted checkpoint, used when the workdir has none
+      restore_step=config_dict.placeholder(int),  # resume from this step (None: the latest)
+      # Save guard (umoe_jax/train/guard.py): a state is not saved if its parameter norm grew more
+      # than this x since the last checkpoint that passed, or its recent loss is more than this x
+      # the median of the steps before. 0 disables the check.
+      max_param_norm_ratio=10.0,
+      max_loss_ratio=3.0,
   ))
 
 
@@ -72,7 +80,7 @@ def default_log_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       tensorboard=True,            # event files in <workdir>/tensorboard
       jsonl=True,                  # <workdir>/metrics.jsonl, one JSON object per record
-      peak_flops=config_dict.placeholder(float),  # per device, for MFU; None: table by device kind
+      peak_flops=optional(float),  # per device, for MFU; None: table by device kind
       routing_probe_batches=1,     # held-out batches whose routing change is logged at every
                                    # evaluation (umoe_jax/analysis/training.py); 0 disables
       profile_steps=(),            # steps to trace with jax.profiler into <workdir>/tensorboard,
@@ -122,8 +130,13 @@ def check_train(train: Any, model: ModelConfig) -> None:
   _check(t.eps > 0, f"train.eps={t.eps!r} must be positive")
   _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay!r} must be >= 0")
   _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip!r} must be >= 0 (0 disables clipping)")
+  from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
+  _check(isinstance(t.remat, bool) or (isinstance(t.remat, str) and t.remat in REMAT_POLICIES),
+         f"train.remat={t.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
+  _check(t.max_consecutive_skips >= 0,
+         f"train.max_consecutive_skips={t.max_consecutive_skips!r} must be >= 0 (0: no limit)")
   _check(t.log_every >= 1, f"train.log_every={t.log_every!r} must be >= 1")
   _check(t.eval_every >= 0, f"train.eval_every={t.eval_every!r} must be >= 0 (0 disables)")
   _check(t.eval_every == 0 or t.eval_batches >= 1,
@@ -151,6 +164,11 @@ def check_checkpoint(ckpt: Any) -> None:
   _check(ckpt.keep >= 1, f"checkpoint.keep={ckpt.keep!r} must be >= 1")
   _check(not ckpt.init_from or os.path.isdir(os.path.expanduser(ckpt.init_from)),
          f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
+  _check(ckpt.restore_step is None or ckpt.restore_step >= 0,
+         f"checkpoint.restore_step={ckpt.restore_step!r} must be a step >= 0 (or None: the latest)")
+  for key in ("max_param_norm_ratio", "max_loss_ratio"):
+    _check(ckpt[key] == 0 or ckpt[key] > 1,
+           f"checkpoint.{key}={ckpt[key]!r} must be > 1 (or 0: no check)")
 
 
 def check_expert_parallel(section: Any) -> None:
@@ -178,6 +196,9 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   _check_keys(data_cfg, data_lib.default_data_config(), "data")
   _check(data_cfg.source in data_lib.SOURCES,
          f"data.source={data_cfg.source!r}; valid: {', '.join(data_lib.SOURCES)}")
+  policies = data_lib.sources.BAD_RECORD_POLICIES
+  _check(data_cfg.on_bad_record in policies,
+         f"data.on_bad_record={data_cfg.on_bad_record!r}; valid: {', '.join(policies)}")
   if data_cfg.source != "builtin":
     _check(bool(data_cfg.train_path), f"data.train_path is empty; data.source={data_cfg.source!r} "
            "needs a file, directory or glob")
@@ -194,6 +215,24 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   except (ValueError, OSError) as e:
     raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r}: {e}") from e
   return tokenizer
+
+
+def check_override(config: ml_collections.ConfigDict, path: str) -> None:
+  """Raises ConfigError unless `path` ("train.num_steps") names a key of `config`: what a
+  `--config.<path>=value` command-line override may set. Message as for unknown keys in `validate`."""
+  node, done = config, []
+  for part in path.split("."):
+    if not isinstance(node, (ml_collections.ConfigDict, dict)):
+      raise ConfigError(f"{'.'.join(done)} is a value (={node!r}), not a section: no key {path}")
+    if part not in node:
+      if not done:
+        raise ConfigError(f"unknown config key {part!r} (in --config.{path}); valid top-level keys: "
+                          f"{', '.join(k for k in SECTIONS if k in config)}")
+      name = ".".join(done)
+      raise ConfigError(f"unknown key {name}.{part} (in --config.{path}); valid keys of {name}: "
+                        f"{', '.join(sorted(node.keys()))}")
+    node = node[part]
+    done.append(part)
 
 
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:

@@ -1,17 +1,26 @@
 """The training loop: `run(config, workdir)`.
 
-  validate the whole config -> mesh -> data -> model, optimizer, state shardings
-  -> start point (own checkpoint > checkpoint.init_from > scratch) -> jit step
+  validate the whole config, the workdir and the start point -> mesh -> data -> model, optimizer,
+  state shardings -> start state (own checkpoint > checkpoint.init_from > scratch) -> config.json,
+  TensorBoard / JSONL writers -> jit step
   -> loop: step, log every `log_every`, evaluate every `eval_every`, save every `checkpoint.every`
-  -> final save; SIGTERM / SIGINT save the current step and return.
+  (if the save guard passes the state, guard.py) -> final save; SIGTERM / SIGINT save the current
+  step and return.
+
+Nothing is written to the workdir before the start state exists: a run that fails a check, fails to
+resume, or has nothing to do leaves the workdir as it was. Every resource (data iterator, checkpoint
+manager, writers) is closed on every exit path, so an error is the last thing a run prints.
+Errors a user can fix are the classes in USER_ERRORS; their messages name the bad value or file.
 
 The loop keeps a host-side step counter and reads device metrics only at log, eval and save
 points, so the host runs ahead of the device between them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import signal
 import threading
 import time
@@ -24,11 +33,15 @@ from absl import logging
 
 from umoe_jax import data as data_lib
 from umoe_jax.analysis import training as routing_probe_lib
+from umoe_jax.config import ConfigError
+from umoe_jax.data import pipeline as pipeline_lib
+from umoe_jax.data.sources import DataError
 from umoe_jax.eval import perplexity
 from umoe_jax.parallel import mesh as mesh_lib
 from umoe_jax.parallel import sharding as sharding_lib
 from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import config as config_lib
+from umoe_jax.train import guard as guard_lib
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train import optimizer as optimizer_lib
 from umoe_jax.train import profiler as profiler_lib
@@ -38,6 +51,13 @@ from umoe_jax.train import step as step_lib
 
 class NonFiniteError(FloatingPointError):
   """The loss or the gradient norm became NaN / inf (train.on_nonfinite="stop")."""
+
+
+DivergenceError = guard_lib.DivergenceError
+
+# What a user can fix: `train.py` prints these as one line (plus a hint), without a traceback.
+USER_ERRORS = (ConfigError, DataError, ckpt_lib.CheckpointError, ckpt_lib.WorkdirError,
+               NonFiniteError, DivergenceError)
 
 
 class StopRequest:
@@ -175,7 +195,10 @@ class Setup:
   train_iter: Any
   eval_batches: list
   checkpointer: ckpt_lib.Checkpointer
-  writer: metrics_lib.MetricWriter
+  source: ckpt_lib.ResumeSource
+  writer: Optional[metrics_lib.MetricWriter] = None  # made by `run` once the start state exists
+  resume_metadata: dict = dataclasses.field(default_factory=dict)  # of the restored checkpoint
+  restored_from: Optional[int] = None  # checkpoint.restore_step this run's branch started from
 
 
 def _check_batch_layout(config: Any, mesh: Any, rules: Any) -> None:
@@ -195,14 +218,42 @@ def _check_batch_layout(config: Any, mesh: Any, rules: Any) -> None:
         f"{shards} shards and of {procs} process(es)")
 
 
-def setup(config: Any, workdir: str) -> Setup:
-  # Config: everything is checked before any file is read or device touched.
+def _close_iterator(it: Any) -> None:
+  close = getattr(it, "close", None)
+  if close is not None:
+    close()
+
+
+def _all_processes_agree(ok: bool) -> None:
+  """With several processes: DataError on every one if any found its share of the data unusable
+  (that one raises its own message), instead of the others waiting for it in the first step."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+  flags = np.asarray(multihost_utils.process_allgather(np.asarray(ok)))
+  if ok and not flags.all():
+    bad = [int(i) for i in np.flatnonzero(~flags)]
+    raise DataError(f"process(es) {bad} found too little or bad training data (their logs say "
+                    "which file); every process stops")
+
+
+def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = None) -> Setup:
+  """Checks and builds everything before the start state; writes nothing. With `stack`, the data
+  iterator and the checkpoint manager are closed when it exits (else the caller closes them)."""
+  # Config, workdir and start point: everything is checked before any file is read or device
+  # touched.
   model_cfg = config_lib.validate(config)
   t = config.train
+  ckpt_lib.check_workdir(workdir)
+  source = ckpt_lib.resume_source(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR),
+                                  config.checkpoint.init_from, config.checkpoint.restore_step)
 
   # Mesh.
-  mesh = mesh_lib.make_mesh(config.get("mesh"))
-  rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
+  try:
+    mesh = mesh_lib.make_mesh(config.get("mesh"))
+    rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
+  except ValueError as e:
+    raise ConfigError(f"config.mesh / config.sharding_rules: {e}") from e
   _check_batch_layout(config, mesh, rules)
   logging.info("mesh: %s", mesh_lib.describe(mesh))
   capacity_factor, exchange = expert_parallel_settings(config)
@@ -212,39 +263,52 @@ def setup(config: Any, workdir: str) -> Setup:
 
   # Data.
   proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  train_iter = data_lib.make_train_iterator(config.data, seq_len=t.seq_len,
-                                            global_batch_size=t.global_batch_size, seed=t.seed,
-                                            **proc)
+  try:
+    train_iter = data_lib.make_train_iterator(config.data, seq_len=t.seq_len,
+                                              global_batch_size=t.global_batch_size, seed=t.seed,
+                                              **proc)
+  except DataError:
+    _all_processes_agree(False)
+    raise
+  _all_processes_agree(True)
+  if stack is not None:
+    stack.callback(_close_iterator, train_iter)
   eval_batches = []
   if t.eval_every:
+    eval_bs = t.eval_batch_size or t.global_batch_size // t.grad_accum_steps
     eval_batches = data_lib.make_eval_batches(
-        config.data, seq_len=t.seq_len, num_batches=t.eval_batches,
-        global_batch_size=t.eval_batch_size or t.global_batch_size // t.grad_accum_steps, **proc)
-    if not eval_batches:
-      raise config_lib.ConfigError(f"data.eval_path={config.data.eval_path!r} yields no batch of "
-                                   f"{t.seq_len} tokens; use more held-out data or a smaller batch")
+        config.data, seq_len=t.seq_len, num_batches=t.eval_batches, global_batch_size=eval_bs,
+        **proc)
+    if not eval_batches:  # raises, naming what the held-out data holds
+      pipeline_lib.check_one_batch(config.data, split="eval", seq_len=t.seq_len,
+                                   batch_size=eval_bs // jax.process_count(), **proc)
 
-  # config.json is written by `run` once the start point is restored: a resume that fails (e.g. the
-  # model config changed) must leave the config that describes the checkpoints.
+  # Creates no directory: config.json, checkpoints/ and the writers come once the start state is
+  # restored, so a resume that fails (e.g. the model config changed) leaves the workdir as it was.
   checkpointer = ckpt_lib.Checkpointer(f"{workdir}/{ckpt_lib.CHECKPOINT_DIR}",
                                        keep=config.checkpoint.keep,
                                        async_save=config.checkpoint.async_save)
-  writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
-                                    jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
+  if stack is not None:
+    stack.push(checkpointer.__exit__)
   return Setup(config=config, model_cfg=model_cfg, workdir=workdir, mesh=mesh, rules=rules,
                capacity_factor=capacity_factor, exchange=exchange, programs=progs,
                train_iter=train_iter, eval_batches=eval_batches, checkpointer=checkpointer,
-               writer=writer)
+               source=source)
 
 
 def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
-  """(state, step, source): the run's own checkpoint > checkpoint.init_from > scratch."""
+  """(state, step, source): the run's own checkpoint > checkpoint.init_from > scratch.
+
+  Sets `s.resume_metadata` (the restored checkpoint's) and `s.restored_from`."""
   cfg, p = s.config, s.programs
-  source = ckpt_lib.resume_source(s.checkpointer.directory, cfg.checkpoint.init_from)
+  source = s.source
   if source.kind == "workdir":
     target = state_lib.checkpoint_tree(state_lib.with_shardings(p.abstract, p.shardings))
-    tree, step = s.checkpointer.restore_latest(target, s.train_iter)
+    tree, step = s.checkpointer.restore(target, s.train_iter, source.step)
     logging.info("resumed from %s step %d", s.checkpointer.directory, step)
+    s.resume_metadata = s.checkpointer.metadata(step)
+    s.restored_from = (source.step if source.step is not None
+                       else s.resume_metadata.get("restored_from"))
     return state_lib.from_checkpoint_tree(tree, p.not_halted_fn()), step, "workdir"
   if source.kind == "init_from":
     params = ckpt_lib.load_init_params(source.path, p.parts.abstract_params, p.shardings.params)
@@ -265,7 +329,19 @@ class Trainer:
     self.step_hook = step_hook
     self.pending: list = []          # device metrics of steps not yet fetched
     self.fetched: list = []          # host metrics of this log interval
-    self.last_saved = step
+    self.last_saved = step           # the step of the state last saved or started from
+    # The newest checkpoint of this run's lineage that passed the save guard (None: none yet).
+    self.last_checkpoint: Optional[int] = step if s.source.kind == "workdir" else None
+    self.refused: Optional[tuple[int, str]] = None  # (step, reason) of the last refused save
+    self.first_step = step + 1
+    ck = s.config.checkpoint
+    self.guard = guard_lib.SaveGuard(max_loss_ratio=ck.max_loss_ratio,
+                                     max_param_norm_ratio=ck.max_param_norm_ratio,
+                                     reference=s.resume_metadata.get("guard"),
+                                     trained_start=s.source.kind != "scratch")
+    self.skips = guard_lib.SkipLimit(self.t.max_consecutive_skips)
+    s.checkpointer.protect(s.resume_metadata.get("protected_step"))
+    self.run_start = time.perf_counter()
     self.last_eval: Optional[dict] = None
     self.last_scalars: dict = {}
     self.skipped_total = int(jax.device_get(state.skipped))  # over the whole run
@@ -283,31 +359,39 @@ class Trainer:
   # -- metrics ---------------------------------------------------------------------------------
 
   def _fetch(self) -> None:
-    """Moves pending metrics to the host and applies train.on_nonfinite."""
+    """Moves pending metrics to the host; applies train.on_nonfinite and the skip limit."""
     if not self.pending:
       return
-    host = jax.device_get([m for _, m in self.pending])
-    for (step, _), m in zip(self.pending, host):
+    pending, self.pending = self.pending, []
+    host = jax.device_get([m for _, m in pending])
+    for (step, _), m in zip(pending, host):
       dropped = not int(m["applied"])
       self.skipped_total += dropped
       if dropped and not int(m["nonfinite"]):
         # Only a state halted by an earlier non-finite step of this run drops a finite update, and
         # that step raised below first: this is a bug, never to be passed over silently.
-        self.pending = []
         raise RuntimeError(f"the update of step {step} was dropped although its loss and gradient "
                            f"are finite (the train state is halted)")
       if int(m["nonfinite"]):
         msg = (f"non-finite loss or gradient at step {step} (loss={float(m['loss'])}, "
                f"grad_norm={float(m['grad_norm'])})")
         if self.t.on_nonfinite == "stop":
-          self.pending = []
           raise NonFiniteError(
-              f"{msg}; stopping (train.on_nonfinite='stop'). That update was not applied; the last "
-              f"checkpoint is step {self.last_saved}. Set train.on_nonfinite='skip' to skip such "
-              f"steps, or lower train.learning_rate")
+              f"{msg}; stopping (train.on_nonfinite='stop'). That update was not applied; "
+              f"{self._last_checkpoint_advice()}; or set train.on_nonfinite='skip' to skip such "
+              f"steps")
         logging.warning("%s: update skipped (train.on_nonfinite='skip')", msg)
+      self.guard.observe(step, m)
       self.fetched.append(m)
-    self.pending = []
+      self.skips.observe(step, not dropped)  # DivergenceError past train.max_consecutive_skips
+
+  def _last_checkpoint_advice(self) -> str:
+    if self.last_checkpoint is None:
+      return ("no checkpoint of this run passed the save guard: lower train.learning_rate and start "
+              "over")
+    return (f"the last good checkpoint is step {self.last_checkpoint} in "
+            f"{self.s.checkpointer.directory}: resume from it with a lower train.learning_rate "
+            f"(--config.checkpoint.restore_step={self.last_checkpoint} if newer ones exist)")
 
   def _start_timer(self) -> None:
     self._timer_start, self._timer_steps = time.perf_counter(), 0
@@ -328,7 +412,10 @@ class Trainer:
     self.s.writer.scalars(self.step, scalars)
     self.s.writer.expert_histograms(self.step, counts)
     if jax.process_index() == 0:
-      metrics_lib.log_line(metrics_lib.console_line(self.step, self.t.num_steps, scalars))
+      eta = (self.t.num_steps - self.step) * scalars["perf/step_time_s"]
+      metrics_lib.log_line(metrics_lib.console_line(
+          self.step, self.t.num_steps, scalars, elapsed_s=time.perf_counter() - self.run_start,
+          eta_s=eta))
     self.last_scalars = scalars
     self.fetched = []
     self._start_timer()
@@ -357,12 +444,35 @@ class Trainer:
       self.routing_probe.log(self.step, self.state.params, self.s.writer)
     self.last_eval = {"step": self.step, **result}
 
-  def save(self) -> None:
+  def save(self) -> bool:
+    """Saves the current step if the save guard passes it; False (with a warning) if not."""
     if self.step == self.last_saved:
-      return
+      return True
+    if self.refused is not None and self.refused[0] == self.step:
+      return False
     self._fetch()  # never checkpoint past a non-finite step in "stop" mode
-    self.s.checkpointer.save(self.step, state_lib.checkpoint_tree(self.state), self.s.train_iter)
-    self.last_saved = self.step
+    problem = self.guard.check()
+    self.guard.commit(passed=problem is None)
+    ckpt = self.s.checkpointer
+    if problem is not None:
+      self.refused = (self.step, problem)
+      ckpt.protect(self.last_checkpoint)
+      kept = ("" if self.last_checkpoint is None else
+              f"; step {self.last_checkpoint}, the last checkpoint that passed, is kept out of "
+              "rotation")
+      logging.warning("not saving checkpoint step %d: %s%s", self.step, problem, kept)
+      return False
+    metadata = {"guard": self.guard.metadata(), "protected_step": ckpt.protected,
+                "restored_from": self.s.restored_from}
+    ckpt.save(self.step, state_lib.checkpoint_tree(self.state), self.s.train_iter, metadata)
+    self.last_saved = self.last_checkpoint = self.step
+    self.refused = None
+    return True
+
+  def _refused_error(self) -> DivergenceError:
+    step, problem = self.refused
+    return DivergenceError(f"the state at step {step} failed the pre-save check ({problem}) and "
+                           f"was not saved; {self._last_checkpoint_advice()}")
 
   # -- loop ------------------------------------------------------------------------------------
 
@@ -375,10 +485,20 @@ class Trainer:
     while self.step < t.num_steps:
       if stop.requested(self.step) or self.s.checkpointer.manager.reached_preemption(self.step):
         self.log()
-        self.save()
+        if not self.save():
+          raise self._refused_error()
         logging.warning("stopped at step %d on request; checkpoint saved", self.step)
         return True
-      batch = sharding_lib.global_batch(next(self.s.train_iter), self.s.mesh, self.s.rules)
+      try:
+        host_batch = next(self.s.train_iter)
+      except StopIteration:
+        self.log()
+        self.save()
+        raise DataError(f"the training data ran out after data.num_epochs="
+                        f"{self.s.config.data.num_epochs} epoch(s), at step {self.step} of "
+                        f"train.num_steps={t.num_steps}",
+                        hint="set data.num_epochs=None (repeat) or lower train.num_steps") from None
+      batch = sharding_lib.global_batch(host_batch, self.s.mesh, self.s.rules)
       self.profiler.before(self.step + 1)
       try:
         self.state, m = self.s.programs.train_fn(self.state, batch)
@@ -410,29 +530,45 @@ class Trainer:
         self.evaluate(stop)
         if self._timer_start is not None:
           self._timer_start += time.perf_counter() - paused
+      if self.step == t.num_steps:  # a run that applied nothing must not end with a checkpoint
+        self._fetch()
+        self.skips.check_some_applied(self.first_step, self.step)
       if self.step % ck.every == 0 or self.step == t.num_steps:
         paused = time.perf_counter()
         self.save()
         if self._timer_start is not None:
           self._timer_start += time.perf_counter() - paused
+    if self.refused is not None and self.refused[0] == self.step:
+      raise self._refused_error()
     return False
 
 
 def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None) -> dict:
   """Trains `config` in `workdir` (resuming if it holds checkpoints). Returns a summary dict:
   {"step", "stopped" (by a signal), "start" (workdir | init_from | scratch), "eval" (last
-  validation result or None), "train" (last logged scalars)}.
+  validation result or None), "train" (last logged scalars), "workdir", "checkpoints" (complete
+  steps), "elapsed_s"}. Raises one of USER_ERRORS for what a user can fix.
 
   `step_hook(step)` is called after each step is dispatched (tests use it to send signals).
   """
-  s = setup(config, workdir)
-  try:
+  t0 = time.perf_counter()
+  with contextlib.ExitStack() as stack:
+    s = setup(config, workdir, stack)
     state, step, start = initial_state(s)
-    ckpt_lib.write_config(workdir, config)  # only now: the config fits the restored checkpoint
+    result = {"step": step, "stopped": False, "start": start, "eval": None, "train": {},
+              "workdir": workdir}
     if step >= config.train.num_steps:
       logging.info("nothing to do: %s is at step %d of train.num_steps=%d", workdir, step,
                    config.train.num_steps)
-      return {"step": step, "stopped": False, "start": start, "eval": None, "train": {}}
+      return dict(result, checkpoints=s.checkpointer.steps(), elapsed_s=time.perf_counter() - t0,
+                  nothing_to_do=True)
+    if start == "workdir" and s.restored_from == step:
+      s.checkpointer.set_aside_newer(step)  # this run continues another branch from `step`
+    # Only now is anything written: the config fits the start state.
+    ckpt_lib.write_config(workdir, config)
+    s.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
+                                        jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
+    stack.callback(s.writer.close)
     logging.info("starting at step %d (%s) in %s", step, start, workdir)
     with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
                                                       expert_capacity_factor=s.capacity_factor,
@@ -441,11 +577,31 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
       trainer = Trainer(s, state, step, step_hook=step_hook, profiler=profiler)
       stopped = trainer.train(stop)
       trainer.log()
-    return {"step": trainer.step, "stopped": stopped, "start": start, "eval": trainer.last_eval,
-            "train": trainer.last_scalars}
-  finally:
-    s.checkpointer.close()
-    s.writer.close()
-    close = getattr(s.train_iter, "close", None)
-    if close is not None:
-      close()
+    s.checkpointer.wait()  # the last (async) save's failure is this run's error
+    return dict(result, step=trainer.step, stopped=stopped, eval=trainer.last_eval,
+                train=trainer.last_scalars, checkpoints=s.checkpointer.steps(),
+                elapsed_s=time.perf_counter() - t0)
+
+
+def summary(result: dict, config: Any) -> list[str]:
+  """Closing lines for the console: what the run did and where its outputs are."""
+  workdir = os.path.abspath(result["workdir"])
+  steps = result.get("checkpoints") or []
+  how = " (stopped by a signal)" if result["stopped"] else ""
+  if result.get("nothing_to_do"):
+    lines = [f"nothing to do: {workdir} is already at step {result['step']} of train.num_steps="
+             f"{config.train.num_steps} (raise train.num_steps to train on)"]
+  else:
+    lines = [f"done: step {result['step']} of {config.train.num_steps}{how} in "
+             f"{metrics_lib.duration(result.get('elapsed_s'))}"]
+  if steps:
+    lines.append(f"checkpoints: {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)} (steps "
+                 f"{', '.join(map(str, steps))}; running the same command again resumes from "
+                 f"step {steps[-1]})")
+  if config.log.tensorboard:
+    lines.append(f"TensorBoard logs: {os.path.join(workdir, 'tensorboard')} (tensorboard "
+                 f"--logdir {workdir})")
+  if config.log.jsonl:
+    lines.append(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}; config: "
+                 f"{os.path.join(workdir, ckpt_lib.CONFIG_FILE)}")
+  return lines

@@ -4,11 +4,14 @@ TensorBoard files are written with tensorboard's own event writer (no TensorFlow
 
 Names (TensorBoard tags = JSONL keys):
   train/loss, train/lm_loss, train/perplexity (exp lm_loss), train/balance_loss (all routers),
-  train/learning_rate, train/grad_norm (before clipping), train/skipped_steps (so far, the whole
-  run), train/interval_skipped_steps (updates dropped in this log interval; the interval means above
-  and below are over its finite steps only, so one NaN step does not blank the interval),
+  train/<name> for each other router loss summed over routers (train/z_loss, ...),
+  train/learning_rate, train/grad_norm (before clipping), train/param_norm (after the interval's
+  last step), train/skipped_steps (so far, the whole run), train/interval_skipped_steps (updates
+  dropped in this log interval; the interval means above and below are over its finite steps only,
+  so one NaN step does not blank the interval),
   perf/tokens_per_sec, perf/tokens_per_sec_per_device, perf/step_time_s, perf/mfu (if peak known),
-  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router, e.g.
+  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router (and its other
+      losses, z_loss ..., and bias_spread under aux-loss-free balancing), e.g.
       moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e / mean_e count_e and
       load_cv = std_e / mean_e of the per-step expert counts, averaged over the interval;
   moe/<layer>/<router>/expert_load: histogram over expert ids weighted by routed tokens (interval);
@@ -99,6 +102,19 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dic
       "train/grad_norm": mean("grad_norm"),
       "train/interval_skipped_steps": float(skipped),
   }
+  for name in sorted(steps[0].get("router_losses", {})):   # z_loss, ...: each on its own
+    scalars[f"train/{name}"] = float(np.mean([float(s["router_losses"][name]) for s in steps]))
+  if "param_norm" in steps[-1]:
+    scalars["train/param_norm"] = float(steps[-1]["param_norm"])
+  routers, counts = router_summary(steps)
+  return {**scalars, **routers}, counts
+
+
+def router_summary(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+  """The steps' `routers` metrics ({name: {"balance_loss", "entropy", "expert_counts" [E], ...}})
+  -> (interval means of every scalar and of the per-step load max/mean and CV per router, tagged
+  `router_tag`; expert-count sums per router)."""
+  scalars: dict[str, float] = {}
   counts: dict[str, np.ndarray] = {}
   for name in sorted(steps[0]["routers"]):
     per_step = [s["routers"][name] for s in steps]
@@ -125,8 +141,19 @@ def perf_scalars(*, steps: int, tokens: float, seconds: float, num_devices: int,
   return out
 
 
-def console_line(step: int, num_steps: int, s: Mapping[str, float]) -> str:
-  """'step   120/300 | loss 3.412 (lm 3.398 bal 0.0140) | ppl 29.9 | lr 1.9e-03 | gnorm 0.61 | ...'"""
+def duration(seconds: float) -> str:
+  """3725.2 -> '1:02:05'; '-' if unknown."""
+  if seconds is None or not math.isfinite(seconds) or seconds < 0:
+    return "-"
+  s = int(round(seconds))
+  return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def console_line(step: int, num_steps: int, s: Mapping[str, float], *,
+                 elapsed_s: Optional[float] = None, eta_s: Optional[float] = None) -> str:
+  """'step   120/300 | loss 3.412 (lm 3.398 bal 0.0140) | ppl 29.9 | lr 1.9e-03 | gnorm 0.61 | ...
+  | 0:01:05 elapsed, ETA 0:02:10' (elapsed: since the run started; ETA: remaining steps at the
+  interval's step time)."""
   parts = [f"step {step:>{len(str(num_steps))}d}/{num_steps}",
            f"loss {s['train/loss']:.4f} (lm {s['train/lm_loss']:.4f} bal {s['train/balance_loss']:.4f})",
            f"ppl {s['train/perplexity']:.2f}",
@@ -142,6 +169,8 @@ def console_line(step: int, num_steps: int, s: Mapping[str, float]) -> str:
     parts.append(f"load max/mean {max(loads):.2f}")
   if s.get("train/skipped_steps"):
     parts.append(f"skipped {int(s['train/skipped_steps'])}")
+  if elapsed_s is not None:
+    parts.append(f"{duration(elapsed_s)} elapsed, ETA {duration(eta_s)}")
   return " | ".join(parts)
 
 

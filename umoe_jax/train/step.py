@@ -1,7 +1,7 @@
 """The jitted training step: `train_step(state, batch) -> (state, metrics)`, a pure function.
 
-Loss = LM cross-entropy (token mean) + the routers' balance losses (coefficients already applied
-by each router). Gradient accumulation is a `lax.scan` over micro-batches inside the step rather
+Loss = LM cross-entropy (token mean) + the routers' balance losses and other losses (z-loss, ...;
+coefficients already applied by each router). Gradient accumulation is a `lax.scan` over micro-batches inside the step rather
 than `optax.MultiSteps`:
   * one call = one optimizer update, so the step counter, the LR schedule, the data-iterator
     position saved in a checkpoint and the metrics all count the same thing;
@@ -20,6 +20,11 @@ too, so the state stays at the last good step until the loop (which reads the me
 interval) stops the run naming the step. `halted` is run-local (not checkpointed): a run resumed
 from a checkpoint whose `skipped` is non-zero (an earlier run under "skip") trains normally.
 `metrics["applied"]` is 0 for every dropped update, whatever the reason, so none is silent.
+
+Routers see the training step (schedules) and a PRNG key (`step_rng`: the router-input jitter),
+folded with the micro-batch index. After the optimizer update, routers with aux-loss-free balancing
+move their selection biases by the batch's load (`routers.bias_balance`; part of params, so a
+dropped update drops that too).
 """
 from __future__ import annotations
 
@@ -31,20 +36,29 @@ import optax
 from flax import nnx
 
 from umoe_jax.eval.perplexity import token_nll
+from umoe_jax.model.routers.bias_balance import update_selection_biases
 from umoe_jax.train.state import TrainState
 
 
-def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool, total_tokens: jax.Array,
-             accum_steps: int, step: Optional[jax.Array]):
+def step_rng(state: TrainState) -> jax.Array:
+  """The PRNG key of this step's forward passes: the state's key folded with its step."""
+  return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+
+def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str, total_tokens: jax.Array,
+             accum_steps: int, step: Optional[jax.Array], rng: Optional[jax.Array] = None):
   """Objective whose gradient, summed over micro-batches, is the batch's gradient."""
   model = nnx.merge(graphdef, params)
-  # The step reaches routers with a schedule (SMoE-Dropout's growing k, StableMoE's stage switch).
-  logits, aux = model(micro["inputs"], remat=remat, step=step)
+  # The step reaches routers with a schedule (SMoE-Dropout's growing k, StableMoE's stage switch);
+  # the key, routers with jitter.
+  logits, aux = model(micro["inputs"], remat=remat, step=step, rng=rng)
   nll_sum, count = token_nll(logits, micro["targets"], micro.get("loss_mask"))
   balance = aux["balance_loss"]
-  objective = nll_sum / total_tokens + balance / accum_steps
+  router_losses = aux.get("router_losses", {})
+  extra = sum(router_losses.values(), jnp.zeros((), jnp.float32))
+  objective = nll_sum / total_tokens + (balance + extra) / accum_steps
   return objective, {"nll_sum": nll_sum, "tokens": count, "balance_loss": balance,
-                     "routers": aux["routers"]}
+                     "router_losses": router_losses, "routers": aux["routers"]}
 
 
 def _micro_batches(batch: dict, accum_steps: int) -> dict:
@@ -59,52 +73,61 @@ def _reduce_micro(stats: dict, accum_steps: int) -> dict:
   """Sum over micro-batches of the per-micro-batch aux: counts add, scalar means average."""
   out = dict(stats)
   out["balance_loss"] = stats["balance_loss"] / accum_steps
+  out["router_losses"] = jax.tree.map(lambda x: x / accum_steps, stats["router_losses"])
   out["routers"] = jax.tree.map(lambda x: x / accum_steps if x.ndim == 0 else x, stats["routers"])
   return out
 
 
-def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool,
-                    step: Optional[jax.Array] = None):
+def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool | str,
+                    step: Optional[jax.Array] = None, rng: Optional[jax.Array] = None):
   """(grads, stats) of the whole batch, accumulating over `accum_steps` micro-batches; `step` []
-  int32 is the training step the routers see (None: as at the end of training)."""
+  int32 is the training step the routers see (None: as at the end of training), `rng` their key
+  (folded with the micro-batch index; None: no router noise)."""
   mask = batch.get("loss_mask")
   total = (jnp.sum(mask.astype(jnp.float32)) if mask is not None
            else jnp.asarray(batch["targets"].size, jnp.float32))
   total = jnp.maximum(total, 1.0)
   grad_fn = jax.grad(_forward, has_aux=True)
   kw = dict(graphdef=graphdef, remat=remat, total_tokens=total, accum_steps=accum_steps, step=step)
+  micro_rng = lambda a: None if rng is None else jax.random.fold_in(rng, a)
   if accum_steps == 1:
-    grads, stats = grad_fn(params, batch, **kw)
+    grads, stats = grad_fn(params, batch, rng=micro_rng(0), **kw)
     return grads, stats
   micro = _micro_batches(batch, accum_steps)
   first = jax.tree.map(lambda x: x[0], micro)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                       jax.eval_shape(lambda p, m: grad_fn(p, m, **kw), params, first))
+                       jax.eval_shape(lambda p, m: grad_fn(p, m, rng=micro_rng(0), **kw), params,
+                                      first))
 
-  def body(carry, m):
-    out = grad_fn(params, m, **kw)
+  def body(carry, m_a):
+    m, a = m_a
+    out = grad_fn(params, m, rng=micro_rng(a), **kw)
     return jax.tree.map(jnp.add, carry, out), None
 
-  (grads, stats), _ = jax.lax.scan(body, zeros, micro)
+  (grads, stats), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(accum_steps)))
   return grads, _reduce_micro(stats, accum_steps)
 
 
 def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.GradientTransformation,
-               schedule: optax.Schedule, accum_steps: int = 1, remat: bool = False,
+               schedule: optax.Schedule, accum_steps: int = 1, remat: bool | str = False,
                on_nonfinite: str = "stop") -> tuple[TrainState, dict]:
   """One optimizer update on `batch` ({"inputs", "targets": int32 [B, T]}, optional "loss_mask").
 
   Bind the keyword arguments with functools.partial and jit with `donate_argnums=0`.
-  Returns the new state and metrics: loss, lm_loss, balance_loss, grad_norm (before clipping),
-  learning_rate, tokens, nonfinite (this step's loss or gradient norm is NaN / inf), applied (0 if
-  the update was dropped: non-finite, or the state is halted), and per router {"balance_loss",
-  "expert_counts" [E], "entropy"}.
+  Returns the new state and metrics: loss, lm_loss, balance_loss, router_losses ({name: value}, the
+  routers' other losses: "z_loss", ...), grad_norm (before clipping), learning_rate, tokens,
+  param_norm (global norm of the parameters after the step: what the save guard watches),
+  nonfinite (this step's loss or gradient norm is NaN / inf), applied (0 if the update was dropped:
+  non-finite, or the state is halted), and per router {"balance_loss", "expert_counts" [E],
+  "entropy", its other losses, and "bias_spread" (max - min of its selection bias after the update)
+  for routers with aux-loss-free balancing}.
   """
   applied_steps = state.step - state.skipped  # the counter the learning-rate schedule reads too
   grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
-                                 remat=remat, step=applied_steps)
+                                 remat=remat, step=applied_steps, rng=step_rng(state))
   lm_loss = stats["nll_sum"] / jnp.maximum(stats["tokens"], 1.0)
-  loss = lm_loss + stats["balance_loss"]
+  loss = lm_loss + stats["balance_loss"] + sum(stats["router_losses"].values(),
+                                               jnp.zeros((), jnp.float32))
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   if on_nonfinite == "skip":
@@ -114,10 +137,13 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
 
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
+  # Aux-loss-free balancing: selection biases follow this batch's loads (no gradient of their own).
+  params, bias_spreads = update_selection_biases(params, graphdef, stats["routers"])
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  new_params = keep(params, state.params)
   new_state = state.replace(
       step=state.step + 1,
-      params=keep(params, state.params),
+      params=new_params,
       opt_state=keep(opt_state, state.opt_state),
       skipped=state.skipped + (1 - apply.astype(jnp.int32)),
       halted=halted)
@@ -130,6 +156,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       "tokens": stats["tokens"],
       "nonfinite": (~finite).astype(jnp.int32),
       "applied": apply.astype(jnp.int32),
-      "routers": stats["routers"],
+      "param_norm": optax.tree.norm(new_params),
+      "router_losses": stats["router_losses"],
+      "routers": {name: {**r, **({"bias_spread": bias_spreads[name]} if name in bias_spreads else {})}
+                  for name, r in stats["routers"].items()},
   }
   return new_state, metrics

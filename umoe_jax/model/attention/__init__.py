@@ -1,8 +1,8 @@
 """Attention sub-layers, one class per variant, chosen by `model.attention.kind`.
 
-Contract of a variant (a class registered in `ATTENTIONS`):
-  uses_expert_pool: bool                      class attribute: routes into the layer's expert pool
-  validate(cfg: ModelConfig) -> None          classmethod: raise ConfigError naming key and value
+Contract of a variant (a class registered in `ATTENTIONS`; its name and the traits config validation
+reads, e.g. whether it routes into the layer's expert pool, are one row of
+`umoe_jax.kinds.ATTENTION_KINDS`, its config checks are in `umoe_jax.config`):
   cache_shapes(cfg: ModelConfig) -> {name: per-token shape}
                                               classmethod: what one layer caches per token for
                                               decoding (`umoe_jax.model.cache`)

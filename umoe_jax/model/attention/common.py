@@ -6,9 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.registry import Registry
-
-ATTENTIONS: Registry[type] = Registry("attention kind")
+from umoe_jax.kinds import ATTENTION_CORES, ATTENTIONS  # noqa: F401  (the registry and core names)
 
 
 # Routed low-rank expert projection (pre-mixing queries, post-mixing keys):
@@ -58,46 +56,20 @@ def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: st
   return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
 
 
-# Config checks shared by several variants (each raises ConfigError naming key and value).
+def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+  """Causal attention through the Triton kernel of one shared key head (kernels/triton_attention.py:
+  pre-mixing's D-wide values in one pass, no per-chunk cuDNN calls), or None where it cannot run
+  (no GPU / Triton, float32, several key heads, S != T, head dim > 512).
 
-
-def check_heads(cfg) -> None:
-  """Multi-head variants: at least one head and a positive value head dim."""
-  from umoe_jax.config import ConfigError
-  att = cfg.attention
-  if att.n_heads < 1:
-    raise ConfigError(f"model.attention.n_heads={att.n_heads!r} must be >= 1")
-  if att.v_head_dim < 1:
-    raise ConfigError(f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
-
-
-def check_own_experts(cfg, kind: str, what: str = "") -> None:
-  """Variants with their own experts (`attention.n_experts`): 1 <= top_k <= n_experts."""
-  from umoe_jax.config import ConfigError
-  att = cfg.attention
-  if att.n_experts < 1:
-    raise ConfigError(f"model.attention.n_experts={att.n_experts!r} must be >= 1 for {kind}{what}")
-  if not 1 <= att.top_k <= att.n_experts:
-    raise ConfigError(f"model.attention.top_k={att.top_k!r} must be in [1, attention.n_experts="
-                      f"{att.n_experts}] for {kind}")
-
-
-def check_pool_routing(cfg) -> None:
-  """Variants routing into the layer's pool: top_k in [1, moe.n_experts], shared experts and the
-  low-rank rank non-negative / positive."""
-  from umoe_jax.config import ConfigError
-  att = cfg.attention
-  if att.top_k < 1:
-    raise ConfigError(f"model.attention.top_k={att.top_k!r} must be >= 1")
-  if cfg.moe.n_experts and att.top_k > cfg.moe.n_experts:
-    raise ConfigError(f"model.attention.top_k={att.top_k} exceeds model.moe.n_experts={cfg.moe.n_experts}")
-  if att.n_shared_experts < 0:
-    raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r} must be >= 0")
-  if att.q_lora_rank is not None and att.q_lora_rank < 1:
-    raise ConfigError(f"model.attention.q_lora_rank={att.q_lora_rank!r} must be >= 1 or None")
-
-
-ATTENTION_CORES = ("xla", "cudnn", "splash")
+  Args: q [B, T, H, Dk], k [B, T, 1, Dk], v [B, T, 1, Dv]. Returns [B, T, H, Dv] or None.
+  """
+  try:
+    from kernels import triton_attention as kernel
+  except Exception:  # noqa: BLE001  (no kernels package on the path: the caller falls back)
+    return None
+  if not kernel.supported(q, k, v):
+    return None
+  return kernel.premix_attention(q, k[:, :, 0], v[:, :, 0])
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "cudnn"):
@@ -152,10 +124,12 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     core: `model.attention.core`: "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
       causal kernel (`fused_attention`) on GPU when the queries attend to their own keys
       (`k_positions is q_positions`: no cache) and nobody asks for the probabilities, and the XLA
-      form elsewhere (CPU, TPU, decoding, other shapes). It assumes what the LM's own positions
+      form elsewhere (CPU, TPU, decoding, other shapes). "triton" runs the Triton kernel of one
+      shared key head (`triton_attention`) in those cases, and "cudnn"'s choice for the shapes it
+      does not take (several key heads, float32). "splash" runs the Pallas TPU splash kernel
+      (`attention.splash`) under the same conditions on TPU (multi-head and one-key-head shapes,
+      pre-mixing included), XLA elsewhere. The fused cores assume what the LM's own positions
       satisfy: they increase along the sequence and are >= 0, so the visibility below is causal.
-      "splash" runs the Pallas TPU splash kernel (`attention.splash`) under the same conditions on
-      TPU (multi-head and one-key-head shapes, pre-mixing included), XLA elsewhere.
   Returns:
     [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
   """
@@ -163,9 +137,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
   if core not in ATTENTION_CORES:
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
-  if (core == "cudnn" and not return_probs and k_positions is q_positions
-      and jax.default_backend() == "gpu"):
-    out = fused_attention(q, k, v)
+  if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
+    out = triton_attention(q, k, v) if core == "triton" else None
+    if out is None and jax.default_backend() == "gpu":
+      out = fused_attention(q, k, v)
     if out is not None:
       return out.astype(v.dtype)
   if core == "splash" and not return_probs and k_positions is q_positions:

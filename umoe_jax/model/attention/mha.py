@@ -5,7 +5,7 @@ import jax
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_heads
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.layers import Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.parallel import rules as ax
@@ -21,11 +21,6 @@ class HeadsQK(nnx.Module):
   """What multi-head layouts share (MHA, SwitchHead): H heads of q, k [.., H, Dk] with RoPE over
   all of Dk, and a cache of k and v [.., H, Dv]. Subclasses add the value and output maps."""
 
-  uses_expert_pool = False
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    check_heads(cfg)
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:
@@ -53,7 +48,6 @@ class HeadsQK(nnx.Module):
 class MultiHeadAttention(HeadsQK):
   """H heads; q, k [.., H, Dk] with RoPE over all of Dk; v [.., H, Dv]; output projection H*Dv -> D."""
 
-  exposes_attention_probs = True  # __call__(..., return_probs=True) (attention-aware FFN routing)
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     super().__init__(cfg, rngs=rngs)

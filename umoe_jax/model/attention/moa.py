@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -45,13 +45,13 @@ class MoAStats(AttentionStats):
     per_expert = linear(d, a.head_dim) + linear(a.v_head_dim, d)
     return {"attention": Count(dense),
             "attention_routed": Count(a.n_experts * per_expert, a.top_k * per_expert),
-            "routers": Count(router_params(cfg, a.n_experts))}
+            "routers": Count(router_params(cfg, a.n_experts, "attention"))}
 
   @classmethod
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": router_macs(cfg, cfg.attention.n_experts)}
+            "routers": router_macs(cfg, cfg.attention.n_experts, "attention")}
 
   @classmethod
   def pair_macs(cls, cfg):
@@ -68,18 +68,7 @@ class MoAStats(AttentionStats):
 class MoAAttention(nnx.Module):
   """Per-expert W_q, W_o; shared single-head W_k, W_v; optional always-on head."""
 
-  uses_expert_pool = False
   stats = MoAStats
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    check_own_experts(cfg, "moa")
-    if att.n_shared_experts not in (0, 1):
-      raise ConfigError(f"model.attention.n_shared_experts={att.n_shared_experts!r}: moa has 0 or 1 "
-                        "always-on head")
-    if att.v_head_dim < 1:
-      raise ConfigError(f"model.attention.v_head_dim={att.v_head_dim!r} must be >= 1")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:
@@ -92,7 +81,8 @@ class MoAAttention(nnx.Module):
     kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
     d, dk, dv, e = cfg.d_model, att.head_dim, att.v_head_dim, att.n_experts
     init = normal_init(cfg.init_std)
-    self.router = make_router(cfg.router, d, e, att.top_k, param_dtype=cfg.param_dtype, rngs=rngs)
+    self.router = make_router(cfg.router_for("attention"), d, e, att.top_k,
+                              param_dtype=cfg.param_dtype, rngs=rngs)
     self.q_experts = make_param(rngs, init, (e, d, dk), (ax.EXPERT, ax.EMBED, ax.HEAD_DIM),
                                 cfg.param_dtype)
     self.o_experts = make_param(rngs, init, (e, dv, d), (ax.EXPERT, ax.HEAD_DIM, ax.EMBED),

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check_pool_routing,
-                                             low_rank_expert_apply, low_rank_expert_params)
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
+                                             low_rank_expert_params)
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -60,7 +60,7 @@ class PostMixStats(AttentionStats):
     shared = mlp(cfg, cfg.moe.d_expert * a.n_shared_experts) if a.n_shared_experts else 0
     return {"attention": Count(dense),
             "attention_routed": Count(e * per_expert, a.top_k * per_expert),
-            "routers": Count(router_params(cfg, e)),
+            "routers": Count(router_params(cfg, e, "attention")),
             "shared_experts": Count(shared),
             "norms": Count(lora_norm)}
 
@@ -72,7 +72,7 @@ class PostMixStats(AttentionStats):
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": router_macs(cfg, cfg.moe.n_experts), "shared_experts": p["shared_experts"].total}
+            "routers": router_macs(cfg, cfg.moe.n_experts, "attention"), "shared_experts": p["shared_experts"].total}
 
   @classmethod
   def pair_macs(cls, cfg):
@@ -89,16 +89,7 @@ class PostMixStats(AttentionStats):
 class PostMixAttention(nnx.Module):
   """Experts on every token first (routed by that token), then one query mixes the expert outputs."""
 
-  uses_expert_pool = True
   stats = PostMixStats
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    check_pool_routing(cfg)
-    if att.latent_dim is not None:
-      raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r}: MLA latent values exist only "
-                        "for attention.kind='premix'")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:
@@ -111,8 +102,8 @@ class PostMixAttention(nnx.Module):
     self.top_k, self.n_experts = att.top_k, moe.n_experts
     kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
     d, dk = cfg.d_model, att.head_dim
-    self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
-                              rngs=rngs)
+    self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
+                              param_dtype=cfg.param_dtype, rngs=rngs)
     self.q_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
     self.shared_k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw) if att.n_shared_experts else None
     self.k_res_proj, self.k_a, self.k_a_norm, self.k_b = low_rank_expert_params(

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, check_pool_routing,
-                                             low_rank_expert_apply, low_rank_expert_params)
+from umoe_jax.config import ModelConfig
+from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
+                                             low_rank_expert_params)
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -40,14 +40,6 @@ from umoe_jax.parallel import rules as ax
 class PreMixAttention(nnx.Module):
   """UMoE attention: routed low-rank expert queries, one key head, values = hidden states."""
 
-  uses_expert_pool = True
-
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    att = cfg.attention
-    check_pool_routing(cfg)
-    if att.latent_dim is not None and att.latent_dim < 1:
-      raise ConfigError(f"model.attention.latent_dim={att.latent_dim!r} must be >= 1 or None")
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:
@@ -61,8 +53,8 @@ class PreMixAttention(nnx.Module):
     dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
     kw = dict(std=cfg.init_std, rngs=rngs, **dt)
     d, dk = cfg.d_model, att.head_dim
-    self.router = make_router(cfg.router, d, moe.n_experts, att.top_k, param_dtype=cfg.param_dtype,
-                              rngs=rngs)
+    self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
+                              param_dtype=cfg.param_dtype, rngs=rngs)
     self.k_proj = Linear(d, dk, (ax.EMBED, ax.HEAD_DIM), **kw)
     if att.latent_dim is not None:
       self.latent_proj = Linear(d, att.latent_dim, (ax.EMBED, ax.LORA), **kw)

@@ -9,7 +9,7 @@ with their own router per head and per projection, `attention.top_k` picks each:
     y_t   = sum_h sum_{e in top(t)} g^{h,O}_{t,e} o_t^h W_O^{h,e}             (routed by the destination)
 
 Both routers of a head read the layer's (normed) input x. The gate is the model's router
-(`model.router`), which gives the two published variants:
+(`model.router`, or `model.attention.router`), which gives the two published variants:
 
   * UMoE repository's baseline (`configs.common.model("switchhead", ...)`): 4 heads, 15 experts per
     head, top-1 of a softmax router with DeepSeek's sequence-wise balance loss (0.001);
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention, check_own_experts
+from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.attention.mha import HeadsQK
 from umoe_jax.model.layers import make_param, normal_init
 from umoe_jax.model.routers import RouterOutput, call_router, make_router
@@ -48,13 +48,13 @@ class SwitchHeadStats(AttentionStats):
     h, e = a.n_heads, a.n_experts
     return {"attention": Count(2 * linear(d, h * a.head_dim)),
             "attention_routed": Count(h * e * per_head, h * a.top_k * per_head),
-            "routers": Count(2 * h * router_params(cfg, e))}
+            "routers": Count(2 * h * router_params(cfg, e, "attention"))}
 
   @classmethod
   def token_macs(cls, cfg):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": 2 * cfg.attention.n_heads * router_macs(cfg, cfg.attention.n_experts)}
+            "routers": 2 * cfg.attention.n_heads * router_macs(cfg, cfg.attention.n_experts, "attention")}
 
   @classmethod
   def pair_macs(cls, cfg):
@@ -77,7 +77,8 @@ class HeadExperts(nnx.Module):
     att = cfg.attention
     self.cfg = cfg
     self.n_heads, self.n_experts, self.top_k = att.n_heads, att.n_experts, att.top_k
-    self.router = nnx.List([make_router(cfg.router, cfg.d_model, att.n_experts, att.top_k,
+    router_cfg = cfg.router_for("attention")
+    self.router = nnx.List([make_router(router_cfg, cfg.d_model, att.n_experts, att.top_k,
                                         param_dtype=cfg.param_dtype, rngs=rngs)
                             for _ in range(att.n_heads)])
     self.w = make_param(rngs, normal_init(cfg.init_std), (att.n_heads * att.n_experts, d_in, d_out),
@@ -123,16 +124,16 @@ class SwitchHeadAttention(HeadsQK):
 
   stats = SwitchHeadStats
 
-  @classmethod
-  def validate(cls, cfg: ModelConfig) -> None:
-    super().validate(cfg)
-    check_own_experts(cfg, "switchhead", " (experts per head)")
-
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     super().__init__(cfg, rngs=rngs)
     att, d = cfg.attention, cfg.d_model
     self.v_experts = HeadExperts(cfg, d, att.v_head_dim, (ax.EXPERT, ax.EMBED, ax.HEAD_DIM), rngs=rngs)
     self.o_experts = HeadExperts(cfg, att.v_head_dim, d, (ax.EXPERT, ax.HEAD_DIM, ax.EMBED), rngs=rngs)
+
+  def named_routers(self) -> dict[str, nnx.Module]:
+    """{"attention_v{h}", "attention_o{h}": router}, the names of the routes it returns."""
+    return {**{f"attention_v{h}": r for h, r in enumerate(self.v_experts.router)},
+            **{f"attention_o{h}": r for h, r in enumerate(self.o_experts.router)}}
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,
                route_context=None):

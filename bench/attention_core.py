@@ -1,0 +1,207 @@
+"""The pre-mixing attention core alone: the XLA, cuDNN and Triton cores, and the Triton tile sweep.
+
+Shapes (one shared key head, values = the hidden states): base B=32, T=1024, H=1+3, dk=192, D=768;
+large B=16, T=1024, H=4, dk=512, D=2048. For each: the Triton core is checked against the XLA core
+(values and the gradients of q, k, x, relative error), then every core is timed forward and
+forward+backward (CUPTI kernel time, median of 10; gradients of all three inputs under a
+non-constant cotangent). TFLOP/s counts useful causal FLOPs: forward 2 * B*H * T(T+1)/2 * (dk + D),
+forward+backward 3x that (no recomputation counted). cuDNN takes head sizes up to 256 only (large:
+no cuDNN row).
+
+--sweep=SHAPES times each Triton kernel alone (fwd, dx, dk, dq, the fused dxdk) over candidate tiles
+(each first checked against the default tiles' result), keeps the fastest per kernel (the fused
+dX + dK pass when it beats dx + dk), writes them to
+$OUT/attention_tiles.json (`--attention_tiles` of bench/train_step.py and bench/layer_breakdown.py
+loads it) and times the core again with them.
+
+  python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
+      [--sweep_budget_s=150] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from gmm import jax_ms, log  # noqa: E402
+from layer_breakdown import rel, time_fwd_bwd  # noqa: E402
+
+SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
+
+# Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
+# Rounds 1-2 (BENCHMARKS.md) ranked the fwd / dx / dk ones; round 3: dQ's longer dO X^T step and
+# the fused dX + dK pass (replacing dx and dk when it beats their sum).
+CANDIDATES = {
+    "fwd": [],
+    "dx": [],
+    "dk": [],
+    "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2)],
+    "dxdk": [(64, 64, 256, 8, 2), (32, 64, 256, 8, 2), (64, 32, 256, 4, 2)],
+}
+
+
+def flops(b, t, h, dk, d):
+  return 2.0 * b * h * t * (t + 1) / 2 * (dk + d)
+
+
+def inputs(shape, seed=0):
+  b, t, h, dk, d = shape
+  kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+  return q, k, v, jax.random.normal(kc, (b, t, h, d), jnp.float32)
+
+
+def cores(positions, tiles=None):
+  from kernels import triton_attention as ta
+  from umoe_jax.model.attention.common import causal_attention
+  return {
+      "xla": lambda q, k, v: causal_attention(q, k, v, positions, positions),
+      "cudnn": lambda q, k, v: causal_attention(q, k, v, positions, positions, core="cudnn"),
+      "triton": lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles),
+  }
+
+
+def check(fn, ref, q, k, v, cot):
+  """(value error, max gradient error) of fn against ref, relative."""
+  loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), (0, 1, 2)))
+  err = rel(jax.jit(fn)(q, k, v), jax.jit(ref)(q, k, v))
+  g_err = max(rel(a, b) for a, b in zip(loss(fn)(q, k, v), loss(ref)(q, k, v)))
+  return err, g_err
+
+
+def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton")):
+  b, t, h, dk, d = shape
+  q, k, v, cot = inputs(shape)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  fns = cores(positions, tiles)
+  row = {}
+  if "triton" in which:
+    row["triton_err"], row["triton_grad_err"] = check(fns["triton"], fns["xla"], q, k, v, cot)
+    log(f"  {name}: triton vs xla: values {row['triton_err']:.2e}, grads {row['triton_grad_err']:.2e}")
+  fl = flops(*shape)
+  for core in which:
+    if core == "cudnn" and dk > 256:
+      continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
+    if core == "triton" and not (row["triton_err"] < 1e-2 and row["triton_grad_err"] < 1e-2):
+      log(f"  {name}: triton core disagrees with XLA; not timed")
+      continue
+    fwd, fb = time_fwd_bwd(fns[core], q, k, v)
+    row[core] = dict(fwd_ms=fwd, fwd_bwd_ms=fb, fwd_tflops=fl / fwd / 1e9, fwd_bwd_tflops=3 * fl / fb / 1e9)
+    log(f"  {name} {core:7s} fwd {fwd:7.3f} ms ({fl / fwd / 1e9:5.0f} TFLOP/s)  "
+        f"fwd+bwd {fb:7.3f} ms ({3 * fl / fb / 1e9:5.0f} TFLOP/s)")
+  return row
+
+
+def sweep(name, shape, budget_s):
+  """Fastest tiles per kernel; every candidate is checked against the default tiles' output."""
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  b, t, h, dk, d = shape
+  q, k, v, cot = inputs(shape, seed=1)
+  k, v = k[:, :, 0], v[:, :, 0]
+  base = at.default_tiles(dk, d)
+  out, lse = jax.jit(lambda q, k, v: ta._forward(q, k, v, base))(q, k, v)
+  dout = cot.astype(q.dtype)
+  delta = jax.jit(ta._delta)(out, dout)
+  calls = {
+      "fwd": lambda tl: jax.jit(lambda q, k, v: ta._forward(q, k, v, dataclasses.replace(base, fwd=tl))[0]),
+      "dx": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dx(q, k, v, dout, lse, tl)),
+      "dk": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, tl)),
+      "dq": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq(q, k, v, dout, lse, delta, tl)),
+      "dxdk": lambda tl: jax.jit(lambda q, k, v: jnp.concatenate(
+          [a.reshape(-1) for a in ta._bwd_dxdk(q, k, v, dout, lse, delta, tl)])),
+  }
+  t0 = time.perf_counter()
+  best, results, outputs = {}, {}, {}
+  for kernel, make in calls.items():
+    own = getattr(base, kernel)
+    cands = ([] if own is None else [dataclasses.astuple(own)]) + [
+        c for c in CANDIDATES.get(kernel, []) if own is None or c != dataclasses.astuple(own)]
+    # The fused pass is checked against the separate dx and dk passes' outputs.
+    want = (jnp.concatenate([outputs["dx"].reshape(-1), outputs["dk"].reshape(-1)])
+            if kernel == "dxdk" and "dx" in outputs and "dk" in outputs else None)
+    results[kernel] = []
+    for i, cand in enumerate(cands):
+      if i and time.perf_counter() - t0 > budget_s:
+        log(f"  {name} sweep: budget spent, {kernel} stops after {i} candidates")
+        break
+      try:
+        f = make(at.PassTiles(*cand))
+        got = f(q, k, v)
+        if want is None:
+          want = outputs[kernel] = got
+        err = rel(got, want)
+        ms = jax_ms(f, q, k, v) if err < 1e-2 else float("nan")
+      except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the candidate)
+        log(f"  {name} {kernel} {cand}: failed {type(e).__name__}: {str(e)[:160]}")
+        results[kernel].append(dict(tiles=cand, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        continue
+      results[kernel].append(dict(tiles=cand, ms=ms, err=err))
+      log(f"  {name} {kernel} {cand}: {ms:.3f} ms (vs default tiles {err:.1e})")
+      if ms == ms and (kernel not in best or ms < best[kernel][1]):
+        best[kernel] = (cand, ms)
+  pick = lambda kn: at.PassTiles(*best[kn][0]) if kn in best else getattr(base, kn)
+  fused = "dxdk" in best and ("dx" not in best or "dk" not in best
+                              or best["dxdk"][1] < best["dx"][1] + best["dk"][1])
+  chosen = at.FlashTiles(fwd=pick("fwd"), dx=pick("dx"), dk=pick("dk"), dq=pick("dq"),
+                         dxdk=pick("dxdk") if fused else None)
+  return chosen, results
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", default="base,large")
+  ap.add_argument("--sweep", default="", help="shapes to sweep the tiles of, e.g. base")
+  ap.add_argument("--cores", default="xla,cudnn,triton", help="cores to time")
+  ap.add_argument("--sweep_budget_s", type=float, default=150.0, help="per shape")
+  ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  if args.attention_tiles:
+    at.load_table(args.attention_tiles)
+  log("device:", jax.devices()[0].device_kind)
+  os.makedirs(args.out, exist_ok=True)
+  results, table = {}, {}
+  for name in args.shapes.split(","):
+    shape = SHAPES[name]
+    log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
+    which = tuple(c for c in args.cores.split(",") if c)
+    results[name] = row = time_cores(name, shape, which=which) if which else {}
+    if name in args.sweep.split(","):
+      chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s)
+      row["tiles"] = at.tiles_to_json(chosen)
+      table[f"{shape[3]},{shape[4]}"] = row["tiles"]
+      log(f"  {name}: chosen tiles {row['tiles']}")
+      row["tuned"] = time_cores(name, shape, tiles=chosen, which=("triton",))
+    with open(os.path.join(args.out, "attention_core.json"), "w") as f:
+      json.dump(results, f, indent=1)
+    if table:
+      with open(os.path.join(args.out, "attention_tiles.json"), "w") as f:
+        json.dump(table, f, indent=1)
+  log("\nms (TFLOP/s): fwd / fwd+bwd")
+  for name, row in results.items():
+    cells = []
+    for core, r in [(c, row.get(c)) for c in ("xla", "cudnn", "triton")] + [
+        ("triton tuned", row.get("tuned", {}).get("triton"))]:
+      if r:
+        cells.append(f"{core} {r['fwd_ms']:.3f} ({r['fwd_tflops']:.0f}) / {r['fwd_bwd_ms']:.3f} "
+                     f"({r['fwd_bwd_tflops']:.0f})")
+    log(f"{name:6s} " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,140 @@
+"""Tiles and launch geometry of the Triton pre-mixing attention kernels (kernels/triton_attention.py).
+
+Pure Python (tested on CPU). A kernel's tiles (`PassTiles`): bm query rows, bn keys, bd value
+columns (the forward's and dX pass's D chunk, which may be two powers of two such as 256 + 128, or
+the dK / dQ passes' step of the dO X^T contraction, one power of two), warps and pipeline stages.
+`TABLE` holds the tiles a sweep measured best per (dk, D) (bench/attention_core.py, BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from kernels.triton_gmm import _pow2_at_least, split_width
+
+
+@dataclasses.dataclass(frozen=True)
+class PassTiles:
+  """One kernel's tiles: bm query rows, bn keys, bd value columns (a D chunk, or the D step of the
+  dO X^T contraction), warps and software-pipeline stages."""
+  bm: int
+  bn: int
+  bd: int
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashTiles:
+  """Tiles of each kernel; with `dxdk` set, the fused dX + dK pass replaces the dx and dk ones."""
+  fwd: PassTiles
+  dx: PassTiles
+  dk: PassTiles
+  dq: PassTiles
+  dxdk: PassTiles | None = None
+
+
+PASSES = ("fwd", "dx", "dk", "dq", "dxdk")
+
+
+# (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep; BENCHMARKS.md).
+TABLE: dict[tuple[int, int], FlashTiles] = {}
+
+
+def default_tiles(dk: int, d: int) -> FlashTiles:
+  """TABLE's tiles for (dk, D), else a default by head size: for dk <= 256 the fastest of the H200
+  sweeps at UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17), for larger heads tiles
+  that fit (checked at dk 512, D 2048 on the GPU, not swept)."""
+  if (dk, d) in TABLE:
+    return TABLE[(dk, d)]
+  if dk <= 256:
+    return FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
+                      dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
+  return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
+                    dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
+
+
+def tiles_to_json(tiles: FlashTiles) -> dict:
+  return {name: list(dataclasses.astuple(getattr(tiles, name))) for name in PASSES
+          if getattr(tiles, name) is not None}
+
+
+def tiles_from_json(obj: dict) -> FlashTiles:
+  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ..., optional "dxdk"}."""
+  try:
+    if set(obj) - set(PASSES):
+      raise KeyError(sorted(set(obj) - set(PASSES)))
+    return FlashTiles(**{name: PassTiles(*obj[name]) for name in PASSES if name in obj})
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq (and optionally dxdk) lists "
+                     f"[bm, bn, bd, warps, stages] ({e!r})") from None
+
+
+def load_table(path: str) -> None:
+  """Adds {"dk,D": tiles_to_json(...)} entries of a JSON file (a sweep's result) to TABLE."""
+  with open(path) as f:
+    entries = json.load(f)
+  for key, obj in entries.items():
+    try:
+      dk, d = (int(x) for x in key.split(","))
+    except ValueError:
+      raise ValueError(f"{path}: key {key!r} is not 'dk,D'") from None
+    TABLE[(dk, d)] = tiles_from_json(obj)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch geometry.
+
+
+# tl.dot on NVIDIA GPUs contracts at least 16 elements (bf16 / fp16), and the older Triton releases
+# want M and N of 16 too; the Triton interpreter checks neither, so the bounds are checked here.
+MIN_DOT = 16
+
+
+def key_width(dk: int) -> int:
+  """DKP, the key width inside the kernels: dk padded to a power of two >= MIN_DOT (masked loads)."""
+  return max(MIN_DOT, _pow2_at_least(dk))
+
+
+def _check(tiles: PassTiles, pow2_bd: bool, contracts_bd: bool = False) -> None:
+  """bm, bn: powers of two >= MIN_DOT (each is a dot's contraction in some pass); bd: one power of
+  two (`pow2_bd`) or two; a bd the pass contracts over (`contracts_bd`) >= MIN_DOT per piece."""
+  sizes = (tiles.bm, tiles.bn) + ((tiles.bd,) if pow2_bd else ())
+  if any(n < 1 or n & (n - 1) for n in sizes):
+    raise ValueError(f"attention tiles {tiles}: bm, bn{', bd' if pow2_bd else ''} must be powers of two")
+  pieces = (tiles.bd,) if pow2_bd else tuple(p for p in split_width(tiles.bd) if p)
+  if min(tiles.bm, tiles.bn) < MIN_DOT or (contracts_bd and min(pieces) < MIN_DOT):
+    raise ValueError(f"attention tiles {tiles}: bm, bn{' and bd (each piece)' if contracts_bd else ''} "
+                     f"must be >= {MIN_DOT} (a tl.dot contraction)")
+
+
+def fwd_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=False)
+  bd1, bd2 = split_width(tiles.bd)
+  n_row_tiles, n_chunks = -(-t * h // tiles.bm), -(-d // tiles.bd)
+  return dict(grid0=n_row_tiles * n_chunks, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+              BD1=bd1, BD2=bd2, BD2S=max(bd2, 1), N_ROW_TILES=n_row_tiles, N_CHUNKS=n_chunks,
+              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def dx_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles, *, fused_dk: bool = False) -> dict:
+  """The dX pass, or with `fused_dk` the fused dX + dK pass (it also contracts X_c dO_c^T over bd)."""
+  _check(tiles, pow2_bd=False, contracts_bd=fused_dk)
+  bd1, bd2 = split_width(tiles.bd)
+  n_chunks = -(-d // tiles.bd)
+  return dict(grid0=-(-t // tiles.bn) * n_chunks, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+              BD1=bd1, BD2=bd2, BD2S=max(bd2, 1), N_CHUNKS=n_chunks, num_warps=tiles.num_warps,
+              num_stages=tiles.num_stages)
+
+
+def dk_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=True, contracts_bd=True)  # bd: the D step of the dO X^T contraction
+  return dict(grid0=-(-t // tiles.bn), DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+              BDK=tiles.bd, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def dq_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  _check(tiles, pow2_bd=True, contracts_bd=True)
+  n_row_tiles = -(-t * h // tiles.bm)
+  return dict(grid0=n_row_tiles, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn, BDK=tiles.bd,
+              N_ROW_TILES=n_row_tiles, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -1,0 +1,233 @@
+"""CPU tests of the fused pre-mixing attention core (kernels/triton_attention.py): launch geometry,
+the core choice and its config validation, and the kernels themselves under the Triton interpreter
+(TRITON_INTERPRET=1, in a subprocess), run through the real JAX entry (`premix_attention`, its
+custom VJP) with every launch routed through `jax.pure_callback` into the interpreter. Values and
+the gradients of q, k and x are compared with a float64 autodiff reference of the naive formula;
+sequence lengths are not multiples of the tiles, head counts and widths not powers of two, D-chunks
+of two pieces, a partial last chunk, the optional fused dX + dK pass. The layer test runs the tiny
+UMoE pre-mixing attention (skewed routing) with core="triton" against core="xla". GPU runs: tests/gpu/test_attention_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kernels import attention_tiles as at
+from kernels import triton_attention as ta
+
+CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, bd)
+    (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16))),
+    (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16), (16, 16, 48))),
+    (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64), (32, 16, 32))),
+    (1, 21, 1, 16, 40, ((16, 32, 32), (16, 16, 24), (32, 16, 16), (16, 16, 32))),
+]
+
+
+def test_launch_geometry_covers_every_row_key_and_column():
+  for t, h, dk, d in ((1024, 4, 192, 768), (37, 3, 24, 80), (1024, 4, 512, 2048)):
+    tiles = at.default_tiles(dk, d)
+    f = at.fwd_launch(t, h, dk, d, tiles.fwd)
+    assert f["N_ROW_TILES"] * f["BM"] >= t * h > (f["N_ROW_TILES"] - 1) * f["BM"]
+    assert f["N_CHUNKS"] * (f["BD1"] + f["BD2"]) >= d > (f["N_CHUNKS"] - 1) * (f["BD1"] + f["BD2"])
+    assert f["grid0"] == f["N_ROW_TILES"] * f["N_CHUNKS"] and f["DKP"] >= dk
+    x = at.dx_launch(t, h, dk, d, tiles.dx)
+    assert x["grid0"] // x["N_CHUNKS"] * x["BN"] >= t
+    assert at.dk_launch(t, h, dk, d, tiles.dk)["grid0"] * tiles.dk.bn >= t
+    assert at.dq_launch(t, h, dk, d, tiles.dq)["grid0"] * tiles.dq.bm >= t * h
+  with pytest.raises(ValueError):
+    at.fwd_launch(64, 4, 64, 112, at.PassTiles(64, 64, 112))  # 112 = 64 + 48: no two-piece split
+  with pytest.raises(ValueError, match="powers of two"):
+    at.dk_launch(64, 4, 64, 112, at.PassTiles(64, 64, 48))    # the dO X^T step must be one piece
+  with pytest.raises(ValueError, match="powers of two"):
+    at.fwd_launch(64, 4, 64, 112, at.PassTiles(48, 64, 64))
+  # tl.dot contracts >= 16 elements on the GPU (the interpreter does not check): a small head is
+  # padded to 16 keys' width, and tiles with a contraction under 16 are refused up front.
+  for launch in (at.fwd_launch, at.dx_launch, at.dk_launch, at.dq_launch):
+    assert launch(37, 3, 8, 80, at.PassTiles(16, 16, 16))["DKP"] == 16
+  with pytest.raises(ValueError, match=">= 16"):
+    at.fwd_launch(64, 4, 64, 128, at.PassTiles(64, 8, 64))     # p V contracts over bn keys
+  with pytest.raises(ValueError, match=">= 16"):
+    at.dx_launch(64, 4, 64, 128, at.PassTiles(8, 64, 64))      # P^T dO contracts over bm rows
+  with pytest.raises(ValueError, match=">= 16"):
+    at.dq_launch(64, 4, 64, 128, at.PassTiles(64, 64, 8))      # dO X^T in bd-wide steps
+  at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24))        # dX: 16 + 8 columns are fine,
+  with pytest.raises(ValueError, match=">= 16"):               # but the fused pass contracts them
+    at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24), fused_dk=True)
+
+
+def test_triton_core_declines_where_it_cannot_run():
+  """Off GPU (this machine), in float32 or with several key heads the kernel is not used, and
+  core="triton" gives the XLA values exactly; an unknown core is refused."""
+  import jax.numpy as jnp
+  from umoe_jax.model.attention.common import causal_attention, triton_attention
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+             for s in ((2, 9, 3, 16), (2, 9, 1, 16), (2, 9, 1, 40)))
+  pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+  assert not ta.available() and triton_attention(q, k, v) is None
+  np.testing.assert_array_equal(np.asarray(causal_attention(q, k, v, pos, pos, core="triton"), np.float32),
+                                np.asarray(causal_attention(q, k, v, pos, pos), np.float32))
+  assert not ta.supported(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+  assert not ta.supported(q, jnp.zeros((2, 9, 3, 16), q.dtype), jnp.zeros((2, 9, 3, 40), q.dtype))
+  assert not ta.supported(q, jnp.zeros((2, 11, 1, 16), q.dtype), jnp.zeros((2, 11, 1, 40), q.dtype))
+  with pytest.raises(ValueError, match="premix_attention wants"):
+    ta.premix_attention(q, k, v[:, :, 0])
+
+
+def test_kernel_shape_limits():
+  """The shapes the kernels take (whatever the machine): one key head of the queries' width, S == T,
+  bf16 / fp16, dk <= 512, and T*H*D inside int32 (the kernels' in-sequence offsets)."""
+  import jax
+  import jax.numpy as jnp
+  sds = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  ok = lambda t, h, dk, d, **kw: ta.supported_shapes(sds(2, t, h, dk, **kw), sds(2, t, 1, dk, **kw),
+                                                     sds(2, t, 1, d, **kw))
+  assert ok(1024, 4, 192, 768) and ok(1024, 4, 512, 2048) and ok(37, 3, 8, 80)
+  assert ok(1024, 4, 192, 768, dtype=jnp.float16) and not ok(1024, 4, 192, 768, dtype=jnp.float32)
+  assert not ok(1024, 4, 576, 768)                         # a head wider than MAX_HEAD_DIM
+  assert ok(2**17, 4, 128, 2**12 - 64) and not ok(2**17, 4, 128, 2**12)   # 2^31 offsets
+  assert not ta.supported_shapes(sds(2, 9, 3, 16), sds(2, 9, 1, 32), sds(2, 9, 1, 40))
+
+
+def test_config_accepts_triton_core_and_names_a_bad_one():
+  from configs import common as configs
+  from umoe_jax.config import ConfigError, model_config
+  m = configs.model("umoe", "tiny")
+  m.attention.core = "triton"
+  assert model_config(m).attention.core == "triton"
+  m.attention.core = "Triton"
+  with pytest.raises(ConfigError, match=r"model\.attention\.core='Triton'.*triton"):
+    model_config(m)
+
+
+# ----------------------------------------------------------------------------------------------
+# Under the interpreter (a fresh process: TRITON_INTERPRET must be set before Triton is imported).
+
+
+LAUNCHES = []
+
+
+def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
+  """`triton_attention._launch` through the interpreter: outputs poisoned with NaN first."""
+  import jax
+  from test_kernels import _NpTensor
+  outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
+
+  def host(*arrays):
+    ins = [_NpTensor(np.asarray(a)) for a in arrays]
+    res = [_NpTensor(np.full(o.shape, np.nan, o.dtype)) for o in outs]
+    kernel[grid](*ins, *res, **meta)
+    return tuple(r.arr for r in res)
+
+  LAUNCHES.append(kernel)
+  got = jax.pure_callback(host, tuple(outs), *args)
+  return list(got) if isinstance(out_shape, (list, tuple)) else got[0]
+
+
+def _reference(q, k, v):
+  """float64, the naive formula (materialised scores, mask, softmax)."""
+  import jax
+  import jax.numpy as jnp
+  t, dk = q.shape[1], q.shape[-1]
+  s = jnp.einsum("bthd,bsd->bhts", q, k) / np.sqrt(dk)
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+  return jnp.einsum("bhts,bsd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _interpreter_check():
+  import jax
+  jax.config.update("jax_enable_x64", True)
+  import jax.numpy as jnp
+  import triton.runtime.interpreter as interp
+  orig = interp._patch_lang_tensor
+
+  def patched(tensor, scope):  # numpy >= 2 refuses int() of a size-1 array (dynamic loop bounds)
+    orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+  interp._patch_lang_tensor = patched
+  ta._launch = _interpreter_launch
+
+  for b, t, h, dk, d, tiles in CASES:
+    rng = np.random.default_rng(t * h)
+    q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, dk), (b, t, d)))
+    cot = rng.standard_normal((b, t, h, d))
+    flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles))
+    f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+    got = jax.jit(lambda *a: ta.premix_attention(*a, tiles=flash))(*f32)
+    want = _reference(*map(jnp.asarray, (q, k, v)))
+    case = f"B={b} T={t} H={h} dk={dk} D={d} fused dxdk={len(tiles) > 4}"
+    assert got.shape == (b, t, h, d) and got.dtype == jnp.float32, case
+    assert np.isfinite(np.asarray(got)).all(), case
+    assert _rel(got, want) < 1e-5, (case, _rel(got, want))
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ta.premix_attention(*a, tiles=flash) * cot),
+                             argnums=(0, 1, 2)))(*f32)
+    want_g = jax.grad(lambda *a: jnp.sum(_reference(*a) * cot), argnums=(0, 1, 2))(
+        *map(jnp.asarray, (q, k, v)))
+    for name, g, w in zip(("dq", "dk", "dx"), grads, want_g):
+      assert np.isfinite(np.asarray(g)).all(), (case, name)
+      assert _rel(g, w) < 1e-5, (case, name, _rel(g, w))
+
+  # The layer: tiny UMoE pre-mixing attention with skewed routing (nearly every token's slots on
+  # experts 0-2), core="triton" (the kernel, via the interpreter) against core="xla".
+  from flax import nnx
+  from configs import common as configs
+  from umoe_jax.config import model_config
+  from umoe_jax.model.block import DecoderBlock
+  jax.config.update("jax_enable_x64", False)
+  ta.available = lambda: True
+  ta.DTYPES = (jnp.float32,)
+  m = configs.model("umoe", "tiny")
+  m.compute_dtype = "float32"
+  bt = (2, 19)
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((*bt, m.d_model)) + 2.0, jnp.float32)  # a shared direction
+  pos = jnp.broadcast_to(jnp.arange(bt[1], dtype=jnp.int32), bt)
+  outs = {}
+  for core in ("xla", "triton"):
+    m.attention.core = core
+    block = DecoderBlock(model_config(m), rngs=nnx.Rngs(params=0))
+    for p in jax.tree.leaves(nnx.state(block.attention.router, nnx.Param),
+                             is_leaf=lambda v: isinstance(v, nnx.Variable)):
+      if p.value.shape == (m.d_model, m.moe.n_experts):  # the router's projection: favour 0-2
+        p.value = p.value.at[:, :3].add(jnp.abs(p.value).max())
+    graphdef, state = nnx.split(block)
+
+    def loss(state, x):
+      blk = nnx.merge(graphdef, state)
+      y, routes = blk.attention(blk.attention_norm(x), pos, experts=blk.experts)
+      return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), routes["attention"]
+    n = len(LAUNCHES)
+    (val, route), (g_state, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        state, x)
+    assert (len(LAUNCHES) - n == 4) == (core == "triton"), (core, LAUNCHES[n:])  # fwd, dx, dk, dq
+    assert float(jnp.mean(route.expert_ids < 3)) > 0.9, np.asarray(route.expert_ids)  # skewed
+    outs[core] = (val, g_x, jax.tree.leaves(g_state))
+  (v0, gx0, gs0), (v1, gx1, gs1) = outs["xla"], outs["triton"]
+  assert abs(float(v1) - float(v0)) <= 1e-4 * abs(float(v0)) + 1e-4, (v0, v1)
+  assert _rel(gx1, gx0) < 1e-4, _rel(gx1, gx0)
+  for a, w in zip(gs1, gs0):
+    if np.linalg.norm(np.asarray(w)) > 0:
+      assert _rel(a, w) < 1e-4, _rel(a, w)
+    else:  # e.g. experts no token reached: no gradient through the kernel either
+      assert not np.any(np.asarray(a)), np.abs(np.asarray(a)).max()
+  print("TRITON_ATTENTION_INTERPRETER_OK")
+
+
+def test_kernels_in_interpreter_match_float64():
+  pytest.importorskip("triton", reason="Triton is not installed")
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+  r = subprocess.run([sys.executable, "-c",
+                      "import test_triton_attention as t; t._interpreter_check()"],
+                     env=env, capture_output=True, text=True, timeout=400)
+  assert "TRITON_ATTENTION_INTERPRETER_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-5000:]

@@ -1,0 +1,143 @@
+"""The fine-tuning config (`default_config()`; configs/finetune/*.py start from it) and its check.
+
+Sections:
+  init_from    a training workdir or a converted official checkpoint (`umoe_jax.interop.official`):
+               the backbone's architecture (its config.json) and parameters
+  data         files, fields, labels, the dev carve-out, tokenizer and sequence length
+  model        pooling, head dropout, compute dtype, remat
+  train        epochs, batch sizes, the two learning rates (head, body), AdamW, freezing, balance loss
+  checkpoint   extra saves within an epoch, how many to keep
+  log          TensorBoard, JSONL, progress bar
+`validate(config)` checks every key and value before any file is read; errors name the key.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from umoe_jax.config import ConfigError
+
+FORMATS = ("auto", "jsonl", "csv", "tsv", "parquet")   # data.format
+POOLINGS = ("last", "mean")                             # model.pooling
+SECTIONS = ("init_from", "data", "model", "train", "checkpoint", "log")
+SELECT_METRICS = ("accuracy", "macro_f1")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.init_from = ""                 # training workdir or converted checkpoint (required)
+  c.data = ml_collections.ConfigDict(dict(
+      train_path="",               # JSONL / CSV / TSV / parquet file with a text and a label field
+      dev_path="",                 # "" = carve data.dev_fraction of the training file
+      test_path="",                # "" = no test split (scored with the best dev checkpoint)
+      format="auto",               # auto (by extension) | jsonl | csv | tsv | parquet
+      text_field="text",
+      label_field="label",
+      label_names=(),              # class order; () = the sorted training labels
+      dev_fraction=0.1,            # per class, by sha256(seed, text): deterministic
+      tokenizer="",                # "" = the init_from run's data.tokenizer; "byte" or tokenizer.json
+      eos_token="",                # EOS of a tokenizer.json ("" = auto-detect)
+      bos_id=config_dict.placeholder(int),  # token put first in every text (1 for Llama-2)
+      append_eos=True,             # EOS after every text (what "last" pooling reads)
+      max_len=128,                 # tokens per text, BOS / EOS included (<= model.max_seq_len)
+  ))
+  c.model = ml_collections.ConfigDict(dict(
+      pooling="last",              # last (last non-padding token) | mean (over non-padding tokens)
+      head_dropout=0.1,            # dropout on the pooled features (training only)
+      compute_dtype="",            # "" = the checkpoint's (bfloat16 in the recipes); e.g. float32
+      # what each decoder block keeps for the backward pass: none | block | dots | dots_no_batch
+      # (umoe_jax/model/remat.py); a bool as in older configs (True = block)
+      remat=config_dict.FieldReference("none", field_type=object),
+  ))
+  c.train = ml_collections.ConfigDict(dict(
+      seed=0,                      # head init, data order, dropout, dev carve-out
+      epochs=3,
+      batch_size=32,
+      eval_batch_size=64,
+      head_learning_rate=1e-3,     # peak LR of the classification head
+      body_learning_rate=3e-5,     # peak LR of the pretrained decoder (not with freeze_body)
+      warmup_ratio=0.06,           # linear warmup over this share of the steps, then cosine
+      min_lr_ratio=0.0,            # cosine floor / peak
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      weight_decay=0.01,           # AdamW, not on norm scales and the head bias
+      grad_clip=1.0,               # global norm over the trained parameters; 0 disables
+      freeze_body=False,           # train the head only (a linear probe)
+      freeze_routers=False,        # keep every router's parameters as pretrained
+      balance_loss_weight=1.0,     # x the routers' balance losses (their coefficients applied)
+      select_metric="accuracy",    # dev metric that picks the best checkpoint: accuracy | macro_f1
+      log_every=10,                # steps between TensorBoard / JSONL records
+  ))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every=0,                     # extra saves every N steps (0: at the end of every epoch only)
+      keep=2,                      # newest training checkpoints kept (the best one is kept apart)
+      async_save=True,
+  ))
+  c.log = ml_collections.ConfigDict(dict(
+      tensorboard=True,            # <workdir>/tensorboard
+      jsonl=True,                  # <workdir>/metrics.jsonl
+      progress=True,               # a tqdm progress line (else one log line per log_every)
+  ))
+  return c
+
+
+def _check(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def _check_keys(section: Any, defaults: Any, name: str) -> None:
+  keys, valid = set(section.keys()), set(defaults.keys())
+  unknown, missing = sorted(keys - valid), sorted(valid - keys)
+  _check(not unknown, f"unknown key {name}.{unknown[0] if unknown else ''}; valid keys of {name}: "
+                      f"{', '.join(sorted(valid))}")
+  _check(not missing, f"config section {name} lacks key {name}.{missing[0] if missing else ''} "
+                      f"(start configs from umoe_jax.finetune.config.default_config())")
+
+
+def validate(config: Any) -> None:
+  """Raises ConfigError naming the key and value of the first bad setting."""
+  defaults = default_config()
+  unknown = sorted(set(config.keys()) - set(SECTIONS))
+  _check(not unknown, f"unknown config key {unknown[0] if unknown else ''!r}; valid top-level keys: "
+                      f"{', '.join(SECTIONS)}")
+  for name in SECTIONS[1:]:
+    _check(name in config, f"config lacks the {name!r} section (start from default_config())")
+    _check_keys(config[name], defaults[name], name)
+  _check(bool(config.get("init_from")), "init_from is empty: set --config.init_from to a training "
+         "workdir or a converted checkpoint (python -m umoe_jax.interop.official)")
+  d, m, t, ck = config.data, config.model, config.train, config.checkpoint
+  _check(bool(d.train_path), "data.train_path is empty; set it to a JSONL / CSV / TSV / parquet file")
+  _check(d.format in FORMATS, f"data.format={d.format!r}; valid: {', '.join(FORMATS)}")
+  _check(bool(d.text_field) and bool(d.label_field),
+         f"data.text_field={d.text_field!r} and data.label_field={d.label_field!r} must be set")
+  _check(d.dev_path or 0 < d.dev_fraction < 1,
+         f"data.dev_fraction={d.dev_fraction!r} must be in (0, 1) when data.dev_path is empty")
+  _check(d.max_len >= 2, f"data.max_len={d.max_len!r} must be >= 2")
+  _check(m.pooling in POOLINGS, f"model.pooling={m.pooling!r}; valid: {', '.join(POOLINGS)}")
+  _check(0 <= m.head_dropout < 1, f"model.head_dropout={m.head_dropout!r} must be in [0, 1)")
+  from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
+  _check(isinstance(m.remat, bool) or (isinstance(m.remat, str) and m.remat in REMAT_POLICIES),
+         f"model.remat={m.remat!r}; valid: {', '.join(REMAT_POLICIES)} (or a bool)")
+  _check(t.epochs >= 1, f"train.epochs={t.epochs!r} must be >= 1")
+  _check(t.batch_size >= 1, f"train.batch_size={t.batch_size!r} must be >= 1")
+  _check(t.eval_batch_size >= 1, f"train.eval_batch_size={t.eval_batch_size!r} must be >= 1")
+  _check(t.head_learning_rate > 0, f"train.head_learning_rate={t.head_learning_rate!r} must be > 0")
+  _check(t.freeze_body or t.body_learning_rate > 0,
+         f"train.body_learning_rate={t.body_learning_rate!r} must be > 0 (or set train.freeze_body)")
+  _check(0 <= t.warmup_ratio <= 1, f"train.warmup_ratio={t.warmup_ratio!r} must be in [0, 1]")
+  _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio!r} must be in [0, 1]")
+  _check(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1={t.b1!r}, train.b2={t.b2!r} must be in [0, 1)")
+  _check(t.eps > 0, f"train.eps={t.eps!r} must be > 0")
+  _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay!r} must be >= 0")
+  _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip!r} must be >= 0 (0 disables)")
+  _check(t.balance_loss_weight >= 0,
+         f"train.balance_loss_weight={t.balance_loss_weight!r} must be >= 0")
+  _check(t.select_metric in SELECT_METRICS,
+         f"train.select_metric={t.select_metric!r}; valid: {', '.join(SELECT_METRICS)}")
+  _check(t.log_every >= 1, f"train.log_every={t.log_every!r} must be >= 1")
+  _check(ck.every >= 0, f"checkpoint.every={ck.every!r} must be >= 0 (0: at epoch ends only)")
+  _check(ck.keep >= 1, f"checkpoint.keep={ck.keep!r} must be >= 1")
