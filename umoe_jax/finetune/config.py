@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from umoe_jax.config import ConfigError
+from umoe_jax.config_fields import optional
 
 FORMATS = ("auto", "jsonl", "csv", "tsv", "parquet")   # data.format
 POOLINGS = ("last", "mean")                             # model.pooling
@@ -39,7 +40,7 @@ def default_config() -> ml_collections.ConfigDict:
       dev_fraction=0.1,            # per class, by sha256(seed, text): deterministic
       tokenizer="",                # "" = the init_from run's data.tokenizer; "byte" or tokenizer.json
       eos_token="",                # EOS of a tokenizer.json ("" = auto-detect)
-      bos_id=config_dict.placeholder(int),  # token put first in every text (1 for Llama-2)
+      bos_id=optional(int),  # token put first in every text (1 for Llama-2)
       append_eos=True,             # EOS after every text (what "last" pooling reads)
       max_len=128,                 # tokens per text, BOS / EOS included (<= model.max_seq_len)
   ))

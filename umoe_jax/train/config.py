@@ -22,6 +22,8 @@ import os
 from typing import Any
 
 import ml_collections
+from ml_collections import config_dict
+
 from umoe_jax.config_fields import optional
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
@@ -67,7 +69,7 @@ def default_checkpoint_config() -> ml_collections.ConfigDict:
       keep=3,                      # newest checkpoints kept
       async_save=True,             # write in a background thread while training continues
       init_from="",                # params of a converted checkpoint, used when the workdir has none
-      restore_step=config_dict.placeholder(int),  # resume from this step (None: the latest)
+      restore_step=optional(int),  # resume from this step (None: the latest)
       # Save guard (umoe_jax/train/guard.py): a state is not saved if its parameter norm grew more
       # than this x since the last checkpoint that passed, or its recent loss is more than this x
       # the median of the steps before. 0 disables the check.
