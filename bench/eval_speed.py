@@ -50,13 +50,13 @@ def main() -> int:
   from umoe_jax import stats
   from umoe_jax.eval import harness, scoring
   from umoe_jax.eval import tasks as tasks_lib
-  from umoe_jax.eval.loading import load_for_eval
+  from umoe_jax.load import load_model_and_tokenizer
 
   config = stats.load_config_file(args.config)
   with config.unlocked():
     config.model.vocab_size = args.vocab_size
-  model, tok, info = load_for_eval(config=config, tokenizer=args.tokenizer,
-                                   compute_dtype=args.compute_dtype)
+  model, tok, info = load_model_and_tokenizer(config=config, tokenizer=args.tokenizer,
+                                              compute_dtype=args.compute_dtype)
   name = tasks_lib.resolve_task(args.task)
   kind = tasks_lib.task_kind(name)
   docs = tasks_lib.load_task(name, args.data_dir, args.limit)

@@ -19,6 +19,7 @@ from flax import nnx
 from conftest import random_module, tiny_config
 from umoe_jax.analysis import plots, probe, report, routing
 from umoe_jax.model.lm import CausalLM
+from umoe_jax.output import write_json
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,7 +121,7 @@ def test_report_text_and_json(tmp_path):
   assert "10->20 top-1 changed" in text and "layer_0/attention" in text
   assert "0.250" in text and "0.750" in text and "ln E" in text and "Shared expert pool" in text
   path = tmp_path / "r.json"
-  report.write_json(rep, str(path))
+  write_json(str(path), rep)
   back = json.loads(path.read_text())  # strict JSON: NaN written as null
   assert back["checkpoints"][0]["routers"]["layer_0/ffn"]["expert_counts"] == [4, 4]
 
@@ -221,6 +222,7 @@ def test_fluctuation_and_share_figures(tmp_path):
   np.testing.assert_allclose(lines["layer_0/ffn"].get_ydata(), [0.4, 0.2])
   assert lines["layer_0/ffn"].get_linestyle() == "--" and lines["mean over routers"].get_linewidth() > 2
   assert [t.get_text() for t in jac.get_legend().get_texts()] == list(series)
+  assert [t.get_text() for t in change.get_xticklabels()] == ["10", "20"]  # the measured steps
   _png_ok(plots.save_png(fig, str(tmp_path / "fluct.png")))
   fig = plots.attention_share_heatmap({0: [0.5, 0.0, None], 1: [0.2, 0.9, 1.0]}, 1 / 3)
   ax = fig.axes[0]

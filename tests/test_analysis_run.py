@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from test_train import ROOT, small_config
-from umoe_jax.analysis import __main__ as analysis_cli
+from umoe_jax.analysis import cli as analysis_cli
 from umoe_jax.analysis import checkpoints as ckpt
 from umoe_jax.analysis import probe, routing
 from umoe_jax.config import ConfigError
+from umoe_jax.load import load_params
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 CORPUS = os.path.join(SHARED, "corpora", "linux-docs")
@@ -85,7 +86,7 @@ def test_training_logs_routing_fluctuation(run):
   fn = jax.jit(functools.partial(probe.route_outputs, graphdef=parts.graphdef))
   ids = []
   for ref in refs:
-    params = ckpt.load_params(ref, parts.abstract_params)
+    params = load_params(ref, parts.abstract_params)
     routes = probe.collect(fn, params, batch["inputs"], n_tokens=batch["inputs"].size,
                            batch_size=len(batch["inputs"]))
     ids.append({name: r.expert_ids for name, r in routes.items()})
@@ -185,6 +186,18 @@ def _fake_run(tmp_path, workdir, name, **model):
   return str(fake / "checkpoints" / "8")
 
 
+def test_glob_skips_a_save_in_progress(run, tmp_path):
+  """'<workdir>/checkpoints/*' while the run trains: Orbax's unfinished <step>.orbax-checkpoint-tmp-<t>
+  directory is not a checkpoint (it was taken for a workdir without checkpoints: an error)."""
+  workdir, _ = run
+  fake = tmp_path / "live"
+  (fake / "checkpoints" / "12.orbax-checkpoint-tmp-1733000000").mkdir(parents=True)
+  shutil.copy(os.path.join(workdir, "config.json"), fake / "config.json")
+  for step in ("4", "8"):
+    os.symlink(os.path.join(workdir, "checkpoints", step), fake / "checkpoints" / step)
+  assert [r.step for r in ckpt.resolve(f"{fake}/checkpoints/*")] == [4, 8]
+
+
 def test_checkpoints_of_different_shapes(run, tmp_path):
   workdir, _ = run
   other = _fake_run(tmp_path, workdir, "wide", **{"moe.n_experts": 8})
@@ -198,7 +211,7 @@ def test_checkpoints_of_different_shapes(run, tmp_path):
   with pytest.raises(ValueError, match=r"cannot read the parameters of checkpoint .*liar.*: "
                                        r"parameter layers\.0\.\S+ is \(16, 32\) in the "
                                        r"checkpoint, \(8, 32\) in the model"):
-    ckpt.load_params(liar, parts.abstract_params)
+    load_params(liar, parts.abstract_params)
 
 
 def test_probe_corpus_shorter_than_n_tokens(run, tmp_path):
@@ -220,8 +233,10 @@ def test_unknown_router_and_missing_paths(run, tmp_path):
     analysis_cli.analyze(f"{workdir}/checkpoints/8", data="/nonexistent/x.parquet")
   with pytest.raises(ValueError, match=r"checkpoint '.*nowhere': no such directory"):
     analysis_cli.analyze(str(tmp_path / "nowhere"))
-  with pytest.raises(ValueError, match=r"is neither a training workdir"):
+  with pytest.raises(ValueError, match=r"holds no parameters: expected params/"):
     analysis_cli.analyze(str(tmp_path))
+  with pytest.raises(ValueError, match=r"--batch_size=0 must be >= 1"):
+    analysis_cli.analyze(f"{workdir}/checkpoints/8", tokens=64, batch_size=0)
 
 
 @pytest.mark.parametrize("key,value,match", [

@@ -544,22 +544,25 @@ def test_restored_iterator_of_another_process_count_yields_the_first_batch(train
 
 
 def test_load_model_names_the_directory_and_what_it_lacks(tmp_path):
-  from umoe_jax.model import decode
+  from umoe_jax.load import LoadError, load_model
   missing = str(tmp_path / "missing")
-  with pytest.raises(FileNotFoundError, match=re.escape(f"checkpoint directory '{missing}' does "
-                                                        "not exist")):
-    decode.load_model(missing)
+  with pytest.raises(LoadError, match=re.escape(f"checkpoint '{missing}': no such directory")):
+    load_model(missing)
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(LoadError, match=re.escape(f"checkpoint '{tmp_path}/a_file' is a file; pass "
+                                                "the directory")):
+    load_model(str(tmp_path / "a_file"))
   empty = tmp_path / "empty"
   empty.mkdir()
-  with pytest.raises(FileNotFoundError, match=re.escape(f"checkpoint directory '{empty}' holds no "
-                                                        "parameters: expected params/")):
-    decode.load_model(str(empty))
+  with pytest.raises(LoadError, match=re.escape(f"checkpoint '{empty}' holds no parameters: "
+                                                "expected params/")):
+    load_model(str(empty))
   (empty / "params").mkdir()
-  with pytest.raises(FileNotFoundError, match=re.escape(f"'{empty}' has no config.json")):
-    decode.load_model(str(empty))
+  with pytest.raises(LoadError, match=re.escape(f"'{empty}' has no config.json")):
+    load_model(str(empty))
   (empty / "config.json").write_text("{oops")
-  with pytest.raises(ValueError, match=re.escape(f"{empty}/config.json is not valid JSON")):
-    decode.load_model(str(empty))
+  with pytest.raises(LoadError, match=re.escape(f"{empty}/config.json is not valid JSON")):
+    load_model(str(empty))
 
 
 @pytest.mark.parametrize("case", ["config_not_json", "file_not_directory"])

@@ -23,10 +23,11 @@ import configs.common
 from conftest import ROOT
 from test_eval import _synthetic_dir
 from test_eval_tasks import ARTICLE, _jsonl, _mmlu_fixture
+from umoe_jax.data.tokenizer import ByteTokenizer
 from umoe_jax.eval import cli, corpora, corpus_ppl, fewshot, harness, taskspec
 from umoe_jax.eval import tasks as tasks_lib
-from umoe_jax.eval.loading import load_for_eval
 from umoe_jax.eval.scoring import Scorer, encode_requests
+from umoe_jax.load import load_model_and_tokenizer
 
 WIKITEXT = os.path.join(os.path.dirname(ROOT), "shared", "data", "wikitext-2")
 GPT2 = os.path.join(os.path.dirname(ROOT), "shared", "data", "tokenizers", "gpt2", "tokenizer.json")
@@ -35,17 +36,17 @@ ENV = dict(os.environ, PYTHONIOENCODING="utf-8", JAX_PLATFORMS="cpu")
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-  """(workdir, model, tokenizer) of a dense 1-layer model trained 3 steps."""
+  """(workdir, model, tokenizer) of a dense 1-layer model trained 3 steps (checkpoints 2 and 3)."""
   from umoe_jax.train import loop
   c = configs.common.experiment("dense", "tiny")
   c.model.n_layers, c.model.d_model, c.model.max_seq_len = 1, 32, 64
   c.train.update(dict(global_batch_size=4, seq_len=64, num_steps=3, learning_rate=3e-3,
                       warmup_steps=1, log_every=1, eval_every=0))
-  c.checkpoint.update(dict(every=3, keep=1))
+  c.checkpoint.update(dict(every=1, keep=2))
   c.log.tensorboard = False
   workdir = str(tmp_path_factory.mktemp("eval_ckpt"))
   assert loop.run(c, workdir)["step"] == 3
-  model, tok, _ = load_for_eval(workdir)
+  model, tok, _ = load_model_and_tokenizer(workdir)
   return workdir, model, tok
 
 
@@ -142,6 +143,30 @@ def test_perplexity_and_attack_commands_on_wikitext(trained, tmp_path, capsys):
   assert res["results"]["attacked"]["words"] == got["words"]   # the attack hit the scored text
   assert res["attack"]["substituted"] == round(0.1 * res["attack"]["words"])
   assert res["results"]["attacked"]["nll"] != got["nll"]
+
+
+def test_checkpoint_flag_takes_a_step_directory(trained, tmp_path, capsys):
+  """--checkpoint=<workdir>/checkpoints/<step> evaluates that step's parameters (the arrays Orbax
+  saved there), the workdir itself its latest step."""
+  import orbax.checkpoint as ocp
+  ckpt, model, _ = trained
+  saved = {s: ocp.StandardCheckpointer().restore(os.path.join(ckpt, "checkpoints", str(s), "state"))
+           for s in (2, 3)}
+  np.testing.assert_array_equal(np.asarray(model.embed.value), saved[3]["params"]["embed"])
+  step2, _, info = load_model_and_tokenizer(os.path.join(ckpt, "checkpoints", "2"))
+  assert info["step"] == 2
+  np.testing.assert_array_equal(np.asarray(step2.embed.value), saved[2]["params"]["embed"])
+  assert not np.array_equal(saved[2]["params"]["embed"], saved[3]["params"]["embed"])
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog. " * 2)
+  nll = {}
+  for step in (2, 3):
+    code, _, err = run_cli(capsys, "perplexity", f"--checkpoint={ckpt}/checkpoints/{step}",
+                           f"--data={doc}", f"--json={tmp_path}/{step}.json")
+    assert code == 0 and f"(step {step})" in err, err
+    nll[step] = json.loads((tmp_path / f"{step}.json").read_text())["results"]["nll"]
+  want = corpus_ppl.corpus_perplexity(Scorer(step2), ByteTokenizer(), [doc.read_text()])["nll"]
+  assert math.isclose(nll[2], want, rel_tol=1e-6) and not math.isclose(nll[2], nll[3])
 
 
 def test_module_entry_points_in_subprocesses(trained, tmp_path):

@@ -130,6 +130,9 @@ def test_max_tokens_cuts_the_stream(model):
   np.testing.assert_allclose(out["nll"], nll.sum(), rtol=2e-5)
   with pytest.raises(EvalError, match="exceeds the model's max_seq_len"):
     corpus_ppl.corpus_perplexity(Scorer(model), tok, TEXTS, context=64)
+  for bad in (dict(context=0), dict(stride=0), dict(context=8, stride=9)):   # 0 is not "default"
+    with pytest.raises(EvalError, match="need context >= 1 and 1 <= stride <= context"):
+      corpus_ppl.corpus_perplexity(Scorer(model), tok, TEXTS, **bad)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,6 +219,28 @@ def test_attack_substitutes_uniformly_over_the_vocabulary():
         picked[i] += 1
         if o == "a":
           became[n] += 1
-  assert picked.sum() == 400 * 10 and abs(picked.mean() - 40) < 1e-9 and picked.std() < 12
+  assert picked.sum() == 400 * 10 and picked.std() < 12   # Binomial(400, 0.1): std 6 per position
   total = sum(became.values())
   assert all(abs(v / total - 1 / 3) < 0.06 for v in became.values()), became
+
+
+def test_detokenized_max_tokens_counts_the_original_words(model, tmp_path):
+  """--detokenize with --max_tokens: the cut document ends at its last complete line and its word
+  count is that of the original lines (detokenized, line 0 has 5 words, originally 10)."""
+  lines = [" 1 @,@ 000 people ( about ) live here . \n", " It is a well @-@ known town . \n",
+           " The end . \n"]
+  path = tmp_path / "w.tokens"
+  path.write_text("".join(lines))
+  corpus = corpora.read_corpus(str(path), detokenize=True)
+  detok = [corpora.detokenize_wikitext(line) for line in lines]
+  assert corpus.documents == ["".join(detok)] and corpus.originals == ["".join(lines)]
+  assert detok[0] == " 1,000 people (about) live here. \n"
+  tok = ByteTokenizer()
+  kept = detok[0] + detok[1]
+  out = corpus_ppl.corpus_perplexity(Scorer(model, batch_size=3), tok, corpus.documents,
+                                     words=corpus.words, originals=corpus.originals,
+                                     max_tokens=len(tok.encode(kept)) + 5)   # inside line 2
+  assert (out["tokens"], out["bytes"]) == (len(kept), len(kept))
+  assert out["words"] == (10 + 1) + (8 + 1)                              # words + line ends
+  np.testing.assert_allclose(out["nll"], naive_nll(model, tok.encode(kept), tok.eos_id, 32, 32).sum(),
+                             rtol=2e-5)

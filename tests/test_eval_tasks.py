@@ -113,6 +113,10 @@ def test_bad_task_entries(tmp_path):
     taskspec.parse_task_list("piqa,piqa")
   with pytest.raises(FileNotFoundError, match="task spec file not found"):
     taskspec.parse_task_list(str(tmp_path / "none.yaml"))
+  mc = _jsonl(tmp_path / "mc.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])
+  for limit in (0, -3):   # not "mc.jsonl: no records": the file is fine
+    with pytest.raises(EvalError, match=f"task 'mc': limit={limit} must be >= 1"):
+      harness.prepare(taskspec.TaskSpec("mc", "multiple_choice", mc), limit=limit)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,3 +258,20 @@ def test_trailing_context_space_moves_to_the_continuation():
   assert encode_requests(tok, [("Answer: ", "B"), ("", " x")]) == [
       (list(b"Answer:"), list(b" B")), ([tok.eos_id], list(b" x"))]
   assert encode_requests(tok, [("q", " a")], bos_id=7) == [([7] + list(b"q"), list(b" a"))]
+
+
+def test_continuation_ids_are_the_tail_of_the_whole_encoding(tmp_path):
+  """As lm-eval's Hugging Face models: a continuation's ids are those of context + continuation
+  after the context's own. With a Llama-2-style tokenizer (a "▁" prepended to the text, spaces as
+  "▁") " B" after "A:" is the one token "▁B", while " B" encoded alone is "▁", "▁B"."""
+  from tokenizers import Tokenizer, models, normalizers
+
+  from umoe_jax.data.tokenizer import HFTokenizer
+  from umoe_jax.eval.scoring import encode_requests
+  vocab = {"<unk>": 0, "</s>": 1, "▁": 2, "A": 3, "B": 4, ":": 5, "▁A": 6, "▁B": 7}
+  hf = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "A"), ("▁", "B")], unk_token="<unk>"))
+  hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  hf.save(str(tmp_path / "tokenizer.json"))
+  tok = HFTokenizer(str(tmp_path / "tokenizer.json"), eos_token="</s>")
+  assert tok.encode(" B") == [2, 7] and tok.encode("A: B") == [6, 5, 7]
+  assert encode_requests(tok, [("A: ", "B"), ("A:", " B")], bos_id=1) == [([1, 6, 5], [7])] * 2

@@ -583,7 +583,7 @@ def test_init_from_converted_checkpoint(real_run, tmp_path):
   """A converted official-layout checkpoint (config.json + params/) initialises the backbone with
   its exact parameters; it names no tokenizer, so data.tokenizer is required."""
   from umoe_jax.interop.official import save_converted
-  from umoe_jax.model.decode import load_model
+  from umoe_jax.load import load_model
   paths, info, _ = real_run
   lm, section, _ = load_model(paths["pretrained"])
   converted = save_converted(lm, section, str(tmp_path / "converted"))

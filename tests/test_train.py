@@ -366,7 +366,7 @@ def _close_orphaned_orbax_reads():
 def test_failed_resume_keeps_config_json(straight_run, tmp_path):
   """A resume that fails because the model changed leaves config.json describing the checkpoints,
   so the run can still be loaded (and resumed with its old config)."""
-  from umoe_jax.model import decode
+  from umoe_jax import load
   straight_dir, _ = straight_run
   workdir = str(tmp_path / "run")
   shutil.copytree(straight_dir, workdir)
@@ -382,7 +382,7 @@ def test_failed_resume_keeps_config_json(straight_run, tmp_path):
   assert json.load(open(config_file))["model"]["d_model"] == 32
   assert not glob.glob(os.path.join(workdir, "config.json.tmp*"))
   assert ckpt_lib.complete_steps(os.path.join(workdir, "checkpoints")) == [4, 6, 8]
-  model, section, _ = decode.load_model(workdir)
+  model, section, _ = load.load_model(workdir)
   assert section.d_model == 32
   np.testing.assert_array_equal(np.asarray(model.embed.value),
                                 _saved_state(straight_dir, NUM_STEPS)["params"]["embed"])

@@ -4,11 +4,11 @@
   python -m umoe_jax.generate --config=configs/umoe_tiny.py --prompt="abc" --prompt="hello"   # random init
   python -m umoe_jax.generate --checkpoint=DIR --prompt="..." --temperature=0.8 --top_p=0.95 --seed=1
 
---checkpoint accepts
+--checkpoint accepts (`umoe_jax.load`)
   * a converted official checkpoint (`python -m umoe_jax.interop.official --output=DIR`):
     DIR/config.json {"model": ...} + DIR/params (Orbax);
-  * a training workdir (DIR/config.json + DIR/checkpoints/<step>/state; the latest step is used) or
-    its checkpoints/ directory.
+  * a training workdir (DIR/config.json + DIR/checkpoints/<step>/state; the latest step is used),
+    its checkpoints/ directory, or one step's directory DIR/checkpoints/<step>.
 The architecture comes from the checkpoint's config.json; --config is needed only without one (or
 without a checkpoint: random parameters, `--seed`). The tokenizer is --tokenizer, else the config's
 `data.tokenizer` (the experiment config of a workdir or of --config), else the byte tokenizer; a
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py); "
@@ -40,39 +40,32 @@ _COMPUTE_DTYPE = flags.DEFINE_string("compute_dtype", "float32", "Compute dtype 
                                      '("" = keep the config\'s).')
 
 
-def _tokenizer_spec(saved, config) -> tuple[str, str]:
-  if _TOKENIZER.value:
-    return _TOKENIZER.value, ""
-  for source in (saved, config.to_dict() if config is not None else None):
-    data = (source or {}).get("data") or {}
-    if data.get("tokenizer"):
-      return data["tokenizer"], data.get("eos_token", "") or ""
-  return "byte", ""
-
-
 def main(argv) -> int:
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
   if not _PROMPT.value:
     raise SystemExit("--prompt is required")
-  from umoe_jax.data.tokenizer import check_vocab, make_tokenizer
-  from umoe_jax.model.decode import generate, load_model
+  if not flags.FLAGS["verbosity"].present:  # Orbax's INFO lines would bury the continuations
+    logging.set_verbosity(logging.WARNING)
+  from umoe_jax.load import LoadError, load_model_and_tokenizer
+  from umoe_jax.model.decode import generate
 
-  config = _CONFIG.value
-  if _CHECKPOINT.value is None and config is None:
-    raise SystemExit("give --checkpoint=DIR, or --config=configs/<model>.py for random parameters")
-  model, model_section, saved = load_model(_CHECKPOINT.value, config, seed=_SEED.value,
-                                           compute_dtype=_COMPUTE_DTYPE.value or None)
+  try:
+    model, tokenizer, info = load_model_and_tokenizer(
+        _CHECKPOINT.value, _CONFIG.value, tokenizer=_TOKENIZER.value, seed=_SEED.value,
+        compute_dtype=_COMPUTE_DTYPE.value or None)
+  except LoadError as e:
+    raise SystemExit(f"error: {e}") from None
   if _CHECKPOINT.value is None:
     print("(no --checkpoint: random parameters)", file=sys.stderr)
-  spec, eos_token = _tokenizer_spec(saved, config)
-  tokenizer = make_tokenizer(spec, eos_token)
-  check_vocab(tokenizer, model_section.vocab_size)
   prompts = [([_BOS.value] if _BOS.value is not None else []) + tokenizer.encode(p)
              for p in _PROMPT.value]
-  out = generate(model, prompts, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
-                 top_p=_TOP_P.value, seed=_SEED.value,
-                 eos_id=tokenizer.eos_id if _STOP_AT_EOS.value else None)
+  try:
+    out = generate(model, prompts, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
+                   top_p=_TOP_P.value, seed=_SEED.value,
+                   eos_id=tokenizer.eos_id if _STOP_AT_EOS.value else None)
+  except ValueError as e:  # prompt + max_new_tokens over max_seq_len, an empty prompt, top_p
+    raise SystemExit(f"error: {e}") from None
   for ids in out.sequences():
     if _STOP_AT_EOS.value and ids and ids[-1] == tokenizer.eos_id:
       ids = ids[:-1]

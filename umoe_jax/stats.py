@@ -117,6 +117,7 @@ import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from umoe_jax.config import ModelConfig, model_config, resolve, router_mixing
+from umoe_jax.output import text_table
 from umoe_jax.registry import Registry
 
 # Parameter components, in table order.
@@ -792,7 +793,7 @@ def format_table(s: dict) -> str:
                "" if p["check"] == "skipped" else f"{p['total']:,}", p["check"]))
   rows.append(("  non-embedding", human(p["total_non_embedding"]),
                human(p["active_non_embedding"]), "", "", ""))
-  lines += _columns(rows) + [""]
+  lines += text_table(rows) + [""]
 
   rule = "T(T+1)/2 visible pairs" if mac["causal"] else "full T x T attention, as the paper"
   rows = [(f"Forward MACs (B={mac['batch']}, T={mac['seq_len']}; {rule})", "MACs", "share")]
@@ -800,7 +801,7 @@ def format_table(s: dict) -> str:
     rows.append(("  " + n, human(v), f"{100 * v / mac['forward']:.1f}%"))
   rows.append(("  total", human(mac["forward"]), "100.0%"))
   rows.append(("  per token", human(mac["forward_per_token"]), ""))
-  lines += _columns(rows) + [""]
+  lines += text_table(rows) + [""]
   lines.append(f"Forward FLOPs (2 x MACs): {human(fl['forward'])}   "
                f"training FLOPs per token (3 x forward): {human(fl['train_per_token'])}")
   lines.append("")
@@ -823,15 +824,6 @@ def format_table(s: dict) -> str:
     lines += ["", "WARNING: the real model and the analytic count differ: "
               + json.dumps(p["mismatches"])]
   return "\n".join(lines)
-
-
-def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  out = []
-  for r in rows:
-    cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-    out.append("  ".join(cells).rstrip())
-  return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
   routing.py     the statistics (pure numpy): fluctuation, Jaccard, entropy, load, consistency,
                  attention / FFN overlap of a shared pool
   probe.py       the probe tokens and every router's picks from a forward pass
-  checkpoints.py which checkpoints, their model configs (same shapes), their parameters
+  checkpoints.py which checkpoints, their model configs (same shapes; reading: umoe_jax/load.py)
   report.py      the report dict (JSON) and its text tables
   plots.py       matplotlib figures (load heatmap, fluctuation, loss curves)
   training.py    the trainer's probe: fluctuation at every evaluation (TensorBoard, metrics.jsonl)
-  __main__.py    python -m umoe_jax.analysis routing --checkpoints=A,B,... (see there)
+  cli.py         `analyze` (the whole analysis) and the command python -m umoe_jax.analysis routing
+                 --checkpoints=A,B,... (see there)
 """

@@ -1,33 +1,27 @@
-"""Which checkpoints a routing analysis reads, their model configs, and their parameters.
+"""Which checkpoints a routing analysis compares, and whether their models have the same shapes.
 
-A checkpoint spec is a comma-separated list; each item (glob patterns expanded, sorted by step) is
-  * a training step directory, `<workdir>/checkpoints/<step>` (its run's `<workdir>/config.json`);
-  * a training workdir, or its `checkpoints/` directory: the latest complete step;
-  * a converted checkpoint (`python -m umoe_jax.interop.official`): `<dir>/params` + `<dir>/config.json`.
-Items are compared in the order given ("consecutive" = neighbours in that list).
+A checkpoint spec is a comma-separated list; each item (glob patterns expanded, sorted by step,
+saves still in progress left out) is
+a checkpoint directory as `umoe_jax.load.resolve_checkpoint` reads it: a training step
+(`<workdir>/checkpoints/<step>`), a training workdir or its `checkpoints/` directory (the latest
+complete step), or a converted checkpoint. Items are compared in the order given ("consecutive" =
+neighbours in that list); their parameters are read with `umoe_jax.load.load_params`.
 
 All checkpoints must have parameters of the same shapes (`check_same_shapes` names the config keys
 that differ); other differences (e.g. the router kind) are reported and the analysis goes on.
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
+
+import orbax.checkpoint as ocp
+
+from umoe_jax.load import CheckpointRef, LoadError, flatten, resolve_checkpoint
 
 # Model keys that change numerics or kernels, not what is computed: ignored when comparing models.
 NUMERICS_KEYS = ("compute_dtype", "param_dtype", "gmm_backend", "attention.core")
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointRef:
-  path: str                 # the directory as resolved (a step directory or a converted checkpoint)
-  kind: str                 # "step" | "converted"
-  step: Optional[int]       # training step (None for a converted checkpoint)
-  run: str                  # the workdir (or the converted directory)
-  config: dict              # the run's config.json (experiment config, or {"model": ...})
 
 
 def labels(refs: Sequence[CheckpointRef]) -> list[str]:
@@ -41,47 +35,6 @@ def labels(refs: Sequence[CheckpointRef]) -> list[str]:
   return out
 
 
-def _read_config(directory: str, what: str) -> dict:
-  path = os.path.join(directory, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{what} has no config.json (expected {path}): cannot tell its model")
-  try:
-    with open(path, encoding="utf-8") as f:
-      config = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON ({e})") from None
-  if "model" not in config:
-    raise ValueError(f"{path} has no 'model' section")
-  return config
-
-
-def _step_dirs(checkpoints_dir: str) -> list[int]:
-  from umoe_jax.train.checkpoint import complete_steps
-  return complete_steps(checkpoints_dir)
-
-
-def _resolve_one(path: str) -> CheckpointRef:
-  from umoe_jax.train.checkpoint import CHECKPOINT_DIR
-
-  path = os.path.abspath(os.path.expanduser(path))
-  if not os.path.isdir(path):
-    raise ValueError(f"checkpoint {path!r}: no such directory")
-  if os.path.isdir(os.path.join(path, "params")):
-    return CheckpointRef(path, "converted", None, path, _read_config(path, f"checkpoint {path!r}"))
-  name = os.path.basename(path)
-  parent = os.path.dirname(path)
-  if name.isdigit() and os.path.isdir(os.path.join(path, "state")):
-    workdir = os.path.dirname(parent)
-    return CheckpointRef(path, "step", int(name), workdir,
-                         _read_config(workdir, f"checkpoint {path!r} (run {workdir})"))
-  ckpt_dir = path if name == CHECKPOINT_DIR else os.path.join(path, CHECKPOINT_DIR)
-  steps = _step_dirs(ckpt_dir)
-  if not steps:
-    raise ValueError(f"checkpoint {path!r} is neither a training workdir with checkpoints, a "
-                     f"<workdir>/checkpoints/<step> directory, nor a converted checkpoint (params/)")
-  return _resolve_one(os.path.join(ckpt_dir, str(steps[-1])))
-
-
 def resolve(spec: str | Sequence[str]) -> list[CheckpointRef]:
   """The checkpoints of a comma-separated spec (or a list of items), in order; see the docstring."""
   items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
@@ -93,20 +46,13 @@ def resolve(spec: str | Sequence[str]) -> list[CheckpointRef]:
       matches = glob.glob(os.path.expanduser(item))
       if not matches:
         raise ValueError(f"checkpoint pattern {item!r} matches nothing")
-      found = [_resolve_one(m) for m in matches if os.path.isdir(m)]
+      # a save in progress (<step>.orbax-checkpoint-tmp-<t>, while the run trains) is no step yet
+      found = [resolve_checkpoint(m) for m in matches
+               if os.path.isdir(m) and not ocp.step.is_tmp_checkpoint(m)]
       refs += sorted(found, key=lambda r: (r.run, r.step if r.step is not None else -1))
     else:
-      refs.append(_resolve_one(item))
+      refs.append(resolve_checkpoint(item))
   return refs
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  if isinstance(tree, dict):
-    out = {}
-    for k, v in tree.items():
-      out.update(_flatten(v, f"{prefix}{k}."))
-    return out
-  return {prefix[:-1]: tree}
 
 
 def model_configs(refs: Sequence[CheckpointRef]) -> list[Any]:
@@ -116,6 +62,9 @@ def model_configs(refs: Sequence[CheckpointRef]) -> list[Any]:
   from umoe_jax.config import ConfigError, model_config
   out = []
   for r in refs:
+    if r.config is None:
+      raise LoadError(f"checkpoint {r.path!r} has no config.json (expected {r.config_path}): "
+                      "cannot tell its model")
     try:
       out.append(model_config(ml_collections.ConfigDict(r.config["model"])))
     except ConfigError as e:
@@ -126,7 +75,7 @@ def model_configs(refs: Sequence[CheckpointRef]) -> list[Any]:
 def config_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
   """(key, value in a, value in b) of two ModelConfigs, numerics-only keys left out."""
   from umoe_jax.config import to_dict
-  fa, fb = _flatten(to_dict(a)), _flatten(to_dict(b))
+  fa, fb = flatten(to_dict(a)), flatten(to_dict(b))
   return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
           if fa.get(k) != fb.get(k) and k not in NUMERICS_KEYS]
 
@@ -137,7 +86,7 @@ def param_shapes(cfg: Any) -> dict[str, tuple]:
 
   from umoe_jax.model.lm import abstract_model
   state = nnx.to_pure_dict(nnx.state(abstract_model(cfg), nnx.Param))
-  return {k: tuple(v.shape) for k, v in _flatten(state).items()}
+  return {k: tuple(v.shape) for k, v in flatten(state).items()}
 
 
 def check_same_shapes(refs: Sequence[CheckpointRef], cfgs: Sequence[Any]) -> list[str]:
@@ -158,59 +107,3 @@ def check_same_shapes(refs: Sequence[CheckpointRef], cfgs: Sequence[Any]) -> lis
                        f"{refs[0].path}); {detail}. Compare checkpoints of one model")
     notes.append(f"note: {ref.path} differs from {refs[0].path} in {keys} (same shapes)")
   return notes
-
-
-def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
-  """The parameters of `ref` (pure dict on the first device) for the model whose abstract
-  parameters (nnx.State of ShapeDtypeStructs, `state.model_parts(cfg).abstract_params`) are given."""
-  import jax
-  import orbax.checkpoint as ocp
-  from flax import nnx
-
-  from umoe_jax.train import checkpoint as ckpt_lib
-
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                        nnx.to_pure_dict(abstract_params))
-  try:
-    if ref.kind == "converted":
-      shardings = jax.tree.map(lambda _: device, target)
-      return ckpt_lib.load_init_params(ref.path, abstract_params, shardings)
-    _check_saved_shapes(ref, target)
-    item = {"params": target}
-    restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(ref.path, "state"), args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True))
-    return restored["params"]
-  except ValueError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  (any unreadable or mismatched file)
-    raise ValueError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
-                     f"config.json ({type(e).__name__}: {str(e)[:300]})") from e
-
-
-def _saved_param_shapes(state_dir: str) -> Optional[dict[str, tuple]]:
-  """{parameter path: shape} from a step's Orbax metadata, or None if it cannot be read so."""
-  import orbax.checkpoint as ocp
-  try:
-    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
-    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
-    params = tree["params"]
-    return {k: tuple(v.shape) for k, v in _flatten(dict(params)).items()}
-  except Exception:  # pylint: disable=broad-except  (another Orbax layout: the restore decides)
-    return None
-
-
-def _check_saved_shapes(ref: CheckpointRef, target: Any) -> None:
-  """Compares a step's saved parameter shapes with the model's before reading any array: a
-  config.json that does not describe its checkpoint gets an error naming the parameter."""
-  saved = _saved_param_shapes(os.path.join(ref.path, "state"))
-  if saved is None:
-    return
-  want = {k: tuple(v.shape) for k, v in _flatten(target).items()}
-  for k in sorted(set(want) | set(saved)):
-    if saved.get(k) != want.get(k):
-      raise ValueError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
-                       f"config.json: parameter {k} is {saved.get(k) or 'missing'} in the "
-                       f"checkpoint, {want.get(k) or 'absent'} in the model")

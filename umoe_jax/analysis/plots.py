@@ -193,12 +193,12 @@ def fluctuation_figure(series: Mapping[str, tuple[Sequence[float], Sequence[floa
     ax.set_xlabel(xlabel)
     if xticklabels:
       ax.set_xticks(list(xticklabels), list(xticklabels.values()))
+    elif len(xs) <= 12:  # a tick at every measured step (a locator's would fall between them)
+      ax.set_xticks(xs, [f"{x:g}" for x in xs])
     else:
       ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if len(xs) == 1:  # one comparison: a column of points, centred
       ax.set_xlim(xs[0] - 1, xs[0] + 1)
-      if not xticklabels:
-        ax.set_xticks(xs)
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
   handles, names = ax_jac.get_legend_handles_labels()

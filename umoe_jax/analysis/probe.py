@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -145,9 +145,3 @@ def shared_pool_pairs(model_cfg: Any, names: Sequence[str]) -> list[tuple[int, s
     if att in present and ffn in present:
       pairs.append((i, att, ffn))
   return pairs
-
-
-def layer_counts(routes: Mapping[str, Routes]) -> dict[str, np.ndarray]:
-  """{router: picks per expert [E]} of collected routes."""
-  from umoe_jax.analysis.routing import expert_counts
-  return {name: expert_counts(r.expert_ids, r.n_experts) for name, r in routes.items()}

@@ -9,11 +9,10 @@ its text tables.
                      "shared_pool": {"layer_<i>": shared_pool_summary(...)}}],
     "fluctuation": [{"from", "to", "routers": {router: {"top1_change", "jaccard"}}}],
   }
-NaN (e.g. no repeated token id) is written as null in the JSON file.
+Written with `umoe_jax.output.write_json` (atomically; NaN, e.g. no repeated token id, as null).
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Mapping, Sequence
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from umoe_jax.analysis import routing
 from umoe_jax.analysis.probe import Routes, split_name
+from umoe_jax.output import text_table
 
 
 def shared_pool_summary(att: Routes, ffn: Routes) -> dict:
@@ -68,11 +68,7 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-  """A plain text table: first column left-aligned, the others right-aligned."""
-  widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-  line = lambda r: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                             for i, (c, w) in enumerate(zip(r, widths)))
-  return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+  return "\n".join(text_table([header, *rows], rule=True))
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -118,20 +114,3 @@ def format_report(report: Mapping[str, Any]) -> str:
                                rows)]
   return "\n".join(out)
 
-
-def _json_safe(x: Any) -> Any:
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  if isinstance(x, dict):
-    return {k: _json_safe(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_json_safe(v) for v in x]
-  if isinstance(x, np.generic):
-    return _json_safe(x.item())
-  return x
-
-
-def write_json(report: Mapping[str, Any], path: str) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(_json_safe(dict(report)), f, indent=1)
-    f.write("\n")

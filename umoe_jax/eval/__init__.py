@@ -3,6 +3,7 @@ lm-eval. Modules, one idea each:
 
   scoring      batched, bucketed log-likelihood of token windows (`Scorer`)
   tasks        JSONL readers: multiple choice, schema, lm (cloze); the known task files
+  jsonl        JSON-lines records with file:line errors (tasks, RACE, corpora)
   fewshot      k-shot prompts with lm-evaluation-harness's draw and delimiters
   taskspec     which tasks: names, PATH:KIND, YAML / JSON spec files
   harness      task metrics (acc, acc_norm, ppl) and `evaluate`
@@ -10,8 +11,7 @@ lm-eval. Modules, one idea each:
   corpora      perplexity corpora (parquet, jsonl, text, WikiText) and WikiText word counts
   corpus_ppl   sliding-window perplexity: token, word, bits per byte
   attack       seeded word-swap attack of a text
-  loading      model + tokenizer from a checkpoint, with clear errors (`EvalError`, `errors`)
-  results      tables and atomic JSON
+  errors       `EvalError`: bad input, printed by the CLI as one line (model loading: `umoe_jax.load`)
   lm_eval_adapter  the `umoe_jax` model for lm-evaluation-harness (optional dependency)
   perplexity   validation loss inside a training run (used by the trainer)
 """

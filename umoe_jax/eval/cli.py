@@ -7,8 +7,9 @@
   attack      clean vs word-swap-attacked perplexity of a corpus, side by side
   lm-eval     lm-evaluation-harness's own CLI with this library's model registered (`umoe_jax`)
 
-Common flags: --checkpoint (training workdir or converted checkpoint), --config (architecture when
-the checkpoint has no config.json, or alone for random parameters), --tokenizer, --bos_id,
+Common flags: --checkpoint (a training workdir, one of its checkpoints/<step>, or a converted
+checkpoint: `umoe_jax.load`), --config (architecture when the checkpoint has no config.json, or
+alone for random parameters), --tokenizer, --bos_id,
 --compute_dtype, --batch_size, --json (results written atomically at the end). `<command> --help`
 lists a command's flags. A bad input (unknown task, missing file, malformed line, too many shots, a
 checkpoint without config, a tokenizer larger than the model) prints one "error:" line and exits 1;
@@ -30,10 +31,10 @@ from umoe_jax.eval.attack import attack_documents
 from umoe_jax.eval.corpora import read_corpus
 from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
 from umoe_jax.eval.errors import EvalError
-from umoe_jax.eval.loading import load_for_eval
-from umoe_jax.eval.results import fmt, markdown_table, write_json
 from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
+from umoe_jax.load import LoadError, load_model_and_tokenizer
+from umoe_jax.output import fmt, markdown_table, write_json
 
 
 def _log(msg: str) -> None:
@@ -48,8 +49,8 @@ def _common_flags(fv: flags.FlagValues) -> None:
   config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py): the "
                                   "architecture when the checkpoint has no config.json, or alone "
                                   "for random parameters.", flag_values=fv)
-  flags.DEFINE_string("checkpoint", None, "Training workdir or converted checkpoint directory.",
-                      flag_values=fv)
+  flags.DEFINE_string("checkpoint", None, "Training workdir (its latest step), one of its "
+                      "checkpoints/<step> directories, or a converted checkpoint.", flag_values=fv)
   flags.DEFINE_string("tokenizer", None, '"byte" or a tokenizer.json (default: the config\'s '
                       "data.tokenizer, else byte).", flag_values=fv)
   flags.DEFINE_integer("bos_id", None, "Token id put before every context / document (1 for "
@@ -100,9 +101,11 @@ def _corpus_flags(fv) -> None:
 
 
 def _load(f):
-  model, tokenizer, info = load_for_eval(f.checkpoint, f.config, tokenizer=f.tokenizer,
-                                         seed=f.seed, compute_dtype=f.compute_dtype or None)
-  _log(f"model: {f.checkpoint or '(random parameters)'}; tokenizer: {info['tokenizer']}")
+  model, tokenizer, info = load_model_and_tokenizer(f.checkpoint, f.config, tokenizer=f.tokenizer,
+                                                    seed=f.seed,
+                                                    compute_dtype=f.compute_dtype or None)
+  step = f" (step {info['step']})" if info["step"] is not None else ""
+  _log(f"model: {f.checkpoint or '(random parameters)'}{step}; tokenizer: {info['tokenizer']}")
   return model, tokenizer, info
 
 
@@ -150,7 +153,7 @@ def cmd_perplexity(f):
   t0 = time.perf_counter()
   out = corpus_perplexity(Scorer(model, f.batch_size), tokenizer, corpus.documents,
                           words=corpus.words, context=f.context, stride=f.stride, bos_id=f.bos_id,
-                          max_tokens=f.max_tokens)
+                          max_tokens=f.max_tokens, originals=corpus.originals)
   out["seconds"] = round(time.perf_counter() - t0, 2)
   _log(f"{corpus.name}: {out['tokens']} tokens in {out['seconds']:.1f} s "
        f"(context {out['context']}, stride {out['stride']})")
@@ -162,14 +165,15 @@ def cmd_attack(f):
   corpus = _corpus(f)
   model, tokenizer, info = _load(f)
   # --max_tokens cuts the clean text first; the attack then hits only what is scored.
-  clean_docs, words, _ = truncate(tokenizer, corpus.documents, corpus.words, f.max_tokens)
+  clean_docs, words, _ = truncate(tokenizer, corpus.documents, corpus.words, f.max_tokens,
+                                  corpus.originals)
   attacked, stats = attack_documents(clean_docs, rate=f.rate, seed=f.attack_seed)
   scorer = Scorer(model, f.batch_size)
   clean, hit = (corpus_perplexity(scorer, tokenizer, docs, words=words, context=f.context,
                                   stride=f.stride, bos_id=f.bos_id)
                 for docs in (clean_docs, attacked))
-  _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} words scored substituted "
-       f"(rate {f.rate}, seed {f.attack_seed})")
+  _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} whitespace-separated words "
+       f"scored substituted (rate {f.rate}, seed {f.attack_seed})")
   rows = [("metric", "clean", "attacked")] + [(k, fmt(clean[k]), fmt(hit[k])) for k in _PPL_ROWS
                                               if k in clean]
   return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, attack=stats,
@@ -266,7 +270,7 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
   try:
     _check_json_path(fv.json)
     table, payload = run(fv)
-  except (EvalError, FileNotFoundError) as e:
+  except (EvalError, LoadError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   print(table, flush=True)

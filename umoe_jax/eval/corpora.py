@@ -25,13 +25,13 @@ inside brackets and quotes, ...), for models trained on ordinary text.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Optional
 
 from umoe_jax.data.sources import resolve_files
 from umoe_jax.eval.errors import EvalError
+from umoe_jax.eval.jsonl import read_records
 
 FORMATS = ("auto", "parquet", "jsonl", "text", "wikitext")
 
@@ -41,6 +41,7 @@ class Corpus:
   name: str
   documents: list[str]                  # what is scored (detokenized if asked)
   words: Optional[list[int]] = None     # WikiText word count of each original document
+  originals: Optional[list[str]] = None  # with --detokenize: the documents before it, line for line
 
 
 def wikitext_words(text: str) -> int:
@@ -60,7 +61,8 @@ _DETOK_RULES = [
 
 
 def detokenize_wikitext(text: str) -> str:
-  """WikiText's tokenised form -> ordinary text (see `_DETOK_RULES`), line by line."""
+  """WikiText's tokenised form -> ordinary text (see `_DETOK_RULES`), line by line: no rule
+  matches a line end, so line i of the result is line i of `text` detokenized."""
   for pattern, repl in _DETOK_RULES:
     text = re.sub(pattern, repl, text)
   return text
@@ -88,19 +90,11 @@ def _read_text(path: str) -> str:
 
 def _read_jsonl(path: str, text_field: str) -> list[str]:
   docs = []
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, 1):
-      if not raw.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        rec = json.loads(raw.decode("utf-8"))
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EvalError(f"{where}: invalid JSON line ({e})") from None
-      if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
-        raise EvalError(f"{where}: expected an object with a string field {text_field!r} "
-                        "(--text_field)")
-      docs.append(rec[text_field])
+  for where, rec in read_records(path):
+    if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+      raise EvalError(f"{where}: expected an object with a string field {text_field!r} "
+                      "(--text_field)")
+    docs.append(rec[text_field])
   return docs
 
 
@@ -142,6 +136,8 @@ def read_corpus(path: str, fmt: str = "auto", *, text_field: str = "text",
   if not docs:
     raise EvalError(f"--data={path!r}: no text")
   words = [wikitext_words(d) for d in docs] if kind == "wikitext" else None
+  originals = None
   if kind == "wikitext" and detokenize:
-    docs = [detokenize_wikitext(d) for d in docs]
-  return Corpus(name=os.path.basename(os.path.normpath(path)), documents=docs, words=words)
+    originals, docs = docs, [detokenize_wikitext(d) for d in docs]
+  return Corpus(name=os.path.basename(os.path.normpath(path)), documents=docs, words=words,
+                originals=originals)

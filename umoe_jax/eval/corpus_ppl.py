@@ -26,7 +26,9 @@ Metrics (NLL in nats, summed over all scored tokens of all documents):
   mean_document_ppl  mean over documents of exp(document NLL / its tokens) (UMoE's FineWeb number)
 
 `max_tokens` scores only the first tokens of the corpus (documents in order, the last one cut);
-a cut document's bytes and words are counted on the decoded scored tokens.
+a cut document's bytes and words are counted on the decoded scored tokens. A detokenized WikiText
+document (`originals` given) is cut at its last complete line instead, and its words are those of
+the original lines (detokenizing merges words: "1 @,@ 000" is three, "1,000" one).
 """
 from __future__ import annotations
 
@@ -55,6 +57,12 @@ def rolling_windows(tokens: Sequence[int], prefix: int, context: int, stride: in
   return out
 
 
+def window_sizes(scorer: Scorer, context: Optional[int], stride: Optional[int]) -> tuple[int, int]:
+  """(context, stride) with their defaults: max_seq_len, and the context (0 is no default)."""
+  context = scorer.max_seq_len if context is None else context
+  return context, context if stride is None else stride
+
+
 def _safe_exp(x: float) -> float:
   return math.exp(min(x, 700.0))
 
@@ -64,8 +72,7 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
                             ) -> np.ndarray:
   """Sum of log p(token) over each document's tokens (float64 [D]); defaults: context =
   max_seq_len, stride = context."""
-  context = context or scorer.max_seq_len
-  stride = stride or context
+  context, stride = window_sizes(scorer, context, stride)
   if context > scorer.max_seq_len:
     raise EvalError(f"--context={context} exceeds the model's max_seq_len={scorer.max_seq_len}")
   owner, wins = [], []
@@ -79,11 +86,22 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
   return out
 
 
+def _first_lines(text: str, n: int) -> str:
+  """The first n lines of `text`, each with its line end."""
+  end = 0
+  for _ in range(n):
+    end = text.index("\n", end) + 1
+  return text[:end]
+
+
 def truncate(tokenizer, documents: Sequence[str], words: Optional[Sequence[int]],
-             max_tokens: Optional[int]) -> tuple[list[str], Optional[list[int]], list[list[int]]]:
+             max_tokens: Optional[int], originals: Optional[Sequence[str]] = None
+             ) -> tuple[list[str], Optional[list[int]], list[list[int]]]:
   """(documents, words, token lists) of the first `max_tokens` tokens (None: all) of the corpus:
   documents in order, the last one cut (its text then is the decoded scored tokens, and its words
-  those of that text); documents that encode to no tokens are dropped."""
+  those of that text; with `originals`, the detokenized documents' originals line for line, it
+  ends at its last complete line, with the words of those original lines); documents that encode
+  to no tokens are dropped."""
   if max_tokens is not None and max_tokens < 1:
     raise EvalError(f"--max_tokens={max_tokens} must be >= 1")
   texts, counts, token_lists = [], [], []
@@ -92,14 +110,26 @@ def truncate(tokenizer, documents: Sequence[str], words: Optional[Sequence[int]]
     toks = list(tokenizer.encode(doc))
     if not toks:
       continue
+    n_words = words[i] if words is not None else None
     cut = budget is not None and len(toks) > budget
     if cut:
-      toks = toks[:budget]
-      doc = tokenizer.decode(toks)
+      doc = tokenizer.decode(toks[:budget])
+      if originals is not None:
+        lines = doc.count("\n")              # complete lines among the scored tokens
+        doc = _first_lines(documents[i], lines)
+        n_words = wikitext_words(_first_lines(originals[i], lines))
+        toks = list(tokenizer.encode(doc))
+      else:
+        toks = toks[:budget]
+        n_words = wikitext_words(doc) if words is not None else None
+      if not toks:                            # the first line alone is over the budget
+        break
     texts.append(doc)
     token_lists.append(toks)
     if words is not None:
-      counts.append(wikitext_words(doc) if cut else words[i])
+      counts.append(n_words)
+    if cut:
+      break
     if budget is not None:
       budget -= len(toks)
       if budget <= 0:
@@ -112,9 +142,10 @@ def truncate(tokenizer, documents: Sequence[str], words: Optional[Sequence[int]]
 def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
                       words: Optional[Sequence[int]] = None, context: Optional[int] = None,
                       stride: Optional[int] = None, bos_id: Optional[int] = None,
-                      max_tokens: Optional[int] = None) -> dict:
+                      max_tokens: Optional[int] = None,
+                      originals: Optional[Sequence[str]] = None) -> dict:
   """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes", "words")."""
-  texts, counts, token_lists = truncate(tokenizer, documents, words, max_tokens)
+  texts, counts, token_lists = truncate(tokenizer, documents, words, max_tokens, originals)
   prefix = bos_id if bos_id is not None else tokenizer.eos_id
   ll = document_loglikelihoods(scorer, token_lists, prefix, context=context, stride=stride)
   lengths = np.array([len(t) for t in token_lists])
@@ -124,8 +155,7 @@ def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
          "token_ppl": _safe_exp(nll / n_tokens),
          "bits_per_byte": nll / (math.log(2) * max(n_bytes, 1)),
          "mean_document_ppl": float(np.mean([_safe_exp(x) for x in -ll / lengths])),
-         "context": context or scorer.max_seq_len,
-         "stride": stride or context or scorer.max_seq_len}
+         **dict(zip(("context", "stride"), window_sizes(scorer, context, stride)))}
   if counts is not None:
     out["words"] = sum(counts)
     out["word_ppl"] = _safe_exp(nll / out["words"])

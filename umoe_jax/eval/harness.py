@@ -33,10 +33,10 @@ from flax import nnx
 from umoe_jax.eval import fewshot, mmlu, race
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
-from umoe_jax.eval.results import fmt, markdown_table
 from umoe_jax.eval.scoring import (Request, Scorer, Window, bucket_lengths,  # noqa: F401 (re-exported)
                                    compile_count, encode_requests, pack, windows)
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
+from umoe_jax.output import fmt, markdown_table
 
 # ------------------------------------------------------------------------------------------------
 # Metrics
@@ -119,6 +119,9 @@ def prepare(spec: TaskSpec, *, num_fewshot: int = 0, limit: Optional[int] = None
   first_n, one PreparedTask per subject).
   """
   limit = spec.limit if spec.limit is not None else limit
+  if limit is not None and limit < 1:   # else every reader would report an empty file
+    raise EvalError(f"task {spec.name!r}: limit={limit} must be >= 1 (--limit, or the task "
+                    "spec's limit)")
   seed = spec.fewshot_seed if spec.fewshot_seed is not None else fewshot_seed
   if spec.kind == "mmlu":
     k = spec.num_fewshot if spec.num_fewshot is not None else 5

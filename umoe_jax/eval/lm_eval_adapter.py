@@ -16,9 +16,10 @@ model_args (all optional but one of checkpoint / config): checkpoint, config (a 
 tokenizer, bos_id, batch_size, compute_dtype (default float32), seed, max_gen_toks (default 256).
 
 The three request types run on this library's code, so they score exactly as our own commands:
-  loglikelihood          `Scorer.loglikelihood` on `encode_requests` (context and continuation
-                         encoded apart, a context's trailing spaces moved to the continuation, an
-                         empty context scored after EOS/BOS): the numbers of `umoe_jax.eval tasks`;
+  loglikelihood          `Scorer.loglikelihood` on `encode_requests` (lm-eval's Hugging Face
+                         encoding: a context's trailing spaces moved to the continuation, whose ids
+                         are the tail of the whole text's; an empty context scored after EOS/BOS):
+                         the numbers of `umoe_jax.eval tasks`;
   loglikelihood_rolling  `corpus_ppl.document_loglikelihoods` with context = stride = max_seq_len
                          after an EOS (BOS) prefix: lm-eval's rolling windows, and our `perplexity`;
   generate_until         `umoe_jax.model.decode.generate`, greedy unless do_sample / temperature > 0,
@@ -59,13 +60,14 @@ class UMoELM(LM):
                max_batch_size: Any = None, device: Any = None, *, model=None, tokenizer_obj=None):
     super().__init__()
     if model is None:
-      from umoe_jax.eval.loading import load_for_eval
+      from umoe_jax.load import load_model_and_tokenizer
       cfg = None
       if config:
         from umoe_jax.stats import load_config_file
         cfg = load_config_file(config)
-      model, tokenizer_obj, _ = load_for_eval(checkpoint, cfg, tokenizer=tokenizer,
-                                              seed=int(seed), compute_dtype=compute_dtype)
+      model, tokenizer_obj, _ = load_model_and_tokenizer(checkpoint, cfg, tokenizer=tokenizer,
+                                                         seed=int(seed),
+                                                         compute_dtype=compute_dtype)
     elif tokenizer_obj is None:
       raise EvalError("UMoELM(model=...) needs tokenizer_obj= too")
     if isinstance(batch_size, str) and batch_size.startswith("auto"):

@@ -24,6 +24,7 @@ import os
 import re
 from typing import Any, Optional
 
+from umoe_jax.eval.jsonl import read_records
 from umoe_jax.eval.tasks import MultipleChoice, TaskFormatError
 
 LETTERS = ("A", "B", "C", "D")
@@ -94,19 +95,8 @@ def read_articles(path: str, limit: Optional[int] = None) -> list[dict]:
     raise FileNotFoundError(f"RACE data not found: {path!r}")
   if not path.endswith(".jsonl"):
     return [_check_article(_read_json_file(path), path)]
-  out = []
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, 1):
-      if limit is not None and len(out) >= limit:
-        break
-      where = f"{path}:{lineno}"
-      if not raw.strip():
-        continue
-      try:
-        rec = json.loads(raw.decode("utf-8"))
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TaskFormatError(f"{where}: invalid JSON ({e})") from None
-      out.append(_check_article(rec, where))
+  out = [_check_article(rec, where)
+         for where, rec in read_records(path, limit, TaskFormatError)]
   if not out:
     raise TaskFormatError(f"{path}: no records")
   return out

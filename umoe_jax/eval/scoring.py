@@ -57,25 +57,29 @@ def bucket_lengths(max_seq_len: int, smallest: int = 32) -> tuple[int, ...]:
 
 def encode_requests(tokenizer, pairs: Sequence[tuple[str, str]],
                     bos_id: Optional[int] = None) -> list[tuple[list[int], list[int]]]:
-  """(context, continuation) strings -> token ids, each part encoded on its own.
+  """(context, continuation) strings -> token ids, as lm-evaluation-harness's Hugging Face models
+  encode them.
 
-  Trailing whitespace of a context moves to the front of its continuation (as lm-evaluation-harness
-  does: "Answer: " + "B" is scored as "Answer:" + " B"). `bos_id` is put before every context; an
-  empty context (and no BOS) becomes [eos_id].
+  Trailing whitespace of a context moves to the front of its continuation ("Answer: " + "B" is
+  scored as "Answer:" + " B"); the continuation's ids are those of the whole text context +
+  continuation after the context's own ids (encoded alone, " B" can differ: a Llama-2-style
+  tokenizer prepends "▁" to every text it encodes). `bos_id` is put before every context; an empty
+  context (and no BOS) becomes [eos_id].
   """
-  contexts, continuations = [], []
+  contexts, wholes = [], []
   for context, continuation in pairs:
     stripped = context.rstrip()
     contexts.append(stripped)
-    continuations.append(context[len(stripped):] + continuation)
+    wholes.append(context + continuation)
   # One batch call each: the Rust tokenizer encodes in parallel; same ids as one by one.
-  ctx_ids, cont_ids = tokenizer.encode_batch(contexts), tokenizer.encode_batch(continuations)
+  ctx_ids, whole_ids = tokenizer.encode_batch(contexts), tokenizer.encode_batch(wholes)
   out = []
-  for continuation, ctx, cont in zip(continuations, ctx_ids, cont_ids):
+  for (context, continuation), ctx, whole in zip(pairs, ctx_ids, whole_ids):
+    cont = list(whole[len(ctx):])
     if not cont:
-      raise EvalError(f"continuation {continuation!r} encodes to no tokens")
+      raise EvalError(f"continuation {continuation!r} after {context[-40:]!r} encodes to no tokens")
     ctx = ([bos_id] if bos_id is not None else []) + list(ctx)
-    out.append((ctx or [tokenizer.eos_id], list(cont)))
+    out.append((ctx or [tokenizer.eos_id], cont))
   return out
 
 

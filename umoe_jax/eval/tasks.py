@@ -24,11 +24,11 @@ A malformed record raises `TaskFormatError` naming the file and line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Optional, Union
 
 from umoe_jax.eval.errors import EvalError
+from umoe_jax.eval.jsonl import read_records
 
 # Joins a context and its continuation (lm-evaluation-harness's target_delimiter).
 DELIMITER = " "
@@ -176,23 +176,8 @@ def read_jsonl(path: str, kind: str, limit: Optional[int] = None) -> list[Doc]:
   kind = resolve_kind(kind)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"eval file not found: {path!r}")
-  docs: list[Doc] = []
-  with open(path, "rb") as f:
-    for lineno, raw in enumerate(f, 1):
-      if limit is not None and len(docs) >= limit:
-        break
-      where = f"{path}:{lineno}"
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise TaskFormatError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-      if not line.strip():
-        continue
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise TaskFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-      docs.append(parse_record(kind, rec, where))
+  docs = [parse_record(kind, rec, where)
+          for where, rec in read_records(path, limit, TaskFormatError)]
   if not docs:
     raise TaskFormatError(f"{path}: no records")
   return docs

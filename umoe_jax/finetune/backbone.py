@@ -22,7 +22,7 @@ from umoe_jax.train import checkpoint as ckpt_lib
 
 def read_backbone(config: Any) -> tuple[ml_collections.ConfigDict, dict]:
   """(model section, the whole config.json dict) of init_from."""
-  from umoe_jax.model.decode import read_checkpoint_config
+  from umoe_jax.load import read_checkpoint_config
   path = os.path.expanduser(config.init_from)
   if not os.path.isdir(path):
     raise ConfigError(f"init_from={config.init_from!r}: no such directory")

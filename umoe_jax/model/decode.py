@@ -22,24 +22,19 @@ The cache holds, per layer and token, what the attention kind declares (`cache_s
 one key and the hidden state (or an MLA latent), MHA keys and values, MoA the shared key and value,
 SwitchHead each head's key and value after its expert V projection, post-mixing (1+K) of each.
 
-`load_model(checkpoint, config)` builds the model from a checkpoint directory: a converted official
-checkpoint (`umoe_jax.interop.official` CLI: config.json + params/) or a training workdir
-(config.json + checkpoints/<step>/state), or initialises it randomly from a config.
+A model from a checkpoint directory: `umoe_jax.load.load_model`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from umoe_jax.config import model_config
 from umoe_jax.model.cache import EMPTY, init_cache
 
 
@@ -191,82 +186,3 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
   out, lengths = jax.device_get((out, lengths))  # the only device -> host copy of the decoding
   return GenerateOutput(tokens=np.asarray(out), lengths=np.asarray(lengths), prompt_tokens=tokens,
                         prompt_positions=positions)
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading a model for generation.
-
-
-def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
-  """The JSON config of a checkpoint directory (converted: {"model": ...}; training workdir: the
-  experiment config), or None if it has none. A workdir's `checkpoints/` directory also works."""
-  for d in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
-    path = os.path.join(d, "config.json")
-    if os.path.isfile(path):
-      try:
-        with open(path, encoding="utf-8") as f:
-          return json.load(f)
-      except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{path} is not valid JSON ({e}); a training workdir or a converted "
-                         "checkpoint writes it") from None
-  return None
-
-
-def _check_checkpoint_dir(checkpoint: str) -> None:
-  """FileNotFoundError naming `checkpoint` and what it lacks, unless it holds parameters."""
-  from umoe_jax.config import ConfigError
-  from umoe_jax.train.checkpoint import init_from_checkpoints
-  if not os.path.exists(checkpoint):
-    raise FileNotFoundError(f"checkpoint directory {checkpoint!r} does not exist")
-  if not os.path.isdir(checkpoint):
-    raise FileNotFoundError(f"checkpoint {checkpoint!r} is a file; pass the directory (a training "
-                            "workdir or a converted checkpoint)")
-  try:
-    init_from_checkpoints(checkpoint)
-  except ConfigError:
-    raise FileNotFoundError(
-        f"checkpoint directory {checkpoint!r} holds no parameters: expected params/ (a converted "
-        "checkpoint) or checkpoints/<step>/ with a complete step (a training workdir)") from None
-
-
-def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,
-               compute_dtype: Optional[str] = None):
-  """(CausalLM, model ConfigDict, experiment config dict or None) for generation.
-
-  The architecture comes from the checkpoint's config.json when it has one, else from `config` (an
-  experiment ConfigDict with `.model`, or a model section). Parameters come from `checkpoint`
-  (converted layout `params/`, or the latest training step of a workdir) or, without a checkpoint,
-  are initialised randomly from `seed`.
-  """
-  import ml_collections
-
-  if checkpoint:
-    _check_checkpoint_dir(checkpoint)
-  saved = read_checkpoint_config(checkpoint) if checkpoint else None
-  if saved is not None:
-    model_section = ml_collections.ConfigDict(saved["model"] if "model" in saved else saved)
-  elif config is not None:
-    model_section = ml_collections.ConfigDict(
-        config.model.to_dict() if hasattr(config, "model") else dict(config))
-  elif checkpoint:
-    raise FileNotFoundError(
-        f"checkpoint directory {checkpoint!r} has no config.json (nor has its parent): a training "
-        "workdir and a converted checkpoint carry one; pass a config (--config=configs/<model>.py) "
-        "to give the architecture")
-  else:
-    raise ValueError("load_model needs a checkpoint directory or a config")
-  if compute_dtype:
-    model_section.compute_dtype = compute_dtype
-  cfg = model_config(model_section)
-
-  from umoe_jax.model.lm import CausalLM, abstract_model
-  if not checkpoint:
-    return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), model_section, saved
-  from umoe_jax.train.checkpoint import load_init_params
-  graphdef, abstract_params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(abstract_params))
-  params = load_init_params(os.path.abspath(checkpoint), abstract_params, shardings)
-  state = jax.tree.map(lambda x: x, abstract_params)
-  nnx.replace_by_pure_dict(state, params)
-  return nnx.merge(graphdef, state, rest), model_section, saved

@@ -1,0 +1,40 @@
+"""What the commands print and write (`umoe_jax.output`): tables against hand-built strings, and result
+files that are strict JSON and never half-written."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from umoe_jax import output
+
+
+def test_tables_by_hand():
+  rows = [("name", "n", "value"), ("arc_easy", "2,376", "0.25"), ("piqa", "7", "")]
+  assert output.text_table(rows) == ["name          n  value",
+                                     "arc_easy  2,376   0.25",
+                                     "piqa          7"]
+  assert output.text_table(rows, rule=True)[1] == "--------  -----  -----"
+  assert output.markdown_table(rows).splitlines() == ["| name     | n     | value |",
+                                                      "|----------|-------|-------|",
+                                                      "| arc_easy | 2,376 | 0.25  |",
+                                                      "| piqa     | 7     |       |"]
+  assert [output.fmt(x) for x in (1234567, 0.123456, 2.5e7, None, True, float("inf"))] == [
+      "1,234,567", "0.1235", "2.5000e+07", "", "True", "inf"]
+
+
+def test_write_json_is_strict_and_atomic(tmp_path):
+  path = tmp_path / "sub" / "results.json"
+  output.write_json(str(path), {"acc": np.float32(0.5), "n": np.int64(3), "ppl": float("nan"),
+                                "steps": (1, 2), 7: [float("-inf")]})
+  assert json.loads(path.read_text()) == {"acc": 0.5, "n": 3, "ppl": None, "steps": [1, 2],
+                                          "7": [None]}
+  assert os.stat(path).st_mode & 0o777 == 0o644
+  # A write that fails half-way (an object json cannot encode, after some output) leaves the
+  # previous file whole and no temporary file behind.
+  with pytest.raises(TypeError, match="not JSON serializable"):
+    output.write_json(str(path), {"a": list(range(1000)), "b": object()})
+  assert json.loads(path.read_text())["acc"] == 0.5
+  assert os.listdir(path.parent) == ["results.json"]

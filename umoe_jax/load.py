@@ -1,0 +1,240 @@
+"""A trained model from a checkpoint directory: which checkpoint, its config, its parameters, its
+tokenizer. The one reader for everything that loads a model to use it (generation, evaluation, the
+routing analysis; training restores its own state in `umoe_jax.train.checkpoint`).
+
+    model, tokenizer, info = load_model_and_tokenizer("runs/umoe_tiny")     # latest step
+    model, tokenizer, info = load_model_and_tokenizer("runs/umoe_tiny/checkpoints/200")
+    model, tokenizer, info = load_model_and_tokenizer(config=cfg)           # random parameters
+    ref = resolve_checkpoint(path); params = load_params(ref, abstract_params)
+
+A checkpoint directory is
+  * a training step, `<workdir>/checkpoints/<step>` (its model in `<workdir>/config.json`);
+  * a training workdir, or its `checkpoints/` directory: the latest complete step;
+  * a converted checkpoint (`python -m umoe_jax.interop.official`): `<dir>/params` + `<dir>/config.json`.
+The architecture is the checkpoint's config.json, else `config` (an experiment ConfigDict, e.g.
+`--config=configs/umoe_base.py`); without a checkpoint the parameters are random (`seed`). The
+tokenizer is `tokenizer` ("byte" or a tokenizer.json), else the checkpoint's (or config's)
+`data.tokenizer`, else "byte"; its ids must fit the model. Bad input raises `LoadError` (a
+ValueError) naming the directory or file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+CONFIG_FILE = "config.json"
+
+
+class LoadError(ValueError):
+  """A checkpoint, config or tokenizer cannot be loaded; the message names it and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+  path: str                 # the directory as resolved (a step directory or a converted checkpoint)
+  kind: str                 # "step" | "converted"
+  step: Optional[int]       # training step (None for a converted checkpoint)
+  run: str                  # the workdir (or the converted directory)
+  config: Optional[dict]    # the run's config.json (experiment config, or {"model": ...}); None: none
+
+  @property
+  def config_path(self) -> str:
+    return os.path.join(self.run, CONFIG_FILE)
+
+
+def _read_json(path: str) -> Optional[dict]:
+  """The JSON file `path`, or None when there is none; LoadError when it is not JSON."""
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise LoadError(f"{path} is not valid JSON ({e}); a training workdir or a converted "
+                    "checkpoint writes it") from None
+
+
+def _read_config(directory: str) -> Optional[dict]:
+  """<directory>/config.json, or None when there is none; LoadError when it is not a config."""
+  config = _read_json(os.path.join(directory, CONFIG_FILE))
+  if config is not None and (not isinstance(config, dict)
+                             or not isinstance(config.get("model"), dict)):
+    raise LoadError(f"{os.path.join(directory, CONFIG_FILE)} has no 'model' section")
+  return config
+
+
+def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
+  """The config.json of a checkpoint directory or of its parent (a workdir's `checkpoints/`) as
+  it is, or None when neither has one; LoadError when it is not JSON."""
+  for d in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
+    config = _read_json(os.path.join(d, CONFIG_FILE))
+    if config is not None:
+      return config
+  return None
+
+
+def resolve_checkpoint(path: str) -> CheckpointRef:
+  """The checkpoint a directory names (module docstring); LoadError when it names none."""
+  from umoe_jax.train.checkpoint import CHECKPOINT_DIR, complete_steps
+
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.isfile(path):
+    raise LoadError(f"checkpoint {path!r} is a file; pass the directory (a training workdir, one of "
+                    "its checkpoints/<step>, or a converted checkpoint)")
+  if not os.path.isdir(path):
+    raise LoadError(f"checkpoint {path!r}: no such directory")
+  if os.path.isdir(os.path.join(path, "params")):
+    return CheckpointRef(path, "converted", None, path, _read_config(path))
+  name = os.path.basename(path)
+  if name.isdigit() and os.path.isdir(os.path.join(path, "state")):
+    workdir = os.path.dirname(os.path.dirname(path))
+    return CheckpointRef(path, "step", int(name), workdir, _read_config(workdir))
+  ckpt_dir = path if name == CHECKPOINT_DIR else os.path.join(path, CHECKPOINT_DIR)
+  steps = complete_steps(ckpt_dir)
+  if not steps:
+    raise LoadError(f"checkpoint {path!r} holds no parameters: expected params/ (a converted "
+                    "checkpoint), checkpoints/<step>/ with a complete step (a training workdir), or "
+                    "a <workdir>/checkpoints/<step> directory")
+  return resolve_checkpoint(os.path.join(ckpt_dir, str(steps[-1])))
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{"a.b.c": leaf} of a nested dict."""
+  if isinstance(tree, dict):
+    out = {}
+    for k, v in tree.items():
+      out.update(flatten(v, f"{prefix}{k}."))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def _saved_param_shapes(state_dir: str) -> Optional[dict[str, tuple]]:
+  """{parameter path: shape} from a step's Orbax metadata, or None if it cannot be read so."""
+  import orbax.checkpoint as ocp
+  from etils import epath
+  try:  # the handler's metadata: the Checkpointer's also looks for step metadata (and warns)
+    meta = ocp.PyTreeCheckpointHandler().metadata(epath.Path(state_dir))
+    tree = getattr(meta, "tree", meta)
+    return {k: tuple(v.shape) for k, v in flatten(dict(tree["params"])).items()}
+  except Exception:  # pylint: disable=broad-except  (another Orbax layout: the restore decides)
+    return None
+
+
+def _check_saved_shapes(ref: CheckpointRef, target: Any) -> None:
+  """Compares a step's saved parameter shapes with the model's before reading any array: a
+  config.json that does not describe its checkpoint gets an error naming the parameter."""
+  saved = _saved_param_shapes(os.path.join(ref.path, "state"))
+  if saved is None:
+    return
+  want = {k: tuple(v.shape) for k, v in flatten(target).items()}
+  for k in sorted(set(want) | set(saved)):
+    if saved.get(k) != want.get(k):
+      raise LoadError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
+                      f"config: parameter {k} is {saved.get(k) or 'missing'} in the checkpoint, "
+                      f"{want.get(k) or 'absent'} in the model")
+
+
+def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
+  """The parameters of `ref` (pure dict on the first device) for the model whose abstract
+  parameters (nnx.State of ShapeDtypeStructs, `state.model_parts(cfg).abstract_params`) are given."""
+  import jax
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from umoe_jax.train import checkpoint as ckpt_lib
+
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                        nnx.to_pure_dict(abstract_params))
+  try:
+    if ref.kind == "converted":
+      shardings = jax.tree.map(lambda _: device, target)
+      return ckpt_lib.load_init_params(ref.path, abstract_params, shardings)
+    _check_saved_shapes(ref, target)
+    item = {"params": target}
+    restored = ocp.PyTreeCheckpointer().restore(
+        os.path.join(ref.path, "state"), args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True))
+    return restored["params"]
+  except LoadError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (any unreadable or mismatched file)
+    raise LoadError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
+                    f"config ({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,
+               compute_dtype: Optional[str] = None):
+  """(CausalLM, model ConfigDict, CheckpointRef or None) (module docstring).
+
+  `config`: an experiment ConfigDict (with `.model`) or a model section; used when the checkpoint
+  has no config.json, or without a checkpoint. `compute_dtype` overrides the config's.
+  """
+  import ml_collections
+  from flax import nnx
+
+  from umoe_jax.config import ConfigError, model_config
+  from umoe_jax.model.lm import CausalLM
+  from umoe_jax.train import state as state_lib
+
+  if checkpoint is None and config is None:
+    raise LoadError("give --checkpoint=DIR, or --config=configs/<model>.py for random parameters")
+  ref = resolve_checkpoint(checkpoint) if checkpoint is not None else None
+  if ref is not None and ref.config is not None:
+    section = ref.config["model"]
+  elif config is not None:
+    section = config.model.to_dict() if hasattr(config, "model") else dict(config)
+  else:
+    raise LoadError(f"checkpoint {ref.path!r} has no config.json (expected {ref.config_path}): "
+                    "pass --config=configs/<model>.py with its architecture")
+  section = ml_collections.ConfigDict(section)
+  if compute_dtype:
+    section.compute_dtype = compute_dtype
+  try:
+    cfg = model_config(section)
+  except ConfigError as e:
+    raise LoadError(f"the model config of {ref.config_path if ref else 'the config'} is invalid: "
+                    f"{e}") from None
+  if ref is None:
+    return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), section, None
+  parts = state_lib.model_parts(cfg)
+  params = load_params(ref, parts.abstract_params)
+  state = parts.abstract_params  # a fresh State: filled in place with the arrays
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(parts.graphdef, state), section, ref
+
+
+def tokenizer_spec(flag: Optional[str], saved: Optional[dict], config: Any = None
+                   ) -> tuple[str, str]:
+  """(tokenizer spec, eos token): the flag, else the data.tokenizer of the checkpoint's config.json
+  (`saved`) or of the experiment ConfigDict `config`, else "byte"."""
+  if flag:
+    return flag, ""
+  for source in (saved, config.to_dict() if hasattr(config, "to_dict") else None):
+    data = (source or {}).get("data") or {}
+    if data.get("tokenizer"):
+      return data["tokenizer"], data.get("eos_token", "") or ""
+  return "byte", ""
+
+
+def load_model_and_tokenizer(checkpoint: Optional[str] = None, config: Any = None, *,
+                             tokenizer: Optional[str] = None, seed: int = 0,
+                             compute_dtype: Optional[str] = "float32"):
+  """(CausalLM, tokenizer, info {"checkpoint", "step", "tokenizer", "model"}) (module docstring)."""
+  from umoe_jax.data.tokenizer import check_vocab, make_tokenizer
+
+  model, section, ref = load_model(checkpoint, config, seed=seed,
+                                   compute_dtype=compute_dtype or None)
+  spec, eos_token = tokenizer_spec(tokenizer, ref.config if ref else None, config)
+  try:
+    tok = make_tokenizer(spec, eos_token)
+    check_vocab(tok, section.vocab_size)
+  except (ValueError, OSError) as e:
+    raise LoadError(str(e)) from None
+  info = {"checkpoint": checkpoint, "step": ref.step if ref else None, "tokenizer": spec,
+          "model": {k: section.get(k) for k in ("vocab_size", "d_model", "n_layers", "max_seq_len",
+                                                "compute_dtype")}}
+  return model, tok, info
