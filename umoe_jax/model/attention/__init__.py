@@ -2,7 +2,7 @@
 
 Contract of a variant (a class registered in `ATTENTIONS`; its name and the traits config validation
 reads, e.g. whether it routes into the layer's expert pool, are one row of
-`umoe_jax.kinds.ATTENTION_KINDS`, its config checks are in `umoe_jax.config`):
+`umoe_jax.kinds.ATTENTION_KINDS`, its config checks are in `umoe_jax.config.checks`):
   cache_shapes(cfg: ModelConfig) -> {name: per-token shape}
                                               classmethod: what one layer caches per token for
                                               decoding (`umoe_jax.model.cache`)
