@@ -18,7 +18,7 @@ def validate_routers(cfg: ModelConfig) -> None:
       name = sorted(own)[0]
       what = f"attention.kind={cfg.attention.kind!r}" if sublayer == "attention" else f"ffn.kind={cfg.ffn.kind!r}"
       require(False, f"model.{sublayer}.router.{name}={own[name]!r}: that sub-layer has no router "
-             f"(model.{what})")
+              f"(model.{what})")
   for sublayer in cfg.routed_sublayers:
     _check_router_values(cfg.router_for(sublayer), cfg,
                          lambda key, s=sublayer: cfg.router_key(s, key))
@@ -26,22 +26,22 @@ def validate_routers(cfg: ModelConfig) -> None:
   kind = kinds.ROUTER_KINDS[cfg.router.kind]
   if not cfg.ffn_uses_experts and "attention" not in kind.sublayers:  # an FFN router, and no MoE FFN
     require(False, f"model.router.kind={cfg.router.kind!r} with model.ffn.kind={cfg.ffn.kind!r}: it "
-           "routes an MoE FFN (model.ffn.kind='moe')")
+            "routes an MoE FFN (model.ffn.kind='moe')")
   if cfg.router.share_att_ffn and cfg.routed_sublayers == SUBLAYERS:
     att, ffn = cfg.router_for("attention"), cfg.router_for("ffn")
     require(kinds.ROUTER_KINDS[att.kind].weights,
-           f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with {cfg.router_key('attention', 'kind')}="
-           f"{att.kind!r}: it has no weights to share")
+            f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with {cfg.router_key('attention', 'kind')}="
+            f"{att.kind!r}: it has no weights to share")
     rate_key = cfg.router_key("attention", "bias_update_rate")
     require(att.bias_update_rate == 0, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with "
-           f"{rate_key}={att.bias_update_rate!r}: one selection bias cannot follow two routers' loads")
+            f"{rate_key}={att.bias_update_rate!r}: one selection bias cannot follow two routers' loads")
     diff = sorted(k for k in overrides(cfg.attention.router).keys() | overrides(cfg.ffn.router).keys()
                   if getattr(att, k) != getattr(ffn, k))
     if diff:
       k = diff[0]
       require(False, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} needs one router for "
-             f"attention and FFN, but {cfg.router_key('attention', k)}={getattr(att, k)!r} and "
-             f"{cfg.router_key('ffn', k)}={getattr(ffn, k)!r} differ")
+              f"attention and FFN, but {cfg.router_key('attention', k)}={getattr(att, k)!r} and "
+              f"{cfg.router_key('ffn', k)}={getattr(ffn, k)!r} differ")
 
 
 def _check_router_placement(cfg: ModelConfig, sublayer: str) -> None:
@@ -51,23 +51,23 @@ def _check_router_placement(cfg: ModelConfig, sublayer: str) -> None:
   key = f"{cfg.router_key(sublayer, 'kind')}={router.kind!r}"
   if router.selection == "expert_choice":
     require(sublayer == "ffn", f"{cfg.router_key(sublayer, 'selection')}='expert_choice' on the "
-           "attention sub-layer: expert choice routes an MoE FFN (model.ffn.router.selection)")
+            "attention sub-layer: expert choice routes an MoE FFN (model.ffn.router.selection)")
     slots = router.expert_choice_slots
     require(slots is None or slots <= cfg.moe.n_experts,
-           f"{cfg.router_key(sublayer, 'expert_choice_slots')}={slots!r} exceeds model.moe.n_experts="
-           f"{cfg.moe.n_experts}")
+            f"{cfg.router_key(sublayer, 'expert_choice_slots')}={slots!r} exceeds model.moe.n_experts="
+            f"{cfg.moe.n_experts}")
   if sublayer not in kind.sublayers:
     what = ("reads the block's attention probabilities, which exist only after the attention"
             if kind.mixing == "attention" else "scores the experts of an MoE FFN")
     require(False, f"{key} with model.attention.kind={att.kind!r}: it {what}; route the attention "
-           "with another kind (model.attention.router.kind) or use model.attention.kind='mha' (an FFN-MoE)")
+            "with another kind (model.attention.router.kind) or use model.attention.kind='mha' (an FFN-MoE)")
   if router_mixing(router) == "attention":
     require(sublayer == "ffn", f"{cfg.router_key(sublayer, 'mixing')}='attention' on the attention "
-           "sub-layer: it reads the block's attention probabilities, which exist only after the "
-           "attention; mix the FFN's router (model.ffn.router.mixing)")
+            "sub-layer: it reads the block's attention probabilities, which exist only after the "
+            "attention; mix the FFN's router (model.ffn.router.mixing)")
     require(kinds.ATTENTION_KINDS[att.kind].exposes_attention_probs,
-           f"{key} with model.attention.kind={att.kind!r}: its attention does not expose its "
-           "probabilities; use model.attention.kind='mha' (an FFN-MoE)")
+            f"{key} with model.attention.kind={att.kind!r}: its attention does not expose its "
+            "probabilities; use model.attention.kind='mha' (an FFN-MoE)")
 
 
 def _check_router_values(router: RouterConfig, cfg: ModelConfig, key) -> None:
