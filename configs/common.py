@@ -15,7 +15,7 @@ Table 1 of the UMoE paper (official configs in github.com/ysngki/UMoE, `model_li
             no balance loss (same head shapes as `switchhead`)
   umoe_mla  umoe with MLA-style latent values (cache a latent of head_dim) (small-mla-UMoE-1024)
 
-Ablations are switches of a family's config (umoe_jax/config.py documents each key):
+Ablations are switches of a family's config (umoe_jax/config/schema.py documents each key):
   attention.kind="postmix" (post-mixing), moe.activation="none", moe.gated (SwiGLU experts),
   attention.top_k / ffn.top_k (expert allocation), ffn.kind="none" (all experts to attention),
   moe.share_always_on, router.share_att_ffn, moe.share_pool, moe.share_across_layers,

@@ -33,6 +33,11 @@ def test_sub_layers_build_their_own_router_kinds():
   assert stats.param_mismatches(cfg) == {}
   hashed = tiny_config("umoe", **{"ffn.router.kind": "hash"})
   assert stats.param_mismatches(hashed) == {}
+  # The aux-loss-free selection biases ([E] per router with a bias_update_rate) are counted.
+  biased = tiny_config("umoe", **{"attention.router.bias_update_rate": 1e-3})
+  assert stats.param_mismatches(biased) == {}
+  assert (stats.model_params(biased)["routers"] - stats.model_params(tiny_config("umoe"))["routers"]
+          == biased.moe.n_experts * biased.n_layers)
   assert stats.model_params(hashed)["routers"] < stats.model_params(tiny_config("umoe"))["routers"]
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
   logits, aux = nnx.jit(lambda m, t: m(t))(model, tokens)
@@ -137,6 +142,31 @@ def test_jitter_multiplies_the_router_input_only_with_a_key():
   assert not np.allclose(np.asarray(clean.probs), np.asarray(noisy.probs))
 
 
+def test_jitter_noise_is_drawn_per_router_of_a_sub_layer():
+  """SwitchHead's 2H routers (V and O of every head) share one sub-layer: with the same weights
+  they must still draw independent jitter noise (one key folded per router), so their noisy
+  distributions differ; without a key (evaluation) they agree exactly."""
+  from umoe_jax.model.attention import ATTENTIONS
+  from umoe_jax.model.routers import route_context
+  cfg = tiny_config("switchhead", **{"attention.n_experts": 4, "attention.top_k": 2,
+                                     "router.jitter_eps": 0.5})
+  att = random_module(lambda: ATTENTIONS.get("switchhead")(cfg, rngs=nnx.Rngs(params=0)), 12)
+  rng = np.random.default_rng(12)
+  w = rng.standard_normal((cfg.d_model, 4)) * 2
+  for r in (*att.v_experts.router, *att.o_experts.router):
+    r.kernel.set_value(jnp.asarray(w, jnp.float32))
+  x = jnp.asarray(rng.standard_normal((2, 5, cfg.d_model)), jnp.float32)
+  tokens, positions = jnp.zeros((2, 5), jnp.int32), jnp.broadcast_to(jnp.arange(5), (2, 5))
+  routes = lambda ctx: [np.asarray(o.probs) for o in att(x, positions, route_context=ctx)[1].values()]
+  clean = routes(route_context(tokens))
+  assert all(np.array_equal(p, clean[0]) for p in clean)
+  noisy = routes(route_context(tokens, rng=jax.random.key(13)))
+  assert len(noisy) == 2 * cfg.attention.n_heads
+  for i in range(len(noisy)):
+    for j in range(i):
+      assert np.abs(noisy[i] - noisy[j]).max() > 1e-3, (i, j)
+
+
 def test_selection_bias_moves_the_choice_not_the_gates():
   """top-k of probs + b picks the experts; the gates are the unbiased probabilities there."""
   b, t, d, e, k = 1, 6, 8, 5, 2
@@ -222,6 +252,10 @@ def test_train_step_bias_balancing_jitter_and_z_loss():
   host = jax.tree.map(np.asarray, m)
   scalars, _ = metrics_lib.summarize([host])
   assert scalars["train/z_loss"] == pytest.approx(z) and "moe/layer_0/ffn/bias_spread" in scalars
+  # The console line shows every term of the loss, the z-loss among them.
+  line = metrics_lib.console_line(3, 3, {**scalars, "perf/step_time_s": 0.1})
+  assert (f"(lm {scalars['train/lm_loss']:.4f} bal {scalars['train/balance_loss']:.4f} "
+          f"z {z:.4f})") in line, line
 
 
 # ------------------------------------------------------------------------------------------------

@@ -154,9 +154,11 @@ def _router_class(kind: str) -> type:
 def router_params(cfg: ModelConfig, n_experts: int, sublayer: str) -> int:
   """Parameters of one router of `sublayer` ("attention" / "ffn") over `n_experts` experts: its
   class's `param_count` (beside each router family in `umoe_jax.model.routers`; a D x E map unless
-  the family says otherwise), for the sub-layer's router config (`ModelConfig.router_for`)."""
+  the family says otherwise), for the sub-layer's router config (`ModelConfig.router_for`), plus
+  the aux-loss-free balancing's selection bias [E] when `router.bias_update_rate` > 0."""
   router = cfg.router_for(sublayer)
-  return _router_class(router.kind).param_count(cfg, router, n_experts)
+  bias = n_experts if router.bias_update_rate > 0 else 0
+  return _router_class(router.kind).param_count(cfg, router, n_experts) + bias
 
 
 def router_macs(cfg: ModelConfig, n_experts: int, sublayer: str) -> int:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.ops.gmm import gmm
+from umoe_jax.ops.varying import match_varying
 from umoe_jax.parallel import exchange, expert_parallel, mesh as mesh_lib
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
@@ -24,7 +25,7 @@ N, K, D, E, D_OUT = 512, 3, 64, 32, 48
 
 def _expert_fn(rows, group_sizes, w, *, tensor_axes):
   del tensor_axes
-  rows, w = expert_parallel.match_varying(rows, w)
+  rows, w = match_varying(rows, w)
   return jnp.tanh(gmm(rows, w, group_sizes, backend="xla"))
 
 

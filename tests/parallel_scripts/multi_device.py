@@ -28,6 +28,7 @@ from umoe_jax.config import model_config
 from umoe_jax.model import build_model
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
+from umoe_jax.ops.varying import match_varying
 from umoe_jax.parallel import exchange as exchange_lib, expert_parallel, mesh as mesh_lib, sharding
 
 LAYOUTS = ["data=8", "fsdp=8", "tensor=8", "expert=8", "data=2,expert=4", "fsdp=2,tensor=2,expert=2"]
@@ -98,7 +99,7 @@ def check_shardings():
 
 def _expert_fn(rows, group_sizes, w, *, tensor_axes):
   del tensor_axes
-  rows, w = expert_parallel.match_varying(rows, w)
+  rows, w = match_varying(rows, w)
   return jnp.tanh(gmm(rows, w, group_sizes, backend="xla"))
 
 

@@ -13,7 +13,7 @@ from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
-from umoe_jax.parallel import expert_parallel
+from umoe_jax.parallel import expert_parallel, expert_routes
 from umoe_jax.parallel import rules as ax
 
 
@@ -67,7 +67,7 @@ class ExpertPool(nnx.Module):
       [N, D].
     """
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
-      return expert_parallel.route_pool(self, x, expert_ids, gates)
+      return expert_routes.route_pool(self, x, expert_ids, gates)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
     dt = self.compute_dtype
     return routed_mlp(x.astype(dt), plan, gates, self.w_up.value.astype(dt),
@@ -109,7 +109,7 @@ class AoEExpertPool(nnx.Module):
 
   The K chosen codes are recomputed by the first grouped matmul (K/E of the scoring cost) instead
   of gathered from the router's [N, E, r] scores. Under a mesh the experts split over the expert
-  axes like `ExpertPool`'s (`expert_parallel.route_aoe_pool`); the scores' einsum over all experts
+  axes like `ExpertPool`'s (`expert_routes.route_aoe_pool`); the scores' einsum over all experts
   is partitioned by XLA.
   """
 
@@ -150,7 +150,7 @@ class AoEExpertPool(nnx.Module):
     """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]); x [N, D] or [N, K, D], expert_ids /
     gates [N, K] -> [N, D]."""
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
-      return expert_parallel.route_aoe_pool(self, x, expert_ids, gates)
+      return expert_routes.route_aoe_pool(self, x, expert_ids, gates)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
     return aoe_routed_mlp(x.astype(self.compute_dtype), plan, gates, *self.weights(),
                           activation=self.activation, backend=self.gmm_backend)

@@ -1,6 +1,8 @@
-"""The exact-size expert-parallel exchange ("ragged"): `jax.lax.ragged_all_to_all` of the routed rows.
+"""The expert-parallel token exchanges, per device, that `expert_parallel.expert_map` runs inside its
+shard_map: "ragged" (below), and the dense "all_to_all" / "all_gather" (at the end; described in
+`expert_parallel`'s module docstring).
 
-Used by `expert_parallel.expert_map` (exchange="ragged"). Per device (n tokens, K slots, M = n*K rows,
+"ragged", the exact-size exchange: `jax.lax.ragged_all_to_all` of the routed rows. Per device (n tokens, K slots, M = n*K rows,
 EP expert shards of E_local experts, D / D_out row widths in / out):
 
   1. the local dispatch sorts the device's M (token, slot) rows by global expert, so the rows for
@@ -53,7 +55,7 @@ it until it is measured (`expert_parallel.AUTO_RAGGED_PLATFORMS`).
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +79,8 @@ def ragged_impl(platform: str) -> str:
   return choice
 
 
-def _axis_arg(axes: Sequence[str]):
+def axis_arg(axes: Sequence[str]):
+  """The axis-name argument of a collective over mesh axes `axes`: the name alone, or the tuple."""
   axes = tuple(axes)
   return axes[0] if len(axes) == 1 else axes
 
@@ -209,7 +212,7 @@ def _dense_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                       axes: Sequence[str], impl: str, max_slice: int):
   """`jax.lax.ragged_all_to_all` over `axes` ("native") or its dense emulation ("dense")."""
-  axis = _axis_arg(axes)
+  axis = axis_arg(axes)
   args = (input_offsets.astype(jnp.int32), send_sizes.astype(jnp.int32),
           output_offsets.astype(jnp.int32), recv_sizes.astype(jnp.int32))
   output = vary_like(output, varying_axes(operand))
@@ -249,7 +252,7 @@ def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, local_fn: Callable,
     shard [EP]).
   """
   m, d = rows.shape
-  axis = _axis_arg(axes)
+  axis = axis_arg(axes)
   e_local = group_sizes.shape[0] // ep
   counts = group_sizes.reshape(ep, e_local).astype(jnp.int32)                  # [EP, E_l]
   with jax.named_scope("ep_ragged_counts"):
@@ -276,3 +279,94 @@ def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, local_fn: Callable,
                             lay.recv_sizes, lay.back_offsets, lay.send_sizes, axes=axes,
                             impl=impl, max_slice=slice_rows)                   # [M, D_out]
   return out, lay.dropped, lay.send_sizes.reshape(ep, -1).sum(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The dense exchanges ("all_to_all", "all_gather"; `expert_parallel`'s module docstring): fixed-size
+# collectives that run on every backend, CPU included.
+
+
+def fit_sizes(group_sizes: jax.Array, cap: int) -> jax.Array:
+  """Group sizes [..., G] clipped (along the last axis, in order) so that they sum to <= cap."""
+  return jnp.diff(jnp.minimum(jnp.cumsum(group_sizes, axis=-1), cap), axis=-1, prepend=0)
+
+
+def to_tokens(out: jax.Array, plan: dispatch.DispatchPlan, slots: int,
+               gates: Optional[jax.Array]) -> jax.Array:
+  """Expert-sorted outputs [M, D_out] -> [M/K, K, D_out] in (token, slot) order, or with gates
+  [M/K, K] their gate-weighted sum [M/K, D_out]."""
+  with jax.named_scope("combine"):
+    y = dispatch.unpermute(out, plan).reshape(-1, slots, out.shape[-1])
+    return y if gates is None else dispatch.combine(y, gates)
+
+
+def all_to_all_exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, cap):
+  """Steps 2-4 of "all_to_all" for one device: rows [M, D] sorted by global expert -> outputs
+  [M, D_out] (same order; dropped rows zero) and the number of dropped rows."""
+  m, d = rows.shape
+  e_local = group_sizes.shape[0] // ep
+  counts = group_sizes.reshape(ep, e_local)                                   # [EP, E_l]
+  send_total = counts.sum(axis=1)                                             # [EP]
+  start = jnp.cumsum(send_total) - send_total                                 # [EP]
+  slot = jnp.arange(cap, dtype=jnp.int32)                                     # [C]
+  kept = jnp.minimum(send_total, cap)                                         # [EP]
+  src = jnp.clip(start[:, None] + slot[None, :], 0, m - 1)                    # [EP, C]
+  valid = slot[None, :] < kept[:, None]                                       # [EP, C]
+  send = jnp.where(valid[..., None], jnp.take(rows, src, axis=0), 0).astype(rows.dtype)  # [EP, C, D]
+  sent_counts = fit_sizes(counts, cap)                                             # [EP, E_l]
+
+  with jax.named_scope("ep_all_to_all"):
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)                   # [EP, C, D]
+    recv_counts = jax.lax.all_to_all(sent_counts, axis, 0, 0, tiled=True)     # [EP, E_l]
+
+  # Local expert of every received row; padding rows get E_l and sort last.
+  recv_cum = jnp.cumsum(recv_counts, axis=1)                                  # [EP, E_l]
+  local_ids = jnp.sum(slot[None, :, None] >= recv_cum[:, None, :], axis=-1)   # [EP, C] in [0, E_l]
+  plan = dispatch.make_plan(local_ids.reshape(-1, 1), e_local + 1)            # over EP*C rows
+  local_rows = dispatch.permute(recv.reshape(ep * cap, d), plan, 1)           # [EP*C, D]
+  local_out = local_fn(local_rows, plan.group_sizes[:e_local], *weights)      # [EP*C, D_out]
+  back = dispatch.unpermute(local_out, plan).reshape(ep, cap, -1)             # [EP, C, D_out]
+
+  with jax.named_scope("ep_all_to_all"):
+    ret = jax.lax.all_to_all(back, axis, 0, 0, tiled=True)                    # [EP, C, D_out]
+
+  dest = expert_sorted // e_local                                             # [M]
+  pos = jnp.arange(m, dtype=jnp.int32) - start[dest]                          # [M]
+  ok = pos < cap
+  out = jnp.take(ret.reshape(ep * cap, -1), dest * cap + jnp.minimum(pos, cap - 1), axis=0)
+  out = jnp.where(ok[:, None], out, 0).astype(local_out.dtype)                # [M, D_out]
+  dropped = jnp.sum(jnp.maximum(send_total - cap, 0))
+  return out, dropped
+
+
+def all_gather_exchange(x, ids, gates, local_fn, weights, *, e_local, axes, cap):
+  """"all_gather" for one device: its tokens x [n, D] or [n, K, D], ids [n, K], gates [n, K] or
+  None -> (out [n, D_out] (gates None: [n, K, D_out]), number of rows this shard dropped)."""
+  k = ids.shape[1]
+  axis = axis_arg(axes)
+  with jax.named_scope("ep_all_gather"):
+    x_all = jax.lax.all_gather(x, axis, axis=0, tiled=True)                   # [EP*n, (K,) D]
+    ids_all = jax.lax.all_gather(ids, axis, axis=0, tiled=True)               # [EP*n, K]
+    gates_all = None if gates is None else jax.lax.all_gather(gates, axis, axis=0, tiled=True)
+  # This shard's index, linearised over `axes` like the collectives and the weights' EXPERT dim.
+  shard = jax.lax.axis_index(axis)
+  local = ids_all.astype(jnp.int32) - shard * e_local                         # [EP*n, K]
+  mine = (local >= 0) & (local < e_local)
+  plan = dispatch.make_plan(jnp.where(mine, local, e_local), e_local + 1)     # others sort last
+  with jax.named_scope("dispatch"):
+    rows = dispatch.permute(x_all, plan, k)                                   # [M = EP*n*K, D]
+  m = rows.shape[0]
+  cap = min(cap, m)
+  sizes = fit_sizes(plan.group_sizes[:e_local], cap)                               # [E_l]
+  kept = jnp.sum(sizes)
+  out = local_fn(rows[:cap], sizes, *weights)                                 # [M_buf, D_out]
+  # Rows past `kept` are other shards' slots, dropped rows or padding: local_fn may have left
+  # anything there, so select (garbage * 0 can be NaN).
+  out = jnp.pad(out, ((0, m - cap), (0, 0)))                                  # [M, D_out]
+  out = jnp.where(jnp.arange(m)[:, None] < kept, out, jnp.zeros((), out.dtype))
+  partial = to_tokens(out, plan, k, gates_all)                               # [EP*n, (K,) D_out]
+  with jax.named_scope("ep_reduce_scatter"):
+    y = jax.lax.psum_scatter(vary_like(partial, frozenset(axes)), axis, scatter_dimension=0,
+                             tiled=True)                                      # [n, (K,) D_out]
+  return y, jnp.sum(plan.group_sizes[:e_local]) - kept
+

@@ -1,8 +1,9 @@
 """Expert parallelism: routed experts split over the mesh's expert axes, tokens exchanged between them.
 
 Inside `use_mesh(...)` with more than one device, `ExpertPool.route` / `AoEExpertPool.route` and the
-pre-mixing attention's routed queries call `expert_map` instead of the single-device dispatch. `expert_map` is one
-`shard_map` over the whole mesh (the batch is split over the expert axes too). Two exchanges
+pre-mixing attention's routed queries call `expert_map` (through `expert_routes`) instead of the
+single-device dispatch. `expert_map` is one `shard_map` over the whole mesh (the batch is split over
+the expert axes too); each device runs one of the exchanges of `exchange.py`. Two dense exchanges
 (n = tokens per device, K = slots per token, D / D_out = row widths in / out, EP = expert-axes size,
 E_local = experts per shard):
 
@@ -86,10 +87,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from umoe_jax.ops import dispatch
-from umoe_jax.ops.gmm import gmm
-from umoe_jax.ops.varying import match_varying, vary_like
-from umoe_jax.parallel import exchange as ragged
+from umoe_jax.parallel import exchange as exchange_lib
 from umoe_jax.parallel import rules as ax
+from umoe_jax.parallel.exchange import axis_arg
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES as EXCHANGES
 from umoe_jax.parallel.sharding import current_context, normalize_rules
 
@@ -122,10 +122,6 @@ def _warn_once(message: str) -> None:
   if message not in _WARNED:
     _WARNED.add(message)
     logging.warning(message)
-
-
-def _axis_arg(axes: tuple[str, ...]):
-  return axes[0] if len(axes) == 1 else axes
 
 
 # Platforms on which "auto" takes "ragged" where it would take "all_to_all". Empty until measured on
@@ -161,91 +157,6 @@ def capacity(tokens_per_device: int, slots: int, ep: int, experts_per_shard: int
     return max(dropless, 1)
   balanced = senders * tokens_per_device * slots / ep
   return max(1, min(dropless, math.ceil(capacity_factor * balanced)))
-
-
-def _fit(group_sizes: jax.Array, cap: int) -> jax.Array:
-  """Group sizes [..., G] clipped (along the last axis, in order) so that they sum to <= cap."""
-  return jnp.diff(jnp.minimum(jnp.cumsum(group_sizes, axis=-1), cap), axis=-1, prepend=0)
-
-
-def _to_tokens(out: jax.Array, plan: dispatch.DispatchPlan, slots: int,
-               gates: Optional[jax.Array]) -> jax.Array:
-  """Expert-sorted outputs [M, D_out] -> [M/K, K, D_out] in (token, slot) order, or with gates
-  [M/K, K] their gate-weighted sum [M/K, D_out]."""
-  with jax.named_scope("combine"):
-    y = dispatch.unpermute(out, plan).reshape(-1, slots, out.shape[-1])
-    return y if gates is None else dispatch.combine(y, gates)
-
-
-def _all_to_all_exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, cap):
-  """Steps 2-4 of "all_to_all" for one device: rows [M, D] sorted by global expert -> outputs
-  [M, D_out] (same order; dropped rows zero) and the number of dropped rows."""
-  m, d = rows.shape
-  e_local = group_sizes.shape[0] // ep
-  counts = group_sizes.reshape(ep, e_local)                                   # [EP, E_l]
-  send_total = counts.sum(axis=1)                                             # [EP]
-  start = jnp.cumsum(send_total) - send_total                                 # [EP]
-  slot = jnp.arange(cap, dtype=jnp.int32)                                     # [C]
-  kept = jnp.minimum(send_total, cap)                                         # [EP]
-  src = jnp.clip(start[:, None] + slot[None, :], 0, m - 1)                    # [EP, C]
-  valid = slot[None, :] < kept[:, None]                                       # [EP, C]
-  send = jnp.where(valid[..., None], jnp.take(rows, src, axis=0), 0).astype(rows.dtype)  # [EP, C, D]
-  sent_counts = _fit(counts, cap)                                             # [EP, E_l]
-
-  with jax.named_scope("ep_all_to_all"):
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)                   # [EP, C, D]
-    recv_counts = jax.lax.all_to_all(sent_counts, axis, 0, 0, tiled=True)     # [EP, E_l]
-
-  # Local expert of every received row; padding rows get E_l and sort last.
-  recv_cum = jnp.cumsum(recv_counts, axis=1)                                  # [EP, E_l]
-  local_ids = jnp.sum(slot[None, :, None] >= recv_cum[:, None, :], axis=-1)   # [EP, C] in [0, E_l]
-  plan = dispatch.make_plan(local_ids.reshape(-1, 1), e_local + 1)            # over EP*C rows
-  local_rows = dispatch.permute(recv.reshape(ep * cap, d), plan, 1)           # [EP*C, D]
-  local_out = local_fn(local_rows, plan.group_sizes[:e_local], *weights)      # [EP*C, D_out]
-  back = dispatch.unpermute(local_out, plan).reshape(ep, cap, -1)             # [EP, C, D_out]
-
-  with jax.named_scope("ep_all_to_all"):
-    ret = jax.lax.all_to_all(back, axis, 0, 0, tiled=True)                    # [EP, C, D_out]
-
-  dest = expert_sorted // e_local                                             # [M]
-  pos = jnp.arange(m, dtype=jnp.int32) - start[dest]                          # [M]
-  ok = pos < cap
-  out = jnp.take(ret.reshape(ep * cap, -1), dest * cap + jnp.minimum(pos, cap - 1), axis=0)
-  out = jnp.where(ok[:, None], out, 0).astype(local_out.dtype)                # [M, D_out]
-  dropped = jnp.sum(jnp.maximum(send_total - cap, 0))
-  return out, dropped
-
-
-def _all_gather_exchange(x, ids, gates, local_fn, weights, *, e_local, axes, cap):
-  """"all_gather" for one device: its tokens x [n, D] or [n, K, D], ids [n, K], gates [n, K] or
-  None -> (out [n, D_out] (gates None: [n, K, D_out]), number of rows this shard dropped)."""
-  k = ids.shape[1]
-  axis = _axis_arg(axes)
-  with jax.named_scope("ep_all_gather"):
-    x_all = jax.lax.all_gather(x, axis, axis=0, tiled=True)                   # [EP*n, (K,) D]
-    ids_all = jax.lax.all_gather(ids, axis, axis=0, tiled=True)               # [EP*n, K]
-    gates_all = None if gates is None else jax.lax.all_gather(gates, axis, axis=0, tiled=True)
-  # This shard's index, linearised over `axes` like the collectives and the weights' EXPERT dim.
-  shard = jax.lax.axis_index(axis)
-  local = ids_all.astype(jnp.int32) - shard * e_local                         # [EP*n, K]
-  mine = (local >= 0) & (local < e_local)
-  plan = dispatch.make_plan(jnp.where(mine, local, e_local), e_local + 1)     # others sort last
-  with jax.named_scope("dispatch"):
-    rows = dispatch.permute(x_all, plan, k)                                   # [M = EP*n*K, D]
-  m = rows.shape[0]
-  cap = min(cap, m)
-  sizes = _fit(plan.group_sizes[:e_local], cap)                               # [E_l]
-  kept = jnp.sum(sizes)
-  out = local_fn(rows[:cap], sizes, *weights)                                 # [M_buf, D_out]
-  # Rows past `kept` are other shards' slots, dropped rows or padding: local_fn may have left
-  # anything there, so select (garbage * 0 can be NaN).
-  out = jnp.pad(out, ((0, m - cap), (0, 0)))                                  # [M, D_out]
-  out = jnp.where(jnp.arange(m)[:, None] < kept, out, jnp.zeros((), out.dtype))
-  partial = _to_tokens(out, plan, k, gates_all)                               # [EP*n, (K,) D_out]
-  with jax.named_scope("ep_reduce_scatter"):
-    y = jax.lax.psum_scatter(vary_like(partial, frozenset(axes)), axis, scatter_dimension=0,
-                             tiled=True)                                      # [n, (K,) D_out]
-  return y, jnp.sum(plan.group_sizes[:e_local]) - kept
 
 
 def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
@@ -334,21 +245,21 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
                      f"tokens per device ({n} tokens over {shards} batch shards)")
   n_chunk = n // shards // chunks
   cap = capacity(n_chunk, k, ep, e_local, capacity_factor, strategy)
-  impl = ragged.ragged_impl(platform) if strategy == "ragged" else None
-  slices = ragged.ragged_slices() if strategy == "ragged" else None
+  impl = exchange_lib.ragged_impl(platform) if strategy == "ragged" else None
+  slices = exchange_lib.ragged_slices() if strategy == "ragged" else None
 
   def weight_spec(names):
     spec = []
     for name in names:
       if name == ax.EXPERT and expert_axes:
-        spec.append(_axis_arg(expert_axes))
+        spec.append(axis_arg(expert_axes))
       elif name == ax.EXPERT_MLP and tensor_axes:
-        spec.append(_axis_arg(tensor_axes))
+        spec.append(axis_arg(tensor_axes))
       else:
         spec.append(None)
     return P(*spec)
 
-  bspec = _axis_arg(batch_axes) if batch_axes else None
+  bspec = axis_arg(batch_axes) if batch_axes else None
   x_spec = P(bspec, *([None] * (x.ndim - 1)))
   in_specs = (x_spec, P(bspec, None), P(bspec, None) if gates is not None else None,
               tuple(weight_spec(names) for names in weight_axes))
@@ -358,7 +269,7 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     """(y, rows dropped here, rows sent per expert shard [EP]) for one chunk of tokens."""
     sent = jnp.zeros((ep,), jnp.int32)
     if strategy == "all_gather":
-      y, dropped = _all_gather_exchange(x_l, ids_l, gates_l, fn, ws, e_local=e_local,
+      y, dropped = exchange_lib.all_gather_exchange(x_l, ids_l, gates_l, fn, ws, e_local=e_local,
                                         axes=expert_axes, cap=cap)
       sent = sent + math.prod(x_l.shape[:-1])
     elif strategy == "local" and fused_local is not None and gates_l is not None and not tensor_axes:
@@ -374,15 +285,15 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
         out = fn(rows, plan.group_sizes, *ws)                                 # [M, D_out]
         dropped = jnp.zeros((), jnp.int32)
       elif strategy == "ragged":
-        out, dropped, sent = ragged.ragged_exchange(
+        out, dropped, sent = exchange_lib.ragged_exchange(
             rows, plan.group_sizes, fn, ws, ep=ep, axes=expert_axes, cap=cap,
             tokens=ids_l.shape[0], impl=impl, slices=slices)
       else:
         expert_sorted = jnp.take(ids_l.reshape(-1).astype(jnp.int32), plan.order)
-        out, dropped = _all_to_all_exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
-                                            axis=_axis_arg(expert_axes), cap=cap)
+        out, dropped = exchange_lib.all_to_all_exchange(rows, expert_sorted, plan.group_sizes, fn, ws, ep=ep,
+                                            axis=axis_arg(expert_axes), cap=cap)
         sent = sent + cap
-      y = _to_tokens(out, plan, k, gates_l)                                   # [n, (K,) D_out]
+      y = exchange_lib.to_tokens(out, plan, k, gates_l)                                   # [n, (K,) D_out]
     return y, dropped.astype(jnp.int32), sent.astype(jnp.int32)
 
   def per_device(x_l, ids_l, gates_l, ws):
@@ -394,7 +305,7 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     dropped = sum(p[1] for p in parts)
     sent = sum(p[2] for p in parts)
     if batch_axes:
-      dropped = jax.lax.psum(dropped, _axis_arg(batch_axes))
+      dropped = jax.lax.psum(dropped, axis_arg(batch_axes))
     return y, dropped.astype(jnp.int32), sent[None]
 
   out_spec = P(bspec, None) if gates is not None else P(bspec, None, None)
@@ -408,131 +319,3 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     y, dropped, sent = run(x, expert_ids, gates, tuple(weights))
   return y, {"dropped_rows": dropped, "capacity": cap, "sent_rows": sent}
 
-
-# ----------------------------------------------------------------------------------------------
-# The model call sites: the pool (ExpertPool, AoEExpertPool) and the pre-mixing queries.
-
-
-def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, activation, dtype,
-                backend):
-  rows, w_up, w_down, *rest = match_varying(rows.astype(dtype), w_up, w_down,
-                                            *([] if w_gate is None else [w_gate]))
-  w_gate = rest[0] if rest else None
-  from umoe_jax.model.experts import expert_hidden
-  up = gmm(rows, w_up.astype(dtype), group_sizes, backend=backend)                       # [R, F_l]
-  gate = None if w_gate is None else gmm(rows, w_gate.astype(dtype), group_sizes, backend=backend)
-  h = expert_hidden(up, gate, activation)
-  if not tensor_axes:
-    return gmm(h, w_down.astype(dtype), group_sizes, backend=backend)                    # [R, D]
-  part = gmm(h, w_down.astype(dtype), group_sizes, backend=backend,
-             preferred_element_type=jnp.float32)                                         # partial
-  return jax.lax.psum(part, _axis_arg(tensor_axes)).astype(dtype)
-
-
-def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend):
-  from umoe_jax.model.experts import routed_mlp
-  x, gates, w_up, w_down, *rest = match_varying(
-      x.astype(dtype), gates, w_up.astype(dtype), w_down.astype(dtype),
-      *([] if w_gate is None else [w_gate.astype(dtype)]))
-  return routed_mlp(x, plan, gates, w_up, w_down, rest[0] if rest else None,
-                    activation=activation, backend=backend)
-
-
-def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
-  """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh."""
-  from flax import nnx
-  local = functools.partial(_pool_local, activation=pool.activation,
-                            dtype=pool.compute_dtype, backend=pool.gmm_backend)
-  params = [pool.w_up, pool.w_down]
-  if getattr(pool, "w_gate", None) is not None:
-    params.append(pool.w_gate)
-  y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
-                        tuple(_names(p) for p in params), local, num_experts=pool.n_experts,
-                        fused_local=functools.partial(_pool_fused, activation=pool.activation,
-                                                      dtype=pool.compute_dtype,
-                                                      backend=pool.gmm_backend))
-  ctx = current_context()
-  if ctx is not None and ctx.expert_capacity_factor is not None:
-    pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
-  return y
-
-
-def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, activation, dtype,
-               backend):
-  """One device's AoE experts (w_b / w_up / w_down's hidden width may be split over tensor)."""
-  from umoe_jax.model.experts import aoe_expert_rows
-  rows, w_a, w_b, w_down, *rest = match_varying(rows.astype(dtype), w_a, w_b, w_down,
-                                                *([] if w_up is None else [w_up]))
-  ws = [w.astype(dtype) for w in (w_a, w_b)] + [rest[0].astype(dtype) if rest else None,
-                                                w_down.astype(dtype)]
-  if not tensor_axes:
-    return aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend)
-  part = aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend,
-                         preferred_element_type=jnp.float32)                             # partial
-  return jax.lax.psum(part, _axis_arg(tensor_axes)).astype(dtype)
-
-
-def _aoe_fused(x, plan, gates, w_a, w_b, w_down, w_up=None, *, activation, dtype, backend):
-  from umoe_jax.model.experts import aoe_routed_mlp
-  x, gates, w_a, w_b, w_down, *rest = match_varying(
-      x.astype(dtype), gates, w_a.astype(dtype), w_b.astype(dtype), w_down.astype(dtype),
-      *([] if w_up is None else [w_up.astype(dtype)]))
-  return aoe_routed_mlp(x, plan, gates, w_a, w_b, rest[0] if rest else None, w_down,
-                        activation=activation, backend=backend)
-
-
-def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
-  """`AoEExpertPool.route` under a mesh: the codes' A^i, B^i and the up / down maps split over the
-  expert axes like `route_pool`'s (the hidden width F over tensor)."""
-  from flax import nnx
-  kw = dict(activation=pool.activation, dtype=pool.compute_dtype, backend=pool.gmm_backend)
-  params = [pool.w_a, pool.w_b, pool.w_down] + ([pool.w_up] if pool.w_up is not None else [])
-  y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
-                        tuple(_names(p) for p in params), functools.partial(_aoe_local, **kw),
-                        num_experts=pool.n_experts, fused_local=functools.partial(_aoe_fused, **kw))
-  ctx = current_context()
-  if ctx is not None and ctx.expert_capacity_factor is not None:
-    pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
-  return y
-
-
-def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low_rank, norm):
-  del tensor_axes  # query weights have no EXPERT_MLP dim
-  from umoe_jax.model.layers import rms_norm
-  rows, *ws = match_varying(rows.astype(dtype), *ws)
-  if not low_rank:
-    return gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                  # [R, Dk]
-  code = gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                    # [R, r]
-  if norm:
-    code = rms_norm(code, ws[2], eps)
-  return gmm(code, ws[1].astype(dtype), group_sizes, backend=backend)                    # [R, Dk]
-
-
-def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array) -> jax.Array:
-  """`PreMixAttention._routed_queries` under a mesh: x [N, D] -> per-slot queries [N, K, Dk], with
-  q_a [E, D, r] / q_b [E, r, Dk] (or q_b [E, D, Dk]) split over the expert axis like the pool."""
-  if att.q_a is None:
-    ws, names = (_value(att.q_b),), (_names(att.q_b),)
-  else:
-    ws, names = [_value(att.q_a), _value(att.q_b)], [_names(att.q_a), _names(att.q_b)]
-    if att.q_a_norm is not None:
-      ws.append(_value(att.q_a_norm.scale))
-      names.append(_names(att.q_a_norm.scale))
-  local = functools.partial(_queries_local, dtype=att.cfg.compute_dtype, backend=att.cfg.gmm_backend,
-                            eps=att.cfg.norm_eps, low_rank=att.q_a is not None,
-                            norm=att.q_a_norm is not None)
-  q, _ = expert_map(x_flat, expert_ids, None, tuple(ws), tuple(names), local,
-                    num_experts=att.n_experts)
-  return q
-
-
-def _value(param) -> jax.Array:
-  return param.get_value() if hasattr(param, "get_value") else param.value
-
-
-def _names(param) -> tuple:
-  meta = param.get_metadata()
-  for key in ("out_sharding", "sharding_names", "sharding"):
-    if meta.get(key) is not None:
-      return tuple(meta[key])
-  return (None,) * _value(param).ndim

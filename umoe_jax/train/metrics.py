@@ -149,13 +149,21 @@ def duration(seconds: float) -> str:
   return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+# The routers' other losses (`RouterOutput.aux_losses`) the console line shows as loss terms.
+ROUTER_LOSS_NAMES = ("z_loss", "entropy_loss")
+
+
 def console_line(step: int, num_steps: int, s: Mapping[str, float], *,
                  elapsed_s: Optional[float] = None, eta_s: Optional[float] = None) -> str:
   """'step   120/300 | loss 3.412 (lm 3.398 bal 0.0140) | ppl 29.9 | lr 1.9e-03 | gnorm 0.61 | ...
   | 0:01:05 elapsed, ETA 0:02:10' (elapsed: since the run started; ETA: remaining steps at the
   interval's step time)."""
+  # The loss's terms: LM, balance, and the routers' other losses (z_loss, ...) when configured.
+  terms = "".join(f" {name.removesuffix('_loss')} {s[f'train/{name}']:.4f}"
+                  for name in ROUTER_LOSS_NAMES if f"train/{name}" in s)
   parts = [f"step {step:>{len(str(num_steps))}d}/{num_steps}",
-           f"loss {s['train/loss']:.4f} (lm {s['train/lm_loss']:.4f} bal {s['train/balance_loss']:.4f})",
+           f"loss {s['train/loss']:.4f} (lm {s['train/lm_loss']:.4f} bal "
+           f"{s['train/balance_loss']:.4f}{terms})",
            f"ppl {s['train/perplexity']:.2f}",
            f"lr {s['train/learning_rate']:.2e}",
            f"gnorm {s['train/grad_norm']:.3f}"]

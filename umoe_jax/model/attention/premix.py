@@ -32,7 +32,7 @@ from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
-from umoe_jax.parallel import expert_parallel
+from umoe_jax.parallel import expert_parallel, expert_routes
 from umoe_jax.parallel import rules as ax
 
 
@@ -73,7 +73,7 @@ class PreMixAttention(nnx.Module):
                       expert_ids: jax.Array) -> jax.Array:
     """x [N, D] -> per-slot expert queries [N, K, Dk] (without the residual query)."""
     if expert_parallel.is_active():  # under parallel.use_mesh: q_a / q_b split over the mesh
-      return expert_parallel.premix_queries(self, x_flat, expert_ids)
+      return expert_routes.premix_queries(self, x_flat, expert_ids)
     dt = self.cfg.compute_dtype
     q = low_rank_expert_apply(x_flat.astype(dt), plan.group_sizes, self.q_a, self.q_a_norm,
                               self.q_b, dtype=dt, backend=self.cfg.gmm_backend, plan=plan,

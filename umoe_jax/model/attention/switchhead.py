@@ -30,7 +30,7 @@ from umoe_jax.config import ModelConfig
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.attention.mha import HeadsQK
 from umoe_jax.model.layers import make_param, normal_init
-from umoe_jax.model.routers import RouterOutput, call_router, make_router
+from umoe_jax.model.routers import RouterOutput, call_router, fold_rng, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
@@ -85,8 +85,9 @@ class HeadExperts(nnx.Module):
                         axes, cfg.param_dtype)
 
   def route(self, gate_input: jax.Array, route_context=None):
-    """gate_input [B, T, D] -> (ids [N, H*K] into the H*E groups, gates [N, H*K], RouterOutputs)."""
-    outs = [call_router(r, gate_input, route_context) for r in self.router]
+    """gate_input [B, T, D] -> (ids [N, H*K] into the H*E groups, gates [N, H*K], RouterOutputs).
+    Head h's router gets the context's key folded with h (its own jitter noise)."""
+    outs = [call_router(r, gate_input, fold_rng(route_context, h)) for h, r in enumerate(self.router)]
     n = gate_input.shape[0] * gate_input.shape[1]
     ids = jnp.concatenate([o.expert_ids.reshape(n, -1) + h * self.n_experts
                            for h, o in enumerate(outs)], axis=1)                # [N, H*K]
@@ -144,8 +145,9 @@ class SwitchHeadAttention(HeadsQK):
     x = x.astype(self.cfg.compute_dtype)
     q, k = self.queries_keys(x, positions)
 
-    v_ids, v_gates, v_routes = self.v_experts.route(x, route_context)
-    o_ids, o_gates, o_routes = self.o_experts.route(x, route_context)
+    # V's and O's routers draw their own jitter noise (keys folded with 0 / 1, then the head).
+    v_ids, v_gates, v_routes = self.v_experts.route(x, fold_rng(route_context, 0))
+    o_ids, o_gates, o_routes = self.o_experts.route(x, fold_rng(route_context, 1))
     with jax.named_scope("value_experts"):
       v = self.v_experts(x.reshape(n, d), v_ids, v_gates, per_head_input=False, sum_heads=False)
       v = v.reshape(b, t, h, self.v_head_dim)                                     # [B, T, H, Dv]

@@ -39,7 +39,8 @@ def route_context(token_ids: jax.Array, *, step: Optional[jax.Array] = None,
                  refuse: the cache does not keep their routing inputs);
     "rng":       a PRNG key, only in training (the trainer passes one): the router-input jitter's
                  noise (`router.jitter_eps`); the LM and the block fold in the layer and the
-                 sub-layer (`fold_rng`), so every sub-layer draws its own noise.
+                 sub-layer (`fold_rng`), a sub-layer with several routers (SwitchHead) each
+                 router's index, so every router draws its own noise.
   """
   context: dict[str, Any] = {"token_ids": token_ids}
   if step is not None:
