@@ -56,6 +56,68 @@ def test_jaccard_and_overlap_match_set_loops():
   assert abs(got["overlap"] - 5 / 9) < 0.1
 
 
+def test_empty_slots_are_no_picks():
+  """Top-P / expert choice leave slots without a pick (NO_PICK = -1): they are not experts, not
+  counted, and never match. Figures against plain set loops over the real picks."""
+  x = routing.NO_PICK
+  a = np.array([[0, 1, x], [2, x, x], [x, x, x], [3, 1, 0]])
+  b = np.array([[0, x, x], [2, 3, x], [x, x, x], [1, x, x]])
+  # top-1: 0=0, 2=2, none=none, 3!=1 -> 1 of 4 changed.
+  assert routing.top1_change(a, b) == 0.25
+  # Jaccard: {0,1} vs {0}: 1/2; {2} vs {2,3}: 1/2; {} vs {}: 1 (no change); {0,1,3} vs {1}: 1/3.
+  assert routing.mean_jaccard(a, b) == pytest.approx((0.5 + 0.5 + 1 + 1 / 3) / 4, abs=1e-12)
+  np.testing.assert_array_equal(routing.expert_counts(a, 4), [2, 2, 1, 1])
+  with pytest.raises(ValueError, match=r"in \[0, 4\) or be -1"):
+    routing.expert_counts(np.array([[0, -2]]), 4)
+  # Shared pool: overlap over tokens with picks on both sides, |A & F| / min(|A|, |F|):
+  # {0,1}&{0} = 1/1, {2}&{2,3} = 1/1, {0,1,3}&{1} = 1/1; top-1 same: 0=0, 2=2 (none=none is not a match).
+  got = routing.pick_overlap(a, b, 4)
+  assert got["overlap"] == 1.0 and got["top1_same"] == 0.5
+  # Token-id consistency only over tokens that got an expert: id 5 -> experts 0 and 2 (row 2 has
+  # none and is left out): its most frequent top-1 covers 1 of 2 -> 0.5 (1/3 if row 2 counted).
+  summary = routing.router_summary(a[:3], None, np.array([5, 5, 5]), 4)
+  assert (summary["token_consistency"], summary["token_ids_repeated"]) == (0.5, 1)
+  rng = np.random.default_rng(3)
+  n, e, k = 200, 7, 4
+  def ragged():
+    ids = np.full((n, k), x)
+    for i in range(n):
+      m = rng.integers(0, k + 1)
+      ids[i, :m] = rng.permutation(e)[:m]
+    return ids
+  a, b = ragged(), ragged()
+  sets = lambda ids: [set(r[r != x].tolist()) for r in ids]
+  jac = np.mean([len(p & q) / len(p | q) if p | q else 1.0 for p, q in zip(sets(a), sets(b))])
+  assert routing.mean_jaccard(a, b) == pytest.approx(jac, rel=1e-12)
+  counts = np.zeros(e, int)
+  for s_ in sets(a):
+    for v in s_:
+      counts[v] += 1
+  np.testing.assert_array_equal(routing.expert_counts(a, e), counts)
+
+
+def test_collect_reads_empty_top_p_slots_as_no_picks():
+  """With top-P selection a token keeps 1..K slots; the probe reports the others as NO_PICK and
+  its counts equal the model's own (slot-masked) expert counts."""
+  cfg = tiny_config("umoe", n_layers=1, **{"router.selection": "top_p", "router.top_p": 0.3,
+                                          "router.entropy_coef": 1e-4})
+  model = random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)), seed=5)
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = nnx.to_pure_dict(params)
+  rows = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16)).astype(np.int32)
+  _, aux = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t, return_routes=True))(params, rows)
+  fn = jax.jit(functools.partial(probe.route_outputs, graphdef=graphdef))
+  got = probe.collect(fn, params, rows, n_tokens=32, batch_size=2)
+  empty = 0
+  for name, r in got.items():
+    mask = np.asarray(aux["routes"][name].slot_mask).reshape(32, -1)
+    np.testing.assert_array_equal(r.expert_ids == routing.NO_PICK, ~mask)
+    empty += int((~mask).sum())
+    np.testing.assert_array_equal(routing.expert_counts(r.expert_ids, r.n_experts),
+                                  np.asarray(aux["routers"][name]["expert_counts"]))
+  assert empty > 0  # the test routes some tokens to fewer than K experts
+
+
 def test_entropy_by_hand():
   probs = np.array([[0.25, 0.25, 0.25, 0.25], [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]])
   assert routing.entropy(probs) == pytest.approx((math.log(4) + 0 + math.log(2)) / 3, rel=1e-12)

@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from umoe_jax.analysis.routing import NO_PICK
+
 ROUTER_NAME = re.compile(r"^layer_(\d+)/(.+)$")
 
 
@@ -94,13 +96,18 @@ def probe_tokens(data_cfg: Any, *, tokens: int, seq_len: int, seed: int,
 
 def route_outputs(params: Any, tokens: Any, *, graphdef: Any,
                   with_probs: bool = True) -> dict[str, tuple]:
-  """{router: (expert_ids [B, T, K] int32, probs [B, T, E] float32 or None)} of one forward pass
-  of the model `graphdef` with `params` (a pure dict) on tokens [B, T]; jit it with graphdef bound."""
+  """{router: (expert_ids [B, T, K] int32, NO_PICK in slots without a pick; probs [B, T, E] float32
+  or None)} of one forward pass of the model `graphdef` with `params` (a pure dict) on tokens [B, T];
+  jit it with graphdef bound."""
+  import jax.numpy as jnp
   from flax import nnx
 
   model = nnx.merge(graphdef, params)
   _, aux = model(tokens, return_routes=True)
-  return {name: (r.expert_ids, r.probs if with_probs else None) for name, r in aux["routes"].items()}
+  # Slots without a pick (top-P, expert choice: slot_mask False) read NO_PICK.
+  ids = lambda r: (r.expert_ids if r.slot_mask is None
+                   else jnp.where(r.slot_mask, r.expert_ids, NO_PICK))
+  return {name: (ids(r), r.probs if with_probs else None) for name, r in aux["routes"].items()}
 
 
 def collect(fn: Callable, params: Any, rows: np.ndarray, *, n_tokens: int,

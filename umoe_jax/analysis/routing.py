@@ -2,16 +2,19 @@
 
 Notation: N probe tokens, E experts a router picks from, K picks per token.
   expert_ids  [N, K] int; slot 0 is the router's first pick (its highest score: `jax.lax.top_k`
-              order), called the token's top-1 expert
+              order), called the token's top-1 expert. NO_PICK (-1) marks a slot without a pick
+              (top-P and expert-choice selection, `RouterOutput.slot_mask`); a token's picks are
+              then a prefix of its slots of any length 0..K (top-1 = NO_PICK: no expert at all)
   probs       [N, E] float, the routing distribution the picks were taken from
   token_ids   [N] int
 
 Between two checkpoints a and b (same probe tokens):
   top1_change(a, b)    fraction of tokens whose top-1 expert differs
-  mean_jaccard(a, b)   mean over tokens of |S_a & S_b| / |S_a | S_b|, S = the token's K picks
+  mean_jaccard(a, b)   mean over tokens of |S_a & S_b| / |S_a | S_b|, S = the token's picks
+                       (1 for a token with no pick at either checkpoint)
 One checkpoint:
   entropy(probs)       mean over tokens of -sum_e p_e ln p_e, in nats (ln E = uniform routing)
-  expert_counts        picks per expert [E] (N K in all)
+  expert_counts        picks per expert [E] (N K in all when every slot holds a pick)
   load_stats           load max / mean, coefficient of variation (population std / mean) and the
                        experts that received no pick
   token_consistency    over the token ids that occur at least twice: the fraction of their
@@ -20,8 +23,9 @@ One checkpoint:
 A pool shared by the attention and the FFN sub-layer of a layer (UMoE), with picks A [N, K_a] of
 the attention router and F [N, K_f] of the FFN router:
   pick_overlap         top1_same: fraction of tokens with the same top-1 expert (chance 1/E);
-                       overlap: mean |A & F| / min(K_a, K_f) (chance for independent uniform
-                       picks: E|A & F| = K_a K_f / E, i.e. max(K_a, K_f) / E)
+                       overlap: mean |A & F| / min(|A|, |F|) over tokens with picks on both sides
+                       (chance for independent uniform picks of K_a and K_f: E|A & F| = K_a K_f / E,
+                       i.e. max(K_a, K_f) / E)
   attention_share      per expert, attention picks / (attention + FFN picks); K_a / (K_a + K_f)
                        when the expert serves both sub-layers in proportion to their picks
 """
@@ -33,6 +37,8 @@ import numpy as np
 
 from umoe_jax.train.metrics import load_balance
 
+NO_PICK = -1   # an expert_ids slot that holds no pick
+
 
 def _check_ids(a: np.ndarray, b: np.ndarray) -> None:
   if a.ndim != 2 or a.shape != b.shape:
@@ -40,18 +46,26 @@ def _check_ids(a: np.ndarray, b: np.ndarray) -> None:
 
 
 def top1_change(ids_a: np.ndarray, ids_b: np.ndarray) -> float:
-  """Fraction of the N tokens whose top-1 expert (slot 0) differs between [N, K] picks a and b."""
+  """Fraction of the N tokens whose top-1 expert (slot 0; NO_PICK counts as a value) differs
+  between [N, K] picks a and b."""
   ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
   _check_ids(ids_a, ids_b)
   return float(np.mean(ids_a[:, 0] != ids_b[:, 0]))
 
 
 def pick_intersection(ids_a: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
-  """|S_a & S_b| per token [N] of picks [N, K_a] and [N, K_b] (each token's picks are distinct)."""
+  """|S_a & S_b| per token [N] of picks [N, K_a] and [N, K_b] (each token's picks are distinct;
+  NO_PICK slots match nothing)."""
   ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
   if ids_a.ndim != 2 or ids_b.ndim != 2 or len(ids_a) != len(ids_b):
     raise ValueError(f"expert_ids must be [N, K] with one N; got {ids_a.shape} and {ids_b.shape}")
-  return np.sum(ids_a[:, :, None] == ids_b[:, None, :], axis=(1, 2))
+  same = (ids_a[:, :, None] == ids_b[:, None, :]) & (ids_a[:, :, None] != NO_PICK)
+  return np.sum(same, axis=(1, 2))
+
+
+def pick_sizes(expert_ids: np.ndarray) -> np.ndarray:
+  """|S| per token [N]: the slots of expert_ids [N, K] that hold a pick."""
+  return np.sum(np.asarray(expert_ids) != NO_PICK, axis=1)
 
 
 def mean_jaccard(ids_a: np.ndarray, ids_b: np.ndarray) -> float:
@@ -59,8 +73,8 @@ def mean_jaccard(ids_a: np.ndarray, ids_b: np.ndarray) -> float:
   ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
   _check_ids(ids_a, ids_b)
   inter = pick_intersection(ids_a, ids_b)
-  union = 2 * ids_a.shape[1] - inter
-  return float(np.mean(inter / union))
+  union = pick_sizes(ids_a) + pick_sizes(ids_b) - inter
+  return float(np.mean(np.where(union > 0, inter / np.maximum(union, 1), 1.0)))
 
 
 def entropy(probs: np.ndarray) -> float:
@@ -71,10 +85,12 @@ def entropy(probs: np.ndarray) -> float:
 
 
 def expert_counts(expert_ids: np.ndarray, n_experts: int) -> np.ndarray:
-  """Picks per expert [E] (int64) of expert_ids [N, K]."""
+  """Picks per expert [E] (int64) of expert_ids [N, K] (NO_PICK slots not counted)."""
   ids = np.asarray(expert_ids).reshape(-1)
+  ids = ids[ids != NO_PICK]
   if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
-    raise ValueError(f"expert ids must lie in [0, {n_experts}); got {ids.min()}..{ids.max()}")
+    raise ValueError(f"expert ids must lie in [0, {n_experts}) or be {NO_PICK} (no pick); got "
+                     f"{ids.min()}..{ids.max()}")
   return np.bincount(ids, minlength=n_experts).astype(np.int64)
 
 
@@ -112,9 +128,11 @@ def pick_overlap(att_ids: np.ndarray, ffn_ids: np.ndarray, n_experts: int) -> di
   att_ids, ffn_ids = np.asarray(att_ids), np.asarray(ffn_ids)
   k_a, k_f = att_ids.shape[1], ffn_ids.shape[1]
   inter = pick_intersection(att_ids, ffn_ids)
-  return {"top1_same": float(np.mean(att_ids[:, 0] == ffn_ids[:, 0])),
+  smaller = np.minimum(pick_sizes(att_ids), pick_sizes(ffn_ids))
+  both = smaller > 0
+  return {"top1_same": float(np.mean((att_ids[:, 0] == ffn_ids[:, 0]) & (att_ids[:, 0] != NO_PICK))),
           "top1_same_chance": 1.0 / n_experts,
-          "overlap": float(np.mean(inter / min(k_a, k_f))),
+          "overlap": (float(np.mean(inter[both] / smaller[both])) if both.any() else float("nan")),
           "overlap_chance": max(k_a, k_f) / n_experts}
 
 
@@ -129,7 +147,9 @@ def router_summary(expert_ids: np.ndarray, probs: Optional[np.ndarray],
                    token_ids: np.ndarray, n_experts: int) -> dict:
   """Every one-checkpoint figure of one router (entropy only with probs)."""
   counts = expert_counts(expert_ids, n_experts)
-  consistency, n_ids = token_consistency(token_ids, np.asarray(expert_ids)[:, 0])
+  top1 = np.asarray(expert_ids)[:, 0]
+  picked = top1 != NO_PICK   # consistency over the tokens that got an expert
+  consistency, n_ids = token_consistency(np.asarray(token_ids).reshape(-1)[picked], top1[picked])
   out = {"entropy": entropy(probs) if probs is not None else float("nan"),
          **load_stats(counts), "token_consistency": consistency, "token_ids_repeated": n_ids,
          "expert_counts": counts.tolist()}

@@ -43,8 +43,9 @@ def probe_fn(graphdef: Any, mesh: Any, rules: Any, capacity_factor: Any, exchang
 
   def fn(params, tokens):
     routes = route_outputs(params, tokens, graphdef=graphdef)
-    return {name: (ids, jnp.bincount(ids.reshape(-1), length=probs.shape[-1]))
-            for name, (ids, probs) in routes.items()}
+    count = lambda ids, e: jnp.bincount(jnp.maximum(ids.reshape(-1), 0), length=e,
+                                        weights=(ids.reshape(-1) >= 0).astype(jnp.int32))
+    return {name: (ids, count(ids, probs.shape[-1])) for name, (ids, probs) in routes.items()}
   return jax.jit(fn)
 
 
