@@ -259,3 +259,19 @@ def test_prepare_into_a_bucket_and_train_reader(fake_gcs, tmp_path):
                      "only, not s3://"):
     sources.arrayrecord_files("s3://bucket/prepared")
   no_scheme_directories(tmp_path)
+
+
+def test_url_workdirs_are_checked_before_anything_runs(fake_gcs):
+  from umoe_jax.train import checkpoint as ckpt_lib
+  ckpt_lib.check_workdir(fake_gcs.new_url("runs/ok"))  # a new directory in an existing bucket
+  cases = {"gs://no-such-bucket/runs/a": "bucket gs://no-such-bucket does not exist",
+           "gs://umoe-test": "is a bucket: pass a directory in it, e.g. gs://umoe-test/runs/NAME",
+           "s3://bucket/runs/a": "checkpoints \\(Orbax\\) are written to local paths and gs:// "
+                                 "only, not s3://",
+           "hf://datasets/x/y": "only, not hf://"}
+  obj = fake_gcs.new_url("runs") + "/file"
+  storage.write_text(obj, "x")
+  cases[obj] = "is a file \\(an object\\), not a directory"
+  for workdir, message in cases.items():
+    with pytest.raises(ckpt_lib.WorkdirError, match=message):
+      ckpt_lib.check_workdir(workdir)

@@ -158,10 +158,6 @@ def _read_metadata_in(directory: str) -> dict[str, Any]:
   return json.loads(storage.read_text(meta_path))
 
 
-def _normpath(path: str) -> str:
-  return storage.expand(path) if storage.is_url(path) else os.path.normpath(path)
-
-
 ARRAYRECORD_SCHEMES = ("", "gs")  # what array_record's reader opens itself
 
 
@@ -187,10 +183,10 @@ def arrayrecord_files(path: str, key: str = "data.train_path") -> tuple[list[str
   another tokenizer; a missing one would silently drop data. Either raises ValueError naming them.
   """
   check_arrayrecord_location(path, key)
-  files = [_normpath(f) for f in resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)]
+  files = [storage.normpath(f) for f in resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)]
   expanded = storage.expand(path)
   top_meta = storage.join(expanded, METADATA_FILE)
-  root = _normpath(expanded if storage.isfile(top_meta) else storage.dirname(files[0]))
+  root = storage.normpath(expanded if storage.isfile(top_meta) else storage.dirname(files[0]))
   meta = _read_metadata_in(root)
   meta_path = storage.join(root, METADATA_FILE)
   n = meta.get("num_shards")

@@ -283,6 +283,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "data"),
                                          options=options)
     self._in_flight: Optional[int] = None  # step of a save that may still be writing
+    self._directory_made = False  # checkpoints/ exists for every process (after the first save)
     self._failed = False
 
   def steps(self) -> list[int]:
@@ -306,10 +307,12 @@ class Checkpointer:
     items = {"state": ocp.args.StandardSave(state)}
     if data_iter is not None:
       items["data"] = data_lib.save_args(data_iter)
-    if not storage.is_url(self.directory) and not os.path.isdir(self.directory):
-      if jax.process_index() == 0:
+    if not self._directory_made:  # decided per process alike: every process joins the barrier
+      if (jax.process_index() == 0 and not storage.is_url(self.directory)
+          and not os.path.isdir(self.directory)):
         os.makedirs(self.directory, exist_ok=True)
       _barrier("umoe_checkpoint_mkdir")
+      self._directory_made = True
     if jax.process_index() == 0:
       logging.info("checkpoint: saving step %d to %s", step, storage.join(self.directory, str(step)))
     previous, self._in_flight = self._in_flight, step
