@@ -10,6 +10,9 @@ Examples:
       --config.model.vocab_size=50304
   tensorboard --logdir runs
 
+--workdir and the data / tokenizer paths may be URLs (gs://bucket/runs/NAME; data also s3://, hf://):
+umoe_jax/storage.
+
 Running it again with the same --workdir resumes from the latest checkpoint
 (--config.checkpoint.restore_step=N: from step N). SIGTERM / Ctrl-C save a checkpoint and exit; a
 second Ctrl-C aborts at once. Config keys: configs/common.py and umoe_jax/train/config.py.
@@ -163,7 +166,9 @@ def _hint(error: BaseException) -> str:
     return ("a run resumes with the config it was started with; --config.checkpoint.restore_step=N "
             "picks another checkpoint")
   if isinstance(error, ckpt_lib.WorkdirError):
-    return "pass a writable directory as --workdir"
+    return "pass a writable directory (or a directory in a gs:// bucket) as --workdir"
+  if isinstance(error, FileNotFoundError):  # storage.ObjectNotFoundError: a URL that is not there
+    return "check the URL: the bucket's name, the object's path, and your access to them"
   if isinstance(error, (loop.NonFiniteError, loop.DivergenceError)):
     return "lower train.learning_rate (or raise train.warmup_steps) and resume from a good checkpoint"
   if isinstance(error, ConfigError):
@@ -174,7 +179,8 @@ def _hint(error: BaseException) -> str:
 _KINDS = (("ConfigError", "config error"), ("DataError", "data error"),
           ("CheckpointSaveError", "checkpoint save error"), ("CheckpointError", "checkpoint error"),
           ("WorkdirError", "workdir error"), ("NonFiniteError", "training stopped"),
-          ("DivergenceError", "training stopped"))
+          ("DivergenceError", "training stopped"), ("StorageError", "storage error"),
+          ("ObjectNotFoundError", "storage error"))
 
 
 def _kind(error: BaseException) -> str:
@@ -203,12 +209,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   debug = _debug()
-  if "://" in _WORKDIR.value:  # os-level writers would make a local "gs:" directory
-    raise SystemExit(
-        f"--workdir={_WORKDIR.value}: the trainer writes its config, metrics and TensorBoard files "
-        f"with local file I/O, so a URL is not a workdir; mount the bucket with Cloud Storage FUSE "
-        f"(gcsfuse --implicit-dirs --rename-dir-limit=200000 BUCKET /gcs/BUCKET) and pass the "
-        f"mount path, e.g. --workdir=/gcs/BUCKET/runs/NAME (docs/tpu.md)")
   logging.get_absl_handler().addFilter(_QuietLibraries(debug))
   _quiet_orphaned_orbax_work(debug)
   from umoe_jax.parallel import distributed

@@ -74,8 +74,8 @@ def compile_cache(shared_dir):
 def cli(compile_cache):
   """cli(workdir, *flags, timeout=) -> CompletedProcess of `python train.py` with SMALL."""
 
-  def run(workdir, *args, timeout=240, prefix=(), config=CONFIG):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+  def run(workdir, *args, timeout=240, prefix=(), config=CONFIG, env=None):
+    env = dict(env or os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                JAX_COMPILATION_CACHE_DIR=compile_cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

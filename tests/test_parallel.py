@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from fake_gcs import fake_gcs  # noqa: F401  (the fixture: a gs:// bucket, offline)
 from umoe_jax.parallel import distributed, mesh, rules, sharding
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -343,11 +344,11 @@ def test_restore_onto_another_mesh(multi_device_report):
 # coordinator, 4 CPU devices each) vs one process on one device.
 
 
-def _worker_env(pid=None, port=None, devices=4):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+def _worker_env(pid=None, port=None, devices=4, base=None):
+  env = dict(base or os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
                        "--xla_backend_optimization_level=0",
-             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([str(ROOT), (base or os.environ).get("PYTHONPATH", "")]))
   for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(key, None)
   if pid is not None:
@@ -356,12 +357,14 @@ def _worker_env(pid=None, port=None, devices=4):
   return env
 
 
-def _train(workdir: pathlib.Path, num_steps: int, layout: str, processes: int,
-           timeout: int = 900) -> list[dict]:
+def _train(workdir, num_steps: int, layout: str, processes: int, timeout: int = 900,
+           base_env=None) -> list[dict]:
+  """Runs train_worker.py in `processes` processes; `workdir` is local (a Path) or a URL of the
+  store that `base_env` reaches (the fake bucket)."""
   import portpicker
   port = portpicker.pick_unused_port()
-  envs = ([_worker_env(devices=1)] if processes == 1 else
-          [_worker_env(pid, port) for pid in range(processes)])
+  envs = ([_worker_env(devices=1, base=base_env)] if processes == 1 else
+          [_worker_env(pid, port, base=base_env) for pid in range(processes)])
   procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "train_worker.py"), str(workdir),
                              str(num_steps), layout], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for env in envs]
@@ -377,7 +380,8 @@ def _train(workdir: pathlib.Path, num_steps: int, layout: str, processes: int,
     if p.returncode != 0:
       pytest.fail(f"train worker {pid} ({layout}, {num_steps} steps) failed (rc={p.returncode}):\n"
                   f"{log[-6000:]}")
-  return [json.loads((workdir / f"summary_{pid}.json").read_text()) for pid in range(processes)]
+  from umoe_jax import storage
+  return [json.loads(storage.read_text(f"{workdir}/summary_{pid}.json")) for pid in range(processes)]
 
 
 def _losses(workdir: pathlib.Path) -> dict[int, float]:
@@ -389,20 +393,29 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
   return out
 
 
-def test_two_processes_train_checkpoint_resume(tmp_path):
-  ref_dir, run_dir = tmp_path / "one_process", tmp_path / "two_processes"
+def test_two_processes_train_checkpoint_resume(tmp_path, fake_gcs):
+  """The two-process run keeps its workdir in a gs:// bucket (issue 19): every process writes its
+  checkpoint shards there, only process 0 the logs; the one-process reference is local."""
+  ref_dir = tmp_path / "one_process"
   ref_dir.mkdir()
-  run_dir.mkdir()
+  run_url = fake_gcs.new_url("two_processes")
+  run_dir = pathlib.Path(fake_gcs.local(run_url))
   _train(ref_dir, 4, "data=1", processes=1)
   ref = _losses(ref_dir)
   # Steps 1-2 on expert=8 across both processes with the ragged exchange (crossing processes),
   # checkpoint at 2; then fresh processes resume from it onto another mesh, fsdp=2 x expert=4 with
   # the auto exchange (all_to_all: K=2 < EP=4), for steps 3-4.
-  first = _train(run_dir, 2, "expert=8,exchange=ragged", processes=2)
+  first = _train(run_url, 2, "expert=8,exchange=ragged", processes=2, base_env=fake_gcs.env())
   assert all(w["info"]["process_count"] == 2 and w["info"]["global_devices"] == 8 for w in first)
   assert all(w["summary"]["start"] == "scratch" and w["summary"]["step"] == 2 for w in first)
-  second = _train(run_dir, 4, "fsdp=2,expert=4", processes=2)
+  second = _train(run_url, 4, "fsdp=2,expert=4", processes=2, base_env=fake_gcs.env())
   assert all(w["summary"]["start"] == "workdir" and w["summary"]["step"] == 4 for w in second)
+  # one writer of the logs: one event file per run, one metrics record per step
+  assert len(list((run_dir / "tensorboard").iterdir())) == 2
+  steps = [json.loads(l)["step"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()
+           if "train/loss" in l]
+  assert steps == [1, 2, 3, 4], steps
+  assert not (tmp_path / "gs:").exists() and not (ROOT / "gs:").exists()
   losses = _losses(run_dir)
   assert sorted(ref) == sorted(losses) == [1, 2, 3, 4], (ref, losses)
   assert max(abs(ref[s] - losses[s]) for s in ref) < LOSS_TOL, (ref, losses)

@@ -9,7 +9,8 @@ in the Pallas interpreter (UMOE_PALLAS_TPU_INTERPRET=1, `interpret=True`).
     values and gradients;
   * both inside a whole model under 8-virtual-device layouts (subprocess) against one device.
 Plus the TPU tables (generation from device_kind, tiles keyed by generation, peak FLOPs for MFU),
-the multi-slice mesh (data across slices) and the workdir check (a gs:// URL is refused clearly).
+the multi-slice mesh (data across slices) and the workdir check (a URL of a store Orbax cannot write
+checkpoints to is refused clearly; gs:// workdirs run: tests/test_storage_run.py).
 """
 from __future__ import annotations
 
@@ -248,12 +249,13 @@ def test_multislice_environment_starts_jax_distributed():
   assert distributed.distributed_args({"TPU_WORKER_HOSTNAMES": "t1v-n-0", "MEGASCALE_NUM_SLICES": "1"}) is None
 
 
-def test_train_refuses_a_url_workdir_clearly(tmp_path):
+def test_train_refuses_a_url_workdir_orbax_cannot_write_clearly(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
                         f"--config={os.path.join(ROOT, 'configs', 'umoe_tiny.py')}",
-                        "--workdir=gs://bucket/runs/x"], cwd=tmp_path, env=env,
+                        "--workdir=s3://bucket/runs/x"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
-  assert res.returncode != 0
-  assert "--workdir=gs://bucket/runs/x" in res.stderr and "gcsfuse" in res.stderr, res.stderr[-2000:]
-  assert not os.listdir(tmp_path)   # nothing written (no local "gs:" directory)
+  assert res.returncode == 1
+  assert ("workdir error: --workdir='s3://bucket/runs/x': checkpoints (Orbax) are written to local "
+          "paths and gs:// only" in res.stderr), res.stderr[-2000:]
+  assert not os.listdir(tmp_path)   # nothing written (no local "s3:" directory)

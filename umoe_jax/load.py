@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any, Optional
+
+from umoe_jax import storage
 
 CONFIG_FILE = "config.json"
 
@@ -41,16 +42,15 @@ class CheckpointRef:
 
   @property
   def config_path(self) -> str:
-    return os.path.join(self.run, CONFIG_FILE)
+    return storage.join(self.run, CONFIG_FILE)
 
 
 def _read_json(path: str) -> Optional[dict]:
   """The JSON file `path`, or None when there is none; LoadError when it is not JSON."""
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     return None
   try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
     raise LoadError(f"{path} is not valid JSON ({e}); a training workdir or a converted "
                     "checkpoint writes it") from None
@@ -58,18 +58,18 @@ def _read_json(path: str) -> Optional[dict]:
 
 def _read_config(directory: str) -> Optional[dict]:
   """<directory>/config.json, or None when there is none; LoadError when it is not a config."""
-  config = _read_json(os.path.join(directory, CONFIG_FILE))
+  config = _read_json(storage.join(directory, CONFIG_FILE))
   if config is not None and (not isinstance(config, dict)
                              or not isinstance(config.get("model"), dict)):
-    raise LoadError(f"{os.path.join(directory, CONFIG_FILE)} has no 'model' section")
+    raise LoadError(f"{storage.join(directory, CONFIG_FILE)} has no 'model' section")
   return config
 
 
 def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
   """The config.json of a checkpoint directory or of its parent (a workdir's `checkpoints/`) as
   it is, or None when neither has one; LoadError when it is not JSON."""
-  for d in (checkpoint, os.path.dirname(os.path.normpath(checkpoint))):
-    config = _read_json(os.path.join(d, CONFIG_FILE))
+  for d in (checkpoint, storage.dirname(storage.normpath(checkpoint))):
+    config = _read_json(storage.join(d, CONFIG_FILE))
     if config is not None:
       return config
   return None
@@ -79,25 +79,25 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   """The checkpoint a directory names (module docstring); LoadError when it names none."""
   from umoe_jax.train.checkpoint import CHECKPOINT_DIR, complete_steps
 
-  path = os.path.abspath(os.path.expanduser(path))
-  if os.path.isfile(path):
+  path = storage.abspath(path)
+  if storage.isfile(path):
     raise LoadError(f"checkpoint {path!r} is a file; pass the directory (a training workdir, one of "
                     "its checkpoints/<step>, or a converted checkpoint)")
-  if not os.path.isdir(path):
+  if not storage.isdir(path):
     raise LoadError(f"checkpoint {path!r}: no such directory")
-  if os.path.isdir(os.path.join(path, "params")):
+  if storage.isdir(storage.join(path, "params")):
     return CheckpointRef(path, "converted", None, path, _read_config(path))
-  name = os.path.basename(path)
-  if name.isdigit() and os.path.isdir(os.path.join(path, "state")):
-    workdir = os.path.dirname(os.path.dirname(path))
+  name = storage.basename(path)
+  if name.isdigit() and storage.isdir(storage.join(path, "state")):
+    workdir = storage.dirname(storage.dirname(path))
     return CheckpointRef(path, "step", int(name), workdir, _read_config(workdir))
-  ckpt_dir = path if name == CHECKPOINT_DIR else os.path.join(path, CHECKPOINT_DIR)
+  ckpt_dir = path if name == CHECKPOINT_DIR else storage.join(path, CHECKPOINT_DIR)
   steps = complete_steps(ckpt_dir)
   if not steps:
     raise LoadError(f"checkpoint {path!r} holds no parameters: expected params/ (a converted "
                     "checkpoint), checkpoints/<step>/ with a complete step (a training workdir), or "
                     "a <workdir>/checkpoints/<step> directory")
-  return resolve_checkpoint(os.path.join(ckpt_dir, str(steps[-1])))
+  return resolve_checkpoint(storage.join(ckpt_dir, str(steps[-1])))
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -125,7 +125,7 @@ def _saved_param_shapes(state_dir: str) -> Optional[dict[str, tuple]]:
 def _check_saved_shapes(ref: CheckpointRef, target: Any) -> None:
   """Compares a step's saved parameter shapes with the model's before reading any array: a
   config.json that does not describe its checkpoint gets an error naming the parameter."""
-  saved = _saved_param_shapes(os.path.join(ref.path, "state"))
+  saved = _saved_param_shapes(storage.join(ref.path, "state"))
   if saved is None:
     return
   want = {k: tuple(v.shape) for k, v in flatten(target).items()}
@@ -155,7 +155,7 @@ def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
     _check_saved_shapes(ref, target)
     item = {"params": target}
     restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(ref.path, "state"), args=ocp.args.PyTreeRestore(
+        storage.join(ref.path, "state"), args=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
             partial_restore=True))
     return restored["params"]

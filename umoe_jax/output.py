@@ -4,8 +4,9 @@
     print(markdown_table([("metric", "value"), ("token_ppl", fmt(12.3456))]))
     write_json("results/eval.json", {"acc": 0.25, "ppl": float("nan")})    # NaN -> null
 
-`write_json` writes a temporary file beside the target and renames it over the target, so an error
-(or Ctrl-C) never leaves a half-written file: a reader sees the old file or the complete new one.
+`write_json` writes a temporary file beside the target and renames it over the target (a URL:
+one whole upload, umoe_jax/storage), so an error (or Ctrl-C) never leaves a half-written file: a
+reader sees the old file or the complete new one.
 Non-finite floats become null (strict JSON, readable by every parser), numpy scalars plain numbers.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 import os
 import tempfile
 from typing import Any, Sequence
+
+from umoe_jax import storage
 
 
 def text_table(rows: Sequence[Sequence[Any]], rule: bool = False) -> list[str]:
@@ -68,6 +71,9 @@ def jsonable(x: Any) -> Any:
 
 def write_json(path: str, obj: Any, indent: int = 2) -> None:
   """json.dump(jsonable(obj)) to `path` atomically (module docstring); creates the directory."""
+  if storage.is_url(path):
+    storage.write_text(path, json.dumps(jsonable(obj), indent=indent, allow_nan=False) + "\n")
+    return
   path = os.path.abspath(path)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",

@@ -18,17 +18,19 @@ import os
 import sys
 from typing import Sequence
 
+from umoe_jax import storage
+
 CURVE_KEYS = ("train/lm_loss", "eval/loss", "train/perplexity", "eval/perplexity")
 
 
 def read_metrics(run: str) -> dict[str, tuple[list, list]]:
   """{key: (steps, values)} of a run's metrics.jsonl, steps ascending, the last record of a step
   winning. Raises ValueError naming the file (and line) when it is missing or not JSON lines."""
-  path = run if run.endswith(".jsonl") else os.path.join(run, "metrics.jsonl")
-  if not os.path.isfile(path):
+  path = run if run.endswith(".jsonl") else storage.join(run, "metrics.jsonl")
+  if not storage.isfile(path):
     raise ValueError(f"{run!r}: no metrics.jsonl (expected {path}); give training workdirs")
   by_key: dict[str, dict[int, float]] = {}
-  with open(path, encoding="utf-8") as f:
+  with storage.open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
@@ -81,9 +83,9 @@ def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
   curves = {label: {k: m[k] for k in CURVE_KEYS if k in m} for label, m in metrics.items()}
   if not any(curves.values()):
     raise ValueError(f"no loss records ({', '.join(CURVE_KEYS)}) in {', '.join(runs)}")
-  os.makedirs(out_dir, exist_ok=True)
+  storage.makedirs(out_dir)
   written = [plots.save_png(plots.loss_figure(curves, title),
-                            os.path.join(out_dir, "curves.png"))]
+                            storage.join(out_dir, "curves.png"))]
   fluct = {label: fluctuation_series(m) for label, m in metrics.items()}
   fluct = {label: f for label, f in fluct.items() if f}
   if fluct:
@@ -96,7 +98,7 @@ def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
                 if "mean over routers" in f}
       fig = plots.fluctuation_figure(series, "Routing fluctuation on the probe batch (mean over "
                                              "routers)")
-    written.append(plots.save_png(fig, os.path.join(out_dir, "routing_fluctuation.png")))
+    written.append(plots.save_png(fig, storage.join(out_dir, "routing_fluctuation.png")))
   return written
 
 

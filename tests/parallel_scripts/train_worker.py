@@ -1,6 +1,6 @@
 """One process of a `umoe_jax.train.loop.run` on CPU (launched by tests/test_parallel.py).
 
-Usage: train_worker.py WORKDIR NUM_STEPS LAYOUT   (LAYOUT: mesh sizes, e.g. "fsdp=2,expert=4",
+Usage: train_worker.py WORKDIR NUM_STEPS LAYOUT   (WORKDIR: a directory or a gs:// URL)   (LAYOUT: mesh sizes, e.g. "fsdp=2,expert=4",
                                                  optionally with ",exchange=ragged")
   With JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set, the process joins a
   multi-process run first (`distributed.initialize_from_env`, as train.py does). Running it again
@@ -23,6 +23,7 @@ import jax  # noqa: E402
 
 import configs.common  # noqa: E402
 from umoe_jax import data as data_lib  # noqa: E402
+from umoe_jax import storage  # noqa: E402
 from umoe_jax.train import loop  # noqa: E402
 
 
@@ -90,8 +91,7 @@ def main(workdir: str, num_steps: str, layout: str):
   summary = loop.run(config(int(num_steps), layout), workdir)
   out = dict(summary={k: v for k, v in summary.items() if k in ("step", "start", "stopped")},
              info=distributed.process_info())
-  with open(os.path.join(workdir, f"summary_{jax.process_index()}.json"), "w") as f:
-    json.dump(out, f)
+  storage.write_text(storage.join(workdir, f"summary_{jax.process_index()}.json"), json.dumps(out))
   if jax.process_count() > 1:
     jax.distributed.shutdown()
 

@@ -12,12 +12,12 @@ that differ); other differences (e.g. the router kind) are reported and the anal
 """
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any, Sequence
 
 import orbax.checkpoint as ocp
 
+from umoe_jax import storage
 from umoe_jax.load import CheckpointRef, LoadError, flatten, resolve_checkpoint
 
 # Model keys that change numerics or kernels, not what is computed: ignored when comparing models.
@@ -42,13 +42,13 @@ def resolve(spec: str | Sequence[str]) -> list[CheckpointRef]:
     raise ValueError("no checkpoint given (--checkpoints=A,B,...)")
   refs = []
   for item in items:
-    if glob.has_magic(item):
-      matches = glob.glob(os.path.expanduser(item))
+    if storage.has_magic(item):
+      matches = storage.glob(item)
       if not matches:
         raise ValueError(f"checkpoint pattern {item!r} matches nothing")
       # a save in progress (<step>.orbax-checkpoint-tmp-<t>, while the run trains) is no step yet
       found = [resolve_checkpoint(m) for m in matches
-               if os.path.isdir(m) and not ocp.step.is_tmp_checkpoint(m)]
+               if storage.isdir(m) and not ocp.step.is_tmp_checkpoint(m)]
       refs += sorted(found, key=lambda r: (r.run, r.step if r.step is not None else -1))
     else:
       refs.append(resolve_checkpoint(item))

@@ -26,6 +26,8 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from umoe_jax import storage
+
 COMMANDS = ("routing",)
 
 
@@ -35,12 +37,12 @@ def infer_source(path: str) -> str:
   if path == "builtin":
     return "builtin"
   low = path.lower()
-  if low.endswith(".parquet") or (os.path.isdir(path) and any(
-      f.endswith(".parquet") for f in os.listdir(path))):
+  if low.endswith(".parquet") or (storage.isdir(path) and any(
+      f.endswith(".parquet") for f in storage.listdir(path))):
     return "parquet"
   if low.endswith((".jsonl", ".json")):
     return "jsonl"
-  if os.path.isfile(os.path.join(path, "metadata.json")):
+  if storage.isfile(storage.join(path, "metadata.json")):
     return "arrayrecord"
   return "text"
 
@@ -160,19 +162,19 @@ def _plot_checkpoint(plots_dir: str, entry: dict, tokens: int) -> None:
   import numpy as np
 
   from umoe_jax.analysis import plots
-  os.makedirs(plots_dir, exist_ok=True)
+  storage.makedirs(plots_dir)
   label = entry["label"]
   safe = label.replace("/", "_").replace("@", "_")
   counts = {name: np.asarray(s["expert_counts"]) for name, s in entry["routers"].items()}
   plots.save_png(plots.load_heatmap(counts, f"Expert load per layer, checkpoint {label} "
                                             f"({tokens:,} probe tokens)"),
-                 os.path.join(plots_dir, f"load_heatmap_{safe}.png"))
+                 storage.join(plots_dir, f"load_heatmap_{safe}.png"))
   if entry["shared_pool"]:
     shares = {int(k.split("_")[1]): v["attention_share"] for k, v in entry["shared_pool"].items()}
     balanced = next(iter(entry["shared_pool"].values()))["attention_share_balanced"]
     plots.save_png(plots.attention_share_heatmap(
         shares, balanced, f"Shared expert pool, checkpoint {label}: attention vs FFN picks"),
-        os.path.join(plots_dir, f"attention_share_{safe}.png"))
+        storage.join(plots_dir, f"attention_share_{safe}.png"))
 
 
 def _plot_fluctuation(plots_dir: str, result: dict) -> None:
@@ -196,7 +198,7 @@ def _plot_fluctuation(plots_dir: str, result: dict) -> None:
       highlight="mean over routers", reference="the previous checkpoint",
       xticklabels=None if steps_known else {i: f"{f['from']} -> {f['to']}"
                                             for i, f in zip(x, flucts)})
-  plots.save_png(fig, os.path.join(plots_dir, "fluctuation.png"))
+  plots.save_png(fig, storage.join(plots_dir, "fluctuation.png"))
 
 
 def define_flags():

@@ -21,12 +21,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from umoe_jax import storage
 from umoe_jax.analysis.probe import split_name
 
 
 def save_png(fig: Figure, path: str, dpi: int = 110) -> str:
-  FigureCanvasAgg(fig)
-  fig.savefig(path, dpi=dpi, format="png")
+  storage.write_bytes(path, png_bytes(fig, dpi))  # atomic; a local path or a URL
   return path
 
 

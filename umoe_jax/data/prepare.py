@@ -25,6 +25,14 @@ left behind), and a run that fails or is interrupted leaves the previous complet
 (a hard-killed run may leave its hidden `.<name>.prepare-*` directory behind; delete it). For that,
 `output_dir` may only hold a previous output (metadata.json, *.array_record); other files are
 refused rather than deleted. The loader checks the shards it finds against metadata.json.
+
+`output_dir` may be a URL (gs://bucket/tok/fineweb; any store of umoe_jax/storage, but training reads
+ArrayRecord from local paths and gs:// only). array_record writes local files only, so the output is
+written into a local temporary directory, then published: the previous output's metadata.json is
+deleted first, then its shards, the new shards are uploaded, and metadata.json last. Object stores
+have no directory swap, so metadata.json is the commit marker: the loader refuses shards without it,
+and a publish that fails or is interrupted leaves an output without one (run it again); a complete
+output always has the shards its metadata.json names.
 """
 from __future__ import annotations
 
@@ -40,8 +48,10 @@ from typing import Sequence
 
 import grain
 import numpy as np
+from absl import logging
 from tqdm import tqdm
 
+from umoe_jax import storage
 from umoe_jax.data import default_data_config, sources
 from umoe_jax.data.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
@@ -86,20 +96,36 @@ def _replace_dir(new: str, target: str) -> None:
   shutil.rmtree(old)
 
 
+def _publish_remote(staged: str, output_dir: str) -> None:
+  """Uploads the complete output in local `staged` to remote `output_dir`, metadata.json last
+  (module docstring), after deleting the previous output there (its metadata.json first)."""
+  meta = storage.join(output_dir, sources.METADATA_FILE)
+  storage.remove(meta, missing_ok=True)
+  if storage.isdir(output_dir):
+    for name in storage.listdir(output_dir):
+      if name.endswith(sources.ARRAYRECORD_SUFFIX):
+        storage.remove(storage.join(output_dir, name))
+  names = sorted(n for n in os.listdir(staged) if n != sources.METADATA_FILE)
+  for i, name in enumerate(names):
+    storage.upload_file(os.path.join(staged, name), storage.join(output_dir, name))
+    logging.info("prepare: uploaded %s (%d of %d)", name, i + 1, len(names))
+  storage.upload_file(os.path.join(staged, sources.METADATA_FILE), meta)
+
+
 def _check_output_dir(output_dir: str, overwrite: bool) -> None:
   """Refuses to replace a previous output without `overwrite`, or a directory holding other files."""
-  if not os.path.exists(output_dir):
+  if not storage.exists(output_dir):
     return
-  if not os.path.isdir(output_dir):
+  if not storage.isdir(output_dir):
     raise NotADirectoryError(f"output_dir {output_dir!r} exists and is not a directory")
-  entries = sorted(os.listdir(output_dir))
-  meta_path = os.path.join(output_dir, sources.METADATA_FILE)
+  entries = storage.listdir(output_dir)
+  meta_path = storage.join(output_dir, sources.METADATA_FILE)
   if entries and not overwrite:
-    what = f"{meta_path!r} exists" if os.path.exists(meta_path) else f"{output_dir!r} is not empty"
+    what = f"{meta_path!r} exists" if storage.exists(meta_path) else f"{output_dir!r} is not empty"
     raise FileExistsError(f"{what}; pass --overwrite to replace it")
   foreign = [e for e in entries if not (
       (e == sources.METADATA_FILE or e.endswith(sources.ARRAYRECORD_SUFFIX))
-      and os.path.isfile(os.path.join(output_dir, e)))]
+      and storage.isfile(storage.join(output_dir, e)))]
   if foreign:
     raise FileExistsError(
         f"output_dir {output_dir!r} holds files that are not a prepare output "
@@ -122,8 +148,12 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     raise ValueError("data.source='arrayrecord' is already tokenized; prepare reads raw text sources")
   if num_shards < 1:
     raise ValueError(f"num_shards={num_shards} must be >= 1")
+  remote = storage.is_url(output_dir)
   # Resolve symlinks: the real directory is the one swapped, next to it (same file system).
-  output_dir = os.path.realpath(os.path.expanduser(output_dir))
+  output_dir = (storage.expand(output_dir) if remote else
+                os.path.realpath(os.path.expanduser(output_dir)))
+  if remote:
+    storage.check_bucket(output_dir)  # before the tokenizing, not after
   _check_output_dir(output_dir, overwrite)
   tok = make_tokenizer(data_config.tokenizer, data_config.get("eos_token", ""))
   dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32).newbyteorder("<")
@@ -134,10 +164,13 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     docs = docs.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
   total = sources.count_documents(data_config, split)
 
-  parent, name = os.path.split(output_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp_dir = os.path.join(parent, f".{name}.prepare-{uuid.uuid4().hex[:12]}")
-  os.mkdir(tmp_dir)  # Mode from the umask, like a directory made by os.makedirs.
+  if remote:  # staged locally (array_record writes local files), then published
+    tmp_dir = storage.local_temp_dir("umoe-prepare-")
+  else:
+    parent, name = os.path.split(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = os.path.join(parent, f".{name}.prepare-{uuid.uuid4().hex[:12]}")
+    os.mkdir(tmp_dir)  # Mode from the umask, like a directory made by os.makedirs.
   try:
     writers = [ArrayRecordWriter(os.path.join(tmp_dir, shard_name(i, num_shards)), "group_size:1")
                for i in range(num_shards)]
@@ -165,7 +198,10 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     with open(os.path.join(tmp_dir, sources.METADATA_FILE), "w") as f:
       json.dump(meta, f, indent=2)
     _check_output_dir(output_dir, overwrite)  # Still only a previous output (nothing added since).
-    _replace_dir(tmp_dir, output_dir)
+    if remote:
+      _publish_remote(tmp_dir, output_dir)
+    else:
+      _replace_dir(tmp_dir, output_dir)
   finally:
     if os.path.exists(tmp_dir):  # Failed or interrupted: the previous output is untouched.
       shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -27,12 +27,17 @@ a row group that cannot be decoded, a JSON-lines line that is not a JSON object 
 / line ("error", the default), or is dropped with a warning naming it and a running count ("skip"). A
 whole file that cannot be opened is dropped under "skip" too; a missing `text_field` column stays an
 error (that is a config mistake, not a bad record).
+
+Paths may be URLs (gs://, s3://, hf://, ...; umoe_jax/storage): files, directories (prefixes) and
+globs resolve remotely, parquet row groups are read by byte range through pyarrow and JSON-lines
+chunks by seek + line reads (bounded memory, no whole-file download), and each chunk / file read is
+retried on transient errors (a reset connection, 5xx). ArrayRecord shards are read by
+array_record's C++ reader: local paths and gs:// only.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import json
 import os
 import threading
@@ -42,7 +47,9 @@ import grain
 import numpy as np
 from absl import logging
 
+from umoe_jax import storage
 from umoe_jax.data import builtin
+from umoe_jax.storage import retry
 
 SOURCES = ("builtin", "parquet", "jsonl", "text", "arrayrecord")
 BAD_RECORD_POLICIES = ("error", "skip")
@@ -114,22 +121,20 @@ def resolve_files(path: str, suffixes: Sequence[str] = (), *, key: str = "data.t
   """
   if not path:
     raise ValueError(f"{key} is empty; set it to a file, directory or glob")
-  path = os.path.expanduser(path)
-  if os.path.isfile(path):
+  path = storage.expand(path)
+  if not storage.is_url(path) and os.path.isfile(path):  # a local name may hold "[" literally
     return [path]
-  if os.path.isdir(path):
-    files = []
-    for root, dirs, names in os.walk(path):
-      dirs[:] = [d for d in dirs if not d.startswith(".")]
-      files += [os.path.join(root, n) for n in names
-                if not n.startswith(".") and (not suffixes or n.endswith(tuple(suffixes)))]
-    if not files:
-      raise FileNotFoundError(f"{key}={path!r}: directory has no {'/'.join(suffixes) or ''} files")
-    return sorted(files)
-  if any(c in path for c in "*?["):
-    files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+  if storage.has_magic(path):
+    files = storage.glob(path, files_only=True)
     if not files:
       raise FileNotFoundError(f"{key}={path!r}: glob matches no files")
+    return files
+  if storage.isfile(path):
+    return [path]
+  if storage.isdir(path):
+    files = storage.find_files(path, tuple(suffixes))
+    if not files:
+      raise FileNotFoundError(f"{key}={path!r}: directory has no {'/'.join(suffixes) or ''} files")
     return files
   raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
 
@@ -141,16 +146,27 @@ def shard_name(index: int, num_shards: int) -> str:
 
 def read_metadata(files: Sequence[str]) -> dict[str, Any]:
   """The `metadata.json` written by `prepare` next to the ArrayRecord shards."""
-  return _read_metadata_in(os.path.dirname(files[0]))
+  return _read_metadata_in(storage.dirname(files[0]))
 
 
 def _read_metadata_in(directory: str) -> dict[str, Any]:
-  meta_path = os.path.join(directory, METADATA_FILE)
-  if not os.path.isfile(meta_path):
+  meta_path = storage.join(directory, METADATA_FILE)
+  if not storage.isfile(meta_path):
     raise FileNotFoundError(f"{meta_path!r} missing: ArrayRecord shards must come from "
-                            "`python -m umoe_jax.data.prepare`")
-  with open(meta_path) as f:
-    return json.load(f)
+                            "`python -m umoe_jax.data.prepare` (a prepare into a bucket writes it "
+                            "last: an interrupted one leaves none)")
+  return json.loads(storage.read_text(meta_path))
+
+
+ARRAYRECORD_SCHEMES = ("", "gs")  # what array_record's reader opens itself
+
+
+def check_arrayrecord_location(path: str, key: str = "data.train_path") -> None:
+  """ValueError unless array_record can read shards at `path` (local, or gs://)."""
+  if storage.scheme(path) not in ARRAYRECORD_SCHEMES:
+    raise ValueError(f"{key}={path!r}: ArrayRecord shards are read by array_record's reader, "
+                     f"which opens local paths and gs:// only, not {storage.scheme(path)}://; copy "
+                     "them to a local disk or a gs:// bucket (or prepare into one)")
 
 
 def _name_some(paths: Sequence[str], limit: int = 8) -> str:
@@ -166,17 +182,17 @@ def arrayrecord_files(path: str, key: str = "data.train_path") -> tuple[list[str
   directory below `path`) would otherwise be read too, duplicating documents or decoding ids of
   another tokenizer; a missing one would silently drop data. Either raises ValueError naming them.
   """
-  files = [os.path.normpath(f) for f in resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)]
-  expanded = os.path.expanduser(path)
-  top_meta = os.path.join(expanded, METADATA_FILE)
-  root = os.path.normpath(expanded if os.path.isdir(expanded) and os.path.isfile(top_meta)
-                          else os.path.dirname(files[0]))
+  check_arrayrecord_location(path, key)
+  files = [storage.normpath(f) for f in resolve_files(path, (ARRAYRECORD_SUFFIX,), key=key)]
+  expanded = storage.expand(path)
+  top_meta = storage.join(expanded, METADATA_FILE)
+  root = storage.normpath(expanded if storage.isfile(top_meta) else storage.dirname(files[0]))
   meta = _read_metadata_in(root)
-  meta_path = os.path.join(root, METADATA_FILE)
+  meta_path = storage.join(root, METADATA_FILE)
   n = meta.get("num_shards")
   if not isinstance(n, int) or n < 1:
     raise ValueError(f"{meta_path!r}: bad num_shards={n!r}")
-  expected = [os.path.join(root, shard_name(i, n)) for i in range(n)]
+  expected = [storage.join(root, shard_name(i, n)) for i in range(n)]
   unexpected = sorted(set(files) - set(expected))
   missing = [f for f in expected if f not in set(files)]
   if unexpected or missing:
@@ -206,11 +222,25 @@ class Chunk:
   doc_stride: int = 1
 
 
+def _remote_retry(fn, what: str, path: str):
+  """fn(), retried on transient errors when `path` is a URL (storage.retry; a read is idempotent);
+  other errors pass unchanged, so that damaged data is still reported as such."""
+  if not storage.is_url(path):
+    return fn()
+  return retry.call(fn, what, path, transient_only=True)
+
+
 def _open_parquet(path: str):
-  """pq.ParquetFile(path) (reads only the footer); DataError naming the file if it is not one."""
+  """pq.ParquetFile(path) (reads only the footer; remote files by byte range through the storage
+  layer); DataError naming the file if it is not one."""
   import pyarrow.parquet as pq
   try:
-    return pq.ParquetFile(path)
+    def open_file():
+      arrow_fs, arrow_path = storage.arrow_filesystem(path)
+      return pq.ParquetFile(arrow_path, filesystem=arrow_fs) if arrow_fs else pq.ParquetFile(path)
+    return _remote_retry(open_file, "opening", path)
+  except storage.StorageError:
+    raise
   except Exception as e:  # pylint: disable=broad-except  (pyarrow raises ArrowInvalid, OSError, ...)
     raise DataError(f"parquet file {path!r} cannot be opened ({_one_line(e)}): truncated, damaged or "
                     "not a parquet file", hint=SKIP_HINT) from e
@@ -238,18 +268,22 @@ def _jsonl_chunks(files: Sequence[str], text_field: str, on_bad_record: str = "e
   chunks = []
   for path in files:
     if on_bad_record != "skip":  # Fail early on the first record rather than in a reader thread.
-      with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-          if line.strip():
-            try:
-              _jsonl_text(line, text_field)
-            except ValueError as e:
-              raise DataError(f"{path}:{lineno}: {e}", hint=SKIP_HINT) from None
-            break
-    size = os.path.getsize(path)
+      _remote_retry(lambda: _check_first_record(path, text_field), "reading", path)
+    size = storage.size(path)
     chunks += [Chunk("jsonl", path, start=s, stop=min(s + JSONL_CHUNK_BYTES, size))
                for s in range(0, size, JSONL_CHUNK_BYTES)]
   return chunks
+
+
+def _check_first_record(path: str, text_field: str) -> None:
+  with storage.open(path, "rb") as f:
+    for lineno, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          _jsonl_text(line, text_field)
+        except ValueError as e:
+          raise DataError(f"{path}:{lineno}: {e}", hint=SKIP_HINT) from None
+        return
 
 
 def _jsonl_text(line: bytes, text_field: str) -> str | None:
@@ -271,7 +305,7 @@ def _jsonl_text(line: bytes, text_field: str) -> str | None:
 def _lines_before(path: str, offset: int) -> int:
   """Number of newlines in the first `offset` bytes of `path` (line numbers for messages only)."""
   count = 0
-  with open(path, "rb") as f:
+  with storage.open(path, "rb") as f:
     while offset > 0:
       block = f.read(min(offset, 1 << 22))
       if not block:
@@ -284,7 +318,7 @@ def _lines_before(path: str, offset: int) -> int:
 def _read_jsonl_chunk(chunk: Chunk, text_field: str, on_bad_record: str) -> list:
   texts = []
   first_line = None  # line number of the chunk's first line: counted only when a message needs it
-  with open(chunk.path, "rb") as f:
+  with storage.open(chunk.path, "rb") as f:
     # A line belongs to the chunk holding its first byte: skip the tail of a line that started
     # in the previous chunk (seeking one byte back keeps a line that starts exactly at `start`).
     if chunk.start > 0:
@@ -315,16 +349,21 @@ def read_chunk(chunk: Chunk, text_field: str, on_bad_record: str = "error") -> l
   line, or dropped with a warning.
   """
   if chunk.kind == "parquet":
+    def read():
+      with _open_parquet(chunk.path) as pf:
+        return pf.read_row_group(chunk.index, columns=[text_field]).column(0).to_pylist()
     try:
-      table = _open_parquet(chunk.path).read_row_group(chunk.index, columns=[text_field])
-      texts = table.column(0).to_pylist()
+      texts = _remote_retry(read, f"reading row group {chunk.index} of", chunk.path)
+    except storage.StorageError:
+      raise
     except Exception as e:  # pylint: disable=broad-except  (damaged pages: ArrowInvalid, OSError)
       what = (str(e) if isinstance(e, DataError) else
               f"parquet file {chunk.path!r}: row group {chunk.index} cannot be read ({_one_line(e)})")
       bad_record(on_bad_record, what)
       return []
   else:
-    texts = _read_jsonl_chunk(chunk, text_field, on_bad_record)
+    texts = _remote_retry(lambda: _read_jsonl_chunk(chunk, text_field, on_bad_record),
+                          f"reading bytes {chunk.start}-{chunk.stop} of", chunk.path)
   texts = texts[chunk.doc_offset::chunk.doc_stride]
   return [t for t in texts if t]  # Null / empty documents would only add a stray EOS.
 
@@ -341,14 +380,18 @@ class _Documents(grain.experimental.FlatMapTransform):
 # Indexed sources: a sequence of items plus a function reading one item.
 
 
+def _read_text(path: str) -> str:
+  with storage.open(path, encoding="utf-8", errors="replace") as f:  # universal newlines
+    return f.read()
+
+
 @dataclasses.dataclass(frozen=True)
 class _ReadTextFile:
   on_bad_record: str = "error"
 
   def __call__(self, path: str) -> str:
     try:
-      with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+      return _remote_retry(lambda: _read_text(path), "reading", path)
     except OSError as e:
       bad_record(self.on_bad_record, f"text file {path!r} cannot be read ({_one_line(e)})")
       return ""
@@ -452,6 +495,5 @@ def count_documents(config, split: str = "train") -> int | None:
   if config.source in INDEXED_SOURCES:
     return len(_indexed(config, path, key, split)[0])
   if config.source == "parquet":
-    import pyarrow.parquet as pq
     return sum(_open_parquet(f).metadata.num_rows for f in resolve_files(path, (".parquet",), key=key))
   return None

@@ -8,16 +8,17 @@ are used *without* their own special-token post-processing (no BOS/EOS insertion
 
 `config.tokenizer` chooses:
   * "byte": UTF-8 bytes 0..255 plus EOS = 256 (V = 257). Lossless for any text, needs no files.
-  * a path to a `tokenizer.json` (e.g. ../shared/data/tokenizers/gpt2/tokenizer.json): loaded with the
-    `tokenizers` library; EOS is `config.eos_token` if set, else the first of `_EOS_CANDIDATES` that
+  * a path or URL of a `tokenizer.json` (e.g. ../shared/data/tokenizers/gpt2/tokenizer.json,
+    gs://bucket/tok/tokenizer.json; read through umoe_jax/storage): loaded with the `tokenizers` library; EOS is `config.eos_token` if set, else the first of `_EOS_CANDIDATES` that
     the vocabulary contains.
 """
 from __future__ import annotations
 
-import os
 from typing import Protocol, Sequence
 
 import numpy as np
+
+from umoe_jax import storage
 
 # Common end-of-document tokens, most specific first: GPT-2 / GPT-NeoX, Llama-3, Llama-2/T5, Gemma.
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -63,12 +64,13 @@ class HFTokenizer:
   def __init__(self, path: str, eos_token: str = ""):
     import tokenizers  # Imported lazily: the byte tokenizer needs nothing.
 
-    if os.path.isdir(path):  # Accept the folder of a Hugging Face tokenizer too.
-      path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
+    if storage.isdir(path):  # Accept the folder of a Hugging Face tokenizer too.
+      path = storage.join(path, "tokenizer.json")
+    if not storage.isfile(path):
       raise FileNotFoundError(f"tokenizer file not found: {path!r} (data.tokenizer)")
+    text = storage.read_text(path, errors="replace")
     try:
-      self._tok = tokenizers.Tokenizer.from_file(path)
+      self._tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON.
       raise ValueError(f"cannot read tokenizer file {path!r} (data.tokenizer): {e}") from e
     self.name = path
@@ -101,7 +103,7 @@ def make_tokenizer(spec: str, eos_token: str = "") -> Tokenizer:
   """"byte" (or "") -> ByteTokenizer; anything else is a path to a tokenizer.json."""
   if spec in ("", "byte"):
     return ByteTokenizer()
-  return HFTokenizer(os.path.expanduser(spec), eos_token=eos_token)
+  return HFTokenizer(storage.expand(spec), eos_token=eos_token)
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:

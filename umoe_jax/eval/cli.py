@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from umoe_jax import storage
 from umoe_jax.eval import harness
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.attack import attack_documents
@@ -225,6 +226,12 @@ def _usage(prog: str) -> str:
 def _check_json_path(path: Optional[str]) -> None:
   """Fail before any scoring when the results could not be written at the end."""
   if path is None:
+    return
+  if storage.is_url(path):
+    try:
+      storage.check_bucket(path)
+    except OSError as e:
+      raise EvalError(f"--json={path!r}: {e}") from None
     return
   parent = os.path.dirname(os.path.abspath(path)) or "."
   try:

@@ -29,6 +29,7 @@ import os
 import re
 from typing import Optional
 
+from umoe_jax import storage
 from umoe_jax.data.sources import resolve_files
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.jsonl import read_records
@@ -82,7 +83,7 @@ def _format_of(path: str, fmt: str) -> str:
 
 def _read_text(path: str) -> str:
   try:
-    with open(path, encoding="utf-8") as f:   # universal newlines: CRLF -> "\n"
+    with storage.open(path, encoding="utf-8") as f:   # universal newlines: CRLF -> "\n"
       return f.read()
   except UnicodeDecodeError as e:
     raise EvalError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -101,7 +102,10 @@ def _read_jsonl(path: str, text_field: str) -> list[str]:
 def _read_parquet(path: str, text_field: str) -> list[str]:
   import pyarrow.parquet as pq
   try:
-    pf = pq.ParquetFile(path)
+    arrow_fs, arrow_path = storage.arrow_filesystem(path)  # remote files: by byte range
+    pf = pq.ParquetFile(arrow_path, filesystem=arrow_fs) if arrow_fs else pq.ParquetFile(path)
+  except storage.StorageError as e:  # the store failed (after retries), not the file
+    raise EvalError(str(e)) from None
   except Exception as e:   # pyarrow.ArrowInvalid and friends
     raise EvalError(f"{path}: not a readable parquet file ({e})") from None
   if text_field not in pf.schema_arrow.names:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator, Optional
 
+from umoe_jax import storage
 from umoe_jax.eval.errors import EvalError
 
 
@@ -16,7 +17,7 @@ def read_records(path: str, limit: Optional[int] = None,
   """("file:line", decoded record) of each non-blank line, the first `limit` of them (None: all).
   A line that is not UTF-8 or not JSON raises `error` naming file:line and what is wrong."""
   n = 0
-  with open(path, "rb") as f:
+  with storage.open(path, "rb") as f:
     for lineno, raw in enumerate(f, 1):
       if limit is not None and n >= limit:
         return

@@ -15,6 +15,7 @@ import jax
 import ml_collections
 from flax import nnx
 
+from umoe_jax import storage
 from umoe_jax.config import ConfigError
 from umoe_jax.finetune.predict import device_sharding
 from umoe_jax.train import checkpoint as ckpt_lib
@@ -23,8 +24,8 @@ from umoe_jax.train import checkpoint as ckpt_lib
 def read_backbone(config: Any) -> tuple[ml_collections.ConfigDict, dict]:
   """(model section, the whole config.json dict) of init_from."""
   from umoe_jax.load import read_checkpoint_config
-  path = os.path.expanduser(config.init_from)
-  if not os.path.isdir(path):
+  path = storage.expand(config.init_from)
+  if not storage.isdir(path):
     raise ConfigError(f"init_from={config.init_from!r}: no such directory")
   saved = read_checkpoint_config(path)
   if saved is None or not isinstance(saved, dict) or "model" not in saved:
@@ -58,7 +59,7 @@ def load_backbone_params(config: Any, abstract_params: Any) -> dict:
   device = device_sharding()
   shardings = jax.tree.map(lambda _: device, nnx.to_pure_dict(backbone))
   try:
-    return ckpt_lib.load_init_params(os.path.abspath(os.path.expanduser(config.init_from)),
+    return ckpt_lib.load_init_params(storage.abspath(config.init_from),
                                      backbone, shardings)
   except ConfigError:
     raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import os
 from typing import Any, Optional, Sequence
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from umoe_jax import storage
 from umoe_jax.config import ConfigError
 from umoe_jax.finetune import data as data_lib
 from umoe_jax.finetune.metrics import classification_metrics
@@ -40,28 +42,20 @@ RESULTS_FILE = "results.json"
 
 
 def write_json(path: str, obj: Any) -> None:
-  """Writes JSON atomically: a temporary file renamed over `path` (a reader never sees half a file)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2)
-    f.write("\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  """Writes JSON atomically (storage.write_text; a reader never sees half a file), local or a URL."""
+  storage.write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def read_meta(checkpoint: str) -> dict:
   """The classifier.json of a fine-tuning workdir; a clear error when it is not one."""
-  path = os.path.join(checkpoint, CLASSIFIER_FILE)
-  if not os.path.isdir(checkpoint):
+  path = storage.join(checkpoint, CLASSIFIER_FILE)
+  if not storage.isdir(checkpoint):
     raise ConfigError(f"checkpoint {checkpoint!r}: no such directory")
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise ConfigError(f"checkpoint {checkpoint!r} has no {CLASSIFIER_FILE}: not a fine-tuning workdir "
                       f"(python -m umoe_jax.finetune --config=... --workdir=DIR writes one)")
   try:
-    with open(path, encoding="utf-8") as f:
-      meta = json.load(f)
+    meta = json.loads(storage.read_text(path))
   except json.JSONDecodeError as e:
     raise ConfigError(f"{path}: not valid JSON ({e})") from None
   for key in ("model", "labels", "pooling", "tokenizer", "max_len"):
@@ -167,9 +161,7 @@ def write_predictions(path: str, probs: np.ndarray, label_map: data_lib.LabelMap
   """One row per example (see the module docstring); .csv -> CSV, anything else JSON lines."""
   preds = probs.argmax(axis=1)
   names = label_map.names
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8", newline="") as f:
+  with io.StringIO(newline="") as f:
     if path.endswith(".csv"):
       writer = csv.writer(f)
       writer.writerow(["index", "prediction", "probability"] + (["label"] if gold else [])
@@ -184,7 +176,7 @@ def write_predictions(path: str, probs: np.ndarray, label_map: data_lib.LabelMap
           row["label"] = gold[i]
         row["probs"] = {n: round(float(x), 6) for n, x in zip(names, p)}
         f.write(json.dumps(row) + "\n")
-  os.replace(tmp, path)
+    storage.write_text(path, f.getvalue())  # atomic, local or a URL
 
 
 def tokenizer_of(meta: dict):

@@ -111,6 +111,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
+from umoe_jax import storage
 from umoe_jax.config import ConfigError, ModelConfig, model_config
 
 OFFICIAL_MODEL_TYPE = "PremixMoe_v2"
@@ -757,17 +758,17 @@ def save_converted(model, model_cfg, output_dir: str, *, source: Optional[Mappin
   import orbax.checkpoint as ocp
   from flax import nnx
 
-  output_dir = os.path.abspath(os.fspath(output_dir))
-  os.makedirs(output_dir, exist_ok=True)
-  params_dir = os.path.join(output_dir, "params")
-  if os.path.exists(params_dir):
+  output_dir = storage.abspath(os.fspath(output_dir))  # a local path or a gs:// URL (Orbax)
+  storage.makedirs(output_dir)
+  params_dir = storage.join(output_dir, "params")
+  if storage.exists(params_dir):
     raise FileExistsError(f"{params_dir} exists; choose an empty --output")
   cfg_dict = model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else dataclasses.asdict(model_cfg)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(params_dir, nnx.state(model, nnx.Param))
   checkpointer.wait_until_finished()
-  with open(os.path.join(output_dir, "config.json"), "w") as f:
-    json.dump({"model": cfg_dict, "source": dict(source or {})}, f, indent=2, sort_keys=True)
+  storage.write_text(storage.join(output_dir, "config.json"), json.dumps(
+      {"model": cfg_dict, "source": dict(source or {})}, indent=2, sort_keys=True))
   return output_dir
 
 
@@ -782,13 +783,13 @@ def load_converted(output_dir: str, **model_overrides):
 
   from umoe_jax.model import abstract_model
 
-  output_dir = os.path.abspath(os.fspath(output_dir))
-  with open(os.path.join(output_dir, "config.json")) as f:
-    cfg = ml_collections.ConfigDict(json.load(f)["model"])
+  output_dir = storage.abspath(os.fspath(output_dir))
+  cfg = ml_collections.ConfigDict(json.loads(storage.read_text(
+      storage.join(output_dir, "config.json")))["model"])
   for key, value in model_overrides.items():
     cfg[key] = value
   graphdef, abstract = nnx.split(abstract_model(model_config(cfg)))
-  restored = ocp.StandardCheckpointer().restore(os.path.join(output_dir, "params"), abstract)
+  restored = ocp.StandardCheckpointer().restore(storage.join(output_dir, "params"), abstract)
   return nnx.merge(graphdef, restored), cfg
 
 
@@ -810,13 +811,14 @@ def main(argv=None) -> int:
   try:
     config_json = load_official_config(args.checkpoint)
     layout = expert_weight_layout(config_json)
-    if os.path.exists(os.path.join(args.output, "params")):
-      raise FileExistsError(f"{os.path.join(args.output, 'params')} exists; choose an empty --output")
+    if storage.exists(storage.join(args.output, "params")):
+      raise FileExistsError(f"{storage.join(args.output, 'params')} exists; choose an empty --output")
     model, cfg = import_official(args.checkpoint, compute_dtype=args.compute_dtype,
                                  gmm_backend=args.gmm_backend)
     out = save_converted(model, cfg, args.output, source=dict(
         checkpoint=os.path.abspath(args.checkpoint), expert_layout=layout, official_config=config_json))
-  except (ConfigError, StateDictError, FileNotFoundError, FileExistsError, ImportError) as e:
+  except (ConfigError, StateDictError, FileNotFoundError, FileExistsError, ImportError,
+          storage.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   import jax

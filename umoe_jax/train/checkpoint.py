@@ -28,6 +28,14 @@ from step N instead of the latest (no fallback); the later steps are moved to ch
 once the run starts, and the saves of the new branch record `restored_from: N`, so that restarting
 the same command later continues the new branch instead of going back to N again.
 
+Workdirs in a bucket (`gs://bucket/runs/name`): Orbax writes the checkpoints there itself (etils.epath
+for its metadata, TensorStore for the arrays), every process its own shards. On gs:// a step is
+written in place and made complete by a `commit_success.txt` written last (Orbax's atomicity on
+object stores; a step without it is never listed), and older steps are deleted after the new one is
+complete. config.json, the step metadata, and the moves to checkpoints_damaged/ and
+checkpoints_abandoned/ go through umoe_jax/storage (a move there copies every object, then deletes).
+Orbax speaks local paths and gs:// only: other stores (s3://, ...) are refused with WorkdirError.
+
 Nothing is written before a run has restored (or built) its start state: the manager does not create
 `checkpoints/` until the first save. A save that fails (a full disk, ...) raises CheckpointSaveError
 naming the step, the directory, the cause and the last complete step; its partial
@@ -37,11 +45,9 @@ guard's reference values, see guard.py); a step can be protected from keep-last-
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import re
-import shutil
 import tempfile
 import time
 from typing import Any, Optional
@@ -52,6 +58,7 @@ from absl import logging
 from etils import epath
 
 from umoe_jax import data as data_lib
+from umoe_jax import storage
 from umoe_jax.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -77,14 +84,38 @@ class WorkdirError(ValueError):
   """--workdir cannot hold a run (a file, or not writable)."""
 
 
+CHECKPOINT_SCHEMES = ("gs",)  # remote stores Orbax writes checkpoints to
+
+
+def _check_remote_workdir(workdir: str) -> None:
+  scheme = storage.scheme(workdir)
+  if scheme not in CHECKPOINT_SCHEMES:
+    raise WorkdirError(
+        f"--workdir={workdir!r}: checkpoints (Orbax) are written to local paths and gs:// only, not "
+        f"{scheme}://; use a gs:// bucket, or mount the store (e.g. mountpoint-s3) and pass the "
+        "mount path")
+  bucket = storage.bucket_url(workdir)
+  if bucket == storage.expand(workdir):
+    raise WorkdirError(f"--workdir={workdir!r} is a bucket: pass a directory in it, e.g. "
+                       f"{bucket}/runs/NAME")
+  try:
+    storage.check_bucket(workdir)
+  except FileNotFoundError as e:
+    raise WorkdirError(f"--workdir={workdir!r}: {e}") from None
+  if storage.isfile(workdir):
+    raise WorkdirError(f"--workdir={workdir!r} is a file (an object), not a directory")
+
+
 def check_workdir(workdir: str) -> None:
   """Raises WorkdirError unless `workdir` is (or can be created as) a writable directory.
 
   Writes nothing: writability is probed with an anonymous temporary file in the nearest existing
-  ancestor (root ignores permission bits, a read-only mount does not). URLs (gs://...) are left to
-  the storage library.
+  ancestor (root ignores permission bits, a read-only mount does not). A URL must be on a store
+  Orbax writes to, in a bucket that exists, and not name an object; its writability shows at the
+  first write (a StorageError naming the object and the credentials to check).
   """
-  if "://" in workdir:
+  if storage.is_url(workdir):
+    _check_remote_workdir(workdir)
     return
   path = os.path.abspath(os.path.expanduser(workdir))
   if os.path.exists(path) and not os.path.isdir(path):
@@ -106,15 +137,15 @@ def step_metadata(directory: str, step: int) -> dict:
   """The `custom_metadata` saved with `step` (Orbax's <step>/_CHECKPOINT_METADATA, read as JSON
   without building item handlers); {} for checkpoints written without it."""
   try:
-    with open(os.path.join(directory, str(step), STEP_METADATA_FILE), encoding="utf-8") as f:
-      return dict(json.load(f).get("custom_metadata") or {})
+    text = storage.read_text(storage.join(directory, str(step), STEP_METADATA_FILE))
+    return dict(json.loads(text).get("custom_metadata") or {})
   except (OSError, ValueError, AttributeError):
     return {}
 
 
 def complete_steps(directory: str) -> list[int]:
   """Finalized checkpoint steps in `directory` (tmp directories of unfinished saves excluded)."""
-  if not os.path.isdir(directory):
+  if not storage.isdir(directory):
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))
 
@@ -129,12 +160,12 @@ class ResumeSource:
 def init_from_checkpoints(path: str) -> tuple[str, list[int]]:
   """("params", []) for a converted checkpoint, else (checkpoint directory, its complete steps) of
   a training workdir or its `checkpoints/`; ConfigError naming `path` when it holds neither."""
-  if not os.path.isdir(path):
+  if not storage.isdir(path):
     raise ConfigError(f"checkpoint.init_from={path!r}: no such directory")
-  if os.path.isdir(os.path.join(path, "params")):
+  if storage.isdir(storage.join(path, "params")):
     return "params", []
-  ckpt_dir = os.path.join(path, CHECKPOINT_DIR)
-  ckpt_dir = ckpt_dir if os.path.isdir(ckpt_dir) else path
+  ckpt_dir = storage.join(path, CHECKPOINT_DIR)
+  ckpt_dir = ckpt_dir if storage.isdir(ckpt_dir) else path
   steps = complete_steps(ckpt_dir)
   if not steps:
     raise ConfigError(f"checkpoint.init_from={path!r} holds neither params/ (a converted checkpoint) "
@@ -164,29 +195,20 @@ def resume_source(checkpoint_dir: str, init_from: str = "",
   if steps:
     return ResumeSource("workdir", checkpoint_dir)
   if init_from:
-    path = os.path.expanduser(init_from)
+    path = storage.expand(init_from)
     init_from_checkpoints(path)
     return ResumeSource("init_from", path)
   return ResumeSource("scratch")
 
 
 def write_config(workdir: str, config: Any) -> None:
-  """<workdir>/config.json (process 0), atomically: a temporary file renamed over it, so a reader
-  or a crash sees the old file or the new one, never a partial one."""
+  """<workdir>/config.json (process 0), atomically (storage.write_text: a temporary file renamed
+  over it, or one whole upload), so a reader or a crash sees the old file or the new one, never a
+  partial one."""
   if jax.process_index() != 0:
     return
-  os.makedirs(workdir, exist_ok=True)
   text = config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config)
-  tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
-  try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  storage.write_text(storage.join(workdir, CONFIG_FILE), text + "\n")
 
 
 def _barrier(name: str) -> None:
@@ -196,7 +218,7 @@ def _barrier(name: str) -> None:
 
 
 def _saved_process_counts(step_dir: str) -> set[int]:
-  names = glob.glob(os.path.join(step_dir, "data", "process_*-of-*.json"))
+  names = storage.glob(storage.join(step_dir, "data", "process_*-of-*.json"))
   return {int(m.group(1)) for n in names if (m := re.search(r"-of-(\d+)\.json$", n))}
 
 
@@ -252,7 +274,7 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+    self.directory = storage.abspath(directory)  # a local path or a gs:// URL, as Orbax takes it
     self._protected = _ProtectedSteps()
     policy = ocp.checkpoint_managers.AnyPreservationPolicy(
         [ocp.checkpoint_managers.LatestN(n=keep), self._protected])
@@ -261,6 +283,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, item_names=("state", "data"),
                                          options=options)
     self._in_flight: Optional[int] = None  # step of a save that may still be writing
+    self._directory_made = False  # checkpoints/ exists for every process (after the first save)
     self._failed = False
 
   def steps(self) -> list[int]:
@@ -284,12 +307,14 @@ class Checkpointer:
     items = {"state": ocp.args.StandardSave(state)}
     if data_iter is not None:
       items["data"] = data_lib.save_args(data_iter)
-    if not os.path.isdir(self.directory):
-      if jax.process_index() == 0:
+    if not self._directory_made:  # decided per process alike: every process joins the barrier
+      if (jax.process_index() == 0 and not storage.is_url(self.directory)
+          and not os.path.isdir(self.directory)):
         os.makedirs(self.directory, exist_ok=True)
       _barrier("umoe_checkpoint_mkdir")
+      self._directory_made = True
     if jax.process_index() == 0:
-      logging.info("checkpoint: saving step %d to %s", step, os.path.join(self.directory, str(step)))
+      logging.info("checkpoint: saving step %d to %s", step, storage.join(self.directory, str(step)))
     previous, self._in_flight = self._in_flight, step
     try:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True,
@@ -309,22 +334,33 @@ class Checkpointer:
   def _save_failed(self, step: Optional[int], error: BaseException) -> CheckpointSaveError:
     self._failed = True
     self._in_flight = None
-    if jax.process_index() == 0:  # the partial step: never listed as a step, but it takes space
-      prefix = "*" if step is None else str(step)
-      for tmp in glob.glob(os.path.join(self.directory, f"{prefix}.orbax-checkpoint-tmp*")):
-        shutil.rmtree(tmp, ignore_errors=True)
     done = self._complete()
+    if jax.process_index() == 0:  # the partial step: never listed as a step, but it takes space
+      self._remove_partial(step, done)
     last = (f"the last complete checkpoint is step {done[-1]} (a restart resumes from it)" if done
             else "no checkpoint is complete")
     what = "a checkpoint" if step is None else f"checkpoint step {step}"
     return CheckpointSaveError(
         f"saving {what} to {self.directory} failed ({_save_problem(error)}); {last}")
 
+  def _remove_partial(self, step: Optional[int], done: list[int]) -> None:
+    """Deletes what a failed save of `step` left: locally its `<step>.orbax-checkpoint-tmp*`
+    directory; on gs:// (written in place) the step directory, unless it is complete."""
+    try:
+      if not storage.is_url(self.directory):
+        prefix = "*" if step is None else str(step)
+        for tmp in storage.glob(storage.join(self.directory, f"{prefix}.orbax-checkpoint-tmp*")):
+          storage.rmtree(tmp)
+      elif step is not None and step not in done:
+        storage.rmtree(storage.join(self.directory, str(step)))
+    except OSError as e:  # the failure being reported matters more
+      logging.warning("could not remove the partial checkpoint step %s: %s", step, e)
+
   def _check_fits(self, step: int, target: Any) -> None:
     """CheckpointMismatchError naming the first arrays whose paths or shapes differ between step
     `step`'s saved state and `target`, read from the metadata alone: a mismatch is a config change,
     not damage, and a restore attempt would only leave Orbax reads pending."""
-    state_dir = os.path.join(self.directory, str(step), "state")
+    state_dir = storage.join(self.directory, str(step), "state")
     try:
       saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
     except Exception:  # pylint: disable=broad-except  (unreadable: the restore reports the damage)
@@ -341,14 +377,14 @@ class Checkpointer:
       raise CheckpointMismatchError(
           f"checkpoint step {step} in {self.directory} does not fit this config: "
           f"{'; '.join(problems[:2])}{more}. A run resumes with the model and optimizer config it "
-          f"was started with ({os.path.join(os.path.dirname(self.directory), CONFIG_FILE)}); to "
+          f"was started with ({storage.join(storage.dirname(self.directory), CONFIG_FILE)}); to "
           f"start over with the new one, move {self.directory} away")
 
   def _restore_step(self, step: int, target: Any, data_iter: Optional[Any]):
     self._check_fits(step, target)
     items = {"state": ocp.args.StandardRestore(target)}
     if data_iter is not None:
-      saved = _saved_process_counts(os.path.join(self.directory, str(step)))
+      saved = _saved_process_counts(storage.join(self.directory, str(step)))
       if saved and jax.process_count() not in saved:
         # Each process's share of the stream is a function of the process count (sources.py), so
         # a position saved by n processes does not exist in a stream of m: start over.
@@ -414,14 +450,14 @@ class Checkpointer:
     return newer
 
   def _aside_dir(self, name: str) -> str:
-    return os.path.join(os.path.dirname(self.directory), name)
+    return storage.join(storage.dirname(self.directory), name)
 
   def _move_aside(self, steps: list[int], name: str) -> None:
     if jax.process_index() == 0:
-      os.makedirs(self._aside_dir(name), exist_ok=True)
+      storage.makedirs(self._aside_dir(name))
       for step in steps:
-        dst = os.path.join(self._aside_dir(name), f"{step}-{int(time.time())}")
-        shutil.move(os.path.join(self.directory, str(step)), dst)
+        dst = storage.join(self._aside_dir(name), f"{step}-{int(time.time())}")
+        storage.move(storage.join(self.directory, str(step)), dst)
     _barrier("umoe_checkpoint_move_aside")
     self.manager.reload()
 
@@ -472,14 +508,14 @@ def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> A
 
   target_dict = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              nnx.to_pure_dict(abstract_params), param_shardings)
-  params_dir = os.path.join(path, "params")
-  if os.path.isdir(params_dir):
+  params_dir = storage.join(path, "params")
+  if storage.isdir(params_dir):
     target = jax.tree.map(lambda x: x, abstract_params)
     nnx.replace_by_pure_dict(target, target_dict)
-    restored = ocp.StandardCheckpointer().restore(os.path.abspath(params_dir), target)
+    restored = ocp.StandardCheckpointer().restore(storage.abspath(params_dir), target)
     return nnx.to_pure_dict(restored)
   ckpt_dir, steps = init_from_checkpoints(path)
-  state_dir = os.path.join(os.path.abspath(ckpt_dir), str(steps[-1]), "state")
+  state_dir = storage.join(storage.abspath(ckpt_dir), str(steps[-1]), "state")
   item = {"params": target_dict}
   restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
       item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),

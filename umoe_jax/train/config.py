@@ -17,13 +17,12 @@ training values (batch not divisible by accumulation steps, ...).
 """
 from __future__ import annotations
 
-import glob
-import os
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
+from umoe_jax import storage
 from umoe_jax.config_fields import optional
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
@@ -108,8 +107,12 @@ def _check_keys(section: Any, defaults: ml_collections.ConfigDict, name: str) ->
 
 
 def _path_exists(path: str) -> bool:
-  path = os.path.expanduser(path)
-  return os.path.exists(path) or (glob.has_magic(path) and bool(glob.glob(path, recursive=True)))
+  path = storage.expand(path)  # local or a URL (gs://, s3://, hf://, ...)
+  if not storage.is_url(path) and storage.exists(path):  # a local name may hold "[" literally
+    return True
+  if storage.has_magic(path):
+    return bool(storage.glob(path))
+  return storage.exists(path)
 
 
 def check_train(train: Any, model: ModelConfig) -> None:
@@ -164,7 +167,7 @@ def check_log_analysis(log: Any, train: Any) -> None:
 def check_checkpoint(ckpt: Any) -> None:
   _check(ckpt.every >= 1, f"checkpoint.every={ckpt.every!r} must be >= 1")
   _check(ckpt.keep >= 1, f"checkpoint.keep={ckpt.keep!r} must be >= 1")
-  _check(not ckpt.init_from or os.path.isdir(os.path.expanduser(ckpt.init_from)),
+  _check(not ckpt.init_from or storage.isdir(storage.expand(ckpt.init_from)),
          f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
   _check(ckpt.restore_step is None or ckpt.restore_step >= 0,
          f"checkpoint.restore_step={ckpt.restore_step!r} must be a step >= 0 (or None: the latest)")
@@ -209,6 +212,12 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
            "needs a file, directory or glob")
     _check(_path_exists(data_cfg.train_path),
            f"data.train_path={data_cfg.train_path!r}: no such file, directory or glob match")
+    if data_cfg.source == "arrayrecord":
+      for key in ("train_path", "eval_path"):
+        try:
+          data_lib.sources.check_arrayrecord_location(data_cfg[key], f"data.{key}")
+        except ValueError as e:
+          raise ConfigError(str(e)) from None
     if train.eval_every > 0:
       _check(bool(data_cfg.eval_path), f"data.eval_path is empty but train.eval_every="
              f"{train.eval_every}; set data.eval_path to held-out data or train.eval_every=0")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ import numpy as np
 from absl import logging
 
 from umoe_jax import data as data_lib
+from umoe_jax import storage
 from umoe_jax.analysis import training as routing_probe_lib
 from umoe_jax.config import ConfigError
 from umoe_jax.data import pipeline as pipeline_lib
@@ -57,7 +57,7 @@ DivergenceError = guard_lib.DivergenceError
 
 # What a user can fix: `train.py` prints these as one line (plus a hint), without a traceback.
 USER_ERRORS = (ConfigError, DataError, ckpt_lib.CheckpointError, ckpt_lib.WorkdirError,
-               NonFiniteError, DivergenceError)
+               NonFiniteError, DivergenceError, storage.StorageError, storage.ObjectNotFoundError)
 
 
 class StopRequest:
@@ -252,7 +252,7 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
   model_cfg = config_lib.validate(config)
   t = config.train
   ckpt_lib.check_workdir(workdir)
-  source = ckpt_lib.resume_source(os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR),
+  source = ckpt_lib.resume_source(storage.join(workdir, ckpt_lib.CHECKPOINT_DIR),
                                   config.checkpoint.init_from, config.checkpoint.restore_step)
 
   # Mesh.
@@ -292,7 +292,7 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
 
   # Creates no directory: config.json, checkpoints/ and the writers come once the start state is
   # restored, so a resume that fails (e.g. the model config changed) leaves the workdir as it was.
-  checkpointer = ckpt_lib.Checkpointer(f"{workdir}/{ckpt_lib.CHECKPOINT_DIR}",
+  checkpointer = ckpt_lib.Checkpointer(storage.join(workdir, ckpt_lib.CHECKPOINT_DIR),
                                        keep=config.checkpoint.keep,
                                        async_save=config.checkpoint.async_save)
   if stack is not None:
@@ -593,7 +593,7 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
 
 def summary(result: dict, config: Any) -> list[str]:
   """Closing lines for the console: what the run did and where its outputs are."""
-  workdir = os.path.abspath(result["workdir"])
+  workdir = storage.abspath(result["workdir"])
   steps = result.get("checkpoints") or []
   how = " (stopped by a signal)" if result["stopped"] else ""
   if result.get("nothing_to_do"):
@@ -603,13 +603,13 @@ def summary(result: dict, config: Any) -> list[str]:
     lines = [f"done: step {result['step']} of {config.train.num_steps}{how} in "
              f"{metrics_lib.duration(result.get('elapsed_s'))}"]
   if steps:
-    lines.append(f"checkpoints: {os.path.join(workdir, ckpt_lib.CHECKPOINT_DIR)} (steps "
+    lines.append(f"checkpoints: {storage.join(workdir, ckpt_lib.CHECKPOINT_DIR)} (steps "
                  f"{', '.join(map(str, steps))}; running the same command again resumes from "
                  f"step {steps[-1]})")
   if config.log.tensorboard:
-    lines.append(f"TensorBoard logs: {os.path.join(workdir, 'tensorboard')} (tensorboard "
+    lines.append(f"TensorBoard logs: {storage.join(workdir, 'tensorboard')} (tensorboard "
                  f"--logdir {workdir})")
   if config.log.jsonl:
-    lines.append(f"metrics: {os.path.join(workdir, 'metrics.jsonl')}; config: "
-                 f"{os.path.join(workdir, ckpt_lib.CONFIG_FILE)}")
+    lines.append(f"metrics: {storage.join(workdir, 'metrics.jsonl')}; config: "
+                 f"{storage.join(workdir, ckpt_lib.CONFIG_FILE)}")
   return lines

@@ -1,6 +1,8 @@
 """Training metrics: interval summaries, MFU, and the writers (TensorBoard, JSONL, console).
 
-TensorBoard files are written with tensorboard's own event writer (no TensorFlow or torch import).
+TensorBoard files are written with tensorboard's record framing and protos (no TensorFlow or torch
+import); they and metrics.jsonl go through umoe_jax/storage (`AppendFile`), so a workdir in a bucket
+works (there the files are re-uploaded whole every `storage.append.REMOTE_FLUSH_SECS` and at close).
 
 Names (TensorBoard tags = JSONL keys):
   train/loss, train/lm_loss, train/perplexity (exp lm_loss), train/balance_loss (all routers),
@@ -22,15 +24,19 @@ Every writer acts on process 0 only.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import socket
 import struct
 import time
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from absl import logging
+
+from umoe_jax import storage
 
 # bf16 dense peak FLOP/s per device, matched by substring of `jax.Device.device_kind` (first match).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
@@ -183,18 +189,30 @@ def console_line(step: int, num_steps: int, s: Mapping[str, float], *,
 
 
 class _EventWriter:
-  """TensorBoard event files with tensorboard's own writer and protos (no TensorFlow, no torch)."""
+  """A TensorBoard event file (`events.out.tfevents.<time>.<host>.<pid>.<n>` in `logdir`):
+  tensorboard's protos and TFRecord framing (no TensorFlow, no torch), written through an
+  `AppendFile` (local or remote)."""
+
+  _count = itertools.count()
 
   def __init__(self, logdir: str):
     from tensorboard.compat.proto import event_pb2, summary_pb2
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.summary.writer.record_writer import RecordWriter
     self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
-    self._writer = EventFileWriter(logdir, flush_secs=30)
+    name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
+            f"{next(self._count)}")
+    self._file = storage.AppendFile(storage.join(logdir, name))
+    self._records = RecordWriter(self._file)
+    self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
+                                source_metadata=event_pb2.SourceMetadata(writer="umoe_jax")))
+    self.flush()
+
+  def _write(self, event) -> None:
+    self._records.write(event.SerializeToString())
 
   def _add(self, step: int, values: list) -> None:
     summary = self._summary_pb2.Summary(value=values)
-    self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=int(step),
-                                                 summary=summary))
+    self._write(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     self._add(step, [self._summary_pb2.Summary.Value(tag=k, simple_value=float(v))
@@ -215,14 +233,15 @@ class _EventWriter:
     self._add(step, [self._summary_pb2.Summary.Value(tag=tag, image=image)])
 
   def flush(self) -> None:
-    self._writer.flush()
+    self._file.flush()
 
   def close(self) -> None:
-    self._writer.close()
+    self._file.close()
 
 
 class MetricWriter:
-  """TensorBoard event files + a JSONL file. Only the process with `is_main` writes anything."""
+  """TensorBoard event files + a JSONL file (local paths or URLs: umoe_jax/storage). Only the
+  process with `is_main` writes anything."""
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, jsonl: bool = True,
                is_main: bool = True):
@@ -231,11 +250,11 @@ class MetricWriter:
     self._jsonl = None
     if not is_main:
       return
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     if tensorboard:
-      self._tb = _EventWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = _EventWriter(storage.join(workdir, "tensorboard"))
     if jsonl:
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+      self._jsonl = storage.AppendFile(storage.join(workdir, "metrics.jsonl"))
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     if not self.is_main:
@@ -243,6 +262,7 @@ class MetricWriter:
     finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
     if self._tb is not None:
       self._tb.scalars(step, finite)
+      self._tb.flush()
     if self._jsonl is not None:
       record = {"step": int(step), **{k: finite.get(k) for k in values}}
       self._jsonl.write(json.dumps(record) + "\n")
@@ -275,12 +295,13 @@ class MetricWriter:
       self._jsonl.flush()
 
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
-    if self._jsonl is not None:
-      self._jsonl.close()
-      self._jsonl = None
+    tb, jsonl, self._tb, self._jsonl = self._tb, self._jsonl, None, None
+    try:
+      if tb is not None:
+        tb.close()
+    finally:
+      if jsonl is not None:
+        jsonl.close()
 
 
 def log_line(line: str) -> None:

@@ -6,13 +6,18 @@ and stops once the last one has finished on the device, and is written to
 `<workdir>/tensorboard/plugins/profile/<timestamp>/` (`*.xplane.pb`), where
 `tensorboard --logdir <workdir>` shows it with the profile plugin (`pip install
 tensorboard-plugin-profile`). Every step inside a trace is marked with a StepTraceAnnotation.
+With a workdir in a bucket the trace is written to a local temporary directory and uploaded there
+(umoe_jax/storage) when it stops.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Optional, Sequence
 
 from absl import logging
+
+from umoe_jax import storage
 
 
 class StepProfiler:
@@ -23,11 +28,12 @@ class StepProfiler:
     self.logdir = logdir
     self.tracing = False
     self._annotation: Optional[Any] = None
+    self._trace_dir = ""  # where jax writes the trace: logdir, or a local stage of a remote one
 
   @classmethod
   def from_config(cls, config: Any, workdir: str) -> "StepProfiler":
     steps = config.log.get("profile_steps") or ()
-    return cls(steps, os.path.join(workdir, "tensorboard"))
+    return cls(steps, storage.join(workdir, "tensorboard"))
 
   def before(self, step: int) -> None:
     """Called before step `step` is dispatched."""
@@ -35,8 +41,12 @@ class StepProfiler:
       return
     import jax
     if not self.tracing:
-      os.makedirs(self.logdir, exist_ok=True)
-      jax.profiler.start_trace(self.logdir)
+      if storage.is_url(self.logdir):
+        self._trace_dir = storage.local_temp_dir("umoe-profile-")
+      else:
+        self._trace_dir = self.logdir
+        os.makedirs(self.logdir, exist_ok=True)
+      jax.profiler.start_trace(self._trace_dir)
       self.tracing = True
       logging.info("profiling from step %d into %s", step, self.logdir)
     self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
@@ -52,7 +62,7 @@ class StepProfiler:
       jax.block_until_ready(outputs)
       self.close()
       logging.info("profile of the steps up to %d written to %s", step,
-                   os.path.join(self.logdir, "plugins", "profile"))
+                   storage.join(self.logdir, "plugins", "profile"))
 
   def close(self) -> None:
     if self._annotation is not None:
@@ -62,6 +72,11 @@ class StepProfiler:
       import jax
       jax.profiler.stop_trace()
       self.tracing = False
+      if self._trace_dir != self.logdir:  # a remote logdir: upload the local trace
+        try:
+          storage.upload_tree(self._trace_dir, self.logdir)
+        finally:
+          shutil.rmtree(self._trace_dir, ignore_errors=True)
 
   def __enter__(self) -> "StepProfiler":
     return self
