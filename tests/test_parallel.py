@@ -247,6 +247,7 @@ def test_expert_map_matches_oracle_and_counts_drops(multi_device_report):
     assert skewed and all(v["dropped"] == 0 for v in skewed), strategy
   for exchange in ("auto", "all_gather"):
     assert sum(section[f"model_sown_dropped_rows/{exchange}"]) > 0
+  assert section["train_step_dropped_rows"] > 0   # the trainer's metrics report them
 
 
 def test_expert_map_auto_exchange(multi_device_report):

@@ -554,6 +554,11 @@ def test_smoe_dropout_matches_numpy_reference(renormalize):
     np.testing.assert_allclose(np.asarray(out.probs), p, rtol=1e-6, atol=1e-7)
     assert int((np.asarray(out.gates) > 0).sum(-1).max()) == active, step
     assert float(out.balance_loss) == 0.0
+    # Only the k(step) active slots are routed: the mask, the logged load (what bias balancing reads)
+    mask = np.broadcast_to(np.arange(k) < active, ids.shape)
+    np.testing.assert_array_equal(np.asarray(out.slot_mask), mask)
+    np.testing.assert_array_equal(np.asarray(routers_lib.routing_stats(out, e)["expert_counts"]),
+                                  np.bincount(ids[mask], minlength=e))
   # the schedule itself: the paper's round((k_max - k_min) t / T) + k_min, clipped at T
   got = [int(routers_lib.linear_k_schedule(jnp.int32(s), 8, 16, 400)) for s in (0, 24, 25, 26, 200, 399, 400, 9999)]
   assert got == [8 + round(8 * min(s / 400, 1)) for s in (0, 24, 25, 26, 200, 399, 400, 9999)]

@@ -305,9 +305,43 @@ def check_expert_map():
     with sharding.use_mesh(mesh, expert_capacity_factor=0.25, expert_exchange=exchange):
       sown = nnx.jit(fwd)(model, toks)        # a jit per setting: the context is read when tracing
     counts = [int(v) for v in jax.tree.leaves(sown)]
-    assert counts and sum(counts) > 0, (exchange, sown)
+    # Every capped exchange counts its drops: the pool's two calls (attention values, FFN) and
+    # the pre-mixing queries' (K=2 over 16 experts at cf=0.25 overflows too).
+    owners = {str(path[-2]) for path, _ in nnx.to_flat_state(sown)}
+    assert owners == {"experts", "attention"} and len(counts) == 3 and min(counts) > 0, (
+        exchange, sown)
     out[f"model_sown_dropped_rows/{exchange}"] = counts
+  out["train_step_dropped_rows"] = _train_step_dropped_rows(cfg, model, mesh, fwd)
   return out
+
+
+def _train_step_dropped_rows(cfg, model, mesh, fwd):
+  """The trainer's step reports the rows its exchanges dropped (`ep_dropped_rows`, the sum over
+  pools and micro-batches, in the metrics, the logged scalars and the console line): with 2
+  micro-batches (rows a::2) exactly the sown counts of the two forwards; no count without a
+  capacity factor."""
+  from umoe_jax.train import metrics as metrics_lib, state as state_lib, step as step_lib
+  parts = state_lib.model_parts(cfg)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  tx = optax.sgd(0.0)
+  toks = jnp.asarray(common.tokens())
+  batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+  got = {}
+  for cf in (0.25, None):
+    with sharding.use_mesh(mesh, expert_capacity_factor=cf):
+      step = jax.jit(functools.partial(step_lib.train_step, graphdef=parts.graphdef, tx=tx,
+                                       schedule=optax.constant_schedule(0.0), accum_steps=2))
+      got[cf] = jax.tree.map(np.asarray, step(state_lib.state_with_params(params, tx, 0), batch)[1])
+      if cf is not None:
+        want = sum(int(v) for a in range(2)
+                   for v in jax.tree.leaves(nnx.jit(fwd)(model, batch["inputs"][a::2])))
+  assert "ep_dropped_rows" not in got[None], got[None]
+  assert want > 0 and int(got[0.25]["ep_dropped_rows"]) == want, (got[0.25], want)
+  scalars, _ = metrics_lib.summarize([got[0.25]])
+  assert scalars["train/ep_dropped_rows"] == want, scalars
+  line = metrics_lib.console_line(1, 1, {**scalars, "perf/step_time_s": 0.1})
+  assert f"dropped {want:,} rows/step" in line, line
+  return want
 
 
 # ----------------------------------------------------------------------------------------------

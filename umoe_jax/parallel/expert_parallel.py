@@ -67,8 +67,8 @@ shard (all_gather).
     c x the balanced load, C = ceil(c * n * K / EP) and M_buf = ceil(c * n * K) (at most the
     dropless size). Rows past the buffer are dropped (they contribute zero, like a token the router
     did not pick; all_gather drops the last rows in (local expert, token, slot) order) and counted:
-    `stats["dropped_rows"]` (global count), sown by the pool as `nnx.Intermediate`
-    "ep_dropped_rows".
+    `stats["dropped_rows"]` (global count), sown by the pools and the pre-mixing queries as
+    `nnx.Intermediate` "ep_dropped_rows" (`expert_routes`), logged as `train/ep_dropped_rows`.
   * "ragged" sizes its receive buffer per shard like all_gather (same two formulas); only the rows
     that fit are sent.
 

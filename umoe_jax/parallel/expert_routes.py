@@ -3,8 +3,9 @@ pre-mixing attention's routed queries under a mesh, each one `expert_parallel.ex
 per-device expert function (`local`: rows sorted by local expert -> outputs; `fused`: the whole
 routed forward with the dispatch fused into the kernels, when nothing is exchanged).
 
-The pools sow the dropped-row count ("ep_dropped_rows", `nnx.Intermediate`) when a capacity factor
-is set (`use_mesh(..., expert_capacity_factor=c)`).
+The pools and the pre-mixing attention sow their dropped-row counts ("ep_dropped_rows",
+`nnx.Intermediate`) when a capacity factor is set (`use_mesh(..., expert_capacity_factor=c)`); the
+training step sums them (`train/ep_dropped_rows`).
 """
 from __future__ import annotations
 
@@ -48,15 +49,20 @@ def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype,
 def _route(pool, params, local, fused, x, expert_ids, gates) -> jax.Array:
   """expert_map of a pool's routed forward over its `params` (nnx.Params, expert-stacked), with
   the per-device `local` / `fused` functions; sows the dropped rows under a capacity factor."""
-  from flax import nnx
   kw = dict(activation=pool.activation, dtype=pool.compute_dtype, backend=pool.gmm_backend)
   y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
                         tuple(_names(p) for p in params), functools.partial(local, **kw),
                         num_experts=pool.n_experts, fused_local=functools.partial(fused, **kw))
+  _sow_dropped(pool, stats)
+  return y
+
+
+def _sow_dropped(module, stats: dict) -> None:
+  """Sows expert_map's dropped-row count on `module` when a capacity factor can drop rows."""
+  from flax import nnx
   ctx = current_context()
   if ctx is not None and ctx.expert_capacity_factor is not None:
-    pool.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
-  return y
+    module.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
 
 
 def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
@@ -121,8 +127,9 @@ def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array) -> jax.Array:
   local = functools.partial(_queries_local, dtype=att.cfg.compute_dtype, backend=att.cfg.gmm_backend,
                             eps=att.cfg.norm_eps, low_rank=att.q_a is not None,
                             norm=att.q_a_norm is not None)
-  q, _ = expert_map(x_flat, expert_ids, None, tuple(ws), tuple(names), local,
-                    num_experts=att.n_experts)
+  q, stats = expert_map(x_flat, expert_ids, None, tuple(ws), tuple(names), local,
+                        num_experts=att.n_experts)
+  _sow_dropped(att, stats)   # a dropped slot's query is zero
   return q
 
 

@@ -110,6 +110,8 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dic
   }
   for name in sorted(steps[0].get("router_losses", {})):   # z_loss, ...: each on its own
     scalars[f"train/{name}"] = float(np.mean([float(s["router_losses"][name]) for s in steps]))
+  if "ep_dropped_rows" in steps[0]:   # expert parallelism with a capacity factor: rows per step
+    scalars["train/ep_dropped_rows"] = mean("ep_dropped_rows")
   if "param_norm" in steps[-1]:
     scalars["train/param_norm"] = float(steps[-1]["param_norm"])
   routers, counts = router_summary(steps)
@@ -181,6 +183,8 @@ def console_line(step: int, num_steps: int, s: Mapping[str, float], *,
   loads = [v for k, v in s.items() if k.endswith("/load_max_mean")]
   if loads:
     parts.append(f"load max/mean {max(loads):.2f}")
+  if s.get("train/ep_dropped_rows"):   # expert buffers full (expert_parallel.capacity_factor)
+    parts.append(f"dropped {s['train/ep_dropped_rows']:,.0f} rows/step")
   if s.get("train/skipped_steps"):
     parts.append(f"skipped {int(s['train/skipped_steps'])}")
   if elapsed_s is not None:

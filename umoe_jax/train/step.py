@@ -57,8 +57,23 @@ def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str, tota
   router_losses = aux.get("router_losses", {})
   extra = sum(router_losses.values(), jnp.zeros((), jnp.float32))
   objective = nll_sum / total_tokens + (balance + extra) / accum_steps
-  return objective, {"nll_sum": nll_sum, "tokens": count, "balance_loss": balance,
-                     "router_losses": router_losses, "routers": aux["routers"]}
+  stats = {"nll_sum": nll_sum, "tokens": count, "balance_loss": balance,
+           "router_losses": router_losses, "routers": aux["routers"]}
+  dropped = _dropped_rows(model)
+  if dropped is not None:
+    stats["ep_dropped_rows"] = dropped
+  return objective, stats
+
+
+def _dropped_rows(model: nnx.Module) -> Optional[jax.Array]:
+  """The (token, slot) rows the forward's expert-parallel exchanges dropped for lack of buffer
+  room, summed over pools and calls ([] int32), or None when none counted them (no capacity factor:
+  dropless). The pools sow the counts (`parallel.expert_routes`); they live in the forward only."""
+  counts = nnx.All(nnx.Intermediate, nnx.PathContains("ep_dropped_rows"))
+  sown = jax.tree.leaves(nnx.pop(model, counts))
+  if not sown:
+    return None
+  return sum((jnp.asarray(v, jnp.int32) for v in sown), jnp.zeros((), jnp.int32))
 
 
 def _micro_batches(batch: dict, accum_steps: int) -> dict:
@@ -75,7 +90,7 @@ def _reduce_micro(stats: dict, accum_steps: int) -> dict:
   out["balance_loss"] = stats["balance_loss"] / accum_steps
   out["router_losses"] = jax.tree.map(lambda x: x / accum_steps, stats["router_losses"])
   out["routers"] = jax.tree.map(lambda x: x / accum_steps if x.ndim == 0 else x, stats["routers"])
-  return out
+  return out   # ep_dropped_rows (when present) is a count: summed, as the scan left it
 
 
 def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool | str,
@@ -120,7 +135,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   nonfinite (this step's loss or gradient norm is NaN / inf), applied (0 if the update was dropped:
   non-finite, or the state is halted), and per router {"balance_loss", "expert_counts" [E],
   "entropy", its other losses, and "bias_spread" (max - min of its selection bias after the update)
-  for routers with aux-loss-free balancing}.
+  for routers with aux-loss-free balancing}; under expert parallelism with a capacity factor also
+  ep_dropped_rows ([] int32, the batch's (token, slot) rows dropped by the exchanges' buffers).
   """
   applied_steps = state.step - state.skipped  # the counter the learning-rate schedule reads too
   grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
@@ -158,6 +174,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
       "applied": apply.astype(jnp.int32),
       "param_norm": optax.tree.norm(new_params),
       "router_losses": stats["router_losses"],
+      **({"ep_dropped_rows": stats["ep_dropped_rows"]} if "ep_dropped_rows" in stats else {}),
       "routers": {name: {**r, **({"bias_spread": bias_spreads[name]} if name in bias_spreads else {})}
                   for name, r in stats["routers"].items()},
   }

@@ -25,9 +25,9 @@ A router that needs another extra adds a key there; no call site changes.
 
 A new router is one class registered in `ROUTERS` (`umoe_jax.kinds`, where its name and the traits
 config validation checks are one row of `ROUTER_KINDS`); `model.router.kind` selects it. Its
-constructor is `(d_model, n_experts, top_k, cfg: RouterConfig, *, param_dtype, rngs)`; its parameter
-and MAC counts are the `RouterStats` class methods it inherits or overrides (`umoe_jax.stats` reads
-them by kind).
+constructor is `(d_model, n_experts, top_k, cfg: RouterConfig, *, param_dtype, rngs)` (`base.Router`'s,
+which it subclasses, usually through `ScoreRouter`); its parameter and MAC counts are the
+`RouterStats` class methods it inherits or overrides (`umoe_jax.stats` reads them by kind).
 
 One module per family:
   topk           "topk_softmax", "topk_sigmoid": softmax / sigmoid of x W_r, top-k
@@ -52,7 +52,7 @@ One module per family:
 The mixing is causal (a token mixes itself and earlier tokens) and refuses cached decoding.
 """
 from umoe_jax.kinds import ROUTERS  # noqa: F401
-from umoe_jax.model.routers.base import (ParameterFreeRouter, RouterOutput, RouterStats,  # noqa: F401
+from umoe_jax.model.routers.base import (ParameterFreeRouter, Router, RouterOutput, RouterStats,  # noqa: F401
                                          call_router, fold_rng, jitter, make_router,
                                          need_token_ids, route_context, routing_stats)
 from umoe_jax.model.routers.losses import (BALANCE_LOSSES, router_z_loss,  # noqa: F401

@@ -123,8 +123,9 @@ class RouterStats:
     return pair_macs(router_mixing(router), cfg.d_model, n_experts)
 
 
-class ParameterFreeRouter(RouterStats, nnx.Module):
-  """Base of routers without weights of their own (hash routing, AoE)."""
+class Router(RouterStats, nnx.Module):
+  """Base of every router class: the constructor of the contract, keeping E (`n_experts`), the
+  sub-layer's K (`top_k`) and the RouterConfig (`cfg`); subclasses add their weights after it."""
 
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
                rngs: nnx.Rngs):
@@ -132,6 +133,10 @@ class ParameterFreeRouter(RouterStats, nnx.Module):
     self.n_experts = n_experts
     self.top_k = top_k
     self.cfg = cfg
+
+
+class ParameterFreeRouter(Router):
+  """Base of routers without weights of their own (hash routing)."""
 
   @classmethod
   def param_count(cls, cfg, router, n_experts):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import RouterConfig, router_mixing
-from umoe_jax.model.routers.base import RouterOutput, RouterStats, jitter
+from umoe_jax.model.routers.base import Router, RouterOutput, jitter
 from umoe_jax.model.routers.expert_choice import expert_choice_select
 from umoe_jax.model.routers.losses import BALANCE_LOSSES, router_z_loss
 from umoe_jax.model.routers.selection import biased_top_k, entropy_loss, top_p_select
@@ -39,7 +39,7 @@ def selection_bias_param(n_experts: int) -> nnx.Param:
                    eager_sharding=False)
 
 
-class ScoreRouter(RouterStats, nnx.Module):
+class ScoreRouter(Router):
   """Base of the routers with scores (module docstring). Subclasses set up their weights after
   `super().__init__` and define `logits`; they may override `distribution`, `mix`,
   `balance_probs` and `select`."""
@@ -48,10 +48,7 @@ class ScoreRouter(RouterStats, nnx.Module):
 
   def __init__(self, d_model: int, n_experts: int, top_k: int, cfg: RouterConfig, *, param_dtype,
                rngs: nnx.Rngs):
-    del d_model, param_dtype, rngs
-    self.n_experts = n_experts
-    self.top_k = top_k
-    self.cfg = cfg
+    super().__init__(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
     self.selection_bias = selection_bias_param(n_experts) if cfg.bias_update_rate > 0 else None
 
   def logits(self, x: jax.Array, **context) -> jax.Array:

@@ -35,9 +35,10 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
 
   K is the sub-layer's top_k (the schedule's end; the paper grows k to all E experts: top_k = E).
   Without a "step" in the route context (evaluation, decoding) k = K. No balance loss (the router is
-  fixed, as in the paper; `router.balance_loss` is not used). All K slots go through the experts even while k(step) < K (zero gates;
-  the logged expert counts include them); the paper's early-training saving needs shapes that
-  change with the step.
+  fixed, as in the paper; `router.balance_loss` is not used). All K slots go through the experts
+  even while k(step) < K (zero gates; static shapes: the paper's early-training saving needs shapes
+  that change with the step); the slots beyond k(step) are masked (`RouterOutput.slot_mask`), so
+  the logged expert counts and the selection bias's load see only the k(step) active ones.
   W_r is initialised like `topk_softmax` (no bias, unlike the paper's nn.Linear) and tagged `norm`:
   replicated and never weight-decayed, so with its zero gradient Adam leaves it exactly as drawn.
   """
@@ -60,11 +61,11 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
     return linear_k_schedule(step, k_start, self.top_k, self.cfg.smoe_dropout_steps)
 
   def select(self, probs: jax.Array, *, step: Optional[jax.Array] = None, **context):
-    """Top-K of probs (+ the selection bias); the slots beyond k(step) get gate 0."""
+    """Top-K of probs (+ the selection bias); the slots beyond k(step) get gate 0 and are masked."""
     del context
     ids, top = biased_top_k(probs, self.top_k, False, self.bias())                     # [B, T, K]
     active = jnp.arange(self.top_k) < self.active_k(step)                              # [K]
     gates = jnp.where(active, top, 0.0)
     if self.cfg.renormalize:
       gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    return ids, gates, None     # the inactive slots stay in the load (as before: see above)
+    return ids, gates, jnp.broadcast_to(active, ids.shape)

@@ -11,7 +11,7 @@ from flax import nnx
 from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import make_param
-from umoe_jax.model.routers.base import RouterOutput, RouterStats, jitter, need_token_ids
+from umoe_jax.model.routers.base import Router, RouterOutput, jitter, need_token_ids
 from umoe_jax.model.routers.scoring import z_loss_terms
 from umoe_jax.model.routers.xmoe import orthogonal_init
 from umoe_jax.parallel import rules as ax
@@ -36,7 +36,7 @@ def stablemoe_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: 
 
 
 @ROUTERS.register("stablemoe")
-class StableMoERouter(RouterStats, nnx.Module):
+class StableMoERouter(Router):
   """StableMoE (top-k generalisation of the paper's top-1).
 
     s = x C^T                               affinities, expert centroids C [E, D]
@@ -64,9 +64,7 @@ class StableMoERouter(RouterStats, nnx.Module):
     if cfg.stablemoe_vocab_size is None:
       raise ValueError("router.kind='stablemoe' needs router.stablemoe_vocab_size (model_config() "
                        "sets it to model.vocab_size)")
-    self.n_experts = n_experts
-    self.top_k = top_k
-    self.cfg = cfg
+    super().__init__(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
     d_w = cfg.stablemoe_distill_dim
     self.centroids = make_param(rngs, orthogonal_init(0.1), (n_experts, d_model),
                                 (ax.ROUTER_OUT, ax.EMBED), param_dtype)
