@@ -25,9 +25,11 @@ from umoe_jax.config import ModelConfig, model_config  # noqa: E402
 
 import reference  # noqa: E402,F401
 from ci_checks import pytest_runtest_makereport  # noqa: E402,F401  (UMOE_CI=1: required tests run)
+import gpu_report  # noqa: E402
 
 
 def pytest_configure(config):
+  config.pluginmanager.register(gpu_report, "umoe_gpu_report")
   # flax 0.12 deprecates `Variable.value`, which the model code still uses: one warning per call site
   # and trace would drown the report.
   config.addinivalue_line("filterwarnings",
