@@ -55,6 +55,8 @@ class _QuietLibraries(std_logging.Filter):
     self.debug = debug
 
   def filter(self, record):
+    if not self.debug and _orphaned_orbax_future(record):
+      return False
     library = any(part in record.pathname for part in ("/orbax/", "/grain/"))
     if not library:
       return True
@@ -63,6 +65,20 @@ class _QuietLibraries(std_logging.Filter):
     if not self.debug and record.exc_info:
       record.exc_info, record.exc_text = None, None
     return True
+
+
+def _orphaned_orbax_future(record: std_logging.LogRecord) -> bool:
+  """Whether a log record is asyncio's 'exception was never retrieved' for a future of an Orbax
+  save that failed (a full disk fails every write of the save; the first failure is reported by the
+  run, the others are logged when their futures are garbage-collected, in no fixed order)."""
+  if "/asyncio/" not in record.pathname or not record.exc_info:
+    return False
+  tb = record.exc_info[2]
+  while tb is not None:
+    if "/orbax/" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _orphaned_orbax_work(unraisable) -> bool:
