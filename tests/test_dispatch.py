@@ -75,6 +75,27 @@ def test_permute_unpermute_identity(case):
   np.testing.assert_array_equal(back2, np.repeat(x2[:, None], KS, axis=1))
 
 
+def test_plan_puts_masked_slots_in_no_group():
+  """Slots outside slot_mask: after every expert's rows (in slot order) and in no group, so
+  group_sizes counts the active slots only; the active rows are sorted exactly as in a plan of
+  those slots alone."""
+  ids = ID_CASES["random"]
+  rng = np.random.default_rng(3)
+  mask = rng.random(ids.shape) < 0.5
+  mask[:, 0] = True
+  plan = dispatch.make_plan(jnp.asarray(ids), E, jnp.asarray(mask))
+  order, gs = np.asarray(plan.order), np.asarray(plan.group_sizes)
+  flat, active = ids.reshape(-1), mask.reshape(-1)
+  np.testing.assert_array_equal(gs, [np.sum(flat[active] == e) for e in range(E)])
+  a = int(active.sum())
+  assert gs.sum() == a < N * KS
+  # the active rows: by expert, stable (token order inside an expert); then the masked ones
+  expected = sorted(np.flatnonzero(active), key=lambda i: (flat[i], i))
+  np.testing.assert_array_equal(order[:a], expected)
+  np.testing.assert_array_equal(order[a:], np.flatnonzero(~active))
+  np.testing.assert_array_equal(np.asarray(plan.inverse)[order], np.arange(N * KS))
+
+
 def test_permute_rejects_bad_shapes():
   plan = dispatch.make_plan(jnp.asarray(ID_CASES["random"]), E)
   with pytest.raises(ValueError):

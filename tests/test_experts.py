@@ -72,6 +72,45 @@ def test_pool_route_per_token_loop(per_slot):
   assert rel_err(out, ref) < F32_BOUND
 
 
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_pool_route_gives_masked_slots_no_rows(per_slot):
+  """Slots outside slot_mask (gate 0: top-P's unused ones) get no grouped-matmul rows: the plan's
+  groups hold the active slots only, and the values and gradients are the float64 loop over the
+  active slots, and those of the route that runs every slot."""
+  import jax
+  from umoe_jax.model.experts import routed_mlp
+  from umoe_jax.ops import dispatch
+  cfg = tiny_config("umoe")
+  pool = _pool(cfg, 5)
+  p = numpy_params(pool)
+  n, k, e = 12, 3, cfg.moe.n_experts
+  rng = np.random.default_rng(6)
+  ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+  mask = rng.random((n, k)) < 0.5
+  mask[:, 0] = True
+  gates = np.where(mask, rng.random((n, k)), 0.0).astype(np.float32)
+  x = rng.standard_normal((n, k, cfg.d_model) if per_slot else (n, cfg.d_model)).astype(np.float32)
+  out = nnx.jit(lambda pl, *a: pl.route(*a[:3], slot_mask=a[3]))(
+      pool, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(gates), jnp.asarray(mask))
+  ref = np.zeros((n, cfg.d_model))
+  for t in range(n):
+    for j in np.flatnonzero(mask[t]):
+      v = x[t, j] if per_slot else x[t]
+      ref[t] += gates[t, j] * R.mlp_vec(v, p["w_up"][ids[t, j]], p["w_down"][ids[t, j]], "silu")
+  assert rel_err(out, ref) < F32_BOUND
+  plan = dispatch.make_plan(jnp.asarray(ids), e, jnp.asarray(mask))
+  assert int(np.sum(plan.group_sizes)) == mask.sum() < n * k
+
+  def loss(xx, w_up, w_down, slot_mask):
+    plan = dispatch.make_plan(jnp.asarray(ids), e, slot_mask)
+    y = routed_mlp(xx, plan, jnp.asarray(gates), w_up, w_down, activation="silu", backend="xla")
+    return jnp.sum(jnp.sin(y))
+  args = (jnp.asarray(x), pool.w_up.value, pool.w_down.value)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  for a, b in zip(grad(*args, jnp.asarray(mask)), grad(*args, jnp.ones((n, k), bool))):
+    assert rel_err(a, b) < 1e-6
+
+
 def _moe_ffn_case(cfg, seed, b=2, t=9):
   ffn = random_module(lambda: MoEFFN(cfg, rngs=nnx.Rngs(params=0)), seed)
   pool = _pool(cfg, seed + 1)

@@ -250,6 +250,22 @@ def test_expert_map_matches_oracle_and_counts_drops(multi_device_report):
   assert section["train_step_dropped_rows"] > 0   # the trainer's metrics report them
 
 
+def test_masked_slots_take_no_expert_capacity(multi_device_report):
+  """Slots without a pick (gate 0, `slot_mask`) are not rows: with the capacity factor that exactly
+  fits the real picks (counting the masked slots would overflow it), no exchange drops a row and the
+  output equals the dropless one, for every exchange, chunked too, both call forms. In the model
+  (top-P attention and FFN routers) each of the three capped exchanges drops exactly its real picks'
+  overflow at a small factor, and none, with dropless logits, at the factor that fits them."""
+  section = _section(multi_device_report, "masked_slots")
+  cases = {k: v for k, v in section.items() if k != "model" and isinstance(v, dict)}
+  assert len(cases) == 16, sorted(cases)
+  for key, case in cases.items():
+    assert case["dropped"] == 0 and case["err_dropless"] < 1e-5 and case["err"] < 1e-5, (key, case)
+  small, fit = section["model"]["cf=0.5"], section["model"]["fit"]
+  assert small["sown"] == small["real_overflow"] and min(small["sown"]) > 0, small
+  assert fit["sown"] == [0, 0, 0] and fit["logit_err"] < 1e-5, fit
+
+
 def test_expert_map_auto_exchange(multi_device_report):
   """auto: all_to_all when K=3 < EP (expert=8, data=2,expert=4), all_gather when K >= EP (expert=2):
   the values (checked against the oracle in the script) and the collectives in the program."""

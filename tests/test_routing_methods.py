@@ -420,6 +420,36 @@ def test_expert_choice_capacity_and_selection(slots):
     assert got.sum(1).max() > got.sum(1).min()             # tokens get different numbers
 
 
+@pytest.mark.parametrize("family,over", [
+    ("umoe", {}),                                                  # pre-mixing queries + FFN pool
+    ("moa", {"attention.n_experts": 5}),
+    ("switchhead", {"attention.n_experts": 4, "attention.top_k": 2}),
+])
+def test_unused_top_p_slots_run_through_no_expert(family, over, monkeypatch):
+  """Top-P's unused slots (gate 0) take no expert rows in every routed sub-layer (the dispatch's
+  masked ids), and the logits equal those of the same model running every slot through its
+  expert (slot masks ignored)."""
+  from umoe_jax.ops import dispatch
+  cfg = tiny_config(family, **over, **{"router.selection": "top_p", "router.entropy_coef": 1e-4})
+  model = random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)), seed=4)
+  tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+  forward = lambda: nnx.jit(lambda m, t: m(t, return_routes=True))(model, tokens)
+  logits, aux = forward()
+  masks = [np.asarray(r.slot_mask) for r in aux["routes"].values() if r.slot_mask is not None]
+  assert masks and any(not m.all() for m in masks)          # slots were left unused
+  if family == "switchhead":   # its H*E groups: a masked slot gets the id of no group
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 11, cfg.d_model)), jnp.float32)
+    experts = model.layers[0].attention.v_experts
+    ids, _, outs = experts.route(x)
+    mask = np.concatenate([np.asarray(o.slot_mask) for o in outs], -1).reshape(ids.shape)
+    assert not mask.all()
+    np.testing.assert_array_equal(np.asarray(ids) == experts.n_experts * experts.n_heads, ~mask)
+  monkeypatch.setattr(dispatch, "mask_slots", lambda ids, mask, e: ids)
+  every_slot, _ = forward()
+  assert np.abs(np.asarray(logits) - np.asarray(every_slot)).max() <= 1e-5 * np.abs(
+      np.asarray(every_slot)).max()
+
+
 def test_aoe_parameter_matching():
   """Eq. 5: the widened expert of AoE has the parameters of its SMoE baseline (rounded up): the
   paper's numbers, and a gated / plain tiny model counted on the real modules."""

@@ -197,16 +197,18 @@ def test_auto_picks_the_fastest_expected_kernel_on_gpu():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_slot", [False, True])
-@pytest.mark.parametrize("routing", ["random", "skewed_90pct"])
+@pytest.mark.parametrize("routing", ["random", "skewed_90pct", "masked"])
 def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   """gather_gmm + gmm_combine (the dispatch fused into the kernels: row gathers, per-row gate
-  scaling) against the unfused float32 XLA layer: values and the gradients of x, gates, w_up, w_down."""
+  scaling) against the unfused float32 XLA layer: values and the gradients of x, gates, w_up, w_down.
+  "masked": half the slots carry no pick (gate 0, `make_plan(..., slot_mask)`: the kernels' zero
+  tail) against the reference running every slot; the gates' gradient compared where they pick."""
   from umoe_jax.ops import dispatch as D
   from umoe_jax.ops import fused_dispatch as FD
   _require(backend)
   n, k, e, d, f = 1000, 6, 16, 192, 256
   rng = np.random.default_rng(_seed("fused_ids", per_slot, routing))
-  if routing == "random":
+  if routing in ("random", "masked"):
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])
   else:  # 90% of the tokens put all their slots on experts 0..k-1
     ids = np.stack([np.arange(k) if rng.random() < 0.9 else rng.choice(e, k, replace=False)
@@ -218,9 +220,13 @@ def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   w2 = (jax.random.normal(k3, (e, f, d)) / np.sqrt(f)).astype(jnp.bfloat16)
   gates = jax.nn.softmax(jax.random.normal(k4, (n, k)), -1)
   cot = jax.random.normal(k5, (n, d), jnp.float32)
+  mask = None
+  if routing == "masked":
+    mask = jnp.asarray(rng.random((n, k)) < 0.5).at[:, 0].set(True)
+    gates = jnp.where(mask, gates, 0.0)
 
   def fused(x, g, a, b):
-    plan = D.make_plan(ids, e)
+    plan = D.make_plan(ids, e, mask)
     h = jax.nn.relu(FD.gather_gmm(x, a, plan, k, backend=backend))
     return FD.gmm_combine(h, b, plan, g, backend=backend)
 
@@ -236,6 +242,9 @@ def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot)
   got = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
   want = jax.jit(jax.grad(loss(reference), argnums=(0, 1, 2, 3)))(x, gates, w1, w2)
+  if mask is not None:   # a masked slot's gate has no expert output to differentiate
+    got = (got[0], jnp.where(mask, got[1], 0.0), *got[2:])
+    want = (want[0], jnp.where(mask, want[1], 0.0), *want[2:])
   for name, o, r in zip(("x", "gates", "w_up", "w_down"), got, want):
     assert _rel(o, np.asarray(r, np.float32)) < 1e-2, name
 

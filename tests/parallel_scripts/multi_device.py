@@ -1,7 +1,7 @@
 """All single-process, 8-device checks in one process (one JAX start-up), run by test_parallel.py.
 
 Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map ragged layouts
-                                                 large_structure restore variants
+                                                 large_structure restore variants masked_slots
 Writes {section: {"ok": bool, "error": str, ...numbers}}; each section runs even if another failed.
 """
 import contextlib
@@ -103,12 +103,13 @@ def _expert_fn(rows, group_sizes, w, *, tensor_axes):
   return jnp.tanh(gmm(rows, w, group_sizes, backend="xla"))
 
 
-def _numpy_expected(x, ids, gates, w, shards, ep, cap, strategy, chunks=1):
+def _numpy_expected(x, ids, gates, w, shards, ep, cap, strategy, chunks=1, mask=None):
   """Loop oracle with the capacity rule. The tokens are split into `shards` contiguous device
   blocks, each into `chunks` chunks; one exchange instance is a (device, chunk) for all_to_all and
   the same chunk of the EP devices of an expert group for all_gather / ragged. Per instance each
   destination shard keeps its first `cap` rows in (expert, token, slot) order (all_to_all,
-  all_gather) or (sender device, expert, token, slot) order (ragged).
+  all_gather) or (sender device, expert, token, slot) order (ragged). Slots outside `mask` [N, K]
+  (None: all) are no rows: output zero, never dropped, never sent.
   Returns (output, dropped rows, rows sent [shards, EP] as `expert_map`'s stats count them)."""
   n, k = ids.shape
   e_local = w.shape[0] // ep
@@ -123,7 +124,8 @@ def _numpy_expected(x, ids, gates, w, shards, ep, cap, strategy, chunks=1):
       toks = [t for dev in range(g0, g0 + devs) for t in range(dev * per + c * cper,
                                                                 dev * per + (c + 1) * cper)]
       key = ((lambda p: (p[1] // per,) + p) if strategy == "ragged" else (lambda p: p))
-      pairs = sorted(((ids[t, j], t, j) for t in toks for j in range(k)), key=key)
+      pairs = sorted(((ids[t, j], t, j) for t in toks for j in range(k)
+                      if mask is None or mask[t, j]), key=key)
       used = np.zeros(ep, int)
       for e, t, j in pairs:
         d = e // e_local
@@ -342,6 +344,162 @@ def _train_step_dropped_rows(cfg, model, mesh, fwd):
   line = metrics_lib.console_line(1, 1, {**scalars, "perf/step_time_s": 0.1})
   assert f"dropped {want:,} rows/step" in line, line
   return want
+
+
+def _loads(ids, mask, shards, ep, e_local, strategy, chunks=1) -> np.ndarray:
+  """Rows [instances, EP] each exchange instance (`_numpy_expected`) sends to each expert shard:
+  the slots in `mask` (None: all). Any strategy drops sum(max(loads - cap, 0)) rows."""
+  n, k = ids.shape
+  per, devs = n // shards, (1 if strategy == "all_to_all" else ep)
+  cper = per // chunks
+  out = []
+  for g0 in range(0, shards, devs):
+    for c in range(chunks):
+      load = np.zeros(ep, int)
+      for dev in range(g0, g0 + devs):
+        for t in range(dev * per + c * cper, dev * per + (c + 1) * cper):
+          for j in range(k):
+            if mask is None or mask[t, j]:
+              load[ids[t, j] // e_local] += 1
+      out.append(load)
+  return np.asarray(out)
+
+
+def _exact_factor(loads: np.ndarray, balanced: float) -> tuple[float, int]:
+  """(capacity factor, buffer rows) whose buffer, ceil(factor * balanced), is exactly the largest
+  load: room for every row of `loads`, and not one more."""
+  most = int(loads.max())
+  return (most - 0.5) / balanced, most
+
+
+# Masked slots (top-P's unused ones, SMoE-Dropout's beyond k(step), expert choice's empty ones)
+# under a capacity factor just big enough for the real picks: (layout, exchange, chunks) x both call
+# forms (x [N, D] with gates; per-slot x [N, K, D] without gates).
+MASKED_CASES = [("expert=8", "all_to_all", 1), ("expert=8", "all_to_all", 2),
+                ("expert=8", "all_gather", 1), ("expert=8", "ragged", 1),
+                ("expert=8", "ragged@expert", 1), ("data=2,expert=4", "all_to_all", 1),
+                ("data=2,expert=4", "all_gather", 1), ("data=2,expert=4", "ragged", 1)]
+
+
+def check_masked_slots():
+  """Slots without a pick take no rows: with the capacity factor that exactly fits the real picks,
+  expert_map drops nothing and equals the dropless call and the loop oracle (values, sent rows),
+  where counting the masked slots as rows would drop; and the model (top-P routers in attention and
+  FFN) passes its routers' slot masks down: at that factor no sown drop, logits as dropless."""
+  rng = np.random.default_rng(5)
+  n, k, d, e, dout = 64, 3, 8, 16, 5
+  ids = _routing(rng, n, k, e)["spread"]
+  mask = rng.random((n, k)) < 0.5
+  mask[:, 0] = True                              # top-P / SMoE-Dropout: slot 0 always active
+  gates = np.where(mask, rng.uniform(0.1, 1.0, (n, k)), 0.0).astype(np.float32)
+  w = (rng.standard_normal((e, d, dout)) / np.sqrt(d)).astype(np.float32)
+  xs = {2: rng.standard_normal((n, d)).astype(np.float32),
+        3: rng.standard_normal((n, k, d)).astype(np.float32)}
+  names = (("expert", "embed", None),)
+  out = {}
+  for layout in dict.fromkeys(c[0] for c in MASKED_CASES):
+    mesh = mesh_lib.make_mesh(parse(layout))
+    ep, shards = mesh.shape["expert"], 8
+    cases = []
+    for _, exchange, chunks in (c for c in MASKED_CASES if c[0] == layout):
+      strategy = exchange.partition("@")[0]
+      senders = 1 if strategy == "all_to_all" else ep
+      balanced = senders * (n // shards // chunks) * k / ep
+      cf, most = _exact_factor(_loads(ids, mask, shards, ep, e // ep, strategy, chunks), balanced)
+      assert expert_parallel.capacity(n // shards // chunks, k, ep, e // ep, cf, strategy) == most
+      # Counting every slot as a row, this buffer overflows: the case can fail.
+      assert np.maximum(_loads(ids, None, shards, ep, e // ep, strategy, chunks) - most, 0).sum() > 0
+      cases += [(exchange, chunks, cf, most, rank) for rank in (2, 3)]
+
+    @jax.jit
+    def run(x2, x3, w_, g_, m_, cases=tuple(cases), mesh_=mesh):
+      res = []
+      for exchange, chunks, cf, _, rank in cases:
+        exchange, _, slices = exchange.partition("@")
+        g = g_ if rank == 2 else None
+        with _env(exchange_lib.SLICES_ENV, slices):
+          call = lambda c: expert_parallel.expert_map(
+              x2 if rank == 2 else x3, jnp.asarray(ids), g, (w_,), names, _expert_fn,
+              num_experts=e, mesh=mesh_, capacity_factor=c, exchange=exchange, chunks=chunks,
+              slot_mask=m_)
+          (y, st), (y_ref, _) = call(cf), call(None)
+        res.append((y, y_ref, st["dropped_rows"], st["sent_rows"]))
+      return res
+
+    for (exchange, chunks, cf, most, rank), (y, y_ref, dropped, sent) in zip(
+        cases, run(xs[2], xs[3], w, gates, mask)):
+      strategy = exchange.partition("@")[0]
+      ref, ref_dropped, ref_sent = _numpy_expected(xs[rank], ids, gates if rank == 2 else None, w,
+                                                   shards, ep, most, strategy, chunks, mask=mask)
+      key = f"{layout}/{exchange}/chunks={chunks}/x{rank}"
+      assert ref_dropped == 0, key
+      assert int(dropped) == 0, (key, int(dropped))
+      err, err_ref = float(np.max(np.abs(np.asarray(y) - ref))), float(
+          np.max(np.abs(np.asarray(y) - np.asarray(y_ref))))
+      assert err < 1e-5 and err_ref < 1e-5, (key, err, err_ref)
+      assert np.array_equal(np.asarray(sent), ref_sent), (key, np.asarray(sent), ref_sent)
+      out[key] = dict(err=err, err_dropless=err_ref, dropped=int(dropped), capacity=most,
+                      capacity_factor=cf)
+  out["model"] = _masked_model()
+  return out
+
+
+def _masked_model():
+  """A UMoE layer with top-P routers (attention K=2, FFN K=4) on expert=8 (all_to_all for the
+  pool's two calls and the queries): the slot masks reach every exchange. Under a small factor each
+  exchange drops exactly the real picks' overflow (the loop count over the forward's own routes);
+  under the factor that fits every call's real picks, none, and the logits are the dropless ones."""
+  cfg = _routing_cfg("umoe", attention=dict(selection="top_p", entropy_coef=1e-2),
+                     ffn=dict(selection="top_p", entropy_coef=1e-2))
+  graphdef, _ = common.model_parts(cfg)
+  model = nnx.merge(graphdef, common.init_params(cfg))
+  mesh = mesh_lib.make_mesh(dict(expert=8))
+  toks = jnp.asarray(common.tokens()[:, :-1])
+  shards, ep, e, n = 8, 8, cfg.moe.n_experts, toks.size
+
+  def fwd(m, t):
+    logits, aux = m(t, return_routes=True)
+    routes = [aux["routes"][f"layer_0/{name}"] for name in ("attention", "ffn")]
+    calls = [(r.expert_ids.reshape(n, -1), r.slot_mask.reshape(n, -1)) for r in routes]
+    sown = nnx.pop(m, nnx.Intermediate)
+    return logits, calls, sown
+
+  def run(cf):
+    with sharding.use_mesh(mesh, expert_capacity_factor=cf):   # a jit per factor (read when tracing)
+      logits, routes, sown = nnx.jit(lambda m, t: fwd(m, t))(model, toks)
+    routes = [(np.asarray(i), np.asarray(mk)) for i, mk in routes]
+    flat = {str(path[-2]): [int(v) for v in vals] for path, vals in
+            ((p_, jax.tree.leaves(v_)) for p_, v_ in nnx.to_flat_state(sown))}
+    # Exchanges in call order: the pool's attention call, its FFN call; the queries (attention).
+    sown = (flat["experts"] + flat["attention"]) if flat else []
+    return np.asarray(logits), routes, sown
+
+  def drops(ids, mask, cap):
+    return int(np.maximum(_loads(ids, mask, shards, ep, e // ep, "all_to_all") - cap, 0).sum())
+
+  logits_ref, routes, _ = run(None)
+  for ids, mask in routes:
+    assert 0 < mask.sum() < mask.size, mask.sum()     # top-P leaves slots unused
+  out = {}
+  # A small factor: every exchange drops exactly the overflow of its real picks.
+  cf = 0.5
+  _, routes, sown = run(cf)
+  caps = [expert_parallel.capacity(n // shards, ids.shape[1], ep, e // ep, cf, "all_to_all")
+          for ids, _ in routes]
+  want = [drops(*routes[0], caps[0]), drops(*routes[1], caps[1]), drops(*routes[0], caps[0])]
+  counted = [drops(routes[0][0], None, caps[0]), drops(routes[1][0], None, caps[1])]
+  assert sown == want and all(w > 0 for w in want), (sown, want)
+  assert counted[0] > want[0] and counted[1] > want[1], (counted, want)   # masks counted: more
+  out["cf=0.5"] = dict(sown=sown, real_overflow=want, overflow_if_masked_counted=counted)
+  # The factor that exactly fits the real picks of the tightest call: no drop, dropless logits.
+  fits = [_exact_factor(_loads(ids, mask, shards, ep, e // ep, "all_to_all"),
+                        n // shards * ids.shape[1] / ep)[0] for ids, mask in routes]
+  cf = max(fits)
+  logits, _, sown = run(cf)
+  err = float(np.max(np.abs(logits - logits_ref)))
+  assert sown == [0, 0, 0] and err < 1e-5, (sown, err)
+  out["fit"] = dict(capacity_factor=cf, sown=sown, logit_err=err)
+  return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -689,7 +847,7 @@ def check_variants():
 
 CHECKS = dict(shardings=check_shardings, expert_map=check_expert_map, ragged=check_ragged,
               layouts=check_layouts, large_structure=check_large_structure, restore=check_restore,
-              variants=check_variants)
+              variants=check_variants, masked_slots=check_masked_slots)
 
 
 def main(out_path, sections):

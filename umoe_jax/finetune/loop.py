@@ -8,8 +8,9 @@
   -> the best checkpoint scored on dev and test: results.json, test_predictions.jsonl.
 
 Step s trains on the slice (s mod S) of the permutation of epoch s // S (`data.train_batch`) and
-draws its dropout from fold_in(rng, s), so a run resumed from a checkpoint at step s continues exactly
-as the uninterrupted run. SIGTERM / Ctrl-C save the current step and return (as pretraining does).
+draws its head dropout and router jitter from keys of fold_in(rng, s) (`step.step_keys`), so a run
+resumed from a checkpoint at step s continues exactly as the uninterrupted run (the routers'
+selection biases, moved by the step, are parameters: in the checkpoint). SIGTERM / Ctrl-C save the current step and return (as pretraining does).
 One device, one process (the model is small next to pretraining; the mesh machinery is not used).
 """
 from __future__ import annotations

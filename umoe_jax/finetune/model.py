@@ -8,11 +8,14 @@ its real tokens' hidden states; the pooling reads only those:
   "last"  h[i, lengths[i] - 1]  (the EOS appended to every text, by default: the decoder has read
           the whole text there);
   "mean"  the mean of h[i, :lengths[i]].
-Padding tokens are still routed, and count in the routers' balance losses (as in pretraining).
+Padding tokens are still routed, and count in the routers' balance losses and logged expert counts
+(the backbone's aux, as in pretraining); `return_routes=True` gives the routes themselves, from which
+the fine-tuning step takes the real tokens' load for the aux-loss-free selection biases.
 
 The backbone keeps its LM head (unused here, frozen by the fine-tuning optimizer), so its parameters
 stay a complete `CausalLM` that loads from and saves to the usual layouts. Routers see no `step`:
 they route as at the end of pretraining (SMoE-Dropout with all k experts, StableMoE's frozen stage 2).
+In training they get a key (`router_rng`: `router.jitter_eps`'s noise), as in pretraining.
 """
 from __future__ import annotations
 
@@ -75,14 +78,23 @@ class SequenceClassifier(nnx.Module):
                                    rngs=rngs)
 
   def __call__(self, tokens: jax.Array, lengths: jax.Array, *,
-               dropout_rng: Optional[jax.Array] = None, remat: bool | str = False):
+               dropout_rng: Optional[jax.Array] = None, router_rng: Optional[jax.Array] = None,
+               remat: bool | str = False, return_routes: bool = False):
     """tokens [B, T] int, lengths [B] int -> (logits [B, C] float32, aux of `CausalLM`).
 
     `dropout_rng`: a key for the head's dropout (training); None = no dropout (evaluation).
+    `router_rng`: the routers' key (training: their input jitter); None = no router noise.
     `remat`: the backbone's rematerialisation policy (`CausalLM.__call__`).
+    `return_routes`: also aux["routes"] ({name: RouterOutput}, `CausalLM.__call__`).
     """
-    h, aux = self.backbone.hidden_states(tokens, remat=remat)
+    h, aux = self.backbone.hidden_states(tokens, remat=remat, rng=router_rng,
+                                         return_routes=return_routes)
     return self.head(pool(h, lengths, self.pooling), dropout_rng), aux
+
+  def named_routers(self) -> dict[str, nnx.Module]:
+    """The backbone's routers by route name (`CausalLM.named_routers`; the aux-loss-free bias update
+    finds them here)."""
+    return self.backbone.named_routers()
 
 
 def abstract_classifier(cfg, num_classes: int, **kw) -> SequenceClassifier:

@@ -51,6 +51,12 @@ def flat_labels(labels: Any) -> tuple:
   return tuple((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_leaves_with_path(labels))
 
 
+def moves_selection_biases(labels: Any) -> bool:
+  """True when some router has an aux-loss-free selection bias (`router.bias_update_rate` > 0)
+  that is not frozen: the step then moves it after each update, as pretraining does."""
+  return any(v != FROZEN and k.endswith("['selection_bias']") for k, v in flat_labels(labels))
+
+
 def check_freeze_routers(abstract_params: Any, t: Any, router_kind: str) -> None:
   """train.freeze_routers on a backbone without router parameters (dense, hash, AoE) is a mistake.
   `abstract_params`: the classifier's nnx.State of parameters; `t`: config.train."""

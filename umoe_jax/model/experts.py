@@ -52,7 +52,8 @@ class ExpertPool(nnx.Module):
                  group_sizes, backend=self.gmm_backend)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
-            plan: dispatch.DispatchPlan | None = None) -> jax.Array:
+            plan: dispatch.DispatchPlan | None = None,
+            slot_mask: jax.Array | None = None) -> jax.Array:
     """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]).
 
     The sort, un-sort and gate-weighted combine are fused into the first and last grouped matmuls
@@ -62,13 +63,16 @@ class ExpertPool(nnx.Module):
     Args:
       x: [N, D] (every slot sees the token) or [N, K, D] (one input per slot, as in pre-mixing).
       expert_ids, gates: [N, K].
-      plan: a precomputed dispatch plan for these expert ids (reused by pre-mixing attention).
+      plan: a precomputed dispatch plan for these expert ids (reused by pre-mixing attention;
+        made with the same `slot_mask`).
+      slot_mask: [N, K] bool, the slots that carry a pick (the router's; None = all). The others
+        (gate 0) go through no expert: no grouped-matmul rows, no expert-parallel buffer room.
     Returns:
       [N, D].
     """
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
-      return expert_routes.route_pool(self, x, expert_ids, gates)
-    plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
+      return expert_routes.route_pool(self, x, expert_ids, gates, slot_mask)
+    plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts, slot_mask)
     dt = self.compute_dtype
     return routed_mlp(x.astype(dt), plan, gates, self.w_up.value.astype(dt),
                       self.w_down.value.astype(dt),
@@ -146,12 +150,13 @@ class AoEExpertPool(nnx.Module):
                            activation=self.activation, backend=self.gmm_backend)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
-            plan: dispatch.DispatchPlan | None = None) -> jax.Array:
+            plan: dispatch.DispatchPlan | None = None,
+            slot_mask: jax.Array | None = None) -> jax.Array:
     """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]); x [N, D] or [N, K, D], expert_ids /
-    gates [N, K] -> [N, D]."""
+    gates [N, K] -> [N, D]; `plan`, `slot_mask` as in `ExpertPool.route`."""
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
-      return expert_routes.route_aoe_pool(self, x, expert_ids, gates)
-    plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts)
+      return expert_routes.route_aoe_pool(self, x, expert_ids, gates, slot_mask)
+    plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts, slot_mask)
     return aoe_routed_mlp(x.astype(self.compute_dtype), plan, gates, *self.weights(),
                           activation=self.activation, backend=self.gmm_backend)
 

@@ -48,8 +48,10 @@ class MoEFFN(nnx.Module):
     x = x.astype(self.cfg.compute_dtype)
     route = call_router(self.router, x, route_context)
     k = route.expert_ids.shape[-1]
+    # Slots without a pick (top-P, SMoE-Dropout, expert choice: gate 0) go through no expert.
+    mask = None if route.slot_mask is None else route.slot_mask.reshape(-1, k)
     y = experts.route(x.reshape(b * t, d), route.expert_ids.reshape(-1, k),
-                      route.gates.reshape(-1, k)).reshape(b, t, d)
+                      route.gates.reshape(-1, k), slot_mask=mask).reshape(b, t, d)
     if self.shared_expert is not None:
       y = y + self.shared_expert(x)
     return y, {"ffn": route}

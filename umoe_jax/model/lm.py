@@ -81,11 +81,12 @@ class CausalLM(nnx.Module):
 
   def hidden_states(self, tokens: jax.Array, positions: Optional[jax.Array] = None, *,
                     remat: bool | str = False, step: Optional[jax.Array] = None,
-                    rng: Optional[jax.Array] = None):
+                    rng: Optional[jax.Array] = None, return_routes: bool = False):
     """tokens [B, T] int -> (h [B, T, D] in compute_dtype, aux): the decoder's output after the final
     norm, without the LM head (what a task head reads, e.g. `umoe_jax.finetune`). `aux`, `remat`
-    `step` and `rng` as in `__call__`; no cache."""
-    h, aux, _ = self._decoder(tokens, positions, cache=None, remat=remat, step=step, rng=rng)
+    `step`, `rng` and `return_routes` as in `__call__`; no cache."""
+    h, aux, _ = self._decoder(tokens, positions, cache=None, remat=remat, step=step, rng=rng,
+                              return_routes=return_routes)
     return h, aux
 
   def _decoder(self, tokens, positions, *, cache, remat, step, rng=None, return_routes=False):

@@ -5,11 +5,17 @@ Every routed computation in the library goes through `make_plan` + `permute` / `
 `expert_ids [N, K]` and `gates [N, K]`, and never see sorting or kernels.
 
 Shapes: N tokens (rows), K slots per token (top-k), D input width, E experts, M = N*K sorted rows.
+
+Slots that carry no pick (a router's `slot_mask`: top-P's unused slots, SMoE-Dropout's slots beyond
+k(step), expert choice's empty ones; gate 0) are given the expert id E (`mask_slots`): they sort
+after every expert and belong to no group, so `group_sizes` sums to the active rows only and the
+grouped matmuls treat the masked rows as their padding tail (zero outputs, no work on the kernels
+that skip the tail). The layout stays static: the masked rows keep their places in `order`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +29,32 @@ class DispatchPlan:
   Attributes:
     order: [M] int32, `order[i]` = flat (token*K + slot) index of the i-th row after sorting by expert.
     inverse: [M] int32, the inverse permutation: `inverse[order[i]] = i`.
-    group_sizes: [E] int32, rows per expert; sums to M (no row is ever dropped).
+    group_sizes: [E] int32, rows per expert; sums to M less the masked slots (no row is ever
+      dropped; the masked rows come last in `order`).
   """
   order: jax.Array
   inverse: jax.Array
   group_sizes: jax.Array
 
 
-def make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
+def mask_slots(expert_ids: jax.Array, slot_mask: Optional[jax.Array], num_experts: int) -> jax.Array:
+  """expert_ids [N, K] with the slots outside slot_mask [N, K] bool (None: all active) set to E,
+  the id of no expert (module docstring)."""
+  if slot_mask is None:
+    return expert_ids
+  return jnp.where(slot_mask, expert_ids, jnp.asarray(num_experts, expert_ids.dtype))
+
+
+def make_plan(expert_ids: jax.Array, num_experts: int,
+              slot_mask: Optional[jax.Array] = None) -> DispatchPlan:
   """Sorts the flat (token, slot) pairs by expert id.
 
   Args:
-    expert_ids: [N, K] int, each in [0, E).
+    expert_ids: [N, K] int, each in [0, E], E meaning no expert (`mask_slots`).
     num_experts: E.
+    slot_mask: [N, K] bool, the slots that carry a pick (None: all); the others are set to E.
   """
+  expert_ids = mask_slots(expert_ids, slot_mask, num_experts)
   flat = jax.lax.stop_gradient(expert_ids).reshape(-1).astype(jnp.int32)  # [M]
   m = flat.shape[0]
   iota = jnp.arange(m, dtype=jnp.int32)
@@ -46,7 +64,8 @@ def make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
   sorted_ids, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)  # [M], [M]
   # Group sizes by binary search in the sorted ids (E + 1 lookups) rather than a bincount, whose
   # scatter-add into E bins serialises on GPU atomics (0.097 ms). The unrolled search is one kernel
-  # instead of a loop of launches: 0.007 vs 0.037 ms on an H200 (BENCHMARKS.md).
+  # instead of a loop of launches: 0.007 vs 0.037 ms on an H200 (BENCHMARKS.md). Ids E (masked
+  # slots) lie past bounds[E]: in no group.
   bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left",
                             method="scan_unrolled")
   group_sizes = jnp.diff(bounds).astype(jnp.int32)                        # [E]
@@ -123,7 +142,9 @@ def apply_experts(x: jax.Array, plan: DispatchPlan, gates: jax.Array,
     x: [N, D] or [N, K, D] (see `permute`).
     plan: `make_plan(expert_ids [N, K], E)`.
     gates: [N, K].
-    expert_fn: `(rows [M, D] sorted by expert, group_sizes [E]) -> [M, D_out]`.
+    expert_fn: `(rows [M, D] sorted by expert, group_sizes [E]) -> [M, D_out]`; rows past
+      sum(group_sizes) are the plan's masked slots (gate 0): their outputs must be finite (`gmm`
+      writes zeros there).
   Returns:
     [N, D_out].
   """

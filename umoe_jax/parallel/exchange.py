@@ -240,7 +240,8 @@ def ragged_exchange(rows: jax.Array, group_sizes: jax.Array, local_fn: Callable,
 
   Args:
     rows: [M, D] this device's (token, slot) rows sorted by global expert.
-    group_sizes: [E] rows per global expert (E = EP * E_local).
+    group_sizes: [E] rows per global expert (E = EP * E_local); masked slots (sorted last, in no
+      group) are never sent and come back zero.
     local_fn: `(rows [cap, D] by local expert, group_sizes [E_local], *weights) -> [cap, D_out]`.
     cap: receive-buffer rows.
     tokens: n, the tokens behind the M = n*K rows (distinct experts per token: a slice for one
@@ -301,8 +302,9 @@ def to_tokens(out: jax.Array, plan: dispatch.DispatchPlan, slots: int,
 
 
 def all_to_all_exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, ep, axis, cap):
-  """Steps 2-4 of "all_to_all" for one device: rows [M, D] sorted by global expert -> outputs
-  [M, D_out] (same order; dropped rows zero) and the number of dropped rows."""
+  """Steps 2-4 of "all_to_all" for one device: rows [M, D] sorted by global expert (expert_sorted
+  [M]; id E = masked slots, last, not in group_sizes [E]) -> outputs [M, D_out] (same order;
+  dropped and masked rows zero) and the number of dropped rows."""
   m, d = rows.shape
   e_local = group_sizes.shape[0] // ep
   counts = group_sizes.reshape(ep, e_local)                                   # [EP, E_l]
@@ -330,10 +332,12 @@ def all_to_all_exchange(rows, expert_sorted, group_sizes, local_fn, weights, *, 
   with jax.named_scope("ep_all_to_all"):
     ret = jax.lax.all_to_all(back, axis, 0, 0, tiled=True)                    # [EP, C, D_out]
 
-  dest = expert_sorted // e_local                                             # [M]
+  # Masked slots (expert id E = EP * E_l, sorted last) were not sent: their dest is EP.
+  real = expert_sorted < ep * e_local                                         # [M]
+  dest = jnp.minimum(expert_sorted // e_local, ep - 1)                        # [M]
   pos = jnp.arange(m, dtype=jnp.int32) - start[dest]                          # [M]
-  ok = pos < cap
-  out = jnp.take(ret.reshape(ep * cap, -1), dest * cap + jnp.minimum(pos, cap - 1), axis=0)
+  ok = real & (pos < cap)
+  out = jnp.take(ret.reshape(ep * cap, -1), dest * cap + jnp.clip(pos, 0, cap - 1), axis=0)
   out = jnp.where(ok[:, None], out, 0).astype(local_out.dtype)                # [M, D_out]
   dropped = jnp.sum(jnp.maximum(send_total - cap, 0))
   return out, dropped
@@ -349,6 +353,7 @@ def all_gather_exchange(x, ids, gates, local_fn, weights, *, e_local, axes, cap)
     ids_all = jax.lax.all_gather(ids, axis, axis=0, tiled=True)               # [EP*n, K]
     gates_all = None if gates is None else jax.lax.all_gather(gates, axis, axis=0, tiled=True)
   # This shard's index, linearised over `axes` like the collectives and the weights' EXPERT dim.
+  # Masked slots (id EP * E_l) are no shard's.
   shard = jax.lax.axis_index(axis)
   local = ids_all.astype(jnp.int32) - shard * e_local                         # [EP*n, K]
   mine = (local >= 0) & (local < e_local)

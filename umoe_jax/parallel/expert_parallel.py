@@ -65,7 +65,9 @@ shard (all_gather).
     EP x the balanced size (memory-heavy, never drops).
   * `capacity_factor=c` (`use_mesh(..., expert_capacity_factor=c)`, `config.expert_parallel`):
     c x the balanced load, C = ceil(c * n * K / EP) and M_buf = ceil(c * n * K) (at most the
-    dropless size). Rows past the buffer are dropped (they contribute zero, like a token the router
+    dropless size). Only slots that carry a pick are rows (`slot_mask`: top-P's unused slots,
+    SMoE-Dropout's beyond k(step) and expert choice's empty ones take no room and are never
+    dropped). Rows past the buffer are dropped (they contribute zero, like a token the router
     did not pick; all_gather drops the last rows in (local expert, token, slot) order) and counted:
     `stats["dropped_rows"]` (global count), sown by the pools and the pre-mixing queries as
     `nnx.Intermediate` "ep_dropped_rows" (`expert_routes`), logged as `train/ep_dropped_rows`.
@@ -164,7 +166,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
                local_fn: LocalFn, *, num_experts: int, mesh: Optional[Mesh] = None,
                rules: Any = None, capacity_factor: Any = "context",
                exchange: str = "context", chunks: Any = "context",
-               fused_local: Optional[Callable] = None) -> tuple[jax.Array, dict]:
+               fused_local: Optional[Callable] = None,
+               slot_mask: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
   """Applies routed experts to every (token, slot) row across the mesh.
 
     gates given:  out[n] = sum_k gates[n, k] * f_{ids[n, k]}(x[n] or x[n, k])   -> [N, D_out]
@@ -192,6 +195,9 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
       forward with the dispatch fused into the kernels; used instead of permute + local_fn +
       combine when nothing is exchanged (expert axis 1), gates are given and the hidden width is
       not split over tensor axes.
+    slot_mask: [N, K] bool, the slots that carry a pick (None: all). The others (gate 0: top-P's
+      unused slots, SMoE-Dropout's beyond k(step), expert choice's empty ones) are no rows: never
+      sent, no buffer room, not counted as dropped; their output is zero (gates None: out[n, k]).
   Returns:
     (out, stats) with stats = {"dropped_rows": [] int32 (global), "capacity": buffer rows (per pair
     for all_to_all, per shard for all_gather / ragged; per chunk), "sent_rows": [batch shards, EP]
@@ -213,6 +219,8 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
     chunks = ctx.expert_chunks if ctx is not None else 1
 
   n, k = expert_ids.shape
+  # Masked slots get the id E of no expert: every exchange's plan sorts them last, outside the groups.
+  expert_ids = dispatch.mask_slots(expert_ids, slot_mask, num_experts)
   batch_axes = _mesh_axes(rules, ax.BATCH, mesh)
   expert_axes = tuple(a for a in _mesh_axes(rules, ax.EXPERT, mesh) if mesh.shape[a] > 1)
   tensor_axes = tuple(a for a in _mesh_axes(rules, ax.EXPERT_MLP, mesh)

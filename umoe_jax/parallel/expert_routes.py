@@ -46,13 +46,14 @@ def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype,
                     activation=activation, backend=backend)
 
 
-def _route(pool, params, local, fused, x, expert_ids, gates) -> jax.Array:
+def _route(pool, params, local, fused, x, expert_ids, gates, slot_mask=None) -> jax.Array:
   """expert_map of a pool's routed forward over its `params` (nnx.Params, expert-stacked), with
   the per-device `local` / `fused` functions; sows the dropped rows under a capacity factor."""
   kw = dict(activation=pool.activation, dtype=pool.compute_dtype, backend=pool.gmm_backend)
   y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
                         tuple(_names(p) for p in params), functools.partial(local, **kw),
-                        num_experts=pool.n_experts, fused_local=functools.partial(fused, **kw))
+                        num_experts=pool.n_experts, fused_local=functools.partial(fused, **kw),
+                        slot_mask=slot_mask)
   _sow_dropped(pool, stats)
   return y
 
@@ -65,10 +66,12 @@ def _sow_dropped(module, stats: dict) -> None:
     module.sow(nnx.Intermediate, "ep_dropped_rows", stats["dropped_rows"])
 
 
-def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
-  """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh."""
+def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+               slot_mask: jax.Array | None = None) -> jax.Array:
+  """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh (the
+  slots outside `slot_mask` are not exchanged)."""
   params = [pool.w_up, pool.w_down] + ([pool.w_gate] if pool.w_gate is not None else [])
-  return _route(pool, params, _pool_local, _pool_fused, x, expert_ids, gates)
+  return _route(pool, params, _pool_local, _pool_fused, x, expert_ids, gates, slot_mask)
 
 
 def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, activation, dtype,
@@ -95,11 +98,12 @@ def _aoe_fused(x, plan, gates, w_a, w_b, w_down, w_up=None, *, activation, dtype
                         activation=activation, backend=backend)
 
 
-def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array) -> jax.Array:
+def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                   slot_mask: jax.Array | None = None) -> jax.Array:
   """`AoEExpertPool.route` under a mesh: the codes' A^i, B^i and the up / down maps split over the
   expert axes like `route_pool`'s (the hidden width F over tensor)."""
   params = [pool.w_a, pool.w_b, pool.w_down] + ([pool.w_up] if pool.w_up is not None else [])
-  return _route(pool, params, _aoe_local, _aoe_fused, x, expert_ids, gates)
+  return _route(pool, params, _aoe_local, _aoe_fused, x, expert_ids, gates, slot_mask)
 
 
 def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low_rank, norm):
@@ -114,9 +118,11 @@ def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low
   return gmm(code, ws[1].astype(dtype), group_sizes, backend=backend)                    # [R, Dk]
 
 
-def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array) -> jax.Array:
+def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array,
+                   slot_mask: jax.Array | None = None) -> jax.Array:
   """`PreMixAttention._routed_queries` under a mesh: x [N, D] -> per-slot queries [N, K, Dk], with
-  q_a [E, D, r] / q_b [E, r, Dk] (or q_b [E, D, Dk]) split over the expert axis like the pool."""
+  q_a [E, D, r] / q_b [E, r, Dk] (or q_b [E, D, Dk]) split over the expert axis like the pool
+  (zero at the slots outside `slot_mask`, which are not exchanged)."""
   if att.q_a is None:
     ws, names = (_value(att.q_b),), (_names(att.q_b),)
   else:
@@ -128,7 +134,7 @@ def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array) -> jax.Array:
                             eps=att.cfg.norm_eps, low_rank=att.q_a is not None,
                             norm=att.q_a_norm is not None)
   q, stats = expert_map(x_flat, expert_ids, None, tuple(ws), tuple(names), local,
-                        num_experts=att.n_experts)
+                        num_experts=att.n_experts, slot_mask=slot_mask)
   _sow_dropped(att, stats)   # a dropped slot's query is zero
   return q
 

@@ -105,7 +105,9 @@ class MoAAttention(nnx.Module):
     x = x.astype(dt)
     route = call_router(self.router, x, route_context)
     ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
-    plan = dispatch.make_plan(ids, self.n_experts)
+    # Slots without a pick (top-P, SMoE-Dropout: gate 0) get no query or output rows.
+    plan = dispatch.make_plan(ids, self.n_experts,
+                              None if route.slot_mask is None else route.slot_mask.reshape(n, k))
 
     with jax.named_scope("queries"):
       rows = dispatch.permute(x.reshape(n, d), plan, k)                                # [M, D]

@@ -70,10 +70,11 @@ class PreMixAttention(nnx.Module):
         if att.n_shared_experts else None)
 
   def _routed_queries(self, x_flat: jax.Array, plan: dispatch.DispatchPlan,
-                      expert_ids: jax.Array) -> jax.Array:
-    """x [N, D] -> per-slot expert queries [N, K, Dk] (without the residual query)."""
+                      expert_ids: jax.Array, slot_mask=None) -> jax.Array:
+    """x [N, D] -> per-slot expert queries [N, K, Dk] (without the residual query; zero at the
+    slots outside slot_mask [N, K], whose mixed vectors get gate 0)."""
     if expert_parallel.is_active():  # under parallel.use_mesh: q_a / q_b split over the mesh
-      return expert_routes.premix_queries(self, x_flat, expert_ids)
+      return expert_routes.premix_queries(self, x_flat, expert_ids, slot_mask)
     dt = self.cfg.compute_dtype
     q = low_rank_expert_apply(x_flat.astype(dt), plan.group_sizes, self.q_a, self.q_a_norm,
                               self.q_b, dtype=dt, backend=self.cfg.gmm_backend, plan=plan,
@@ -94,10 +95,12 @@ class PreMixAttention(nnx.Module):
     x = x.astype(self.cfg.compute_dtype)
     route = call_router(self.router, x, route_context)                            # ids/gates [B,T,K]
     ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
-    plan = dispatch.make_plan(ids, self.n_experts)
+    # Slots without a pick (top-P, SMoE-Dropout: gate 0) get no query rows and no expert rows.
+    mask = None if route.slot_mask is None else route.slot_mask.reshape(n, k)
+    plan = dispatch.make_plan(ids, self.n_experts, mask)
 
     with jax.named_scope("queries"):
-      q = self._routed_queries(x.reshape(n, d), plan, ids).reshape(b, t, k, -1)        # [B, T, K, Dk]
+      q = self._routed_queries(x.reshape(n, d), plan, ids, mask).reshape(b, t, k, -1)  # [B, T, K, Dk]
       if self.q_res_proj is not None:
         q = q + self.q_res_proj(x)[:, :, None, :]
       if self.shared_q_proj is not None:
@@ -119,7 +122,8 @@ class PreMixAttention(nnx.Module):
         mixed = self.latent_up(mixed)                                              # [B, T, 1+K, D]
 
     n_shared = 1 if self.shared_q_proj is not None else 0
-    routed = experts.route(mixed[:, :, n_shared:].reshape(n, k, d), ids, gates, plan)  # [N, D]
+    routed = experts.route(mixed[:, :, n_shared:].reshape(n, k, d), ids, gates, plan,
+                           slot_mask=mask)                                         # [N, D]
     y = routed.reshape(b, t, d)
     if self.shared_expert is not None:
       y = y + self.shared_expert(mixed[:, :, 0])

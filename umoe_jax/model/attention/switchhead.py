@@ -86,12 +86,18 @@ class HeadExperts(nnx.Module):
 
   def route(self, gate_input: jax.Array, route_context=None):
     """gate_input [B, T, D] -> (ids [N, H*K] into the H*E groups, gates [N, H*K], RouterOutputs).
-    Head h's router gets the context's key folded with h (its own jitter noise)."""
+    Head h's router gets the context's key folded with h (its own jitter noise). Slots without a
+    pick (a router's `slot_mask`: top-P, SMoE-Dropout; gate 0) get the id H*E of no group, so the
+    dispatch gives them no rows (`dispatch.mask_slots`)."""
     outs = [call_router(r, gate_input, fold_rng(route_context, h)) for h, r in enumerate(self.router)]
     n = gate_input.shape[0] * gate_input.shape[1]
     ids = jnp.concatenate([o.expert_ids.reshape(n, -1) + h * self.n_experts
                            for h, o in enumerate(outs)], axis=1)                # [N, H*K]
     gates = jnp.concatenate([o.gates.reshape(n, -1) for o in outs], axis=1)    # [N, H*K]
+    if any(o.slot_mask is not None for o in outs):
+      mask = jnp.concatenate([jnp.ones(o.expert_ids.shape, bool) if o.slot_mask is None
+                              else o.slot_mask for o in outs], axis=-1).reshape(n, -1)
+      ids = dispatch.mask_slots(ids, mask, self.n_experts * self.n_heads)
     return ids, gates, outs
 
   def __call__(self, x: jax.Array, ids: jax.Array, gates: jax.Array, *, per_head_input: bool,

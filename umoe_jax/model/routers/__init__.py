@@ -54,7 +54,8 @@ The mixing is causal (a token mixes itself and earlier tokens) and refuses cache
 from umoe_jax.kinds import ROUTERS  # noqa: F401
 from umoe_jax.model.routers.base import (ParameterFreeRouter, Router, RouterOutput, RouterStats,  # noqa: F401
                                          call_router, fold_rng, jitter, make_router,
-                                         need_token_ids, route_context, routing_stats)
+                                         need_token_ids, pick_counts, route_context,
+                                         routing_stats)
 from umoe_jax.model.routers.losses import (BALANCE_LOSSES, router_z_loss,  # noqa: F401
                                            seq_aux_balance_loss, switch_balance_loss)
 from umoe_jax.model.routers.scoring import ScoreRouter  # noqa: F401

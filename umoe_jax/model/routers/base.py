@@ -80,11 +80,22 @@ def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, 
   return ROUTERS.get(cfg.kind)(d_model, n_experts, top_k, cfg, param_dtype=param_dtype, rngs=rngs)
 
 
+def pick_counts(out: RouterOutput, n_experts: int,
+                token_mask: Optional[jax.Array] = None) -> jax.Array:
+  """Per-expert pick counts [E] float32 of the active slots (`slot_mask`) of the tokens in
+  token_mask [B, T] bool (None: every token)."""
+  weights = None if out.slot_mask is None else out.slot_mask.astype(jnp.float32)
+  if token_mask is not None:
+    tokens = jnp.broadcast_to(token_mask[..., None], out.expert_ids.shape).astype(jnp.float32)
+    weights = tokens if weights is None else weights * tokens
+  weights = None if weights is None else weights.reshape(-1)
+  return jnp.bincount(out.expert_ids.reshape(-1), weights, length=n_experts).astype(jnp.float32)
+
+
 def routing_stats(out: RouterOutput, n_experts: int) -> dict[str, jax.Array]:
   """What the trainer logs for one router: its balance loss, per-expert pick counts [E] (active
   slots only), mean entropy, and each of its other losses by name (`aux_losses`: "z_loss", ...)."""
-  weights = None if out.slot_mask is None else out.slot_mask.reshape(-1).astype(jnp.float32)
-  counts = jnp.bincount(out.expert_ids.reshape(-1), weights, length=n_experts).astype(jnp.float32)
+  counts = pick_counts(out, n_experts)
   entropy = -jnp.sum(out.probs * jnp.log(out.probs + 1e-20), axis=-1).mean()
   return {"balance_loss": out.balance_loss, "expert_counts": counts, "entropy": entropy,
           **out.aux_losses}

@@ -14,9 +14,11 @@ training loss leaks information from the future and the model cannot be decoded 
 A token's picks are laid out in `router.expert_choice_slots` slots (default E: every pick kept),
 best first; unused slots have gate 0 and are masked out of the load (`RouterOutput.slot_mask`).
 Fewer slots than E cap the picks a token keeps (its best ones): then an expert may end below C.
-Cost: the dispatch is static, so every slot, used or not, goes through the experts (with gate 0):
-S = E slots run every expert on every token, E / c x the FLOPs of the real picks; a smaller S
-(e.g. 2c) bounds that at the price of capped picks.
+Cost: the layout is static (S slots per token), but the unused slots get no expert rows
+(`ops.dispatch.make_plan` with the slot mask): the grouped-matmul kernels that skip their padding
+tail (Triton, Mosaic GPU, megablox) and expert parallelism (no rows sent, no buffer room) pay for the
+real picks only; the permutation still spans all N*S rows, so a smaller S (e.g. 2c) bounds that
+memory at the price of capped picks.
 Only for an MoE FFN (the attention sub-layers assume top_k slots per token).
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@
   "top_p"  experts in order of probability until their cumulative probability reaches
            `router.top_p` (at least one, at most the sub-layer's top_k slots; Huang et al. 2024,
            "Harder tasks need more experts"; the AoE paper's top-P with P = 0.6). The unused slots
-           get gate 0 and are masked out of the load (`RouterOutput.slot_mask`). Needs the entropy
+           get gate 0 and are masked out of the load (`RouterOutput.slot_mask`) and out of the
+           dispatch (no expert rows, no expert-parallel buffer room). Needs the entropy
            loss (`router.entropy_coef`, the AoE paper's 1e-4), or the scores flatten and every
            token takes all its slots.
 Expert choice (each expert picks its tokens) is `expert_choice.expert_choice_select`.

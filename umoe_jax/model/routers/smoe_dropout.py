@@ -35,10 +35,11 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
 
   K is the sub-layer's top_k (the schedule's end; the paper grows k to all E experts: top_k = E).
   Without a "step" in the route context (evaluation, decoding) k = K. No balance loss (the router is
-  fixed, as in the paper; `router.balance_loss` is not used). All K slots go through the experts
-  even while k(step) < K (zero gates; static shapes: the paper's early-training saving needs shapes
-  that change with the step); the slots beyond k(step) are masked (`RouterOutput.slot_mask`), so
-  the logged expert counts and the selection bias's load see only the k(step) active ones.
+  fixed, as in the paper; `router.balance_loss` is not used). The slots beyond k(step) are masked
+  (`RouterOutput.slot_mask`): the logged expert counts and the selection bias's load see only the
+  k(step) active ones, and the dispatch gives them no expert rows (`ops.dispatch.make_plan`: the
+  grouped-matmul kernels skip them, expert parallelism neither sends them nor gives them buffer
+  room); the layout stays static (K slots per token).
   W_r is initialised like `topk_softmax` (no bias, unlike the paper's nn.Linear) and tagged `norm`:
   replicated and never weight-decayed, so with its zero gradient Adam leaves it exactly as drawn.
   """
