@@ -20,7 +20,8 @@ How it runs:
 
 The cache holds, per layer and token, what the attention kind declares (`cache_shapes`): pre-mixing
 one key and the hidden state (or an MLA latent), MHA keys and values, MoA the shared key and value,
-SwitchHead each head's key and value after its expert V projection, post-mixing (1+K) of each.
+SwitchHead each head's key and value after its expert V projection, post-mixing (1+K) of each (and,
+with a router that leaves slots without a pick, each slot's mask: masked slots are never attended).
 
 A model from a checkpoint directory: `umoe_jax.load.load_model`.
 """

@@ -118,7 +118,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     k: [B, S, Hk, Dk] with Hk == H or Hk == 1 (one key head shared by all query heads).
     v: [B, S, Hk, Dv] (Dv may differ from Dk: pre-mixing mixes whole hidden states).
     q_positions: [B, T], k_positions: [B, S]; query t sees key s iff 0 <= k_pos[s] <= q_pos[t]
-      (a negative key position marks padding or an empty cache slot).
+      (a negative key position marks padding, an empty cache slot, or a key that is no entry:
+      post-mixing's slots without a pick).
     return_probs: also return the attention probabilities [B, H, T, S] float32 (for routers that
       read them, `router.kind='attention_aware'`).
     core: `model.attention.core`: "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused

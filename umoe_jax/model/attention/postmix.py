@@ -19,6 +19,12 @@ FFN-MoE, and a single query attends over all (token, expert) entries with one so
     y_t = sum_{s <= t} sum_{j in {0} u T_s} a_{t,(s,j)} v_{s,j},   a_t = softmax over all visible
                                                                    (s, j) of q_t . k_{s,j} / sqrt(d_k)
 
+A router that leaves slots without a pick (`RouterOutput.slot_mask`: top-P's unused slots,
+SMoE-Dropout's beyond k(step)) makes T_s smaller than K for some tokens: those slots are no entries at
+all. They take no expert rows (`dispatch.make_plan` with the mask) and get zero attention weight (their
+key position is EMPTY, which the causal mask never shows), so y_t does not depend on how many slots
+were left unused. Decoding then also caches each entry's mask (`slot_mask` [1 + K] per token).
+
 The routed E_j are the layer's pool (shared with the FFN in UMoE). With linear experts
 (`moe.activation="none"`) and one routed slot this is pre-mixing with the gate moved onto the value;
 with non-linear experts the two differ, which is the point of the ablation. Decoding caches (1 + K)
@@ -33,6 +39,7 @@ from flax import nnx
 from umoe_jax.config import ModelConfig
 from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
                                              low_rank_expert_params)
+from umoe_jax.model.cache import EMPTY
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
@@ -82,7 +89,18 @@ class PostMixStats(AttentionStats):
   @classmethod
   def kv_cache(cls, cfg):
     n = cls._slots(cfg)
-    return {"key": n * cfg.attention.head_dim, "value": n * cfg.d_model}
+    cached = {"key": n * cfg.attention.head_dim, "value": n * cfg.d_model}
+    if router_masks_slots(cfg.router_for("attention")):
+      cached["slot_mask"] = n
+    return cached
+
+
+def router_masks_slots(router) -> bool:
+  """Whether a router config (`ModelConfig.router_for`) can leave slots without a pick
+  (`RouterOutput.slot_mask`): top-P and expert-choice selection, SMoE-Dropout's schedule. The
+  decoding cache then keeps every entry's mask (a router outside this list that returns a mask
+  anyway is refused at decoding time, never silently attended)."""
+  return router.selection in ("top_p", "expert_choice") or router.kind == "smoe_dropout"
 
 
 @ATTENTIONS.register("postmix")
@@ -93,8 +111,13 @@ class PostMixAttention(nnx.Module):
 
   @classmethod
   def cache_shapes(cls, cfg: ModelConfig) -> dict:
+    """(1 + K) keys and values per token; with a router that masks slots also their masks (1 = an
+    entry, 0 = a slot without a pick), so cached masked slots stay out of the softmax."""
     n = cfg.attention.top_k + (1 if cfg.attention.n_shared_experts else 0)
-    return {"k": (n, cfg.attention.head_dim), "v": (n, cfg.d_model)}
+    shapes = {"k": (n, cfg.attention.head_dim), "v": (n, cfg.d_model)}
+    if router_masks_slots(cfg.router_for("attention")):
+      shapes["slot_mask"] = (n,)
+    return shapes
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     att, moe = cfg.attention, cfg.moe
@@ -123,7 +146,9 @@ class PostMixAttention(nnx.Module):
     x = x.astype(dt)
     route = call_router(self.router, x, route_context)
     ids, gates = route.expert_ids.reshape(n, k), route.gates.reshape(n, k)
-    plan = dispatch.make_plan(ids, self.n_experts)
+    # Slots without a pick (top-P, SMoE-Dropout: gate 0) get no expert rows and no attention.
+    mask = None if route.slot_mask is None else route.slot_mask.reshape(n, k)
+    plan = dispatch.make_plan(ids, self.n_experts, mask)
     rows = dispatch.permute(x.reshape(n, d), plan, k)                              # [M, D]
 
     with jax.named_scope("expert_values"):                                         # g_{s,j} E_j(x_s)
@@ -135,21 +160,45 @@ class PostMixAttention(nnx.Module):
       keys = dispatch.unpermute(keys, plan).reshape(b, t, k, -1)                   # [B, T, K, Dk]
       if self.k_res_proj is not None:
         keys = keys + self.k_res_proj(x)[:, :, None, :]
+    entries = None if mask is None else mask.reshape(b, t, k)                      # [B, T, K] bool
     if self.shared_expert is not None:
       values = jnp.concatenate([self.shared_expert(x)[:, :, None, :], values], axis=2)
       keys = jnp.concatenate([self.shared_k_proj(x)[:, :, None, :], keys], axis=2)  # [B,T,1+K,Dk]
+      if entries is not None:                                  # the always-on slot is always an entry
+        entries = jnp.concatenate([jnp.ones((b, t, 1), bool), entries], axis=2)
     rope = dict(theta=self.cfg.rope_theta, layout=self.cfg.rope_layout)
     keys = apply_rope(keys, positions, **rope)
     q = apply_rope(self.q_proj(x), positions, **rope)[:, :, None, :]              # [B, T, 1, Dk]
 
     k_pos = positions
     if cache is not None:
-      cache = cache.append(k=keys, v=values)
-      keys, values, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
+      keys, values, entries, k_pos, cache = self._cached(cache, keys, values, entries)
     s, slots = keys.shape[1], keys.shape[2]
-    with jax.named_scope("mix"):  # one softmax over every (token, slot) entry
+    entry_pos = jnp.repeat(k_pos, slots, axis=1)                                   # [B, S*(1+K)]
+    if entries is not None:  # a slot without a pick is no entry: EMPTY, which no query sees
+      entry_pos = jnp.where(entries.reshape(b, s * slots), entry_pos, EMPTY)
+    with jax.named_scope("mix"):  # one softmax over every (token, entry)
+      # (the keys are never the queries' own positions: every core runs the XLA form here)
       y = causal_attention(q, keys.reshape(b, s * slots, 1, -1), values.reshape(b, s * slots, 1, d),
-                           positions, jnp.repeat(k_pos, slots, axis=1),
-                           core=self.cfg.attention.core)[:, :, 0]                 # [B, T, D]
+                           positions, entry_pos, core=self.cfg.attention.core)[:, :, 0]  # [B, T, D]
     routes = {"attention": route}
     return (y, routes) if cache is None else (y, routes, cache)
+
+  def _cached(self, cache, keys, values, entries):
+    """Appends this pass's keys, values (and entry masks) to the layer cache; -> the whole cache's
+    (keys [B, S, 1+K, Dk], values [B, S, 1+K, D], entries [B, S, 1+K] bool or None, key positions
+    [B, S], the updated cache)."""
+    if "slot_mask" not in cache.arrays:
+      if entries is not None:
+        key = self.cfg.router_key("attention", "kind")
+        raise ValueError(
+            f"post-mixing attention: the attention router ({key}="
+            f"{self.cfg.router_for('attention').kind!r}) left slots without a pick, but the decoding "
+            "cache keeps no slot masks for it (postmix.router_masks_slots does not list it)")
+      cache = cache.append(k=keys, v=values)
+      return cache.arrays["k"], cache.arrays["v"], None, cache.key_positions, cache
+    if entries is None:  # this router masks nothing in this pass: every slot is an entry
+      entries = jnp.ones(keys.shape[:3], bool)
+    cache = cache.append(k=keys, v=values, slot_mask=entries)
+    cached_entries = cache.arrays["slot_mask"] > 0
+    return cache.arrays["k"], cache.arrays["v"], cached_entries, cache.key_positions, cache
