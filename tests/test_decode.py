@@ -41,6 +41,8 @@ MORE_VARIANTS = {
                                           "router.kind": "topk_sigmoid", "router.balance_loss": "none"}),
     "postmix_full_keys": ("umoe", {"attention.kind": "postmix", "attention.q_lora_rank": None,
                                    "attention.n_shared_experts": 0}),
+    "postmix_top_p": ("umoe", {"attention.kind": "postmix", "attention.top_k": 3,
+                               "router.selection": "top_p", "router.entropy_coef": 1e-4}),
     "ffn_moe_hash": ("ffn_moe", {"router.kind": "hash"}),
     "ffn_moe_xmoe": ("ffn_moe", {"router.kind": "xmoe"}),
 }
@@ -90,6 +92,24 @@ def assert_cached_decoding_matches_full(cfg, model):
   # the padding slots of row 1 were never written with a position: never attended
   assert np.asarray(cache.key_positions)[1, :3].tolist() == [EMPTY] * 3
   assert np.asarray(cache.key_positions)[0, :9].tolist() == list(range(9))
+
+
+def test_postmix_cached_decoding_keeps_slots_without_a_pick_out(monkeypatch):
+  """Post-mixing with top-P attention routing: the cache remembers which of each token's (1+K)
+  slots are entries, so decoding token by token equals the full forward pass, in which the unused
+  slots get no attention; a router the cache keeps no masks for is refused, not attended."""
+  from umoe_jax.model.attention import postmix
+  cfg, model = _model("postmix_top_p", seed=1, n_layers=1)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  _, aux = model(tokens, return_routes=True)
+  masks = [np.asarray(r.slot_mask) for name, r in aux["routes"].items() if "attention" in name]
+  assert masks and not masks[0].all()                       # slots were left without a pick
+  assert init_cache(cfg, 1, 1).layers[0]["slot_mask"].shape == (1, 1, 1 + 3)
+  assert_cached_decoding_matches_full(cfg, model)
+  monkeypatch.setattr(postmix, "router_masks_slots", lambda router: False)
+  with pytest.raises(ValueError, match=r"model.router.selection='top_p'.*router_masks_slots"):
+    _cached(model, tokens[:, :2], jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32), (2, 2)),
+            init_cache(cfg, 2, 4))
 
 
 @pytest.mark.parametrize("name", sorted({**VARIANTS, **MORE_VARIANTS}))

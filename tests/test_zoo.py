@@ -127,16 +127,37 @@ def _expert(v, pool, i, cfg):
   return h @ pool["w_down"][i]
 
 
-def postmix_ref(x, p, pool, cfg):
+def postmix_picks(cfg, x, w_r, k):
+  """One token's K attention slots: (ids [K], gates [K], active [K] bool). Top-k: all active;
+  top-P: slot j active iff the probabilities of slots 0..j-1 sum to less than P (slot 0 always);
+  SMoE-Dropout at step 0: the first k_start slots. Inactive slots get gate 0."""
+  r = cfg.router_for("attention")
+  if r.selection != "top_p" and r.kind != "smoe_dropout":
+    ids, gates = _route(cfg, x, w_r, k)
+    return ids, gates, np.ones(k, bool)
+  _, ids, top = R.route_token(x, w_r, k, False)
+  if r.selection == "top_p":
+    active = np.array([j == 0 or top[:j].sum() < r.top_p for j in range(k)])
+  else:
+    active = np.arange(k) < min(r.smoe_dropout_k_start, k)
+  gates = np.where(active, top, 0.0)
+  return ids, (gates / gates.sum() if r.renormalize else gates), active
+
+
+def postmix_ref(x, p, pool, cfg, masked_in_softmax=False):
+  """One softmax over the (token, slot) entries a query sees; a slot without a pick is no entry
+  (`masked_in_softmax`: the old behaviour, such slots entries with value 0, for the contrast)."""
   att, rope = cfg.attention, _rope(cfg)
   keys, values, owner = [], [], []          # every (token, slot) entry
   for s in range(T):
-    ids, gates = _route(cfg, x[s], p["router"]["kernel"], att.top_k)
+    ids, gates, active = postmix_picks(cfg, x[s], p["router"]["kernel"], att.top_k)
     if att.n_shared_experts:
       keys.append(rope(x[s] @ p["shared_k_proj"]["kernel"], s))
       values.append(_mlp(x[s], p["shared_expert"], cfg))
       owner.append(s)
-    for i, g in zip(ids, gates):
+    for i, g, a in zip(ids, gates, active):
+      if not (a or masked_in_softmax):
+        continue
       if att.q_lora_rank is None:
         k = x[s] @ p["k_b"][i]
       else:
@@ -214,6 +235,39 @@ def test_postmix(variant):
   att, pool, x, y, _ = _run(cfg, seed=30, with_pool=True)
   ref = np.stack([postmix_ref(x[b], numpy_params(att), numpy_params(pool), cfg) for b in range(B)])
   assert rel_err(y, ref) < F32_BOUND
+
+
+@pytest.mark.parametrize("variant", ["top_p", "top_p_no_shared", "smoe_dropout"])
+def test_postmix_slots_without_a_pick_are_no_entries(variant, monkeypatch):
+  """Top-P's unused slots (a varying number per token) and SMoE-Dropout's slots beyond k(step) get
+  zero attention weight and no expert rows: the float64 loop's softmax runs over the real entries
+  only, and differs from one that keeps the masked slots as entries of value 0."""
+  from umoe_jax.ops import dispatch
+  top_p = {"router.selection": "top_p", "router.entropy_coef": 1e-4}
+  over = {"top_p": top_p, "top_p_no_shared": {**top_p, "attention.n_shared_experts": 0},
+          "smoe_dropout": {"router.kind": "smoe_dropout", "router.balance_loss": "none",
+                           "router.smoe_dropout_k_start": 2}}[variant]
+  cfg = tiny_config("umoe", **{"attention.kind": "postmix", "attention.top_k": 3, **over})
+  att = random_module(lambda: ATTENTIONS.get("postmix")(cfg, rngs=nnx.Rngs(0)), 31)
+  pool = random_module(lambda: make_expert_pool(cfg, nnx.Rngs(0)), 32)
+  x = _inputs(cfg, 33)
+  plans, make_plan = [], dispatch.make_plan
+  monkeypatch.setattr(dispatch, "make_plan", lambda *a: plans.append(make_plan(*a)) or plans[-1])
+  context = {"step": jnp.int32(0)} if variant == "smoe_dropout" else None
+  y, routes = att(jnp.asarray(x), positions_for(B, T), experts=pool, route_context=context)
+  y = np.asarray(y)
+  p, pool_p = numpy_params(att), numpy_params(pool)
+  mask = np.asarray(routes["attention"].slot_mask)                             # [B, T, K]
+  want = [[postmix_picks(cfg, x[b, s], p["router"]["kernel"], 3)[2] for s in range(T)]
+          for b in range(B)]
+  np.testing.assert_array_equal(mask, want)
+  picks = mask.sum(-1)
+  assert picks.min() < 3 and (variant == "smoe_dropout" or picks.max() > picks.min())
+  assert int(np.asarray(plans[0].group_sizes).sum()) == mask.sum()            # no rows for them
+  ref = np.stack([postmix_ref(x[b], p, pool_p, cfg) for b in range(B)])
+  assert rel_err(y, ref) < F32_BOUND
+  diluted = np.stack([postmix_ref(x[b], p, pool_p, cfg, masked_in_softmax=True) for b in range(B)])
+  assert rel_err(y, diluted) > 1e-2
 
 
 @pytest.mark.parametrize("gated", [False, True])

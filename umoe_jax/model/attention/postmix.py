@@ -190,11 +190,11 @@ class PostMixAttention(nnx.Module):
     [B, S], the updated cache)."""
     if "slot_mask" not in cache.arrays:
       if entries is not None:
-        key = self.cfg.router_key("attention", "kind")
+        r, key = self.cfg.router_for("attention"), self.cfg.router_key
         raise ValueError(
-            f"post-mixing attention: the attention router ({key}="
-            f"{self.cfg.router_for('attention').kind!r}) left slots without a pick, but the decoding "
-            "cache keeps no slot masks for it (postmix.router_masks_slots does not list it)")
+            f"post-mixing attention: the attention router ({key('attention', 'kind')}={r.kind!r}, "
+            f"{key('attention', 'selection')}={r.selection!r}) left slots without a pick, but the "
+            "decoding cache keeps no slot masks for it (postmix.router_masks_slots does not list it)")
       cache = cache.append(k=keys, v=values)
       return cache.arrays["k"], cache.arrays["v"], None, cache.key_positions, cache
     if entries is None:  # this router masks nothing in this pass: every slot is an entry
