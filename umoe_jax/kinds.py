@@ -49,7 +49,9 @@ class RouterKind:
   decodes:      works with cached decoding (one new token per call);
   mixing:       mixes the routing of earlier tokens ("similarity" / "attention"; "none");
   selection_bias: takes the aux-loss-free balancing bias (`router.bias_update_rate`);
-  selections:   the `router.selection` values it accepts.
+  selections:   the `router.selection` values it accepts;
+  masks_slots:  can leave slots without a pick by itself (`RouterOutput.slot_mask`; the selections
+                of `SLOT_MASKING_SELECTIONS` do so for any kind).
   """
   scores: bool = True
   distribution: bool = True
@@ -59,6 +61,7 @@ class RouterKind:
   mixing: str = "none"
   selection_bias: bool = True
   selections: tuple[str, ...] = ("top_k", "top_p", "expert_choice")
+  masks_slots: bool = False
 
 
 ROUTER_KINDS: dict[str, RouterKind] = {
@@ -69,7 +72,7 @@ ROUTER_KINDS: dict[str, RouterKind] = {
     "hash": RouterKind(scores=False, distribution=False, weights=False, selection_bias=False,
                        selections=("top_k",)),
     # its own selection: k grows with the step
-    "smoe_dropout": RouterKind(selections=("top_k",)),
+    "smoe_dropout": RouterKind(selections=("top_k",), masks_slots=True),
     # its own routing: greedy top-k of affinities, then of a token-id table; sigmoid gates
     "stablemoe": RouterKind(distribution=False, selection_bias=False, selections=("top_k",)),
     # softmax-router distributions mixed over earlier tokens; attention_aware reads the block's MHA
@@ -82,6 +85,14 @@ ROUTER_KINDS: dict[str, RouterKind] = {
 MIXINGS = ("none", "similarity", "attention")             # router.mixing
 SELECTIONS = ("top_k", "top_p", "expert_choice")          # router.selection
 BALANCE_LOSS_NAMES = ("seq_aux", "switch", "none")   # router.balance_loss
+SLOT_MASKING_SELECTIONS = ("top_p", "expert_choice")  # selections that can leave slots empty
+
+
+def router_masks_slots(router) -> bool:
+  """Whether a router config (`ModelConfig.router_for`) can leave slots without a pick
+  (`RouterOutput.slot_mask`): its selection is one of `SLOT_MASKING_SELECTIONS` or its kind
+  `masks_slots` (SMoE-Dropout's schedule)."""
+  return router.selection in SLOT_MASKING_SELECTIONS or ROUTER_KINDS[router.kind].masks_slots
 
 ATTENTIONS: Registry[type] = Registry("attention kind", names=ATTENTION_KINDS)
 ROUTERS: Registry[type] = Registry("router", names=ROUTER_KINDS)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
+from umoe_jax.kinds import router_masks_slots
 from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
                                              low_rank_expert_params)
 from umoe_jax.model.cache import EMPTY
@@ -93,14 +94,6 @@ class PostMixStats(AttentionStats):
     if router_masks_slots(cfg.router_for("attention")):
       cached["slot_mask"] = n
     return cached
-
-
-def router_masks_slots(router) -> bool:
-  """Whether a router config (`ModelConfig.router_for`) can leave slots without a pick
-  (`RouterOutput.slot_mask`): top-P and expert-choice selection, SMoE-Dropout's schedule. The
-  decoding cache then keeps every entry's mask (a router outside this list that returns a mask
-  anyway is refused at decoding time, never silently attended)."""
-  return router.selection in ("top_p", "expert_choice") or router.kind == "smoe_dropout"
 
 
 @ATTENTIONS.register("postmix")
@@ -194,7 +187,8 @@ class PostMixAttention(nnx.Module):
         raise ValueError(
             f"post-mixing attention: the attention router ({key('attention', 'kind')}={r.kind!r}, "
             f"{key('attention', 'selection')}={r.selection!r}) left slots without a pick, but the "
-            "decoding cache keeps no slot masks for it (postmix.router_masks_slots does not list it)")
+            "decoding cache keeps no slot masks for it (umoe_jax.kinds.router_masks_slots does "
+            "not know it can: set masks_slots=True in its ROUTER_KINDS row)")
       cache = cache.append(k=keys, v=values)
       return cache.arrays["k"], cache.arrays["v"], None, cache.key_positions, cache
     if entries is None:  # this router masks nothing in this pass: every slot is an entry
