@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -367,6 +368,16 @@ def test_init_from_converted_and_from_run(tmp_path):
   ck.close()
   got = ckpt_lib.load_init_params(str(run), parts.abstract_params, shardings)
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
+  # Parameters of another shape: named from the metadata, before a read (Orbax's own error names
+  # no parameter and came as a traceback).
+  c.d_model = 24
+  other = state_lib.model_parts(model_config(c))
+  for path in (converted, run):
+    with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                       match=re.escape(f"checkpoint.init_from='{path}' does not fit this model: "
+                                       "parameter embed is (512, 16) on disk, (512, 24) here; ")):
+      ckpt_lib.load_init_params(str(path), other.abstract_params, shardings)
 
 
 # ----------------------------------------------------------------------------------------------
