@@ -70,9 +70,27 @@ def test_missing_data_path(tmp_path):
   c.data.train_path = str(tmp_path / "nowhere" / "train.parquet")
   with pytest.raises(ConfigError, match=r"data\.train_path=.*nowhere.*no such file"):
     train_config.validate(c)
+  # A directory (or glob) with no file of the source: named before anything is read (it was a
+  # FileNotFoundError traceback from the data pipeline).
+  (tmp_path / "notes.txt").write_text("not parquet")
+  c.data.train_path = str(tmp_path)
+  with pytest.raises(ConfigError, match=re.escape(f"data.train_path='{tmp_path}': directory has no "
+                                                  ".parquet files")):
+    train_config.validate(c)
+  c.data.train_path = str(tmp_path / "nowh*")  # matches the directory "nowhere" only
+  (tmp_path / "nowhere").mkdir()
+  with pytest.raises(ConfigError, match=r"data\.train_path=.*nowh\*': glob matches no files"):
+    train_config.validate(c)
+  c.data.source = "text"
+  c.data.train_path = str(tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match=r"nowhere': directory has no files"):
+    train_config.validate(c)
   c.data.train_path = str(tmp_path)
   c.data.eval_path = ""
   with pytest.raises(ConfigError, match=r"data\.eval_path is empty but train\.eval_every"):
+    train_config.validate(c)
+  c.data.eval_path = str(tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match=r"data\.eval_path=.*nowhere': directory has no files"):
     train_config.validate(c)
 
 

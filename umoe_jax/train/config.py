@@ -115,6 +115,18 @@ def _path_exists(path: str) -> bool:
   return storage.exists(path)
 
 
+def _check_files(data_cfg: Any, key: str) -> None:
+  """ConfigError unless data.<key> resolves to files of data.source (a directory or glob without
+  any, e.g. no .parquet file below a parquet source's directory, is as bad as a missing path)."""
+  from umoe_jax.data import sources
+  suffixes = {"parquet": (".parquet",),
+              "arrayrecord": (sources.ARRAYRECORD_SUFFIX,)}.get(data_cfg.source, ())
+  try:
+    sources.resolve_files(data_cfg[key], suffixes, key=f"data.{key}")
+  except (FileNotFoundError, ValueError) as e:  # a StorageError (the store failed) passes as it is
+    raise ConfigError(str(e)) from None
+
+
 def check_train(train: Any, model: ModelConfig) -> None:
   t = train
   _check(t.seq_len > 0, f"train.seq_len={t.seq_len!r} must be positive")
@@ -212,6 +224,7 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
            "needs a file, directory or glob")
     _check(_path_exists(data_cfg.train_path),
            f"data.train_path={data_cfg.train_path!r}: no such file, directory or glob match")
+    _check_files(data_cfg, "train_path")
     if data_cfg.source == "arrayrecord":
       for key in ("train_path", "eval_path"):
         try:
@@ -223,6 +236,7 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
              f"{train.eval_every}; set data.eval_path to held-out data or train.eval_every=0")
       _check(_path_exists(data_cfg.eval_path),
              f"data.eval_path={data_cfg.eval_path!r}: no such file, directory or glob match")
+      _check_files(data_cfg, "eval_path")
   try:
     tokenizer = data_lib.load_tokenizer(data_cfg)
     data_lib.check_vocab(tokenizer, model.vocab_size)
