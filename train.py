@@ -106,25 +106,16 @@ def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERRO
   raise SystemExit(code)
 
 
-def _config_path(argv) -> str:
-  for i, arg in enumerate(argv):
-    for prefix in ("--config=", "-config="):
-      if arg.startswith(prefix):
-        return arg[len(prefix):]
-    if arg in ("--config", "-config") and i + 1 < len(argv):
-      return argv[i + 1]
-  return ""
-
-
 def _diagnose_overrides(argv) -> None:
-  """Raises the project's ConfigError for an unknown `--config.<key>` override, which
-  ml_collections reports only as AttributeError / KeyError from inside the flag parser."""
-  from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+  """Raises the project's ConfigError for a `--config` file that does not load, or an unknown
+  `--config.<key>` override, which ml_collections reports only as AttributeError / KeyError (or
+  the file's error with its traceback flattened) from inside the flag parser."""
+  from umoe_jax import config_file
   from umoe_jax.train import config as config_lib
-  path = _config_path(argv)
+  path = config_file.config_path(argv)
   if not path:
     return
-  config = ConfigFileFlagParser(name="config", lock_config=False).parse(path)
+  config = config_file.load(path)
   for arg in argv:
     if arg.startswith(("--config.", "-config.", "--noconfig.", "-noconfig.")):
       key = arg.split("=", 1)[0].split("config.", 1)[1]
@@ -139,12 +130,15 @@ def _parse_flags(argv):
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise
+    from umoe_jax import config_file
     from umoe_jax.config import ConfigError
     try:
       _diagnose_overrides(argv)
     except ConfigError as config_error:
+      loads = not str(config_error).startswith("--config=")
       _fail("config error", config_error, "python train.py --helpfull lists the flags; configs/"
-            "common.py and umoe_jax/train/config.py list the keys", EXIT_USAGE)
+            "common.py and umoe_jax/train/config.py list the keys" if loads else config_file.HINT,
+            EXIT_USAGE)
     except Exception:  # pylint: disable=broad-except  (report the original error below)
       pass
     what = str(e) if isinstance(e, flags.Error) else f"{type(e).__name__}: {e}"
@@ -191,17 +185,19 @@ def _kind(error: BaseException) -> str:
 def _load_config():
   """The --config ConfigDict; a file that does not load is a one-line error (ml_collections defers
   it to the first use of the config)."""
-  path = _config_path(sys.argv).split(":", 1)[0]
-  if path and not os.path.isfile(path):
-    _fail("config error", f"--config={path}: no such file", "pass a file of configs/, e.g. "
-          "--config=configs/umoe_tiny.py", EXIT_USAGE)
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
   config = _CONFIG.value
   try:
     config.keys()
   except Exception as e:  # pylint: disable=broad-except  (the error of loading the file)
     if _debug():
       raise
-    _fail("config error", f"--config={path} does not load: {e}", "", EXIT_USAGE)
+    try:
+      config_file.check_argv(sys.argv)
+    except ConfigError as error:
+      e = error
+    _fail("config error", e, config_file.HINT, EXIT_USAGE)
   return config
 
 

@@ -343,7 +343,8 @@ def test_bad_records_can_be_skipped_and_are_logged(cli, tmp_path, damaged_parque
 
 
 @pytest.mark.parametrize("case", ["workdir_is_a_file", "workdir_not_writable", "impossible_mesh",
-                                  "unknown_override", "init_from_empty_directory"])
+                                  "unknown_override", "init_from_empty_directory",
+                                  "config_does_not_load"])
 def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
   workdir = str(tmp_path / "run")
   if case == "workdir_is_a_file":
@@ -366,6 +367,12 @@ def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
     assert "AttributeError" not in message
     debug = cli(workdir, "--config.train.stepz=5", "--debug", timeout=90)  # the traceback, on demand
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+  elif case == "config_does_not_load":  # with an override: it used to report an _ErrorConfig
+    bad = tmp_path / "bad_config.py"
+    bad.write_text("def get_config():\n  raise ValueError('no such scale: huge')\n")
+    proc = cli(workdir, "--config.train.num_steps=3", timeout=90, config=str(bad))
+    assert_fails(proc, 2, "config error", re.escape(f"--config={bad} does not load (ValueError: no "
+                                                    "such scale: huge)") + "$")
   else:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -586,6 +593,35 @@ def test_converter_names_the_file_and_the_problem(tmp_path, capsys, case):
 
 # ----------------------------------------------------------------------------------------------
 # Pieces the cases rely on, without a subprocess.
+
+
+def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
+  """Every command's --config: a missing file, a syntax error, get_config() missing or raising is
+  one ConfigError naming the file (config_flags gave tracebacks, or an IOError at first use)."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  from umoe_jax.eval import cli as eval_cli
+  files = {"syntax.py": "def get_config(:\n", "raises.py": "def get_config(arg):\n  raise "
+           "RuntimeError('boom')\n", "typo.py": "def get_config(arg):\n  raise ValueError('bad "
+           "scale')\n", "none.py": "x = 1\n"}
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError: invalid "
+           "syntax (syntax.py, line 1))", "raises.py": " does not load (RuntimeError: boom)",
+           "typo.py": " does not load (ValueError: bad scale)", "none.py": " does not load "
+           "(AttributeError: module 'config_config' has no attribute 'get_config')"}
+  for name, message in cases.items():
+    path = str(tmp_path / name)
+    with pytest.raises(ConfigError, match=re.escape(f"--config={path}{message}") + "$"):
+      config_file.check_argv(["prog", "--config", f"{path}:arg"])
+  good = config_file.load("configs/dense_tiny.py")
+  assert good.model.attention.kind == "mha" and not good.is_locked
+  config_file.check_argv(["prog", "--checkpoint=x"])  # no --config: nothing to check
+  # The evaluation command: one error line, exit status 2, before any model is built.
+  missing = str(tmp_path / "missing.py")
+  assert eval_cli.main(["perplexity", f"--config={missing}", "--data=x.txt"]) == 2
+  err = capsys.readouterr().err
+  assert err.strip() == f"error: --config={missing}: no such file", err
 
 
 def test_protected_step_survives_rotation(tmp_path):

@@ -958,6 +958,13 @@ def _flatten(d: Mapping, prefix: str = "") -> dict:
 
 def run_cli(argv: Optional[Sequence[str]] = None) -> None:
   from absl import app
+
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  try:
+    config_file.check_argv(sys.argv if argv is None else argv)  # else config_flags' traceback
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   _define_flags()
   app.run(_main, argv=list(argv) if argv is not None else None)
 

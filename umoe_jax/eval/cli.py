@@ -25,7 +25,8 @@ from typing import Callable, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
-from umoe_jax import storage
+from umoe_jax import config_file, storage
+from umoe_jax.config import ConfigError
 from umoe_jax.eval import harness
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.attack import attack_documents
@@ -267,8 +268,9 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
     print(f"usage: {prog} {command} [--flags]\n\n{fv.get_help()}")
     return 0
   try:
+    config_file.check_argv(rest)  # else a raw traceback (or an IOError at first use) of config_flags
     extra = fv([f"{prog} {command}"] + rest)[1:]
-  except flags.Error as e:
+  except (flags.Error, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if extra:
