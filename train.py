@@ -65,36 +65,6 @@ class _QuietLibraries(std_logging.Filter):
     return True
 
 
-def _orphaned_orbax_work(unraisable) -> bool:
-  """Whether an unraisable exception is the echo of an Orbax operation abandoned after an error
-  that the run reports itself (so it adds nothing but a screenful of traceback):
-
-  * after a failed save, TensorStore completes the other writes of that save and calls back into
-    the asyncio loop Orbax has already closed: 'Event loop is closed' (hundreds on a full disk);
-  * after a failed restore (e.g. the model changed), the reads of the other arrays are coroutines
-    that were never awaited; at exit Python finalises them and prints their read errors.
-  """
-  error, obj = unraisable.exc_value, unraisable.object
-  if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
-    return True
-  code = getattr(obj, "cr_code", None)
-  return code is not None and "/orbax/" in code.co_filename
-
-
-def _quiet_orphaned_orbax_work(debug: bool) -> None:
-  """Counts, instead of printing, the exceptions `_orphaned_orbax_work` recognises (--debug prints
-  them)."""
-  if debug:
-    return
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _orphaned_orbax_work(unraisable):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-
-
 def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERROR):
   message = " ".join(str(error).split()) or type(error).__name__
   lines = [f"{kind}: {message}"]
@@ -206,9 +176,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   debug = _debug()
   logging.get_absl_handler().addFilter(_QuietLibraries(debug))
-  _quiet_orphaned_orbax_work(debug)
   from umoe_jax.parallel import distributed
   distributed.initialize_from_env()  # before anything touches a device
+  if not debug:
+    from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
+    quiet_orphaned_orbax_work()
   from umoe_jax.train import loop
   config = _load_config()
   try:

@@ -9,6 +9,7 @@ one of each kind also as a subprocess.
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -183,6 +184,29 @@ def test_module_entry_points_in_subprocesses(trained, tmp_path):
   assert res.returncode == 1
   assert res.stderr.decode().strip().splitlines()[-1].startswith("error: unknown task 'nope'")
   assert "Traceback" not in res.stderr.decode()
+
+
+def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
+  """Truncated array files: the loader's one error line naming the step, not also one 'Event
+  loop is closed' traceback per array that TensorStore finishes reading after Orbax gave up."""
+  ckpt, _, _ = trained
+  damaged = tmp_path / "damaged"
+  shutil.copytree(ckpt, damaged)
+  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "**" / "d" / "*"), recursive=True)
+  assert chunks
+  for path in chunks:
+    os.truncate(path, 10)
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog.")
+  env = {k: v for k, v in ENV.items() if k != "UMOE_DEBUG"}
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.eval", "perplexity",
+                        f"--checkpoint={damaged}", f"--data={doc}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 1, res.stderr[-3000:]
+  lines = [line for line in res.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(
+      f"error: cannot read the parameters of checkpoint {damaged}/checkpoints/3 (damaged files"), \
+      res.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -239,6 +239,8 @@ def main(argv) -> int:
   if not f.checkpoints:
     raise SystemExit("--checkpoints=A,B,... is required")
   log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
+  quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
     result = analyze(f.checkpoints, data=f.data, source=f.source, tokenizer=f.tokenizer,
                      text_field=f.text_field, tokens=f.tokens, seq_len=f.seq_len, seed=f.seed,

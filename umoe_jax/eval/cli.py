@@ -37,6 +37,7 @@ from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
 from umoe_jax.load import LoadError, load_model_and_tokenizer
 from umoe_jax.output import fmt, markdown_table, write_json
+from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
 
 
 def _log(msg: str) -> None:
@@ -276,6 +277,7 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
   if extra:
     print(f"error: unexpected arguments {extra}", file=sys.stderr)
     return 2
+  quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
     _check_json_path(fv.json)
     table, payload = run(fv)

@@ -48,6 +48,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from typing import Any, Optional
@@ -510,6 +511,39 @@ class Checkpointer:
 
   def __exit__(self, exc_type, exc, tb) -> None:
     self.close(quiet=exc_type is not None)
+
+
+def orphaned_orbax_work(unraisable) -> bool:
+  """Whether an unraisable exception is the echo of an Orbax operation abandoned after an error
+  that the command reports itself (so it adds nothing but a screenful of traceback):
+
+  * after a failed save or restore, TensorStore completes the other reads / writes of that
+    operation and calls back into the asyncio loop Orbax has already closed: 'Event loop is
+    closed' (hundreds on a full disk, one per array of a damaged checkpoint);
+  * after a failed restore (e.g. the model changed), the reads of the other arrays are coroutines
+    that were never awaited; at exit Python finalises them and prints their read errors.
+  """
+  error, obj = unraisable.exc_value, unraisable.object
+  if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename
+
+
+def quiet_orphaned_orbax_work() -> None:
+  """Drops, instead of printing, the unraisable exceptions `orphaned_orbax_work` recognises, for
+  the rest of the process (the commands call it at start-up; not with UMOE_DEBUG=1, or train.py
+  --debug). Idempotent."""
+  previous = sys.unraisablehook
+  if getattr(previous, "quiets_orbax", False) or os.environ.get("UMOE_DEBUG", "") not in ("", "0"):
+    return
+
+  def hook(unraisable):
+    if not orphaned_orbax_work(unraisable):
+      previous(unraisable)
+
+  hook.quiets_orbax = True
+  sys.unraisablehook = hook
 
 
 def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> Any:
