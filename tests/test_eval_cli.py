@@ -255,6 +255,32 @@ def test_bad_input_one_line_nonzero_exit_nothing_written(trained, tmp_path, caps
     assert not out_json.exists() and not [p for p in tmp_path.glob("out/*") if ".tmp" in p.name]
 
 
+def test_bad_window_flags_fail_before_the_model_loads(trained, tmp_path, capsys):
+  """Flag values that cannot work are named before the corpus is read and the model loaded (a
+  base model takes minutes to load); --stride against the default --context once it is known."""
+  ckpt, _, _ = trained
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog.")
+  common = [f"--checkpoint={ckpt}", f"--data={doc}"]
+  for argv, message in [
+      (["perplexity", *common, "--max_tokens=-5"], "--max_tokens=-5 must be >= 1"),
+      (["perplexity", *common, "--context=0"],
+       "--context=0 must be >= 1 (tokens per scoring window)"),
+      (["attack", *common, "--context=16", "--stride=20"],
+       "--stride=20 must be in [1, --context=16]"),
+      (["attack", *common, "--rate=1.5"], "--rate=1.5 must be in [0, 1] (the fraction of words "
+                                         "substituted)"),
+      (["tasks", f"--checkpoint={ckpt}", "--tasks=piqa", "--batch_size=0"],
+       "--batch_size=0 must be >= 1"),
+      (["perplexity", *common, "--stride=100"],
+       "--stride=100 must be in [1, --context=64] (default: the model's max_seq_len)")]:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and not out, (argv, err)
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"error: {message}", (argv, err)
+    assert ("--stride=100" in argv) == any(l.startswith("model: ") for l in lines), (argv, err)
+
+
 # ------------------------------------------------------------------------------------------------
 # lm-evaluation-harness adapter
 

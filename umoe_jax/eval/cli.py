@@ -140,9 +140,24 @@ def cmd_race(f):
   return _run_tasks(f, [TaskSpec(name="race", kind="race", path=f.data)])
 
 
+def _check_window_flags(f) -> None:
+  """--context / --stride / --max_tokens (/ --rate) values, before the corpus is read or the model
+  loads (--context against max_seq_len needs the model: checked when scoring)."""
+  if f.context is not None and f.context < 1:
+    raise EvalError(f"--context={f.context} must be >= 1 (tokens per scoring window)")
+  if f.stride is not None and not 1 <= f.stride <= (f.context or f.stride):
+    raise EvalError(f"--stride={f.stride} must be in [1, --context={f.context}]" if f.context
+                    else f"--stride={f.stride} must be >= 1")
+  if f.max_tokens is not None and f.max_tokens < 1:
+    raise EvalError(f"--max_tokens={f.max_tokens} must be >= 1")
+  if "rate" in f and not 0 <= f.rate <= 1:
+    raise EvalError(f"--rate={f.rate} must be in [0, 1] (the fraction of words substituted)")
+
+
 def _corpus(f):
   if not f.data:
     raise EvalError("give --data=<corpus file, directory or glob>")
+  _check_window_flags(f)
   return read_corpus(f.data, f.format, text_field=f.text_field, detokenize=f.detokenize)
 
 
@@ -279,6 +294,8 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
     return 2
   quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
+    if fv.batch_size < 1:
+      raise EvalError(f"--batch_size={fv.batch_size} must be >= 1")
     _check_json_path(fv.json)
     table, payload = run(fv)
   except (EvalError, LoadError, FileNotFoundError) as e:
