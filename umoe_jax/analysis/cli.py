@@ -226,7 +226,7 @@ def main(argv) -> int:
   from absl import flags, logging
 
   from umoe_jax.analysis import report
-  from umoe_jax.output import write_json
+  from umoe_jax.output import check_output_path, write_json
 
   if len(argv) < 2 or argv[1] not in COMMANDS:
     raise SystemExit(f"usage: python -m umoe_jax.analysis {{{'|'.join(COMMANDS)}}} --checkpoints=... "
@@ -242,6 +242,9 @@ def main(argv) -> int:
   from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
   quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
+    for flag, path, directory in (("--json", f.json, False), ("--plots", f.plots, True)):
+      if path:  # before the analysis: the results could not be written at its end
+        check_output_path(path, flag, directory=directory)
     result = analyze(f.checkpoints, data=f.data, source=f.source, tokenizer=f.tokenizer,
                      text_field=f.text_field, tokens=f.tokens, seq_len=f.seq_len, seed=f.seed,
                      batch_size=f.batch_size, routers=f.routers, compute_dtype=f.compute_dtype,

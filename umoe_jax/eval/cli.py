@@ -17,7 +17,6 @@ a bad flag exits 2.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable, Optional, Sequence
@@ -25,7 +24,7 @@ from typing import Callable, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
-from umoe_jax import config_file, storage
+from umoe_jax import config_file
 from umoe_jax.config import ConfigError
 from umoe_jax.eval import harness
 from umoe_jax.eval import tasks as tasks_lib
@@ -36,7 +35,7 @@ from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
 from umoe_jax.load import LoadError, load_model_and_tokenizer
-from umoe_jax.output import fmt, markdown_table, write_json
+from umoe_jax.output import check_output_path, fmt, markdown_table, write_json
 from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
 
 
@@ -240,25 +239,6 @@ def _usage(prog: str) -> str:
   return "\n".join(lines)
 
 
-def _check_json_path(path: Optional[str]) -> None:
-  """Fail before any scoring when the results could not be written at the end."""
-  if path is None:
-    return
-  if storage.is_url(path):
-    try:
-      storage.check_bucket(path)
-    except OSError as e:
-      raise EvalError(f"--json={path!r}: {e}") from None
-    return
-  parent = os.path.dirname(os.path.abspath(path)) or "."
-  try:
-    os.makedirs(parent, exist_ok=True)
-  except OSError as e:
-    raise EvalError(f"--json={path!r}: cannot create its directory ({e.strerror})") from None
-  if os.path.isdir(path) or not os.access(parent, os.W_OK):
-    raise EvalError(f"--json={path!r} is not a writable file path")
-
-
 def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
   """Runs `argv` = [command, flags...]; returns the exit status (module docstring)."""
   argv = list(argv)
@@ -296,7 +276,11 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
   try:
     if fv.batch_size < 1:
       raise EvalError(f"--batch_size={fv.batch_size} must be >= 1")
-    _check_json_path(fv.json)
+    if fv.json is not None:  # fail before any scoring when the results could not be written
+      try:
+        check_output_path(fv.json, "--json")
+      except ValueError as e:
+        raise EvalError(str(e)) from None
     table, payload = run(fv)
   except (EvalError, LoadError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
