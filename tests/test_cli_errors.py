@@ -677,3 +677,28 @@ def test_save_guard_judges_norm_growth_and_loss_spikes():
   g.observe(3, {"loss": 2.0, "applied": 1, "param_norm": 41.0})
   assert "its 10 after step 1, the first of this run" in g.check()
   assert guard.SaveGuard(max_loss_ratio=0, max_param_norm_ratio=0).check() is None
+
+
+def test_every_command_help_lists_its_flags():
+  """`--help` of each entry point names its options (the routing analysis and stats printed a
+  docstring and no flag: absl lists only the flags of the program's own file)."""
+  commands = {
+      ("train.py",): ("--config", "--workdir"),
+      ("-m", "umoe_jax.eval", "perplexity"): ("--checkpoint", "--context", "--stride"),
+      ("-m", "umoe_jax.analysis", "routing"): ("--checkpoints", "--tokens", "--plots"),
+      ("-m", "umoe_jax.stats"): ("--config", "--zoo"),
+      ("-m", "umoe_jax.generate"): ("--checkpoint", "--prompt"),
+      ("-m", "umoe_jax.finetune"): ("--config", "--workdir", "--input"),
+      ("-m", "umoe_jax.data.prepare"): ("--source", "--output_dir"),
+      ("-m", "umoe_jax.interop.official"): ("--checkpoint", "--output"),
+  }
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = {cmd: subprocess.Popen([sys.executable, *cmd, "--help"], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for cmd in commands}
+  for cmd, proc in procs.items():
+    out, _ = proc.communicate(timeout=120)
+    assert "Traceback" not in out, (cmd, out[-2000:])
+    # absl's flag lines ("  --name: ...", "  --[no]name: ...") and argparse's ("  --name NAME")
+    listed = {f"--{name}" for name in re.findall(r"^\s+--(?:\[no\])?([a-z_]+)\b", out, re.M)}
+    assert set(commands[cmd]) <= listed, (cmd, sorted(listed), out[-2000:])

@@ -917,6 +917,9 @@ def _define_flags():
   flags.DEFINE_string("zoo_dir", "configs", "Directory of zoo configs.")
   flags.DEFINE_bool("from_model", True, "Count parameters on the (abstract) model and cross-check "
                     "the analytic breakdown; off = analytic only.")
+  # `--help` lists the key flags of the program's file (sys.argv[0]), not of this module.
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   return flags.FLAGS
 
 

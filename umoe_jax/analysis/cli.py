@@ -219,6 +219,9 @@ def define_flags():
   flags.DEFINE_string("compute_dtype", "float32", 'Compute dtype ("" = the config\'s).')
   flags.DEFINE_string("json", "", "Write the report to this JSON file.")
   flags.DEFINE_string("plots", "", "Write PNG plots into this directory.")
+  # `--help` lists the key flags of the program's file (sys.argv[0]), not of this module.
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   return flags.FLAGS
 
 
