@@ -375,6 +375,12 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, cap
   [out_file] = list((tmp_path / "lm_eval_out").glob("**/results_*.json"))
   assert json.loads(out_file.read_text())["results"]["umoe_mc"]["acc,none"] == \
       res["results"]["umoe_mc"]["acc,none"]
+  # ... and our model's bad input there: one error line (was a LoadError traceback).
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                           f"checkpoint={tmp_path}/missing", "--tasks", "umoe_mc", "--include_path",
+                           task_dir)
+  assert code == 1 and "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1] == f"error: checkpoint '{tmp_path}/missing': no such directory"
 
   # generate_until: greedy decoding of our decode loop, cut at the stop string
   from lm_eval.api.instance import Instance
