@@ -126,6 +126,10 @@ def test_seq_len_over_rope_limit(tmp_path):
     ("train.on_nonfinite", "ignore", r"on_nonfinite='ignore'; valid: stop, skip"),
     ("checkpoint.keep", 0, r"checkpoint\.keep=0"),
     ("checkpoint.init_from", "/no/such/dir", r"init_from='/no/such/dir': no such directory"),
+    # the default source reads no files: a path given without data.source trained on it silently
+    ("data.train_path", "/data/x.parquet", r"data\.train_path='/data/x\.parquet' is set but "
+                                           r"data\.source='builtin' \(the default\) reads no files"),
+    ("data.eval_path", "/data/v.jsonl", r"data\.eval_path='/data/v\.jsonl' is set but "),
 ])
 def test_bad_values(key, value, match):
   c = tiny()
