@@ -130,6 +130,9 @@ def test_seq_len_over_rope_limit(tmp_path):
     ("data.train_path", "/data/x.parquet", r"data\.train_path='/data/x\.parquet' is set but "
                                            r"data\.source='builtin' \(the default\) reads no files"),
     ("data.eval_path", "/data/v.jsonl", r"data\.eval_path='/data/v\.jsonl' is set but "),
+    # (were grain's ValueErrors from inside the pipeline, naming no key)
+    ("data.num_epochs", 0, r"data\.num_epochs=0 must be >= 1 \(or None: repeat forever\)"),
+    ("data.read_threads", -2, r"data\.read_threads=-2 must be >= 0"),
 ])
 def test_bad_values(key, value, match):
   c = tiny()

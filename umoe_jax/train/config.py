@@ -216,6 +216,10 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   _check_keys(data_cfg, data_lib.default_data_config(), "data")
   _check(data_cfg.source in data_lib.SOURCES,
          f"data.source={data_cfg.source!r}; valid: {', '.join(data_lib.SOURCES)}")
+  _check(data_cfg.num_epochs is None or data_cfg.num_epochs >= 1,
+         f"data.num_epochs={data_cfg.num_epochs!r} must be >= 1 (or None: repeat forever)")
+  for key in ("read_threads", "worker_count", "prefetch_batches", "shuffle_window"):
+    _check(data_cfg[key] >= 0, f"data.{key}={data_cfg[key]!r} must be >= 0")
   policies = data_lib.sources.BAD_RECORD_POLICIES
   _check(data_cfg.on_bad_record in policies,
          f"data.on_bad_record={data_cfg.on_bad_record!r}; valid: {', '.join(policies)}")
