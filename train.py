@@ -76,22 +76,6 @@ def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERRO
   raise SystemExit(code)
 
 
-def _diagnose_overrides(argv) -> None:
-  """Raises the project's ConfigError for a `--config` file that does not load, or an unknown
-  `--config.<key>` override, which ml_collections reports only as AttributeError / KeyError (or
-  the file's error with its traceback flattened) from inside the flag parser."""
-  from umoe_jax import config_file
-  from umoe_jax.train import config as config_lib
-  path = config_file.config_path(argv)
-  if not path:
-    return
-  config = config_file.load(path)
-  for arg in argv:
-    if arg.startswith(("--config.", "-config.", "--noconfig.", "-noconfig.")):
-      key = arg.split("=", 1)[0].split("config.", 1)[1]
-      config_lib.check_override(config, key)
-
-
 def _parse_flags(argv):
   """absl's flag parsing, with every failure as one line (exit 2) instead of a traceback."""
   debug = _debug(argv)
@@ -103,7 +87,7 @@ def _parse_flags(argv):
     from umoe_jax import config_file
     from umoe_jax.config import ConfigError
     try:
-      _diagnose_overrides(argv)
+      config_file.check_argv(argv)
     except ConfigError as config_error:
       loads = not str(config_error).startswith("--config=")
       _fail("config error", config_error, "python train.py --helpfull lists the flags; configs/"

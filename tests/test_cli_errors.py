@@ -617,11 +617,26 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
   good = config_file.load("configs/dense_tiny.py")
   assert good.model.attention.kind == "mha" and not good.is_locked
   config_file.check_argv(["prog", "--checkpoint=x"])  # no --config: nothing to check
+  # Overrides of keys the config lacks (config_flags: a bare AttributeError traceback).
+  tiny = ["prog", "--config=configs/dense_tiny.py", "--config.train.num_steps=3"]
+  config_file.check_argv(tiny + ["--noconfig.data.shuffle"])
+  for arg, message in (("--config.train.stepz=1", "unknown key train.stepz (in --config.train.stepz); "
+                        "valid keys of train: b1, b2, eps, "),
+                       ("--config.trian.steps=1", "unknown config key 'trian' (in --config.trian."
+                        "steps); valid top-level keys: checkpoint, data, expert_parallel, log, "),
+                       ("--config.model.d_model.x=1", "model.d_model is a value (=128), not a "
+                        "section: no key model.d_model.x")):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+      config_file.check_argv(tiny + [arg])
   # The evaluation command: one error line, exit status 2, before any model is built.
   missing = str(tmp_path / "missing.py")
   assert eval_cli.main(["perplexity", f"--config={missing}", "--data=x.txt"]) == 2
   err = capsys.readouterr().err
   assert err.strip() == f"error: --config={missing}: no such file", err
+  assert eval_cli.main(["perplexity", "--config=configs/dense_tiny.py", "--config.model.bogus=1",
+                        "--data=x.txt"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: unknown key model.bogus (in --config.model.bogus)"), err
 
 
 def test_protected_step_survives_rotation(tmp_path):

@@ -1,10 +1,12 @@
-"""`--config=FILE[:arg]` files (ml_collections config_flags) that do not load: one error naming the file.
+"""`--config=FILE[:arg]` files and `--config.<key>` overrides of every command: one error each.
 
 config_flags reports such a file in three ways, none naming it plainly: a missing file only at the
 first use of the config (an object that raises IOError, after the flags are parsed), a syntax error
 or an exception of `get_config()` from inside the flag parser (a traceback), a TypeError /
-ValueError there with the whole traceback as its message. `load(path)` turns each into one
-ConfigError, `check_argv(argv)` does it for a command line before its flags are parsed:
+ValueError there with the whole traceback as its message; and an override of a key the config
+lacks (`--config.train.stepz=5`) as a bare AttributeError from inside the flag parser. `load(path)`
+turns each file error into one ConfigError, `check_override` each bad key, and `check_argv(argv)`
+does both for a command line before its flags are parsed:
 
     try:
       config_file.check_argv(argv)    # --config=configs/umoe_tiny.py (or --config PATH)
@@ -56,8 +58,33 @@ def load(path: str) -> Any:
   return config
 
 
+def check_override(config: Any, path: str, name: str = "config") -> None:
+  """ConfigError unless `path` ("train.num_steps") names a key of `config`: what a
+  `--<name>.<path>=value` override may set (config_flags raises a bare AttributeError / KeyError
+  from inside the flag parser)."""
+  node, done = config, []
+  for part in path.split("."):
+    if not hasattr(node, "keys"):
+      raise ConfigError(f"{'.'.join(done)} is a value (={node!r}), not a section: no key {path}")
+    if part not in node:
+      if not done:
+        raise ConfigError(f"unknown config key {part!r} (in --{name}.{path}); valid top-level "
+                          f"keys: {', '.join(config.keys())}")
+      section = ".".join(done)
+      raise ConfigError(f"unknown key {section}.{part} (in --{name}.{path}); valid keys of "
+                        f"{section}: {', '.join(sorted(node.keys()))}")
+    node = node[part]
+    done.append(part)
+
+
 def check_argv(argv: Sequence[str], name: str = "config") -> None:
-  """ConfigError (`load`'s) when argv's `--<name>` file does not load; nothing without one."""
+  """ConfigError when argv's `--<name>` file does not load (`load`) or a `--<name>.<key>=value`
+  override names no key of it (`check_override`); nothing without a `--<name>`."""
   path = config_path(argv, name)
-  if path:
-    load(path)
+  if not path:
+    return
+  config = load(path)
+  for arg in argv:
+    for prefix in (f"--{name}.", f"-{name}.", f"--no{name}.", f"-no{name}."):
+      if arg.startswith(prefix):
+        check_override(config, arg.split("=", 1)[0][len(prefix):], name)

@@ -253,24 +253,6 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   return tokenizer
 
 
-def check_override(config: ml_collections.ConfigDict, path: str) -> None:
-  """Raises ConfigError unless `path` ("train.num_steps") names a key of `config`: what a
-  `--config.<path>=value` command-line override may set. Message as for unknown keys in `validate`."""
-  node, done = config, []
-  for part in path.split("."):
-    if not isinstance(node, (ml_collections.ConfigDict, dict)):
-      raise ConfigError(f"{'.'.join(done)} is a value (={node!r}), not a section: no key {path}")
-    if part not in node:
-      if not done:
-        raise ConfigError(f"unknown config key {part!r} (in --config.{path}); valid top-level keys: "
-                          f"{', '.join(k for k in SECTIONS if k in config)}")
-      name = ".".join(done)
-      raise ConfigError(f"unknown key {name}.{part} (in --config.{path}); valid keys of {name}: "
-                        f"{', '.join(sorted(node.keys()))}")
-    node = node[part]
-    done.append(part)
-
-
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Checks a whole experiment config before anything is built; returns the ModelConfig.
 
