@@ -42,7 +42,8 @@ def test_write_json_is_strict_and_atomic(tmp_path):
 
 def test_output_paths_are_checked_before_the_work(tmp_path):
   """`check_output_path`: what a command checks before it scores or analyses, so that the results
-  are not lost at the end to an unwritable --json / --plots (the analysis raised a traceback then)."""
+  are not lost at the end to an unwritable --json / --plots (the analysis raised a traceback
+  then)."""
   output.check_output_path(str(tmp_path / "new" / "r.json"), "--json")  # its directory is made
   assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "r.json").exists()
   output.check_output_path(str(tmp_path / "plots"), "--plots", directory=True)

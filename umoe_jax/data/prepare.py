@@ -214,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   and returns 1; a bad flag exits 2 (argparse)."""
   p = argparse.ArgumentParser(prog="python -m umoe_jax.data.prepare", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--source", required=True, choices=[s for s in sources.SOURCES if s != "arrayrecord"],
-                 help="builtin | parquet | jsonl | text")
+  p.add_argument("--source", required=True, help="builtin | parquet | jsonl | text",
+                 choices=[s for s in sources.SOURCES if s != "arrayrecord"])
   p.add_argument("--input", default="", help="file, directory or glob (not for builtin)")
   p.add_argument("--tokenizer", default="byte", help='"byte" or a tokenizer.json path')
   p.add_argument("--output_dir", required=True)

@@ -264,7 +264,7 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
     print(f"usage: {prog} {command} [--flags]\n\n{fv.get_help()}")
     return 0
   try:
-    config_file.check_argv(rest)  # else a raw traceback (or an IOError at first use) of config_flags
+    config_file.check_argv(rest)  # else config_flags' traceback (or an IOError at first use)
     extra = fv([f"{prog} {command}"] + rest)[1:]
   except (flags.Error, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -93,7 +93,7 @@ if __name__ == "__main__":
   from umoe_jax import config_file
   from umoe_jax.config import ConfigError
   try:
-    config_file.check_argv(sys.argv)  # else a raw traceback (or IOError at first use) of config_flags
+    config_file.check_argv(sys.argv)  # else config_flags' traceback (or IOError at first use)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

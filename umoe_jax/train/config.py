@@ -226,7 +226,8 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   for key in ("train_path", "eval_path"):  # else a run on a file trains on the built-in corpus
     _check(data_cfg.source != "builtin" or not data_cfg[key],
            f"data.{key}={data_cfg[key]!r} is set but data.source='builtin' (the default) reads no "
-           f"files; set data.source to one of {', '.join(s for s in data_lib.SOURCES if s != 'builtin')}")
+           f"files; set data.source to one of "
+           f"{', '.join(s for s in data_lib.SOURCES if s != 'builtin')}")
   if data_cfg.source != "builtin":
     _check(bool(data_cfg.train_path), f"data.train_path is empty; data.source={data_cfg.source!r} "
            "needs a file, directory or glob")
