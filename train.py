@@ -81,36 +81,6 @@ def _orphaned_orbax_future(record: std_logging.LogRecord) -> bool:
   return False
 
 
-def _orphaned_orbax_work(unraisable) -> bool:
-  """Whether an unraisable exception is the echo of an Orbax operation abandoned after an error
-  that the run reports itself (so it adds nothing but a screenful of traceback):
-
-  * after a failed save, TensorStore completes the other writes of that save and calls back into
-    the asyncio loop Orbax has already closed: 'Event loop is closed' (hundreds on a full disk);
-  * after a failed restore (e.g. the model changed), the reads of the other arrays are coroutines
-    that were never awaited; at exit Python finalises them and prints their read errors.
-  """
-  error, obj = unraisable.exc_value, unraisable.object
-  if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
-    return True
-  code = getattr(obj, "cr_code", None)
-  return code is not None and "/orbax/" in code.co_filename
-
-
-def _quiet_orphaned_orbax_work(debug: bool) -> None:
-  """Counts, instead of printing, the exceptions `_orphaned_orbax_work` recognises (--debug prints
-  them)."""
-  if debug:
-    return
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _orphaned_orbax_work(unraisable):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-
-
 def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERROR):
   message = " ".join(str(error).split()) or type(error).__name__
   lines = [f"{kind}: {message}"]
@@ -122,31 +92,6 @@ def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERRO
   raise SystemExit(code)
 
 
-def _config_path(argv) -> str:
-  for i, arg in enumerate(argv):
-    for prefix in ("--config=", "-config="):
-      if arg.startswith(prefix):
-        return arg[len(prefix):]
-    if arg in ("--config", "-config") and i + 1 < len(argv):
-      return argv[i + 1]
-  return ""
-
-
-def _diagnose_overrides(argv) -> None:
-  """Raises the project's ConfigError for an unknown `--config.<key>` override, which
-  ml_collections reports only as AttributeError / KeyError from inside the flag parser."""
-  from ml_collections.config_flags.config_flags import ConfigFileFlagParser
-  from umoe_jax.train import config as config_lib
-  path = _config_path(argv)
-  if not path:
-    return
-  config = ConfigFileFlagParser(name="config", lock_config=False).parse(path)
-  for arg in argv:
-    if arg.startswith(("--config.", "-config.", "--noconfig.", "-noconfig.")):
-      key = arg.split("=", 1)[0].split("config.", 1)[1]
-      config_lib.check_override(config, key)
-
-
 def _parse_flags(argv):
   """absl's flag parsing, with every failure as one line (exit 2) instead of a traceback."""
   debug = _debug(argv)
@@ -155,12 +100,15 @@ def _parse_flags(argv):
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise
+    from umoe_jax import config_file
     from umoe_jax.config import ConfigError
     try:
-      _diagnose_overrides(argv)
+      config_file.check_argv(argv)
     except ConfigError as config_error:
+      loads = not str(config_error).startswith("--config=")
       _fail("config error", config_error, "python train.py --helpfull lists the flags; configs/"
-            "common.py and umoe_jax/train/config.py list the keys", EXIT_USAGE)
+            "common.py and umoe_jax/train/config.py list the keys" if loads else config_file.HINT,
+            EXIT_USAGE)
     except Exception:  # pylint: disable=broad-except  (report the original error below)
       pass
     what = str(e) if isinstance(e, flags.Error) else f"{type(e).__name__}: {e}"
@@ -207,17 +155,19 @@ def _kind(error: BaseException) -> str:
 def _load_config():
   """The --config ConfigDict; a file that does not load is a one-line error (ml_collections defers
   it to the first use of the config)."""
-  path = _config_path(sys.argv).split(":", 1)[0]
-  if path and not os.path.isfile(path):
-    _fail("config error", f"--config={path}: no such file", "pass a file of configs/, e.g. "
-          "--config=configs/umoe_tiny.py", EXIT_USAGE)
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
   config = _CONFIG.value
   try:
     config.keys()
   except Exception as e:  # pylint: disable=broad-except  (the error of loading the file)
     if _debug():
       raise
-    _fail("config error", f"--config={path} does not load: {e}", "", EXIT_USAGE)
+    try:
+      config_file.check_argv(sys.argv)
+    except ConfigError as error:
+      e = error
+    _fail("config error", e, config_file.HINT, EXIT_USAGE)
   return config
 
 
@@ -226,9 +176,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   debug = _debug()
   logging.get_absl_handler().addFilter(_QuietLibraries(debug))
-  _quiet_orphaned_orbax_work(debug)
   from umoe_jax.parallel import distributed
   distributed.initialize_from_env()  # before anything touches a device
+  if not debug:
+    from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
+    quiet_orphaned_orbax_work()
   from umoe_jax.train import loop
   config = _load_config()
   try:

@@ -343,3 +343,11 @@ def test_plot_command_bad_input(tmp_path, capsys):
   (bad / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\nnot json\n')
   with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics record"):
     plot.read_metrics(str(bad))
+  # A run killed while writing its last line: that line is skipped (it failed the whole file).
+  (bad / "metrics.jsonl").write_text('{"step": 1, "train/lm_loss": 2.0}\n{"step": 2, "train/lm_')
+  assert plot.read_metrics(str(bad)) == {"train/lm_loss": ([1], [2.0])}
+  assert "metrics.jsonl:2: skipped the last line, cut short" in capsys.readouterr().err
+  # An output directory that cannot be made: one error line (was a traceback).
+  assert plot.main([str(bad), "--out", str(bad / "metrics.jsonl" / "plots")]) == 2
+  assert capsys.readouterr().err.splitlines()[-1].startswith(
+      f"error: --out='{bad}/metrics.jsonl/plots': cannot create")

@@ -258,6 +258,13 @@ def test_routing_command_usage_errors():
                          "--checkpoints=/nonexistent/run"], cwd=ROOT, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode != 0 and "checkpoint '/nonexistent/run': no such directory" in proc.stderr
+  # An output that could not be written is named before the analysis runs (was a traceback after).
+  proc = subprocess.run([sys.executable, "-m", "umoe_jax.analysis", "routing",
+                         "--checkpoints=/nonexistent/run", "--json=/proc/umoe-test/r.json"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1] == (
+      "error: --json='/proc/umoe-test/r.json': cannot create '/proc/umoe-test' (No such file or "
+      "directory)"), proc.stderr[-2000:]
   proc = subprocess.run([sys.executable, "-m", "umoe_jax.analysis", "stats"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "usage: python -m umoe_jax.analysis {routing}" in proc.stderr

@@ -343,7 +343,8 @@ def test_bad_records_can_be_skipped_and_are_logged(cli, tmp_path, damaged_parque
 
 
 @pytest.mark.parametrize("case", ["workdir_is_a_file", "workdir_not_writable", "impossible_mesh",
-                                  "unknown_override", "init_from_empty_directory"])
+                                  "unknown_override", "init_from_empty_directory",
+                                  "config_does_not_load"])
 def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
   workdir = str(tmp_path / "run")
   if case == "workdir_is_a_file":
@@ -366,6 +367,12 @@ def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
     assert "AttributeError" not in message
     debug = cli(workdir, "--config.train.stepz=5", "--debug", timeout=90)  # the traceback, on demand
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+  elif case == "config_does_not_load":  # with an override: it used to report an _ErrorConfig
+    bad = tmp_path / "bad_config.py"
+    bad.write_text("def get_config():\n  raise ValueError('no such scale: huge')\n")
+    proc = cli(workdir, "--config.train.num_steps=3", timeout=90, config=str(bad))
+    assert_fails(proc, 2, "config error", re.escape(f"--config={bad} does not load (ValueError: no "
+                                                    "such scale: huge)") + "$")
   else:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -588,6 +595,50 @@ def test_converter_names_the_file_and_the_problem(tmp_path, capsys, case):
 # Pieces the cases rely on, without a subprocess.
 
 
+def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
+  """Every command's --config: a missing file, a syntax error, get_config() missing or raising is
+  one ConfigError naming the file (config_flags gave tracebacks, or an IOError at first use)."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  from umoe_jax.eval import cli as eval_cli
+  files = {"syntax.py": "def get_config(:\n", "raises.py": "def get_config(arg):\n  raise "
+           "RuntimeError('boom')\n", "typo.py": "def get_config(arg):\n  raise ValueError('bad "
+           "scale')\n", "none.py": "x = 1\n"}
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError: invalid "
+           "syntax (syntax.py, line 1))", "raises.py": " does not load (RuntimeError: boom)",
+           "typo.py": " does not load (ValueError: bad scale)", "none.py": " does not load "
+           "(AttributeError: module 'config_config' has no attribute 'get_config')"}
+  for name, message in cases.items():
+    path = str(tmp_path / name)
+    with pytest.raises(ConfigError, match=re.escape(f"--config={path}{message}") + "$"):
+      config_file.check_argv(["prog", "--config", f"{path}:arg"])
+  good = config_file.load("configs/dense_tiny.py")
+  assert good.model.attention.kind == "mha" and not good.is_locked
+  config_file.check_argv(["prog", "--checkpoint=x"])  # no --config: nothing to check
+  # Overrides of keys the config lacks (config_flags: a bare AttributeError traceback).
+  tiny = ["prog", "--config=configs/dense_tiny.py", "--config.train.num_steps=3"]
+  config_file.check_argv(tiny + ["--noconfig.data.shuffle"])
+  for arg, message in (("--config.train.stepz=1", "unknown key train.stepz (in --config.train."
+                        "stepz); valid keys of train: b1, b2, eps, "),
+                       ("--config.trian.steps=1", "unknown config key 'trian' (in --config.trian."
+                        "steps); valid top-level keys: checkpoint, data, expert_parallel, log, "),
+                       ("--config.model.d_model.x=1", "model.d_model is a value (=128), not a "
+                        "section: no key model.d_model.x")):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+      config_file.check_argv(tiny + [arg])
+  # The evaluation command: one error line, exit status 2, before any model is built.
+  missing = str(tmp_path / "missing.py")
+  assert eval_cli.main(["perplexity", f"--config={missing}", "--data=x.txt"]) == 2
+  err = capsys.readouterr().err
+  assert err.strip() == f"error: --config={missing}: no such file", err
+  assert eval_cli.main(["perplexity", "--config=configs/dense_tiny.py", "--config.model.bogus=1",
+                        "--data=x.txt"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: unknown key model.bogus (in --config.model.bogus)"), err
+
+
 def test_protected_step_survives_rotation(tmp_path):
   import jax.numpy as jnp
   from umoe_jax.train import checkpoint as ckpt_lib
@@ -680,3 +731,28 @@ def test_orphaned_orbax_futures_are_not_printed():
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split() == ["False", "True", "True"]
+
+
+def test_every_command_help_lists_its_flags():
+  """`--help` of each entry point names its options (the routing analysis and stats printed a
+  docstring and no flag: absl lists only the flags of the program's own file)."""
+  commands = {
+      ("train.py",): ("--config", "--workdir"),
+      ("-m", "umoe_jax.eval", "perplexity"): ("--checkpoint", "--context", "--stride"),
+      ("-m", "umoe_jax.analysis", "routing"): ("--checkpoints", "--tokens", "--plots"),
+      ("-m", "umoe_jax.stats"): ("--config", "--zoo"),
+      ("-m", "umoe_jax.generate"): ("--checkpoint", "--prompt"),
+      ("-m", "umoe_jax.finetune"): ("--config", "--workdir", "--input"),
+      ("-m", "umoe_jax.data.prepare"): ("--source", "--output_dir"),
+      ("-m", "umoe_jax.interop.official"): ("--checkpoint", "--output"),
+  }
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = {cmd: subprocess.Popen([sys.executable, *cmd, "--help"], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for cmd in commands}
+  for cmd, proc in procs.items():
+    out, _ = proc.communicate(timeout=120)
+    assert "Traceback" not in out, (cmd, out[-2000:])
+    # absl's flag lines ("  --name: ...", "  --[no]name: ...") and argparse's ("  --name NAME")
+    listed = {f"--{name}" for name in re.findall(r"^\s+--(?:\[no\])?([a-z_]+)\b", out, re.M)}
+    assert set(commands[cmd]) <= listed, (cmd, sorted(listed), out[-2000:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -227,7 +228,7 @@ def _hidden(directory: pathlib.Path) -> list[str]:
   return [p.name for p in directory.iterdir() if p.name.startswith(".")]
 
 
-def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeypatch):
+def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeypatch, capsys):
   jsonl = _write_jsonl(tmp_path / "d.jsonl")
   out = tmp_path / "prepared"
   args = ["--source=jsonl", f"--input={jsonl}", "--text_field=body", f"--output_dir={out}"]
@@ -246,15 +247,24 @@ def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeyp
 
   # Files that are not a prepare output are never deleted by --overwrite.
   (out / "notes.txt").write_text("mine")
-  with pytest.raises(FileExistsError, match="notes.txt"):
-    prepare.main(args + ["--overwrite"])
+  capsys.readouterr()
+  assert prepare.main(args + ["--overwrite"]) == 1  # one error line, no traceback
+  assert capsys.readouterr().err.startswith(f"error: output_dir '{out}' holds files that are not "
+                                            "a prepare output ('notes.txt')")
   assert (out / "notes.txt").read_text() == "mine" and _prepared_docs(out) == sorted(DOCS)
   # A non-empty directory without metadata.json (e.g. an older interrupted run) needs --overwrite.
   partial = tmp_path / "partial"
   partial.mkdir()
   (partial / "data-00000-of-00009.array_record").write_bytes(b"")
-  with pytest.raises(FileExistsError, match="not empty.*overwrite"):
-    prepare.main([*args[:3], f"--output_dir={partial}"])
+  assert prepare.main([*args[:3], f"--output_dir={partial}"]) == 1
+  assert re.match(r"error: .*partial' is not empty; pass --overwrite", capsys.readouterr().err)
+  # Bad input is one line naming the flag's value (it was a traceback naming data.train_path).
+  assert prepare.main(["--source=parquet", f"--input={tmp_path}/none.parquet",
+                       f"--output_dir={tmp_path}/p"]) == 1
+  assert capsys.readouterr().err == f"error: --input='{tmp_path}/none.parquet': no such file or " \
+                                    "directory\n"
+  assert prepare.main([*args, "--num_shards=0"]) == 1
+  assert capsys.readouterr().err == "error: num_shards=0 must be >= 1\n"
   prepare.main([*args[:3], f"--output_dir={partial}", "--overwrite"])
   assert _prepared_docs(partial) == sorted(DOCS)
 

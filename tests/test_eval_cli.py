@@ -9,6 +9,7 @@ one of each kind also as a subprocess.
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -185,6 +186,29 @@ def test_module_entry_points_in_subprocesses(trained, tmp_path):
   assert "Traceback" not in res.stderr.decode()
 
 
+def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
+  """Truncated array files: the loader's one error line naming the step, not also one 'Event
+  loop is closed' traceback per array that TensorStore finishes reading after Orbax gave up."""
+  ckpt, _, _ = trained
+  damaged = tmp_path / "damaged"
+  shutil.copytree(ckpt, damaged)
+  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "**" / "d" / "*"), recursive=True)
+  assert chunks
+  for path in chunks:
+    os.truncate(path, 10)
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog.")
+  env = {k: v for k, v in ENV.items() if k != "UMOE_DEBUG"}
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.eval", "perplexity",
+                        f"--checkpoint={damaged}", f"--data={doc}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 1, res.stderr[-3000:]
+  lines = [line for line in res.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(
+      f"error: cannot read the parameters of checkpoint {damaged}/checkpoints/3 (damaged files"), \
+      res.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input
 
@@ -229,6 +253,32 @@ def test_bad_input_one_line_nonzero_exit_nothing_written(trained, tmp_path, caps
     assert len(errors) == 1 and message in errors[0], (argv, err)
     assert "Traceback" not in err and not out.strip(), (argv, out)
     assert not out_json.exists() and not [p for p in tmp_path.glob("out/*") if ".tmp" in p.name]
+
+
+def test_bad_window_flags_fail_before_the_model_loads(trained, tmp_path, capsys):
+  """Flag values that cannot work are named before the corpus is read and the model loaded (a
+  base model takes minutes to load); --stride against the default --context once it is known."""
+  ckpt, _, _ = trained
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog.")
+  common = [f"--checkpoint={ckpt}", f"--data={doc}"]
+  for argv, message in [
+      (["perplexity", *common, "--max_tokens=-5"], "--max_tokens=-5 must be >= 1"),
+      (["perplexity", *common, "--context=0"],
+       "--context=0 must be >= 1 (tokens per scoring window)"),
+      (["attack", *common, "--context=16", "--stride=20"],
+       "--stride=20 must be in [1, --context=16]"),
+      (["attack", *common, "--rate=1.5"], "--rate=1.5 must be in [0, 1] (the fraction of words "
+                                         "substituted)"),
+      (["tasks", f"--checkpoint={ckpt}", "--tasks=piqa", "--batch_size=0"],
+       "--batch_size=0 must be >= 1"),
+      (["perplexity", *common, "--stride=100"],
+       "--stride=100 must be in [1, --context=64] (default: the model's max_seq_len)")]:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 1 and not out, (argv, err)
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"error: {message}", (argv, err)
+    assert ("--stride=100" in argv) == any(l.startswith("model: ") for l in lines), (argv, err)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,6 +375,12 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, cap
   [out_file] = list((tmp_path / "lm_eval_out").glob("**/results_*.json"))
   assert json.loads(out_file.read_text())["results"]["umoe_mc"]["acc,none"] == \
       res["results"]["umoe_mc"]["acc,none"]
+  # ... and our model's bad input there: one error line (was a LoadError traceback).
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                           f"checkpoint={tmp_path}/missing", "--tasks", "umoe_mc", "--include_path",
+                           task_dir)
+  assert code == 1 and "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1] == f"error: checkpoint '{tmp_path}/missing': no such directory"
 
   # generate_until: greedy decoding of our decode loop, cut at the stop string
   from lm_eval.api.instance import Instance

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -748,6 +749,13 @@ def test_bad_input_errors_name_file_line_and_value(real_run, tmp_path):
                                                  {"text": "u", "label": "Documentation"}])
   with pytest.raises(DataError, match=r"'Documentation' \(unseen\.jsonl:2\) never occur"):
     predict_lib.predict_file(paths["finetuned"], unseen, str(tmp_path / "p.jsonl"))
+  # Flags that cannot work, before anything is scored (were a 'range() arg 3 must not be zero'
+  # traceback, and an unwritable --output failed after the scoring naming no flag).
+  with pytest.raises(ConfigError, match=r"^--batch_size=0 must be >= 1$"):
+    predict_lib.predict_file(paths["finetuned"], unseen, str(tmp_path / "p.jsonl"), batch_size=0)
+  with pytest.raises(ConfigError, match=re.escape(f"--output='{train}/p.jsonl': cannot create "
+                                                  f"'{train}'")):
+    predict_lib.predict_file(paths["finetuned"], unseen, f"{train}/p.jsonl")
   # Resuming a workdir with other data, or fine-tuning into a pretraining workdir.
   with pytest.raises(ConfigError, match=r"classifier\.json holds the labels \['ABI'.*gives \['a', 'b'\]"):
     loop.run(finetune_config(paths, **{"data.train_path": train, "data.test_path": "",

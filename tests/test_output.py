@@ -38,3 +38,22 @@ def test_write_json_is_strict_and_atomic(tmp_path):
     output.write_json(str(path), {"a": list(range(1000)), "b": object()})
   assert json.loads(path.read_text())["acc"] == 0.5
   assert os.listdir(path.parent) == ["results.json"]
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path):
+  """`check_output_path`: what a command checks before it scores or analyses, so that the results
+  are not lost at the end to an unwritable --json / --plots (the analysis raised a traceback
+  then)."""
+  output.check_output_path(str(tmp_path / "new" / "r.json"), "--json")  # its directory is made
+  assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "r.json").exists()
+  output.check_output_path(str(tmp_path / "plots"), "--plots", directory=True)
+  assert (tmp_path / "plots").is_dir()
+  with pytest.raises(ValueError, match=f"--json='{tmp_path}' is not a writable file path"):
+    output.check_output_path(str(tmp_path), "--json")
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(ValueError, match=f"--plots='{tmp_path}/a_file/p': cannot create "
+                                       f"'{tmp_path}/a_file/p'"):
+    output.check_output_path(str(tmp_path / "a_file" / "p"), "--plots", directory=True)
+  with pytest.raises(ValueError, match=r"--json='/proc/umoe-test/r\.json': cannot create "
+                                       r"'/proc/umoe-test' \(No such file or directory\)"):
+    output.check_output_path("/proc/umoe-test/r.json", "--json")  # /proc refuses even root

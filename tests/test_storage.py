@@ -162,6 +162,30 @@ def test_append_file_reuploads_whole_and_resumes(fake_gcs):
   assert open(local).read().splitlines()[-1] == '{"step": 3}'
 
 
+def test_append_file_of_lines_cuts_a_partial_last_line(fake_gcs, tmp_path):
+  """A run killed mid-line leaves a fragment: with lines=True a resumed writer drops it (its record
+  was glued to the fragment: a broken line mid-file for every reader); bytes files (TensorBoard
+  events) and complete or empty files are left as they are."""
+  for path in (str(tmp_path / "metrics.jsonl"), fake_gcs.new_url("lines") + "/metrics.jsonl"):
+    local = path if not storage.is_url(path) else fake_gcs.local(path)
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    long = "".join(f'{{"step": {i}, "x": "{"y" * 100}"}}\n' for i in range(1000))  # > 64 KiB
+    for before, lines, after in (('{"step": 1}\n{"st', True, '{"step": 1}\n{"step": 2}\n'),
+                                 (long + '{"step": 1, "x": "y' + "y" * 70000, True,
+                                  long + '{"step": 2}\n'),
+                                 ('{"step": 1}\n', True, '{"step": 1}\n{"step": 2}\n'),
+                                 ('{"st', True, '{"step": 2}\n'),
+                                 ('', True, '{"step": 2}\n'),
+                                 ('\x00\x01', False, '\x00\x01{"step": 2}\n')):
+      with open(local, "w") as f:
+        f.write(before)
+      with storage.AppendFile(path, lines=lines) as f:
+        f.write('{"step": 2}\n')
+      assert open(local).read() == after, (path, before)
+      if lines:  # every line is a whole record
+        assert open(local).read().splitlines()[-1] == '{"step": 2}', (path, before)
+
+
 def _texts(n, seed):
   rng = np.random.default_rng(seed)
   return [" ".join(f"w{int(i)}" for i in rng.integers(0, 50, rng.integers(5, 40))) for _ in range(n)]

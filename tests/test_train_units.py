@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -69,9 +70,27 @@ def test_missing_data_path(tmp_path):
   c.data.train_path = str(tmp_path / "nowhere" / "train.parquet")
   with pytest.raises(ConfigError, match=r"data\.train_path=.*nowhere.*no such file"):
     train_config.validate(c)
+  # A directory (or glob) with no file of the source: named before anything is read (it was a
+  # FileNotFoundError traceback from the data pipeline).
+  (tmp_path / "notes.txt").write_text("not parquet")
+  c.data.train_path = str(tmp_path)
+  with pytest.raises(ConfigError, match=re.escape(f"data.train_path='{tmp_path}': directory has no "
+                                                  ".parquet files")):
+    train_config.validate(c)
+  c.data.train_path = str(tmp_path / "nowh*")  # matches the directory "nowhere" only
+  (tmp_path / "nowhere").mkdir()
+  with pytest.raises(ConfigError, match=r"data\.train_path=.*nowh\*': glob matches no files"):
+    train_config.validate(c)
+  c.data.source = "text"
+  c.data.train_path = str(tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match=r"nowhere': directory has no files"):
+    train_config.validate(c)
   c.data.train_path = str(tmp_path)
   c.data.eval_path = ""
   with pytest.raises(ConfigError, match=r"data\.eval_path is empty but train\.eval_every"):
+    train_config.validate(c)
+  c.data.eval_path = str(tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match=r"data\.eval_path=.*nowhere': directory has no files"):
     train_config.validate(c)
 
 
@@ -107,6 +126,13 @@ def test_seq_len_over_rope_limit(tmp_path):
     ("train.on_nonfinite", "ignore", r"on_nonfinite='ignore'; valid: stop, skip"),
     ("checkpoint.keep", 0, r"checkpoint\.keep=0"),
     ("checkpoint.init_from", "/no/such/dir", r"init_from='/no/such/dir': no such directory"),
+    # the default source reads no files: a path given without data.source trained on it silently
+    ("data.train_path", "/data/x.parquet", r"data\.train_path='/data/x\.parquet' is set but "
+                                           r"data\.source='builtin' \(the default\) reads no files"),
+    ("data.eval_path", "/data/v.jsonl", r"data\.eval_path='/data/v\.jsonl' is set but "),
+    # (were grain's ValueErrors from inside the pipeline, naming no key)
+    ("data.num_epochs", 0, r"data\.num_epochs=0 must be >= 1 \(or None: repeat forever\)"),
+    ("data.read_threads", -2, r"data\.read_threads=-2 must be >= 0"),
 ])
 def test_bad_values(key, value, match):
   c = tiny()
@@ -367,6 +393,16 @@ def test_init_from_converted_and_from_run(tmp_path):
   ck.close()
   got = ckpt_lib.load_init_params(str(run), parts.abstract_params, shardings)
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
+  # Parameters of another shape: named from the metadata, before a read (Orbax's own error names
+  # no parameter and came as a traceback).
+  c.d_model = 24
+  other = state_lib.model_parts(model_config(c))
+  for path in (converted, run):
+    with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                       match=re.escape(f"checkpoint.init_from='{path}' does not fit this model: "
+                                       "parameter embed is (512, 16) on disk, (512, 24) here; ")):
+      ckpt_lib.load_init_params(str(path), other.abstract_params, shardings)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ def main(argv) -> int:
     logging.set_verbosity(logging.WARNING)
   from umoe_jax.load import LoadError, load_model_and_tokenizer
   from umoe_jax.model.decode import generate
+  from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
+  quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
 
   try:
     model, tokenizer, info = load_model_and_tokenizer(
@@ -74,4 +76,10 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  try:
+    config_file.check_argv(sys.argv)  # else a raw traceback of config_flags
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   app.run(main)

@@ -162,8 +162,9 @@ def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
   except LoadError:
     raise
   except Exception as e:  # pylint: disable=broad-except  (any unreadable or mismatched file)
-    raise LoadError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
-                    f"config ({type(e).__name__}: {str(e)[:300]})") from e
+    text = " ".join(str(e).split())  # Orbax / TensorStore messages span lines
+    raise LoadError(f"cannot read the parameters of checkpoint {ref.path} (damaged files, or not "
+                    f"the model of its config): {type(e).__name__}: {text[:300]}") from e
 
 
 def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,

@@ -3,6 +3,7 @@
     print(text_table([["router", "entropy"], ["layer_0/ffn", "1.234"]]))
     print(markdown_table([("metric", "value"), ("token_ppl", fmt(12.3456))]))
     write_json("results/eval.json", {"acc": 0.25, "ppl": float("nan")})    # NaN -> null
+    check_output_path(path, "--json")     # before the work: ValueError if it cannot be written
 
 `write_json` writes a temporary file beside the target and renames it over the target (a URL:
 one whole upload, umoe_jax/storage), so an error (or Ctrl-C) never leaves a half-written file: a
@@ -88,3 +89,24 @@ def write_json(path: str, obj: Any, indent: int = 2) -> None:
     if os.path.exists(tmp):
       os.unlink(tmp)
     raise
+
+
+def check_output_path(path: str, flag: str, *, directory: bool = False) -> None:
+  """ValueError naming `flag` when a command could not write its results to `path` (a file, or
+  with `directory` a directory of files) at the end: called before the work starts. A local path's
+  directory is made (as the write would make it) and must be writable; a URL's bucket must exist."""
+  if storage.is_url(path):
+    try:
+      storage.check_bucket(path)
+    except OSError as e:
+      raise ValueError(f"{flag}={path!r}: {e}") from None
+    return
+  path = os.path.abspath(os.path.expanduser(path))
+  folder = path if directory else os.path.dirname(path)
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{flag}={path!r}: cannot create {folder!r} ({e.strerror or e})") from None
+  if (not directory and os.path.isdir(path)) or not os.access(folder, os.W_OK):
+    what = "a writable directory" if directory else "a writable file path"
+    raise ValueError(f"{flag}={path!r} is not {what}")

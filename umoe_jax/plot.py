@@ -25,7 +25,8 @@ CURVE_KEYS = ("train/lm_loss", "eval/loss", "train/perplexity", "eval/perplexity
 
 def read_metrics(run: str) -> dict[str, tuple[list, list]]:
   """{key: (steps, values)} of a run's metrics.jsonl, steps ascending, the last record of a step
-  winning. Raises ValueError naming the file (and line) when it is missing or not JSON lines."""
+  winning. Raises ValueError naming the file (and line) when it is missing or not JSON lines; a
+  last line cut short (no newline: the run was killed while writing it) is skipped with a note."""
   path = run if run.endswith(".jsonl") else storage.join(run, "metrics.jsonl")
   if not storage.isfile(path):
     raise ValueError(f"{run!r}: no metrics.jsonl (expected {path}); give training workdirs")
@@ -38,6 +39,10 @@ def read_metrics(run: str) -> dict[str, tuple[list, list]]:
         rec = json.loads(line)
         step = int(rec["step"])
       except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        if not line.endswith("\n") and isinstance(e, json.JSONDecodeError):
+          print(f"note: {path}:{lineno}: skipped the last line, cut short ({e.msg})",
+                file=sys.stderr)
+          break
         raise ValueError(f"{path}:{lineno}: not a metrics record ({type(e).__name__}: {e})") from None
       for key, value in rec.items():
         if key != "step" and isinstance(value, (int, float)):
@@ -71,6 +76,7 @@ def fluctuation_series(metrics: dict[str, tuple[list, list]]) -> dict[str, tuple
 def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
   """Writes the figures of the module docstring; returns their paths."""
   from umoe_jax.analysis import plots
+  from umoe_jax.output import check_output_path
 
   if not runs:
     raise ValueError("give at least one run directory")
@@ -83,7 +89,7 @@ def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
   curves = {label: {k: m[k] for k in CURVE_KEYS if k in m} for label, m in metrics.items()}
   if not any(curves.values()):
     raise ValueError(f"no loss records ({', '.join(CURVE_KEYS)}) in {', '.join(runs)}")
-  storage.makedirs(out_dir)
+  check_output_path(out_dir, "--out", directory=True)  # makes it; ValueError if it cannot be
   written = [plots.save_png(plots.loss_figure(curves, title),
                             storage.join(out_dir, "curves.png"))]
   fluct = {label: fluctuation_series(m) for label, m in metrics.items()}

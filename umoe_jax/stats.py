@@ -917,6 +917,9 @@ def _define_flags():
   flags.DEFINE_string("zoo_dir", "configs", "Directory of zoo configs.")
   flags.DEFINE_bool("from_model", True, "Count parameters on the (abstract) model and cross-check "
                     "the analytic breakdown; off = analytic only.")
+  # `--help` lists the key flags of the program's file (sys.argv[0]), not of this module.
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   return flags.FLAGS
 
 
@@ -958,6 +961,13 @@ def _flatten(d: Mapping, prefix: str = "") -> dict:
 
 def run_cli(argv: Optional[Sequence[str]] = None) -> None:
   from absl import app
+
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  try:
+    config_file.check_argv(sys.argv if argv is None else argv)  # else config_flags' traceback
+  except ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   _define_flags()
   app.run(_main, argv=list(argv) if argv is not None else None)
 

@@ -1,7 +1,10 @@
 """`python -m umoe_jax.analysis routing --checkpoints=...` (see `umoe_jax.analysis.cli`)."""
 from absl import app
 
+from umoe_jax.analysis import cli
 from umoe_jax.analysis.cli import define_flags, main
+
+__doc__ = cli.__doc__  # what --help prints above the flags
 
 if __name__ == "__main__":
   define_flags()

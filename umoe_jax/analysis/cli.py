@@ -219,6 +219,9 @@ def define_flags():
   flags.DEFINE_string("compute_dtype", "float32", 'Compute dtype ("" = the config\'s).')
   flags.DEFINE_string("json", "", "Write the report to this JSON file.")
   flags.DEFINE_string("plots", "", "Write PNG plots into this directory.")
+  # `--help` lists the key flags of the program's file (sys.argv[0]), not of this module.
+  for flag in flags.FLAGS.get_key_flags_for_module(__name__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   return flags.FLAGS
 
 
@@ -226,7 +229,7 @@ def main(argv) -> int:
   from absl import flags, logging
 
   from umoe_jax.analysis import report
-  from umoe_jax.output import write_json
+  from umoe_jax.output import check_output_path, write_json
 
   if len(argv) < 2 or argv[1] not in COMMANDS:
     raise SystemExit(f"usage: python -m umoe_jax.analysis {{{'|'.join(COMMANDS)}}} --checkpoints=... "
@@ -239,7 +242,12 @@ def main(argv) -> int:
   if not f.checkpoints:
     raise SystemExit("--checkpoints=A,B,... is required")
   log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
+  quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
+    for flag, path, directory in (("--json", f.json, False), ("--plots", f.plots, True)):
+      if path:  # before the analysis: the results could not be written at its end
+        check_output_path(path, flag, directory=directory)
     result = analyze(f.checkpoints, data=f.data, source=f.source, tokenizer=f.tokenizer,
                      text_field=f.text_field, tokens=f.tokens, seq_len=f.seq_len, seed=f.seed,
                      batch_size=f.batch_size, routers=f.routers, compute_dtype=f.compute_dtype,

@@ -43,6 +43,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import uuid
 from typing import Sequence
 
@@ -207,10 +208,14 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
       shutil.rmtree(tmp_dir, ignore_errors=True)
   return meta
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+  """The command line (module docstring). Bad input (a missing or damaged input file, a bad
+  tokenizer, an output_dir that is a file or holds other files) prints one "error:" line naming it
+  and returns 1; a bad flag exits 2 (argparse)."""
   p = argparse.ArgumentParser(prog="python -m umoe_jax.data.prepare", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--source", required=True, help="builtin | parquet | jsonl | text")
+  p.add_argument("--source", required=True, help="builtin | parquet | jsonl | text",
+                 choices=[s for s in sources.SOURCES if s != "arrayrecord"])
   p.add_argument("--input", default="", help="file, directory or glob (not for builtin)")
   p.add_argument("--tokenizer", default="byte", help='"byte" or a tokenizer.json path')
   p.add_argument("--output_dir", required=True)
@@ -227,16 +232,22 @@ def main(argv: Sequence[str] | None = None) -> None:
   cfg.tokenizer = args.tokenizer
   cfg.text_field = args.text_field
   cfg.eos_token = args.eos_token
-  sources.check_source(cfg.source)
   if cfg.source != "builtin" and not args.input:
     p.error(f"--input is required for --source={cfg.source}")
   # `prepare` reads the split's path key; route --input there.
   split = "eval" if args.split == "validation" else "train"
-  cfg[sources.split_path(cfg, split)[1].split(".")[1]] = args.input
-  meta = prepare(cfg, args.output_dir, split=split, num_shards=args.num_shards,
-                 overwrite=args.overwrite)
+  key = sources.split_path(cfg, split)[1]
+  cfg[key.split(".")[1]] = args.input
+  try:
+    meta = prepare(cfg, args.output_dir, split=split, num_shards=args.num_shards,
+                   overwrite=args.overwrite)
+  except (ValueError, OSError) as e:  # DataError, a missing file, StorageError, ...
+    message = " ".join(str(e).split()).replace(f"{key}=", "--input=")  # the flag the user gave
+    print(f"error: {message}", file=sys.stderr)
+    return 1
   print(json.dumps(meta, indent=2))
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

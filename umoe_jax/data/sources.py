@@ -134,7 +134,8 @@ def resolve_files(path: str, suffixes: Sequence[str] = (), *, key: str = "data.t
   if storage.isdir(path):
     files = storage.find_files(path, tuple(suffixes))
     if not files:
-      raise FileNotFoundError(f"{key}={path!r}: directory has no {'/'.join(suffixes) or ''} files")
+      what = f"{'/'.join(suffixes)} files" if suffixes else "files"
+      raise FileNotFoundError(f"{key}={path!r}: directory has no {what}")
     return files
   raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
 

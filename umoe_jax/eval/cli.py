@@ -17,7 +17,6 @@ a bad flag exits 2.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Callable, Optional, Sequence
@@ -25,7 +24,8 @@ from typing import Callable, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
-from umoe_jax import storage
+from umoe_jax import config_file
+from umoe_jax.config import ConfigError
 from umoe_jax.eval import harness
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.attack import attack_documents
@@ -35,7 +35,8 @@ from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
 from umoe_jax.load import LoadError, load_model_and_tokenizer
-from umoe_jax.output import fmt, markdown_table, write_json
+from umoe_jax.output import check_output_path, fmt, markdown_table, write_json
+from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
 
 
 def _log(msg: str) -> None:
@@ -138,9 +139,24 @@ def cmd_race(f):
   return _run_tasks(f, [TaskSpec(name="race", kind="race", path=f.data)])
 
 
+def _check_window_flags(f) -> None:
+  """--context / --stride / --max_tokens (/ --rate) values, before the corpus is read or the model
+  loads (--context against max_seq_len needs the model: checked when scoring)."""
+  if f.context is not None and f.context < 1:
+    raise EvalError(f"--context={f.context} must be >= 1 (tokens per scoring window)")
+  if f.stride is not None and not 1 <= f.stride <= (f.context or f.stride):
+    raise EvalError(f"--stride={f.stride} must be in [1, --context={f.context}]" if f.context
+                    else f"--stride={f.stride} must be >= 1")
+  if f.max_tokens is not None and f.max_tokens < 1:
+    raise EvalError(f"--max_tokens={f.max_tokens} must be >= 1")
+  if "rate" in f and not 0 <= f.rate <= 1:
+    raise EvalError(f"--rate={f.rate} must be in [0, 1] (the fraction of words substituted)")
+
+
 def _corpus(f):
   if not f.data:
     raise EvalError("give --data=<corpus file, directory or glob>")
+  _check_window_flags(f)
   return read_corpus(f.data, f.format, text_field=f.text_field, detokenize=f.detokenize)
 
 
@@ -223,25 +239,6 @@ def _usage(prog: str) -> str:
   return "\n".join(lines)
 
 
-def _check_json_path(path: Optional[str]) -> None:
-  """Fail before any scoring when the results could not be written at the end."""
-  if path is None:
-    return
-  if storage.is_url(path):
-    try:
-      storage.check_bucket(path)
-    except OSError as e:
-      raise EvalError(f"--json={path!r}: {e}") from None
-    return
-  parent = os.path.dirname(os.path.abspath(path)) or "."
-  try:
-    os.makedirs(parent, exist_ok=True)
-  except OSError as e:
-    raise EvalError(f"--json={path!r}: cannot create its directory ({e.strerror})") from None
-  if os.path.isdir(path) or not os.access(parent, os.W_OK):
-    raise EvalError(f"--json={path!r} is not a writable file path")
-
-
 def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
   """Runs `argv` = [command, flags...]; returns the exit status (module docstring)."""
   argv = list(argv)
@@ -267,15 +264,23 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
     print(f"usage: {prog} {command} [--flags]\n\n{fv.get_help()}")
     return 0
   try:
+    config_file.check_argv(rest)  # else config_flags' traceback (or an IOError at first use)
     extra = fv([f"{prog} {command}"] + rest)[1:]
-  except flags.Error as e:
+  except (flags.Error, ConfigError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if extra:
     print(f"error: unexpected arguments {extra}", file=sys.stderr)
     return 2
+  quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
-    _check_json_path(fv.json)
+    if fv.batch_size < 1:
+      raise EvalError(f"--batch_size={fv.batch_size} must be >= 1")
+    if fv.json is not None:  # fail before any scoring when the results could not be written
+      try:
+        check_output_path(fv.json, "--json")
+      except ValueError as e:
+        raise EvalError(str(e)) from None
     table, payload = run(fv)
   except (EvalError, LoadError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

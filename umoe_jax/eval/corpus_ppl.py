@@ -72,9 +72,13 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
                             ) -> np.ndarray:
   """Sum of log p(token) over each document's tokens (float64 [D]); defaults: context =
   max_seq_len, stride = context."""
+  given = context
   context, stride = window_sizes(scorer, context, stride)
   if context > scorer.max_seq_len:
     raise EvalError(f"--context={context} exceeds the model's max_seq_len={scorer.max_seq_len}")
+  if not 1 <= stride <= context:
+    default = "" if given is not None else " (default: the model's max_seq_len)"
+    raise EvalError(f"--stride={stride} must be in [1, --context={context}]{default}")
   owner, wins = [], []
   for i, toks in enumerate(token_lists):
     for w in rolling_windows(toks, prefix, context, stride):

@@ -145,14 +145,21 @@ class UMoELM(LM):
 
 
 def run_lm_eval_cli(argv: Sequence[str]) -> int:
-  """lm-eval's command line (`lm_eval ...` arguments) with `umoe_jax` registered; exit status."""
+  """lm-eval's command line (`lm_eval ...` arguments) with `umoe_jax` registered; exit status.
+  Our model's bad input (a missing checkpoint, a tokenizer larger than the model) is one "error:"
+  line and status 1, as in the other commands."""
   from lm_eval.__main__ import cli_evaluate
+
+  from umoe_jax.load import LoadError
   saved = sys.argv
   sys.argv = ["lm-eval"] + list(argv)
   try:
     cli_evaluate()
   except SystemExit as e:
     return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  except (EvalError, LoadError, FileNotFoundError) as e:  # LoadError is a ValueError: not lm-eval's
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   finally:
     sys.argv = saved
   return 0

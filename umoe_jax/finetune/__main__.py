@@ -70,7 +70,8 @@ def main(argv) -> None:
   logging.get_absl_handler().addFilter(_QuietLibraries())
   from umoe_jax.finetune.data import DataError
   from umoe_jax.config import ConfigError
-  from umoe_jax.train.checkpoint import CheckpointError
+  from umoe_jax.train.checkpoint import CheckpointError, quiet_orphaned_orbax_work
+  quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
     result = _predict() if command[0] == "predict" else _train()
   except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
@@ -89,4 +90,11 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  try:
+    config_file.check_argv(sys.argv)  # else config_flags' traceback (or IOError at first use)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   app.run(main)

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import collections
 import csv
+import io
 import json
 import os
 import re
 from typing import Optional
+
+from umoe_jax import storage
 
 DEFAULT_CORPUS = "../shared/data/corpora/linux-docs/train-00000-of-00001.parquet"
 _LEADING_LICENCE = re.compile(r"\A(?:\s*\.\. SPDX-License-Identifier:[^\n]*\n|\s*\n)+")
@@ -61,14 +64,14 @@ def build(corpus: str, output_dir: str, *, num_classes: int = 6, per_class: int 
     train += docs[n_test:]
   train.sort(key=lambda r: r["id"])  # classes interleaved, as in a real file
   test.sort(key=lambda r: r["id"])
-  os.makedirs(output_dir, exist_ok=True)
-  with open(os.path.join(output_dir, "train.jsonl"), "w", encoding="utf-8") as f:
-    for r in train:
-      f.write(json.dumps(r) + "\n")
-  with open(os.path.join(output_dir, "test.csv"), "w", encoding="utf-8", newline="") as f:
+  # Atomic writes (storage.write_text): an interrupted run never leaves half a file behind.
+  storage.write_text(os.path.join(output_dir, "train.jsonl"),
+                     "".join(json.dumps(r) + "\n" for r in train))
+  with io.StringIO(newline="") as f:
     writer = csv.DictWriter(f, fieldnames=["text", "label", "id"])
     writer.writeheader()
     writer.writerows(test)
+    storage.write_text(os.path.join(output_dir, "test.csv"), f.getvalue())
   return {"train": len(train), "test": len(test), "classes": sorted(classes)}
 
 
@@ -76,8 +79,11 @@ def main(argv) -> None:
   del argv
   from absl import flags
   f = flags.FLAGS
-  out = build(f.corpus, f.output, num_classes=f.num_classes, per_class=f.per_class,
-              test_fraction=f.test_fraction, max_chars=f.max_chars)
+  try:
+    out = build(f.corpus, f.output, num_classes=f.num_classes, per_class=f.per_class,
+                test_fraction=f.test_fraction, max_chars=f.max_chars)
+  except FileNotFoundError as e:
+    raise SystemExit(f"error: {e}") from None
   print(json.dumps(out))
 
 

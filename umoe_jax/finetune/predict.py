@@ -189,6 +189,13 @@ def predict_file(checkpoint: str, input_path: str, output_path: str, *, text_fie
                  compute_dtype: Optional[str] = None) -> dict:
   """Scores every record of `input_path`; returns {"count", "output"} plus the metrics when the
   input has the label field (unseen labels are then an error naming file and line)."""
+  from umoe_jax.output import check_output_path
+  if batch_size < 1:
+    raise ConfigError(f"--batch_size={batch_size} must be >= 1")
+  try:  # before the scoring: its results could not be written at the end
+    check_output_path(output_path, "--output")
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   meta = read_meta(checkpoint)
   text_field = text_field or meta.get("text_field", "text")
   label_field = label_field or meta.get("label_field", "label")

@@ -48,6 +48,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 from typing import Any, Optional
@@ -252,6 +253,32 @@ def _path_name(path) -> str:
   return "/".join(parts)
 
 
+def tree_shapes(tree: Any) -> dict[str, tuple]:
+  """{'params/layers/0/embed': shape} of the array leaves of `tree`."""
+  return {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def saved_shapes(directory: str) -> Optional[dict[str, tuple]]:
+  """`tree_shapes` of the Orbax checkpoint in `directory` (a step's state/, or a converted params/,
+  whose leaves nnx saves as '<path>/value'), from its metadata alone; None if that is unreadable."""
+  try:
+    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(directory))
+  except Exception:  # pylint: disable=broad-except  (unreadable: the restore reports the damage)
+    return None
+  return {re.sub(r"/value$", "", k): v for k, v in tree_shapes(saved).items()}
+
+
+def shape_mismatches(on_disk: dict[str, tuple], wanted: dict[str, tuple]) -> str:
+  """The first two differences between saved and wanted {path: shape} ("" if none), params first."""
+  order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params/"), k))  # noqa: E731
+  problems = [f"{k} is {on_disk[k]} on disk, {wanted[k]} here" for k in order(wanted)
+              if k in on_disk and on_disk[k] != wanted[k]]
+  problems += [f"{k} is not in the checkpoint" for k in order(set(wanted) - set(on_disk))]
+  problems += [f"{k} is in the checkpoint only" for k in order(set(on_disk) - set(wanted))]
+  more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+  return f"{'; '.join(problems[:2])}{more}" if problems else ""
+
+
 def _save_problem(error: BaseException) -> str:
   """A short cause of a failed save: "no space left on device", or the error's first line."""
   text = " ".join(str(error).split())
@@ -360,23 +387,14 @@ class Checkpointer:
     """CheckpointMismatchError naming the first arrays whose paths or shapes differ between step
     `step`'s saved state and `target`, read from the metadata alone: a mismatch is a config change,
     not damage, and a restore attempt would only leave Orbax reads pending."""
-    state_dir = storage.join(self.directory, str(step), "state")
-    try:
-      saved = ocp.StandardCheckpointHandler().metadata(epath.Path(state_dir))
-    except Exception:  # pylint: disable=broad-except  (unreadable: the restore reports the damage)
+    on_disk = saved_shapes(storage.join(self.directory, str(step), "state"))
+    if on_disk is None:  # unreadable: the restore reports the damage
       return
-    on_disk = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(saved)}
-    wanted = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
-    order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params/"), k))  # params first
-    problems = [f"{k} is {on_disk[k]} on disk, {wanted[k]} here" for k in order(wanted)
-                if k in on_disk and on_disk[k] != wanted[k]]
-    problems += [f"{k} is not in the checkpoint" for k in order(set(wanted) - set(on_disk))]
-    problems += [f"{k} is in the checkpoint only" for k in order(set(on_disk) - set(wanted))]
+    problems = shape_mismatches(on_disk, tree_shapes(target))
     if problems:
-      more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
       raise CheckpointMismatchError(
           f"checkpoint step {step} in {self.directory} does not fit this config: "
-          f"{'; '.join(problems[:2])}{more}. A run resumes with the model and optimizer config it "
+          f"{problems}. A run resumes with the model and optimizer config it "
           f"was started with ({storage.join(storage.dirname(self.directory), CONFIG_FILE)}); to "
           f"start over with the new one, move {self.directory} away")
 
@@ -495,6 +513,39 @@ class Checkpointer:
     self.close(quiet=exc_type is not None)
 
 
+def orphaned_orbax_work(unraisable) -> bool:
+  """Whether an unraisable exception is the echo of an Orbax operation abandoned after an error
+  that the command reports itself (so it adds nothing but a screenful of traceback):
+
+  * after a failed save or restore, TensorStore completes the other reads / writes of that
+    operation and calls back into the asyncio loop Orbax has already closed: 'Event loop is
+    closed' (hundreds on a full disk, one per array of a damaged checkpoint);
+  * after a failed restore (e.g. the model changed), the reads of the other arrays are coroutines
+    that were never awaited; at exit Python finalises them and prints their read errors.
+  """
+  error, obj = unraisable.exc_value, unraisable.object
+  if isinstance(error, RuntimeError) and "Event loop is closed" in str(error):
+    return True
+  code = getattr(obj, "cr_code", None)
+  return code is not None and "/orbax/" in code.co_filename
+
+
+def quiet_orphaned_orbax_work() -> None:
+  """Drops, instead of printing, the unraisable exceptions `orphaned_orbax_work` recognises, for
+  the rest of the process (the commands call it at start-up; not with UMOE_DEBUG=1, or train.py
+  --debug). Idempotent."""
+  previous = sys.unraisablehook
+  if getattr(previous, "quiets_orbax", False) or os.environ.get("UMOE_DEBUG", "") not in ("", "0"):
+    return
+
+  def hook(unraisable):
+    if not orphaned_orbax_work(unraisable):
+      previous(unraisable)
+
+  hook.quiets_orbax = True
+  sys.unraisablehook = hook
+
+
 def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> Any:
   """Parameters (pure dict, on `param_shardings`) from a converted checkpoint or another run.
 
@@ -510,15 +561,34 @@ def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> A
                              nnx.to_pure_dict(abstract_params), param_shardings)
   params_dir = storage.join(path, "params")
   if storage.isdir(params_dir):
+    _check_init_from_fits(path, params_dir, target_dict, "")
     target = jax.tree.map(lambda x: x, abstract_params)
     nnx.replace_by_pure_dict(target, target_dict)
     restored = ocp.StandardCheckpointer().restore(storage.abspath(params_dir), target)
     return nnx.to_pure_dict(restored)
   ckpt_dir, steps = init_from_checkpoints(path)
   state_dir = storage.join(storage.abspath(ckpt_dir), str(steps[-1]), "state")
+  _check_init_from_fits(path, state_dir, target_dict, "params/")
   item = {"params": target_dict}
   restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
       item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
       partial_restore=True))
   logging.info("init_from: params of step %d of %s", steps[-1], ckpt_dir)
   return restored["params"]
+
+
+def _check_init_from_fits(path: str, directory: str, target_dict: Any, prefix: str) -> None:
+  """CheckpointMismatchError naming the first parameters of `checkpoint.init_from` (saved in
+  `directory`, their paths under `prefix`) whose shapes differ from the model's, from the metadata
+  (a restore would fail deep in Orbax, naming no parameter)."""
+  on_disk = saved_shapes(directory)
+  if on_disk is None:  # unreadable: the restore reports it
+    return
+  on_disk = {k[len(prefix):]: v for k, v in on_disk.items() if k.startswith(prefix)}
+  problems = shape_mismatches(on_disk, tree_shapes(target_dict))
+  if problems:
+    error = CheckpointMismatchError(
+        f"checkpoint.init_from={path!r} does not fit this model: parameter {problems}")
+    error.hint = ("checkpoint.init_from takes parameters of the same shapes: pass the model config "
+                  "they were trained with (their config.json), or another checkpoint.init_from")
+    raise error

@@ -115,6 +115,18 @@ def _path_exists(path: str) -> bool:
   return storage.exists(path)
 
 
+def _check_files(data_cfg: Any, key: str) -> None:
+  """ConfigError unless data.<key> resolves to files of data.source (a directory or glob without
+  any, e.g. no .parquet file below a parquet source's directory, is as bad as a missing path)."""
+  from umoe_jax.data import sources
+  suffixes = {"parquet": (".parquet",),
+              "arrayrecord": (sources.ARRAYRECORD_SUFFIX,)}.get(data_cfg.source, ())
+  try:
+    sources.resolve_files(data_cfg[key], suffixes, key=f"data.{key}")
+  except (FileNotFoundError, ValueError) as e:  # a StorageError (the store failed) passes as it is
+    raise ConfigError(str(e)) from None
+
+
 def check_train(train: Any, model: ModelConfig) -> None:
   t = train
   _check(t.seq_len > 0, f"train.seq_len={t.seq_len!r} must be positive")
@@ -204,14 +216,24 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
   _check_keys(data_cfg, data_lib.default_data_config(), "data")
   _check(data_cfg.source in data_lib.SOURCES,
          f"data.source={data_cfg.source!r}; valid: {', '.join(data_lib.SOURCES)}")
+  _check(data_cfg.num_epochs is None or data_cfg.num_epochs >= 1,
+         f"data.num_epochs={data_cfg.num_epochs!r} must be >= 1 (or None: repeat forever)")
+  for key in ("read_threads", "worker_count", "prefetch_batches", "shuffle_window"):
+    _check(data_cfg[key] >= 0, f"data.{key}={data_cfg[key]!r} must be >= 0")
   policies = data_lib.sources.BAD_RECORD_POLICIES
   _check(data_cfg.on_bad_record in policies,
          f"data.on_bad_record={data_cfg.on_bad_record!r}; valid: {', '.join(policies)}")
+  for key in ("train_path", "eval_path"):  # else a run on a file trains on the built-in corpus
+    _check(data_cfg.source != "builtin" or not data_cfg[key],
+           f"data.{key}={data_cfg[key]!r} is set but data.source='builtin' (the default) reads no "
+           f"files; set data.source to one of "
+           f"{', '.join(s for s in data_lib.SOURCES if s != 'builtin')}")
   if data_cfg.source != "builtin":
     _check(bool(data_cfg.train_path), f"data.train_path is empty; data.source={data_cfg.source!r} "
            "needs a file, directory or glob")
     _check(_path_exists(data_cfg.train_path),
            f"data.train_path={data_cfg.train_path!r}: no such file, directory or glob match")
+    _check_files(data_cfg, "train_path")
     if data_cfg.source == "arrayrecord":
       for key in ("train_path", "eval_path"):
         try:
@@ -223,30 +245,13 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
              f"{train.eval_every}; set data.eval_path to held-out data or train.eval_every=0")
       _check(_path_exists(data_cfg.eval_path),
              f"data.eval_path={data_cfg.eval_path!r}: no such file, directory or glob match")
+      _check_files(data_cfg, "eval_path")
   try:
     tokenizer = data_lib.load_tokenizer(data_cfg)
     data_lib.check_vocab(tokenizer, model.vocab_size)
   except (ValueError, OSError) as e:
     raise ConfigError(f"data.tokenizer={data_cfg.tokenizer!r}: {e}") from e
   return tokenizer
-
-
-def check_override(config: ml_collections.ConfigDict, path: str) -> None:
-  """Raises ConfigError unless `path` ("train.num_steps") names a key of `config`: what a
-  `--config.<path>=value` command-line override may set. Message as for unknown keys in `validate`."""
-  node, done = config, []
-  for part in path.split("."):
-    if not isinstance(node, (ml_collections.ConfigDict, dict)):
-      raise ConfigError(f"{'.'.join(done)} is a value (={node!r}), not a section: no key {path}")
-    if part not in node:
-      if not done:
-        raise ConfigError(f"unknown config key {part!r} (in --config.{path}); valid top-level keys: "
-                          f"{', '.join(k for k in SECTIONS if k in config)}")
-      name = ".".join(done)
-      raise ConfigError(f"unknown key {name}.{part} (in --config.{path}); valid keys of {name}: "
-                        f"{', '.join(sorted(node.keys()))}")
-    node = node[part]
-    done.append(part)
 
 
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:

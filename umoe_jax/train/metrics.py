@@ -258,7 +258,7 @@ class MetricWriter:
     if tensorboard:
       self._tb = _EventWriter(storage.join(workdir, "tensorboard"))
     if jsonl:
-      self._jsonl = storage.AppendFile(storage.join(workdir, "metrics.jsonl"))
+      self._jsonl = storage.AppendFile(storage.join(workdir, "metrics.jsonl"), lines=True)
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     if not self.is_main:
