@@ -130,8 +130,10 @@ def test_max_tokens_cuts_the_stream(model):
   np.testing.assert_allclose(out["nll"], nll.sum(), rtol=2e-5)
   with pytest.raises(EvalError, match="exceeds the model's max_seq_len"):
     corpus_ppl.corpus_perplexity(Scorer(model), tok, TEXTS, context=64)
-  for bad in (dict(context=0), dict(stride=0), dict(context=8, stride=9)):   # 0 is not "default"
-    with pytest.raises(EvalError, match="need context >= 1 and 1 <= stride <= context"):
+  for bad, message in ((dict(context=0), r"--context=0 must be >= 1"),   # 0 is not "default"
+                       (dict(stride=0), r"--stride=0 must be in \[1, --context=32\] \(default"),
+                       (dict(context=8, stride=9), r"--stride=9 must be in \[1, --context=8\]$")):
+    with pytest.raises(EvalError, match=message):
       corpus_ppl.corpus_perplexity(Scorer(model), tok, TEXTS, **bad)
 
 

@@ -76,6 +76,8 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
   context, stride = window_sizes(scorer, context, stride)
   if context > scorer.max_seq_len:
     raise EvalError(f"--context={context} exceeds the model's max_seq_len={scorer.max_seq_len}")
+  if context < 1:
+    raise EvalError(f"--context={context} must be >= 1")
   if not 1 <= stride <= context:
     default = "" if given is not None else " (default: the model's max_seq_len)"
     raise EvalError(f"--stride={stride} must be in [1, --context={context}]{default}")
