@@ -8,6 +8,7 @@ memory. Usage (GPU):
   python bench/train_step.py --configs=dense_base,umoe_base --batch=32 --seq_len=1024 \
       [--layouts=single,data,expert] [--gmm_backend=auto] [--remat[=block|dots|dots_no_batch]] [--out=$OUT] \
       [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather|ragged] [--chunks=C]
+      [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
@@ -35,7 +36,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -150,21 +151,27 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
                              expert_chunks=chunks):
     t0 = time.perf_counter()
     state = progs.init_fn(config.train.seed)
-    state, m = progs.train_fn(state, batch)
+    # With --profile the step is compiled ahead, so its HLO text names the profiled ops.
+    step_fn = progs.train_fn.lower(state, batch).compile() if args.profile else progs.train_fn
+    state, m = step_fn(state, batch)
     first_loss = float(m["loss"])
     compile_s = time.perf_counter() - t0
     # Correctness: a fresh model on uniform random tokens has loss ~ ln(V) (+ small balance loss).
     ok = math.isfinite(first_loss) and abs(first_loss - math.log(v)) < 0.15 * math.log(v)
     for _ in range(args.warmup):
-      state, m = progs.train_fn(state, batch)
+      state, m = step_fn(state, batch)
     jax.block_until_ready(state)
     times = []
     for _ in range(args.steps):
       s0 = time.perf_counter()
-      state, m = progs.train_fn(state, batch)
+      state, m = step_fn(state, batch)
       jax.block_until_ready(m["loss"])
       times.append(time.perf_counter() - s0)
     last_loss = float(m["loss"])
+    profile = None
+    if args.profile:
+      profile = _profile_steps(step_fn, state, batch, args.profile)
+      state = profile.pop("state")
   step_s = statistics.median(times)
   tok_s = b * t / step_s
   flops_tok = stats.train_flops_per_token(model_cfg, t)
@@ -179,10 +186,32 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              attention_core=model_cfg.attention.core,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
+  if profile is not None:
+    row["profile"] = profile
   del state, m, batch
   gc.collect()
   jax.clear_caches()
   return row
+
+
+def _profile_steps(step_fn, state, batch, calls: int) -> dict:
+  """Kernel time of `calls` traced steps by named scope (bench/profile_table.py), printed as
+  tables (scopes cut to 2 components, then the 45 largest full paths); returns {"rows", "by_depth_2",
+  "summary", "state"} (the state after the steps)."""
+  import profile_table
+  box = {"state": state}
+
+  def run_once():
+    box["state"], metrics = step_fn(box["state"], batch)
+    jax.block_until_ready(metrics["loss"])
+
+  rows, summary = profile_table.profile_calls(step_fn, run_once, calls)
+  grouped = profile_table.group_rows(rows, 2)
+  log(f"  profile: {summary['kernel_ms']:.1f} ms of kernels per step ({summary['kernels']} "
+      f"kernels), {summary['wall_ms']:.1f} ms wall, {summary['unmatched_ms']:.2f} ms without op_name")
+  log(profile_table.format_rows(grouped, 20, "  by scope (2 levels):"))
+  log(profile_table.format_rows(rows, 45, "  by full scope:"))
+  return dict(rows=rows, by_depth_2=grouped, summary=summary, state=box["state"])
 
 
 def _bench_subprocess(row: dict) -> dict:
@@ -239,8 +268,13 @@ def main():
   ap.add_argument("--in_process", action="store_true",
                   help="run every row in this process (default: one subprocess per row, so that peak "
                        "memory and compile caches are per row)")
+  ap.add_argument("--profile", type=int, nargs="?", const=2, default=0,
+                  help="after timing, trace this many steps (a bare --profile = 2) and print / save "
+                       "their kernel time by named scope (bench/profile_table.py)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  if args.profile:  # kernels inside CUDA graphs are not attributed to their ops (profile_table.py)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   rows = []
   try:
     runs = [parse_row(r) for r in args.runs.split(",")] if args.runs else [

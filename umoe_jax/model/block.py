@@ -95,9 +95,10 @@ class DecoderBlock(nnx.Module):
     the FFN's also gets "attention_probs" [B, H, T, S] or "expert_pool" when its router kind reads them.
     """
     extra = {"return_probs": True} if self.ffn_reads_attention else {}
-    a, att_routes, *rest = self.attention(self.attention_norm(h), positions, experts=self.experts,
-                                          cache=cache, route_context=fold_rng(route_context, 0),
-                                          **extra)
+    with jax.named_scope("attention"):
+      a, att_routes, *rest = self.attention(self.attention_norm(h), positions, experts=self.experts,
+                                            cache=cache, route_context=fold_rng(route_context, 0),
+                                            **extra)
     ffn_context = fold_rng(route_context, 1)   # its own jitter noise
     if self.ffn_reads_attention:
       ffn_context = {**(ffn_context or {}), "attention_probs": rest.pop()}
@@ -108,7 +109,8 @@ class DecoderBlock(nnx.Module):
       ffn_pool = self.ffn_experts if self.ffn_experts is not None else self.experts
       if self.ffn_reads_pool:
         ffn_context = {**(ffn_context or {}), "expert_pool": ffn_pool}
-      f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool, route_context=ffn_context)
+      with jax.named_scope("ffn"):
+        f, ffn_routes = self.ffn(self.ffn_norm(h), experts=ffn_pool, route_context=ffn_context)
       h = h + f.astype(h.dtype)
     routes = {**att_routes, **ffn_routes}
     return (h, routes) if cache is None else (h, routes, new_cache[0])

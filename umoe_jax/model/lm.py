@@ -73,8 +73,9 @@ class CausalLM(nnx.Module):
                                       rng=rng, return_routes=return_routes)
     if last_logits_only:
       h = h[:, -1:]
-    logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
-                     preferred_element_type=jnp.float32)                           # [B, T, V]
+    with jax.named_scope("lm_head"):
+      logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
+                       preferred_element_type=jnp.float32)                         # [B, T, V]
     if cache is None:
       return logits, aux
     return logits, aux, new_cache
@@ -102,7 +103,8 @@ class CausalLM(nnx.Module):
       key_positions = jax.lax.dynamic_update_slice(cache.key_positions,
                                                    positions.astype(jnp.int32), (0, cache.index))
       new_layers = []
-    h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)        # [B, T, D]
+    with jax.named_scope("embed"):
+      h = jnp.take(self.embed.value, tokens, axis=0).astype(cfg.compute_dtype)      # [B, T, D]
     h = with_logical_constraint(h, _ACTIVATION_AXES)   # no-op outside parallel.use_mesh
     context = route_context(tokens.astype(jnp.int32), step=step, decoding=cache is not None,
                             rng=rng)                                                # router extras
@@ -110,16 +112,18 @@ class CausalLM(nnx.Module):
     block = rematerialise(_apply_block, remat)
     for i, layer in enumerate(self.layers):
       layer_context = fold_rng(context, i)
-      if cache is None:
-        h, layer_routes = block(layer, h, positions, layer_context)
-      else:
-        h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
-                                             route_context=layer_context)
-        new_layers.append(layer_cache.arrays)
+      with jax.named_scope(f"layer_{i}"):  # profiles group a layer's ops by it (bench/profile_table.py)
+        if cache is None:
+          h, layer_routes = block(layer, h, positions, layer_context)
+        else:
+          h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
+                                               route_context=layer_context)
+          new_layers.append(layer_cache.arrays)
       h = with_logical_constraint(h, _ACTIVATION_AXES)
       routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
     h = self.final_norm(h)
-    stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
+    with jax.named_scope("routing_stats"):
+      stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
     total = sum((s["balance_loss"] for s in stats.values()), jnp.zeros((), jnp.float32))
     losses: dict[str, jax.Array] = {}
     for r in routes.values():

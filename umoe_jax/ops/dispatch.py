@@ -54,7 +54,11 @@ def make_plan(expert_ids: jax.Array, num_experts: int,
     num_experts: E.
     slot_mask: [N, K] bool, the slots that carry a pick (None: all); the others are set to E.
   """
-  expert_ids = mask_slots(expert_ids, slot_mask, num_experts)
+  with jax.named_scope("plan"):
+    return _make_plan(mask_slots(expert_ids, slot_mask, num_experts), num_experts)
+
+
+def _make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
   flat = jax.lax.stop_gradient(expert_ids).reshape(-1).astype(jnp.int32)  # [M]
   m = flat.shape[0]
   iota = jnp.arange(m, dtype=jnp.int32)

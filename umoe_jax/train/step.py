@@ -52,7 +52,8 @@ def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str, tota
   # The step reaches routers with a schedule (SMoE-Dropout's growing k, StableMoE's stage switch);
   # the key, routers with jitter.
   logits, aux = model(micro["inputs"], remat=remat, step=step, rng=rng)
-  nll_sum, count = token_nll(logits, micro["targets"], micro.get("loss_mask"))
+  with jax.named_scope("loss"):
+    nll_sum, count = token_nll(logits, micro["targets"], micro.get("loss_mask"))
   balance = aux["balance_loss"]
   router_losses = aux.get("router_losses", {})
   extra = sum(router_losses.values(), jnp.zeros((), jnp.float32))
@@ -151,8 +152,9 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   else:  # "stop": freeze at the last good step of this run (never on `skipped` of earlier runs)
     apply, halted = finite & ~state.halted, state.halted | ~finite
 
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  with jax.named_scope("optimizer"):
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
   # Aux-loss-free balancing: selection biases follow this batch's loads (no gradient of their own).
   params, bias_spreads = update_selection_biases(params, graphdef, stats["routers"])
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)

@@ -72,7 +72,8 @@ def jitter(x: jax.Array, eps: float, rng: Optional[jax.Array]) -> jax.Array:
 def call_router(router: nnx.Module, x: jax.Array,
                 context: Optional[Mapping[str, Any]] = None) -> RouterOutput:
   """router(x [B, T, D], **context): the one way sub-layers call their routers."""
-  return router(x, **(context or {}))
+  with jax.named_scope("router"):
+    return router(x, **(context or {}))
 
 
 def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, param_dtype,

@@ -1,0 +1,70 @@
+"""bench/profile_table.py: op names from compiled HLO, scope keys, kernel time by scope on CPU."""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import profile_table  # noqa: E402
+
+
+def test_scope_key_reads_passes_layers_and_drops_function_names():
+  key = profile_table.scope_key
+  assert key("jit(train_step)/transpose(jvp(layer_3))/ffn/router/dot_general") == (
+      "layer_*/ffn/router", "bwd", "dot_general")
+  assert key("jit(train_step)/jvp(layer_11)/attention/mix/bthd,bsd->bhts/dot_general") == (
+      "layer_*/attention/mix", "fwd", "dot_general")
+  assert key("jit(train_step)/optimizer/mul") == ("optimizer", "-", "mul")
+  # a jitted helper's name is no scope; a scope inside it is
+  assert key("jit(train_step)/jvp(jit(_where))/layer_0/ffn/select_n") == (
+      "layer_*/ffn", "fwd", "select_n")
+  assert key("jit(f)/add") == ("", "-", "add")
+
+
+def _program():
+  def f(x, w):
+    with jax.named_scope("big"):
+      y = jnp.tanh(x @ w) @ w.T @ w          # three [256, 256] x [256, 256] matmuls
+    with jax.named_scope("small"):
+      z = jnp.sin(x[:4, :4]).sum()
+    return jnp.sum(y) + z
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((256, 256)) / 16, jnp.float32)
+  return jax.jit(jax.grad(f, argnums=(0, 1))), x, w
+
+
+def test_op_names_cover_the_executed_ops_and_keep_scopes():
+  fn, x, w = _program()
+  compiled = fn.lower(x, w).compile()
+  names = profile_table.op_names(compiled.as_text())
+  assert names, "no op_name metadata read"
+  scopes = {profile_table.scope_key(n)[:2] for n in names.values()}
+  assert ("big", "fwd") in scopes and ("big", "bwd") in scopes and ("small", "bwd") in scopes
+  # every instruction of the entry computation is named (own metadata, callee, or neighbour)
+  entry = compiled.as_text().split("ENTRY", 1)[1]
+  for line in entry.splitlines()[1:]:
+    m = profile_table._INSTRUCTION.match(line)
+    if m and " parameter(" not in line and "tuple(" not in line and "get-tuple-element(" not in line:
+      assert m.group(2) in names, line[:200]
+
+
+def test_profile_calls_puts_the_time_where_the_work_is():
+  fn, x, w = _program()
+  compiled = fn.lower(x, w).compile()
+  run_once = lambda: jax.block_until_ready(compiled(x, w))
+  rows, summary = profile_table.profile_calls(compiled, run_once, calls=3)
+  assert summary["kernels"] > 0 and summary["kernel_ms"] > 0
+  assert summary["unmatched_ms"] == 0.0
+  by_scope = {}
+  for r in rows:
+    by_scope[r["scope"]] = by_scope.get(r["scope"], 0.0) + r["ms"]
+  assert by_scope.get("big", 0.0) > 5 * by_scope.get("small", 0.0)
+  assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6
+  grouped = profile_table.group_rows(rows, 1)
+  assert abs(sum(r["ms"] for r in grouped) - summary["kernel_ms"]) < 1e-9
+  text = profile_table.format_rows(grouped, title="t")
+  assert "big" in text and text.startswith("t\n")
