@@ -254,29 +254,34 @@ def _row_index_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["xla", "row_index"])
-@pytest.mark.parametrize("per_slot", [False, True])
+@pytest.mark.parametrize("per_slot", [False, True, "in_place"])
 @pytest.mark.parametrize("case", list(ID_CASES))
 def test_fused_dispatch_matches_apply_experts(backend, per_slot, case, monkeypatch):
   """gather_gmm + gmm_combine: values and every gradient (x, gates, both weights) equal the
-  unfused permute -> gmm -> gmm -> unpermute -> combine, float32, on fresh random inputs."""
+  unfused permute -> gmm -> gmm -> unpermute -> combine, float32, on fresh random inputs.
+  "in_place": the slot rows sit at 1..K of x [N, K + 2, D] (`first_slot=1`, as pre-mixing reads
+  its routed mixed vectors): x's gradient is zero at the other rows."""
   from umoe_jax.ops import fused_dispatch
   backend = _row_index_backend(monkeypatch) if backend == "row_index" else backend
   ids = jnp.asarray(ID_CASES[case])
   rng = np.random.default_rng(11)
   w1, w2 = (jnp.asarray(w) for w in _expert_weights(12))
-  x = jnp.asarray(rng.standard_normal((N, KS, D) if per_slot else (N, D)), jnp.float32)
+  shape = {False: (N, D), True: (N, KS, D), "in_place": (N, KS + 2, D)}[per_slot]
+  x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  first = 1 if per_slot == "in_place" else 0
   gates = jnp.asarray(rng.random((N, KS)), jnp.float32)
   cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
 
   def fused(x, gates, w1, w2):
     plan = dispatch.make_plan(ids, E)
-    h = jax.nn.silu(fused_dispatch.gather_gmm(x, w1, plan, KS, backend=backend))
+    h = jax.nn.silu(fused_dispatch.gather_gmm(x, w1, plan, KS, backend=backend, first_slot=first))
     return fused_dispatch.gmm_combine(h, w2, plan, gates, backend=backend)
 
   def unfused(x, gates, w1, w2):
     plan = dispatch.make_plan(ids, E)
     fn = lambda rows, gs: gmm(jax.nn.silu(gmm(rows, w1, gs, backend="xla")), w2, gs, backend="xla")
-    return dispatch.apply_experts(x, plan, gates, fn)
+    rows = x[:, first:first + KS] if per_slot == "in_place" else x
+    return dispatch.apply_experts(rows, plan, gates, fn)
 
   args = (x, gates, w1, w2)
   assert rel_err(jax.jit(fused)(*args), jax.jit(unfused)(*args)) < 1e-6
@@ -293,6 +298,8 @@ def test_fused_dispatch_rejects_bad_shapes():
   w1, w2 = (jnp.asarray(w) for w in _expert_weights(1))
   with pytest.raises(ValueError, match=r"\[N, 3, D\]"):
     fused_dispatch.gather_gmm(jnp.zeros((N, 2, D)), w1, plan, KS)
+  with pytest.raises(ValueError, match=r"\[N, 4, D\]"):  # slots 1..3 need 4 rows per token
+    fused_dispatch.gather_gmm(jnp.zeros((N, 3, D)), w1, plan, KS, first_slot=1)
   with pytest.raises(ValueError, match="does not fit"):
     fused_dispatch.gather_gmm(jnp.zeros((N, D + 1)), w1, plan, KS)
   with pytest.raises(ValueError, match=r"h \[30, F\]"):

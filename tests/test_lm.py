@@ -264,3 +264,37 @@ def test_init_statistics():
   assert abs(allw.std() - 0.02) < 0.0005 and abs(allw.mean()) < 0.0005
   # untied embeddings: the head is not the embedding transposed
   assert not np.allclose(np.asarray(model.embed[...]), np.asarray(model.lm_head[...]).T)
+
+
+# ------------------------------------------------------------------------------------------------
+# The LM head's mixed-precision backward.
+
+
+def test_logits_dot_backward_runs_in_the_input_dtype_and_matches_float64():
+  """`layers.logits_dot` (the LM head): float32 logits from bf16 inputs; its gradients match a
+  float64 reference to bf16 precision, and the backward contracts the cotangent in bf16 (plain
+  autodiff of the dot would run two float32 matmuls over the [N, V] cotangent)."""
+  from umoe_jax.model.layers import logits_dot
+  rng = np.random.default_rng(11)
+  h64, w64 = rng.standard_normal((3, 5, 48)), rng.standard_normal((48, 200)) / 7
+  cot64 = rng.standard_normal((3, 5, 200))
+  h, w = jnp.asarray(h64, jnp.bfloat16), jnp.asarray(w64, jnp.bfloat16)
+  cot = jnp.asarray(cot64, jnp.float32)
+  loss = lambda h, w: jnp.sum(logits_dot(h, w) * cot)
+  out = logits_dot(h, w)
+  assert out.dtype == jnp.float32 and out.shape == (3, 5, 200)
+  hb, wb = np.asarray(h, np.float64), np.asarray(w, np.float64)   # the rounded inputs
+  assert rel_err(out, hb @ wb) < 1e-5
+  dh, dw = jax.grad(loss, argnums=(0, 1))(h, w)
+  assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+  assert rel_err(dh, cot64 @ wb.T) < 1e-2
+  assert rel_err(dw, hb.reshape(-1, 48).T @ cot64.reshape(-1, 200)) < 1e-2
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, w)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]   # the backward's
+  assert len(dots) == 2
+  for e in dots:
+    assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+  # float32 inputs: an exact float32 backward
+  h32, w32 = jnp.asarray(h64, jnp.float32), jnp.asarray(w64, jnp.float32)
+  dh32, dw32 = jax.grad(loss, argnums=(0, 1))(h32, w32)
+  assert rel_err(dh32, cot64 @ w64.T) < 1e-5 and rel_err(dw32, h64.reshape(-1, 48).T @ cot64.reshape(-1, 200)) < 1e-5

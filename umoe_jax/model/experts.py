@@ -53,46 +53,58 @@ class ExpertPool(nnx.Module):
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None,
-            slot_mask: jax.Array | None = None) -> jax.Array:
-    """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]).
+            slot_mask: jax.Array | None = None, first_slot: int = 0) -> jax.Array:
+    """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, first_slot + k]).
 
     The sort, un-sort and gate-weighted combine are fused into the first and last grouped matmuls
     (`umoe_jax.ops.fused_dispatch`): the same values and gradients as
     `dispatch.apply_experts(x, plan, gates, self)` without the permuted [N*K, D] copies.
 
     Args:
-      x: [N, D] (every slot sees the token) or [N, K, D] (one input per slot, as in pre-mixing).
+      x: [N, D] (every slot sees the token) or [N, S, D] (one input per slot, as in pre-mixing:
+        slot k reads x[:, first_slot + k]; S >= first_slot + K, e.g. the mixed vectors of the
+        always-on head and the K routed ones, read in place).
       expert_ids, gates: [N, K].
       plan: a precomputed dispatch plan for these expert ids (reused by pre-mixing attention;
         made with the same `slot_mask`).
       slot_mask: [N, K] bool, the slots that carry a pick (the router's; None = all). The others
         (gate 0) go through no expert: no grouped-matmul rows, no expert-parallel buffer room.
+      first_slot: see x.
     Returns:
       [N, D].
     """
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
-      return expert_routes.route_pool(self, x, expert_ids, gates, slot_mask)
+      return expert_routes.route_pool(self, slot_rows(x, first_slot, gates.shape[1]), expert_ids,
+                                      gates, slot_mask)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts, slot_mask)
     dt = self.compute_dtype
     return routed_mlp(x.astype(dt), plan, gates, self.w_up.value.astype(dt),
                       self.w_down.value.astype(dt),
                       None if self.w_gate is None else self.w_gate.value.astype(dt),
-                      activation=self.activation, backend=self.gmm_backend)
+                      activation=self.activation, backend=self.gmm_backend, first_slot=first_slot)
+
+
+def slot_rows(x: jax.Array, first_slot: int, slots: int) -> jax.Array:
+  """x [N, D] as it is, or the K slot rows x[:, first_slot:first_slot + K] of x [N, S, D]."""
+  if x.ndim == 3 and (first_slot, x.shape[1]) != (0, slots):
+    return x[:, first_slot:first_slot + slots]
+  return x
 
 
 def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up: jax.Array,
                w_down: jax.Array, w_gate: jax.Array | None = None, *, activation: str,
-               backend: str) -> jax.Array:
+               backend: str, first_slot: int = 0) -> jax.Array:
   """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
-  x [N, D] or [N, K, D], gates [N, K], w_up / w_gate [E, D, F], w_down [E, F, D] -> [N, D].
-  (Also run per device by expert parallelism when the expert axis is 1.)"""
+  x [N, D] or [N, S, D] (slot k reads x[:, first_slot + k]), gates [N, K], w_up / w_gate
+  [E, D, F], w_down [E, F, D] -> [N, D]. (Also run per device by expert parallelism when the
+  expert axis is 1.)"""
   k = gates.shape[1]
   with jax.named_scope("expert_up"):
-    up = gather_gmm(x, w_up, plan, k, backend=backend)
+    up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot)
   gate = None
   if w_gate is not None:
     with jax.named_scope("expert_gate"):
-      gate = gather_gmm(x, w_gate, plan, k, backend=backend)
+      gate = gather_gmm(x, w_gate, plan, k, backend=backend, first_slot=first_slot)
   with jax.named_scope("expert_down"):
     return gmm_combine(expert_hidden(up, gate, activation), w_down, plan, gates, backend=backend)
 
@@ -151,9 +163,11 @@ class AoEExpertPool(nnx.Module):
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None,
-            slot_mask: jax.Array | None = None) -> jax.Array:
-    """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, k]); x [N, D] or [N, K, D], expert_ids /
-    gates [N, K] -> [N, D]; `plan`, `slot_mask` as in `ExpertPool.route`."""
+            slot_mask: jax.Array | None = None, first_slot: int = 0) -> jax.Array:
+    """sum_k gates[n, k] * E_{ids[n, k]}(x[n] or x[n, first_slot + k]); x [N, D] or [N, S, D],
+    expert_ids / gates [N, K] -> [N, D]; `plan`, `slot_mask`, `first_slot` as in
+    `ExpertPool.route`."""
+    x = slot_rows(x, first_slot, gates.shape[1])
     if expert_parallel.is_active():  # under parallel.use_mesh: experts split over the mesh
       return expert_routes.route_aoe_pool(self, x, expert_ids, gates, slot_mask)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts, slot_mask)

@@ -10,7 +10,7 @@ from flax import nnx
 from umoe_jax.config import ModelConfig, model_config
 from umoe_jax.model.block import DecoderBlock, make_expert_pools
 from umoe_jax.model.cache import DecodeCache
-from umoe_jax.model.layers import RMSNorm, make_param, normal_init
+from umoe_jax.model.layers import RMSNorm, logits_dot, make_param, normal_init
 from umoe_jax.model.remat import rematerialise
 from umoe_jax.model.routers import RouterOutput, fold_rng, route_context, routing_stats
 from umoe_jax.parallel import rules as ax
@@ -74,8 +74,7 @@ class CausalLM(nnx.Module):
     if last_logits_only:
       h = h[:, -1:]
     with jax.named_scope("lm_head"):
-      logits = jnp.dot(h, self.lm_head.value.astype(self.cfg.compute_dtype),
-                       preferred_element_type=jnp.float32)                         # [B, T, V]
+      logits = logits_dot(h, self.lm_head.value.astype(self.cfg.compute_dtype))    # [B, T, V]
     if cache is None:
       return logits, aux
     return logits, aux, new_cache

@@ -76,7 +76,10 @@ def _fan_in(rows: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _gather_gmm_fn(backend_name: str, fan_out: int):
+def _gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None):
+  """fan_out: K for x [N, D] shared by a token's slots, 1 for one row per slot. slot_layout
+  (S, first_slot, K): x is [N, S, D] flattened and slot k of token n reads row n*S + first_slot + k;
+  the input gradient is zero at the other S - K slots (None: S = K, first_slot = 0)."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
@@ -91,7 +94,11 @@ def _gather_gmm_fn(backend_name: str, fan_out: int):
     x, rhs, gs, src, inverse = res
     dout = dout.astype(rhs.dtype)
     drows = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=x.dtype)   # [M, D]
-    dx = _fan_in(drows, inverse, fan_out)                                              # [N, D]
+    dx = _fan_in(drows, inverse, fan_out)                              # [N, D] or [N*K, D]
+    if slot_layout is not None:  # back into the [N, S, D] rows, zero at the slots not read
+      s, first, k = slot_layout
+      dx = jnp.pad(dx.reshape(-1, k, dx.shape[-1]), ((0, 0), (first, s - first - k), (0, 0)))
+      dx = dx.reshape(-1, dx.shape[-1])                                                  # [N*S, D]
     drhs = _raw_tgmm(backend, x, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      lhs_index=src)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
@@ -101,30 +108,41 @@ def _gather_gmm_fn(backend_name: str, fan_out: int):
 
 
 def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
-               backend: str = "auto") -> jax.Array:
+               backend: str = "auto", first_slot: int = 0) -> jax.Array:
   """`gmm(dispatch.permute(x, plan, slots), rhs, plan.group_sizes)` without the permuted copy.
 
   Args:
-    x: [N, D] (every slot of a token reads its row) or [N, K, D] (one row per slot).
+    x: [N, D] (every slot of a token reads its row) or [N, S, D] (one row per slot: slot k reads
+      x[n, first_slot + k]; S = K unless the rows sit among others, as pre-mixing's routed mixed
+      vectors after the always-on head's: S = 1 + K, first_slot = 1, read in place, no slice copy).
     rhs: [E, D, F].
     plan: `make_plan(expert_ids [N, K], E)`.
     slots: K.
   Returns:
     [M, F], rows in expert order (M = N*K).
   """
+  layout = None
   if x.ndim == 3:
-    if x.shape[1] != slots:
-      raise ValueError(f"gather_gmm wants x [N, D] or [N, {slots}, D]; got {x.shape}")
+    n_rows = x.shape[1]
+    if first_slot < 0 or n_rows < first_slot + slots:
+      raise ValueError(f"gather_gmm wants x [N, D] or [N, {first_slot + slots}, D] (slots "
+                       f"{first_slot}..{first_slot + slots - 1} read; more rows per token may "
+                       f"follow); got {x.shape}")
+    if (n_rows, first_slot) != (slots, 0):
+      layout = (n_rows, first_slot, slots)
     x, fan_out = x.reshape(-1, x.shape[-1]), 1
-  elif x.ndim == 2:
+  elif x.ndim == 2 and first_slot == 0:
     fan_out = slots
   else:
-    raise ValueError(f"gather_gmm wants x [N, D] or [N, {slots}, D]; got {x.shape}")
+    raise ValueError(f"gather_gmm wants x [N, D] or [N, S, D] (first_slot={first_slot}); "
+                     f"got {x.shape}")
   if rhs.ndim != 3 or rhs.shape[1] != x.shape[-1] or rhs.shape[0] != plan.group_sizes.shape[0]:
     raise ValueError(f"gather_gmm: rhs {rhs.shape} does not fit rows of width {x.shape[-1]} and "
                      f"{plan.group_sizes.shape[0]} groups")
   src = plan.order if fan_out == 1 else plan.order // fan_out  # the source row of each sorted row
-  return _gather_gmm_fn(resolve_backend(backend), fan_out)(
+  if layout is not None:
+    src = (plan.order // slots) * layout[0] + first_slot + plan.order % slots
+  return _gather_gmm_fn(resolve_backend(backend), fan_out, layout)(
       x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
 
 

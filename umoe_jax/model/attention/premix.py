@@ -122,8 +122,9 @@ class PreMixAttention(nnx.Module):
         mixed = self.latent_up(mixed)                                              # [B, T, 1+K, D]
 
     n_shared = 1 if self.shared_q_proj is not None else 0
-    routed = experts.route(mixed[:, :, n_shared:].reshape(n, k, d), ids, gates, plan,
-                           slot_mask=mask)                                         # [N, D]
+    # The routed slots are read in place from [N, 1+K, D] (no copy of the K routed vectors).
+    routed = experts.route(mixed.reshape(n, n_shared + k, d), ids, gates, plan, slot_mask=mask,
+                           first_slot=n_shared)                                    # [N, D]
     y = routed.reshape(b, t, d)
     if self.shared_expert is not None:
       y = y + self.shared_expert(mixed[:, :, 0])

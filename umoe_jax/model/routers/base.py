@@ -11,6 +11,7 @@ from flax import nnx, struct
 
 from umoe_jax.config import RouterConfig, router_mixing
 from umoe_jax.kinds import ROUTERS
+from umoe_jax.model.routers.losses import sequence_pick_counts
 from umoe_jax.stats import linear
 
 
@@ -26,6 +27,9 @@ class RouterOutput:
   # [B, T, K] bool: the slots that carry a pick (top-P's and expert choice's unused slots have gate
   # 0 and are left out of the load); None = every slot.
   slot_mask: Optional[jax.Array] = None
+  # [B, T, K] expert ids counted per sequence, [B, E] float32 over the active slots, when the router
+  # computed them for its balance loss (`ScoreRouter.output`); `pick_counts` reuses them.
+  sequence_counts: Optional[jax.Array] = None
 
 
 def route_context(token_ids: jax.Array, *, step: Optional[jax.Array] = None,
@@ -84,13 +88,18 @@ def make_router(cfg: RouterConfig, d_model: int, n_experts: int, top_k: int, *, 
 def pick_counts(out: RouterOutput, n_experts: int,
                 token_mask: Optional[jax.Array] = None) -> jax.Array:
   """Per-expert pick counts [E] float32 of the active slots (`slot_mask`) of the tokens in
-  token_mask [B, T] bool (None: every token)."""
-  weights = None if out.slot_mask is None else out.slot_mask.astype(jnp.float32)
+  token_mask [B, T] bool (None: every token); expert ids [B, T, K]."""
+  if token_mask is None and out.sequence_counts is not None:
+    return out.sequence_counts.sum(axis=0)
+  weights = out.slot_mask
   if token_mask is not None:
-    tokens = jnp.broadcast_to(token_mask[..., None], out.expert_ids.shape).astype(jnp.float32)
-    weights = tokens if weights is None else weights * tokens
-  weights = None if weights is None else weights.reshape(-1)
-  return jnp.bincount(out.expert_ids.reshape(-1), weights, length=n_experts).astype(jnp.float32)
+    tokens = jnp.broadcast_to(token_mask[..., None], out.expert_ids.shape)
+    weights = tokens if weights is None else weights & tokens
+  ids = out.expert_ids
+  if ids.ndim != 3:  # [B, T, K] by the contract; anything else counts as one sequence
+    ids = ids.reshape(1, -1, ids.shape[-1])
+    weights = None if weights is None else weights.reshape(ids.shape)
+  return sequence_pick_counts(jax.lax.stop_gradient(ids), n_experts, weights).sum(axis=0)
 
 
 def routing_stats(out: RouterOutput, n_experts: int) -> dict[str, jax.Array]:

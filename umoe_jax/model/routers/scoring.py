@@ -28,7 +28,7 @@ from flax import nnx
 from umoe_jax.config import RouterConfig, router_mixing
 from umoe_jax.model.routers.base import Router, RouterOutput, jitter
 from umoe_jax.model.routers.expert_choice import expert_choice_select
-from umoe_jax.model.routers.losses import BALANCE_LOSSES, router_z_loss
+from umoe_jax.model.routers.losses import BALANCE_LOSSES, router_z_loss, sequence_pick_counts
 from umoe_jax.model.routers.selection import biased_top_k, entropy_loss, top_p_select
 from umoe_jax.parallel import rules as ax
 
@@ -117,16 +117,19 @@ class ScoreRouter(Router):
     """The RouterOutput with the balance loss on `balance_probs` (over the active slots `mask`),
     the z-loss of `logits` and the entropy loss of `probs`."""
     cfg = self.cfg
+    # The picks per sequence, once: the balance loss and the logged loads (`pick_counts`) share them.
+    counts = (sequence_pick_counts(jax.lax.stop_gradient(ids), self.n_experts, mask)
+              if ids.ndim == 3 else None)                                            # [B, E]
     if self.balance_loss_applies:
       loss = cfg.balance_coef * BALANCE_LOSSES[cfg.balance_loss](
-          balance_probs, jax.lax.stop_gradient(ids), self.n_experts, mask=mask)
+          balance_probs, jax.lax.stop_gradient(ids), self.n_experts, mask=mask, counts=counts)
     else:
       loss = jnp.zeros((), jnp.float32)
     aux = z_loss_terms(logits, cfg)
     if cfg.entropy_coef:
       aux["entropy_loss"] = cfg.entropy_coef * entropy_loss(probs)
     return RouterOutput(expert_ids=ids, gates=gates, probs=probs, balance_loss=loss,
-                        aux_losses=aux, slot_mask=mask)
+                        aux_losses=aux, slot_mask=mask, sequence_counts=counts)
 
 
 def z_loss_terms(logits: jax.Array, cfg: RouterConfig) -> dict[str, Any]:
