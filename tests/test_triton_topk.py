@@ -87,9 +87,10 @@ LAUNCHES = []
 
 KERNEL_CASES = [  # rows, E, k, block rows, values
     (37, 20, 1, 16, "normal"), (37, 20, 3, 16, "ties"), (37, 20, 20, 8, "ties"),
+    (37, 20, 20, 8, "normal"),                    # negative values ranked too (k = E)
     (50, 128, 15, 16, "normal"), (21, 128, 3, 8, "ties"), (19, 128, 128, 4, "neginf"),
     (45, 100, 15, 0, "neginf"), (13, 100, 100, 4, "ties"), (33, 8, 3, 32, "ties"),
-    (10, 16, 5, 4, "zeros_nan"),
+    (10, 16, 5, 4, "zeros_nan"), (10, 16, 16, 4, "zeros_nan"),
 ]
 
 
@@ -142,7 +143,7 @@ def _router_outputs(cfg, sublayer, backend, x, bias=None):
     return total, out
 
   (total, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  return out.expert_ids, out.gates, total, jax.tree.leaves(grads)
+  return out.expert_ids, out.gates, total, jax.tree.leaves(grads), out.probs
 
 
 def _interpreter_check():
@@ -195,6 +196,11 @@ def _interpreter_check():
     assert len(on[3]) == len(off[3]) and any(np.any(np.asarray(w)) for w in off[3]), (sublayer, keys)
     for a, w in zip(on[3], off[3]):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(w), err_msg=f"{sublayer} {keys} grad")
+    k = on[0].shape[-1]  # the picks themselves: the top-k of probs + bias (numpy)
+    scores = np.asarray(on[4]) + (0 if b is None else b)
+    np.testing.assert_array_equal(np.asarray(on[0]), _argsort_ids(scores, k), err_msg=f"{sublayer} {keys}")
+    if b is not None:  # the bias moves picks
+      assert np.any(np.asarray(on[0]) != _argsort_ids(on[4], k))
     m = configs.model("umoe", "tiny")
     m.moe.n_experts = 20
 
