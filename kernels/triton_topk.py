@@ -88,12 +88,12 @@ def launch_params(n_rows: int, e: int, k: int, config: TopKConfig | None = None)
   if e > MAX_E:
     raise ValueError(f"top-k kernel: E={e} exceeds MAX_E={MAX_E}")
   cfg = config or TopKConfig()
-  e_pad = _pow2_at_least(e)
+  e_pad = _pow2_at_least(max(e, 2))  # no 1-wide aranges
   block_rows = cfg.block_rows or max(1, ROW_ELEMENTS // e_pad)
   if block_rows & (block_rows - 1):
     raise ValueError(f"top-k kernel: block_rows={block_rows} must be a power of two")
   return dict(grid=(max(1, -(-n_rows // block_rows)),), E=e, E_PAD=e_pad, K=k,
-              K_PAD=_pow2_at_least(k), BLOCK_ROWS=block_rows, num_warps=cfg.num_warps)
+              K_PAD=_pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows, num_warps=cfg.num_warps)
 
 
 def _launch(kernel, grid, args, out_shape, **meta):

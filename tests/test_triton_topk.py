@@ -52,7 +52,8 @@ def test_launch_params_cover_every_row_and_column():
   for n, e, k, br in ((37, 20, 3, 16), (32768, 128, 15, 0), (5, 100, 100, 4), (1, 8, 1, 0)):
     p = tk.launch_params(n, e, k, tk.TopKConfig(block_rows=br))
     assert p["grid"][0] * p["BLOCK_ROWS"] >= n > (p["grid"][0] - 1) * p["BLOCK_ROWS"]
-    assert p["E_PAD"] >= e > p["E_PAD"] // 2 and p["K_PAD"] >= k > p["K_PAD"] // 2
+    for width, pad in ((e, p["E_PAD"]), (k, p["K_PAD"])):  # powers of two, at least 2
+      assert pad & (pad - 1) == 0 and pad >= max(width, 2) > pad // 2
   assert tk.launch_params(32768, 128, 15)["BLOCK_ROWS"] == tk.ROW_ELEMENTS // 128
   with pytest.raises(ValueError, match="k=21 must be in"):
     tk.launch_params(4, 20, 21)
@@ -90,7 +91,8 @@ KERNEL_CASES = [  # rows, E, k, block rows, values
     (37, 20, 20, 8, "normal"),                    # negative values ranked too (k = E)
     (50, 128, 15, 16, "normal"), (21, 128, 3, 8, "ties"), (19, 128, 128, 4, "neginf"),
     (45, 100, 15, 0, "neginf"), (13, 100, 100, 4, "ties"), (33, 8, 3, 32, "ties"),
-    (10, 16, 5, 4, "zeros_nan"), (10, 16, 16, 4, "zeros_nan"),
+    (10, 16, 5, 4, "zeros_nan"), (10, 16, 16, 4, "zeros_nan"), (9, 3, 2, 4, "ties"),
+    (6, 1, 1, 2, "normal"),
 ]
 
 
