@@ -93,8 +93,9 @@ def main():
           ms = jax_ms(jax.jit(lambda v, k=k, c=cfg: tk.top_k_ids(v, k, config=c)), x)
           results["sweep"].append(dict(k=k, block_rows=cfg.block_rows, num_warps=cfg.num_warps, ms=ms))
 
+  default_rows = tk.launch_params(args.rows, args.experts, 1)["BLOCK_ROWS"]
   log(f"\nms per call (CUPTI), x [{args.rows}, {args.experts}] float32; default TopKConfig "
-      f"{tk.launch_params(args.rows, args.experts, 1)['BLOCK_ROWS']} rows x {tk.TopKConfig().num_warps} warps")
+      f"{default_rows} rows x {tk.TopKConfig().num_warps} warps")
   log(f"{'input':8s} {'k':>3s} {'ids xla':>9s} {'ids triton':>10s} {'x':>6s} {'router xla':>10s} "
       f"{'router triton':>13s} {'x':>6s}")
   for t in results["time"]:

@@ -60,12 +60,12 @@ def test_router_switch_on_and_off_agree():
     router = make_router(dataclasses.replace(cfg.router_for("ffn"), topk_backend=backend),
                          cfg.d_model, cfg.moe.n_experts, cfg.ffn.top_k, param_dtype="float32",
                          rngs=nnx.Rngs(params=0))
-    graphdef, params = nnx.split(router, nnx.Param)
+    graphdef, params, rest = nnx.split(router, nnx.Param, ...)
+    cot = jnp.cos(jnp.arange(x.shape[0] * x.shape[1] * cfg.ffn.top_k)).reshape(*x.shape[:2], -1)
 
     def loss(params):
-      out = nnx.merge(graphdef, params)(x)
-      return jnp.sum(out.gates * jnp.cos(jnp.arange(out.gates.size).reshape(out.gates.shape))) \
-          + out.balance_loss, out
+      out = nnx.merge(graphdef, params, rest)(x)
+      return jnp.sum(out.gates * cot) + out.balance_loss, out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     outs[backend] = (out.expert_ids, out.gates, *jax.tree.leaves(grads))
