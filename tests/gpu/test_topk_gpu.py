@@ -37,7 +37,7 @@ def test_kernel_matches_lax_top_k(e, kind):
   x = jnp.asarray(_values(rng, 1000 + e, e, kind))
   want = np.argsort(-np.asarray(x, np.float64), axis=-1, kind="stable")
   for k in sorted({1, 3, min(15, e), e}):
-    for cfg in (None, tk.TopKConfig(8, 2), tk.TopKConfig(64, 8)):
+    for cfg in (None,) if k == e else (None, tk.TopKConfig(8, 2), tk.TopKConfig(64, 8)):
       got = np.asarray(jax.jit(lambda v, k=k, c=cfg: tk.top_k_ids(v, k, config=c))(x))
       np.testing.assert_array_equal(got, want[:, :k], err_msg=f"E={e} k={k} {kind} {cfg}")
     np.testing.assert_array_equal(np.asarray(jax.lax.top_k(x, k)[1]), want[:, :k])
