@@ -35,6 +35,9 @@ FFN_KINDS = ("dense", "moe", "none")
 # theirs when kernels/ is imported. "auto" picks one at run time.
 GMM_BACKENDS = ("xla", "masked", "triton", "mosaic", "megablox")
 
+# `router.topk_backend`: how routers with scores take their top-k / top-P ids (`umoe_jax.ops.topk`).
+TOPK_BACKENDS = ("xla", "triton")
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterKind:

@@ -36,7 +36,7 @@ def validate_routers(cfg: ModelConfig) -> None:
     require(att.bias_update_rate == 0, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with "
             f"{rate_key}={att.bias_update_rate!r}: one selection bias cannot follow two routers' loads")
     diff = sorted(k for k in overrides(cfg.attention.router).keys() | overrides(cfg.ffn.router).keys()
-                  if getattr(att, k) != getattr(ffn, k))
+                  if getattr(att, k) != getattr(ffn, k) and k != "topk_backend")  # how, not what
     if diff:
       k = diff[0]
       require(False, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} needs one router for "
@@ -101,6 +101,8 @@ def _check_router_values(router: RouterConfig, cfg: ModelConfig, key) -> None:
   check("z_loss_coef", 0 <= router.z_loss_coef < float("inf"), "must be >= 0 and finite")
   check("jitter_eps", 0 <= router.jitter_eps < 1, "must be in [0, 1)")
   check("bias_update_rate", 0 <= router.bias_update_rate < float("inf"), "must be >= 0 and finite")
+  check("topk_backend", router.topk_backend in kinds.TOPK_BACKENDS,
+        f"; valid: {', '.join(kinds.TOPK_BACKENDS)}")
   kind = kinds.ROUTER_KINDS.get(router.kind)
   check("mixing", router.mixing in kinds.MIXINGS, f"; valid: {', '.join(kinds.MIXINGS)}")
   check("selection", router.selection in kinds.SELECTIONS, f"; valid: {', '.join(kinds.SELECTIONS)}")

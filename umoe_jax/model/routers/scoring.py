@@ -79,14 +79,16 @@ class ScoreRouter(Router):
     del context
     cfg = self.cfg
     if cfg.selection == "top_p":
-      return top_p_select(probs, cfg.top_p, self.top_k, cfg.renormalize)
+      return top_p_select(probs, cfg.top_p, self.top_k, cfg.renormalize,
+                          topk_backend=cfg.topk_backend)
     if cfg.selection == "expert_choice":
       if decoding:
         raise NotImplementedError("router.selection='expert_choice' picks among all tokens of the "
                                   "batch, later ones included: cached decoding is not supported")
       return expert_choice_select(probs, cfg.expert_choice_capacity or self.top_k,
                                   cfg.expert_choice_slots or self.n_experts, cfg.renormalize)
-    return (*biased_top_k(probs, self.top_k, cfg.renormalize, self.bias()), None)
+    return (*biased_top_k(probs, self.top_k, cfg.renormalize, self.bias(),
+                          topk_backend=cfg.topk_backend), None)
 
   def mix(self, probs: jax.Array, x: jax.Array, *, decoding: bool = False,
           attention_probs: Optional[jax.Array] = None, **context) -> jax.Array:

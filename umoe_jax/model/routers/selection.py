@@ -17,34 +17,35 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.ops.topk import top_k_ids
 
-def biased_top_k(probs: jax.Array, k: int, renormalize: bool,
-                 bias: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+
+def biased_top_k(probs: jax.Array, k: int, renormalize: bool, bias: Optional[jax.Array] = None,
+                 *, topk_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
   """Top-k of probs [..., E] (+ bias [E] for the choice only) -> (ids [..., K] int32, gates
-  [..., K] = probs at ids, renormalised over them if `renormalize`)."""
-  if bias is None:
-    gates, ids = jax.lax.top_k(probs, k)
-  else:
-    _, ids = jax.lax.top_k(probs + bias, k)
-    gates = jnp.take_along_axis(probs, ids, axis=-1)
+  [..., K] = probs at ids, renormalised over them if `renormalize`). `topk_backend`: the ids'
+  `umoe_jax.ops.topk` backend (`router.topk_backend`); gradients reach probs through the gather."""
+  ids = top_k_ids(probs if bias is None else probs + bias, k, backend=topk_backend)
+  gates = jnp.take_along_axis(probs, ids, axis=-1)
   if renormalize:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return ids.astype(jnp.int32), gates
+  return ids, gates
 
 
-def top_p_select(probs: jax.Array, p: float, max_k: int,
-                 renormalize: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def top_p_select(probs: jax.Array, p: float, max_k: int, renormalize: bool, *,
+                 topk_backend: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
   """probs [..., E] -> (ids [..., K], gates [..., K], mask [..., K] bool), K = max_k: slot j of a
   token (its j-th most probable expert) is active iff the probabilities of slots 0..j-1 sum to
   less than p; gates are probs there, 0 elsewhere (renormalised over the active ones if asked)."""
-  top, ids = jax.lax.top_k(probs, max_k)                                          # [..., K]
+  ids = top_k_ids(probs, max_k, backend=topk_backend)                            # [..., K]
+  top = jnp.take_along_axis(probs, ids, axis=-1)
   before = jnp.cumsum(top, axis=-1) - top
   mask = before < p
   mask = mask.at[..., 0].set(True)                        # at least one expert per token
   gates = jnp.where(mask, top, 0.0)
   if renormalize:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return ids.astype(jnp.int32), gates, mask
+  return ids, gates, mask
 
 
 def entropy_loss(probs: jax.Array) -> jax.Array:

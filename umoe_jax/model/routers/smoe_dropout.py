@@ -64,7 +64,8 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
   def select(self, probs: jax.Array, *, step: Optional[jax.Array] = None, **context):
     """Top-K of probs (+ the selection bias); the slots beyond k(step) get gate 0 and are masked."""
     del context
-    ids, top = biased_top_k(probs, self.top_k, False, self.bias())                     # [B, T, K]
+    ids, top = biased_top_k(probs, self.top_k, False, self.bias(),
+                            topk_backend=self.cfg.topk_backend)                   # [B, T, K]
     active = jnp.arange(self.top_k) < self.active_k(step)                              # [K]
     gates = jnp.where(active, top, 0.0)
     if self.cfg.renormalize:

@@ -46,6 +46,7 @@ class TopKSigmoidRouter(TopKSoftmaxRouter):
   def __call__(self, x: jax.Array, *, rng=None, **context) -> RouterOutput:
     logits = self.logits(jitter(x, self.cfg.jitter_eps, rng))                          # [B, T, E]
     scores = jax.nn.sigmoid(logits)
-    ids, gates = biased_top_k(scores, self.top_k, self.cfg.renormalize, self.bias())  # [B, T, K]
+    ids, gates = biased_top_k(scores, self.top_k, self.cfg.renormalize, self.bias(),
+                              topk_backend=self.cfg.topk_backend)                # [B, T, K]
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     return self.output(logits, probs, ids, gates, balance_probs=probs)

@@ -1,0 +1,133 @@
+"""Exact top-k ids of short rows in Triton, called from JAX through jax-triton (the routers' top-k).
+
+For x [N, E] (E small: the router's experts, up to MAX_E) and a compile-time k, ids [N, k] int32
+are the columns of the k largest values of each row in descending order, ties toward the lower
+column: the order of `jax.lax.top_k`. XLA lowers that to a full sort of every row; this is one
+pass over x.
+
+Program = BLOCK_ROWS rows, each held whole in registers (E padded to a power of two E_PAD; the
+padding columns start out taken, so they are never picked). Then k times: m = the largest key
+among the not-yet-taken entries of the row, id = the lowest not-taken column whose key is m, mark
+it taken. A separate taken mask (not overwriting picked values with -inf) keeps the picks distinct
+and lowest-index-first in rows that hold -inf. The ids collect in a [BLOCK_ROWS, K_PAD] register
+tile stored once.
+
+Keys: values are compared in IEEE total order (the float32 bits with the low 31 bits flipped for
+negative values, as signed int32): -NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN, which is
+how `jax.lax.top_k` orders them on the CPU. NaN inputs are not a supported case for routers
+(lax.top_k on another platform may order them differently); the ids are always distinct and in
+[0, E).
+
+`top_k_ids` is the JAX entry (no gradient: integer output); `supported` says whether it runs here
+(callers fall back to `jax.lax.top_k` otherwise). Launches go through `_launch`, which the CPU tests
+replace by the Triton interpreter.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON
+
+if HAVE_TRITON:
+  import triton
+  import triton.language as tl
+if HAVE_JAX_TRITON:
+  import jax_triton as jt
+
+MAX_E = 1024                     # a row of E_PAD keys lives in registers
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+ROW_ELEMENTS = 2048              # default BLOCK_ROWS * E_PAD per program (16 rows of 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig:
+  """Launch parameters: rows per program (a power of two) and warps per program."""
+  block_rows: int = 0            # 0 = ROW_ELEMENTS // E_PAD (at least 1)
+  num_warps: int = 4
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAVE_TRITON:
+
+  @triton.jit
+  def _topk_kernel(x_ptr, ids_ptr, N: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
+                   K_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    # x [N, E] row-major -> ids [N, K] int32 (module docstring).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < N
+    x = tl.load(x_ptr + rows[:, None] * E + cols[None, :],
+                mask=row_ok[:, None] & (cols < E)[None, :], other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)           # total order as signed int32
+    lowest = tl.full((BLOCK_ROWS, E_PAD), -2147483648, tl.int32)
+    taken = tl.broadcast_to((cols >= E)[None, :], (BLOCK_ROWS, E_PAD))
+    col_ids = tl.broadcast_to(cols[None, :], (BLOCK_ROWS, E_PAD))
+    slots = tl.arange(0, K_PAD)
+    out = tl.zeros((BLOCK_ROWS, K_PAD), tl.int32)
+    for j in tl.static_range(K):
+      best = tl.max(tl.where(taken, lowest, key), axis=1)
+      hit = (key == best[:, None]) & ~taken
+      pick = tl.min(tl.where(hit, col_ids, E_PAD), axis=1)
+      taken = taken | (col_ids == pick[:, None])
+      out = tl.where(slots[None, :] == j, pick[:, None], out)
+    tl.store(ids_ptr + rows[:, None] * K + slots[None, :], out,
+             mask=row_ok[:, None] & (slots < K)[None, :])
+
+
+def launch_params(n_rows: int, e: int, k: int, config: TopKConfig | None = None) -> dict:
+  """Grid and constexprs of one launch for x [n_rows, e] and k (checked: 1 <= k <= e <= MAX_E)."""
+  if not 1 <= k <= e:
+    raise ValueError(f"top-k: k={k} must be in [1, E={e}]")
+  if e > MAX_E:
+    raise ValueError(f"top-k kernel: E={e} exceeds MAX_E={MAX_E}")
+  cfg = config or TopKConfig()
+  e_pad = _pow2_at_least(max(e, 2))  # no 1-wide aranges
+  block_rows = cfg.block_rows or max(1, ROW_ELEMENTS // e_pad)
+  if block_rows & (block_rows - 1):
+    raise ValueError(f"top-k kernel: block_rows={block_rows} must be a power of two")
+  return dict(grid=(max(1, -(-n_rows // block_rows)),), E=e, E_PAD=e_pad, K=k,
+              K_PAD=_pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows, num_warps=cfg.num_warps)
+
+
+def _launch(kernel, grid, args, out_shape, **meta):
+  """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
+  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta)
+
+
+def top_k_ids(x: jax.Array, k: int, *, config: TopKConfig | None = None) -> jax.Array:
+  """x [N, E] (a float dtype in DTYPES) -> ids [N, k] int32 of each row's k largest values,
+  descending, ties toward the lower index (`jax.lax.top_k`'s order). No gradient."""
+  if x.ndim != 2:
+    raise ValueError(f"triton top_k_ids wants x [N, E]; got {x.shape}")
+  n, e = x.shape
+  meta = launch_params(n, e, k, config)
+  grid = meta.pop("grid")
+  return _launch(_topk_kernel, grid, (jax.lax.stop_gradient(x),),
+                 jax.ShapeDtypeStruct((n, k), jnp.int32), N=n, **meta)
+
+
+def supported_shapes(x: jax.Array, k: int) -> bool:
+  """x [N, E] of a dtype in DTYPES, N >= 1, 1 <= k <= E <= MAX_E."""
+  return x.ndim == 2 and x.dtype in DTYPES and x.shape[0] >= 1 and 1 <= k <= x.shape[1] <= MAX_E
+
+
+def supported(x: jax.Array, k: int) -> bool:
+  """Whether the kernel takes x [N, E] and k here: a GPU with Triton and jax-triton, and
+  `supported_shapes`."""
+  return available() and supported_shapes(x, k)
+
+
+def available() -> bool:
+  if not (HAVE_TRITON and HAVE_JAX_TRITON):
+    return False
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False

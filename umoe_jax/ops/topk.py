@@ -1,0 +1,49 @@
+"""Top-k ids over the last axis, the routers' pick of experts: `top_k_ids`.
+
+    top_k_ids(x [..., E], k) -> ids [..., k] int32
+
+the columns of the k largest values, descending, ties toward the lower index: `jax.lax.top_k`'s
+ids. Backends:
+  "xla"     `jax.lax.top_k` (XLA lowers it to a full sort of every row on GPU);
+  "triton"  kernels/triton_topk.py, one pass over x, where it runs (a GPU with Triton and
+            jax-triton, a float dtype, E <= 1024); `jax.lax.top_k` elsewhere (the same ids);
+  "auto"    `AUTO_BACKEND`.
+The ids carry no gradient; callers gather the values they need (`jnp.take_along_axis(x, ids, -1)`),
+through which gradients reach x as through `jax.lax.top_k`'s values.
+"""
+from __future__ import annotations
+
+import jax
+
+from umoe_jax.ops.varying import vary_like, varying_axes
+
+BACKENDS = ("auto", "xla", "triton")
+AUTO_BACKEND = "xla"   # "triton" once validated and measured on the GPU (bench/topk.py)
+
+
+def _kernel():
+  """kernels.triton_topk, or None where the kernels package cannot load (a library-only install)."""
+  try:
+    from kernels import triton_topk
+  except Exception:  # noqa: BLE001  (no kernels package / toolchain: XLA answers)
+    return None
+  return triton_topk
+
+
+def top_k_ids(x: jax.Array, k: int, *, backend: str = "auto") -> jax.Array:
+  """ids [..., k] int32 of the k largest entries of x [..., E] along the last axis (module
+  docstring); `backend` in BACKENDS. NaN entries: see kernels/triton_topk.py."""
+  if backend not in BACKENDS:
+    raise ValueError(f"top_k_ids backend={backend!r}; valid: {', '.join(BACKENDS)}")
+  if x.ndim < 1 or not 1 <= k <= x.shape[-1]:
+    raise ValueError(f"top_k_ids: k={k} must be in [1, E] for x of shape {x.shape} (E = last axis)")
+  if backend == "auto":
+    backend = AUTO_BACKEND
+  x = jax.lax.stop_gradient(x)
+  if backend == "triton":
+    kernel = _kernel()
+    flat = x.reshape(-1, x.shape[-1])
+    if kernel is not None and kernel.supported(flat, k):
+      ids = kernel.top_k_ids(flat, k).reshape(*x.shape[:-1], k)
+      return vary_like(ids, varying_axes(x))  # a custom call drops shard_map's varying type
+  return jax.lax.top_k(x, k)[1].astype("int32")
