@@ -116,6 +116,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     config.model.gmm_backend = args.gmm_backend
     if args.attention_core is not None:
       config.model.attention.core = args.attention_core
+    if args.router_topk is not None:
+      config.model.router.topk_backend = args.router_topk
     config.train.global_batch_size = args.batch * n_dev
     config.train.seq_len = args.seq_len
     config.train.remat = args.remat
@@ -184,6 +186,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              gmm_backend=args.gmm_backend, remat=args.remat, capacity_factor=cf, exchange=exchange,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core,
+             router_topk=model_cfg.router.topk_backend,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
@@ -250,8 +253,10 @@ def main():
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
-  ap.add_argument("--attention_core", default=None, choices=["xla", "cudnn", "triton"],
+  ap.add_argument("--attention_core", default=None, choices=["auto", "xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
+  ap.add_argument("--router_topk", default=None, choices=["xla", "triton"],
+                  help="model.router.topk_backend (default: the config's)")
   ap.add_argument("--attention_tiles", default=None,
                   help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--capacity_factor", type=float, default=None,

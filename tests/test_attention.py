@@ -102,6 +102,38 @@ def test_attention_core_choice():
     causal_attention(q, k, v, pos, pos, core="flash")
 
 
+def test_auto_core_is_the_fused_kernel_on_one_gpu_only(monkeypatch):
+  """core="auto" (the config default): AUTO_GPU_CORE on one GPU, XLA on several GPUs and off GPU;
+  here on CPU it computes the XLA form; a fused kernel that raises under "auto" falls back to XLA
+  (an explicit "cudnn" lets the error through)."""
+  from configs import common as configs
+  from umoe_jax.config import model_config
+  from umoe_jax.model.attention import common
+  assert model_config(configs.model("umoe", "tiny")).attention.core == "auto"
+  rng = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((B, T, 2, 8), (B, T, 1, 8), (B, T, 1, 16)))
+  pos = positions_for(B, T)
+  want = causal_attention(q, k, v, pos, pos, core="xla")
+  for backend, devices, core in (("gpu", 1, common.AUTO_GPU_CORE), ("gpu", 2, "xla"),
+                                 ("cpu", 1, "xla"), ("tpu", 1, "xla")):
+    monkeypatch.setattr(common.jax, "default_backend", lambda b=backend: b)
+    monkeypatch.setattr(common.jax, "device_count", lambda d=devices: d)
+    assert common.auto_core() == core, (backend, devices)
+  # a GPU whose fused kernel refuses the call: "auto" answers with XLA, "cudnn" raises
+  monkeypatch.setattr(common.jax, "device_count", lambda: 1)
+  monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(common, "AUTO_GPU_CORE", "cudnn")
+
+  def refuse(*a, **kw):
+    raise RuntimeError("no cuDNN here")
+
+  monkeypatch.setattr(common, "fused_attention", refuse)
+  assert rel_err(causal_attention(q, k, v, pos, pos, core="auto"), want) < 1e-6
+  with pytest.raises(RuntimeError, match="no cuDNN"):
+    causal_attention(q, k, v, pos, pos, core="cudnn")
+
+
 # ------------------------------------------------------------------------------------------------
 # Dense multi-head attention.
 

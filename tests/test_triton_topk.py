@@ -65,11 +65,39 @@ def test_launch_params_cover_every_row_and_column():
   assert not tk.supported_shapes(jnp.zeros((0, 20), jnp.float32), 3)
 
 
+def test_auto_takes_the_kernel_on_one_device_only(monkeypatch):
+  """backend="auto": the kernel where it runs and the program spans one device; lax.top_k over
+  several (XLA would gather the rows whole to every device for the kernel's call)."""
+  from umoe_jax.ops import topk as T
+  calls = []
+
+  class FakeKernel:  # stands in for kernels.triton_topk on this CPU: marks its ids
+    @staticmethod
+    def supported(flat, k):
+      return True
+
+    @staticmethod
+    def top_k_ids(flat, k):
+      calls.append(flat.shape)
+      return jax.lax.top_k(flat, k)[1][:, ::-1]
+
+  monkeypatch.setattr(T, "_kernel", lambda: FakeKernel)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 20)), jnp.float32)
+  want = np.asarray(jax.lax.top_k(x, 4)[1])
+  for count, kernel in ((1, True), (2, False), (8, False)):
+    monkeypatch.setattr(T.jax, "device_count", lambda count=count: count)
+    calls.clear()
+    got = np.asarray(T.top_k_ids(x, 4, backend="auto"))
+    np.testing.assert_array_equal(got, want[..., ::-1] if kernel else want)
+    assert bool(calls) == kernel and (not calls or calls[0] == (10, 20))
+  np.testing.assert_array_equal(np.asarray(T.top_k_ids(x, 4, backend="xla")), want)
+
+
 def test_config_topk_backend_is_checked_and_per_sublayer():
   from configs import common as configs
   from umoe_jax.config import ConfigError, model_config
   m = configs.model("umoe", "tiny")
-  assert model_config(m).router.topk_backend == "xla"  # off until validated on the GPU
+  assert model_config(m).router.topk_backend == "auto"
   m.router.topk_backend = "triton"
   cfg = model_config(m)
   assert cfg.router_for("ffn").topk_backend == cfg.router_for("attention").topk_backend == "triton"
@@ -77,7 +105,7 @@ def test_config_topk_backend_is_checked_and_per_sublayer():
   cfg = model_config(m)
   assert (cfg.router_for("attention").topk_backend, cfg.router_for("ffn").topk_backend) == ("triton", "xla")
   m.ffn.router.topk_backend = "Triton"
-  with pytest.raises(ConfigError, match=r"model\.ffn\.router\.topk_backend='Triton'; valid: xla, triton"):
+  with pytest.raises(ConfigError, match=r"model\.ffn\.router\.topk_backend='Triton'; valid: auto, xla, triton"):
     model_config(m)
 
 

@@ -27,7 +27,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
     "moa": AttentionKind(has_routers=True),
     "switchhead": AttentionKind(has_routers=True),
 }
-ATTENTION_CORES = ("xla", "cudnn", "triton", "splash")   # model.attention.core
+ATTENTION_CORES = ("auto", "xla", "cudnn", "triton", "splash")   # model.attention.core
 
 FFN_KINDS = ("dense", "moe", "none")
 
@@ -36,7 +36,7 @@ FFN_KINDS = ("dense", "moe", "none")
 GMM_BACKENDS = ("xla", "masked", "triton", "mosaic", "megablox")
 
 # `router.topk_backend`: how routers with scores take their top-k / top-P ids (`umoe_jax.ops.topk`).
-TOPK_BACKENDS = ("xla", "triton")
+TOPK_BACKENDS = ("auto", "xla", "triton")
 
 
 @dataclasses.dataclass(frozen=True)

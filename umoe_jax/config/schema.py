@@ -66,8 +66,9 @@ class RouterConfig:
   jitter_eps: float = 0.0             # Switch jitter: router input x * U(1-eps, 1+eps), training only (HF 0.01)
   bias_update_rate: float = 0.0       # DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved
                                       # by rate * sign(mean load - load) after each step (paper 1e-3); 0 = off
-  topk_backend: str = "xla"           # top-k / top-P ids (umoe_jax.ops.topk): "xla" (lax.top_k, a sort
-                                      # on GPU) or "triton" (kernels/triton_topk.py on GPU; same ids)
+  topk_backend: str = "auto"          # top-k / top-P ids (umoe_jax.ops.topk): "xla" (lax.top_k, a sort
+                                      # on GPU), "triton" (kernels/triton_topk.py on GPU; same ids) or
+                                      # "auto" (triton on one device, xla on several)
 
 
 # The keys of a sub-layer's own router section (`model.attention.router`, `model.ffn.router`): every
@@ -110,7 +111,8 @@ class AttentionConfig:
   q_lora_norm: bool = True            # premix: RMSNorm on the rank-r code (official code); False = Eq. 11
   latent_dim: Optional[int] = None    # premix: MLA-style values X W_latent (cache the latent), latent -> D after mixing
   n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
-  core: str = "xla"                   # scores/softmax/mix: "xla", "cudnn"/"triton" (fused causal GPU kernels, no cache), "splash" (TPU)
+  core: str = "auto"                  # scores/softmax/mix: "xla", "cudnn"/"triton" (fused causal GPU kernels, no cache), "splash" (TPU),
+                                      # "auto" (one GPU: the fused kernels; else xla; attention.common.auto_core)
   router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # its routers' keys over model.router
 
 

@@ -7,7 +7,10 @@ ids. Backends:
   "xla"     `jax.lax.top_k` (XLA lowers it to a full sort of every row on GPU);
   "triton"  kernels/triton_topk.py, one pass over x, where it runs (a GPU with Triton and
             jax-triton, a float dtype, E <= 1024); `jax.lax.top_k` elsewhere (the same ids);
-  "auto"    `AUTO_BACKEND`.
+  "auto"    "triton" on one device (measured 4x / 17x faster than the sort at k = 15 / 3 on an
+            H200, BENCHMARKS.md run 22), "xla" on several: XLA does not partition the kernel's
+            custom call, so in a program sharded over devices it would gather x whole to every
+            device (inside shard_map, where each device holds its own rows, "triton" is fine).
 The ids carry no gradient; callers gather the values they need (`jnp.take_along_axis(x, ids, -1)`),
 through which gradients reach x as through `jax.lax.top_k`'s values.
 """
@@ -18,7 +21,6 @@ import jax
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 BACKENDS = ("auto", "xla", "triton")
-AUTO_BACKEND = "xla"   # "triton" once validated and measured on the GPU (bench/topk.py)
 
 
 def _kernel():
@@ -38,7 +40,7 @@ def top_k_ids(x: jax.Array, k: int, *, backend: str = "auto") -> jax.Array:
   if x.ndim < 1 or not 1 <= k <= x.shape[-1]:
     raise ValueError(f"top_k_ids: k={k} must be in [1, E] for x of shape {x.shape} (E = last axis)")
   if backend == "auto":
-    backend = AUTO_BACKEND
+    backend = "triton" if jax.device_count() == 1 else "xla"
   x = jax.lax.stop_gradient(x)
   if backend == "triton":
     kernel = _kernel()

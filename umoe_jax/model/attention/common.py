@@ -109,6 +109,21 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
   return out.reshape(b, t, c, h, dk).transpose(0, 1, 3, 2, 4).reshape(b, t, h, dv)
 
 
+# The fused core "auto" takes on one GPU: "triton" (the pre-mixing kernel; cuDNN for the head
+# layouts it does not take) measured UMoE-base 143.7 ms a step against ... with "cudnn" on an H200
+# (BENCHMARKS.md, runs 22-23).
+AUTO_GPU_CORE = "triton"
+
+
+def auto_core() -> str:
+  """What `core="auto"` (the default) runs: AUTO_GPU_CORE on one GPU; "xla" on several (the Triton
+  kernel's custom call is not partitioned by XLA, and cuDNN's pre-mixing layout is not measured
+  there) and off GPU (TPU: "splash" is not validated on a TPU yet)."""
+  if jax.default_backend() == "gpu" and jax.device_count() == 1:
+    return AUTO_GPU_CORE
+  return "xla"
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
                      k_positions: jax.Array, *, return_probs: bool = False, core: str = "xla"):
   """softmax(q k^T / sqrt(Dk) + causal mask) v, softmax in float32.
@@ -122,7 +137,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
       post-mixing's slots without a pick).
     return_probs: also return the attention probabilities [B, H, T, S] float32 (for routers that
       read them, `router.kind='attention_aware'`).
-    core: `model.attention.core`: "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
+    core: `model.attention.core`: "auto" = `auto_core()`; "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
       causal kernel (`fused_attention`) on GPU when the queries attend to their own keys
       (`k_positions is q_positions`: no cache) and nobody asks for the probabilities, and the XLA
       form elsewhere (CPU, TPU, decoding, other shapes). "triton" runs the Triton kernel of one
@@ -138,10 +153,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
   if core not in ATTENTION_CORES:
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
+  auto = core == "auto"
+  core = auto_core() if auto else core
   if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
     out = triton_attention(q, k, v) if core == "triton" else None
     if out is None and jax.default_backend() == "gpu":
-      out = fused_attention(q, k, v)
+      try:
+        out = fused_attention(q, k, v)
+      except Exception:  # noqa: BLE001  (a GPU or cuDNN the fused kernel refuses: "auto" takes XLA)
+        if not auto:
+          raise
     if out is not None:
       return out.astype(v.dtype)
   if core == "splash" and not return_probs and k_positions is q_positions:
