@@ -110,8 +110,8 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
 
 
 # The fused core "auto" takes on one GPU: "triton" (the pre-mixing kernel; cuDNN for the head
-# layouts it does not take) measured UMoE-base 143.7 ms a step against ... with "cudnn" on an H200
-# (BENCHMARKS.md, runs 22-23).
+# layouts it does not take): UMoE-base 143.7 ms a step and 27.2 GB, "cudnn" 143.7 ms and 31.6 GB on
+# an H200 (BENCHMARKS.md, runs 22-23).
 AUTO_GPU_CORE = "triton"
 
 
