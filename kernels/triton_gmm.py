@@ -360,5 +360,16 @@ def available() -> bool:
     return False
 
 
+def default_backend_is_gpu() -> bool:
+  """Triton and jax-triton import and JAX's default backend is a GPU: where the other Triton kernels
+  (attention core, top-k) launch (their modules' `available`)."""
+  if not (HAVE_TRITON and HAVE_JAX_TRITON):
+    return False
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:
+    return False
+
+
 GMM = triton_gmm
 TGMM = triton_tgmm

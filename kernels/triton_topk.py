@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON
+from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu
 
 if HAVE_TRITON:
   import triton
@@ -118,16 +118,12 @@ def supported_shapes(x: jax.Array, k: int) -> bool:
   return x.ndim == 2 and x.dtype in DTYPES and x.shape[0] >= 1 and 1 <= k <= x.shape[1] <= MAX_E
 
 
+available = default_backend_is_gpu  # (tests replace it to run the kernel in the interpreter)
+
+
 def supported(x: jax.Array, k: int) -> bool:
   """Whether the kernel takes x [N, E] and k here: a GPU with Triton and jax-triton, and
   `supported_shapes`."""
   return available() and supported_shapes(x, k)
 
 
-def available() -> bool:
-  if not (HAVE_TRITON and HAVE_JAX_TRITON):
-    return False
-  try:
-    return jax.default_backend() == "gpu"
-  except RuntimeError:
-    return False

@@ -130,3 +130,15 @@ def bf16_round(x) -> np.ndarray:
 
 def positions_for(b: int, t: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def run_in_triton_interpreter(module: str, check: str, marker: str, timeout: int = 300) -> None:
+  """Runs `<module>.<check>()` of a test module in a fresh CPU process with TRITON_INTERPRET=1 (it
+  must be set before Triton is imported) and asserts that it printed `marker`."""
+  import subprocess
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+  r = subprocess.run([sys.executable, "-c", f"import {module} as t; t.{check}()"],
+                     env=env, capture_output=True, text=True, timeout=timeout)
+  assert marker in r.stdout, r.stdout[-2000:] + r.stderr[-5000:]

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_in_triton_interpreter
 import kernels
 from kernels import schedule, triton_gmm, tuning
 from umoe_jax.ops import gmm as G
@@ -417,10 +416,4 @@ def _triton_interpreter_check():
 @pytest.mark.ci_required
 def test_triton_kernels_in_interpreter():
   pytest.importorskip("triton", reason="Triton is not installed (pip install triton; CI installs it)")
-  import subprocess
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-  r = subprocess.run([sys.executable, "-c", "import test_kernels as t; t._triton_interpreter_check()"],
-                     env=env, capture_output=True, text=True, timeout=300)
-  assert "TRITON_INTERPRETER_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+  run_in_triton_interpreter("test_kernels", "_triton_interpreter_check", "TRITON_INTERPRETER_OK")

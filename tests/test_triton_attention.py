@@ -9,13 +9,11 @@ UMoE pre-mixing attention (skewed routing) with core="triton" against core="xla"
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from conftest import run_in_triton_interpreter
 from kernels import attention_tiles as at
 from kernels import triton_attention as ta
 
@@ -224,10 +222,5 @@ def _interpreter_check():
 
 def test_kernels_in_interpreter_match_float64():
   pytest.importorskip("triton", reason="Triton is not installed")
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-  r = subprocess.run([sys.executable, "-c",
-                      "import test_triton_attention as t; t._interpreter_check()"],
-                     env=env, capture_output=True, text=True, timeout=400)
-  assert "TRITON_ATTENTION_INTERPRETER_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-5000:]
+  run_in_triton_interpreter("test_triton_attention", "_interpreter_check",
+                            "TRITON_ATTENTION_INTERPRETER_OK", timeout=400)

@@ -10,15 +10,13 @@ the router weights, bit for bit). GPU timing and the on-device check: bench/topk
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_in_triton_interpreter
 from kernels import triton_topk as tk
 from umoe_jax.ops import topk as topk_api
 
@@ -251,9 +249,4 @@ def _renormalized(gates):
 @pytest.mark.ci_required
 def test_kernel_in_interpreter_matches_lax_top_k():
   pytest.importorskip("triton", reason="Triton is not installed")
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-  r = subprocess.run([sys.executable, "-c", "import test_triton_topk as t; t._interpreter_check()"],
-                     env=env, capture_output=True, text=True, timeout=300)
-  assert "TRITON_TOPK_INTERPRETER_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-5000:]
+  run_in_triton_interpreter("test_triton_topk", "_interpreter_check", "TRITON_TOPK_INTERPRETER_OK")
