@@ -123,13 +123,13 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
   """
   layout = None
   if x.ndim == 3:
-    n_rows = x.shape[1]
-    if first_slot < 0 or n_rows < first_slot + slots:
+    per_token = x.shape[1]
+    if first_slot < 0 or per_token < first_slot + slots:
       raise ValueError(f"gather_gmm wants x [N, D] or [N, {first_slot + slots}, D] (slots "
                        f"{first_slot}..{first_slot + slots - 1} read; more rows per token may "
                        f"follow); got {x.shape}")
-    if (n_rows, first_slot) != (slots, 0):
-      layout = (n_rows, first_slot, slots)
+    if (per_token, first_slot) != (slots, 0):
+      layout = (per_token, first_slot, slots)
     x, fan_out = x.reshape(-1, x.shape[-1]), 1
   elif x.ndim == 2 and first_slot == 0:
     fan_out = slots

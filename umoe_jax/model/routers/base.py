@@ -27,8 +27,8 @@ class RouterOutput:
   # [B, T, K] bool: the slots that carry a pick (top-P's and expert choice's unused slots have gate
   # 0 and are left out of the load); None = every slot.
   slot_mask: Optional[jax.Array] = None
-  # [B, T, K] expert ids counted per sequence, [B, E] float32 over the active slots, when the router
-  # computed them for its balance loss (`ScoreRouter.output`); `pick_counts` reuses them.
+  # [B, E] float32: the picks per sequence and expert (active slots only), when the router counted
+  # them for its balance loss (`ScoreRouter.output`); `pick_counts` reuses them. None otherwise.
   sequence_counts: Optional[jax.Array] = None
 
 
