@@ -103,7 +103,8 @@ def test_attention_core_choice():
 
 
 def test_auto_core_is_the_fused_kernel_on_one_gpu_only(monkeypatch):
-  """core="auto" (the config default): AUTO_GPU_CORE on one GPU, XLA on several GPUs and off GPU;
+  """core="auto" (the config default): on one GPU the Triton core for values wider than the keys
+  (AUTO_GPU_WIDE_VALUE_CORE) and cuDNN for the rest; XLA on several GPUs and off GPU;
   here on CPU it computes the XLA form; a fused kernel that raises under "auto" falls back to XLA
   (an explicit "cudnn" lets the error through)."""
   from configs import common as configs
@@ -115,15 +116,17 @@ def test_auto_core_is_the_fused_kernel_on_one_gpu_only(monkeypatch):
              for shape in ((B, T, 2, 8), (B, T, 1, 8), (B, T, 1, 16)))
   pos = positions_for(B, T)
   want = causal_attention(q, k, v, pos, pos, core="xla")
-  for backend, devices, core in (("gpu", 1, common.AUTO_GPU_CORE), ("gpu", 2, "xla"),
-                                 ("cpu", 1, "xla"), ("tpu", 1, "xla")):
+  wide = common.AUTO_GPU_WIDE_VALUE_CORE
+  for backend, devices, dv, core in (("gpu", 1, 768, wide), ("gpu", 1, 192, "cudnn"),
+                                     ("gpu", 2, 768, "xla"), ("gpu", 8, 192, "xla"),
+                                     ("cpu", 1, 768, "xla"), ("tpu", 1, 192, "xla")):
     monkeypatch.setattr(common.jax, "default_backend", lambda b=backend: b)
     monkeypatch.setattr(common.jax, "device_count", lambda d=devices: d)
-    assert common.auto_core() == core, (backend, devices)
+    assert common.auto_core(192, dv) == core, (backend, devices, dv)
   # a GPU whose fused kernel refuses the call: "auto" answers with XLA, "cudnn" raises
   monkeypatch.setattr(common.jax, "device_count", lambda: 1)
   monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(common, "AUTO_GPU_CORE", "cudnn")
+  monkeypatch.setattr(common, "AUTO_GPU_WIDE_VALUE_CORE", "cudnn")
 
   def refuse(*a, **kw):
     raise RuntimeError("no cuDNN here")

@@ -109,18 +109,20 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
   return out.reshape(b, t, c, h, dk).transpose(0, 1, 3, 2, 4).reshape(b, t, h, dv)
 
 
-# The fused core "auto" takes on one GPU: "triton" (the pre-mixing kernel; cuDNN for the head
-# layouts it does not take): UMoE-base 143.7 ms a step and 27.2 GB, "cudnn" 143.7 ms and 31.6 GB on
-# an H200 (BENCHMARKS.md, runs 22-23).
-AUTO_GPU_CORE = "triton"
+# The fused core "auto" takes on one GPU for values wider than the keys (pre-mixing): "triton"
+# measured UMoE-base 143.7 ms a step and 27.2 GB, "cudnn" 143.7 ms and 31.6 GB on an H200
+# (BENCHMARKS.md, runs 22-23). Values as wide as the keys (MHA, MoA, SwitchHead) take cuDNN's own
+# kernel: the Triton one is not measured against it there.
+AUTO_GPU_WIDE_VALUE_CORE = "triton"
 
 
-def auto_core() -> str:
-  """What `core="auto"` (the default) runs: AUTO_GPU_CORE on one GPU; "xla" on several (the Triton
-  kernel's custom call is not partitioned by XLA, and cuDNN's pre-mixing layout is not measured
-  there) and off GPU (TPU: "splash" is not validated on a TPU yet)."""
+def auto_core(head_dim: int, value_dim: int) -> str:
+  """What `core="auto"` (the default) runs for keys of head_dim and values of value_dim: on one
+  GPU AUTO_GPU_WIDE_VALUE_CORE when value_dim > head_dim, else "cudnn"; "xla" on several GPUs (the
+  Triton kernel's custom call is not partitioned by XLA, and no fused core is measured there) and
+  off GPU (TPU: "splash" is not validated on a TPU yet)."""
   if jax.default_backend() == "gpu" and jax.device_count() == 1:
-    return AUTO_GPU_CORE
+    return AUTO_GPU_WIDE_VALUE_CORE if value_dim > head_dim else "cudnn"
   return "xla"
 
 
@@ -137,7 +139,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
       post-mixing's slots without a pick).
     return_probs: also return the attention probabilities [B, H, T, S] float32 (for routers that
       read them, `router.kind='attention_aware'`).
-    core: `model.attention.core`: "auto" = `auto_core()`; "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
+    core: `model.attention.core`: "auto" = `auto_core(Dk, Dv)`; "xla" materialises the float32 scores; "cudnn" runs cuDNN's fused
       causal kernel (`fused_attention`) on GPU when the queries attend to their own keys
       (`k_positions is q_positions`: no cache) and nobody asks for the probabilities, and the XLA
       form elsewhere (CPU, TPU, decoding, other shapes). "triton" runs the Triton kernel of one
@@ -154,7 +156,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   if core not in ATTENTION_CORES:
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
   auto = core == "auto"
-  core = auto_core() if auto else core
+  core = auto_core(q.shape[-1], v.shape[-1]) if auto else core
   if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
     out = triton_attention(q, k, v) if core == "triton" else None
     if out is None and jax.default_backend() == "gpu":
