@@ -130,3 +130,15 @@ def bf16_round(x) -> np.ndarray:
 
 def positions_for(b: int, t: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def jaxpr_avals(jaxpr):
+  """The avals of every array a Jaxpr creates, with those of the jaxprs inside it (scans, jits,
+  conds, ...): what a memory claim ("no [N, V] array") is checked against."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval for v in eqn.outvars)
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)   # a ClosedJaxpr's Jaxpr, or a Jaxpr
+        if hasattr(inner, "eqns"):
+          yield from jaxpr_avals(inner)

@@ -1,4 +1,4 @@
-"""The LM head fused with the softmax cross-entropy, chunked over tokens (`train.loss_chunk_tokens`).
+"""The LM head fused with the softmax cross-entropy, chunked over tokens (train.loss_chunk_tokens).
 
     nll_sum, count = chunked_token_nll(h, w, targets, loss_mask, chunk_tokens=4096)
 
