@@ -16,6 +16,7 @@ from umoe_jax.model.layers import logits_dot
 from umoe_jax.ops.chunked_loss import chunked_token_nll
 
 B, T, D, V = 3, 5, 16, 37   # N = 15 tokens
+G = 2.5                     # the cotangent of the nll sum (the step's is 1 / tokens)
 
 
 def _inputs(seed: int, dtype):
@@ -29,7 +30,7 @@ def _inputs(seed: int, dtype):
 
 
 def _numpy_reference(h, w, targets, mask):
-  """(nll sum, count, dh, dw) in float64 from the (rounded) inputs."""
+  """(nll sum, count, dh, dw of G * nll sum) in float64 from the (rounded) inputs."""
   h = np.asarray(h, np.float64).reshape(-1, D)
   w = np.asarray(w, np.float64)
   t = np.asarray(targets).reshape(-1)
@@ -40,12 +41,14 @@ def _numpy_reference(h, w, targets, mask):
   nll = np.sum(m * (lse - logits[np.arange(len(t)), t]))
   dlogits = np.exp(logits - lse[:, None])
   dlogits[np.arange(len(t)), t] -= 1.0
-  dlogits *= m[:, None]
+  dlogits *= G * m[:, None]
   return nll, m.sum(), (dlogits @ w.T).reshape(B, T, D), h.T @ dlogits
 
 
-def _value_and_grads(loss, h, w):
-  (nll, count), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
+def _value_and_grads(nll_and_count, h, w):
+  """(nll sum, count, dh, dw of G * nll sum)."""
+  loss = lambda h, w: (lambda nll, count: (G * nll, (nll, count)))(*nll_and_count(h, w))
+  (_, (nll, count)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)
   return nll, count, *grads
 
 
