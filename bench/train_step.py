@@ -315,7 +315,8 @@ def main():
           f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
           f"loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
           f"(check {'ok' if r['loss_check'] else 'FAILED'})  compile {r['compile_s']:.0f}s  "
-          f"mem {r['peak_mem_gb']:.1f} GB")
+          f"mem {r['peak_mem_gb']:.1f} GB"
+          + (f"  loss chunks {r['loss_chunk_tokens']}" if r.get("loss_chunk_tokens") else ""))
     except Exception as e:  # noqa: BLE001  (report and go on with the next row)
       log(f"{name} {layout}: FAILED {type(e).__name__}: {str(e)[:400]}")
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))
