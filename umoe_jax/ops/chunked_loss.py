@@ -13,10 +13,11 @@ MaxText / Liger pay), forms its logit cotangent g * weight * (softmax - onehot) 
 inputs' dtype (as `logits_dot`'s backward rounds it), and contracts it at once: dh of the chunk,
 and dW accumulated over chunks in float32 (the scan carry).
 
-Chunk k holds rows k, k + K, k + 2K, ... of the flattened tokens (K chunks), not a contiguous slab:
-with the batch split over devices every chunk is split over all of them, as the step's
-micro-batches are (a contiguous chunk would sit on one device and serialise the others). N is
-padded to K * C with weight-0 rows; C = ceil(N / K) <= chunk_tokens keeps the padding below K.
+Chunk k holds rows k, k + K, k + 2K, ... of the flattened tokens (K chunks), not a contiguous slab,
+as the step's micro-batches take rows: with the batch split over devices (and C a multiple of
+their count) every chunk is split over all of them, where a contiguous chunk would lie on few
+(not yet run on several devices). N is padded to K * C with weight-0 rows; C = ceil(N / K) <=
+chunk_tokens keeps the padding below K rows.
 """
 from __future__ import annotations
 
