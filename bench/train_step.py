@@ -8,6 +8,7 @@ memory. Usage (GPU):
   python bench/train_step.py --configs=dense_base,umoe_base --batch=32 --seq_len=1024 \
       [--layouts=single,data,expert] [--gmm_backend=auto] [--remat[=block|dots|dots_no_batch]] [--out=$OUT] \
       [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather|ragged] [--chunks=C]
+      [--loss_chunk_tokens=N]   (train.loss_chunk_tokens: LM head + cross-entropy in N-token chunks)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
@@ -121,6 +122,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     config.train.global_batch_size = args.batch * n_dev
     config.train.seq_len = args.seq_len
     config.train.remat = args.remat
+    config.train.loss_chunk_tokens = args.loss_chunk_tokens
     config.train.grad_accum_steps = 1
     config.train.eval_every = 0
     config.mesh = layout_mesh(layout_kind, n_dev)
@@ -183,7 +185,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / n_dev,
              mfu=flops_tok * tok_s / (peak * n_dev), compile_s=compile_s, first_loss=first_loss,
              last_loss=last_loss, loss_check=ok, peak_mem_gb=mem.get("peak_bytes_in_use", 0) / 2**30,
-             gmm_backend=args.gmm_backend, remat=args.remat, capacity_factor=cf, exchange=exchange,
+             gmm_backend=args.gmm_backend, remat=args.remat,
+             loss_chunk_tokens=config.train.loss_chunk_tokens, capacity_factor=cf, exchange=exchange,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core,
              router_topk=model_cfg.router.topk_backend,
@@ -253,6 +256,9 @@ def main():
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
+  ap.add_argument("--loss_chunk_tokens", type=int, default=0,
+                  help="train.loss_chunk_tokens: the LM head and cross-entropy in chunks of this many "
+                       "tokens, never the full logits (0 = off, the default)")
   ap.add_argument("--attention_core", default=None, choices=["auto", "xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
   ap.add_argument("--router_topk", default=None, choices=["xla", "triton"],
@@ -309,7 +315,8 @@ def main():
           f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
           f"loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
           f"(check {'ok' if r['loss_check'] else 'FAILED'})  compile {r['compile_s']:.0f}s  "
-          f"mem {r['peak_mem_gb']:.1f} GB")
+          f"mem {r['peak_mem_gb']:.1f} GB"
+          + (f"  loss chunks {r['loss_chunk_tokens']}" if r.get("loss_chunk_tokens") else ""))
     except Exception as e:  # noqa: BLE001  (report and go on with the next row)
       log(f"{name} {layout}: FAILED {type(e).__name__}: {str(e)[:400]}")
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))

@@ -142,3 +142,15 @@ def run_in_triton_interpreter(module: str, check: str, marker: str, timeout: int
   r = subprocess.run([sys.executable, "-c", f"import {module} as t; t.{check}()"],
                      env=env, capture_output=True, text=True, timeout=timeout)
   assert marker in r.stdout, r.stdout[-2000:] + r.stderr[-5000:]
+
+
+def jaxpr_avals(jaxpr):
+  """The avals of every array a Jaxpr creates, with those of the jaxprs inside it (scans, jits,
+  conds, ...): what a memory claim ("no [N, V] array") is checked against."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval for v in eqn.outvars)
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)   # a ClosedJaxpr's Jaxpr, or a Jaxpr
+        if hasattr(inner, "eqns"):
+          yield from jaxpr_avals(inner)

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import configs.common
-from conftest import random_module
+from conftest import jaxpr_avals, random_module, rel_err
 from umoe_jax.config import ConfigError, model_config
 from umoe_jax.model.lm import CausalLM
 from umoe_jax.train import checkpoint as ckpt_lib
@@ -221,6 +221,82 @@ def test_grad_accumulation_and_remat_match_plain_step():
                                   s1["routers"][name]["expert_counts"])
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-6)
+
+
+def test_loss_chunk_tokens_step_matches_plain_step():
+  """train.loss_chunk_tokens > 0 (the LM head and the cross-entropy in token chunks,
+  umoe_jax/ops/chunked_loss.py) takes the same step as the full logits: loss, gradient norm and
+  updated parameters (float32, a loss mask, 16 tokens in 3 chunks of 6 with padding; both steps in
+  one compilation; SGD so the update is the gradient itself)."""
+  c = tiny().model
+  c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
+  c.moe.update(dict(n_experts=4, d_expert=8))
+  c.ffn.top_k, c.attention.top_k, c.attention.head_dim, c.attention.q_lora_rank = 2, 1, 8, 4
+  cfg = model_config(c)
+  parts = state_lib.model_parts(cfg)
+  params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
+                                      nnx.Param))
+  tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, cfg.vocab_size)
+  mask = (jax.random.uniform(jax.random.key(5), (2, 8)) > 0.25).astype(jnp.float32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+  tx = optax.sgd(1.0)
+  state = state_lib.state_with_params(params, tx, 0)
+
+  def both(st, b):
+    return {n: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
+                                   schedule=optax.constant_schedule(1.0), loss_chunk_tokens=n)
+            for n in (0, 6)}
+
+  out = jax.jit(both)(state, batch)
+  (plain, m0), (chunked, m1) = out[0], out[6]
+  assert int(m0["applied"]) == int(m1["applied"]) == 1
+  for key in ("loss", "lm_loss", "balance_loss", "grad_norm", "tokens"):
+    np.testing.assert_allclose(m1[key], m0[key], rtol=1e-6, err_msg=key)
+  assert float(m0["tokens"]) == float(mask.sum()) < mask.size
+  old = jax.tree_util.tree_leaves_with_path(params)
+  for (path, p0), p1, p in zip(jax.tree_util.tree_leaves_with_path(plain.params),
+                               jax.tree.leaves(chunked.params), [x for _, x in old]):
+    key = jax.tree_util.keystr(path)
+    assert rel_err(p1, p0) < 1e-6, key
+    step0, step1 = np.float64(p0) - np.float64(p), np.float64(p1) - np.float64(p)
+    if np.abs(step0).max() > 1e-6:    # the update (the gradient) itself, where there is one
+      assert rel_err(step1, step0) < 1e-5, (key, rel_err(step1, step0))
+  assert rel_err(chunked.params["lm_head"], params["lm_head"]) > 1e-3  # the step moved the head
+
+
+def test_loss_chunk_tokens_reaches_the_trainers_step():
+  """config.train.loss_chunk_tokens reaches the step train.py builds (loop.config_programs): that
+  program holds no [B, T, V] logits, the default's does (traced only, not compiled)."""
+  from umoe_jax.parallel import mesh as mesh_lib, sharding
+  c = tiny()
+  c.model.update(dict(n_layers=1, d_model=16))
+  c.train.update(dict(global_batch_size=4, seq_len=8))   # 32 tokens: not d_model (the head [D, V])
+  model_cfg = train_config.validate(c)
+  mesh = mesh_lib.make_mesh(c.get("mesh"), devices=jax.devices()[:1])
+  rules = sharding.normalize_rules(c.get("sharding_rules"))
+  batch = {k: jax.ShapeDtypeStruct((4, 8), jnp.int32) for k in ("inputs", "targets")}
+  logits_shapes = {(4, 8, model_cfg.vocab_size), (32, model_cfg.vocab_size)}
+
+  def has_logits(loss_chunk_tokens):
+    c.train.loss_chunk_tokens = loss_chunk_tokens
+    progs = loop.config_programs(c, model_cfg, mesh, rules)
+    jaxpr = progs.train_fn.trace(progs.abstract, batch).jaxpr
+    return any(tuple(getattr(a, "shape", ())) in logits_shapes for a in jaxpr_avals(jaxpr.jaxpr))
+
+  assert has_logits(0) and not has_logits(4)
+
+
+
+@pytest.mark.parametrize("value", [-1, True, 2.5, "4096"])
+def test_loss_chunk_tokens_config_check(value):
+  c = tiny()
+  c.train.loss_chunk_tokens = 4096
+  train_config.validate(c)
+  with c.train.ignore_type():   # (ml_collections refuses a float or str itself, naming the field)
+    c.train.loss_chunk_tokens = value
+  with pytest.raises(ConfigError, match=re.escape(f"train.loss_chunk_tokens={value!r} must be an "
+                                                  "integer >= 0")):
+    train_config.validate(c)
 
 
 def test_train_step_passes_the_step_to_scheduled_routers():

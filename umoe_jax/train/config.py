@@ -54,6 +54,8 @@ def default_train_config() -> ml_collections.ConfigDict:
       # decoder-block rematerialisation: none|block|dots|dots_no_batch, or (older configs) a bool
       remat=config_dict.FieldReference("none", field_type=object),
       on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
+      loss_chunk_tokens=0,         # > 0: LM head + cross-entropy in chunks of this many tokens
+                                   # (no [tokens, V] logits; umoe_jax/ops/chunked_loss.py); 0: off
       max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
       log_every=50,                # steps between console / TensorBoard / JSONL records
       eval_every=1000,             # steps between validation passes; 0 disables
@@ -150,6 +152,9 @@ def check_train(train: Any, model: ModelConfig) -> None:
   from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
   _check(isinstance(t.remat, bool) or (isinstance(t.remat, str) and t.remat in REMAT_POLICIES),
          f"train.remat={t.remat!r}; valid: {', '.join(REMAT_POLICIES)}")
+  n = t.loss_chunk_tokens
+  _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
+         f"train.loss_chunk_tokens={n!r} must be an integer >= 0 (0: the full logits, no chunks)")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
   _check(t.max_consecutive_skips >= 0,
