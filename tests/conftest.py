@@ -154,3 +154,18 @@ def jaxpr_avals(jaxpr):
         inner = getattr(sub, "jaxpr", sub)   # a ClosedJaxpr's Jaxpr, or a Jaxpr
         if hasattr(inner, "eqns"):
           yield from jaxpr_avals(inner)
+
+
+def micro_umoe(seed: int = 0):
+  """A one-layer float32 UMoE (d_model 16, 4 experts) whose train step compiles in seconds, with
+  random parameters: (model config, `state.model_parts`, the parameters as a pure dict)."""
+  from umoe_jax.model.lm import CausalLM
+  from umoe_jax.train import state as state_lib
+  c = configs.common.experiment("umoe", "tiny").model
+  c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
+  c.moe.update(dict(n_experts=4, d_expert=8))
+  c.ffn.top_k, c.attention.top_k, c.attention.head_dim, c.attention.q_lora_rank = 2, 1, 8, 4
+  cfg = model_config(c)
+  params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), seed),
+                                      nnx.Param))
+  return cfg, state_lib.model_parts(cfg), params

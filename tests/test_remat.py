@@ -8,29 +8,19 @@ import jax
 from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
 import pytest
-from flax import nnx
 
 import configs.common
-from conftest import random_module
-from umoe_jax.config import ConfigError, model_config
-from umoe_jax.model.lm import CausalLM
+from conftest import micro_umoe
+from umoe_jax.config import ConfigError
 from umoe_jax.model.remat import POLICIES, policy_name
 from umoe_jax.train import config as train_config
-from umoe_jax.train import state as state_lib
 from umoe_jax.train import step as step_lib
 
 ORDER = ("none", "dots", "dots_no_batch", "block")  # most kept first
 
 
 def _tiny():
-  c = configs.common.experiment("umoe", "tiny").model
-  c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
-  c.moe.update(dict(n_experts=4, d_expert=8))
-  c.ffn.top_k, c.attention.top_k, c.attention.head_dim, c.attention.q_lora_rank = 2, 1, 8, 4
-  cfg = model_config(c)
-  parts = state_lib.model_parts(cfg)
-  params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
-                                      nnx.Param))
+  cfg, parts, params = micro_umoe()
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
   return parts, params, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import configs.common
-from conftest import jaxpr_avals, random_module, rel_err
+from conftest import jaxpr_avals, micro_umoe, random_module, rel_err
 from umoe_jax.config import ConfigError, model_config
 from umoe_jax.model.lm import CausalLM
 from umoe_jax.train import checkpoint as ckpt_lib
@@ -196,14 +196,7 @@ def test_no_weight_decay_on_norm_scales():
 def test_grad_accumulation_and_remat_match_plain_step():
   """Same gradient with 2 micro-batches and every block rematerialised as in one plain pass
   (float32; both options in one compilation to keep the test cheap)."""
-  c = tiny().model
-  c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
-  c.moe.update(dict(n_experts=4, d_expert=8))
-  c.ffn.top_k, c.attention.top_k, c.attention.head_dim, c.attention.q_lora_rank = 2, 1, 8, 4
-  cfg = model_config(c)
-  parts = state_lib.model_parts(cfg)
-  params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
-                                      nnx.Param))
+  cfg, parts, params = micro_umoe()
   tokens = jax.random.randint(jax.random.key(1), (4, 9), 0, cfg.vocab_size)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
@@ -228,14 +221,7 @@ def test_loss_chunk_tokens_step_matches_plain_step():
   umoe_jax/ops/chunked_loss.py) takes the same step as the full logits: loss, gradient norm and
   updated parameters (float32, a loss mask, 16 tokens in 3 chunks of 6 with padding; both steps in
   one compilation; SGD so the update is the gradient itself)."""
-  c = tiny().model
-  c.update(dict(n_layers=1, d_model=16, compute_dtype="float32"))
-  c.moe.update(dict(n_experts=4, d_expert=8))
-  c.ffn.top_k, c.attention.top_k, c.attention.head_dim, c.attention.q_lora_rank = 2, 1, 8, 4
-  cfg = model_config(c)
-  parts = state_lib.model_parts(cfg)
-  params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
-                                      nnx.Param))
+  cfg, parts, params = micro_umoe()
   tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, cfg.vocab_size)
   mask = (jax.random.uniform(jax.random.key(5), (2, 8)) > 0.25).astype(jnp.float32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
