@@ -3,7 +3,8 @@
 For each config (default: umoe_base and dense_base, 32 x 1024 tokens, bf16 compute, f32 params):
   block      one DecoderBlock, forward and forward+backward (gradients of parameters and input);
   attention  its attention sub-layer alone (norm + attention, including the routed experts it calls);
-  ffn        its FFN sub-layer alone (norm + FFN / MoE FFN).
+  ffn        its FFN sub-layer alone (norm + FFN / MoE FFN); with a dense config in the same run,
+             issue 15's target for each MoE FFN: fwd+bwd <= 1.3x its FLOPs at the dense FFN's rate.
 And the attention core (scores, causal softmax, mix) at the config's shapes:
   xla        `causal_attention` (what the models run: scores materialised in float32);
   cudnn      the same call with `core="cudnn"` (`fused_attention`: cuDNN's fused kernel; pre-mixing's
@@ -40,6 +41,33 @@ def core_shapes(mcfg):
     heads = att.top_k + (1 if att.n_shared_experts else 0)
     return (heads, att.head_dim), (1, att.head_dim), (1, d)
   return (att.n_heads, att.head_dim), (att.n_heads, att.head_dim), (att.n_heads, att.v_head_dim)
+
+
+def ffn_flops(mcfg, tokens: int) -> float:
+  """Forward FLOPs of one FFN sub-layer over `tokens` tokens: its routed experts at the FFN's top_k,
+  its always-on expert and its router (umoe_jax.stats' MAC counts, x 2)."""
+  from umoe_jax import stats
+  per_token = sum(stats.ffn_stats(mcfg.ffn.kind).token_macs(mcfg).values())
+  if mcfg.ffn_uses_experts:
+    aoe = mcfg.router_for("ffn").kind == "aoe"
+    per_token += mcfg.ffn.top_k * stats.routed_expert(mcfg, aoe)[0]
+  return 2.0 * per_token * tokens
+
+
+def ffn_targets(results: dict) -> dict:
+  """Issue 15's FFN target per MoE config of this run, against the dense config of the same run:
+  allowed fwd+bwd ms = 1.3 x (its FFN FLOPs at the dense FFN's achieved FLOP rate)."""
+  dense = [r for r in results.values() if not r["ffn_moe"] and r.get("ffn_fwd_bwd")]
+  if not dense:
+    return {}
+  rate = 3 * dense[0]["ffn_flops"] / (dense[0]["ffn_fwd_bwd"] * 1e-3)   # FLOP/s, fwd+bwd = 3x fwd
+  out = {}
+  for name, r in results.items():
+    if r["ffn_moe"] and r.get("ffn_fwd_bwd"):
+      allowed = 1.3 * 3 * r["ffn_flops"] / rate * 1e3
+      out[name] = dict(ffn_fwd_bwd_ms=r["ffn_fwd_bwd"], allowed_ms=allowed,
+                       dense_ffn_tflops=rate / 1e12, ratio=r["ffn_fwd_bwd"] / allowed)
+  return out
 
 
 def rel(a, b):
@@ -122,6 +150,8 @@ def breakdown(name, batch, seq_len, attention_core):
     except Exception as e:  # noqa: BLE001
       log(f"  {name}: {fused} core failed: {repr(e)[:300]}")
   row["n_layers"] = mcfg.n_layers
+  row["ffn_moe"] = bool(mcfg.ffn_uses_experts)
+  row["ffn_flops"] = ffn_flops(mcfg, batch * seq_len)
   log(f"  {name}: " + ", ".join(f"{a} {b:.3g}" for a, b in row.items()))
   return row
 
@@ -145,9 +175,10 @@ def main():
   results = {}
   for name in args.configs.split(","):
     results[name] = breakdown(name, args.batch, args.seq_len, args.attention_core)
+  targets = ffn_targets(results)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "layer_breakdown.json"), "w") as f:
-    json.dump(results, f, indent=1)
+    json.dump({**results, "ffn_targets": targets}, f, indent=1)
   log("\nms per layer (fwd / fwd+bwd); x layers = per step")
   log(f"{'config':12s} {'block':>14s} {'attention':>14s} {'ffn':>14s} {'core xla':>14s} {'core cudnn':>14s} "
       f"{'core triton':>14s}")
@@ -156,6 +187,10 @@ def main():
     cells = [f"{g(p + '_fwd'):6.2f}/{g(p + '_fwd_bwd'):6.2f}"
              for p in ("block", "attention", "ffn", "core_xla", "core_cudnn", "core_triton")]
     log(f"{name:12s} " + " ".join(f"{c:>14s}" for c in cells))
+  for name, t in targets.items():
+    log(f"{name}: MoE FFN sub-layer fwd+bwd {t['ffn_fwd_bwd_ms']:.2f} ms; target (1.3x its FLOPs at the "
+        f"dense FFN's {t['dense_ffn_tflops']:.0f} TFLOP/s) {t['allowed_ms']:.2f} ms: "
+        f"{'met' if t['ratio'] <= 1 else 'not met'} ({t['ratio']:.2f}x the target)")
 
 
 if __name__ == "__main__":
