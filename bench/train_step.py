@@ -119,6 +119,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.model.attention.core = args.attention_core
     if args.router_topk is not None:
       config.model.router.topk_backend = args.router_topk
+    if args.fuse_activation:
+      config.model.moe.fuse_activation = True
     config.train.global_batch_size = args.batch * n_dev
     config.train.seq_len = args.seq_len
     config.train.remat = args.remat
@@ -189,7 +191,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              loss_chunk_tokens=config.train.loss_chunk_tokens, capacity_factor=cf, exchange=exchange,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core,
-             router_topk=model_cfg.router.topk_backend,
+             router_topk=model_cfg.router.topk_backend, fuse_activation=model_cfg.moe.fuse_activation,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
@@ -261,6 +263,8 @@ def main():
                        "tokens, never the full logits (0 = off, the default)")
   ap.add_argument("--attention_core", default=None, choices=["auto", "xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
+  ap.add_argument("--fuse_activation", action="store_true",
+                  help="model.moe.fuse_activation: the experts' activation inside the grouped matmuls")
   ap.add_argument("--router_topk", default=None, choices=["xla", "triton"],
                   help="model.router.topk_backend (default: the config's)")
   ap.add_argument("--attention_tiles", default=None,

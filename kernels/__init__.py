@@ -26,7 +26,7 @@ _log = logging.getLogger(__name__)
 AUTO_PRIORITY = {"triton": 20, "mosaic": 10, "megablox": 10}
 
 
-def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False):
+def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False, activations=False):
   if name in _gmm_api.BACKENDS:
     return
   try:
@@ -38,9 +38,11 @@ def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False):
   _gmm_api.BACKENDS.register(name)(_gmm_api.GmmBackend(
       gmm=getattr(mod, gmm_attr), tgmm=getattr(mod, tgmm_attr),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))),
-      auto_priority=AUTO_PRIORITY[name], available=mod.available, row_index=row_index))
+      auto_priority=AUTO_PRIORITY[name], available=mod.available, row_index=row_index,
+      fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else ()))
 
 
-_register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm", row_index=True)
+_register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm", row_index=True,
+          activations=True)
 _register("mosaic", "kernels.mgpu_gmm", "mgpu_gmm", "mgpu_tgmm")
 _register("megablox", "kernels.megablox_gmm", "megablox_gmm", "megablox_tgmm")

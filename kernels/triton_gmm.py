@@ -58,6 +58,29 @@ def split_width(width: int) -> tuple[int, int]:
 if HAVE_TRITON:
 
   @triton.jit
+  def _act(x, ACT: tl.constexpr):
+    """An activation of float32 x: ACT 1 = SiLU, 2 = ReLU, 0 = identity (FUSED_ACTIVATIONS)."""
+    if ACT == 1:
+      y = x * tl.sigmoid(x)
+    elif ACT == 2:
+      y = tl.maximum(x, 0.0)
+    else:
+      y = x
+    return y
+
+  @triton.jit
+  def _act_grad(x, ACT: tl.constexpr):
+    """The activation's derivative at float32 x (ACT as in `_act`)."""
+    if ACT == 1:
+      sig = tl.sigmoid(x)
+      y = sig * (1.0 + x * (1.0 - sig))
+    elif ACT == 2:
+      y = (x > 0.0).to(tl.float32)
+    else:
+      y = x * 0.0 + 1.0
+    return y
+
+  @triton.jit
   def _row_schedule(gs_ptr, M, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr):
     """Group-aligned row tiles: per segment (G groups + the zero tail) its size, tiles and prefix sums."""
     offs_g = tl.arange(0, GP)
@@ -83,10 +106,13 @@ if HAVE_TRITON:
                 compute, M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr,
                 s_bk: tl.constexpr, s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BN2: tl.constexpr, BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr,
-                ROW_DOT: tl.constexpr):
+                ROW_DOT: tl.constexpr, LHS_ACT: tl.constexpr, EPI_ACT: tl.constexpr):
     """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
     not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
-    `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>."""
+    `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>.
+    LHS_ACT: a is act(a) (the activation applied to the loaded tiles, in float32). EPI_ACT (with
+    ROW_DOT): d holds pre-activations: the dot is taken with act(d) and the output (before the scale)
+    is multiplied by act'(d) (gmm_combine's backward with the activation fused)."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
@@ -109,6 +135,8 @@ if HAVE_TRITON:
           a = tl.load(a_ptrs)
         else:
           a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        if LHS_ACT != 0:  # (act(0) = 0: masked columns stay zero)
+          a = _act(a.to(tl.float32), LHS_ACT).to(a_ptr.dtype.element_ty)
         if (KC % BK == 0) and (NO % (BN + BN2) == 0):
           b = tl.load(b_ptrs)
         else:
@@ -127,12 +155,17 @@ if HAVE_TRITON:
     row_mask = offs_m < row_end
     if ROW_DOT:  # per-row dot with another [M, NO] array, before the scale (dgates of gmm_combine)
       d_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
-      d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO), other=0.0)
-      part = tl.sum(acc * d.to(tl.float32), axis=1)
+      d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO),
+                  other=0.0).to(tl.float32)
+      part = tl.sum(acc * _act(d, EPI_ACT), axis=1)
+      if EPI_ACT != 0:
+        acc = acc * _act_grad(d, EPI_ACT)
       if BN2 > 0:
         d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
-                     other=0.0)
-        part += tl.sum(acc2 * d2.to(tl.float32), axis=1)
+                     other=0.0).to(tl.float32)
+        part += tl.sum(acc2 * _act(d2, EPI_ACT), axis=1)
+        if EPI_ACT != 0:
+          acc2 = acc2 * _act_grad(d2, EPI_ACT)
       tl.store(rd_ptr + pid_n * M + offs_m, part, mask=row_mask)
     if ROW_SCALE:
       scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
@@ -152,7 +185,8 @@ if HAVE_TRITON:
                   GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr, s_bn: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                   N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                  A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr):
+                  A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr,
+                  LHS_ACT: tl.constexpr = 0, EPI_ACT: tl.constexpr = 0):
     # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
@@ -165,7 +199,8 @@ if HAVE_TRITON:
         g, row0, row_end = _locate(pid_m, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
                   tl.minimum(g, G - 1), row0, row_end, pid % N_TILES, g < G,
-                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT)
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
+                  LHS_ACT, EPI_ACT)
     else:
       # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
       # pipeline prefetch the next tile's operands while this tile's epilogue stores.
@@ -175,22 +210,26 @@ if HAVE_TRITON:
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
                   g, row0, row_end, t % N_TILES, True,
-                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT)
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
+                  LHS_ACT, EPI_ACT)
       for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
                   tl.minimum(g, G - 1), row0, row_end, t % N_TILES, False,
-                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT)
+                  M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
+                  LHS_ACT, EPI_ACT)
 
   @triton.jit
   def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
                    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                    BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr):
+                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr,
+                   A_ACT: tl.constexpr = 0):
     # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
     # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
-    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
+    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy);
+    # A_ACT: a is act(a) first (`_act`, in float32, rounded to a's dtype).
     pid = tl.program_id(0)
     g = pid // (K_TILES * N_TILES)
     rest = pid % (K_TILES * N_TILES)
@@ -228,6 +267,8 @@ if HAVE_TRITON:
       else:
         a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :],
                     mask=rmask[:, None] & (offs_k[None, :] < K), other=0.0)
+      if A_ACT != 0:
+        a = _act(a.to(tl.float32), A_ACT).to(a_ptr.dtype.element_ty)
       if A_SCALE:
         a_scale = tl.load(a_scale_ptr + rows, mask=rmask, other=0.0)
         a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
@@ -296,12 +337,29 @@ def _placeholder():
 # JAX entry points.
 
 
+# Activations the kernels apply in their prologue / epilogue (`lhs_act`, `epi_act`), by kernel code.
+FUSED_ACTIVATIONS = {"silu": 1, "relu": 2}
+
+
+def _act_code(name, what):
+  if name is None:
+    return 0
+  if name not in FUSED_ACTIVATIONS:
+    raise ValueError(f"{what}={name!r}: the Triton kernels fuse {', '.join(FUSED_ACTIVATIONS)}")
+  return FUSED_ACTIVATIONS[name]
+
+
 def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
-               lhs_index=None, row_scale=None, row_dot=None):
+               lhs_index=None, row_scale=None, row_dot=None, lhs_act=None, epi_act=None):
   """Raw grouped matmul (see module docstring). `lhs_index` [M] int32: the operand's row r is
   lhs[lhs_index[r]] (lhs [N_src, K]; the permute gather fused into the kernel); `row_scale` [M]:
   output row r is multiplied by row_scale[r] (in float32, before the cast). `row_dot` [M, N_out]:
-  also return dots [M] float32, dots[r] = <output row r before the scale, row_dot[r]>."""
+  also return dots [M] float32, dots[r] = <output row r before the scale, row_dot[r]>.
+  `lhs_act` (a FUSED_ACTIVATIONS name): the operand is act(lhs). `epi_act` (with `row_dot`):
+  row_dot holds pre-activations z: dots[r] = <out[r], act(z[r])> and out[r] *= act'(z[r]) before
+  the scale."""
+  if epi_act is not None and row_dot is None:
+    raise ValueError("triton_gmm: epi_act needs row_dot (the pre-activations)")
   m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
   g, k, n = rhs.shape
   kc, no = (n, k) if transpose_rhs else (k, n)
@@ -324,15 +382,16 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
       out_shape=[jax.ShapeDtypeStruct((m, no), out_dtype), jax.ShapeDtypeStruct(dots_shape, jnp.float32)],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      **launch)
+      LHS_ACT=_act_code(lhs_act, "lhs_act"), EPI_ACT=_act_code(epi_act, "epi_act"), **launch)
   return out if row_dot is None else (out, dots.sum(axis=0))
 
 
 def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None,
-                lhs_index=None, rhs_index=None, lhs_scale=None):
+                lhs_index=None, rhs_index=None, lhs_scale=None, lhs_act=None):
   """Raw weight-gradient form; with `lhs_index` / `rhs_index` [M] the operands' row r is read at
   lhs[lhs_index[r]] / rhs[rhs_index[r]] (gathers fused into the kernel); with `lhs_scale` [M] the
-  lhs row r is multiplied by lhs_scale[r] (float32, rounded to lhs.dtype) before the product."""
+  lhs row r is multiplied by lhs_scale[r] (float32, rounded to lhs.dtype) before the product;
+  `lhs_act`: the lhs is act(lhs) first (a FUSED_ACTIVATIONS name)."""
   k, n = lhs.shape[1], rhs.shape[1]
   m = next((i.shape[0] for i in (lhs_index, rhs_index) if i is not None), lhs.shape[0])
   g = int(num_groups or group_sizes.shape[0])
@@ -348,7 +407,7 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
       lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale,
       kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
       M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None,
-      A_SCALE=lhs_scale is not None, **launch)
+      A_SCALE=lhs_scale is not None, A_ACT=_act_code(lhs_act, "lhs_act"), **launch)
 
 
 def available() -> bool:

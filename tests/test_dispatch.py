@@ -230,18 +230,29 @@ def _row_index_backend(monkeypatch):
   name = "test_row_index"
   xla = G.BACKENDS.get("xla")
 
+  acts = {"silu": jax.nn.silu, "relu": jax.nn.relu}
+  # the derivative by autodiff of the scalar function: independent of fused_dispatch's formulas
+  grad_of = lambda name: jnp.vectorize(jax.grad(acts[name]))
+
   def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None):
+             row_dot=None, lhs_act=None, epi_act=None):
+    if lhs_act is not None:
+      lhs = acts[lhs_act](lhs)
     if lhs_index is not None:
       lhs = jnp.take(lhs, lhs_index, axis=0)
     out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
-    dots = None if row_dot is None else jnp.einsum("md,md->m", out, row_dot)
+    dots = None
+    if row_dot is not None:
+      dots = jnp.einsum("md,md->m", out, row_dot if epi_act is None else acts[epi_act](row_dot))
+      if epi_act is not None:
+        out = out * grad_of(epi_act)(row_dot)
     if row_scale is not None:
       out = out * row_scale[:, None]
     return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
 
   def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-              lhs_scale=None):
+              lhs_scale=None, lhs_act=None):
+    lhs = lhs if lhs_act is None else acts[lhs_act](lhs)
     lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
     rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
     if lhs_scale is not None:
@@ -249,8 +260,45 @@ def _row_index_backend(monkeypatch):
     return xla.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
   monkeypatch.setitem(G.BACKENDS._entries, name, G.GmmBackend(
-      gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",), auto_priority=-1, row_index=True))
+      gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",), auto_priority=-1, row_index=True,
+      fused_activations=tuple(acts)))
   return name
+
+
+@pytest.mark.parametrize("backend", ["xla", "row_index"])
+@pytest.mark.parametrize("activation", ["silu", "relu"])
+def test_gmm_combine_with_the_activation_inside(backend, activation, monkeypatch):
+  """gmm_combine(z, activation=act) (`moe.fuse_activation`) equals gmm_combine(act(z)): values and
+  the gradients of z, the gates and the weight, float32, random routing with a masked slot; on a
+  backend that takes the activation into its kernels (row_index) and on one where XLA does it."""
+  from umoe_jax.ops import fused_dispatch
+  backend = _row_index_backend(monkeypatch) if backend == "row_index" else backend
+  rng = np.random.default_rng(21)
+  ids = jnp.asarray(ID_CASES["random"])
+  mask = jnp.asarray(rng.random(ids.shape) > 0.2)
+  z = jnp.asarray(rng.standard_normal((N * KS, F)), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((E, F, D)) / 3, jnp.float32)
+  gates = jnp.asarray(rng.random((N, KS)), jnp.float32) * mask
+  cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+  act = {"silu": jax.nn.silu, "relu": jax.nn.relu}[activation]
+
+  def fused(z, gates, w2):
+    plan = dispatch.make_plan(ids, E, mask)
+    return fused_dispatch.gmm_combine(z, w2, plan, gates, backend=backend, activation=activation)
+
+  def plain(z, gates, w2):
+    plan = dispatch.make_plan(ids, E, mask)
+    return fused_dispatch.gmm_combine(act(z), w2, plan, gates, backend=backend)
+
+  args = (z, gates, w2)
+  assert rel_err(jax.jit(fused)(*args), jax.jit(plain)(*args)) < 1e-6
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)
+  got = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2)))(*args)
+  want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(*args)
+  for name, a, b in zip(("z", "gates", "w_down"), got, want):
+    assert rel_err(a, b) < 1e-6, name
+  with pytest.raises(ValueError, match="activation='gelu'"):
+    fused_dispatch.gmm_combine(z, w2, dispatch.make_plan(ids, E), gates, activation="gelu")
 
 
 @pytest.mark.parametrize("backend", ["xla", "row_index"])

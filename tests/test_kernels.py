@@ -410,7 +410,55 @@ def _triton_interpreter_check():
       want = _ref_tgmm(lhs * scale[:, None] if a_scale else lhs, src_dy[idy] if b_index else dy, gs)
       np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
                                  err_msg=f"a_index={a_index} b_index={b_index} a_scale={a_scale}")
+    _check_fused_activations(T, m, k, n, gs, tile, rng, none)
   print("TRITON_INTERPRETER_OK")
+
+
+def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
+  """The activation codes of the kernels (moe.fuse_activation) against numpy: gmm with LHS_ACT
+  (operand act(a)); gmm^T with ROW_DOT + EPI_ACT (+ gathered rows and a row scale: gmm_combine's
+  backward: dots with act(z), output times act'(z) before the scale); tgmm with A_ACT + A_SCALE."""
+  g = len(gs)
+  sig = lambda x: 1.0 / (1.0 + np.exp(-x))
+  acts = {1: (lambda x: x * sig(x), lambda x: sig(x) * (1 + x * (1 - sig(x)))),   # silu
+          2: (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float32))}  # relu
+  z = rng.standard_normal((m, k)).astype(np.float32) * 2        # pre-activations [M, F]
+  w = rng.standard_normal((g, k, n)).astype(np.float32)
+  src_dy = rng.standard_normal((m // 2 + 1, n)).astype(np.float32)
+  idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
+  scale = rng.standard_normal(m).astype(np.float32)
+  cfg = tuning.TileConfig(*tile)
+  for code, (act, dact) in acts.items():
+    launch = T.gmm_launch(m, k, n, g, cfg, num_sms=2)
+    grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+    out = _NpTensor(np.full((m, n), np.nan, np.float32))
+    T._gmm_kernel[grid](_NpTensor(z), _NpTensor(w), _NpTensor(gs), none(), none(), none(), out,
+                        _NpTensor(np.zeros(1, np.float32)), M=m, KC=k, NO=n, G=g, s_bg=k * n,
+                        s_bk=n, s_bn=1, A_INDEX=False, ROW_SCALE=False, ROW_DOT=False,
+                        LHS_ACT=code, **launch)
+    np.testing.assert_allclose(out.arr, _ref_gmm(act(z), w, gs), rtol=1e-4, atol=1e-4,
+                               err_msg=f"LHS_ACT={code}")
+    launch = T.gmm_launch(m, n, k, g, cfg, num_sms=2)                  # gmm^T: [M, N] -> [M, K]
+    grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+    out = _NpTensor(np.full((m, k), np.nan, np.float32))
+    dots = _NpTensor(np.full((launch["N_TILES"], m), np.nan, np.float32))
+    T._gmm_kernel[grid](_NpTensor(src_dy), _NpTensor(w), _NpTensor(gs), _NpTensor(idy),
+                        _NpTensor(scale), _NpTensor(z), out, dots, M=m, KC=n, NO=k, G=g,
+                        s_bg=k * n, s_bk=1, s_bn=n, A_INDEX=True, ROW_SCALE=True, ROW_DOT=True,
+                        EPI_ACT=code, **launch)
+    u = _ref_gmm(src_dy[idy], w, gs, True)                             # [M, K], rows past the groups 0
+    np.testing.assert_allclose(dots.arr.sum(0), (u * act(z)).sum(-1), rtol=1e-4, atol=1e-3,
+                               err_msg=f"EPI_ACT={code} dots")
+    np.testing.assert_allclose(out.arr, u * dact(z) * scale[:, None], rtol=1e-4, atol=1e-4,
+                               err_msg=f"EPI_ACT={code}")
+    launch = T.tgmm_launch(m, k, n, g, cfg)
+    grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+    out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
+    T._tgmm_kernel[grid](_NpTensor(z), _NpTensor(src_dy), _NpTensor(gs), none(), _NpTensor(idy),
+                         _NpTensor(scale), out, M=m, K=k, N=n, G=g, A_INDEX=False, B_INDEX=True,
+                         A_SCALE=True, A_ACT=code, **launch)
+    np.testing.assert_allclose(out.arr, _ref_tgmm(act(z) * scale[:, None], src_dy[idy], gs),
+                               rtol=1e-4, atol=1e-4, err_msg=f"A_ACT={code}")
 
 
 @pytest.mark.ci_required

@@ -2,6 +2,7 @@
 counts of the paper models; initialisation statistics."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 import configs.common as common
 import reference as R
 from conftest import numpy_params, positions_for, random_module, rel_err, tiny_config
+from umoe_jax.config import model_config
 from umoe_jax.model import CausalLM, abstract_model
 from umoe_jax.model.block import DecoderBlock
 
@@ -298,3 +300,40 @@ def test_logits_dot_backward_runs_in_the_input_dtype_and_matches_float64():
   h32, w32 = jnp.asarray(h64, jnp.float32), jnp.asarray(w64, jnp.float32)
   dh32, dw32 = jax.grad(loss, argnums=(0, 1))(h32, w32)
   assert rel_err(dh32, cot64 @ w64.T) < 1e-5 and rel_err(dw32, h64.reshape(-1, 48).T @ cot64.reshape(-1, 200)) < 1e-5
+
+
+def test_fused_expert_activation_gives_the_same_model():
+  """moe.fuse_activation=True (the routed experts' SiLU inside the last grouped matmul) computes
+  the same logits and parameter gradients as the plain pool (float32, a 2-layer UMoE)."""
+  cfg = _lm_config("umoe")
+  fused_cfg = model_config(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, fuse_activation=True)))
+  model = random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)), 12)
+  graphdef, params = nnx.split(model, nnx.Param)
+  fused_graphdef, _ = nnx.split(CausalLM(fused_cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+  tokens = jnp.asarray(_tokens(5, cfg.vocab_size))
+
+  def loss(graphdef):
+    def fn(params):
+      logits, aux = nnx.merge(graphdef, params)(tokens[:, :-1])
+      logp = jax.nn.log_softmax(logits, axis=-1)
+      return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)) + aux["balance_loss"]
+    return jax.jit(jax.value_and_grad(fn))
+
+  (v0, g0), (v1, g1) = loss(graphdef)(params), loss(fused_graphdef)(params)
+  assert abs(float(v1) - float(v0)) < 1e-6 * abs(float(v0))
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    assert rel_err(a, b) < 1e-5
+
+
+def test_fuse_activation_config_is_checked():
+  from configs import common as configs
+  from umoe_jax.config import ConfigError
+  m = configs.model("umoe", "tiny")
+  m.moe.fuse_activation = True
+  assert model_config(m).moe.fuse_activation
+  for key, value in (("activation", "gelu"), ("gated", True)):
+    bad = configs.model("umoe", "tiny")
+    bad.moe.fuse_activation = True
+    setattr(bad.moe, key, value)
+    with pytest.raises(ConfigError, match=r"model\.moe\.fuse_activation=True .*silu, relu"):
+      model_config(bad)

@@ -197,18 +197,22 @@ def test_auto_picks_the_fastest_expected_kernel_on_gpu():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_slot", [False, True])
-@pytest.mark.parametrize("routing", ["random", "skewed_90pct", "masked"])
+@pytest.mark.parametrize("routing", ["random", "skewed_90pct", "masked", "fused_silu", "fused_relu"])
 def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   """gather_gmm + gmm_combine (the dispatch fused into the kernels: row gathers, per-row gate
   scaling) against the unfused float32 XLA layer: values and the gradients of x, gates, w_up, w_down.
   "masked": half the slots carry no pick (gate 0, `make_plan(..., slot_mask)`: the kernels' zero
-  tail) against the reference running every slot; the gates' gradient compared where they pick."""
+  tail) against the reference running every slot; the gates' gradient compared where they pick.
+  "fused_<act>": random routing with the activation inside the last matmul
+  (`gmm_combine(activation=...)`, `moe.fuse_activation`) against the reference applying it."""
   from umoe_jax.ops import dispatch as D
   from umoe_jax.ops import fused_dispatch as FD
   _require(backend)
   n, k, e, d, f = 1000, 6, 16, 192, 256
   rng = np.random.default_rng(_seed("fused_ids", per_slot, routing))
-  if routing in ("random", "masked"):
+  act_name = routing[len("fused_"):] if routing.startswith("fused_") else None
+  act = {"silu": jax.nn.silu, "relu": jax.nn.relu}[act_name or "relu"]
+  if routing in ("random", "masked") or act_name:
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])
   else:  # 90% of the tokens put all their slots on experts 0..k-1
     ids = np.stack([np.arange(k) if rng.random() < 0.9 else rng.choice(e, k, replace=False)
@@ -227,14 +231,15 @@ def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
 
   def fused(x, g, a, b):
     plan = D.make_plan(ids, e, mask)
-    h = jax.nn.relu(FD.gather_gmm(x, a, plan, k, backend=backend))
-    return FD.gmm_combine(h, b, plan, g, backend=backend)
+    up = FD.gather_gmm(x, a, plan, k, backend=backend)
+    if act_name:
+      return FD.gmm_combine(up, b, plan, g, backend=backend, activation=act_name)
+    return FD.gmm_combine(act(up), b, plan, g, backend=backend)
 
   def reference(x, g, a, b):
     plan = D.make_plan(ids, e)
     f32 = lambda t: t.astype(jnp.float32)
-    fn = lambda r, gs: G.gmm(jax.nn.relu(G.gmm(r, f32(a), gs, backend="xla")), f32(b), gs,
-                             backend="xla")
+    fn = lambda r, gs: G.gmm(act(G.gmm(r, f32(a), gs, backend="xla")), f32(b), gs, backend="xla")
     return D.apply_experts(f32(x), plan, g, fn)
 
   out = jax.jit(fused)(x, gates, w1, w2)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init
 from umoe_jax.ops import dispatch
-from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
+from umoe_jax.ops.fused_dispatch import FUSABLE_ACTIVATIONS, gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import expert_parallel, expert_routes
 from umoe_jax.parallel import rules as ax
@@ -25,9 +25,11 @@ class ExpertPool(nnx.Module):
   """
 
   def __init__(self, n_experts: int, d_model: int, d_expert: int, *, activation: str, std: float,
-               param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs, gated: bool = False):
+               param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs, gated: bool = False,
+               fuse_activation: bool = False):
     self.n_experts = n_experts
     self.activation = activation
+    self.fuse_activation = fuse_activation
     self.compute_dtype = compute_dtype
     self.gmm_backend = gmm_backend
     self.w_up = make_param(rngs, normal_init(std), (n_experts, d_model, d_expert),
@@ -81,7 +83,8 @@ class ExpertPool(nnx.Module):
     return routed_mlp(x.astype(dt), plan, gates, self.w_up.value.astype(dt),
                       self.w_down.value.astype(dt),
                       None if self.w_gate is None else self.w_gate.value.astype(dt),
-                      activation=self.activation, backend=self.gmm_backend, first_slot=first_slot)
+                      activation=self.activation, backend=self.gmm_backend, first_slot=first_slot,
+                      fuse_activation=self.fuse_activation)
 
 
 def slot_rows(x: jax.Array, first_slot: int, slots: int) -> jax.Array:
@@ -93,14 +96,18 @@ def slot_rows(x: jax.Array, first_slot: int, slots: int) -> jax.Array:
 
 def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up: jax.Array,
                w_down: jax.Array, w_gate: jax.Array | None = None, *, activation: str,
-               backend: str, first_slot: int = 0) -> jax.Array:
+               backend: str, first_slot: int = 0, fuse_activation: bool = False) -> jax.Array:
   """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
   x [N, D] or [N, S, D] (slot k reads x[:, first_slot + k]), gates [N, K], w_up / w_gate
-  [E, D, F], w_down [E, F, D] -> [N, D]. (Also run per device by expert parallelism when the
-  expert axis is 1.)"""
+  [E, D, F], w_down [E, F, D] -> [N, D]. `fuse_activation` (`moe.fuse_activation`): a non-gated
+  pool's activation runs inside the last matmul (`gmm_combine(activation=...)`) where it can.
+  (Also run per device by expert parallelism when the expert axis is 1.)"""
   k = gates.shape[1]
   with jax.named_scope("expert_up"):
     up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot)
+  if fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS:
+    with jax.named_scope("expert_down"):
+      return gmm_combine(up, w_down, plan, gates, backend=backend, activation=activation)
   gate = None
   if w_gate is not None:
     with jax.named_scope("expert_gate"):

@@ -30,19 +30,51 @@ from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 
+# Activations `gmm_combine(activation=...)` can take inside its matmuls: name -> (act, act') on
+# float32 arrays (the same functions as the model's `layers.ACTIVATION_FNS` entries).
+def _silu_grad(z):
+  sig = jax.nn.sigmoid(z)
+  return sig * (1.0 + z * (1.0 - sig))
+
+
+FUSABLE_ACTIVATIONS = {
+    "silu": (jax.nn.silu, _silu_grad),
+    "relu": (jax.nn.relu, lambda z: (z > 0).astype(z.dtype)),
+}
+
+
+def _act(name, x):
+  """act(x) computed in float32 and returned in x's dtype (what the kernels do to a loaded tile)."""
+  return FUSABLE_ACTIVATIONS[name][0](x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _in_kernel(backend, act) -> bool:
+  return act is None or act in backend.fused_activations
+
+
 def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None):
-  """The backend's gmm with the row-index extras (see `GmmBackend.row_index`); XLA does them
-  around the kernel for other backends. With `row_dot` returns (out, dots [M] float32)."""
-  if backend.row_index:
+             row_dot=None, lhs_act=None, epi_act=None):
+  """The backend's gmm with the row-index extras (see `GmmBackend.row_index`) and the fused
+  activations (`GmmBackend.fused_activations`: `lhs_act`, the operand is act(lhs); `epi_act`, with
+  `row_dot` holding pre-activations z, dots use act(z) and the output is multiplied by act'(z));
+  XLA does them around the kernel for other backends. With `row_dot` returns (out, dots [M] f32)."""
+  if backend.row_index and _in_kernel(backend, lhs_act) and _in_kernel(backend, epi_act):
+    extra = {k: v for k, v in (("lhs_act", lhs_act), ("epi_act", epi_act)) if v is not None}
     return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                       lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot)
+                       lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot, **extra)
+  if lhs_act is not None:
+    lhs = _act(lhs_act, lhs)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   epilogue = row_scale is not None or row_dot is not None
   out = backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
                     out_dtype=jnp.float32 if epilogue else out_dtype)
-  dots = None if row_dot is None else jnp.sum(out * row_dot.astype(jnp.float32), axis=-1)
+  dots = None
+  if row_dot is not None:
+    z = row_dot.astype(jnp.float32)
+    dots = jnp.sum(out * (z if epi_act is None else FUSABLE_ACTIVATIONS[epi_act][0](z)), axis=-1)
+    if epi_act is not None:
+      out = out * FUSABLE_ACTIVATIONS[epi_act][1](z)
   if row_scale is not None:
     out = out * row_scale[:, None]
   out = out.astype(out_dtype)
@@ -50,10 +82,13 @@ def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None,
 
 
 def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-              lhs_scale=None):
-  if backend.row_index:
+              lhs_scale=None, lhs_act=None):
+  if backend.row_index and _in_kernel(backend, lhs_act):
+    extra = {} if lhs_act is None else {"lhs_act": lhs_act}
     return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype,
-                        lhs_index=lhs_index, rhs_index=rhs_index, lhs_scale=lhs_scale)
+                        lhs_index=lhs_index, rhs_index=rhs_index, lhs_scale=lhs_scale, **extra)
+  if lhs_act is not None:
+    lhs = _act(lhs_act, lhs)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   if rhs_index is not None:
@@ -151,12 +186,14 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
 
 
 @functools.lru_cache(maxsize=None)
-def _gmm_combine_fn(backend_name: str, slots: int):
+def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
+  """activation: h holds pre-activations z and the matmul's operand is act(z) (None: h itself)."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates):
-    y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype)     # [M, D]
+    y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype,
+                        lhs_act=activation)                                               # [M, D]
     y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
     return vary_like(combine(y, gates), varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
 
@@ -169,10 +206,12 @@ def _gmm_combine_fn(backend_name: str, slots: int):
     dout = dout.astype(h.dtype)                                                            # [N, D]
     token = order // slots                                                                 # [M]
     gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
+    # With the activation: dz = gate * u * act'(z) and dgate = <u, act(z)> in the same epilogue.
     dh, dgate_sorted = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
-                                lhs_index=token, row_scale=gate_sorted, row_dot=h)         # [M, F], [M]
+                                lhs_index=token, row_scale=gate_sorted, row_dot=h,
+                                epi_act=activation)                                        # [M, F], [M]
     drhs = _raw_tgmm(backend, h, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
-                     rhs_index=token, lhs_scale=gate_sorted)                               # [E, F, D]
+                     rhs_index=token, lhs_scale=gate_sorted, lhs_act=activation)           # [E, F, D]
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
             vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
@@ -182,12 +221,15 @@ def _gmm_combine_fn(backend_name: str, slots: int):
 
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
-                backend: str = "auto") -> jax.Array:
+                backend: str = "auto", activation: str | None = None) -> jax.Array:
   """`combine(unpermute(gmm(h, rhs, plan.group_sizes), plan), gates)`: the expert pool's last matmul,
-  un-sort and gate-weighted sum over slots in one differentiable op.
+  un-sort and gate-weighted sum over slots in one differentiable op. With `activation` (a
+  FUSABLE_ACTIVATIONS name) h holds the pre-activations z and the op is the same with act(z) for h:
+  the activation and its derivative run inside the matmuls (on backends that fuse it, else XLA),
+  so neither act(z) nor the backward's d act(z) is ever written.
 
   Args:
-    h: [M, F] rows in expert order.
+    h: [M, F] rows in expert order (pre-activations with `activation`).
     rhs: [E, F, D].
     plan: the plan that sorted the rows (expert ids [N, K]).
     gates: [N, K].
@@ -200,5 +242,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or rhs.shape[0] != plan.group_sizes.shape[0]:
     raise ValueError(f"gmm_combine: rhs {rhs.shape} does not fit h {h.shape} and "
                      f"{plan.group_sizes.shape[0]} groups")
-  return _gmm_combine_fn(resolve_backend(backend), k)(
+  if activation is not None and activation not in FUSABLE_ACTIVATIONS:
+    raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
+                     f"{', '.join(FUSABLE_ACTIVATIONS)}")
+  return _gmm_combine_fn(resolve_backend(backend), k, activation)(
       h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)

@@ -48,6 +48,9 @@ class GmmBackend:
       `lhs_index` / `rhs_index` / `lhs_scale` [M] (tgmm): operand rows read through an index, rows
       scaled and row dots taken inside the kernel, which lets `umoe_jax.ops.fused_dispatch` skip
       the permuted copies. Others get these done by XLA around the kernel.
+    fused_activations: activation names the row-index ops also apply inside the kernel: `lhs_act`
+      (gmm, tgmm: the operand is act(lhs)) and `epi_act` (gmm with `row_dot`: the dot is taken with
+      act(row_dot) and the output multiplied by act'(row_dot)); XLA does them for other names.
   """
   gmm: GmmFn
   tgmm: GmmFn
@@ -55,6 +58,7 @@ class GmmBackend:
   auto_priority: int = 0
   available: Callable[[], bool] = lambda: True
   row_index: bool = False
+  fused_activations: tuple[str, ...] = ()
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
