@@ -155,17 +155,22 @@ if HAVE_TRITON:
     row_mask = offs_m < row_end
     if ROW_DOT:  # per-row dot with another [M, NO] array, before the scale (dgates of gmm_combine)
       d_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
-      d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO),
-                  other=0.0).to(tl.float32)
-      part = tl.sum(acc * _act(d, EPI_ACT), axis=1)
-      if EPI_ACT != 0:
-        acc = acc * _act_grad(d, EPI_ACT)
+      d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO), other=0.0)
+      if EPI_ACT != 0:  # d holds pre-activations z: the dot with act(z), the output times act'(z)
+        z = d.to(tl.float32)
+        part = tl.sum(acc * _act(z, EPI_ACT), axis=1)
+        acc = acc * _act_grad(z, EPI_ACT)
+      else:
+        part = tl.sum(acc * d.to(tl.float32), axis=1)
       if BN2 > 0:
         d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
-                     other=0.0).to(tl.float32)
-        part += tl.sum(acc2 * _act(d2, EPI_ACT), axis=1)
+                     other=0.0)
         if EPI_ACT != 0:
-          acc2 = acc2 * _act_grad(d2, EPI_ACT)
+          z2 = d2.to(tl.float32)
+          part += tl.sum(acc2 * _act(z2, EPI_ACT), axis=1)
+          acc2 = acc2 * _act_grad(z2, EPI_ACT)
+        else:
+          part += tl.sum(acc2 * d2.to(tl.float32), axis=1)
       tl.store(rd_ptr + pid_n * M + offs_m, part, mask=row_mask)
     if ROW_SCALE:
       scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
