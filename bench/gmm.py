@@ -218,15 +218,18 @@ def routed_inputs(d, h, E, K, n=None, seed=5):
 DISPATCH_CONFIGS = (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10))
 
 
-def sweep_gathered(results, max_cands=8):
+def sweep_gathered(results, max_cands=8, configs=None, only_ops=None):
   """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
-  from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py."""
+  from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py. configs /
+  only_ops: DISPATCH_CONFIGS names / op names to run (None: all)."""
   import jax
   import jax.numpy as jnp
   from kernels import tuning, triton_gmm as TG
   from umoe_jax.ops import dispatch as D
-  best_rows = {}
+  best_rows, best_by_op = {}, {}
   for name, d, h, E, K in DISPATCH_CONFIGS:
+    if configs is not None and name not in configs:
+      continue
     x, ids, gates, w1, w2 = routed_inputs(d, h, E, K)
     plan = D.make_plan(ids, E)
     token_of_row = plan.order // K
@@ -234,18 +237,34 @@ def sweep_gathered(results, max_cands=8):
     dout = jax.random.normal(jax.random.key(9), x.shape, jnp.bfloat16)
     hrows = jax.random.normal(jax.random.key(8), (m, h), jnp.bfloat16)
     scale = jnp.take(gates.reshape(-1), plan.order).astype(jnp.float32)
-    ops = {  # op -> (flops, (kc, no), cfg -> jitted call, its args)
-        "gmm+gather": (2.0 * m * d * h, (d, h), lambda cfg: jax.jit(lambda x, w, gs, i: TG.triton_gmm(
-            x, w, gs, lhs_index=i, config=cfg)), (x, w1, plan.group_sizes, token_of_row)),
-        "gmm_t+gather": (2.0 * m * d * h, (d, h), lambda cfg: jax.jit(lambda o, w, gs, i, s, hr: TG.triton_gmm(
-            o, w, gs, transpose_rhs=True, lhs_index=i, row_scale=s, row_dot=hr, config=cfg)),
+    hscaled = (hrows.astype(jnp.float32) * scale[:, None]).astype(hrows.dtype)
+    ops = {  # name -> (table op, flops, (kc, no), cfg -> jitted call, its args)
+        "gmm+gather": ("gmm+gather", 2.0 * m * d * h, (d, h), lambda cfg: jax.jit(
+            lambda x, w, gs, i: TG.triton_gmm(x, w, gs, lhs_index=i, config=cfg)),
+            (x, w1, plan.group_sizes, token_of_row)),
+        "gmm_t+gather": ("gmm_t+gather", 2.0 * m * d * h, (d, h), lambda cfg: jax.jit(
+            lambda o, w, gs, i, s, hr: TG.triton_gmm(o, w, gs, transpose_rhs=True, lhs_index=i,
+                                                     row_scale=s, row_dot=hr, config=cfg)),
             (dout, w2, plan.group_sizes, token_of_row, scale, hrows)),
-        "tgmm+gather": (2.0 * m * d * h, (d, h), lambda cfg: jax.jit(lambda x, r, gs, i: TG.triton_tgmm(
-            x, r, gs, num_groups=E, lhs_index=i, config=cfg)), (x, hrows, plan.group_sizes, token_of_row)),
+        "tgmm+gather": ("tgmm+gather", 2.0 * m * d * h, (d, h), lambda cfg: jax.jit(
+            lambda x, r, gs, i: TG.triton_tgmm(x, r, gs, num_groups=E, lhs_index=i, config=cfg)),
+            (x, hrows, plan.group_sizes, token_of_row)),
+        # The last matmul's weight gradient as gmm_combine's backward takes it: gate-scaled rows
+        # (pre-scaled by XLA, the form it calls) against the gathered output gradient; then the same
+        # with the scale inside the kernel (the form before), for the comparison only.
+        "tgmm+gather (down)": ("tgmm+gather", 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
+            lambda a, o, gs, i: TG.triton_tgmm(a, o, gs, num_groups=E, rhs_index=i, config=cfg)),
+            (hscaled, dout, plan.group_sizes, token_of_row)),
+        "tgmm+gather+scale (down)": (None, 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
+            lambda a, o, gs, i, s: TG.triton_tgmm(a, o, gs, num_groups=E, rhs_index=i, lhs_scale=s,
+                                                  config=cfg)),
+            (hrows, dout, plan.group_sizes, token_of_row, scale)),
     }
-    for op, (fl, (kc, no), make, args) in ops.items():
+    for op, (table_op, fl, (kc, no), make, args) in ops.items():
+      if only_ops is not None and op not in only_ops:
+        continue
       best = (0.0, None)
-      for cfg in tuning.candidates("triton", op, kc, no, m)[:max_cands]:
+      for cfg in tuning.candidates("triton", table_op or "tgmm+gather", kc, no, m)[:max_cands]:
         try:
           tf = fl / (jax_ms(make(cfg), *args) / 1e3) / 1e12
         except Exception as e:  # noqa: BLE001
@@ -255,10 +274,16 @@ def sweep_gathered(results, max_cands=8):
         results.setdefault("sweep_gathered", []).append(dict(shape=name, op=op, cfg=str(cfg), tflops=tf))
         if tf > best[0]:
           best = (tf, cfg)
-      key = ("triton", op, kc, no, tuning.m_bucket(m))
+      best_by_op[(name, op)] = best
+      if table_op is None:  # a comparison row, not a tile for the table
+        continue
+      key = ("triton", table_op, kc, no, tuning.m_bucket(m))
       best_rows[key] = best
       if best[1] is not None:
         tuning.TABLE[key] = best[1]
+  log("best tile per call (TFLOP/s):")
+  for (name, op), (tf, cfg) in best_by_op.items():
+    log(f"  {name:6s} {op:26s} {tf:6.0f}  {cfg}")
   log("TABLE rows (gathered):")
   for key, (tf, cfg) in best_rows.items():
     log(f"  {key!r}: {cfg!r},  # {tf:.0f} TFLOP/s")
@@ -388,6 +413,10 @@ def main():
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
   ap.add_argument("--sweep-gathered", action="store_true", help="tiles of the fused-dispatch calls")
+  ap.add_argument("--gathered-configs", default="", help="with --sweep-gathered: base,large (default all)")
+  ap.add_argument("--gathered-ops", default="",
+                  help="with --sweep-gathered: ';'-separated call names (default all), e.g. "
+                       "'tgmm+gather (down);tgmm+gather+scale (down)'")
   ap.add_argument("--sweep-ops",
                   default="triton:gmm,gmm_t,tgmm;mosaic:gmm,gmm_t,tgmm;megablox:gmm,gmm_t,tgmm")
   ap.add_argument("--backends", default="triton,mosaic")
@@ -436,7 +465,9 @@ def main():
           log(traceback.format_exc())
     _save(args.out, results)
   if args.sweep_gathered and "triton" in backends:
-    sweep_gathered(results)
+    sweep_gathered(results, args.max_cands,
+                   args.gathered_configs.split(",") if args.gathered_configs else None,
+                   args.gathered_ops.split(";") if args.gathered_ops else None)
     _save(args.out, results)
 
   for name, M, K, N, E in shapes:

@@ -119,8 +119,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.model.attention.core = args.attention_core
     if args.router_topk is not None:
       config.model.router.topk_backend = args.router_topk
-    if args.fuse_activation:
-      config.model.moe.fuse_activation = True
+    if args.fuse_activation is not None:
+      config.model.moe.fuse_activation = bool(args.fuse_activation)
     config.train.global_batch_size = args.batch * n_dev
     config.train.seq_len = args.seq_len
     config.train.remat = args.remat
@@ -263,8 +263,9 @@ def main():
                        "tokens, never the full logits (0 = off, the default)")
   ap.add_argument("--attention_core", default=None, choices=["auto", "xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
-  ap.add_argument("--fuse_activation", action="store_true",
-                  help="model.moe.fuse_activation: the experts' activation inside the grouped matmuls")
+  ap.add_argument("--fuse_activation", type=int, choices=[0, 1], default=None,
+                  help="model.moe.fuse_activation (default: the config's, on): the experts' "
+                       "activation derivative inside the grouped matmuls' backward")
   ap.add_argument("--router_topk", default=None, choices=["xla", "triton"],
                   help="model.router.topk_backend (default: the config's)")
   ap.add_argument("--attention_tiles", default=None,

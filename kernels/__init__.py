@@ -4,6 +4,7 @@
 Backends:
   "mosaic"    Pallas Mosaic GPU (wgmma + TMA, pipelined), kernels/mgpu_gmm.py      platforms ("gpu",)
   "triton"    Triton through jax-triton, kernels/triton_gmm.py                      platforms ("gpu",)
+              (its fused dispatch's fan-ins: kernels/triton_fan_in.py)
   "megablox"  Pallas TPU (JAX's megablox kernels), kernels/megablox_gmm.py          platforms ("tpu",)
               (+ "cpu" under UMOE_PALLAS_TPU_INTERPRET=1: the Pallas interpreter, for tests)
 
@@ -26,7 +27,8 @@ _log = logging.getLogger(__name__)
 AUTO_PRIORITY = {"triton": 20, "mosaic": 10, "megablox": 10}
 
 
-def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False, activations=False):
+def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False, activations=False,
+              fan_in_module=None):
   if name in _gmm_api.BACKENDS:
     return
   try:
@@ -35,14 +37,18 @@ def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False, activatio
   except Exception as e:  # noqa: BLE001  (never break the import on machines without the toolchain)
     _log.debug("gmm backend %s not registered: %r", name, e)
     return
+  gather_sum = None
+  if fan_in_module is not None:  # the fused dispatch's K-way fan-ins (`GmmBackend.gather_sum`)
+    gather_sum = importlib.import_module(fan_in_module).gather_sum
   _gmm_api.BACKENDS.register(name)(_gmm_api.GmmBackend(
       gmm=getattr(mod, gmm_attr), tgmm=getattr(mod, tgmm_attr),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))),
       auto_priority=AUTO_PRIORITY[name], available=mod.available, row_index=row_index,
-      fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else ()))
+      fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
+      gather_sum=gather_sum))
 
 
 _register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm", row_index=True,
-          activations=True)
+          activations=True, fan_in_module="kernels.triton_fan_in")
 _register("mosaic", "kernels.mgpu_gmm", "mgpu_gmm", "mgpu_tgmm")
 _register("megablox", "kernels.megablox_gmm", "megablox_gmm", "megablox_tgmm")

@@ -67,6 +67,8 @@ TABLE: dict[tuple, TileConfig] = {
     ("triton", "tgmm+gather", 768, 192, 1 << 19): _C(128, 192, 64, 8, 5),   # base-up wgrad 342 (300)
     ("triton", "gmm+gather", 2048, 512, 1 << 18): _C(256, 128, 64, 8, 3),   # large-up 613 (478)
     ("triton", "gmm_t+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 4),  # large-down dgrad 552 (541)
+    # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient), run 26:
+    ("triton", "tgmm+gather", 192, 768, 1 << 19): _C(64, 128, 64, 4, 5),    # 302 (4 stages: 289)
     ("triton", "tgmm+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 5),  # large-up wgrad 671 (525)
     # Mosaic GPU: num_stages = pipeline depth (max_concurrent_steps); num_warps unused.
     ("mosaic", "gmm", 768, 192): _C(128, 192, 64, num_stages=3),     # base-up 403, base-att 271

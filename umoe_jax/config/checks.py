@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from umoe_jax import kinds
 from umoe_jax.config.router_checks import validate_routers
-from umoe_jax.config.schema import (ACTIVATIONS, DTYPES, FUSED_ACTIVATIONS, ROPE_LAYOUTS, ModelConfig,
+from umoe_jax.config.schema import (ACTIVATIONS, DTYPES, ROPE_LAYOUTS, ModelConfig,
                                     choices, require)
 
 
@@ -41,10 +41,6 @@ def validate(cfg: ModelConfig) -> ModelConfig:
   # The activation also serves the dense FFN and always-on experts; routers also serve MoA/SwitchHead.
   require(moe.activation in ACTIVATIONS,
           f"model.moe.activation={moe.activation!r}; valid: {', '.join(ACTIVATIONS)}")
-  require(not moe.fuse_activation or (moe.activation in FUSED_ACTIVATIONS and not moe.gated),
-          f"model.moe.fuse_activation=True takes the activation of non-gated experts into the grouped "
-          f"matmuls ({', '.join(FUSED_ACTIVATIONS)}); moe.activation={moe.activation!r}, "
-          f"moe.gated={moe.gated!r}")
   validate_routers(cfg)
   pool = cfg.attention_uses_experts or cfg.ffn_uses_experts
   if pool:

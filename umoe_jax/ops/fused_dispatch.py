@@ -16,7 +16,10 @@ the per-row cotangent gate[r] * dout[token(r)] is never written: u = gmm^T(dout[
 computed once per row tile and gives dh = gate * u (scaled in the epilogue) and
 dgate[r] = <dout[token(r)], y[r]> = <u[r], h[r]> (a row dot in the same epilogue), so the expert
 outputs y [M, D] are neither kept for the backward nor read again; dw = tgmm(gate * h, dout[token])
-with the gather and the gate scaling in the kernel.
+with the gather in the kernel and the gate-scaled rows written by XLA (scaling the tiles inside the
+kernel cost its tensor-core pipeline more than the extra pass). The two K-way fan-ins, combine's
+gate-weighted sum and gather_gmm's input gradient, run as the backend's `gather_sum` kernel where
+it has one (kernels/triton_fan_in.py), else as XLA's take + sum.
 """
 from __future__ import annotations
 
@@ -98,12 +101,20 @@ def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, r
   return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
 
-def _fan_in(rows: jax.Array, inverse: jax.Array, slots: int) -> jax.Array:
-  """rows [M, D] in expert order -> per source row [M / slots, D]: sum over its slots (float32)."""
-  per_slot = jnp.take(rows, inverse, axis=0)
-  if slots == 1:
-    return per_slot
-  return per_slot.reshape(-1, slots, rows.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(rows.dtype)
+def _fan_in(backend, rows: jax.Array, inverse: jax.Array, slots: int,
+            gates: jax.Array | None = None) -> jax.Array:
+  """rows [M, D] in expert order -> per source row [M / slots, D]: the sum over its slots (float32,
+  weighted by gates [M / slots, slots] if given, as `dispatch.combine`), by the backend's
+  `gather_sum` kernel where it has one."""
+  if slots == 1 and gates is None:
+    return jnp.take(rows, inverse, axis=0)
+  index = inverse.reshape(-1, slots)                                                   # [N, K]
+  if backend.gather_sum is not None:  # (the gates rounded to the rows' dtype, as `combine` takes them)
+    return backend.gather_sum(rows, index, None if gates is None else gates.astype(rows.dtype))
+  per_slot = jnp.take(rows, inverse, axis=0).reshape(-1, slots, rows.shape[-1])       # [N, K, D]
+  if gates is not None:
+    return combine(per_slot, gates)
+  return per_slot.sum(axis=1, dtype=jnp.float32).astype(rows.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +140,7 @@ def _gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int,
     x, rhs, gs, src, inverse = res
     dout = dout.astype(rhs.dtype)
     drows = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=x.dtype)   # [M, D]
-    dx = _fan_in(drows, inverse, fan_out)                              # [N, D] or [N*K, D]
+    dx = _fan_in(backend, drows, inverse, fan_out)                     # [N, D] or [N*K, D]
     if slot_layout is not None:  # back into the [N, S, D] rows, zero at the slots not read
       s, first, k = slot_layout
       dx = jnp.pad(dx.reshape(-1, k, dx.shape[-1]), ((0, 0), (first, s - first - k), (0, 0)))
@@ -189,13 +200,14 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
 def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
   """activation: h holds pre-activations z and the matmul's operand is act(z) (None: h itself)."""
   backend = BACKENDS.get(backend_name)
+  operand = (lambda h: h) if activation is None else functools.partial(_act, activation)
 
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates):
-    y_sorted = _raw_gmm(backend, h, rhs, gs, transpose_rhs=False, out_dtype=h.dtype,
-                        lhs_act=activation)                                               # [M, D]
-    y = jnp.take(y_sorted, inverse, axis=0).reshape(-1, slots, y_sorted.shape[-1])         # [N, K, D]
-    return vary_like(combine(y, gates), varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+    y_sorted = _raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False,
+                        out_dtype=h.dtype)                                                 # [M, D]
+    y = _fan_in(backend, y_sorted, inverse, slots, gates)                                  # [N, D]
+    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
 
   def fwd(h, rhs, gs, order, inverse, gates):
     # Only the inputs are kept: the backward needs no [M, D] expert outputs (module docstring).
@@ -210,8 +222,12 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
     dh, dgate_sorted = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
                                 lhs_index=token, row_scale=gate_sorted, row_dot=h,
                                 epi_act=activation)                                        # [M, F], [M]
-    drhs = _raw_tgmm(backend, h, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
-                     rhs_index=token, lhs_scale=gate_sorted, lhs_act=activation)           # [E, F, D]
+    # The gate-scaled operand rows in one XLA pass (the activation recomputed in it): scaling or
+    # activating tiles inside the kernel, between their load and the tensor cores, cost the weight
+    # gradient a third of its speed (BENCHMARKS.md run 26).
+    hg = (operand(h).astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)           # [M, F]
+    drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
+                     rhs_index=token)                                                      # [E, F, D]
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
             vary_like(dgates.astype(gates.dtype), varying_axes(gates)))

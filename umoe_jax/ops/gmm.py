@@ -51,6 +51,9 @@ class GmmBackend:
     fused_activations: activation names the row-index ops also apply inside the kernel: `lhs_act`
       (gmm, tgmm: the operand is act(lhs)) and `epi_act` (gmm with `row_dot`: the dot is taken with
       act(row_dot) and the output multiplied by act'(row_dot)); XLA does them for other names.
+    gather_sum: optional `(rows [M, D], index [N, K] int32, weights [N, K] or None) -> [N, D]`,
+      out[n] = sum_k weights[n, k] * rows[index[n, k]] accumulated in float32 (no gradient): the
+      fused dispatch's K-way fan-ins (`fused_dispatch._fan_in`); None: XLA's take + sum.
   """
   gmm: GmmFn
   tgmm: GmmFn
@@ -59,6 +62,7 @@ class GmmBackend:
   available: Callable[[], bool] = lambda: True
   row_index: bool = False
   fused_activations: tuple[str, ...] = ()
+  gather_sum: Optional[GmmFn] = None
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
