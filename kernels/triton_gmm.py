@@ -106,13 +106,12 @@ if HAVE_TRITON:
                 compute, M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr,
                 s_bk: tl.constexpr, s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BN2: tl.constexpr, BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr,
-                ROW_DOT: tl.constexpr, LHS_ACT: tl.constexpr, EPI_ACT: tl.constexpr):
+                ROW_DOT: tl.constexpr, EPI_ACT: tl.constexpr):
     """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
     not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
     `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>.
-    LHS_ACT: a is act(a) (the activation applied to the loaded tiles, in float32). EPI_ACT (with
-    ROW_DOT): d holds pre-activations: the dot is taken with act(d) and the output (before the scale)
-    is multiplied by act'(d) (gmm_combine's backward with the activation fused)."""
+    EPI_ACT (with ROW_DOT): d holds pre-activations: the dot is taken with act(d) and the output
+    (before the scale) is multiplied by act'(d) (gmm_combine's backward with the activation fused)."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
@@ -135,8 +134,6 @@ if HAVE_TRITON:
           a = tl.load(a_ptrs)
         else:
           a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        if LHS_ACT != 0:  # (act(0) = 0: masked columns stay zero)
-          a = _act(a.to(tl.float32), LHS_ACT).to(a_ptr.dtype.element_ty)
         if (KC % BK == 0) and (NO % (BN + BN2) == 0):
           b = tl.load(b_ptrs)
         else:
@@ -191,7 +188,7 @@ if HAVE_TRITON:
                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                   N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                   A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr,
-                  LHS_ACT: tl.constexpr = 0, EPI_ACT: tl.constexpr = 0):
+                  EPI_ACT: tl.constexpr = 0):
     # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
@@ -205,7 +202,7 @@ if HAVE_TRITON:
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
                   tl.minimum(g, G - 1), row0, row_end, pid % N_TILES, g < G,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  LHS_ACT, EPI_ACT)
+                  EPI_ACT)
     else:
       # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
       # pipeline prefetch the next tile's operands while this tile's epilogue stores.
@@ -216,25 +213,23 @@ if HAVE_TRITON:
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
                   g, row0, row_end, t % N_TILES, True,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  LHS_ACT, EPI_ACT)
+                  EPI_ACT)
       for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
                   tl.minimum(g, G - 1), row0, row_end, t % N_TILES, False,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  LHS_ACT, EPI_ACT)
+                  EPI_ACT)
 
   @triton.jit
   def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
                    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                    BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr,
-                   A_ACT: tl.constexpr = 0):
+                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr):
     # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
     # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
-    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy);
-    # A_ACT: a is act(a) first (`_act`, in float32, rounded to a's dtype).
+    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
     pid = tl.program_id(0)
     g = pid // (K_TILES * N_TILES)
     rest = pid % (K_TILES * N_TILES)
@@ -272,8 +267,6 @@ if HAVE_TRITON:
       else:
         a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :],
                     mask=rmask[:, None] & (offs_k[None, :] < K), other=0.0)
-      if A_ACT != 0:
-        a = _act(a.to(tl.float32), A_ACT).to(a_ptr.dtype.element_ty)
       if A_SCALE:
         a_scale = tl.load(a_scale_ptr + rows, mask=rmask, other=0.0)
         a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
@@ -342,7 +335,7 @@ def _placeholder():
 # JAX entry points.
 
 
-# Activations the kernels apply in their prologue / epilogue (`lhs_act`, `epi_act`), by kernel code.
+# Activations the gmm epilogue takes (`epi_act`: act and act' of the row-dot operand), by kernel code.
 FUSED_ACTIVATIONS = {"silu": 1, "relu": 2}
 
 
@@ -355,14 +348,13 @@ def _act_code(name, what):
 
 
 def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
-               lhs_index=None, row_scale=None, row_dot=None, lhs_act=None, epi_act=None):
+               lhs_index=None, row_scale=None, row_dot=None, epi_act=None):
   """Raw grouped matmul (see module docstring). `lhs_index` [M] int32: the operand's row r is
   lhs[lhs_index[r]] (lhs [N_src, K]; the permute gather fused into the kernel); `row_scale` [M]:
   output row r is multiplied by row_scale[r] (in float32, before the cast). `row_dot` [M, N_out]:
   also return dots [M] float32, dots[r] = <output row r before the scale, row_dot[r]>.
-  `lhs_act` (a FUSED_ACTIVATIONS name): the operand is act(lhs). `epi_act` (with `row_dot`):
-  row_dot holds pre-activations z: dots[r] = <out[r], act(z[r])> and out[r] *= act'(z[r]) before
-  the scale."""
+  `epi_act` (a FUSED_ACTIVATIONS name, with `row_dot`): row_dot holds pre-activations z:
+  dots[r] = <out[r], act(z[r])> and out[r] *= act'(z[r]) before the scale."""
   if epi_act is not None and row_dot is None:
     raise ValueError("triton_gmm: epi_act needs row_dot (the pre-activations)")
   m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
@@ -387,16 +379,15 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
       out_shape=[jax.ShapeDtypeStruct((m, no), out_dtype), jax.ShapeDtypeStruct(dots_shape, jnp.float32)],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      LHS_ACT=_act_code(lhs_act, "lhs_act"), EPI_ACT=_act_code(epi_act, "epi_act"), **launch)
+      EPI_ACT=_act_code(epi_act, "epi_act"), **launch)
   return out if row_dot is None else (out, dots.sum(axis=0))
 
 
 def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None,
-                lhs_index=None, rhs_index=None, lhs_scale=None, lhs_act=None):
+                lhs_index=None, rhs_index=None, lhs_scale=None):
   """Raw weight-gradient form; with `lhs_index` / `rhs_index` [M] the operands' row r is read at
   lhs[lhs_index[r]] / rhs[rhs_index[r]] (gathers fused into the kernel); with `lhs_scale` [M] the
-  lhs row r is multiplied by lhs_scale[r] (float32, rounded to lhs.dtype) before the product;
-  `lhs_act`: the lhs is act(lhs) first (a FUSED_ACTIVATIONS name)."""
+  lhs row r is multiplied by lhs_scale[r] (float32, rounded to lhs.dtype) before the product."""
   k, n = lhs.shape[1], rhs.shape[1]
   m = next((i.shape[0] for i in (lhs_index, rhs_index) if i is not None), lhs.shape[0])
   g = int(num_groups or group_sizes.shape[0])
@@ -412,7 +403,7 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
       lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale,
       kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
       M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None,
-      A_SCALE=lhs_scale is not None, A_ACT=_act_code(lhs_act, "lhs_act"), **launch)
+      A_SCALE=lhs_scale is not None, **launch)
 
 
 def available() -> bool:

@@ -235,9 +235,7 @@ def _row_index_backend(monkeypatch):
   grad_of = lambda name: jnp.vectorize(jax.grad(acts[name]))
 
   def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None, lhs_act=None, epi_act=None):
-    if lhs_act is not None:
-      lhs = acts[lhs_act](lhs)
+             row_dot=None, epi_act=None):
     if lhs_index is not None:
       lhs = jnp.take(lhs, lhs_index, axis=0)
     out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
@@ -251,8 +249,7 @@ def _row_index_backend(monkeypatch):
     return out.astype(out_dtype) if row_dot is None else (out.astype(out_dtype), dots)
 
   def tgmm_ri(lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-              lhs_scale=None, lhs_act=None):
-    lhs = lhs if lhs_act is None else acts[lhs_act](lhs)
+              lhs_scale=None):
     lhs = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
     rhs = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
     if lhs_scale is not None:

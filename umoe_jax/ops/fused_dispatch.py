@@ -47,7 +47,7 @@ FUSABLE_ACTIVATIONS = {
 
 
 def _act(name, x):
-  """act(x) computed in float32 and returned in x's dtype (what the kernels do to a loaded tile)."""
+  """act(x) computed in float32 and returned in x's dtype."""
   return FUSABLE_ACTIVATIONS[name][0](x.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -56,17 +56,15 @@ def _in_kernel(backend, act) -> bool:
 
 
 def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None, lhs_act=None, epi_act=None):
+             row_dot=None, epi_act=None):
   """The backend's gmm with the row-index extras (see `GmmBackend.row_index`) and the fused
-  activations (`GmmBackend.fused_activations`: `lhs_act`, the operand is act(lhs); `epi_act`, with
-  `row_dot` holding pre-activations z, dots use act(z) and the output is multiplied by act'(z));
-  XLA does them around the kernel for other backends. With `row_dot` returns (out, dots [M] f32)."""
-  if backend.row_index and _in_kernel(backend, lhs_act) and _in_kernel(backend, epi_act):
-    extra = {k: v for k, v in (("lhs_act", lhs_act), ("epi_act", epi_act)) if v is not None}
+  epilogue activation (`GmmBackend.fused_activations`: `epi_act`, with `row_dot` holding
+  pre-activations z, dots use act(z) and the output is multiplied by act'(z)); XLA does them
+  around the kernel for other backends. With `row_dot` returns (out, dots [M] f32)."""
+  if backend.row_index and _in_kernel(backend, epi_act):
+    extra = {} if epi_act is None else {"epi_act": epi_act}
     return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                        lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot, **extra)
-  if lhs_act is not None:
-    lhs = _act(lhs_act, lhs)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   epilogue = row_scale is not None or row_dot is not None
@@ -85,13 +83,12 @@ def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None,
 
 
 def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-              lhs_scale=None, lhs_act=None):
-  if backend.row_index and _in_kernel(backend, lhs_act):
-    extra = {} if lhs_act is None else {"lhs_act": lhs_act}
+              lhs_scale=None):
+  """The backend's tgmm with the row-index extras (see `GmmBackend.row_index`); XLA does them
+  around the kernel for other backends."""
+  if backend.row_index:
     return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype,
-                        lhs_index=lhs_index, rhs_index=rhs_index, lhs_scale=lhs_scale, **extra)
-  if lhs_act is not None:
-    lhs = _act(lhs_act, lhs)
+                        lhs_index=lhs_index, rhs_index=rhs_index, lhs_scale=lhs_scale)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   if rhs_index is not None:

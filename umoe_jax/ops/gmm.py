@@ -48,9 +48,9 @@ class GmmBackend:
       `lhs_index` / `rhs_index` / `lhs_scale` [M] (tgmm): operand rows read through an index, rows
       scaled and row dots taken inside the kernel, which lets `umoe_jax.ops.fused_dispatch` skip
       the permuted copies. Others get these done by XLA around the kernel.
-    fused_activations: activation names the row-index ops also apply inside the kernel: `lhs_act`
-      (gmm, tgmm: the operand is act(lhs)) and `epi_act` (gmm with `row_dot`: the dot is taken with
-      act(row_dot) and the output multiplied by act'(row_dot)); XLA does them for other names.
+    fused_activations: activation names the row-index gmm also takes into its epilogue as
+      `epi_act` (with `row_dot`: the dot is taken with act(row_dot) and the output multiplied by
+      act'(row_dot)); XLA does this for other names.
     gather_sum: optional `(rows [M, D], index [N, K] int32, weights [N, K] or None) -> [N, D]`,
       out[n] = sum_k weights[n, k] * rows[index[n, k]] accumulated in float32 (no gradient): the
       fused dispatch's K-way fan-ins (`fused_dispatch._fan_in`); None: XLA's take + sum.
