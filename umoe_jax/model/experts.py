@@ -100,7 +100,8 @@ def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up
   """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
   x [N, D] or [N, S, D] (slot k reads x[:, first_slot + k]), gates [N, K], w_up / w_gate
   [E, D, F], w_down [E, F, D] -> [N, D]. `fuse_activation` (`moe.fuse_activation`): a non-gated
-  pool's activation runs inside the last matmul (`gmm_combine(activation=...)`) where it can.
+  silu / relu pool hands its activation to the last matmul (`gmm_combine(activation=...)`), whose
+  backward takes the derivative in a matmul epilogue.
   (Also run per device by expert parallelism when the expert axis is 1.)"""
   k = gates.shape[1]
   with jax.named_scope("expert_up"):

@@ -238,8 +238,9 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   """`combine(unpermute(gmm(h, rhs, plan.group_sizes), plan), gates)`: the expert pool's last matmul,
   un-sort and gate-weighted sum over slots in one differentiable op. With `activation` (a
   FUSABLE_ACTIVATIONS name) h holds the pre-activations z and the op is the same with act(z) for h:
-  the activation and its derivative run inside the matmuls (on backends that fuse it, else XLA),
-  so neither act(z) nor the backward's d act(z) is ever written.
+  the backward takes act'(z) in the input-gradient matmul's epilogue (on backends that fuse it,
+  else XLA), so d act(z) is never written and act(z) is not kept (the forward and the weight
+  gradient's gate-scaled operand recompute it in XLA passes they make anyway).
 
   Args:
     h: [M, F] rows in expert order (pre-activations with `activation`).
