@@ -13,8 +13,9 @@ N; XLA lowers take + reshape + sum to a gather-reduce fusion. Here one program o
 the memory floor.
 
 `gather_sum` is the JAX entry (no gradient: callers differentiate around it, the fan-in's
-transpose being a gather again); `supported` says whether it runs here. Launches go through
-`_launch`, which the CPU tests replace by the Triton interpreter.
+transpose being a gather again). It runs where the triton gmm backend runs, as that backend's
+`gather_sum` (kernels/__init__.py). Launches go through `_launch`, which the CPU tests replace by
+the Triton interpreter.
 """
 from __future__ import annotations
 
@@ -30,9 +31,6 @@ if HAVE_TRITON:
   import triton.language as tl
 if HAVE_JAX_TRITON:
   import jax_triton as jt
-
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
 
 @dataclasses.dataclass(frozen=True)
 class FanInConfig:
@@ -109,9 +107,3 @@ def gather_sum(rows: jax.Array, index: jax.Array, weights: jax.Array | None = No
 
 
 available = default_backend_is_gpu  # (tests replace it to run the kernel in the interpreter)
-
-
-def supported(rows: jax.Array, index: jax.Array) -> bool:
-  """Whether the kernel takes rows [M, D] (a float dtype in DTYPES) and index [N, K] here."""
-  return (available() and rows.ndim == 2 and index.ndim == 2 and rows.dtype in DTYPES
-          and index.shape[0] >= 1 and index.shape[1] >= 1 and rows.shape[1] >= 1)

@@ -198,3 +198,34 @@ def test_pool_wiring_in_blocks():
   # FFN always-on expert is separate from the attention's (official seperate_share_expert_for_ffn)
   assert umoe.ffn.shared_expert is not umoe.attention.shared_expert
   assert umoe.ffn.shared_expert.up.kernel.shape == (d, f * cfg.ffn.n_shared_experts)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_pool_under_a_mesh_keeps_fuse_activation(monkeypatch, fuse):
+  """The expert-parallel route (`expert_routes.route_pool`, any mesh) hands the pool's
+  moe.fuse_activation to its per-device fused function: a silu pool's last matmul gets the
+  activation exactly when the switch is on, as on one device."""
+  import jax
+  from umoe_jax.model import experts
+  from umoe_jax.ops import dispatch
+  from umoe_jax.parallel import expert_routes
+  seen, captured = [], {}
+  real = experts.gmm_combine
+  monkeypatch.setattr(experts, "gmm_combine",
+                      lambda *a, **kw: seen.append(kw.get("activation")) or real(*a, **kw))
+
+  def fake_expert_map(x, ids, gates, values, names, local, *, num_experts, fused_local, slot_mask=None):
+    captured.update(fused=fused_local, values=values)
+    return x, {}
+
+  monkeypatch.setattr(expert_routes, "expert_map", fake_expert_map)
+  pool = ExpertPool(6, 8, 12, activation="silu", std=0.1, param_dtype=jnp.float32,
+                    compute_dtype=jnp.float32, gmm_backend="xla", rngs=nnx.Rngs(params=0),
+                    fuse_activation=fuse)
+  x = jax.random.normal(jax.random.key(1), (10, 8))
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, 6, (10, 2)), jnp.int32)
+  gates = jnp.full((10, 2), 0.5)
+  expert_routes.route_pool(pool, x, ids, gates)
+  w_up, w_down = captured["values"]
+  captured["fused"](x, dispatch.make_plan(ids, 6), gates, w_up, w_down)
+  assert seen == ["silu" if fuse else None]

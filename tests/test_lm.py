@@ -330,7 +330,7 @@ def test_fused_expert_activation_gives_the_same_model():
 def test_fuse_activation_applies_only_where_it_can(monkeypatch):
   """moe.fuse_activation (default True) takes the activation into gmm_combine for non-gated silu /
   relu pools only: a gelu or gated pool validates and runs the plain path (gmm_combine without an
-  activation), a silu pool passes it; a non-bool value is refused by the config."""
+  activation), a silu pool passes it; the config dict holds booleans only (ml_collections' type)."""
   from configs import common as configs
   from umoe_jax.model import experts
   seen = []

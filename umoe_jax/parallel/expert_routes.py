@@ -37,13 +37,14 @@ def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, ac
   return jax.lax.psum(part, axis_arg(tensor_axes)).astype(dtype)
 
 
-def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend):
+def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend,
+                fuse_activation=False):
   from umoe_jax.model.experts import routed_mlp
   x, gates, w_up, w_down, *rest = match_varying(
       x.astype(dtype), gates, w_up.astype(dtype), w_down.astype(dtype),
       *([] if w_gate is None else [w_gate.astype(dtype)]))
   return routed_mlp(x, plan, gates, w_up, w_down, rest[0] if rest else None,
-                    activation=activation, backend=backend)
+                    activation=activation, backend=backend, fuse_activation=fuse_activation)
 
 
 def _route(pool, params, local, fused, x, expert_ids, gates, slot_mask=None) -> jax.Array:
@@ -71,7 +72,8 @@ def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh (the
   slots outside `slot_mask` are not exchanged)."""
   params = [pool.w_up, pool.w_down] + ([pool.w_gate] if pool.w_gate is not None else [])
-  return _route(pool, params, _pool_local, _pool_fused, x, expert_ids, gates, slot_mask)
+  fused = functools.partial(_pool_fused, fuse_activation=pool.fuse_activation)
+  return _route(pool, params, _pool_local, fused, x, expert_ids, gates, slot_mask)
 
 
 def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, activation, dtype,
