@@ -68,17 +68,9 @@ class _QuietLibraries(std_logging.Filter):
 
 
 def _orphaned_orbax_future(record: std_logging.LogRecord) -> bool:
-  """Whether a log record is asyncio's 'exception was never retrieved' for a future of an Orbax
-  save that failed (a full disk fails every write of the save; the first failure is reported by the
-  run, the others are logged when their futures are garbage-collected, in no fixed order)."""
-  if "/asyncio/" not in record.pathname or not record.exc_info:
-    return False
-  tb = record.exc_info[2]
-  while tb is not None:
-    if "/orbax/" in tb.tb_frame.f_code.co_filename:
-      return True
-    tb = tb.tb_next
-  return False
+  """`checkpoint.orphaned_orbax_record`: asyncio's echo of a failed Orbax operation's other work."""
+  from umoe_jax.train.checkpoint import orphaned_orbax_record
+  return orphaned_orbax_record(record)
 
 
 def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERROR):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging as std_logging
 import os
 import re
 import sys
@@ -530,10 +531,34 @@ def orphaned_orbax_work(unraisable) -> bool:
   return code is not None and "/orbax/" in code.co_filename
 
 
+def orphaned_orbax_record(record: std_logging.LogRecord) -> bool:
+  """Whether a log record is asyncio's 'exception was never retrieved' for a future or Task of an
+  Orbax operation that failed: a full disk fails every write of a save (the first failure is
+  reported by the run, the others are logged when their futures are garbage-collected, in no fixed
+  order); after a damaged checkpoint's first read error, TensorStore's other reads fail inside
+  Tasks nobody awaits any more (their errors carry a `tensorstore_spec`; whether they are logged
+  depends on timing)."""
+  if "/asyncio/" not in record.pathname or not record.exc_info:
+    return False
+  if "tensorstore_spec" in str(record.exc_info[1]):
+    return True
+  tb = record.exc_info[2]
+  while tb is not None:
+    if "/orbax/" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+class _QuietOrphanedRecords(std_logging.Filter):
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return not orphaned_orbax_record(record)
+
+
 def quiet_orphaned_orbax_work() -> None:
-  """Drops, instead of printing, the unraisable exceptions `orphaned_orbax_work` recognises, for
-  the rest of the process (the commands call it at start-up; not with UMOE_DEBUG=1, or train.py
-  --debug). Idempotent."""
+  """Drops, instead of printing, the unraisable exceptions `orphaned_orbax_work` recognises and the
+  asyncio log records `orphaned_orbax_record` recognises, for the rest of the process (the
+  commands call it at start-up; not with UMOE_DEBUG=1, or train.py --debug). Idempotent."""
   previous = sys.unraisablehook
   if getattr(previous, "quiets_orbax", False) or os.environ.get("UMOE_DEBUG", "") not in ("", "0"):
     return
@@ -544,6 +569,7 @@ def quiet_orphaned_orbax_work() -> None:
 
   hook.quiets_orbax = True
   sys.unraisablehook = hook
+  std_logging.getLogger("asyncio").addFilter(_QuietOrphanedRecords())
 
 
 def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> Any:
