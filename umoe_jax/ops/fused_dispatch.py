@@ -221,7 +221,7 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
                                 epi_act=activation)                                        # [M, F], [M]
     # The gate-scaled operand rows in one XLA pass (the activation recomputed in it): scaling or
     # activating tiles inside the kernel, between their load and the tensor cores, cost the weight
-    # gradient a third of its speed (BENCHMARKS.md run 26).
+    # gradient a quarter of its speed (BENCHMARKS.md run 26: 224 vs 302 TFLOP/s).
     hg = (operand(h).astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)           # [M, F]
     drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      rhs_index=token)                                                      # [E, F, D]
