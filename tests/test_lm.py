@@ -340,13 +340,14 @@ def test_fuse_activation_applies_only_where_it_can(monkeypatch):
   for overrides, want in (({}, "silu"), ({"activation": "relu"}, "relu"), ({"activation": "gelu"}, None),
                           ({"gated": True}, None)):
     m = configs.model("umoe", "tiny")
-    m.vocab_size = 64
+    m.vocab_size, m.n_layers = 64, 1
     for key, value in overrides.items():
       setattr(m.moe, key, value)
     cfg = model_config(m)
     assert cfg.moe.fuse_activation
     seen.clear()
-    CausalLM(cfg, rngs=nnx.Rngs(params=0))(tokens)
+    graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+    jax.eval_shape(lambda p: nnx.merge(graphdef, p)(tokens), params)  # traced: the calls are seen
     assert seen and set(seen) == {want}, (overrides, seen)
   m = configs.model("umoe", "tiny")
   with pytest.raises(TypeError, match="fuse_activation"):
