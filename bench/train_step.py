@@ -9,6 +9,7 @@ memory. Usage (GPU):
       [--layouts=single,data,expert] [--gmm_backend=auto] [--remat[=block|dots|dots_no_batch]] [--out=$OUT] \
       [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather|ragged] [--chunks=C]
       [--loss_chunk_tokens=N]   (train.loss_chunk_tokens: LM head + cross-entropy in N-token chunks)
+      [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
@@ -287,8 +288,14 @@ def main():
   ap.add_argument("--profile", type=int, nargs="?", const=2, default=0,
                   help="after timing, trace this many steps (a bare --profile = 2) and print / save "
                        "their kernel time by named scope (bench/profile_table.py)")
+  ap.add_argument("--compilation_cache_dir", default="",
+                  help="train.compilation_cache_dir: JAX's persistent compilation cache (a row "
+                       "compiled before, in this or an earlier command, loads its executable)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  if args.compilation_cache_dir:
+    from umoe_jax.train import loop
+    loop.use_compilation_cache(args.compilation_cache_dir)
   if args.profile:  # kernels inside CUDA graphs are not attributed to their ops (profile_table.py)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   rows = []

@@ -502,3 +502,69 @@ def test_interval_means_skip_nonfinite_steps(tmp_path):
   writer.close()
   record = json.loads(open(tmp_path / "metrics.jsonl").read())
   assert record["train/loss"] is None and record["train/interval_skipped_steps"] == 1.0
+
+
+_CACHE_SCRIPT = """
+import sys, jax, jax.numpy as jnp
+from jax import monitoring
+from umoe_jax.config import ConfigError
+from umoe_jax.train import loop
+events = []
+monitoring.register_event_listener(lambda name, **kw: events.append(name))
+loop.use_compilation_cache(sys.argv[1])
+x = jnp.arange(12.0).reshape(3, 4) / 7
+y = jax.jit(lambda a: jnp.tanh(a @ a.T).sum(0))(x)
+try:
+  loop.use_compilation_cache(sys.argv[1] + "_other")
+except ConfigError as e:
+  print("refused:", e)
+print("hits", sum("cache_hits" in name for name in events), "out", [float(v) for v in y])
+"""
+
+
+def test_compilation_cache_dir_serves_a_second_process(tmp_path):
+  """train.compilation_cache_dir: the first process writes its compiled program there and a
+  second one compiling the same program loads it (JAX's cache-hit event; the same values); a
+  second, different directory in one process and a path that cannot be a directory are refused,
+  naming the key."""
+  cache = tmp_path / "xla_cache"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  outs = []
+  for _ in range(2):
+    r = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(cache)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs.append(r.stdout.strip().splitlines())
+  assert any(cache.iterdir())
+  (first_hits, first_out), (second_hits, second_out) = (o[-1].split(" out ") for o in outs)
+  assert first_hits == "hits 0" and second_hits != "hits 0", (outs, first_hits, second_hits)
+  assert first_out == second_out
+  assert outs[0][0].startswith(f"refused: train.compilation_cache_dir='{cache}_other': this "
+                               f"process already caches compilations in '{cache}'"), outs[0]
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  with pytest.raises(ConfigError, match=r"train\.compilation_cache_dir='.*a_file/cache': cannot create"):
+    loop.use_compilation_cache(str(blocker / "cache"))
+
+
+def test_setup_turns_the_compilation_cache_on(tmp_path, monkeypatch):
+  """loop.setup takes train.compilation_cache_dir to `use_compilation_cache` before it builds the
+  programs (and leaves JAX's cache alone when the key is empty, the default)."""
+  calls = []
+
+  class Built(Exception):  # stops setup where the programs would be built
+    pass
+
+  def config_programs(*args, **kwargs):
+    calls.append("programs")
+    raise Built
+
+  monkeypatch.setattr(loop, "use_compilation_cache", calls.append)
+  monkeypatch.setattr(loop, "config_programs", config_programs)
+  c = tiny()
+  for value, want in (("", ["programs"]), (str(tmp_path / "cache"), [str(tmp_path / "cache"), "programs"])):
+    c.train.compilation_cache_dir = value
+    calls.clear()
+    with pytest.raises(Built):
+      loop.setup(c, str(tmp_path / "wd"))
+    assert calls == want

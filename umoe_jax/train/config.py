@@ -57,6 +57,8 @@ def default_train_config() -> ml_collections.ConfigDict:
       loss_chunk_tokens=0,         # > 0: LM head + cross-entropy in chunks of this many tokens
                                    # (no [tokens, V] logits; umoe_jax/ops/chunked_loss.py); 0: off
       max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
+      compilation_cache_dir="",    # JAX's persistent compilation cache here (a restart or another
+                                   # run of the same program loads its executable); "": off
       log_every=50,                # steps between console / TensorBoard / JSONL records
       eval_every=1000,             # steps between validation passes; 0 disables
       eval_batches=20,             # held-out batches per validation pass

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import signal
 import threading
 import time
@@ -245,6 +246,27 @@ def _all_processes_agree(ok: bool) -> None:
                     "which file); every process stops")
 
 
+def use_compilation_cache(path: str) -> None:
+  """Points JAX's persistent compilation cache at `path` (`train.compilation_cache_dir`; a local
+  directory, created if missing, or a gs:// path) for this process, before anything compiles:
+  programs compiled again (a resumed run, the same config elsewhere) load their executable. JAX
+  keeps the first directory a process compiles with, so a later, different one is refused."""
+  if "://" not in path:
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      raise ConfigError(f"train.compilation_cache_dir={path!r}: cannot create it "
+                        f"({e.strerror or type(e).__name__})") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+      raise ConfigError(f"train.compilation_cache_dir={path!r} is not writable")
+  current = jax.config.jax_compilation_cache_dir
+  if current and current != path:
+    raise ConfigError(f"train.compilation_cache_dir={path!r}: this process already caches "
+                      f"compilations in {current!r} (JAX takes one directory per process)")
+  jax.config.update("jax_compilation_cache_dir", path)
+
+
 def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = None) -> Setup:
   """Checks and builds everything before the start state; writes nothing. With `stack`, the data
   iterator and the checkpoint manager are closed when it exits (else the caller closes them)."""
@@ -267,6 +289,8 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
   capacity_factor, exchange = expert_parallel_settings(config)
 
   # Model, optimizer, state layout, jitted functions.
+  if t.compilation_cache_dir:
+    use_compilation_cache(t.compilation_cache_dir)
   progs = config_programs(config, model_cfg, mesh, rules)
 
   # Data.
