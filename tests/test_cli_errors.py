@@ -621,7 +621,7 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
   tiny = ["prog", "--config=configs/dense_tiny.py", "--config.train.num_steps=3"]
   config_file.check_argv(tiny + ["--noconfig.data.shuffle"])
   for arg, message in (("--config.train.stepz=1", "unknown key train.stepz (in --config.train."
-                        "stepz); valid keys of train: b1, b2, eps, "),
+                        "stepz); valid keys of train: b1, b2, compilation_cache_dir, eps, "),
                        ("--config.trian.steps=1", "unknown config key 'trian' (in --config.trian."
                         "steps); valid top-level keys: checkpoint, data, expert_parallel, log, "),
                        ("--config.model.d_model.x=1", "model.d_model is a value (=128), not a "
