@@ -268,7 +268,8 @@ def use_compilation_cache(path: str) -> None:
 
 
 def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = None) -> Setup:
-  """Checks and builds everything before the start state; writes nothing. With `stack`, the data
+  """Checks and builds everything before the start state; writes nothing (but creates
+  train.compilation_cache_dir when it is set and missing). With `stack`, the data
   iterator and the checkpoint manager are closed when it exits (else the caller closes them)."""
   # Config, workdir and start point: everything is checked before any file is read or device
   # touched.
