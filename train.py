@@ -55,7 +55,8 @@ class _QuietLibraries(std_logging.Filter):
     self.debug = debug
 
   def filter(self, record):
-    if not self.debug and _orphaned_orbax_future(record):
+    from umoe_jax.train.checkpoint import orphaned_orbax_record  # (lazy: jax, orbax)
+    if not self.debug and orphaned_orbax_record(record):
       return False
     library = any(part in record.pathname for part in ("/orbax/", "/grain/"))
     if not library:
@@ -65,12 +66,6 @@ class _QuietLibraries(std_logging.Filter):
     if not self.debug and record.exc_info:
       record.exc_info, record.exc_text = None, None
     return True
-
-
-def _orphaned_orbax_future(record: std_logging.LogRecord) -> bool:
-  """`checkpoint.orphaned_orbax_record`: asyncio's echo of a failed Orbax operation's other work."""
-  from umoe_jax.train.checkpoint import orphaned_orbax_record
-  return orphaned_orbax_record(record)
 
 
 def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERROR):

@@ -24,13 +24,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu
+from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, _pow2_at_least,
+                                default_backend_is_gpu)
 
 if HAVE_TRITON:
   import triton
   import triton.language as tl
 if HAVE_JAX_TRITON:
   import jax_triton as jt
+
 
 @dataclasses.dataclass(frozen=True)
 class FanInConfig:
@@ -64,10 +66,6 @@ if HAVE_TRITON:
              mask=mask)
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def launch_params(n: int, k: int, d: int, config: FanInConfig | None = None) -> dict:
   """Grid and constexprs of one launch for N tokens of K rows of width D."""
   cfg = config or FanInConfig()
@@ -77,10 +75,6 @@ def launch_params(n: int, k: int, d: int, config: FanInConfig | None = None) -> 
   block_d = min(cfg.block_d, _pow2_at_least(max(d, 16)))  # no wider than the rows need
   return dict(grid=(max(1, -(-n // cfg.block_n)), -(-d // block_d)), N=n, K=k, D=d,
               BLOCK_N=cfg.block_n, BLOCK_D=block_d, num_warps=cfg.num_warps)
-
-
-def _placeholder():
-  return jnp.zeros((1,), jnp.float32)
 
 
 def _launch(kernel, grid, args, out_shape, **meta):

@@ -29,7 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu
+from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _pow2_at_least,
+                                default_backend_is_gpu)
 
 if HAVE_TRITON:
   import triton
@@ -47,10 +48,6 @@ class TopKConfig:
   """Launch parameters: rows per program (a power of two) and warps per program."""
   block_rows: int = 0            # 0 = ROW_ELEMENTS // E_PAD (at least 1)
   num_warps: int = 4
-
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
 
 
 if HAVE_TRITON:
