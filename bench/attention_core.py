@@ -15,7 +15,7 @@ $OUT/attention_tiles.json (`--attention_tiles` of bench/train_step.py and bench/
 loads it) and times the core again with them.
 
   python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
-      [--sweep_budget_s=150] [--out DIR]
+      [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -47,6 +47,15 @@ CANDIDATES = {
     "dk": [],
     "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2)],
     "dxdk": [(64, 64, 256, 8, 2), (32, 64, 256, 8, 2), (64, 32, 256, 4, 2)],
+    # Round 4: the dK pass storing dS and P (`FlashTiles.dq_ds`, `dx_p`): dQ as the stored dS times
+    # the keys (bd unused), dX reading P (the dx tiles), and the dK pass with both stores.
+    "dk_store": [],
+    "dq_ds": [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (64, 128, 16, 8, 2)],
+    "dx_p": [(64, 64, 256, 8, 2), (64, 64, 384, 8, 2)],
+    # Round 5: dS and P from the pass over (row tile, key tile) pairs (`FlashTiles.ds`, bd = the
+    # dO X^T step), dK from the stored dS (`dk_ds`; bd unused).
+    "dk_ds": [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (64, 128, 16, 8, 2)],
+    "ds": [(128, 64, 64, 8, 2), (128, 128, 64, 8, 2), (64, 128, 64, 8, 2), (128, 64, 128, 8, 3)],
 }
 
 
@@ -104,8 +113,10 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton")):
   return row
 
 
-def sweep(name, shape, budget_s):
-  """Fastest tiles per kernel; every candidate is checked against the default tiles' output."""
+def sweep(name, shape, budget_s, kernels=None):
+  """Fastest tiles per kernel; every candidate is checked against the default tiles' output.
+  `kernels`: those whose candidates are tried (None: all); fwd, dx, dk and dq run their default
+  tiles regardless, the others not at all unless named."""
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
   b, t, h, dk, d = shape
@@ -122,16 +133,43 @@ def sweep(name, shape, budget_s):
       "dq": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq(q, k, v, dout, lse, delta, tl)),
       "dxdk": lambda tl: jax.jit(lambda q, k, v: jnp.concatenate(
           [a.reshape(-1) for a in ta._bwd_dxdk(q, k, v, dout, lse, delta, tl)])),
+      "dk_store": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, tl,
+                                                                store_ds=True, store_p=True)[0]),
+      "dq_ds": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq_ds(stored[0], q, k, tl)),
+      "dx_p": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dx(q, k, v, dout, lse, tl,
+                                                            probs_t=stored[1])),
+      "dk_ds": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk_ds(stored[0], q, k, tl)),
+      # (checked through what the readers make of its stores: its unwritten entries are undefined)
+      "ds": lambda tl: (jax.jit(lambda q, k, v: _from_stores(q, k, v, tl)),
+                        jax.jit(lambda q, k, v: ta._bwd_ds(q, k, v, dout, lse, delta, tl))),
   }
+
+  def _from_stores(q, k, v, ds_tiles):  # dK, dQ, dX from the ds pass's stores, flattened
+    ds_t, p_t = ta._bwd_ds(q, k, v, dout, lse, delta, ds_tiles)
+    return jnp.concatenate([ta._bwd_dk_ds(ds_t, q, k, at.PassTiles(*CANDIDATES["dk_ds"][0])).reshape(-1),
+                            ta._bwd_dq_ds(ds_t, q, k, at.PassTiles(*CANDIDATES["dq_ds"][0])).reshape(-1),
+                            ta._bwd_dx(q, k, v, dout, lse, base.dx, probs_t=p_t).reshape(-1)])
+  # dS^T and P^T as the dK pass stores them, for the dq_ds and dx_p candidates.
+  stored = jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, base.dk, store_ds=True,
+                                              store_p=True)[1:])(q, k, v)
+  same_as = {"dxdk": None, "dk_store": "dk", "dq_ds": "dq", "dx_p": "dx"}  # checked against
   t0 = time.perf_counter()
   best, results, outputs = {}, {}, {}
   for kernel, make in calls.items():
-    own = getattr(base, kernel)
+    own = {"dk_store": base.dk, "dx_p": base.dx}.get(kernel, getattr(base, kernel, None))
+    own = own if isinstance(own, at.PassTiles) else None
+    tried = kernels is None or kernel in kernels
+    if not tried and kernel not in ("fwd", "dx", "dk", "dq"):
+      continue
     cands = ([] if own is None else [dataclasses.astuple(own)]) + [
-        c for c in CANDIDATES.get(kernel, []) if own is None or c != dataclasses.astuple(own)]
-    # The fused pass is checked against the separate dx and dk passes' outputs.
+        c for c in (CANDIDATES.get(kernel, []) if tried else [])
+        if own is None or c != dataclasses.astuple(own)]
+    # The fused pass is checked against the separate dx and dk passes' outputs, the stored-dS / P
+    # passes against the passes they replace.
     want = (jnp.concatenate([outputs["dx"].reshape(-1), outputs["dk"].reshape(-1)])
-            if kernel == "dxdk" and "dx" in outputs and "dk" in outputs else None)
+            if kernel == "dxdk" and "dx" in outputs and "dk" in outputs
+            else jnp.concatenate([outputs[n].reshape(-1) for n in ("dk", "dq", "dx")])
+            if kernel == "ds" else outputs.get(same_as.get(kernel)))
     results[kernel] = []
     for i, cand in enumerate(cands):
       if i and time.perf_counter() - t0 > budget_s:
@@ -139,11 +177,12 @@ def sweep(name, shape, budget_s):
         break
       try:
         f = make(at.PassTiles(*cand))
-        got = f(q, k, v)
+        f_check, f_time = f if isinstance(f, tuple) else (f, f)
+        got = f_check(q, k, v)
         if want is None:
           want = outputs[kernel] = got
         err = rel(got, want)
-        ms = jax_ms(f, q, k, v) if err < 1e-2 else float("nan")
+        ms = jax_ms(f_time, q, k, v) if err < 1e-2 else float("nan")
       except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the candidate)
         log(f"  {name} {kernel} {cand}: failed {type(e).__name__}: {str(e)[:160]}")
         results[kernel].append(dict(tiles=cand, error=f"{type(e).__name__}: {str(e)[:300]}"))
@@ -153,10 +192,25 @@ def sweep(name, shape, budget_s):
       if ms == ms and (kernel not in best or ms < best[kernel][1]):
         best[kernel] = (cand, ms)
   pick = lambda kn: at.PassTiles(*best[kn][0]) if kn in best else getattr(base, kn)
-  fused = "dxdk" in best and ("dx" not in best or "dk" not in best
-                              or best["dxdk"][1] < best["dx"][1] + best["dk"][1])
-  chosen = at.FlashTiles(fwd=pick("fwd"), dx=pick("dx"), dk=pick("dk"), dq=pick("dq"),
-                         dxdk=pick("dxdk") if fused else None)
+  # The backward with the least summed kernel time: separate passes, the fused dX + dK pass, the
+  # dK pass storing dS / P for the readers, or the stored-scores pass with every reader.
+  ms = lambda kn: best[kn][1] if kn in best else float("inf")
+  forms = {"dk+dq+dx": ms("dk") + ms("dq") + ms("dx"), "dxdk+dq": ms("dxdk") + ms("dq"),
+           "dk_store+dq_ds+dx_p": ms("dk_store") + ms("dq_ds") + ms("dx_p"),
+           "ds+dk_ds+dq_ds+dx_p": ms("ds") + ms("dk_ds") + ms("dq_ds") + ms("dx_p")}
+  form = min(forms, key=forms.get)
+  common = dict(fwd=pick("fwd"), dq=pick("dq"))
+  if form == "ds+dk_ds+dq_ds+dx_p":
+    chosen = at.FlashTiles(**common, dx=pick("dx_p"), dk=pick("dk"), dq_ds=pick("dq_ds"),
+                           dx_p=True, ds=pick("ds"), dk_ds=pick("dk_ds"))
+  elif form == "dk_store+dq_ds+dx_p":
+    chosen = at.FlashTiles(**common, dx=pick("dx_p"), dk=pick("dk_store"), dq_ds=pick("dq_ds"),
+                           dx_p=True)
+  else:
+    chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk"),
+                           dxdk=pick("dxdk") if form == "dxdk+dq" else None)
+  log(f"  {name}: backward kernels summed, ms: "
+      + ", ".join(f"{k} {v:.3f}" for k, v in forms.items()) + f" -> {form}")
   return chosen, results
 
 
@@ -166,6 +220,9 @@ def main():
   ap.add_argument("--sweep", default="", help="shapes to sweep the tiles of, e.g. base")
   ap.add_argument("--cores", default="xla,cudnn,triton", help="cores to time")
   ap.add_argument("--sweep_budget_s", type=float, default=150.0, help="per shape")
+  ap.add_argument("--sweep_kernels", default="",
+                  help="kernels whose candidates the sweep tries (default: all); the others run "
+                       "their default tiles only (fwd, dx, dk, dq always run: the references)")
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
@@ -182,7 +239,8 @@ def main():
     which = tuple(c for c in args.cores.split(",") if c)
     results[name] = row = time_cores(name, shape, which=which) if which else {}
     if name in args.sweep.split(","):
-      chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s)
+      chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s,
+                                   [k for k in args.sweep_kernels.split(",") if k] or None)
       row["tiles"] = at.tiles_to_json(chosen)
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
       log(f"  {name}: chosen tiles {row['tiles']}")

@@ -26,15 +26,35 @@ class PassTiles:
 
 @dataclasses.dataclass(frozen=True)
 class FlashTiles:
-  """Tiles of each kernel; with `dxdk` set, the fused dX + dK pass replaces the dx and dk ones."""
+  """Tiles of each kernel. With `dxdk` set, the fused dX + dK pass replaces the dx and dk ones.
+  With `dq_ds` set, the dK pass also stores dS (the score gradients, [B, T, T*H]) and dQ is the
+  product of the stored dS with the keys (kernel `_bwd_dq_ds`, tiles bm rows x bn keys; bd unused)
+  instead of the dq pass's recomputation of scores and dO X^T; with `dx_p` the dK pass also stores
+  P and the dX pass reads it instead of recomputing it. Both need the separate dK pass (no `dxdk`).
+  With `ds` set too (and `dk_ds`, `dq_ds`, `dx_p`), dS and P come from a pass over the causal (row
+  tile, key tile) pairs (tiles bm rows x bn keys, bd the D step of dO X^T) and dK is the product of
+  the stored dS with the queries (`dk_ds`: bm rows a step x bn keys): no pass accumulates across
+  tiles while contracting over D. The dk tiles are then unused."""
   fwd: PassTiles
   dx: PassTiles
   dk: PassTiles
   dq: PassTiles
   dxdk: PassTiles | None = None
+  dq_ds: PassTiles | None = None
+  dx_p: bool = False
+  ds: PassTiles | None = None
+  dk_ds: PassTiles | None = None
+
+  def __post_init__(self):
+    if self.dxdk is not None and (self.dq_ds is not None or self.dx_p or self.ds is not None):
+      raise ValueError("attention tiles: dq_ds / dx_p / ds read or make stored scores; the fused "
+                       "dxdk pass does not store them (set one or the other)")
+    if self.ds is not None and (self.dk_ds is None or self.dq_ds is None or not self.dx_p):
+      raise ValueError("attention tiles: ds (the stored-scores pass) needs dk_ds, dq_ds and dx_p, "
+                       "the passes that read what it stores")
 
 
-PASSES = ("fwd", "dx", "dk", "dq", "dxdk")
+PASSES = ("fwd", "dx", "dk", "dq", "dxdk", "dq_ds", "ds", "dk_ds")
 
 
 # (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep; BENCHMARKS.md).
@@ -55,19 +75,24 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
 
 
 def tiles_to_json(tiles: FlashTiles) -> dict:
-  return {name: list(dataclasses.astuple(getattr(tiles, name))) for name in PASSES
-          if getattr(tiles, name) is not None}
+  out = {name: list(dataclasses.astuple(getattr(tiles, name))) for name in PASSES
+         if getattr(tiles, name) is not None}
+  return {**out, "dx_p": True} if tiles.dx_p else out
 
 
 def tiles_from_json(obj: dict) -> FlashTiles:
-  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ..., optional "dxdk"}."""
+  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ..., optional "dxdk" or
+  "dq_ds" lists and "dx_p": true / false}."""
   try:
-    if set(obj) - set(PASSES):
-      raise KeyError(sorted(set(obj) - set(PASSES)))
-    return FlashTiles(**{name: PassTiles(*obj[name]) for name in PASSES if name in obj})
-  except (KeyError, TypeError) as e:
-    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq (and optionally dxdk) lists "
-                     f"[bm, bn, bd, warps, stages] ({e!r})") from None
+    if set(obj) - set(PASSES) - {"dx_p"}:
+      raise KeyError(sorted(set(obj) - set(PASSES) - {"dx_p"}))
+    if not isinstance(obj.get("dx_p", False), bool):
+      raise TypeError(f"dx_p={obj['dx_p']!r} is not true / false")
+    return FlashTiles(**{name: PassTiles(*obj[name]) for name in PASSES if name in obj},
+                      dx_p=obj.get("dx_p", False))
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq (and optionally dxdk or dq_ds) "
+                     f"lists [bm, bn, bd, warps, stages] and an optional dx_p bool ({e})") from None
 
 
 def load_table(path: str) -> None:
@@ -131,6 +156,30 @@ def dk_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
   _check(tiles, pow2_bd=True, contracts_bd=True)  # bd: the D step of the dO X^T contraction
   return dict(grid0=-(-t // tiles.bn), DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
               BDK=tiles.bd, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def ds_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
+  """The stored-scores pass: a program per (row tile, key tile); bd the D step of dO X^T."""
+  _check(tiles, pow2_bd=True, contracts_bd=True)
+  n_key_tiles = -(-t // tiles.bn)
+  return dict(grid0=-(-t * h // tiles.bm) * n_key_tiles, DKP=key_width(dk), BM=tiles.bm,
+              BN=tiles.bn, BDK=tiles.bd, N_KEY_TILES=n_key_tiles, num_warps=tiles.num_warps,
+              num_stages=tiles.num_stages)
+
+
+def dk_ds_launch(t: int, h: int, dk: int, tiles: PassTiles) -> dict:
+  """dK from the stored dS: a program per bn keys, bm rows a step (bd unused)."""
+  _check(dataclasses.replace(tiles, bd=MIN_DOT), pow2_bd=True)
+  return dict(grid0=-(-t // tiles.bn), DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def dq_ds_launch(t: int, h: int, dk: int, tiles: PassTiles) -> dict:
+  """dQ from the stored dS: a program per bm rows, bn keys a step (bd unused)."""
+  _check(dataclasses.replace(tiles, bd=MIN_DOT), pow2_bd=True)
+  n_row_tiles = -(-t * h // tiles.bm)
+  return dict(grid0=n_row_tiles, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+              N_ROW_TILES=n_row_tiles, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def dq_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:

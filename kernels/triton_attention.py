@@ -24,6 +24,18 @@ tile past T and the row tile past T*H are masked, the others are not):
             chunk c's share of dK from the same P and dO_c tiles (shares summed by XLA). It reads
             each dO tile once for both and keeps X_c in registers, where _bwd_dk re-reads X[keys]
             across all of D for every row block.
+  Stored scores (optional, `FlashTiles.dq_ds` / `dx_p` / `ds`): dQ and dX need the same P and
+  dS = P * (dO X^T - delta) that the dK pass builds, and recomputing them costs a D-deep dO X^T
+  contraction (dQ) or the scores once per D chunk (dX). So the dK pass may store dS^T and P^T as
+  key-major [B, T, T*H] arrays in the operands' dtype (the values the passes feed their tensor
+  cores anyway; only entries of keys at or before the row's position are written, readers mask the
+  rest), and then
+  _bwd_dq_ds  program = row tile: dQ[rows] = scale * dS[rows] k, a causal [BM, T] x [T, dk] product;
+  _bwd_dx     with LOAD_P reads P^T instead of recomputing it.
+  With `ds`, _bwd_ds (program = one causal (row tile, key tile) pair, nothing accumulated across
+  tiles) makes the two arrays instead of the dK pass, and _bwd_dk_ds (program = key tile) forms
+  dK = scale * dS^T q from them. The arrays grow with T^2 (UMoE-base: 268 MB each in bf16), so they
+  are stored only within `STORED_BYTES_LIMIT`; past it the passes recompute.
 delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward kernels.
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
@@ -41,9 +53,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_launch, dq_launch,
-                                     dx_launch, fwd_launch)
-from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu
+from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
+                                     dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch)
+from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, default_backend_is_gpu
 
 if HAVE_TRITON:
   import triton
@@ -160,12 +172,27 @@ if HAVE_TRITON:
     return pt, q
 
   @triton.jit
-  def _dx_step(k, q_base, lse_base, do_base, r, offs_m, keys, offs_dk, d1, d2, acc1, acc2, TH, T,
-               H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr, BD2: tl.constexpr, qk_scale,
-               MASK: tl.constexpr):
+  def _stored_t(base, rows, keys, TH, T, H: tl.constexpr, MASK: tl.constexpr):
+    """A [BN keys, BM rows] tile of a key-major [T, T*H] array the dK pass stored (P^T or dS^T):
+    zeros past the diagonal, past T and past T*H when MASK (the dK pass left those unwritten)."""
+    key_ok = keys < T
+    ptrs = base + keys.to(tl.int64)[:, None] * TH + rows[None, :]
+    if MASK:
+      ok = key_ok[:, None] & (rows < TH)[None, :] & (keys[:, None] <= (rows // H)[None, :])
+    else:
+      ok = key_ok[:, None]
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+  @triton.jit
+  def _dx_step(k, q_base, lse_base, do_base, p_base, r, offs_m, keys, offs_dk, d1, d2, acc1, acc2,
+               TH, T, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr, BD2: tl.constexpr,
+               qk_scale, MASK: tl.constexpr, LOAD_P: tl.constexpr):
     rows = r + offs_m
-    pt, _ = _probs_t(k, q_base, lse_base, rows, keys, offs_dk, TH, T, H, DK, qk_scale, MASK)
-    pt = pt.to(do_base.dtype.element_ty)
+    if LOAD_P:
+      pt = _stored_t(p_base, rows, keys, TH, T, H, MASK)
+    else:
+      pt, _ = _probs_t(k, q_base, lse_base, rows, keys, offs_dk, TH, T, H, DK, qk_scale, MASK)
+      pt = pt.to(do_base.dtype.element_ty)
     row_ok = rows < TH
     do1 = tl.load(do_base + rows[:, None] * D + d1[None, :],
                   mask=row_ok[:, None] & (d1 < D)[None, :], other=0.0)
@@ -189,11 +216,12 @@ if HAVE_TRITON:
     return r_start, n_diag, r_full, n_full, r_tail
 
   @triton.jit
-  def _bwd_dx_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, dx_ptr, T: tl.constexpr, H: tl.constexpr,
+  def _bwd_dx_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, p_ptr, dx_ptr, T: tl.constexpr, H: tl.constexpr,
                      DK: tl.constexpr, D: tl.constexpr, qk_scale: tl.constexpr, DKP: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
-                     BD2S: tl.constexpr, N_CHUNKS: tl.constexpr):
-    # dX [B, T, D] = sum over rows of P^T dO (values = X: its whole gradient through the mix).
+                     BD2S: tl.constexpr, N_CHUNKS: tl.constexpr, LOAD_P: tl.constexpr = False):
+    # dX [B, T, D] = sum over rows of P^T dO (values = X: its whole gradient through the mix);
+    # P^T recomputed from q, k and lse, or with LOAD_P read from the dK pass's key-major copy.
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     TH: tl.constexpr = T * H
     s0 = (pid // N_CHUNKS) * BN  # the first key tiles see the most rows: they start first
@@ -207,18 +235,21 @@ if HAVE_TRITON:
     k = tl.load(k_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
                 mask=key_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     q_base, lse_base, do_base = q_ptr + b * (TH * DK), lse_ptr + b * TH, do_ptr + b * (TH * D)
+    p_base = p_ptr + b * (T * TH)
     acc1 = tl.zeros((BN, BD1), tl.float32)
     acc2 = tl.zeros((BN, BD2S), tl.float32)
     r_start, n_diag, r_full, n_full, r_tail = _row_blocks(s0, TH, H, BM, BN)
     for i in range(0, n_diag):
-      acc1, acc2 = _dx_step(k, q_base, lse_base, do_base, r_start + i * BM, offs_m, keys, offs_dk,
-                            d1, d2, acc1, acc2, TH, T, H, DK, D, BD2, qk_scale, True)
+      acc1, acc2 = _dx_step(k, q_base, lse_base, do_base, p_base, r_start + i * BM, offs_m, keys,
+                            offs_dk, d1, d2, acc1, acc2, TH, T, H, DK, D, BD2, qk_scale, True,
+                            LOAD_P)
     for i in range(0, n_full):
-      acc1, acc2 = _dx_step(k, q_base, lse_base, do_base, r_full + i * BM, offs_m, keys, offs_dk,
-                            d1, d2, acc1, acc2, TH, T, H, DK, D, BD2, qk_scale, False)
+      acc1, acc2 = _dx_step(k, q_base, lse_base, do_base, p_base, r_full + i * BM, offs_m, keys,
+                            offs_dk, d1, d2, acc1, acc2, TH, T, H, DK, D, BD2, qk_scale, False,
+                            LOAD_P)
     for r in range(r_tail, TH, BM):
-      acc1, acc2 = _dx_step(k, q_base, lse_base, do_base, r, offs_m, keys, offs_dk,
-                            d1, d2, acc1, acc2, TH, T, H, DK, D, BD2, qk_scale, True)
+      acc1, acc2 = _dx_step(k, q_base, lse_base, do_base, p_base, r, offs_m, keys, offs_dk,
+                            d1, d2, acc1, acc2, TH, T, H, DK, D, BD2, qk_scale, True, LOAD_P)
     dx_rows = dx_ptr + b * (T * D) + keys[:, None] * D
     tl.store(dx_rows + d1[None, :], acc1.to(dx_ptr.dtype.element_ty),
              mask=key_ok[:, None] & (d1 < D)[None, :])
@@ -248,22 +279,33 @@ if HAVE_TRITON:
     return acc
 
   @triton.jit
-  def _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, r, offs_m, keys, offs_dk, acc,
-               TH, T, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr, BDK: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, qk_scale, MASK: tl.constexpr):
+  def _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base, r, offs_m, keys,
+               offs_dk, acc, TH, T, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr,
+               BDK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, qk_scale, MASK: tl.constexpr,
+               STORE_DS: tl.constexpr, STORE_P: tl.constexpr):
     rows = r + offs_m
     row_ok = rows < TH
     pt, q = _probs_t(k, q_base, lse_base, rows, keys, offs_dk, TH, T, H, DK, qk_scale, MASK)
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     dpt = _dp(x_base, keys, keys < T, do_base, rows, row_ok, D, BDK, BN, BM)    # [BN, BM]
-    dst = pt * (dpt - delta[None, :])
-    return tl.dot(dst.to(q.dtype), q, acc)
+    dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+    if STORE_DS or STORE_P:  # key-major [T, T*H] tiles for the dQ / dX passes (zeros past the diagonal)
+      offs = keys.to(tl.int64)[:, None] * TH + rows[None, :]
+      ok = (keys < T)[:, None] & row_ok[None, :]
+      if STORE_DS:
+        tl.store(ds_base + offs, dst, mask=ok)
+      if STORE_P:
+        tl.store(p_base + offs, pt.to(q.dtype), mask=ok)
+    return tl.dot(dst, q, acc)
 
   @triton.jit
-  def _bwd_dk_kernel(q_ptr, k_ptr, x_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, T: tl.constexpr,
-                     H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr, qk_scale: tl.constexpr,
-                     sm_scale: tl.constexpr, DKP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BDK: tl.constexpr):
+  def _bwd_dk_kernel(q_ptr, k_ptr, x_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, ds_ptr, p_ptr,
+                     T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr,
+                     qk_scale: tl.constexpr, sm_scale: tl.constexpr, DKP: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr,
+                     STORE_DS: tl.constexpr = False, STORE_P: tl.constexpr = False):
+    # dK [B, T, DK]; with STORE_DS / STORE_P also dS^T / P^T [B, T, T*H] (key-major; only the
+    # entries of keys s <= the row's position are written: readers mask the others).
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     TH: tl.constexpr = T * H
     s0 = pid * BN
@@ -275,17 +317,21 @@ if HAVE_TRITON:
                 mask=key_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     q_base, lse_base, delta_base = q_ptr + b * (TH * DK), lse_ptr + b * TH, delta_ptr + b * TH
     do_base, x_base = do_ptr + b * (TH * D), x_ptr + b * (T * D)
+    ds_base, p_base = ds_ptr + b * (T * TH), p_ptr + b * (T * TH)
     acc = tl.zeros((BN, DKP), tl.float32)
     r_start, n_diag, r_full, n_full, r_tail = _row_blocks(s0, TH, H, BM, BN)
     for i in range(0, n_diag):
-      acc = _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, r_start + i * BM, offs_m,
-                     keys, offs_dk, acc, TH, T, H, DK, D, BDK, BM, BN, qk_scale, True)
+      acc = _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base,
+                     r_start + i * BM, offs_m, keys, offs_dk, acc, TH, T, H, DK, D, BDK, BM, BN,
+                     qk_scale, True, STORE_DS, STORE_P)
     for i in range(0, n_full):
-      acc = _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, r_full + i * BM, offs_m,
-                     keys, offs_dk, acc, TH, T, H, DK, D, BDK, BM, BN, qk_scale, False)
+      acc = _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base,
+                     r_full + i * BM, offs_m, keys, offs_dk, acc, TH, T, H, DK, D, BDK, BM, BN,
+                     qk_scale, False, STORE_DS, STORE_P)
     for r in range(r_tail, TH, BM):
-      acc = _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, r, offs_m,
-                     keys, offs_dk, acc, TH, T, H, DK, D, BDK, BM, BN, qk_scale, True)
+      acc = _dk_step(k, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base, r, offs_m,
+                     keys, offs_dk, acc, TH, T, H, DK, D, BDK, BM, BN, qk_scale, True, STORE_DS,
+                     STORE_P)
     tl.store(dk_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
              (acc * sm_scale).to(dk_ptr.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dk < DK)[None, :])
@@ -410,6 +456,104 @@ if HAVE_TRITON:
              mask=row_ok[:, None] & (offs_dk < DK)[None, :])
 
 
+  @triton.jit
+  def _bwd_ds_kernel(q_ptr, k_ptr, x_ptr, do_ptr, lse_ptr, delta_ptr, ds_ptr, p_ptr,
+                     T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr,
+                     qk_scale: tl.constexpr, DKP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BDK: tl.constexpr, N_KEY_TILES: tl.constexpr):
+    # Program = (row tile, key tile): dS^T and P^T [BN, BM] of one causal tile pair into the
+    # key-major [B, T, T*H] arrays (as the dK pass's STORE_DS / STORE_P), no accumulation across
+    # tiles: a wide output tile with a D-deep dO X^T contraction, where the dK pass's per-key-tile
+    # loop keeps its output tile small. Pairs wholly past the diagonal exit at once.
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    TH: tl.constexpr = T * H
+    r0 = (pid // N_KEY_TILES) * BM
+    s0 = (pid % N_KEY_TILES) * BN
+    if s0 <= tl.minimum((r0 + BM - 1) // H, T - 1):
+      rows = r0 + tl.arange(0, BM)
+      row_ok = rows < TH
+      keys = s0 + tl.arange(0, BN)
+      offs_dk = tl.arange(0, DKP)
+      k = tl.load(k_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
+                  mask=(keys < T)[:, None] & (offs_dk < DK)[None, :], other=0.0)
+      pt, q = _probs_t(k, q_ptr + b * (TH * DK), lse_ptr + b * TH, rows, keys, offs_dk, TH, T, H,
+                       DK, qk_scale, True)
+      delta = tl.load(delta_ptr + b * TH + rows, mask=row_ok, other=0.0)
+      dpt = _dp(x_ptr + b * (T * D), keys, keys < T, do_ptr + b * (TH * D), rows, row_ok, D, BDK,
+                BN, BM)                                                                  # [BN, BM]
+      offs = b * (T * TH) + keys.to(tl.int64)[:, None] * TH + rows[None, :]
+      ok = (keys < T)[:, None] & row_ok[None, :]
+      tl.store(ds_ptr + offs, (pt * (dpt - delta[None, :])).to(q.dtype), mask=ok)
+      tl.store(p_ptr + offs, pt.to(q.dtype), mask=ok)
+
+  @triton.jit
+  def _dk_ds_step(ds_base, q_base, r, offs_m, keys, offs_dk, acc, TH, T, H: tl.constexpr,
+                  DK: tl.constexpr, MASK: tl.constexpr):
+    rows = r + offs_m
+    dst = _stored_t(ds_base, rows, keys, TH, T, H, MASK)                                # [BN, BM]
+    q = tl.load(q_base + rows[:, None] * DK + offs_dk[None, :],
+                mask=(rows < TH)[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    return tl.dot(dst, q, acc)
+
+  @triton.jit
+  def _bwd_dk_ds_kernel(ds_ptr, q_ptr, dk_ptr, T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+                        sm_scale: tl.constexpr, DKP: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr):
+    # dK[keys] = scale * sum_rows dS^T q from the stored dS^T (program = key tile).
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    TH: tl.constexpr = T * H
+    s0 = pid * BN
+    keys = s0 + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_dk = tl.arange(0, DKP)
+    ds_base, q_base = ds_ptr + b * (T * TH), q_ptr + b * (TH * DK)
+    acc = tl.zeros((BN, DKP), tl.float32)
+    r_start, n_diag, r_full, n_full, r_tail = _row_blocks(s0, TH, H, BM, BN)
+    for i in range(0, n_diag):
+      acc = _dk_ds_step(ds_base, q_base, r_start + i * BM, offs_m, keys, offs_dk, acc, TH, T, H,
+                        DK, True)
+    for i in range(0, n_full):
+      acc = _dk_ds_step(ds_base, q_base, r_full + i * BM, offs_m, keys, offs_dk, acc, TH, T, H,
+                        DK, False)
+    for r in range(r_tail, TH, BM):
+      acc = _dk_ds_step(ds_base, q_base, r, offs_m, keys, offs_dk, acc, TH, T, H, DK, True)
+    tl.store(dk_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
+             (acc * sm_scale).to(dk_ptr.dtype.element_ty),
+             mask=(keys < T)[:, None] & (offs_dk < DK)[None, :])
+
+  @triton.jit
+  def _dq_ds_step(ds_base, k_base, rows, keys, offs_dk, acc, TH, T, H: tl.constexpr,
+                  DK: tl.constexpr, MASK: tl.constexpr):
+    dst = _stored_t(ds_base, rows, keys, TH, T, H, MASK)                                # [BN, BM]
+    k = tl.load(k_base + keys[:, None] * DK + offs_dk[None, :],
+                mask=(keys < T)[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    return tl.dot(tl.trans(dst), k, acc)
+
+  @triton.jit
+  def _bwd_dq_ds_kernel(ds_ptr, k_ptr, dq_ptr, T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+                        sm_scale: tl.constexpr, DKP: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, N_ROW_TILES: tl.constexpr):
+    # dQ[rows] = scale * sum_keys dS k, dS read from the dK pass's key-major dS^T [B, T, T*H]
+    # (no scores, no dO X^T: a causal [BM, T] x [T, dk] product).
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    TH: tl.constexpr = T * H
+    r0 = (N_ROW_TILES - 1 - pid) * BM
+    rows = r0 + tl.arange(0, BM)
+    offs_dk = tl.arange(0, DKP)
+    offs_n = tl.arange(0, BN)
+    ds_base, k_base = ds_ptr + b * (T * TH), k_ptr + b * (T * DK)
+    acc = tl.zeros((BM, DKP), tl.float32)
+    pos_end = tl.minimum((r0 + BM - 1) // H, T - 1) + 1
+    n_full = (r0 // H + 1) // BN
+    for j in range(0, n_full):  # key tiles every row of the tile sees whole
+      acc = _dq_ds_step(ds_base, k_base, rows, j * BN + offs_n, offs_dk, acc, TH, T, H, DK, False)
+    for j in range(n_full, tl.cdiv(pos_end, BN)):
+      acc = _dq_ds_step(ds_base, k_base, rows, j * BN + offs_n, offs_dk, acc, TH, T, H, DK, True)
+    tl.store(dq_ptr + b * (TH * DK) + rows[:, None] * DK + offs_dk[None, :],
+             (acc * sm_scale).to(dq_ptr.dtype.element_ty),
+             mask=(rows < TH)[:, None] & (offs_dk < DK)[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # JAX entry.
 
@@ -441,21 +585,55 @@ def _common(q, v) -> dict:
   return dict(T=t, H=h, DK=dk, D=v.shape[-1], qk_scale=LOG2E / math.sqrt(dk))
 
 
-def _bwd_dx(q, k, v, dout, lse, tiles: PassTiles):
-  """dX [B, T, D] (v's dtype)."""
+def _bwd_dx(q, k, v, dout, lse, tiles: PassTiles, probs_t=None):
+  """dX [B, T, D] (v's dtype); with `probs_t` (the dK pass's P^T [B, T, T*H]) P is read, not
+  recomputed."""
   b, t, h, dk = q.shape
   grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles), b)
-  return _launch(_bwd_dx_kernel, grid, (q, k, dout, lse), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 **_common(q, v), **meta)
+  p = _placeholder() if probs_t is None else probs_t
+  return _launch(_bwd_dx_kernel, grid, (q, k, dout, lse, p), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 LOAD_P=probs_t is not None, **_common(q, v), **meta)
 
 
-def _bwd_dk(q, k, v, dout, lse, delta, tiles: PassTiles):
-  """dK [B, T, dk] (k's dtype)."""
+def _bwd_dk(q, k, v, dout, lse, delta, tiles: PassTiles, *, store_ds=False, store_p=False):
+  """dK [B, T, dk] (k's dtype); with `store_ds` / `store_p` returns (dK, dS^T, P^T), the two
+  [B, T, T*H] in q's dtype (key-major; entries past the diagonal unwritten), else dK alone."""
   b, t, h, dk = q.shape
   grid, meta = _meta(dk_launch(t, h, dk, v.shape[-1], tiles), b)
-  return _launch(_bwd_dk_kernel, grid, (q, k, v, dout, lse, delta),
-                 jax.ShapeDtypeStruct(k.shape, k.dtype), sm_scale=1 / math.sqrt(dk),
-                 **_common(q, v), **meta)
+  stored = lambda on: jax.ShapeDtypeStruct((b, t, t * h) if on else (1,), q.dtype)
+  dkey, ds_t, p_t = _launch(
+      _bwd_dk_kernel, grid, (q, k, v, dout, lse, delta),
+      [jax.ShapeDtypeStruct(k.shape, k.dtype), stored(store_ds), stored(store_p)],
+      sm_scale=1 / math.sqrt(dk), STORE_DS=store_ds, STORE_P=store_p, **_common(q, v), **meta)
+  if not (store_ds or store_p):
+    return dkey
+  return dkey, ds_t if store_ds else None, p_t if store_p else None
+
+
+def _bwd_ds(q, k, v, dout, lse, delta, tiles: PassTiles):
+  """(dS^T, P^T) [B, T, T*H] in q's dtype from the pass over causal (row tile, key tile) pairs
+  (key-major, entries past the diagonal unwritten, as `_bwd_dk`'s stores)."""
+  b, t, h, dk = q.shape
+  grid, meta = _meta(ds_launch(t, h, dk, v.shape[-1], tiles), b)
+  stored = jax.ShapeDtypeStruct((b, t, t * h), q.dtype)
+  return tuple(_launch(_bwd_ds_kernel, grid, (q, k, v, dout, lse, delta), [stored, stored],
+                       **_common(q, v), **meta))
+
+
+def _bwd_dk_ds(ds_t, q, k, tiles: PassTiles):
+  """dK [B, T, dk] (k's dtype) from the stored dS^T [B, T, T*H]."""
+  b, t, h, dk = q.shape
+  grid, meta = _meta(dk_ds_launch(t, h, dk, tiles), b)
+  return _launch(_bwd_dk_ds_kernel, grid, (ds_t, q), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), **meta)
+
+
+def _bwd_dq_ds(ds_t, q, k, tiles: PassTiles):
+  """dQ [B, T, H, dk] (q's dtype) from the dK pass's dS^T [B, T, T*H]."""
+  b, t, h, dk = q.shape
+  grid, meta = _meta(dq_ds_launch(t, h, dk, tiles), b)
+  return _launch(_bwd_dq_ds_kernel, grid, (ds_t, k), jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), **meta)
 
 
 def _bwd_dq(q, k, v, dout, lse, delta, tiles: PassTiles):
@@ -484,9 +662,34 @@ def _delta(out, dout):
   return jnp.einsum("bthd,bthd->bth", dout, out, preferred_element_type=jnp.float32).reshape(b, t * h)
 
 
+# The dK pass stores dS^T / P^T ([B, T, T*H] each, `FlashTiles.dq_ds` / `dx_p`) only while both fit in
+# this many bytes: they grow with T^2 (UMoE-base, B=32 T=1024 H=4 in bf16: 268 MB each).
+STORED_BYTES_LIMIT = 2 << 30
+
+
+def stores_probs(tiles: FlashTiles, q_shape, itemsize: int) -> tuple[bool, bool]:
+  """(store dS^T for the dQ pass, store P^T for the dX pass) for q [B, T, H, dk]: as `tiles` asks,
+  within STORED_BYTES_LIMIT."""
+  b, t, h, _ = q_shape
+  want_ds, want_p = tiles.dq_ds is not None, tiles.dx_p
+  fits = (want_ds + want_p) * b * t * t * h * itemsize <= STORED_BYTES_LIMIT
+  return want_ds and fits, want_p and fits
+
+
 def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
   dout = dout.astype(q.dtype)
   delta = _delta(out, dout)
+  store_ds, store_p = stores_probs(tiles, q.shape, q.dtype.itemsize)
+  if tiles.ds is not None and store_ds and store_p:  # every gradient from the stored dS and P
+    ds_t, p_t = _bwd_ds(q, k, v, dout, lse, delta, tiles.ds)
+    return (_bwd_dq_ds(ds_t, q, k, tiles.dq_ds), _bwd_dk_ds(ds_t, q, k, tiles.dk_ds),
+            _bwd_dx(q, k, v, dout, lse, tiles.dx, probs_t=p_t))
+  if store_ds or store_p:  # the dK pass keeps dS / P for the dQ / dX passes (no recomputation)
+    dkey, ds_t, p_t = _bwd_dk(q, k, v, dout, lse, delta, tiles.dk, store_ds=store_ds,
+                              store_p=store_p)
+    dq = (_bwd_dq_ds(ds_t, q, k, tiles.dq_ds) if store_ds
+          else _bwd_dq(q, k, v, dout, lse, delta, tiles.dq))
+    return dq, dkey, _bwd_dx(q, k, v, dout, lse, tiles.dx, probs_t=p_t)
   dq = _bwd_dq(q, k, v, dout, lse, delta, tiles.dq)
   if tiles.dxdk is not None:
     dx, dkey = _bwd_dxdk(q, k, v, dout, lse, delta, tiles.dxdk)

@@ -23,6 +23,22 @@ CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, b
     (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64), (32, 16, 32))),
     (1, 21, 1, 16, 40, ((16, 32, 32), (16, 16, 24), (32, 16, 16), (16, 16, 32))),
 ]
+# The dK pass storing dS / P for the dQ / dX passes (`FlashTiles.dq_ds`, `dx_p`): B, T, H, dk, D,
+# the four passes' tiles, dq_ds tiles or None, dx_p. The readers' key tiles differ from the dK
+# pass's (wider and narrower), so they meet entries it left unwritten (NaN-poisoned) and must mask.
+# With ds and dk_ds (the last two) dS and P come from the pass over (row tile, key tile) pairs.
+STORED_CASES = [
+    (2, 37, 3, 24, 80, ((16, 16, 48), (16, 32, 48), (16, 16, 32), (16, 16, 16)), (16, 32, 16), True,
+     None, None),
+    (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), False,
+     None, None),
+    (1, 21, 1, 16, 40, ((16, 32, 32), (16, 16, 24), (32, 32, 16), (16, 16, 32)), None, True,
+     None, None),
+    (2, 33, 3, 24, 80, ((16, 16, 48), (16, 32, 48), (16, 16, 32), (16, 16, 16)), (16, 32, 16), True,
+     (32, 16, 32), (16, 32, 16)),   # T = 2 * 16 + 1: a key tile of the last position alone
+    (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), True,
+     (16, 32, 64), (32, 16, 16)),
+]
 
 
 def test_launch_geometry_covers_every_row_key_and_column():
@@ -55,6 +71,40 @@ def test_launch_geometry_covers_every_row_key_and_column():
   at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24))        # dX: 16 + 8 columns are fine,
   with pytest.raises(ValueError, match=">= 16"):               # but the fused pass contracts them
     at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24), fused_dk=True)
+
+
+def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
+  """`dq_ds` / `dx_p` survive the tiles JSON, are refused beside the fused dxdk pass (which stores
+  nothing), bad values name themselves, and the stores stop past STORED_BYTES_LIMIT (they grow
+  with T^2)."""
+  import dataclasses
+  base = at.default_tiles(192, 768)
+  tiles = dataclasses.replace(base, dq_ds=at.PassTiles(64, 64, 16, 4, 2), dx_p=True)
+  assert at.tiles_from_json(at.tiles_to_json(tiles)) == tiles
+  assert at.tiles_from_json(at.tiles_to_json(base)) == base and "dx_p" not in at.tiles_to_json(base)
+  with pytest.raises(ValueError, match="dxdk"):
+    dataclasses.replace(tiles, dxdk=at.PassTiles(64, 32, 256, 4, 2))
+  full = dataclasses.replace(tiles, ds=at.PassTiles(128, 64, 128, 8, 2), dk_ds=at.PassTiles(64, 64, 16))
+  assert at.tiles_from_json(at.tiles_to_json(full)) == full
+  with pytest.raises(ValueError, match="needs dk_ds"):
+    dataclasses.replace(full, dk_ds=None)
+  with pytest.raises(ValueError, match="needs dk_ds"):
+    dataclasses.replace(full, dx_p=False)
+  assert at.ds_launch(1024, 4, 192, 768, full.ds)["grid0"] == 32 * 16
+  assert at.dk_ds_launch(1024, 4, 192, full.dk_ds)["grid0"] == 16
+  with pytest.raises(ValueError, match="dx_p='yes'"):
+    at.tiles_from_json({**at.tiles_to_json(base), "dx_p": "yes"})
+  with pytest.raises(ValueError, match="dq_s"):
+    at.tiles_from_json({**at.tiles_to_json(base), "dq_s": [64, 64, 16, 4, 2]})
+  with pytest.raises(ValueError, match="powers of two"):
+    at.dq_ds_launch(1024, 4, 192, at.PassTiles(48, 64, 16))
+  launch = at.dq_ds_launch(1024, 4, 192, at.PassTiles(64, 32, 7))   # bd is not used
+  assert launch["grid0"] * 64 >= 4096 and launch["DKP"] == 256
+  # UMoE-base's shape (B=32, T=1024, H=4, bf16): 2 x 268 MB, stored; 4x the length: not stored.
+  assert ta.stores_probs(tiles, (32, 1024, 4, 192), 2) == (True, True)
+  assert ta.stores_probs(tiles, (32, 4096, 4, 192), 2) == (False, False)
+  assert ta.stores_probs(dataclasses.replace(tiles, dx_p=False), (32, 1024, 4, 192), 2) == (True, False)
+  assert ta.stores_probs(base, (32, 1024, 4, 192), 2) == (False, False)
 
 
 def test_triton_core_declines_where_it_cannot_run():
@@ -154,15 +204,20 @@ def _interpreter_check():
   interp._patch_lang_tensor = patched
   ta._launch = _interpreter_launch
 
-  for b, t, h, dk, d, tiles in CASES:
+  cases = [(*c, None, False, None, None) for c in CASES] + STORED_CASES
+  opt = lambda x: None if x is None else at.PassTiles(*x)
+  for b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds in cases:
     rng = np.random.default_rng(t * h)
     q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, dk), (b, t, d)))
     cot = rng.standard_normal((b, t, h, d))
-    flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles))
+    flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles), dx_p=dx_p, dq_ds=opt(dq_ds),
+                          ds=opt(ds), dk_ds=opt(dk_ds))
     f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
     got = jax.jit(lambda *a: ta.premix_attention(*a, tiles=flash))(*f32)
     want = _reference(*map(jnp.asarray, (q, k, v)))
-    case = f"B={b} T={t} H={h} dk={dk} D={d} fused dxdk={len(tiles) > 4}"
+    case = (f"B={b} T={t} H={h} dk={dk} D={d} fused dxdk={len(tiles) > 4} dq_ds={dq_ds} "
+            f"dx_p={dx_p} ds={ds}")
+    n_launch = len(LAUNCHES)
     assert got.shape == (b, t, h, d) and got.dtype == jnp.float32, case
     assert np.isfinite(np.asarray(got)).all(), case
     assert _rel(got, want) < 1e-5, (case, _rel(got, want))
@@ -173,6 +228,11 @@ def _interpreter_check():
     for name, g, w in zip(("dq", "dk", "dx"), grads, want_g):
       assert np.isfinite(np.asarray(g)).all(), (case, name)
       assert _rel(g, w) < 1e-5, (case, name, _rel(g, w))
+    kernels = {kn.fn.__name__ if hasattr(kn, "fn") else str(kn) for kn in LAUNCHES[n_launch:]}
+    assert ("_bwd_dq_ds_kernel" in kernels) == (dq_ds is not None), (case, kernels)
+    assert ("_bwd_dq_kernel" in kernels) == (dq_ds is None), (case, kernels)
+    assert ("_bwd_dk_kernel" in kernels) == (len(tiles) == 4 and ds is None), (case, kernels)
+    assert ("_bwd_ds_kernel" in kernels) == ("_bwd_dk_ds_kernel" in kernels) == (ds is not None)
 
   # The layer: tiny UMoE pre-mixing attention with skewed routing (nearly every token's slots on
   # experts 0-2), core="triton" (the kernel, via the interpreter) against core="xla".

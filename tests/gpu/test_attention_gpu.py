@@ -109,3 +109,37 @@ def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
   for name, a, b_ in zip("qkx", grads(fused), grads(xla)):
     assert np.isfinite(np.asarray(a, np.float32)).all(), name
     assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
+
+
+@pytest.mark.parametrize("b,t,h,dk,d,dq_ds,dx_p,ds", [
+    (2, 256, 4, 192, 768, (64, 64, 16, 4, 2), True, None),
+    (2, 203, 3, 64, 320, (32, 64, 16, 4, 2), True, None),
+    (2, 203, 3, 64, 320, None, True, None),
+    (3, 77, 1, 128, 256, (64, 32, 16, 4, 2), False, None),
+    (2, 256, 4, 192, 768, (64, 64, 16, 4, 2), True, (128, 64, 64, 8, 2)),
+    (2, 193, 3, 64, 320, (32, 64, 16, 4, 2), True, (64, 64, 128, 4, 2))],
+    ids=["base", "odd", "odd-dx-only", "one-head-dq-only", "base-ds-pass", "odd-ds-pass"])
+def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, dx_p, ds):
+  """The dK pass (or with `ds` the pass over tile pairs) storing dS / P for the dQ / dX passes
+  (`FlashTiles.dq_ds`, `dx_p`, `ds`) against the XLA core: gradients of q, k and x."""
+  import dataclasses
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  kq, kk, kv, kc = jax.random.split(jax.random.key(3 * t + dk), 4)
+  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  tiles = dataclasses.replace(at.default_tiles(dk, d), dx_p=dx_p,
+                              dq_ds=None if dq_ds is None else at.PassTiles(*dq_ds),
+                              ds=None if ds is None else at.PassTiles(*ds),
+                              dk_ds=None if ds is None else at.PassTiles(64, 64, 16, 4, 2))
+  assert ta.stores_probs(tiles, q.shape, 2) == (dq_ds is not None, dx_p)
+  stored = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
+  xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
+  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
+                                     argnums=(0, 1, 2)))(q, k, v)
+  for name, a, b_ in zip("qkx", grads(stored), grads(xla)):
+    assert np.isfinite(np.asarray(a, np.float32)).all(), name
+    assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
