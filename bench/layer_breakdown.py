@@ -87,7 +87,7 @@ def time_fwd_bwd(fn, *args):
   return fwd, fb
 
 
-def breakdown(name, batch, seq_len, attention_core):
+def breakdown(name, batch, seq_len, attention_core, core_backward="auto"):
   from umoe_jax import stats
   from umoe_jax.config import model_config
   from umoe_jax.model.attention.common import causal_attention
@@ -97,6 +97,7 @@ def breakdown(name, batch, seq_len, attention_core):
   config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
   with config.unlocked():
     config.model.attention.core = attention_core
+    config.model.attention.core_backward = core_backward
   mcfg = model_config(config.model)
   row = {}
   kh, kt = jax.random.split(jax.random.key(1))
@@ -135,7 +136,8 @@ def breakdown(name, batch, seq_len, attention_core):
   for fused in ("cudnn", "triton"):
     if fused == "triton" and hk != 1:
       continue  # the Triton kernel takes one shared key head (MHA shapes would be cuDNN's again)
-    flash = lambda q, k, v, fused=fused: causal_attention(q, k, v, positions, positions, core=fused)
+    flash = lambda q, k, v, fused=fused: causal_attention(q, k, v, positions, positions, core=fused,
+                                                          core_backward=core_backward)
     try:
       got, want = jax.jit(flash)(q, k, v), jax.jit(xla_core)(q, k, v)
       row[f"core_{fused}_err"] = rel(got, want)
@@ -164,6 +166,9 @@ def main():
   ap.add_argument("--attention_core", default="xla", choices=["xla", "cudnn", "triton"])
   ap.add_argument("--attention_tiles", default=None,
                   help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
+  ap.add_argument("--core_backward", default="auto",
+                  choices=["auto", "recompute", "stored", "stored_pairs"],
+                  help="model.attention.core_backward: the Triton core's backward form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   from umoe_jax.ops import gmm as G
@@ -174,7 +179,8 @@ def main():
   log("device:", jax.devices()[0].device_kind)
   results = {}
   for name in args.configs.split(","):
-    results[name] = breakdown(name, args.batch, args.seq_len, args.attention_core)
+    results[name] = breakdown(name, args.batch, args.seq_len, args.attention_core,
+                              args.core_backward)
   targets = ffn_targets(results)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "layer_breakdown.json"), "w") as f:

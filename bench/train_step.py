@@ -10,6 +10,7 @@ memory. Usage (GPU):
       [--capacity_factor=1.25] [--exchange=auto|all_to_all|all_gather|ragged] [--chunks=C]
       [--loss_chunk_tokens=N]   (train.loss_chunk_tokens: LM head + cross-entropy in N-token chunks)
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
+      [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
@@ -118,6 +119,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     config.model.gmm_backend = args.gmm_backend
     if args.attention_core is not None:
       config.model.attention.core = args.attention_core
+    if args.core_backward is not None:
+      config.model.attention.core_backward = args.core_backward
     if args.router_topk is not None:
       config.model.router.topk_backend = args.router_topk
     if args.fuse_activation is not None:
@@ -191,7 +194,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              gmm_backend=args.gmm_backend, remat=args.remat,
              loss_chunk_tokens=config.train.loss_chunk_tokens, capacity_factor=cf, exchange=exchange,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
-             attention_core=model_cfg.attention.core,
+             attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
              router_topk=model_cfg.router.topk_backend, fuse_activation=model_cfg.moe.fuse_activation,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
@@ -264,6 +267,9 @@ def main():
                        "tokens, never the full logits (0 = off, the default)")
   ap.add_argument("--attention_core", default=None, choices=["auto", "xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
+  ap.add_argument("--core_backward", default=None,
+                  choices=["auto", "recompute", "stored", "stored_pairs"],
+                  help="model.attention.core_backward: the Triton core's backward form")
   ap.add_argument("--fuse_activation", type=int, choices=[0, 1], default=None,
                   help="model.moe.fuse_activation (default: the config's, on): the experts' "
                        "activation derivative inside the grouped matmuls' backward")

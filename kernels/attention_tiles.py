@@ -74,6 +74,33 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
                     dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
 
 
+# The backward forms `with_backward` names (`model.attention.core_backward`, umoe_jax.kinds).
+BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
+# Tiles the stored forms take where the tiles have none of their own: checked against the XLA
+# core on an H200 (tests/gpu/test_attention_gpu.py; the dq_ds one in run 29), not yet timed.
+STORED_DQ_DS = PassTiles(64, 64, 16, 4, 2)
+STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
+STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
+
+
+def with_backward(tiles: FlashTiles, backward: str) -> FlashTiles:
+  """`tiles` with the backward form `backward`: "auto" leaves them as they are (today's defaults
+  recompute; a swept TABLE entry may store); "recompute" drops the stored forms; "stored" has the
+  dK pass store dS and P for the dQ and dX passes; "stored_pairs" makes them in the tile-pair pass
+  (`FlashTiles` says what each reads). The stored forms keep tiles of their own the tiles name."""
+  if backward == "auto":
+    return tiles
+  if backward == "recompute":
+    return dataclasses.replace(tiles, dq_ds=None, dx_p=False, ds=None, dk_ds=None)
+  if backward in ("stored", "stored_pairs"):
+    pairs = backward == "stored_pairs"
+    return dataclasses.replace(
+        tiles, dxdk=None, dq_ds=tiles.dq_ds or STORED_DQ_DS, dx_p=True,
+        ds=(tiles.ds or STORED_PAIRS_DS) if pairs else None,
+        dk_ds=(tiles.dk_ds or STORED_PAIRS_DK_DS) if pairs else None)
+  raise ValueError(f"attention core backward {backward!r}; valid: {', '.join(BACKWARDS)}")
+
+
 def tiles_to_json(tiles: FlashTiles) -> dict:
   out = {name: list(dataclasses.astuple(getattr(tiles, name))) for name in PASSES
          if getattr(tiles, name) is not None}

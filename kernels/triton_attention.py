@@ -54,7 +54,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
-                                     dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch)
+                                     dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch,
+                                     with_backward)
 from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, default_backend_is_gpu
 
 if HAVE_TRITON:
@@ -722,12 +723,15 @@ def _differentiable(tiles: FlashTiles):
   return attend
 
 
-def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTiles | None = None):
+def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTiles | None = None,
+                     backward: str = "auto"):
   """Causal softmax(q k^T / sqrt(dk)) v with one key head shared by every query head.
 
   Args:
     q [B, T, H, dk]; k [B, T, dk]; v [B, T, D] (query t sees keys s <= t), same dtype.
     tiles: kernel tiles (default: `default_tiles(dk, D)`).
+    backward: the backward's form over those tiles (`attention_tiles.with_backward`): "auto" (the
+      tiles' own), "recompute", "stored", "stored_pairs".
   Returns:
     [B, T, H, D] in q's dtype; differentiable in q, k, v.
   """
@@ -735,7 +739,7 @@ def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTi
   if k.shape != (b, t, dk) or v.shape[:2] != (b, t) or v.ndim != 3:
     raise ValueError(f"premix_attention wants q [B,T,H,dk], k [B,T,dk], v [B,T,D]; got "
                      f"{q.shape}, {k.shape}, {v.shape}")
-  tiles = tiles or default_tiles(dk, v.shape[-1])
+  tiles = with_backward(tiles or default_tiles(dk, v.shape[-1]), backward)
   return _differentiable(tiles)(q, k.astype(q.dtype), v.astype(q.dtype))
 
 

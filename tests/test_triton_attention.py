@@ -107,6 +107,37 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   assert ta.stores_probs(base, (32, 1024, 4, 192), 2) == (False, False)
 
 
+def test_core_backward_forms_and_their_config_key():
+  """`with_backward` sets exactly the fields each form reads, keeps tiles of the table's own, and
+  names a bad form; the config key takes the same names and names a bad one."""
+  import dataclasses
+  from configs import common as configs
+  from umoe_jax import kinds
+  from umoe_jax.config import ConfigError, model_config
+  assert kinds.ATTENTION_BACKWARDS == at.BACKWARDS
+  base = at.default_tiles(192, 768)
+  assert at.with_backward(base, "auto") == base == at.with_backward(base, "recompute")
+  stored = at.with_backward(base, "stored")
+  assert stored == dataclasses.replace(base, dq_ds=at.STORED_DQ_DS, dx_p=True)
+  pairs = at.with_backward(base, "stored_pairs")
+  assert (pairs.ds, pairs.dk_ds, pairs.dq_ds, pairs.dx_p) == (at.STORED_PAIRS_DS,
+                                                              at.STORED_PAIRS_DK_DS,
+                                                              at.STORED_DQ_DS, True)
+  assert at.with_backward(pairs, "recompute") == base and at.with_backward(pairs, "auto") == pairs
+  own = dataclasses.replace(stored, dq_ds=at.PassTiles(128, 64, 16, 8, 2))
+  assert at.with_backward(own, "stored_pairs").dq_ds == own.dq_ds        # a swept tile is kept
+  fused = dataclasses.replace(base, dxdk=at.PassTiles(64, 32, 256, 4, 2))
+  assert at.with_backward(fused, "stored").dxdk is None
+  with pytest.raises(ValueError, match="'stash'"):
+    at.with_backward(base, "stash")
+  m = configs.model("umoe", "tiny")
+  m.attention.core_backward = "stored_pairs"
+  assert model_config(m).attention.core_backward == "stored_pairs"
+  m.attention.core_backward = "stored-pairs"
+  with pytest.raises(ConfigError, match=r"model\.attention\.core_backward='stored-pairs'.*stored_pairs"):
+    model_config(m)
+
+
 def test_triton_core_declines_where_it_cannot_run():
   """Off GPU (this machine), in float32 or with several key heads the kernel is not used, and
   core="triton" gives the XLA values exactly; an unknown core is refused."""
@@ -250,8 +281,9 @@ def _interpreter_check():
   x = jnp.asarray(rng.standard_normal((*bt, m.d_model)) + 2.0, jnp.float32)  # a shared direction
   pos = jnp.broadcast_to(jnp.arange(bt[1], dtype=jnp.int32), bt)
   outs = {}
-  for core in ("xla", "triton"):
-    m.attention.core = core
+  for core, backward in (("xla", "auto"), ("triton", "auto"), ("triton", "stored"),
+                         ("triton", "stored_pairs")):
+    m.attention.core, m.attention.core_backward = core, backward
     block = DecoderBlock(model_config(m), rngs=nnx.Rngs(params=0))
     for p in jax.tree.leaves(nnx.state(block.attention.router, nnx.Param),
                              is_leaf=lambda v: isinstance(v, nnx.Variable)):
@@ -266,17 +298,26 @@ def _interpreter_check():
     n = len(LAUNCHES)
     (val, route), (g_state, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         state, x)
-    assert (len(LAUNCHES) - n == 4) == (core == "triton"), (core, LAUNCHES[n:])  # fwd, dx, dk, dq
+    # fwd + three backward passes: dx, dk, dq / dk storing, dq_ds, dx / ds, dk_ds, dq_ds, dx
+    launched = {kn.fn.__name__ for kn in LAUNCHES[n:]}
+    want_launches = {"xla": set(), "auto": {"_fwd_kernel", "_bwd_dx_kernel", "_bwd_dk_kernel",
+                                            "_bwd_dq_kernel"},
+                     "stored": {"_fwd_kernel", "_bwd_dk_kernel", "_bwd_dq_ds_kernel", "_bwd_dx_kernel"},
+                     "stored_pairs": {"_fwd_kernel", "_bwd_ds_kernel", "_bwd_dk_ds_kernel",
+                                      "_bwd_dq_ds_kernel", "_bwd_dx_kernel"}}
+    assert launched == want_launches["xla" if core == "xla" else backward], (core, backward, launched)
     assert float(jnp.mean(route.expert_ids < 3)) > 0.9, np.asarray(route.expert_ids)  # skewed
-    outs[core] = (val, g_x, jax.tree.leaves(g_state))
-  (v0, gx0, gs0), (v1, gx1, gs1) = outs["xla"], outs["triton"]
-  assert abs(float(v1) - float(v0)) <= 1e-4 * abs(float(v0)) + 1e-4, (v0, v1)
-  assert _rel(gx1, gx0) < 1e-4, _rel(gx1, gx0)
-  for a, w in zip(gs1, gs0):
-    if np.linalg.norm(np.asarray(w)) > 0:
-      assert _rel(a, w) < 1e-4, _rel(a, w)
-    else:  # e.g. experts no token reached: no gradient through the kernel either
-      assert not np.any(np.asarray(a)), np.abs(np.asarray(a)).max()
+    outs[core, backward] = (val, g_x, jax.tree.leaves(g_state))
+  v0, gx0, gs0 = outs["xla", "auto"]
+  for key in [k for k in outs if k[0] == "triton"]:
+    v1, gx1, gs1 = outs[key]
+    assert abs(float(v1) - float(v0)) <= 1e-4 * abs(float(v0)) + 1e-4, (key, v0, v1)
+    assert _rel(gx1, gx0) < 1e-4, (key, _rel(gx1, gx0))
+    for a, w in zip(gs1, gs0):
+      if np.linalg.norm(np.asarray(w)) > 0:
+        assert _rel(a, w) < 1e-4, (key, _rel(a, w))
+      else:  # e.g. experts no token reached: no gradient through the kernel either
+        assert not np.any(np.asarray(a)), (key, np.abs(np.asarray(a)).max())
   print("TRITON_ATTENTION_INTERPRETER_OK")
 
 

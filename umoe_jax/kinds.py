@@ -28,6 +28,8 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
     "switchhead": AttentionKind(has_routers=True),
 }
 ATTENTION_CORES = ("auto", "xla", "cudnn", "triton", "splash")   # model.attention.core
+# model.attention.core_backward: the Triton core's backward (kernels/attention_tiles.BACKWARDS).
+ATTENTION_BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 
 FFN_KINDS = ("dense", "moe", "none")
 

@@ -29,6 +29,9 @@ def validate(cfg: ModelConfig) -> ModelConfig:
           f"model.attention.head_dim={att.head_dim!r} must be a positive even number (RoPE rotates pairs)")
   require(att.core in kinds.ATTENTION_CORES,
           f"model.attention.core={att.core!r}; valid: {', '.join(kinds.ATTENTION_CORES)}")
+  require(att.core_backward in kinds.ATTENTION_BACKWARDS,
+          f"model.attention.core_backward={att.core_backward!r}; valid: "
+          f"{', '.join(kinds.ATTENTION_BACKWARDS)}")
   _ATTENTION_CHECKS[att.kind](cfg)
 
   require(ffn.kind in kinds.FFN_KINDS, f"model.ffn.kind={ffn.kind!r}; valid: {', '.join(kinds.FFN_KINDS)}")

@@ -118,6 +118,8 @@ class AttentionConfig:
   n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
   core: str = "auto"                  # scores/softmax/mix: "xla", "cudnn"/"triton" (fused causal GPU kernels, no cache), "splash" (TPU),
                                       # "auto" (one GPU: the fused kernels; else xla; attention.common.auto_core)
+  core_backward: str = "auto"         # the "triton" core's backward: "recompute" P and dS per pass, "stored" (the dK pass
+                                      # stores them for dQ / dX), "stored_pairs" (a tile-pair pass stores them), "auto" (the tiles' own)
   router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # its routers' keys over model.router
 
 

@@ -6,7 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.kinds import ATTENTION_CORES, ATTENTIONS  # noqa: F401  (the registry and core names)
+from umoe_jax.kinds import ATTENTION_BACKWARDS, ATTENTION_CORES, ATTENTIONS  # noqa: F401  (registry, names)
 
 
 # Routed low-rank expert projection (pre-mixing queries, post-mixing keys):
@@ -56,10 +56,11 @@ def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: st
   return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
 
 
-def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array):
+def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str = "auto"):
   """Causal attention through the Triton kernel of one shared key head (kernels/triton_attention.py:
   pre-mixing's D-wide values in one pass, no per-chunk cuDNN calls), or None where it cannot run
-  (no GPU / Triton, float32, several key heads, S != T, head dim > 512).
+  (no GPU / Triton, float32, several key heads, S != T, head dim > 512). `backward`:
+  `model.attention.core_backward` (kernels/attention_tiles.with_backward).
 
   Args: q [B, T, H, Dk], k [B, T, 1, Dk], v [B, T, 1, Dv]. Returns [B, T, H, Dv] or None.
   """
@@ -69,7 +70,7 @@ def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array):
     return None
   if not kernel.supported(q, k, v):
     return None
-  return kernel.premix_attention(q, k[:, :, 0], v[:, :, 0])
+  return kernel.premix_attention(q, k[:, :, 0], v[:, :, 0], backward=backward)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "cudnn"):
@@ -127,7 +128,8 @@ def auto_core(head_dim: int, value_dim: int) -> str:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
-                     k_positions: jax.Array, *, return_probs: bool = False, core: str = "xla"):
+                     k_positions: jax.Array, *, return_probs: bool = False, core: str = "xla",
+                     core_backward: str = "auto"):
   """softmax(q k^T / sqrt(Dk) + causal mask) v, softmax in float32.
 
   Args:
@@ -148,6 +150,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
       (`attention.splash`) under the same conditions on TPU (multi-head and one-key-head shapes,
       pre-mixing included), XLA elsewhere. The fused cores assume what the LM's own positions
       satisfy: they increase along the sequence and are >= 0, so the visibility below is causal.
+    core_backward: `model.attention.core_backward`, the "triton" kernel's backward form.
   Returns:
     [B, T, H, Dv] in v's dtype (and the probabilities with `return_probs`).
   """
@@ -155,10 +158,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     raise ValueError(f"key heads {k.shape[2]} must be 1 or equal query heads {q.shape[2]}")
   if core not in ATTENTION_CORES:
     raise ValueError(f"attention core {core!r}; valid: {', '.join(ATTENTION_CORES)}")
+  if core_backward not in ATTENTION_BACKWARDS:
+    raise ValueError(f"attention core backward {core_backward!r}; valid: "
+                     f"{', '.join(ATTENTION_BACKWARDS)}")
   auto = core == "auto"
   core = auto_core(q.shape[-1], v.shape[-1]) if auto else core
   if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
-    out = triton_attention(q, k, v) if core == "triton" else None
+    out = triton_attention(q, k, v, backward=core_backward) if core == "triton" else None
     if out is None and jax.default_backend() == "gpu":
       try:
         out = fused_attention(q, k, v)

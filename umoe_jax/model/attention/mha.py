@@ -68,7 +68,8 @@ class MultiHeadAttention(HeadsQK):
       cache = cache.append(k=k, v=v)
       k, v, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
     o = causal_attention(q, k, v, positions, k_pos, return_probs=return_probs,
-                         core=self.cfg.attention.core)                          # [B, T, H, Dv]
+                         core=self.cfg.attention.core,
+                         core_backward=self.cfg.attention.core_backward)        # [B, T, H, Dv]
     o, probs = o if return_probs else (o, None)
     y = self.o_proj(o.reshape(b, t, -1))
     out = (y, {}) if cache is None else (y, {}, cache)

@@ -125,7 +125,8 @@ class MoAAttention(nnx.Module):
       cache = cache.append(k=key, v=value)
       key, value, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
     o = causal_attention(q, key[:, :, None, :], value[:, :, None, :], positions, k_pos,
-                         core=self.cfg.attention.core)                          # [B,T,1+K,Dv]
+                         core=self.cfg.attention.core,
+                         core_backward=self.cfg.attention.core_backward)        # [B,T,1+K,Dv]
 
     n_shared = 1 if self.shared_q_proj is not None else 0
     w_o = self.o_experts.value.astype(dt)

@@ -117,7 +117,8 @@ class PreMixAttention(nnx.Module):
         key, values = cache.arrays["k"][:, :, None, :], cache.arrays["v"]
         k_pos = cache.key_positions
       mixed = causal_attention(q, key, values[:, :, None, :], positions, k_pos,
-                               core=self.cfg.attention.core)                 # [B, T, 1+K, D|L]
+                               core=self.cfg.attention.core,
+                               core_backward=self.cfg.attention.core_backward)  # [B, T, 1+K, D|L]
       if self.latent_up is not None:
         mixed = self.latent_up(mixed)                                              # [B, T, 1+K, D]
 

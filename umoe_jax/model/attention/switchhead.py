@@ -162,7 +162,8 @@ class SwitchHeadAttention(HeadsQK):
     if cache is not None:
       cache = cache.append(k=k, v=v)
       k, v, k_pos = cache.arrays["k"], cache.arrays["v"], cache.key_positions
-    o = causal_attention(q, k, v, positions, k_pos, core=self.cfg.attention.core)  # [B, T, H, Dv]
+    o = causal_attention(q, k, v, positions, k_pos, core=self.cfg.attention.core,
+                         core_backward=self.cfg.attention.core_backward)        # [B, T, H, Dv]
 
     with jax.named_scope("output_experts"):
       y = self.o_experts(o.reshape(n, h, -1), o_ids, o_gates, per_head_input=True, sum_heads=True)
