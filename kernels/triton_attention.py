@@ -180,8 +180,8 @@ if HAVE_TRITON:
     ptrs = base + keys.to(tl.int64)[:, None] * TH + rows[None, :]
     if MASK:
       ok = key_ok[:, None] & (rows < TH)[None, :] & (keys[:, None] <= (rows // H)[None, :])
-    else:
-      ok = key_ok[:, None]
+    else:  # (rows past T*H: a reader's partial last row tile, which may run past the array's end)
+      ok = key_ok[:, None] & (rows < TH)[None, :]
     return tl.load(ptrs, mask=ok, other=0.0)
 
   @triton.jit
@@ -477,11 +477,12 @@ if HAVE_TRITON:
       offs_dk = tl.arange(0, DKP)
       k = tl.load(k_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
                   mask=(keys < T)[:, None] & (offs_dk < DK)[None, :], other=0.0)
+      # dO X^T first: P^T is not live across its D-deep loop (register pressure)
+      dpt = _dp(x_ptr + b * (T * D), keys, keys < T, do_ptr + b * (TH * D), rows, row_ok, D, BDK,
+                BN, BM)                                                                  # [BN, BM]
       pt, q = _probs_t(k, q_ptr + b * (TH * DK), lse_ptr + b * TH, rows, keys, offs_dk, TH, T, H,
                        DK, qk_scale, True)
       delta = tl.load(delta_ptr + b * TH + rows, mask=row_ok, other=0.0)
-      dpt = _dp(x_ptr + b * (T * D), keys, keys < T, do_ptr + b * (TH * D), rows, row_ok, D, BDK,
-                BN, BM)                                                                  # [BN, BM]
       offs = b * (T * TH) + keys.to(tl.int64)[:, None] * TH + rows[None, :]
       ok = (keys < T)[:, None] & row_ok[None, :]
       tl.store(ds_ptr + offs, (pt * (dpt - delta[None, :])).to(q.dtype), mask=ok)

@@ -38,6 +38,9 @@ STORED_CASES = [
      (32, 16, 32), (16, 32, 16)),   # T = 2 * 16 + 1: a key tile of the last position alone
     (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), True,
      (16, 32, 64), (32, 16, 16)),
+    # H = 3 with many unmasked (full) row blocks in the dX and dK readers and key tiles in dQ's
+    (1, 45, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (32, 32, 32), (16, 16, 16)), (32, 16, 16), True,
+     (16, 32, 32), (16, 16, 16)),
 ]
 
 
@@ -187,7 +190,8 @@ def test_config_accepts_triton_core_and_names_a_bad_one():
 # Under the interpreter (a fresh process: TRITON_INTERPRET must be set before Triton is imported).
 
 
-LAUNCHES = []
+LAUNCHES = []       # the kernels launched, in order
+LAUNCH_FLAGS = []   # their STORE_DS / STORE_P / LOAD_P meta-parameters, where given
 
 
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
@@ -203,6 +207,7 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
     return tuple(r.arr for r in res)
 
   LAUNCHES.append(kernel)
+  LAUNCH_FLAGS.append({k: meta[k] for k in ("STORE_DS", "STORE_P", "LOAD_P") if k in meta})
   got = jax.pure_callback(host, tuple(outs), *args)
   return list(got) if isinstance(out_shape, (list, tuple)) else got[0]
 
@@ -264,6 +269,32 @@ def _interpreter_check():
     assert ("_bwd_dq_kernel" in kernels) == (dq_ds is None), (case, kernels)
     assert ("_bwd_dk_kernel" in kernels) == (len(tiles) == 4 and ds is None), (case, kernels)
     assert ("_bwd_ds_kernel" in kernels) == ("_bwd_dk_ds_kernel" in kernels) == (ds is not None)
+    flags = {kn.fn.__name__: f for kn, f in zip(LAUNCHES[n_launch:], LAUNCH_FLAGS[n_launch:])}
+    if "_bwd_dx_kernel" in flags:  # (not with the fused dxdk pass)
+      assert flags["_bwd_dx_kernel"]["LOAD_P"] == dx_p, (case, flags)  # P read, not recomputed
+    if "_bwd_dk_kernel" in flags:
+      assert flags["_bwd_dk_kernel"] == {"STORE_DS": dq_ds is not None, "STORE_P": dx_p}, (case, flags)
+
+  # Past STORED_BYTES_LIMIT the stored forms recompute (same values, the three recompute passes).
+  limit, ta.STORED_BYTES_LIMIT = ta.STORED_BYTES_LIMIT, 0
+  b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds = STORED_CASES[3]
+  flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles), dx_p=dx_p, dq_ds=opt(dq_ds),
+                        ds=opt(ds), dk_ds=opt(dk_ds))
+  rng = np.random.default_rng(1)
+  q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, dk), (b, t, d)))
+  cot = rng.standard_normal((b, t, h, d))
+  n_launch = len(LAUNCHES)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(ta.premix_attention(*a, tiles=flash) * cot),
+                           argnums=(0, 1, 2)))(*[jnp.asarray(a, jnp.float32) for a in (q, k, v)])
+  want_g = jax.grad(lambda *a: jnp.sum(_reference(*a) * cot), argnums=(0, 1, 2))(
+      *map(jnp.asarray, (q, k, v)))
+  for name, g, w in zip(("dq", "dk", "dx"), grads, want_g):
+    assert _rel(g, w) < 1e-5, ("over the limit", name, _rel(g, w))
+  names = [kn.fn.__name__ for kn in LAUNCHES[n_launch:]]
+  assert sorted(names) == sorted(["_fwd_kernel", "_bwd_dq_kernel", "_bwd_dk_kernel",
+                                  "_bwd_dx_kernel"]), names
+  assert not any(any(f.values()) for f in LAUNCH_FLAGS[n_launch:]), LAUNCH_FLAGS[n_launch:]
+  ta.STORED_BYTES_LIMIT = limit
 
   # The layer: tiny UMoE pre-mixing attention with skewed routing (nearly every token's slots on
   # experts 0-2), core="triton" (the kernel, via the interpreter) against core="xla".
