@@ -28,7 +28,7 @@ AUTO_PRIORITY = {"triton": 20, "mosaic": 10, "megablox": 10}
 
 
 def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False, activations=False,
-              fan_in_module=None):
+              scaled_row_dot=False, fan_in_module=None):
   if name in _gmm_api.BACKENDS:
     return
   try:
@@ -48,10 +48,10 @@ def _register(name, module_name, gmm_attr, tgmm_attr, row_index=False, activatio
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))),
       auto_priority=AUTO_PRIORITY[name], available=mod.available, row_index=row_index,
       fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
-      gather_sum=gather_sum))
+      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum))
 
 
 _register("triton", "kernels.triton_gmm", "triton_gmm", "triton_tgmm", row_index=True,
-          activations=True, fan_in_module="kernels.triton_fan_in")
+          activations=True, scaled_row_dot=True, fan_in_module="kernels.triton_fan_in")
 _register("mosaic", "kernels.mgpu_gmm", "mgpu_gmm", "mgpu_tgmm")
 _register("megablox", "kernels.megablox_gmm", "megablox_gmm", "megablox_tgmm")

@@ -102,16 +102,30 @@ if HAVE_TRITON:
     return g, row0, tl.minimum(seg_end, row0 + BM)
 
   @triton.jit
-  def _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, g, row0, row_end, pid_n,
-                compute, M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr,
+  def _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO: tl.constexpr,
+                   EPI_ACT: tl.constexpr):
+    """ds[rows, cols] = act(d) (or d) rounded to d's dtype, times scale[row], in ds's dtype: the
+    gate-scaled operand rows of gmm_combine's weight gradient, as its XLA pass makes them."""
+    if EPI_ACT != 0:
+      a = _act(z, EPI_ACT).to(d.dtype).to(tl.float32)
+    else:
+      a = z
+    tl.store(ds_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :],
+             (a * scale[:, None]).to(ds_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (offs_n[None, :] < NO))
+
+  @triton.jit
+  def _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr, g, row0, row_end,
+                pid_n, compute, M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr,
                 s_bk: tl.constexpr, s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BN2: tl.constexpr, BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr,
-                ROW_DOT: tl.constexpr, EPI_ACT: tl.constexpr):
+                ROW_DOT: tl.constexpr, EPI_ACT: tl.constexpr, SCALED_D: tl.constexpr):
     """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
     not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
     `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>.
     EPI_ACT (with ROW_DOT): d holds pre-activations: the dot is taken with act(d) and the output
-    (before the scale) is multiplied by act'(d) (gmm_combine's backward with the activation fused)."""
+    (before the scale) is multiplied by act'(d) (gmm_combine's backward with the activation fused).
+    SCALED_D (with ROW_DOT and ROW_SCALE): also ds[rows, cols] = act(d) (or d) * scale[row]."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
@@ -150,27 +164,32 @@ if HAVE_TRITON:
         b_ptrs += BK * s_bk
 
     row_mask = offs_m < row_end
+    if ROW_SCALE:
+      scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
     if ROW_DOT:  # per-row dot with another [M, NO] array, before the scale (dgates of gmm_combine)
       d_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
       d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO), other=0.0)
+      z = d.to(tl.float32)
       if EPI_ACT != 0:  # d holds pre-activations z: the dot with act(z), the output times act'(z)
-        z = d.to(tl.float32)
         part = tl.sum(acc * _act(z, EPI_ACT), axis=1)
         acc = acc * _act_grad(z, EPI_ACT)
       else:
-        part = tl.sum(acc * d.to(tl.float32), axis=1)
+        part = tl.sum(acc * z, axis=1)
+      if SCALED_D:
+        _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO, EPI_ACT)
       if BN2 > 0:
         d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
                      other=0.0)
+        z2 = d2.to(tl.float32)
         if EPI_ACT != 0:
-          z2 = d2.to(tl.float32)
           part += tl.sum(acc2 * _act(z2, EPI_ACT), axis=1)
           acc2 = acc2 * _act_grad(z2, EPI_ACT)
         else:
-          part += tl.sum(acc2 * d2.to(tl.float32), axis=1)
+          part += tl.sum(acc2 * z2, axis=1)
+        if SCALED_D:
+          _scaled_rows(ds_ptr, d2, z2, scale, offs_m, offs_n2, row_mask, NO, EPI_ACT)
       tl.store(rd_ptr + pid_n * M + offs_m, part, mask=row_mask)
     if ROW_SCALE:
-      scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
       acc = acc * scale[:, None]
     o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < NO))
@@ -182,13 +201,13 @@ if HAVE_TRITON:
                mask=row_mask[:, None] & (offs_n2[None, :] < NO))
 
   @triton.jit
-  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, scale_ptr, d_ptr, o_ptr, rd_ptr,
+  def _gmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, scale_ptr, d_ptr, o_ptr, rd_ptr, ds_ptr,
                   M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, G: tl.constexpr,
                   GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr, s_bn: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                   N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                   A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr,
-                  EPI_ACT: tl.constexpr = 0):
+                  EPI_ACT: tl.constexpr = 0, SCALED_D: tl.constexpr = False):
     # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
@@ -199,10 +218,10 @@ if HAVE_TRITON:
       pid_m = pid // N_TILES
       if pid_m < num_tiles:
         g, row0, row_end = _locate(pid_m, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
-        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   tl.minimum(g, G - 1), row0, row_end, pid % N_TILES, g < G,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT)
+                  EPI_ACT, SCALED_D)
     else:
       # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
       # pipeline prefetch the next tile's operands while this tile's epilogue stores.
@@ -210,16 +229,16 @@ if HAVE_TRITON:
       work = (num_tiles - tail_tiles) * N_TILES
       for t in tl.range(pid, work, NUM_PROGS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
-        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   g, row0, row_end, t % N_TILES, True,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT)
+                  EPI_ACT, SCALED_D)
       for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
-        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr,
+        _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   tl.minimum(g, G - 1), row0, row_end, t % N_TILES, False,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT)
+                  EPI_ACT, SCALED_D)
 
   @triton.jit
   def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
@@ -348,15 +367,20 @@ def _act_code(name, what):
 
 
 def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
-               lhs_index=None, row_scale=None, row_dot=None, epi_act=None):
+               lhs_index=None, row_scale=None, row_dot=None, epi_act=None, scaled_row_dot=False):
   """Raw grouped matmul (see module docstring). `lhs_index` [M] int32: the operand's row r is
   lhs[lhs_index[r]] (lhs [N_src, K]; the permute gather fused into the kernel); `row_scale` [M]:
   output row r is multiplied by row_scale[r] (in float32, before the cast). `row_dot` [M, N_out]:
   also return dots [M] float32, dots[r] = <output row r before the scale, row_dot[r]>.
   `epi_act` (a FUSED_ACTIVATIONS name, with `row_dot`): row_dot holds pre-activations z:
-  dots[r] = <out[r], act(z[r])> and out[r] *= act'(z[r]) before the scale."""
+  dots[r] = <out[r], act(z[r])> and out[r] *= act'(z[r]) before the scale.
+  `scaled_row_dot` (with `row_dot` and `row_scale`): return (out, dots, scaled) with scaled [M, N_out]
+  in row_dot's dtype, scaled[r] = act(z[r]) (rounded to that dtype; z[r] itself without `epi_act`)
+  * row_scale[r]: written from the tiles the epilogue loaded anyway."""
   if epi_act is not None and row_dot is None:
     raise ValueError("triton_gmm: epi_act needs row_dot (the pre-activations)")
+  if scaled_row_dot and (row_dot is None or row_scale is None):
+    raise ValueError("triton_gmm: scaled_row_dot needs row_dot and row_scale")
   m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
   g, k, n = rhs.shape
   kc, no = (n, k) if transpose_rhs else (k, n)
@@ -373,14 +397,19 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
   other = _placeholder() if row_dot is None else row_dot
   # Column tiles write partial dots [N_TILES, M], summed here (deterministic, no atomics).
   dots_shape = (launch["N_TILES"], m) if row_dot is not None else (1,)
-  out, dots = jt.triton_call(
+  scaled_shape = jax.ShapeDtypeStruct((m, no) if scaled_row_dot else (1,),
+                                      row_dot.dtype if scaled_row_dot else jnp.int32)
+  out, dots, scaled = jt.triton_call(
       lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), index, scale, other,
       kernel=_gmm_kernel, grid=grid,
-      out_shape=[jax.ShapeDtypeStruct((m, no), out_dtype), jax.ShapeDtypeStruct(dots_shape, jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((m, no), out_dtype), jax.ShapeDtypeStruct(dots_shape, jnp.float32),
+                 scaled_shape],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      EPI_ACT=_act_code(epi_act, "epi_act"), **launch)
-  return out if row_dot is None else (out, dots.sum(axis=0))
+      EPI_ACT=_act_code(epi_act, "epi_act"), SCALED_D=bool(scaled_row_dot), **launch)
+  if row_dot is None:
+    return out
+  return (out, dots.sum(axis=0), scaled) if scaled_row_dot else (out, dots.sum(axis=0))
 
 
 def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None,

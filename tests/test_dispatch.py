@@ -222,10 +222,11 @@ def test_apply_experts_gradient():
 # Dispatch fused into the first / last grouped matmul (umoe_jax.ops.fused_dispatch).
 
 
-def _row_index_backend(monkeypatch):
+def _row_index_backend(monkeypatch, calls=None):
   """A CPU backend that takes the `row_index` arguments itself (as the Triton kernels do), so the
-  fused ops' index / scale plumbing is exercised without a GPU. Registered for the calling test only
-  (a backend left in the registry would reach tests that list every registered backend)."""
+  fused ops' index / scale plumbing is exercised without a GPU, `scaled_row_dot` included (each
+  call appended to `calls` if given). Registered for the calling test only (a backend left in the
+  registry would reach tests that list every registered backend)."""
   from umoe_jax.ops import gmm as G
   name = "test_row_index"
   xla = G.BACKENDS.get("xla")
@@ -235,7 +236,14 @@ def _row_index_backend(monkeypatch):
   grad_of = lambda name: jnp.vectorize(jax.grad(acts[name]))
 
   def gmm_ri(lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None, epi_act=None):
+             row_dot=None, epi_act=None, scaled_row_dot=False):
+    if scaled_row_dot:
+      if calls is not None:
+        calls.append(epi_act)
+      z = row_dot if epi_act is None else acts[epi_act](row_dot).astype(row_dot.dtype)
+      out, dots = gmm_ri(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                         lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot, epi_act=epi_act)
+      return out, dots, (z * row_scale[:, None]).astype(row_dot.dtype)
     if lhs_index is not None:
       lhs = jnp.take(lhs, lhs_index, axis=0)
     out = xla.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
@@ -258,7 +266,7 @@ def _row_index_backend(monkeypatch):
 
   monkeypatch.setitem(G.BACKENDS._entries, name, G.GmmBackend(
       gmm=gmm_ri, tgmm=tgmm_ri, platforms=("cpu",), auto_priority=-1, row_index=True,
-      fused_activations=tuple(acts)))
+      fused_activations=tuple(acts), scaled_row_dot=True))
   return name
 
 
@@ -296,6 +304,42 @@ def test_gmm_combine_with_the_activation_inside(backend, activation, monkeypatch
     assert rel_err(a, b) < 1e-6, name
   with pytest.raises(ValueError, match="activation='gelu'"):
     fused_dispatch.gmm_combine(z, w2, dispatch.make_plan(ids, E), gates, activation="gelu")
+
+
+@pytest.mark.parametrize("backend", ["xla", "row_index"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_gmm_combine_weight_rows_from_the_epilogue(backend, activation, monkeypatch):
+  """gmm_combine(fuse_weight_rows=True) (`moe.fuse_weight_rows`: the weight gradient's gate-scaled
+  rows from the input-gradient matmul's epilogue) gives the values and gradients of the XLA-pass
+  form exactly (float32, random routing with masked slots; with and without the activation
+  inside), and on a backend with `scaled_row_dot` the epilogue is asked for them."""
+  from umoe_jax.ops import fused_dispatch
+  calls = []
+  backend = _row_index_backend(monkeypatch, calls) if backend == "row_index" else backend
+  rng = np.random.default_rng(23)
+  ids = jnp.asarray(ID_CASES["random"])
+  mask = jnp.asarray(rng.random(ids.shape) > 0.2)
+  z = jnp.asarray(rng.standard_normal((N * KS, F)), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((E, F, D)) / 3, jnp.float32)
+  gates = jnp.asarray(rng.random((N, KS)), jnp.float32) * mask
+  cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+
+  def combine(fuse):
+    def f(z, gates, w2):
+      plan = dispatch.make_plan(ids, E, mask)
+      return fused_dispatch.gmm_combine(z, w2, plan, gates, backend=backend, activation=activation,
+                                        fuse_weight_rows=fuse)
+    return f
+
+  args = (z, gates, w2)
+  assert rel_err(jax.jit(combine(True))(*args), jax.jit(combine(False))(*args)) == 0
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)
+  got = jax.jit(jax.grad(loss(combine(True)), argnums=(0, 1, 2)))(*args)
+  want = jax.jit(jax.grad(loss(combine(False)), argnums=(0, 1, 2)))(*args)
+  for name, a, b in zip(("z", "gates", "w_down"), got, want):
+    assert np.abs(np.asarray(b)).max() > 0, name
+    assert rel_err(a, b) < 1e-6, name
+  assert calls == ([activation] if isinstance(backend, str) and backend.startswith("test_") else [])
 
 
 @pytest.mark.parametrize("backend", ["xla", "row_index"])

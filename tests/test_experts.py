@@ -203,16 +203,17 @@ def test_pool_wiring_in_blocks():
 @pytest.mark.parametrize("fuse", [True, False])
 def test_pool_under_a_mesh_keeps_fuse_activation(monkeypatch, fuse):
   """The expert-parallel route (`expert_routes.route_pool`, any mesh) hands the pool's
-  moe.fuse_activation to its per-device fused function: a silu pool's last matmul gets the
-  activation exactly when the switch is on, as on one device."""
+  moe.fuse_activation and moe.fuse_weight_rows to its per-device fused function: a silu pool's
+  last matmul gets the activation exactly when the switch is on, as on one device, and the
+  weight-rows switch as set."""
   import jax
   from umoe_jax.model import experts
   from umoe_jax.ops import dispatch
   from umoe_jax.parallel import expert_routes
   seen, captured = [], {}
   real = experts.gmm_combine
-  monkeypatch.setattr(experts, "gmm_combine",
-                      lambda *a, **kw: seen.append(kw.get("activation")) or real(*a, **kw))
+  monkeypatch.setattr(experts, "gmm_combine", lambda *a, **kw: seen.append(
+      (kw.get("activation"), kw.get("fuse_weight_rows"))) or real(*a, **kw))
 
   def fake_expert_map(x, ids, gates, values, names, local, *, num_experts, fused_local, slot_mask=None):
     captured.update(fused=fused_local, values=values)
@@ -221,11 +222,11 @@ def test_pool_under_a_mesh_keeps_fuse_activation(monkeypatch, fuse):
   monkeypatch.setattr(expert_routes, "expert_map", fake_expert_map)
   pool = ExpertPool(6, 8, 12, activation="silu", std=0.1, param_dtype=jnp.float32,
                     compute_dtype=jnp.float32, gmm_backend="xla", rngs=nnx.Rngs(params=0),
-                    fuse_activation=fuse)
+                    fuse_activation=fuse, fuse_weight_rows=not fuse)
   x = jax.random.normal(jax.random.key(1), (10, 8))
   ids = jnp.asarray(np.random.default_rng(2).integers(0, 6, (10, 2)), jnp.int32)
   gates = jnp.full((10, 2), 0.5)
   expert_routes.route_pool(pool, x, ids, gates)
   w_up, w_down = captured["values"]
   captured["fused"](x, dispatch.make_plan(ids, 6), gates, w_up, w_down)
-  assert seen == ["silu" if fuse else None]
+  assert seen == [("silu" if fuse else None, not fuse)]

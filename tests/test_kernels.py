@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -384,7 +385,7 @@ def _triton_interpreter_check():
         T._gmm_kernel[grid](_NpTensor(src if index else lhs), _NpTensor(w), _NpTensor(gs),
                             _NpTensor(idx) if index else none(),
                             _NpTensor(scale) if row_scale else none(),
-                            _NpTensor(other) if row_dot else none(), out, dots, M=m, KC=kc, NO=no,
+                            _NpTensor(other) if row_dot else none(), out, dots, none(), M=m, KC=kc, NO=no,
                             G=g, s_bg=st[0], s_bk=st[1], s_bn=st[2], A_INDEX=index,
                             ROW_SCALE=row_scale, ROW_DOT=row_dot, **launch)
         want = _ref_gmm(src[idx] if index else lhs, w, gs, tr)
@@ -417,10 +418,12 @@ def _triton_interpreter_check():
 def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
   """The epilogue activation codes of the gmm kernel (moe.fuse_activation) against numpy: gmm^T
   with ROW_DOT + EPI_ACT (+ gathered rows and a row scale: gmm_combine's backward: dots with
-  act(z), output times act'(z) before the scale)."""
+  act(z), output times act'(z) before the scale), without and with SCALED_D (also the rows
+  act(z) * scale, moe.fuse_weight_rows); code 0 is no activation."""
   g = len(gs)
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
-  acts = {1: (lambda x: x * sig(x), lambda x: sig(x) * (1 + x * (1 - sig(x)))),   # silu
+  acts = {0: (lambda x: x, lambda x: np.ones_like(x)),
+          1: (lambda x: x * sig(x), lambda x: sig(x) * (1 + x * (1 - sig(x)))),   # silu
           2: (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float32))}  # relu
   z = rng.standard_normal((m, k)).astype(np.float32) * 2        # pre-activations [M, F]
   w = rng.standard_normal((g, k, n)).astype(np.float32)
@@ -428,20 +431,25 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
   idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
   scale = rng.standard_normal(m).astype(np.float32)
   cfg = tuning.TileConfig(*tile)
-  for code, (act, dact) in acts.items():
+  for (code, (act, dact)), scaled_d in itertools.product(acts.items(), (False, True)):
     launch = T.gmm_launch(m, n, k, g, cfg, num_sms=2)                  # gmm^T: [M, N] -> [M, K]
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
     out = _NpTensor(np.full((m, k), np.nan, np.float32))
     dots = _NpTensor(np.full((launch["N_TILES"], m), np.nan, np.float32))
+    rows = _NpTensor(np.full((m, k), np.nan, np.float32)) if scaled_d else none()
     T._gmm_kernel[grid](_NpTensor(src_dy), _NpTensor(w), _NpTensor(gs), _NpTensor(idy),
-                        _NpTensor(scale), _NpTensor(z), out, dots, M=m, KC=n, NO=k, G=g,
+                        _NpTensor(scale), _NpTensor(z), out, dots, rows, M=m, KC=n, NO=k, G=g,
                         s_bg=k * n, s_bk=1, s_bn=n, A_INDEX=True, ROW_SCALE=True, ROW_DOT=True,
-                        EPI_ACT=code, **launch)
+                        EPI_ACT=code, SCALED_D=scaled_d, **launch)
     u = _ref_gmm(src_dy[idy], w, gs, True)                             # [M, K], rows past the groups 0
+    case = f"EPI_ACT={code} SCALED_D={scaled_d}"
     np.testing.assert_allclose(dots.arr.sum(0), (u * act(z)).sum(-1), rtol=1e-4, atol=1e-3,
-                               err_msg=f"EPI_ACT={code} dots")
+                               err_msg=f"{case} dots")
     np.testing.assert_allclose(out.arr, u * dact(z) * scale[:, None], rtol=1e-4, atol=1e-4,
-                               err_msg=f"EPI_ACT={code}")
+                               err_msg=case)
+    if scaled_d:  # every row is written (the zero tail too: its tiles run the epilogue)
+      np.testing.assert_allclose(rows.arr, act(z) * scale[:, None], rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{case} rows")
 
 
 @pytest.mark.ci_required

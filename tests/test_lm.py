@@ -304,8 +304,8 @@ def test_logits_dot_backward_runs_in_the_input_dtype_and_matches_float64():
 
 def test_fused_expert_activation_gives_the_same_model():
   """moe.fuse_activation=True (the default: the routed experts' SiLU derivative inside the last
-  grouped matmul's backward) computes the same loss and parameter gradients as the plain pool
-  (float32, a 2-layer UMoE)."""
+  grouped matmul's backward), and with it moe.fuse_weight_rows=True, compute the same loss and
+  parameter gradients as the plain pool (float32, a 2-layer UMoE)."""
   fused_cfg = _lm_config("umoe")
   assert fused_cfg.moe.fuse_activation
   cfg = model_config(dataclasses.replace(fused_cfg, moe=dataclasses.replace(fused_cfg.moe, fuse_activation=False)))
@@ -321,10 +321,15 @@ def test_fused_expert_activation_gives_the_same_model():
       return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)) + aux["balance_loss"]
     return jax.jit(jax.value_and_grad(fn))
 
-  (v0, g0), (v1, g1) = loss(graphdef)(params), loss(fused_graphdef)(params)
-  assert abs(float(v1) - float(v0)) < 1e-6 * abs(float(v0))
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    assert rel_err(a, b) < 1e-5
+  assert not fused_cfg.moe.fuse_weight_rows
+  rows_cfg = dataclasses.replace(fused_cfg, moe=dataclasses.replace(fused_cfg.moe, fuse_weight_rows=True))
+  rows_graphdef, _ = nnx.split(CausalLM(rows_cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+  (v0, g0) = loss(graphdef)(params)
+  for other in (fused_graphdef, rows_graphdef):
+    v1, g1 = loss(other)(params)
+    assert abs(float(v1) - float(v0)) < 1e-6 * abs(float(v0))
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+      assert rel_err(a, b) < 1e-5
 
 
 def test_fuse_activation_applies_only_where_it_can(monkeypatch):
@@ -349,6 +354,17 @@ def test_fuse_activation_applies_only_where_it_can(monkeypatch):
     graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
     jax.eval_shape(lambda p: nnx.merge(graphdef, p)(tokens), params)  # traced: the calls are seen
     assert seen and set(seen) == {want}, (overrides, seen)
+  # moe.fuse_weight_rows reaches every routed pool's last matmul (attention's and FFN's), gated too
+  rows = []
+  monkeypatch.setattr(experts, "gmm_combine",
+                      lambda *a, **kw: rows.append(kw.get("fuse_weight_rows")) or real(*a, **kw))
+  for gated, on in ((False, True), (True, True), (False, False)):
+    m = configs.model("umoe", "tiny")
+    m.vocab_size, m.n_layers, m.moe.gated, m.moe.fuse_weight_rows = 64, 1, gated, on
+    rows.clear()
+    graphdef, params = nnx.split(CausalLM(model_config(m), rngs=nnx.Rngs(params=0)), nnx.Param)
+    jax.eval_shape(lambda p: nnx.merge(graphdef, p)(tokens), params)
+    assert len(rows) >= 2 and set(rows) == {on}, (gated, on, rows)
   m = configs.model("umoe", "tiny")
   with pytest.raises(TypeError, match="fuse_activation"):
     m.moe.fuse_activation = "yes"

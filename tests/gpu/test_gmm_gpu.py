@@ -197,19 +197,24 @@ def test_auto_picks_the_fastest_expected_kernel_on_gpu():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("per_slot", [False, True])
-@pytest.mark.parametrize("routing", ["random", "skewed_90pct", "masked", "fused_silu", "fused_relu"])
+@pytest.mark.parametrize("routing", ["random", "skewed_90pct", "masked", "fused_silu", "fused_relu",
+                                     "rows_fused_silu", "rows_masked"])
 def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   """gather_gmm + gmm_combine (the dispatch fused into the kernels: row gathers, per-row gate
   scaling) against the unfused float32 XLA layer: values and the gradients of x, gates, w_up, w_down.
   "masked": half the slots carry no pick (gate 0, `make_plan(..., slot_mask)`: the kernels' zero
   tail) against the reference running every slot; the gates' gradient compared where they pick.
   "fused_<act>": random routing with the activation inside the last matmul
-  (`gmm_combine(activation=...)`, `moe.fuse_activation`) against the reference applying it."""
+  (`gmm_combine(activation=...)`, `moe.fuse_activation`) against the reference applying it.
+  "rows_<routing>": that routing with the weight gradient's gate-scaled rows written by the
+  input-gradient matmul's epilogue (`gmm_combine(fuse_weight_rows=True)`)."""
   from umoe_jax.ops import dispatch as D
   from umoe_jax.ops import fused_dispatch as FD
   _require(backend)
   n, k, e, d, f = 1000, 6, 16, 192, 256
   rng = np.random.default_rng(_seed("fused_ids", per_slot, routing))
+  weight_rows = routing.startswith("rows_")
+  routing = routing[len("rows_"):] if weight_rows else routing
   act_name = routing[len("fused_"):] if routing.startswith("fused_") else None
   act = {"silu": jax.nn.silu, "relu": jax.nn.relu}[act_name or "relu"]
   if routing in ("random", "masked") or act_name:
@@ -233,8 +238,9 @@ def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
     plan = D.make_plan(ids, e, mask)
     up = FD.gather_gmm(x, a, plan, k, backend=backend)
     if act_name:
-      return FD.gmm_combine(up, b, plan, g, backend=backend, activation=act_name)
-    return FD.gmm_combine(act(up), b, plan, g, backend=backend)
+      return FD.gmm_combine(up, b, plan, g, backend=backend, activation=act_name,
+                            fuse_weight_rows=weight_rows)
+    return FD.gmm_combine(act(up), b, plan, g, backend=backend, fuse_weight_rows=weight_rows)
 
   def reference(x, g, a, b):
     plan = D.make_plan(ids, e)

@@ -101,6 +101,9 @@ class MoEConfig:
                                       # epilogue (fused_dispatch.gmm_combine(activation=)), d act(z)
                                       # never written (H200: -2.3 ms, -2.6 GB a UMoE-base step,
                                       # BENCHMARKS.md run 27); other pools: the plain path
+  fuse_weight_rows: bool = False      # the last matmul's weight gradient reads gate * act(z) rows written by
+                                      # its input-gradient matmul's epilogue, not by an XLA pass (Triton;
+                                      # the same values; not yet timed on a GPU: off)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs, *,
   if ffn and router.kind == "aoe":  # Autonomy-of-Experts: experts with low-rank codes that score them
     return AoEExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, rank=router.aoe_dim, **kw)
   return ExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert,
-                    fuse_activation=cfg.moe.fuse_activation, **kw)
+                    fuse_activation=cfg.moe.fuse_activation,
+                    fuse_weight_rows=cfg.moe.fuse_weight_rows, **kw)
 
 
 def make_expert_pools(cfg: ModelConfig, rngs: nnx.Rngs):

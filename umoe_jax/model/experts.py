@@ -26,10 +26,11 @@ class ExpertPool(nnx.Module):
 
   def __init__(self, n_experts: int, d_model: int, d_expert: int, *, activation: str, std: float,
                param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs, gated: bool = False,
-               fuse_activation: bool = False):
+               fuse_activation: bool = False, fuse_weight_rows: bool = False):
     self.n_experts = n_experts
     self.activation = activation
     self.fuse_activation = fuse_activation
+    self.fuse_weight_rows = fuse_weight_rows
     self.compute_dtype = compute_dtype
     self.gmm_backend = gmm_backend
     self.w_up = make_param(rngs, normal_init(std), (n_experts, d_model, d_expert),
@@ -84,7 +85,7 @@ class ExpertPool(nnx.Module):
                       self.w_down.value.astype(dt),
                       None if self.w_gate is None else self.w_gate.value.astype(dt),
                       activation=self.activation, backend=self.gmm_backend, first_slot=first_slot,
-                      fuse_activation=self.fuse_activation)
+                      fuse_activation=self.fuse_activation, fuse_weight_rows=self.fuse_weight_rows)
 
 
 def slot_rows(x: jax.Array, first_slot: int, slots: int) -> jax.Array:
@@ -96,25 +97,29 @@ def slot_rows(x: jax.Array, first_slot: int, slots: int) -> jax.Array:
 
 def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up: jax.Array,
                w_down: jax.Array, w_gate: jax.Array | None = None, *, activation: str,
-               backend: str, first_slot: int = 0, fuse_activation: bool = False) -> jax.Array:
+               backend: str, first_slot: int = 0, fuse_activation: bool = False,
+               fuse_weight_rows: bool = False) -> jax.Array:
   """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
   x [N, D] or [N, S, D] (slot k reads x[:, first_slot + k]), gates [N, K], w_up / w_gate
   [E, D, F], w_down [E, F, D] -> [N, D]. `fuse_activation` (`moe.fuse_activation`): a non-gated
   silu / relu pool hands its activation to the last matmul (`gmm_combine(activation=...)`), whose
-  backward takes the derivative in a matmul epilogue.
+  backward takes the derivative in a matmul epilogue; `fuse_weight_rows` (`moe.fuse_weight_rows`):
+  see `gmm_combine`.
   (Also run per device by expert parallelism when the expert axis is 1.)"""
   k = gates.shape[1]
   with jax.named_scope("expert_up"):
     up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot)
   if fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS:
     with jax.named_scope("expert_down"):
-      return gmm_combine(up, w_down, plan, gates, backend=backend, activation=activation)
+      return gmm_combine(up, w_down, plan, gates, backend=backend, activation=activation,
+                         fuse_weight_rows=fuse_weight_rows)
   gate = None
   if w_gate is not None:
     with jax.named_scope("expert_gate"):
       gate = gather_gmm(x, w_gate, plan, k, backend=backend, first_slot=first_slot)
   with jax.named_scope("expert_down"):
-    return gmm_combine(expert_hidden(up, gate, activation), w_down, plan, gates, backend=backend)
+    return gmm_combine(expert_hidden(up, gate, activation), w_down, plan, gates, backend=backend,
+                       fuse_weight_rows=fuse_weight_rows)
 
 
 def expert_hidden(up: jax.Array, gate: jax.Array | None, activation: str) -> jax.Array:

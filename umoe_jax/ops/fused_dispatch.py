@@ -56,15 +56,26 @@ def _in_kernel(backend, act) -> bool:
 
 
 def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None, epi_act=None):
+             row_dot=None, epi_act=None, scaled_rows=False):
   """The backend's gmm with the row-index extras (see `GmmBackend.row_index`) and the fused
   epilogue activation (`GmmBackend.fused_activations`: `epi_act`, with `row_dot` holding
   pre-activations z, dots use act(z) and the output is multiplied by act'(z)); XLA does them
-  around the kernel for other backends. With `row_dot` returns (out, dots [M] f32)."""
-  if backend.row_index and _in_kernel(backend, epi_act):
+  around the kernel for other backends. With `row_dot` returns (out, dots [M] f32); with
+  `scaled_rows` too (and `row_scale`) (out, dots, act(z) * row_scale in z's dtype), the kernel's
+  epilogue writing the third where the backend can (`GmmBackend.scaled_row_dot`)."""
+  if backend.row_index and _in_kernel(backend, epi_act) and (
+      backend.scaled_row_dot or not scaled_rows):
     extra = {} if epi_act is None else {"epi_act": epi_act}
+    if scaled_rows:
+      extra["scaled_row_dot"] = True
     return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                        lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot, **extra)
+  if scaled_rows:  # the kernel for the rest, the scaled rows in an XLA pass (as gmm_combine's)
+    out, dots = _raw_gmm(backend, lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                         lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot,
+                         epi_act=epi_act)
+    z = row_dot if epi_act is None else _act(epi_act, row_dot)
+    return out, dots, (z.astype(jnp.float32) * row_scale[:, None]).astype(row_dot.dtype)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   epilogue = row_scale is not None or row_dot is not None
@@ -194,8 +205,11 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
 
 
 @functools.lru_cache(maxsize=None)
-def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
-  """activation: h holds pre-activations z and the matmul's operand is act(z) (None: h itself)."""
+def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None,
+                    fuse_weight_rows: bool = False):
+  """activation: h holds pre-activations z and the matmul's operand is act(z) (None: h itself).
+  fuse_weight_rows: the weight gradient's gate-scaled operand rows come from the input-gradient
+  matmul's epilogue (which loads h anyway) instead of their own XLA pass."""
   backend = BACKENDS.get(backend_name)
   operand = (lambda h: h) if activation is None else functools.partial(_act, activation)
 
@@ -216,13 +230,16 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
     token = order // slots                                                                 # [M]
     gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
     # With the activation: dz = gate * u * act'(z) and dgate = <u, act(z)> in the same epilogue.
-    dh, dgate_sorted = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
-                                lhs_index=token, row_scale=gate_sorted, row_dot=h,
-                                epi_act=activation)                                        # [M, F], [M]
-    # The gate-scaled operand rows in one XLA pass (the activation recomputed in it): scaling or
-    # activating tiles inside the kernel, between their load and the tensor cores, cost the weight
-    # gradient a quarter of its speed (BENCHMARKS.md run 26: 224 vs 302 TFLOP/s).
-    hg = (operand(h).astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)           # [M, F]
+    # The weight gradient reads pre-scaled rows hg = gate * act(z): scaling or activating tiles
+    # inside its kernel, between their load and the tensor cores, cost it a quarter of its speed
+    # (BENCHMARKS.md run 26: 224 vs 302 TFLOP/s). They are written by this matmul's epilogue
+    # (fuse_weight_rows) or by one XLA pass.
+    grads = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
+                     lhs_index=token, row_scale=gate_sorted, row_dot=h, epi_act=activation,
+                     scaled_rows=fuse_weight_rows)                                         # [M, F], [M]
+    dh, dgate_sorted = grads[:2]
+    hg = grads[2] if fuse_weight_rows else (
+        operand(h).astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)             # [M, F]
     drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      rhs_index=token)                                                      # [E, F, D]
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
@@ -234,13 +251,17 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
 
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
-                backend: str = "auto", activation: str | None = None) -> jax.Array:
+                backend: str = "auto", activation: str | None = None,
+                fuse_weight_rows: bool = False) -> jax.Array:
   """`combine(unpermute(gmm(h, rhs, plan.group_sizes), plan), gates)`: the expert pool's last matmul,
   un-sort and gate-weighted sum over slots in one differentiable op. With `activation` (a
   FUSABLE_ACTIVATIONS name) h holds the pre-activations z and the op is the same with act(z) for h:
   the backward takes act'(z) in the input-gradient matmul's epilogue (on backends that fuse it,
   else XLA), so d act(z) is never written and act(z) is not kept (the forward and the weight
-  gradient's gate-scaled operand recompute it in XLA passes they make anyway).
+  gradient's gate-scaled operand recompute it in XLA passes they make anyway). With
+  `fuse_weight_rows` (`moe.fuse_weight_rows`) that operand, gate * act(z), is written by the
+  input-gradient matmul's epilogue instead (backends with `GmmBackend.scaled_row_dot`; the same
+  values: act(z) rounded to h's dtype first, as the XLA pass has it).
 
   Args:
     h: [M, F] rows in expert order (pre-activations with `activation`).
@@ -259,5 +280,5 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if activation is not None and activation not in FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(FUSABLE_ACTIVATIONS)}")
-  return _gmm_combine_fn(resolve_backend(backend), k, activation)(
+  return _gmm_combine_fn(resolve_backend(backend), k, activation, bool(fuse_weight_rows))(
       h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)

@@ -51,6 +51,10 @@ class GmmBackend:
     fused_activations: activation names the row-index gmm also takes into its epilogue as
       `epi_act` (with `row_dot`: the dot is taken with act(row_dot) and the output multiplied by
       act'(row_dot)); XLA does this for other names.
+    scaled_row_dot: the row-index gmm with `row_dot` and `row_scale` also takes
+      `scaled_row_dot=True` and returns (out, dots, scaled [M, N] in row_dot's dtype), scaled[r] =
+      act(row_dot[r]) (rounded to its dtype; row_dot[r] without `epi_act`) * row_scale[r], written
+      by the epilogue (gmm_combine's weight-gradient rows, `moe.fuse_weight_rows`).
     gather_sum: optional `(rows [M, D], index [N, K] int32, weights [N, K] or None) -> [N, D]`,
       out[n] = sum_k weights[n, k] * rows[index[n, k]] accumulated in float32 (no gradient): the
       fused dispatch's K-way fan-ins (`fused_dispatch._fan_in`); None: XLA's take + sum.
@@ -62,6 +66,7 @@ class GmmBackend:
   available: Callable[[], bool] = lambda: True
   row_index: bool = False
   fused_activations: tuple[str, ...] = ()
+  scaled_row_dot: bool = False
   gather_sum: Optional[GmmFn] = None
 
 

@@ -38,13 +38,14 @@ def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, ac
 
 
 def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend,
-                fuse_activation=False):
+                fuse_activation=False, fuse_weight_rows=False):
   from umoe_jax.model.experts import routed_mlp
   x, gates, w_up, w_down, *rest = match_varying(
       x.astype(dtype), gates, w_up.astype(dtype), w_down.astype(dtype),
       *([] if w_gate is None else [w_gate.astype(dtype)]))
   return routed_mlp(x, plan, gates, w_up, w_down, rest[0] if rest else None,
-                    activation=activation, backend=backend, fuse_activation=fuse_activation)
+                    activation=activation, backend=backend, fuse_activation=fuse_activation,
+                    fuse_weight_rows=fuse_weight_rows)
 
 
 def _route(pool, params, local, fused, x, expert_ids, gates, slot_mask=None) -> jax.Array:
@@ -72,7 +73,8 @@ def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   """`ExpertPool.route` under a mesh: sum_k gates * E_k(x) with experts split over the mesh (the
   slots outside `slot_mask` are not exchanged)."""
   params = [pool.w_up, pool.w_down] + ([pool.w_gate] if pool.w_gate is not None else [])
-  fused = functools.partial(_pool_fused, fuse_activation=pool.fuse_activation)
+  fused = functools.partial(_pool_fused, fuse_activation=pool.fuse_activation,
+                            fuse_weight_rows=pool.fuse_weight_rows)
   return _route(pool, params, _pool_local, fused, x, expert_ids, gates, slot_mask)
 
 
