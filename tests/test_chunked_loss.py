@@ -64,11 +64,13 @@ def test_values_and_gradients_match_token_nll_and_float64(dtype, masked):
   # gradients are returned in bf16.
   grad_tol, plain_tol = (1e-6, 1e-6) if dtype == "float32" else (5e-3, 1e-3)
   assert ref[0] > 1.0 and np.abs(ref[3]).max() > 1e-2  # not a degenerate case
-  # 15 tokens: 2 and 4 leave a weight-0 padding row (8 x 2, 4 x 4), 5 divides, 15 and 64 are one chunk
-  for chunk in (2, 4, 5, 15, 64):
+  # 15 tokens: 2 and 4 leave a weight-0 padding row (8 x 2, 4 x 4), 5 divides, 15 and 64 are one
+  # chunk; each with the logits recomputed in the backward and kept (keep_logits)
+  for chunk, keep in [(c, k) for c in (2, 4, 5, 15, 64) for k in (False, True)]:
     out = _value_and_grads(
-        lambda h, w: chunked_token_nll(h, w, targets, mask, chunk_tokens=chunk), h, w)
-    what = f"{dtype} masked={masked} chunk={chunk}"
+        lambda h, w: chunked_token_nll(h, w, targets, mask, chunk_tokens=chunk, keep_logits=keep),
+        h, w)
+    what = f"{dtype} masked={masked} chunk={chunk} keep_logits={keep}"
     assert out[2].dtype == h.dtype and out[3].dtype == w.dtype, what
     assert out[0].dtype == jnp.float32 and out[1].dtype == jnp.float32, what
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-6, err_msg=what)
@@ -89,6 +91,37 @@ def test_no_gradient_to_the_mask_and_bad_arguments():
     chunked_token_nll(h, w.T, targets, chunk_tokens=4)
   with pytest.raises(ValueError, match=r"loss_mask \(3, 4\)"):
     chunked_token_nll(h, w, targets, mask[:, :4], chunk_tokens=4)
+
+
+def test_the_fused_head_keeps_the_logits_and_no_float32_cotangent():
+  """keep_logits with one chunk (`train.fused_loss_head`): no second head matmul in the backward,
+  and the compiled gradient's temporaries hold the float32 logits once, where autodiff of the
+  plain head holds them and a float32 cotangent of the same size (bf16 inputs, as training)."""
+  n, vocab = 512, 1000
+  k = jax.random.split(jax.random.key(4), 3)
+  h = jax.random.normal(k[0], (n // 8, 8, D)).astype(jnp.bfloat16)
+  w = jax.random.normal(k[1], (D, vocab)).astype(jnp.bfloat16)
+  targets = jax.random.randint(k[2], (n // 8, 8), 0, vocab)
+  fused = jax.grad(lambda h, w: chunked_token_nll(h, w, targets, chunk_tokens=n,
+                                                  keep_logits=True)[0], (0, 1))
+  recomputed = jax.grad(lambda h, w: chunked_token_nll(h, w, targets, chunk_tokens=n)[0], (0, 1))
+  plain = jax.grad(lambda h, w: token_nll(logits_dot(h, w), targets)[0], (0, 1))
+  # products [N, D] x [D, V] -> [N, V]: the head's forward, and its recomputation in the backward
+  def head_dots(f):
+    def walk(jaxpr):
+      for e in jaxpr.eqns:
+        yield from (v.aval.shape for v in e.outvars if e.primitive.name == "dot_general")
+        for p in e.params.values():
+          for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+              yield from walk(inner)
+    return sum(1 for shape in walk(jax.make_jaxpr(f)(h, w).jaxpr) if shape[-2:] == (n, vocab))
+  assert head_dots(fused) == 1 and head_dots(recomputed) == 2, (head_dots(fused),
+                                                                head_dots(recomputed))
+  temp = lambda f: jax.jit(f).lower(h, w).compile().memory_analysis().temp_size_in_bytes
+  logits_bytes = n * vocab * 4
+  assert logits_bytes <= temp(fused) < 1.5 * logits_bytes < temp(plain), (temp(fused), temp(plain))
 
 
 def test_the_gradient_holds_no_tokens_by_vocab_array():

@@ -218,9 +218,10 @@ def test_grad_accumulation_and_remat_match_plain_step():
 
 def test_loss_chunk_tokens_step_matches_plain_step():
   """train.loss_chunk_tokens > 0 (the LM head and the cross-entropy in token chunks,
-  umoe_jax/ops/chunked_loss.py) takes the same step as the full logits: loss, gradient norm and
-  updated parameters (float32, a loss mask, 16 tokens in 3 chunks of 6 with padding; both steps in
-  one compilation; SGD so the update is the gradient itself)."""
+  umoe_jax/ops/chunked_loss.py) and train.fused_loss_head (the two as one op, unchunked) take the
+  same step as the full logits: loss, gradient norm and updated parameters (float32, a loss mask,
+  16 tokens in 3 chunks of 6 with padding; the steps in one compilation; SGD so the update is the
+  gradient itself)."""
   cfg, parts, params = micro_umoe()
   tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, cfg.vocab_size)
   mask = (jax.random.uniform(jax.random.key(5), (2, 8)) > 0.25).astype(jnp.float32)
@@ -228,26 +229,31 @@ def test_loss_chunk_tokens_step_matches_plain_step():
   tx = optax.sgd(1.0)
   state = state_lib.state_with_params(params, tx, 0)
 
-  def both(st, b):
-    return {n: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
-                                   schedule=optax.constant_schedule(1.0), loss_chunk_tokens=n)
-            for n in (0, 6)}
+  forms = {"plain": dict(loss_chunk_tokens=0), "chunked": dict(loss_chunk_tokens=6),
+           "fused": dict(fused_loss_head=True)}
 
-  out = jax.jit(both)(state, batch)
-  (plain, m0), (chunked, m1) = out[0], out[6]
-  assert int(m0["applied"]) == int(m1["applied"]) == 1
-  for key in ("loss", "lm_loss", "balance_loss", "grad_norm", "tokens"):
-    np.testing.assert_allclose(m1[key], m0[key], rtol=1e-6, err_msg=key)
+  def steps(st, b):
+    return {name: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
+                                      schedule=optax.constant_schedule(1.0), **kw)
+            for name, kw in forms.items()}
+
+  out = jax.jit(steps)(state, batch)
+  plain, m0 = out["plain"]
   assert float(m0["tokens"]) == float(mask.sum()) < mask.size
   old = jax.tree_util.tree_leaves_with_path(params)
-  for (path, p0), p1, p in zip(jax.tree_util.tree_leaves_with_path(plain.params),
-                               jax.tree.leaves(chunked.params), [x for _, x in old]):
-    key = jax.tree_util.keystr(path)
-    assert rel_err(p1, p0) < 1e-6, key
-    step0, step1 = np.float64(p0) - np.float64(p), np.float64(p1) - np.float64(p)
-    if np.abs(step0).max() > 1e-6:    # the update (the gradient) itself, where there is one
-      assert rel_err(step1, step0) < 1e-5, (key, rel_err(step1, step0))
-  assert rel_err(chunked.params["lm_head"], params["lm_head"]) > 1e-3  # the step moved the head
+  for form in ("chunked", "fused"):
+    other, m1 = out[form]
+    assert int(m0["applied"]) == int(m1["applied"]) == 1
+    for key in ("loss", "lm_loss", "balance_loss", "grad_norm", "tokens"):
+      np.testing.assert_allclose(m1[key], m0[key], rtol=1e-6, err_msg=(form, key))
+    for (path, p0), p1, p in zip(jax.tree_util.tree_leaves_with_path(plain.params),
+                                 jax.tree.leaves(other.params), [x for _, x in old]):
+      key = jax.tree_util.keystr(path)
+      assert rel_err(p1, p0) < 1e-6, (form, key)
+      step0, step1 = np.float64(p0) - np.float64(p), np.float64(p1) - np.float64(p)
+      if np.abs(step0).max() > 1e-6:    # the update (the gradient) itself, where there is one
+        assert rel_err(step1, step0) < 1e-5, (form, key, rel_err(step1, step0))
+    assert rel_err(other.params["lm_head"], params["lm_head"]) > 1e-3  # the step moved the head
 
 
 def test_loss_chunk_tokens_reaches_the_trainers_step():
@@ -263,14 +269,30 @@ def test_loss_chunk_tokens_reaches_the_trainers_step():
   batch = {k: jax.ShapeDtypeStruct((4, 8), jnp.int32) for k in ("inputs", "targets")}
   logits_shapes = {(4, 8, model_cfg.vocab_size), (32, model_cfg.vocab_size)}
 
-  def has_logits(loss_chunk_tokens):
-    c.train.loss_chunk_tokens = loss_chunk_tokens
+  def avals(loss_chunk_tokens, fused_loss_head=False):
+    c.train.loss_chunk_tokens, c.train.fused_loss_head = loss_chunk_tokens, fused_loss_head
     progs = loop.config_programs(c, model_cfg, mesh, rules)
-    jaxpr = progs.train_fn.trace(progs.abstract, batch).jaxpr
-    return any(tuple(getattr(a, "shape", ())) in logits_shapes for a in jaxpr_avals(jaxpr.jaxpr))
+    return list(jaxpr_avals(progs.train_fn.trace(progs.abstract, batch).jaxpr.jaxpr))
 
+  has_logits = lambda *a: any(tuple(getattr(x, "shape", ())) in logits_shapes for x in avals(*a))
   assert has_logits(0) and not has_logits(4)
+  # train.fused_loss_head: the head + loss as one op (its flattened [32, V] logits; the plain
+  # head's cotangent of the [B, T, V] logits, a scatter of the target's, is not built)
+  fused = [tuple(getattr(x, "shape", ())) for x in avals(0, True)]
+  plain = [tuple(getattr(x, "shape", ())) for x in avals(0)]
+  assert (4, 8, model_cfg.vocab_size) in plain and (4, 8, model_cfg.vocab_size) not in fused
+  assert (32, model_cfg.vocab_size) in fused
 
+
+
+def test_fused_loss_head_config_check():
+  c = tiny()
+  c.train.fused_loss_head = True
+  train_config.validate(c)
+  with c.train.ignore_type():
+    c.train.fused_loss_head = 1
+  with pytest.raises(ConfigError, match=re.escape("train.fused_loss_head=1 must be true or false")):
+    train_config.validate(c)
 
 
 @pytest.mark.parametrize("value", [-1, True, 2.5, "4096"])

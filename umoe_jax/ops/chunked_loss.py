@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 def chunked_token_nll(h: jax.Array, w: jax.Array, targets: jax.Array,
                       loss_mask: Optional[jax.Array] = None, *,
-                      chunk_tokens: int) -> tuple[jax.Array, jax.Array]:
+                      chunk_tokens: int, keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
   """(sum of -log p(target) over counted tokens, number of counted tokens), float32 scalars.
 
   Args:
@@ -39,6 +39,11 @@ def chunked_token_nll(h: jax.Array, w: jax.Array, targets: jax.Array,
     targets: [B, T] int, in [0, V).
     loss_mask: optional [B, T] weights (1 = counted, 0 = ignored); no gradient flows to it.
     chunk_tokens: the most tokens whose logits exist at once (>= 1; >= N: one chunk).
+    keep_logits: keep every chunk's float32 logits for the backward instead of recomputing them
+      (no second head matmul; the memory of all N rows' logits, as autodiff of the plain head
+      keeps). With one chunk this is the head and loss as one op whose backward forms the logit
+      cotangent and rounds it in a single pass (`train.fused_loss_head`), where autodiff of
+      `token_nll(logits_dot(...))` writes a float32 cotangent [N, V] and then rounds it.
 
   Gradients flow to h and w (in their dtypes); none to targets or loss_mask.
   """
@@ -57,7 +62,7 @@ def chunked_token_nll(h: jax.Array, w: jax.Array, targets: jax.Array,
   else:
     mask = jax.lax.stop_gradient(loss_mask.astype(jnp.float32))
     weights, count = mask.reshape(n), jnp.sum(mask)
-  layout = (n, *_layout(n, chunk_tokens))
+  layout = (n, *_layout(n, chunk_tokens), bool(keep_logits))
   nll = _nll_sum(layout, h.reshape(n, d), w, targets.reshape(n).astype(jnp.int32), weights)
   return nll, count
 
@@ -81,6 +86,15 @@ def _from_chunks(x: jax.Array, n: int) -> jax.Array:
   return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])[:n]
 
 
+def _scan(body, init, xs, k: int):
+  """lax.scan over the K chunks, or the body once when K == 1 (straight-line code XLA can fuse
+  across: the fused head's cotangent pass)."""
+  if k > 1:
+    return jax.lax.scan(body, init, xs)
+  carry, ys = body(init, jax.tree.map(lambda x: x[0], xs))
+  return carry, jax.tree.map(lambda y: y[None], ys)
+
+
 def _chunk_logits(h_c: jax.Array, w: jax.Array) -> jax.Array:
   """[C, D] @ [D, V] -> float32 [C, V]: products in the inputs' dtype, as `logits_dot`."""
   return jnp.dot(h_c, w, preferred_element_type=jnp.float32)
@@ -90,12 +104,12 @@ def _chunk_logits(h_c: jax.Array, w: jax.Array) -> jax.Array:
 def _nll_sum(layout: tuple[int, int, int], h: jax.Array, w: jax.Array, targets: jax.Array,
              weights: jax.Array) -> jax.Array:
   """sum_i weights[i] * -log softmax(h[i] @ w)[targets[i]]; h [N, D], targets / weights [N];
-  layout = (N, K chunks, C rows each), static."""
+  layout = (N, K chunks, C rows each, keep the logits for the backward), static."""
   return _nll_fwd(layout, h, w, targets, weights)[0]
 
 
 def _nll_fwd(layout, h, w, targets, weights):
-  _, k, c = layout
+  _, k, c, keep = layout
   chunks = (_to_chunks(h, k, c), _to_chunks(targets, k, c), _to_chunks(weights, k, c))
 
   def body(total, xs):
@@ -107,29 +121,31 @@ def _nll_fwd(layout, h, w, targets, weights):
     shifted = logits - top
     log_norm = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))                  # [C]
     target = jnp.take_along_axis(shifted, t_c[:, None], axis=-1)[:, 0]      # [C]
-    return total + jnp.sum((log_norm - target) * wt_c), log_norm + top[:, 0]
+    return total + jnp.sum((log_norm - target) * wt_c), (log_norm + top[:, 0],
+                                                         logits if keep else None)
 
-  total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32), chunks)      # lse [K, C]
-  return total, (*chunks, lse, w)
+  total, (lse, logits) = _scan(body, jnp.zeros((), jnp.float32), chunks, k)  # lse [K, C]
+  return total, (*chunks, lse, logits, w)
 
 
 def _nll_bwd(layout, res, g):
-  n = layout[0]
-  h_chunks, t_chunks, wt_chunks, lse, w = res
+  n, keep = layout[0], layout[3]
+  h_chunks, t_chunks, wt_chunks, lse, logits, w = res
   dtype = jnp.result_type(h_chunks.dtype, w.dtype)
   vocab = jax.lax.broadcasted_iota(jnp.int32, (1, w.shape[1]), 1)          # [1, V]
 
   def body(dw, xs):
-    h_c, t_c, wt_c, lse_c = xs
-    probs = jnp.exp(_chunk_logits(h_c, w) - lse_c[:, None])                 # [C, V] softmax
+    h_c, t_c, wt_c, lse_c, logits_c = xs
+    logits_c = logits_c if keep else _chunk_logits(h_c, w)
+    probs = jnp.exp(logits_c - lse_c[:, None])                              # [C, V] softmax
     dlogits = jnp.where(vocab == t_c[:, None], probs - 1.0, probs) * (g * wt_c)[:, None]
     dlogits = dlogits.astype(dtype)   # bf16 matmuls below, float32 accumulation (logits_dot)
     dh_c = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32).astype(h_c.dtype)  # [C, D]
     dw = dw + jnp.dot(h_c.T, dlogits, preferred_element_type=jnp.float32)              # [D, V]
     return dw, dh_c
 
-  dw, dh = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32),
-                        (h_chunks, t_chunks, wt_chunks, lse))
+  dw, dh = _scan(body, jnp.zeros(w.shape, jnp.float32),
+                 (h_chunks, t_chunks, wt_chunks, lse, logits), layout[1])
   return _from_chunks(dh, n), dw.astype(w.dtype), None, None
 
 

@@ -110,7 +110,7 @@ class StopRequest:
 # the optimizer (state layout, init, eval are shared by runs that differ only in the step keys).
 OPTIMIZER_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio",
                   "b1", "b2", "eps", "weight_decay", "grad_clip")
-STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite", "loss_chunk_tokens")
+STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite", "loss_chunk_tokens", "fused_loss_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,8 @@ def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: An
   train = functools.partial(step_lib.train_step, graphdef=base.parts.graphdef, tx=base.tx,
                             schedule=base.schedule, accum_steps=t["grad_accum_steps"],
                             remat=t["remat"], on_nonfinite=t["on_nonfinite"],
-                            loss_chunk_tokens=t["loss_chunk_tokens"])
+                            loss_chunk_tokens=t["loss_chunk_tokens"],
+                            fused_loss_head=t["fused_loss_head"])
   batch = sharding_lib.batch_sharding(mesh, rules)
   train_fn = jax.jit(train, in_shardings=(base.shardings, batch),
                      out_shardings=(base.shardings, None), donate_argnums=0)
