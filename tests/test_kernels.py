@@ -412,6 +412,10 @@ def _triton_interpreter_check():
       np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
                                  err_msg=f"a_index={a_index} b_index={b_index} a_scale={a_scale}")
     _check_fused_activations(T, m, k, n, gs, tile, rng, none)
+  # The epilogue on the second piece of a split column tile (48 = 32 + 16 output columns, as
+  # UMoE-base's 192 = 128 + 64), with the zero tail, both grid forms.
+  _check_fused_activations(T, 40, 48, 32, np.asarray([9, 0, 20], np.int32), (16, 48, 16),
+                           np.random.default_rng(40), none)
   print("TRITON_INTERPRETER_OK")
 
 
@@ -430,8 +434,9 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
   src_dy = rng.standard_normal((m // 2 + 1, n)).astype(np.float32)
   idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
   scale = rng.standard_normal(m).astype(np.float32)
-  cfg = tuning.TileConfig(*tile)
-  for (code, (act, dact)), scaled_d in itertools.product(acts.items(), (False, True)):
+  for (code, (act, dact)), scaled_d, persistent in itertools.product(acts.items(), (False, True),
+                                                                     (0, 2)):
+    cfg = tuning.TileConfig(*tile, persistent=persistent)
     launch = T.gmm_launch(m, n, k, g, cfg, num_sms=2)                  # gmm^T: [M, N] -> [M, K]
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
     out = _NpTensor(np.full((m, k), np.nan, np.float32))
@@ -442,7 +447,7 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
                         s_bg=k * n, s_bk=1, s_bn=n, A_INDEX=True, ROW_SCALE=True, ROW_DOT=True,
                         EPI_ACT=code, SCALED_D=scaled_d, **launch)
     u = _ref_gmm(src_dy[idy], w, gs, True)                             # [M, K], rows past the groups 0
-    case = f"EPI_ACT={code} SCALED_D={scaled_d}"
+    case = f"EPI_ACT={code} SCALED_D={scaled_d} persistent={persistent} K={k} tile={tile}"
     np.testing.assert_allclose(dots.arr.sum(0), (u * act(z)).sum(-1), rtol=1e-4, atol=1e-3,
                                err_msg=f"{case} dots")
     np.testing.assert_allclose(out.arr, u * dact(z) * scale[:, None], rtol=1e-4, atol=1e-4,

@@ -293,6 +293,10 @@ def test_fused_loss_head_config_check():
     c.train.fused_loss_head = 1
   with pytest.raises(ConfigError, match=re.escape("train.fused_loss_head=1 must be true or false")):
     train_config.validate(c)
+  c.train.fused_loss_head, c.train.loss_chunk_tokens = True, 4096
+  with pytest.raises(ConfigError, match=re.escape("train.fused_loss_head=True with "
+                                                  "train.loss_chunk_tokens=4096")):
+    train_config.validate(c)
 
 
 @pytest.mark.parametrize("value", [-1, True, 2.5, "4096"])

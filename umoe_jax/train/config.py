@@ -162,6 +162,9 @@ def check_train(train: Any, model: ModelConfig) -> None:
          f"train.loss_chunk_tokens={n!r} must be an integer >= 0 (0: the full logits, no chunks)")
   _check(isinstance(t.fused_loss_head, bool),
          f"train.fused_loss_head={t.fused_loss_head!r} must be true or false")
+  _check(not (t.fused_loss_head and n),
+         f"train.fused_loss_head=True with train.loss_chunk_tokens={n!r}: the chunked head is fused "
+         "already (and recomputes its logits); set one of them")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
   _check(t.max_consecutive_skips >= 0,
