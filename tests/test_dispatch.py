@@ -270,6 +270,19 @@ def _row_index_backend(monkeypatch, calls=None):
   return name
 
 
+def _combine_inputs(seed):
+  """Random routing with masked slots (ids, mask [N, K]), pre-activations z [N*K, F], w_down
+  [E, F, D], gates [N, K] (0 at masked slots) and a cotangent [N, D], float32."""
+  rng = np.random.default_rng(seed)
+  ids = jnp.asarray(ID_CASES["random"])
+  mask = jnp.asarray(rng.random(ids.shape) > 0.2)
+  z = jnp.asarray(rng.standard_normal((N * KS, F)), jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((E, F, D)) / 3, jnp.float32)
+  gates = jnp.asarray(rng.random((N, KS)), jnp.float32) * mask
+  cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+  return ids, mask, z, w2, gates, cot
+
+
 @pytest.mark.parametrize("backend", ["xla", "row_index"])
 @pytest.mark.parametrize("activation", ["silu", "relu"])
 def test_gmm_combine_with_the_activation_inside(backend, activation, monkeypatch):
@@ -278,13 +291,7 @@ def test_gmm_combine_with_the_activation_inside(backend, activation, monkeypatch
   backend that takes the activation into its kernels (row_index) and on one where XLA does it."""
   from umoe_jax.ops import fused_dispatch
   backend = _row_index_backend(monkeypatch) if backend == "row_index" else backend
-  rng = np.random.default_rng(21)
-  ids = jnp.asarray(ID_CASES["random"])
-  mask = jnp.asarray(rng.random(ids.shape) > 0.2)
-  z = jnp.asarray(rng.standard_normal((N * KS, F)), jnp.float32)
-  w2 = jnp.asarray(rng.standard_normal((E, F, D)) / 3, jnp.float32)
-  gates = jnp.asarray(rng.random((N, KS)), jnp.float32) * mask
-  cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+  ids, mask, z, w2, gates, cot = _combine_inputs(21)
   act = {"silu": jax.nn.silu, "relu": jax.nn.relu}[activation]
 
   def fused(z, gates, w2):
@@ -316,13 +323,7 @@ def test_gmm_combine_weight_rows_from_the_epilogue(backend, activation, monkeypa
   from umoe_jax.ops import fused_dispatch
   calls = []
   backend = _row_index_backend(monkeypatch, calls) if backend == "row_index" else backend
-  rng = np.random.default_rng(23)
-  ids = jnp.asarray(ID_CASES["random"])
-  mask = jnp.asarray(rng.random(ids.shape) > 0.2)
-  z = jnp.asarray(rng.standard_normal((N * KS, F)), jnp.float32)
-  w2 = jnp.asarray(rng.standard_normal((E, F, D)) / 3, jnp.float32)
-  gates = jnp.asarray(rng.random((N, KS)), jnp.float32) * mask
-  cot = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
+  ids, mask, z, w2, gates, cot = _combine_inputs(23)
 
   def combine(fuse):
     def f(z, gates, w2):

@@ -110,13 +110,11 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   assert ta.stores_probs(base, (32, 1024, 4, 192), 2) == (False, False)
 
 
-def test_core_backward_forms_and_their_config_key():
+def test_core_backward_forms():
   """`with_backward` sets exactly the fields each form reads, keeps tiles of the table's own, and
-  names a bad form; the config key takes the same names and names a bad one."""
+  names a bad form; the config key (`model.attention.core_backward`) takes the same names."""
   import dataclasses
-  from configs import common as configs
   from umoe_jax import kinds
-  from umoe_jax.config import ConfigError, model_config
   assert kinds.ATTENTION_BACKWARDS == at.BACKWARDS
   base = at.default_tiles(192, 768)
   assert at.with_backward(base, "auto") == base == at.with_backward(base, "recompute")
@@ -133,12 +131,6 @@ def test_core_backward_forms_and_their_config_key():
   assert at.with_backward(fused, "stored").dxdk is None
   with pytest.raises(ValueError, match="'stash'"):
     at.with_backward(base, "stash")
-  m = configs.model("umoe", "tiny")
-  m.attention.core_backward = "stored_pairs"
-  assert model_config(m).attention.core_backward == "stored_pairs"
-  m.attention.core_backward = "stored-pairs"
-  with pytest.raises(ConfigError, match=r"model\.attention\.core_backward='stored-pairs'.*stored_pairs"):
-    model_config(m)
 
 
 def test_triton_core_declines_where_it_cannot_run():
@@ -175,14 +167,16 @@ def test_kernel_shape_limits():
   assert not ta.supported_shapes(sds(2, 9, 3, 16), sds(2, 9, 1, 32), sds(2, 9, 1, 40))
 
 
-def test_config_accepts_triton_core_and_names_a_bad_one():
+@pytest.mark.parametrize("key,good,bad", [("core", "triton", "Triton"),
+                                          ("core_backward", "stored_pairs", "stored-pairs")])
+def test_config_accepts_triton_core_and_names_a_bad_one(key, good, bad):
   from configs import common as configs
   from umoe_jax.config import ConfigError, model_config
   m = configs.model("umoe", "tiny")
-  m.attention.core = "triton"
-  assert model_config(m).attention.core == "triton"
-  m.attention.core = "Triton"
-  with pytest.raises(ConfigError, match=r"model\.attention\.core='Triton'.*triton"):
+  setattr(m.attention, key, good)
+  assert getattr(model_config(m).attention, key) == good
+  setattr(m.attention, key, bad)
+  with pytest.raises(ConfigError, match=rf"model\.attention\.{key}='{bad}'.*{good}"):
     model_config(m)
 
 

@@ -60,18 +60,37 @@ def test_cudnn_core_matches_xla(h, hk, dk, dv, offset):
     assert _rel(a, b_) < 2e-2, name
 
 
+def _core_inputs(b, t, h, dk, d, seed):
+  """Random bf16 q [B,T,H,dk], k [B,T,1,dk], v [B,T,1,D], a float32 cotangent [B,T,H,D] and the
+  positions [B,T] (never zeros)."""
+  kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
+  return q, k, v, cot, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos):
+  """The Triton core with `tiles` against the XLA core: finite gradients of q, k and x, each
+  within 1e-2 (relative) on its own."""
+  from kernels import triton_attention as ta
+  triton = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
+  xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
+  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
+                                     argnums=(0, 1, 2)))(q, k, v)
+  for name, a, b_ in zip("qkx", grads(triton), grads(xla)):
+    assert np.isfinite(np.asarray(a, np.float32)).all(), name
+    assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
+
+
 @pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (1, 300, 4, 512, 2048),
                                         (2, 203, 3, 64, 320), (3, 77, 1, 128, 256),
                                         (2, 77, 2, 8, 64)],
                          ids=["base", "large", "odd", "one-head", "small-head"])
 def test_triton_core_matches_xla(b, t, h, dk, d):
   from kernels import triton_attention as ta
-  kq, kk, kv, kc = jax.random.split(jax.random.key(t * 7 + dk), 4)
-  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=t * 7 + dk)
   assert ta.supported(q, k, v)  # the kernel runs, not a fallback
 
   def run(core):
@@ -94,21 +113,8 @@ def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
   dK on its own (a concatenation with dX would hide a dK error)."""
   import dataclasses
   from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
-  kq, kk, kv, kc = jax.random.split(jax.random.key(t + dk), 4)
-  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   tiles = dataclasses.replace(at.default_tiles(dk, d), dxdk=at.PassTiles(64, 32, 256, 4, 2))
-  fused = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
-  xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
-  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
-                                     argnums=(0, 1, 2)))(q, k, v)
-  for name, a, b_ in zip("qkx", grads(fused), grads(xla)):
-    assert np.isfinite(np.asarray(a, np.float32)).all(), name
-    assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
+  _assert_triton_grads_match_xla(tiles, *_core_inputs(b, t, h, dk, d, seed=t + dk))
 
 
 @pytest.mark.parametrize("b,t,h,dk,d,dq_ds,dx_p,ds", [
@@ -125,21 +131,10 @@ def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, dx_p, ds):
   import dataclasses
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
-  kq, kk, kv, kc = jax.random.split(jax.random.key(3 * t + dk), 4)
-  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=3 * t + dk)
   tiles = dataclasses.replace(at.default_tiles(dk, d), dx_p=dx_p,
                               dq_ds=None if dq_ds is None else at.PassTiles(*dq_ds),
                               ds=None if ds is None else at.PassTiles(*ds),
                               dk_ds=None if ds is None else at.PassTiles(64, 64, 16, 4, 2))
   assert ta.stores_probs(tiles, q.shape, 2) == (dq_ds is not None, dx_p)
-  stored = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
-  xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
-  grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
-                                     argnums=(0, 1, 2)))(q, k, v)
-  for name, a, b_ in zip("qkx", grads(stored), grads(xla)):
-    assert np.isfinite(np.asarray(a, np.float32)).all(), name
-    assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
+  _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos)
