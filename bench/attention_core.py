@@ -41,20 +41,22 @@ SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
 # Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
 # Rounds 1-2 (BENCHMARKS.md) ranked the fwd / dx / dk ones; round 3: dQ's longer dO X^T step and
 # the fused dX + dK pass (replacing dx and dk when it beats their sum).
+# Round 6 adds tiles that ptxas compiles without register spills (bench/kernel_resources.py,
+# BENCHMARKS.md: the defaults of dk / dq / fwd spill 0.8-4 KB a thread), untimed as yet.
 CANDIDATES = {
     "fwd": [],
     "dx": [],
-    "dk": [],
-    "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2)],
+    "dk": [(32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
+    "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
     "dxdk": [(64, 64, 256, 8, 2), (32, 64, 256, 8, 2), (64, 32, 256, 4, 2)],
     # Round 4: the dK pass storing dS and P (`FlashTiles.dq_ds`, `dx_p`): dQ as the stored dS times
     # the keys (bd unused), dX reading P (the dx tiles), and the dK pass with both stores.
-    "dk_store": [],
-    "dq_ds": [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (64, 128, 16, 8, 2)],
+    "dk_store": [(32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
+    "dq_ds": [(64, 64, 16, 4, 2), (64, 64, 16, 8, 2), (64, 128, 16, 8, 2), (64, 32, 16, 4, 2)],
     "dx_p": [(64, 64, 256, 8, 2), (64, 64, 384, 8, 2)],
     # Round 5: dS and P from the pass over (row tile, key tile) pairs (`FlashTiles.ds`, bd = the
     # dO X^T step), dK from the stored dS (`dk_ds`; bd unused).
-    "dk_ds": [(64, 64, 16, 4, 2), (128, 64, 16, 8, 2), (64, 128, 16, 8, 2)],
+    "dk_ds": [(64, 64, 16, 4, 2), (64, 32, 16, 4, 2), (128, 64, 16, 8, 2)],
     "ds": [(128, 64, 64, 8, 2), (128, 128, 64, 8, 2), (64, 128, 64, 8, 2), (128, 64, 128, 8, 3)],
 }
 

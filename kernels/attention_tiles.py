@@ -76,9 +76,11 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
 
 # The backward forms `with_backward` names (`model.attention.core_backward`, umoe_jax.kinds).
 BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
-# Tiles the stored forms take where the tiles have none of their own: checked against the XLA
-# core on an H200 (tests/gpu/test_attention_gpu.py; the dq_ds one in run 29), not yet timed.
-STORED_DQ_DS = PassTiles(64, 64, 16, 4, 2)
+# Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
+# compiles for sm_90a without register spills at UMoE-base's shape (bench/kernel_resources.py);
+# not yet timed. (The stored forms passed tests/gpu/test_attention_gpu.py on an H200 in run 29
+# with dq_ds at 64 x 64 / 4 warps, which spills.)
+STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
 STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
 

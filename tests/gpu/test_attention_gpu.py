@@ -122,7 +122,7 @@ def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
     (2, 203, 3, 64, 320, (32, 64, 16, 4, 2), True, None),
     (2, 203, 3, 64, 320, None, True, None),
     (3, 77, 1, 128, 256, (64, 32, 16, 4, 2), False, None),
-    (2, 256, 4, 192, 768, (64, 64, 16, 4, 2), True, (128, 64, 64, 8, 2)),
+    (2, 256, 4, 192, 768, (64, 128, 16, 8, 2), True, (128, 64, 64, 8, 2)),
     (2, 193, 3, 64, 320, (32, 64, 16, 4, 2), True, (64, 64, 128, 4, 2))],
     ids=["base", "odd", "odd-dx-only", "one-head-dq-only", "base-ds-pass", "odd-ds-pass"])
 def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, dx_p, ds):

@@ -1,0 +1,64 @@
+"""bench/kernel_resources.py: Triton kernels compiled for sm_90a on this (GPU-less) machine, with
+ptxas's register / spill / shared-memory report; a tile the kernel cannot take fails to compile
+here as it would on the GPU."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton is not installed")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import kernel_resources as kr  # noqa: E402
+
+
+def _dq_ds(bn):
+  from kernels import triton_attention as ta
+  t, h, dk = 64, 2, 32
+  consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DKP=32, BM=32, BN=bn,
+                N_ROW_TILES=t * h // 32)
+  return kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16",
+                                                         dq_ptr="*bf16"), consts,
+                              num_warps=4, num_stages=2)
+
+
+def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  res = _dq_ds(32)
+  assert set(res) == {"registers", "spill_stores", "spill_loads", "stack", "shared"}
+  assert 16 <= res["registers"] <= 255 and res["shared"] > 0
+  assert min(res["spill_stores"], res["spill_loads"], res["stack"]) >= 0
+  with pytest.raises(Exception, match="power of 2"):   # BN = 24: no tl.arange of it, on any GPU
+    _dq_ds(24)
+  with pytest.raises(KeyError, match="'dq_ptr'"):      # a parameter without type or value
+    kr.compile_resources(_kernel(), dict(ds_ptr="*bf16", k_ptr="*bf16"), {}, num_warps=4,
+                         num_stages=2)
+
+
+def _kernel():
+  from kernels import triton_attention as ta
+  return ta._bwd_dq_ds_kernel
+
+
+@pytest.mark.parametrize("group", ["attention", "gmm"])
+def test_the_survey_cases_match_the_kernels_signatures(group):
+  """Every case of the survey names each kernel parameter (a kernel that gains one fails here, not
+  on a GPU); the first case of each group compiles."""
+  import inspect
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  cases = list({"attention": kr.attention_cases, "gmm": kr.gmm_cases}[group](kr.SHAPES["base"]))
+  assert len(cases) >= (10 if group == "attention" else 14)
+  for name, _, kernel, ptrs, consts in cases:
+    params = inspect.signature(kernel.fn).parameters
+    missing = [p for p, v in params.items() if p not in ptrs and p not in consts
+               and v.default is inspect.Parameter.empty]
+    assert not missing, (name, missing)
+  assert kr.survey(cases[:1])[0].get("registers", 0) > 0, cases[0][0]
