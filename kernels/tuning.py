@@ -177,7 +177,14 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
       # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row
       # tiles, which halve the weight-tile reloads per output row.
       base = out[0]
-      # Round 5 first (a capped sweep tries these): deeper 256-row tiles for the 768 -> 192 shapes.
+      # Round 6 first (a capped sweep tries these): tiles ptxas compiles without register spills at
+      # UMoE-base's expert calls (bench/kernel_resources.py; the tabled ones spill 1.3-2 KB a
+      # thread: BENCHMARKS.md), not yet timed.
+      for bm, bn, bk, nw, ns in ((64, 192, 64, 8, 3), (128, 192, 32, 8, 4), (128, 128, 32, 8, 4),
+                                 (64, 128, 32, 4, 4), (64, 64, 64, 4, 3)):
+        if bn <= max(no, 64) and (no % bn == 0 or no < bn):
+          out.append(TileConfig(bm, bn, bk, nw, ns))
+      # Round 5 (a capped sweep tries these early): deeper 256-row tiles for the 768 -> 192 shapes.
       for bm, bn, bk, nw, ns in ((256, 192, 64, 8, 4), (256, 192, 32, 8, 6)):
         if no % bn == 0:
           out.append(TileConfig(bm, bn, bk, nw, ns))
