@@ -110,8 +110,8 @@ def tiles_to_json(tiles: FlashTiles) -> dict:
 
 
 def tiles_from_json(obj: dict) -> FlashTiles:
-  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ..., optional "dxdk" or
-  "dq_ds" lists and "dx_p": true / false}."""
+  """{"fwd": [bm, bn, bd, warps, stages], "dx": ..., "dk": ..., "dq": ..., optional "dxdk", or
+  "dq_ds" / "ds" / "dk_ds" lists and "dx_p": true / false (`FlashTiles` says which go together)}."""
   try:
     if set(obj) - set(PASSES) - {"dx_p"}:
       raise KeyError(sorted(set(obj) - set(PASSES) - {"dx_p"}))
@@ -120,8 +120,8 @@ def tiles_from_json(obj: dict) -> FlashTiles:
     return FlashTiles(**{name: PassTiles(*obj[name]) for name in PASSES if name in obj},
                       dx_p=obj.get("dx_p", False))
   except (KeyError, TypeError, ValueError) as e:
-    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq (and optionally dxdk or dq_ds) "
-                     f"lists [bm, bn, bd, warps, stages] and an optional dx_p bool ({e})") from None
+    raise ValueError(f"attention tiles {obj!r}: want fwd/dx/dk/dq (and optionally dxdk, dq_ds, ds, "
+                     f"dk_ds) lists [bm, bn, bd, warps, stages] and an optional dx_p bool ({e})") from None
 
 
 def load_table(path: str) -> None:
