@@ -132,10 +132,12 @@ def sweep_kernels(names: str) -> list[str] | None:
   return sorted(set(asked).union(*(NEEDS.get(n, ()) for n in asked)))
 
 
-def sweep(name, shape, budget_s, kernels=None):
+def sweep(name, shape, budget_s, kernels=None, timer=None):
   """Fastest tiles per kernel; every candidate is checked against the default tiles' output.
   `kernels`: those whose candidates are tried (None: all); fwd, dx, dk and dq run their default
-  tiles regardless, the others not at all unless named."""
+  tiles regardless, the others not at all unless named. `timer(kernel, fn, *args)` -> ms (default:
+  CUPTI kernel time of fn)."""
+  timer = timer or (lambda kernel, fn, *args: jax_ms(fn, *args))
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
   b, t, h, dk, d = shape
@@ -208,7 +210,7 @@ def sweep(name, shape, budget_s, kernels=None):
         # (per gradient for the ds pass: one error over all three could hide a small one's)
         err = (max(rel(g, w) for g, w in zip(got, want)) if isinstance(got, tuple)
                else rel(got, want))
-        ms = jax_ms(f_time, q, k, v) if err < 1e-2 else float("nan")
+        ms = timer(kernel, f_time, q, k, v) if err < 1e-2 else float("nan")
       except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the candidate)
         log(f"  {name} {kernel} {cand}: failed {type(e).__name__}: {str(e)[:160]}")
         results[kernel].append(dict(tiles=cand, error=f"{type(e).__name__}: {str(e)[:300]}"))

@@ -1,0 +1,86 @@
+"""bench/attention_core.py's tile sweep, run on CPU: every kernel through the Triton interpreter
+(tests/test_triton_attention.py's launcher), the timer replaced by fixed per-kernel times, so that
+its plumbing (the stored forms' inputs, the per-gradient check of the tile-pair pass, the choice of
+the backward form and the tiles it writes, `--sweep_kernels`) is exercised before it costs GPU time."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run_in_triton_interpreter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ms per kernel the fake timer reports: the tile-pair form (ds + dk_ds + dq_ds + dx_p = 1.0) beats
+# the dK pass storing for its readers (1.8), the fused dX + dK with dQ (2.2) and the separate
+# passes (2.4).
+FAKE_MS = {"fwd": 0.5, "dx": 0.6, "dk": 1.2, "dq": 0.6, "dxdk": 1.6, "dk_store": 1.3, "dq_ds": 0.2,
+           "dx_p": 0.3, "dk_ds": 0.2, "ds": 0.3}
+
+
+def _sweep_check():
+  sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
+  import jax
+  import attention_core as ac
+  import test_triton_attention as tta
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  import triton.runtime.interpreter as interp
+  orig = interp._patch_lang_tensor
+
+  def patched(tensor, scope):  # numpy >= 2 refuses int() of a size-1 array (dynamic loop bounds)
+    orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+  interp._patch_lang_tensor = patched
+  ta._launch = tta._interpreter_launch
+
+  def inputs(shape, seed=0):  # float32: the interpreter has no bf16
+    b, t, h, dk, d = shape
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(ks[0], (b, t, h, dk)), jax.random.normal(ks[1], (b, t, 1, dk)),
+            jax.random.normal(ks[2], (b, t, 1, d)), jax.random.normal(ks[3], (b, t, h, d)))
+
+  timed = []
+
+  def timer(kernel, fn, *args):
+    jax.block_until_ready(fn(*args))
+    timed.append(kernel)
+    return FAKE_MS[kernel]
+
+  ac.inputs = inputs
+  # One candidate each beside the defaults (the interpreter is slow), tiles for the tiny shape.
+  ac.CANDIDATES = {k: [] for k in ac.CANDIDATES}
+  ac.CANDIDATES.update(dq_ds=[(16, 16, 16, 4, 2)], dk_ds=[(16, 32, 16, 4, 2)],
+                       ds=[(32, 16, 16, 4, 2)], dx_p=[(16, 32, 48, 4, 2)], dxdk=[(16, 16, 48, 4, 2)])
+  shape = (1, 37, 3, 16, 48)
+  at.TABLE[(16, 48)] = at.FlashTiles(fwd=at.PassTiles(16, 16, 48), dx=at.PassTiles(16, 16, 48),
+                                     dk=at.PassTiles(16, 16, 16), dq=at.PassTiles(16, 16, 16))
+  chosen, results = ac.sweep("tiny", shape, budget_s=1e9, timer=timer)
+  print("CHOSEN", at.tiles_to_json(chosen))
+  assert set(timed) == set(FAKE_MS), sorted(set(timed))
+  for kernel, rows in results.items():
+    assert rows, kernel
+    for row in rows:
+      assert "error" not in row, (kernel, row)
+      assert row["err"] < 1e-5, (kernel, row)   # float32: every form agrees with the separate passes
+  assert chosen.ds == at.PassTiles(32, 16, 16, 4, 2) and chosen.dk_ds == at.PassTiles(16, 32, 16, 4, 2)
+  assert chosen.dq_ds == at.PassTiles(16, 16, 16, 4, 2) and chosen.dx_p and chosen.dxdk is None
+  assert at.tiles_from_json(at.tiles_to_json(chosen)) == chosen
+  # The dK pass storing for its readers wins once the pair pass is slow.
+  FAKE_MS["ds"] = 5.0
+  chosen, _ = ac.sweep("tiny", shape, budget_s=1e9, timer=timer)
+  assert chosen.ds is None and chosen.dq_ds is not None and chosen.dx_p, at.tiles_to_json(chosen)
+  # Restricted to the stored forms: the others' candidates are not tried, the references run.
+  timed.clear()
+  _, results = ac.sweep("tiny", shape, budget_s=1e9, kernels=ac.sweep_kernels("dq_ds"), timer=timer)
+  assert set(results) == {"fwd", "dx", "dk", "dq", "dk_store", "dq_ds", "dx_p"}, sorted(results)
+  print("ATTENTION_SWEEP_OK")
+
+
+def test_the_sweep_runs_every_form_and_picks_the_fastest():
+  pytest.importorskip("triton", reason="Triton is not installed")
+  run_in_triton_interpreter("test_attention_core_bench", "_sweep_check", "ATTENTION_SWEEP_OK",
+                            timeout=600)
