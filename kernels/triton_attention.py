@@ -185,6 +185,13 @@ if HAVE_TRITON:
     return tl.load(ptrs, mask=ok, other=0.0)
 
   @triton.jit
+  def _store_t(base, rows, keys, tile, TH, T):
+    """`_stored_t`'s writer: a [BN keys, BM rows] tile into a key-major [T, T*H] array (the keys
+    past T and rows past T*H left out)."""
+    tl.store(base + keys.to(tl.int64)[:, None] * TH + rows[None, :], tile,
+             mask=(keys < T)[:, None] & (rows < TH)[None, :])
+
+  @triton.jit
   def _dx_step(k, q_base, lse_base, do_base, p_base, r, offs_m, keys, offs_dk, d1, d2, acc1, acc2,
                TH, T, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr, BD2: tl.constexpr,
                qk_scale, MASK: tl.constexpr, LOAD_P: tl.constexpr):
@@ -290,13 +297,11 @@ if HAVE_TRITON:
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     dpt = _dp(x_base, keys, keys < T, do_base, rows, row_ok, D, BDK, BN, BM)    # [BN, BM]
     dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-    if STORE_DS or STORE_P:  # key-major [T, T*H] tiles for the dQ / dX passes (zeros past the diagonal)
-      offs = keys.to(tl.int64)[:, None] * TH + rows[None, :]
-      ok = (keys < T)[:, None] & row_ok[None, :]
-      if STORE_DS:
-        tl.store(ds_base + offs, dst, mask=ok)
-      if STORE_P:
-        tl.store(p_base + offs, pt.to(q.dtype), mask=ok)
+    # key-major [T, T*H] tiles for the dQ / dX passes (zeros past the diagonal)
+    if STORE_DS:
+      _store_t(ds_base, rows, keys, dst, TH, T)
+    if STORE_P:
+      _store_t(p_base, rows, keys, pt.to(q.dtype), TH, T)
     return tl.dot(dst, q, acc)
 
   @triton.jit
@@ -483,10 +488,8 @@ if HAVE_TRITON:
       pt, q = _probs_t(k, q_ptr + b * (TH * DK), lse_ptr + b * TH, rows, keys, offs_dk, TH, T, H,
                        DK, qk_scale, True)
       delta = tl.load(delta_ptr + b * TH + rows, mask=row_ok, other=0.0)
-      offs = b * (T * TH) + keys.to(tl.int64)[:, None] * TH + rows[None, :]
-      ok = (keys < T)[:, None] & row_ok[None, :]
-      tl.store(ds_ptr + offs, (pt * (dpt - delta[None, :])).to(q.dtype), mask=ok)
-      tl.store(p_ptr + offs, pt.to(q.dtype), mask=ok)
+      _store_t(ds_ptr + b * (T * TH), rows, keys, (pt * (dpt - delta[None, :])).to(q.dtype), TH, T)
+      _store_t(p_ptr + b * (T * TH), rows, keys, pt.to(q.dtype), TH, T)
 
   @triton.jit
   def _dk_ds_step(ds_base, q_base, r, offs_m, keys, offs_dk, acc, TH, T, H: tl.constexpr,

@@ -101,7 +101,7 @@ def _chunk_logits(h_c: jax.Array, w: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _nll_sum(layout: tuple[int, int, int], h: jax.Array, w: jax.Array, targets: jax.Array,
+def _nll_sum(layout: tuple[int, int, int, bool], h: jax.Array, w: jax.Array, targets: jax.Array,
              weights: jax.Array) -> jax.Array:
   """sum_i weights[i] * -log softmax(h[i] @ w)[targets[i]]; h [N, D], targets / weights [N];
   layout = (N, K chunks, C rows each, keep the logits for the backward), static."""

@@ -51,6 +51,13 @@ def _act(name, x):
   return FUSABLE_ACTIVATIONS[name][0](x.astype(jnp.float32)).astype(x.dtype)
 
 
+def _gate_scaled(z: jax.Array, scale: jax.Array, activation: str | None) -> jax.Array:
+  """act(z) (z itself without an activation; act rounded to z's dtype) * scale[:, None], in z's
+  dtype: gmm_combine's weight-gradient operand rows, z [M, F], scale [M] float32."""
+  rows = z if activation is None else _act(activation, z)
+  return (rows.astype(jnp.float32) * scale[:, None]).astype(z.dtype)
+
+
 def _in_kernel(backend, act) -> bool:
   return act is None or act in backend.fused_activations
 
@@ -74,8 +81,7 @@ def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None,
     out, dots = _raw_gmm(backend, lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                          lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot,
                          epi_act=epi_act)
-    z = row_dot if epi_act is None else _act(epi_act, row_dot)
-    return out, dots, (z.astype(jnp.float32) * row_scale[:, None]).astype(row_dot.dtype)
+    return out, dots, _gate_scaled(row_dot, row_scale, epi_act)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
   epilogue = row_scale is not None or row_dot is not None
@@ -238,8 +244,7 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
                      lhs_index=token, row_scale=gate_sorted, row_dot=h, epi_act=activation,
                      scaled_rows=fuse_weight_rows)                                         # [M, F], [M]
     dh, dgate_sorted = grads[:2]
-    hg = grads[2] if fuse_weight_rows else (
-        operand(h).astype(jnp.float32) * gate_sorted[:, None]).astype(h.dtype)             # [M, F]
+    hg = grads[2] if fuse_weight_rows else _gate_scaled(h, gate_sorted, activation)        # [M, F]
     drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      rhs_index=token)                                                      # [E, F, D]
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
