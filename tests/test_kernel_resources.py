@@ -35,14 +35,10 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
   assert min(res["spill_stores"], res["spill_loads"], res["stack"]) >= 0
   with pytest.raises(Exception, match="power of 2"):   # BN = 24: no tl.arange of it, on any GPU
     _dq_ds(24)
-  with pytest.raises(KeyError, match="'dq_ptr'"):      # a parameter without type or value
-    kr.compile_resources(_kernel(), dict(ds_ptr="*bf16", k_ptr="*bf16"), {}, num_warps=4,
-                         num_stages=2)
-
-
-def _kernel():
   from kernels import triton_attention as ta
-  return ta._bwd_dq_ds_kernel
+  with pytest.raises(KeyError, match="'dq_ptr'"):      # a parameter without type or value
+    kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16"), {},
+                         num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("group", ["attention", "gmm"])
