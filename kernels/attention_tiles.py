@@ -61,33 +61,19 @@ PASSES = ("fwd", "dx", "dk", "dq", "dxdk", "dq_ds", "ds", "dk_ds")
 TABLE: dict[tuple[int, int], FlashTiles] = {}
 
 
-def default_tiles(dk: int, d: int) -> FlashTiles:
-  """TABLE's tiles for (dk, D), else a default by head size: for dk <= 256 the fastest of the H200
-  sweeps at UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17), for larger heads tiles
-  that fit (checked at dk 512, D 2048 on the GPU, not swept)."""
-  if (dk, d) in TABLE:
-    return TABLE[(dk, d)]
-  if dk <= 256:
-    return FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
-                      dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
-  return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
-                    dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
-
-
 # The backward forms `with_backward` names (`model.attention.core_backward`, umoe_jax.kinds).
 BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 # Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
 # compiles for sm_90a without register spills at UMoE-base's shape (bench/kernel_resources.py);
-# not yet timed. (The stored forms passed tests/gpu/test_attention_gpu.py on an H200 in run 29
-# with dq_ds at 64 x 64 / 4 warps, which spills.)
+# not swept yet (BENCHMARKS.md, session 5).
 STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
 STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
 
 
 def with_backward(tiles: FlashTiles, backward: str) -> FlashTiles:
-  """`tiles` with the backward form `backward`: "auto" leaves them as they are (today's defaults
-  recompute; a swept TABLE entry may store); "recompute" drops the stored forms; "stored" has the
+  """`tiles` with the backward form `backward`: "auto" leaves them as they are (the default
+  tiles store by the pair pass for dk <= 256 and recompute above; a swept TABLE entry says its own); "recompute" drops the stored forms; "stored" has the
   dK pass store dS and P for the dQ and dX passes; "stored_pairs" makes them in the tile-pair pass
   (`FlashTiles` says what each reads). The stored forms keep tiles of their own the tiles name."""
   if backward == "auto":
@@ -101,6 +87,22 @@ def with_backward(tiles: FlashTiles, backward: str) -> FlashTiles:
         ds=(tiles.ds or STORED_PAIRS_DS) if pairs else None,
         dk_ds=(tiles.dk_ds or STORED_PAIRS_DK_DS) if pairs else None)
   raise ValueError(f"attention core backward {backward!r}; valid: {', '.join(BACKWARDS)}")
+
+
+def default_tiles(dk: int, d: int) -> FlashTiles:
+  """TABLE's tiles for (dk, D), else a default by head size. For dk <= 256 the fastest of the H200
+  sweeps at UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17) in the stored-scores pair
+  form (`with_backward(..., "stored_pairs")`: 124.7 against 142.5 ms a UMoE-base step when the
+  passes recompute, session 5's run 1); for larger heads tiles that fit, recomputing (checked at
+  dk 512, D 2048 on the GPU, not swept)."""
+  if (dk, d) in TABLE:
+    return TABLE[(dk, d)]
+  if dk <= 256:
+    recompute = FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
+                           dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
+    return with_backward(recompute, "stored_pairs")
+  return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
+                    dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
 
 
 def tiles_to_json(tiles: FlashTiles) -> dict:

@@ -81,7 +81,7 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   nothing), bad values name themselves, and the stores stop past STORED_BYTES_LIMIT (they grow
   with T^2)."""
   import dataclasses
-  base = at.default_tiles(192, 768)
+  base = at.with_backward(at.default_tiles(192, 768), "recompute")
   tiles = dataclasses.replace(base, dq_ds=at.PassTiles(64, 64, 16, 4, 2), dx_p=True)
   assert at.tiles_from_json(at.tiles_to_json(tiles)) == tiles
   assert at.tiles_from_json(at.tiles_to_json(base)) == base and "dx_p" not in at.tiles_to_json(base)
@@ -116,8 +116,11 @@ def test_core_backward_forms():
   import dataclasses
   from umoe_jax import kinds
   assert kinds.ATTENTION_BACKWARDS == at.BACKWARDS
-  base = at.default_tiles(192, 768)
-  assert at.with_backward(base, "auto") == base == at.with_backward(base, "recompute")
+  # The default for heads up to 256 wide is the pair form (fastest on an H200), above it recompute.
+  assert at.default_tiles(192, 768) == at.with_backward(at.default_tiles(192, 768), "stored_pairs")
+  assert at.default_tiles(512, 2048) == at.with_backward(at.default_tiles(512, 2048), "recompute")
+  base = at.with_backward(at.default_tiles(192, 768), "recompute")
+  assert base.ds is None and at.with_backward(base, "auto") == base
   stored = at.with_backward(base, "stored")
   assert stored == dataclasses.replace(base, dq_ds=at.STORED_DQ_DS, dx_p=True)
   pairs = at.with_backward(base, "stored_pairs")
@@ -306,8 +309,8 @@ def _interpreter_check():
   x = jnp.asarray(rng.standard_normal((*bt, m.d_model)) + 2.0, jnp.float32)  # a shared direction
   pos = jnp.broadcast_to(jnp.arange(bt[1], dtype=jnp.int32), bt)
   outs = {}
-  for core, backward in (("xla", "auto"), ("triton", "auto"), ("triton", "stored"),
-                         ("triton", "stored_pairs")):
+  for core, backward in (("xla", "auto"), ("triton", "auto"), ("triton", "recompute"),
+                         ("triton", "stored"), ("triton", "stored_pairs")):
     m.attention.core, m.attention.core_backward = core, backward
     block = DecoderBlock(model_config(m), rngs=nnx.Rngs(params=0))
     for p in jax.tree.leaves(nnx.state(block.attention.router, nnx.Param),
@@ -325,11 +328,11 @@ def _interpreter_check():
         state, x)
     # fwd + three backward passes: dx, dk, dq / dk storing, dq_ds, dx / ds, dk_ds, dq_ds, dx
     launched = {kn.fn.__name__ for kn in LAUNCHES[n:]}
-    want_launches = {"xla": set(), "auto": {"_fwd_kernel", "_bwd_dx_kernel", "_bwd_dk_kernel",
-                                            "_bwd_dq_kernel"},
+    pairs = {"_fwd_kernel", "_bwd_ds_kernel", "_bwd_dk_ds_kernel", "_bwd_dq_ds_kernel", "_bwd_dx_kernel"}
+    want_launches = {"xla": set(), "auto": pairs,  # (the default tiles' form for heads <= 256)
+                     "recompute": {"_fwd_kernel", "_bwd_dx_kernel", "_bwd_dk_kernel", "_bwd_dq_kernel"},
                      "stored": {"_fwd_kernel", "_bwd_dk_kernel", "_bwd_dq_ds_kernel", "_bwd_dx_kernel"},
-                     "stored_pairs": {"_fwd_kernel", "_bwd_ds_kernel", "_bwd_dk_ds_kernel",
-                                      "_bwd_dq_ds_kernel", "_bwd_dx_kernel"}}
+                     "stored_pairs": pairs}
     assert launched == want_launches["xla" if core == "xla" else backward], (core, backward, launched)
     assert float(jnp.mean(route.expert_ids < 3)) > 0.9, np.asarray(route.expert_ids)  # skewed
     outs[core, backward] = (val, g_x, jax.tree.leaves(g_state))

@@ -122,7 +122,8 @@ class AttentionConfig:
   core: str = "auto"                  # scores/softmax/mix: "xla", "cudnn"/"triton" (fused causal GPU kernels, no cache), "splash" (TPU),
                                       # "auto" (one GPU: the fused kernels; else xla; attention.common.auto_core)
   core_backward: str = "auto"         # the "triton" core's backward: "recompute" P and dS per pass, "stored" (the dK pass
-                                      # stores them for dQ / dX), "stored_pairs" (a tile-pair pass stores them), "auto" (the tiles' own)
+                                      # stores them for dQ / dX), "stored_pairs" (a tile-pair pass stores them), "auto" (the tiles' own:
+                                      # stored_pairs for heads <= 256 wide, else recompute)
   router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # its routers' keys over model.router
 
 
