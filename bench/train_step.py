@@ -271,7 +271,7 @@ def main():
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
   ap.add_argument("--fused_loss_head", type=int, choices=[0, 1], default=None,
-                  help="train.fused_loss_head (default: the config's, off)")
+                  help="train.fused_loss_head (default: the config's, on)")
   ap.add_argument("--loss_chunk_tokens", type=int, default=0,
                   help="train.loss_chunk_tokens: the LM head and cross-entropy in chunks of this many "
                        "tokens, never the full logits (0 = off, the default)")

@@ -282,6 +282,8 @@ def test_loss_chunk_tokens_reaches_the_trainers_step():
   plain = [tuple(getattr(x, "shape", ())) for x in avals(0)]
   assert (4, 8, model_cfg.vocab_size) in plain and (4, 8, model_cfg.vocab_size) not in fused
   assert (32, model_cfg.vocab_size) in fused
+  assert not has_logits(4, True)        # chunks win over the unchunked fused head (no [32, V])
+  assert tiny().train.fused_loss_head is True and train_config.default_train_config().fused_loss_head
 
 
 
@@ -293,10 +295,9 @@ def test_fused_loss_head_config_check():
     c.train.fused_loss_head = 1
   with pytest.raises(ConfigError, match=re.escape("train.fused_loss_head=1 must be true or false")):
     train_config.validate(c)
+  # Both: the chunked head (fused already) is the one the step runs (the test above).
   c.train.fused_loss_head, c.train.loss_chunk_tokens = True, 4096
-  with pytest.raises(ConfigError, match=re.escape("train.fused_loss_head=True with "
-                                                  "train.loss_chunk_tokens=4096")):
-    train_config.validate(c)
+  train_config.validate(c)
 
 
 @pytest.mark.parametrize("value", [-1, True, 2.5, "4096"])

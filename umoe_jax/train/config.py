@@ -56,9 +56,10 @@ def default_train_config() -> ml_collections.ConfigDict:
       on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
       loss_chunk_tokens=0,         # > 0: LM head + cross-entropy in chunks of this many tokens
                                    # (no [tokens, V] logits; umoe_jax/ops/chunked_loss.py); 0: off
-      fused_loss_head=False,       # LM head + cross-entropy as one op, unchunked: the float32 logits
+      fused_loss_head=True,        # LM head + cross-entropy as one op, unchunked: the float32 logits
                                    # kept, the logit cotangent formed and rounded to bf16 in one
-                                   # pass (no float32 [tokens, V] cotangent); the same values
+                                   # pass (no float32 [tokens, V] cotangent); the same values, less
+                                   # time and memory (BENCHMARKS.md); loss_chunk_tokens > 0 wins
       max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
       compilation_cache_dir="",    # JAX's persistent compilation cache here (a restart or another
                                    # run of the same program loads its executable); "": off
@@ -162,9 +163,6 @@ def check_train(train: Any, model: ModelConfig) -> None:
          f"train.loss_chunk_tokens={n!r} must be an integer >= 0 (0: the full logits, no chunks)")
   _check(isinstance(t.fused_loss_head, bool),
          f"train.fused_loss_head={t.fused_loss_head!r} must be true or false")
-  _check(not (t.fused_loss_head and n),
-         f"train.fused_loss_head=True with train.loss_chunk_tokens={n!r}: the chunked head is fused "
-         "already (and recomputes its logits); set one of them")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
   _check(t.max_consecutive_skips >= 0,
