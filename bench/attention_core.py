@@ -165,10 +165,13 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
                         jax.jit(lambda q, k, v: ta._bwd_ds(q, k, v, dout, lse, delta, tl))),
   }
 
+  # The stored forms' own tiles for this head width where the base tiles name none.
+  stored_default = dict(zip(("dq_ds", "ds", "dk_ds"), at.stored_tiles(dk)))
+
   def _from_stores(q, k, v, ds_tiles):  # (dK, dQ, dX) from the ds pass's stores
     ds_t, p_t = ta._bwd_ds(q, k, v, dout, lse, delta, ds_tiles)
-    return (ta._bwd_dk_ds(ds_t, q, k, at.PassTiles(*CANDIDATES["dk_ds"][0])),
-            ta._bwd_dq_ds(ds_t, q, k, at.PassTiles(*CANDIDATES["dq_ds"][0])),
+    return (ta._bwd_dk_ds(ds_t, q, k, stored_default["dk_ds"]),
+            ta._bwd_dq_ds(ds_t, q, k, stored_default["dq_ds"]),
             ta._bwd_dx(q, k, v, dout, lse, base.dx, probs_t=p_t))
   # dS^T and P^T as the dK pass stores them, for the dq_ds / dx_p / dk_ds candidates.
   readers = {"dq_ds", "dx_p", "dk_ds"}
@@ -179,7 +182,8 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
   t0 = time.perf_counter()
   best, results, outputs = {}, {}, {}
   for kernel, make in calls.items():
-    own = {"dk_store": base.dk, "dx_p": base.dx}.get(kernel, getattr(base, kernel, None))
+    own = ({"dk_store": base.dk, "dx_p": base.dx}.get(kernel, getattr(base, kernel, None))
+           or stored_default.get(kernel))
     own = own if isinstance(own, at.PassTiles) else None
     tried = kernels is None or kernel in kernels
     if not tried and kernel not in ("fwd", "dx", "dk", "dq"):

@@ -95,6 +95,7 @@ def attention_cases(shape: dict):
   common = dict(T=t, H=h, DK=dk, D=d, qk_scale=ta.LOG2E / math.sqrt(dk))
   scale = dict(sm_scale=1 / math.sqrt(dk))
   base = at.default_tiles(dk, d)
+  stored_dq_ds, stored_ds, stored_dk_ds = at.stored_tiles(dk)
   tiles = lambda name, own: [own] * (own is not None) + [
       at.PassTiles(*c) for c in CANDIDATES.get(name, []) if own is None or c != dataclasses.astuple(own)]
   qkv = dict(q_ptr=bf, k_ptr=bf, lse_ptr=f32)
@@ -115,14 +116,14 @@ def attention_cases(shape: dict):
   for tl_ in tiles("dq", base.dq):
     yield ("dq", tl_, ta._bwd_dq_kernel, dict(grads, dq_ptr=bf),
            {**common, **scale, **_meta(at.dq_launch(t, h, dk, d, tl_))})
-  for tl_ in tiles("ds", at.STORED_PAIRS_DS):
+  for tl_ in tiles("ds", stored_ds):
     yield ("ds", tl_, ta._bwd_ds_kernel, dict(grads, ds_ptr=bf, p_ptr=bf),
            {**common, **_meta(at.ds_launch(t, h, dk, d, tl_))})
   small = dict(T=t, H=h, DK=dk, **scale)
-  for tl_ in tiles("dq_ds", at.STORED_DQ_DS):
+  for tl_ in tiles("dq_ds", stored_dq_ds):
     yield ("dq_ds", tl_, ta._bwd_dq_ds_kernel, dict(ds_ptr=bf, k_ptr=bf, dq_ptr=bf),
            {**small, **_meta(at.dq_ds_launch(t, h, dk, tl_))})
-  for tl_ in tiles("dk_ds", at.STORED_PAIRS_DK_DS):
+  for tl_ in tiles("dk_ds", stored_dk_ds):
     yield ("dk_ds", tl_, ta._bwd_dk_ds_kernel, dict(ds_ptr=bf, q_ptr=bf, dk_ptr=bf),
            {**small, **_meta(at.dk_ds_launch(t, h, dk, tl_))})
 

@@ -64,28 +64,41 @@ TABLE: dict[tuple[int, int], FlashTiles] = {}
 # The backward forms `with_backward` names (`model.attention.core_backward`, umoe_jax.kinds).
 BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 # Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
-# compiles for sm_90a without register spills at UMoE-base's shape (bench/kernel_resources.py);
-# not swept yet (BENCHMARKS.md, session 5).
+# compiles for sm_90a without register spills (bench/kernel_resources.py): for heads <= 256 wide at
+# UMoE-base's shape (timed in the pair form on an H200, BENCHMARKS.md runs 30-33; not swept), for
+# wider ones at UMoE-large's (dk 512, D 2048; not yet run on a GPU). The readers keep [BM or BN, dk]
+# float32 accumulators, so wide heads take half the rows.
 STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
 STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
+WIDE_STORED_DQ_DS = PassTiles(32, 64, 16, 8, 2)
+WIDE_STORED_PAIRS_DS = PassTiles(64, 128, 64, 8, 2)
+WIDE_STORED_PAIRS_DK_DS = PassTiles(64, 32, 16, 8, 2)
 
 
-def with_backward(tiles: FlashTiles, backward: str) -> FlashTiles:
-  """`tiles` with the backward form `backward`: "auto" leaves them as they are (the default
-  tiles store by the pair pass for dk <= 256 and recompute above; a swept TABLE entry says its own); "recompute" drops the stored forms; "stored" has the
-  dK pass store dS and P for the dQ and dX passes; "stored_pairs" makes them in the tile-pair pass
-  (`FlashTiles` says what each reads). The stored forms keep tiles of their own the tiles name."""
+def stored_tiles(dk: int) -> tuple[PassTiles, PassTiles, PassTiles]:
+  """The stored forms' (dq_ds, ds, dk_ds) tiles for keys dk wide."""
+  if dk <= 256:
+    return STORED_DQ_DS, STORED_PAIRS_DS, STORED_PAIRS_DK_DS
+  return WIDE_STORED_DQ_DS, WIDE_STORED_PAIRS_DS, WIDE_STORED_PAIRS_DK_DS
+
+
+def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
+  """`tiles` (for keys dk wide) with the backward form `backward`: "auto" leaves them as they are
+  (the default tiles store by the pair pass for dk <= 256 and recompute above; a swept TABLE entry
+  says its own); "recompute" drops the stored forms; "stored" has the dK pass store dS and P for
+  the dQ and dX passes; "stored_pairs" makes them in the tile-pair pass (`FlashTiles` says what
+  each reads). The stored forms keep tiles of their own the tiles name, else `stored_tiles(dk)`."""
   if backward == "auto":
     return tiles
   if backward == "recompute":
     return dataclasses.replace(tiles, dq_ds=None, dx_p=False, ds=None, dk_ds=None)
   if backward in ("stored", "stored_pairs"):
     pairs = backward == "stored_pairs"
+    dq_ds, ds, dk_ds = stored_tiles(dk)
     return dataclasses.replace(
-        tiles, dxdk=None, dq_ds=tiles.dq_ds or STORED_DQ_DS, dx_p=True,
-        ds=(tiles.ds or STORED_PAIRS_DS) if pairs else None,
-        dk_ds=(tiles.dk_ds or STORED_PAIRS_DK_DS) if pairs else None)
+        tiles, dxdk=None, dq_ds=tiles.dq_ds or dq_ds, dx_p=True,
+        ds=(tiles.ds or ds) if pairs else None, dk_ds=(tiles.dk_ds or dk_ds) if pairs else None)
   raise ValueError(f"attention core backward {backward!r}; valid: {', '.join(BACKWARDS)}")
 
 
@@ -100,7 +113,7 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
   if dk <= 256:
     recompute = FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
                            dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
-    return with_backward(recompute, "stored_pairs")
+    return with_backward(recompute, "stored_pairs", dk)
   return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
                     dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
 

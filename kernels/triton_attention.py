@@ -743,7 +743,7 @@ def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTi
   if k.shape != (b, t, dk) or v.shape[:2] != (b, t) or v.ndim != 3:
     raise ValueError(f"premix_attention wants q [B,T,H,dk], k [B,T,dk], v [B,T,D]; got "
                      f"{q.shape}, {k.shape}, {v.shape}")
-  tiles = with_backward(tiles or default_tiles(dk, v.shape[-1]), backward)
+  tiles = with_backward(tiles or default_tiles(dk, v.shape[-1]), backward, dk)
   return _differentiable(tiles)(q, k.astype(q.dtype), v.astype(q.dtype))
 
 

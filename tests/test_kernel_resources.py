@@ -58,3 +58,21 @@ def test_the_survey_cases_match_the_kernels_signatures(group):
                and v.default is inspect.Parameter.empty]
     assert not missing, (name, missing)
   assert kr.survey(cases[:1])[0].get("registers", 0) > 0, cases[0][0]
+
+
+@pytest.mark.parametrize("shape", ["base", "large"])
+def test_the_stored_forms_default_tiles_do_not_spill(shape):
+  """The tiles the stored-scores backward takes by default (attention_tiles.stored_tiles: the
+  readers of dS / P and the tile-pair pass) were chosen spill-free for sm_90a at each head width;
+  a kernel change that makes them spill shows here before a GPU times it."""
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  from kernels import attention_tiles as at
+  dims = kr.SHAPES[shape]
+  defaults = dict(zip(("dq_ds", "ds", "dk_ds"), at.stored_tiles(dims["dk"])))
+  cases = [c for c in kr.attention_cases(dims) if c[0] in defaults and c[1] == defaults[c[0]]]
+  assert sorted(c[0] for c in cases) == sorted(defaults)
+  for row in kr.survey(cases):
+    assert "error" not in row and row["spill_stores"] == row["spill_loads"] == 0, row

@@ -38,6 +38,9 @@ STORED_CASES = [
      (32, 16, 32), (16, 32, 16)),   # T = 2 * 16 + 1: a key tile of the last position alone
     (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), True,
      (16, 32, 64), (32, 16, 16)),
+    # A head over 256 wide (padded to 512) with the wide heads' stored tiles (`stored_tiles(512)`)
+    (1, 150, 2, 300, 96, ((16, 16, 32), (16, 16, 32), (16, 16, 32), (16, 16, 32)), (32, 64, 16), True,
+     (64, 128, 64), (64, 32, 16)),
     # H = 3 with many unmasked (full) row blocks in the dX and dK readers and key tiles in dQ's
     (1, 45, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (32, 32, 32), (16, 16, 16)), (32, 16, 16), True,
      (16, 32, 32), (16, 16, 16)),
@@ -81,7 +84,7 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   nothing), bad values name themselves, and the stores stop past STORED_BYTES_LIMIT (they grow
   with T^2)."""
   import dataclasses
-  base = at.with_backward(at.default_tiles(192, 768), "recompute")
+  base = at.with_backward(at.default_tiles(192, 768), "recompute", 192)
   tiles = dataclasses.replace(base, dq_ds=at.PassTiles(64, 64, 16, 4, 2), dx_p=True)
   assert at.tiles_from_json(at.tiles_to_json(tiles)) == tiles
   assert at.tiles_from_json(at.tiles_to_json(base)) == base and "dx_p" not in at.tiles_to_json(base)
@@ -117,23 +120,27 @@ def test_core_backward_forms():
   from umoe_jax import kinds
   assert kinds.ATTENTION_BACKWARDS == at.BACKWARDS
   # The default for heads up to 256 wide is the pair form (fastest on an H200), above it recompute.
-  assert at.default_tiles(192, 768) == at.with_backward(at.default_tiles(192, 768), "stored_pairs")
-  assert at.default_tiles(512, 2048) == at.with_backward(at.default_tiles(512, 2048), "recompute")
-  base = at.with_backward(at.default_tiles(192, 768), "recompute")
-  assert base.ds is None and at.with_backward(base, "auto") == base
-  stored = at.with_backward(base, "stored")
+  assert at.default_tiles(192, 768) == at.with_backward(at.default_tiles(192, 768), "stored_pairs", 192)
+  assert at.default_tiles(512, 2048) == at.with_backward(at.default_tiles(512, 2048), "recompute", 512)
+  base = at.with_backward(at.default_tiles(192, 768), "recompute", 192)
+  assert base.ds is None and at.with_backward(base, "auto", 192) == base
+  stored = at.with_backward(base, "stored", 192)
   assert stored == dataclasses.replace(base, dq_ds=at.STORED_DQ_DS, dx_p=True)
-  pairs = at.with_backward(base, "stored_pairs")
+  pairs = at.with_backward(base, "stored_pairs", 192)
   assert (pairs.ds, pairs.dk_ds, pairs.dq_ds, pairs.dx_p) == (at.STORED_PAIRS_DS,
                                                               at.STORED_PAIRS_DK_DS,
                                                               at.STORED_DQ_DS, True)
-  assert at.with_backward(pairs, "recompute") == base and at.with_backward(pairs, "auto") == pairs
+  assert at.with_backward(pairs, "recompute", 192) == base and at.with_backward(pairs, "auto", 192) == pairs
+  # Heads over 256 wide take their own stored tiles (half the readers' rows: dk-wide accumulators).
+  wide = at.with_backward(at.default_tiles(512, 2048), "stored_pairs", 512)
+  assert (wide.dq_ds, wide.ds, wide.dk_ds) == at.stored_tiles(512) != at.stored_tiles(256)
+  assert wide.fwd == at.default_tiles(512, 2048).fwd and wide.dx_p
   own = dataclasses.replace(stored, dq_ds=at.PassTiles(128, 64, 16, 8, 2))
-  assert at.with_backward(own, "stored_pairs").dq_ds == own.dq_ds        # a swept tile is kept
+  assert at.with_backward(own, "stored_pairs", 192).dq_ds == own.dq_ds        # a swept tile is kept
   fused = dataclasses.replace(base, dxdk=at.PassTiles(64, 32, 256, 4, 2))
-  assert at.with_backward(fused, "stored").dxdk is None
+  assert at.with_backward(fused, "stored", 192).dxdk is None
   with pytest.raises(ValueError, match="'stash'"):
-    at.with_backward(base, "stash")
+    at.with_backward(base, "stash", 192)
 
 
 def test_triton_core_declines_where_it_cannot_run():
