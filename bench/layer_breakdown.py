@@ -11,7 +11,7 @@ And the attention core (scores, causal softmax, mix) at the config's shapes:
              D-wide values cut into key-width chunks that share the key head);
   triton     `core="triton"` (kernels/triton_attention.py; one shared key head: pre-mixing only).
 The fused cores are checked against the XLA one (values and input gradients) before they are timed.
-`--attention_core=cudnn|triton` also runs the block and sub-layers with it.
+The block and sub-layers run the trainer's default core (`auto`) unless `--attention_core` names one.
 
   python3 bench/layer_breakdown.py [--configs=umoe_base,dense_base] [--out DIR]
 """
@@ -163,7 +163,9 @@ def main():
   ap.add_argument("--configs", default="umoe_base,dense_base")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--seq_len", type=int, default=1024)
-  ap.add_argument("--attention_core", default="xla", choices=["xla", "cudnn", "triton"])
+  ap.add_argument("--attention_core", default="auto", choices=["auto", "xla", "cudnn", "triton"],
+                  help="model.attention.core of the block and sub-layers (default: auto, what the "
+                       "trainer runs: on one GPU triton for pre-mixing, cudnn for the rest)")
   ap.add_argument("--attention_tiles", default=None,
                   help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--core_backward", default="auto",
