@@ -106,7 +106,7 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
   """TABLE's tiles for (dk, D), else a default by head size. For dk <= 256 the fastest of the H200
   sweeps at UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17) in the stored-scores pair
   form (`with_backward(..., "stored_pairs")`: 124.7 against 142.5 ms a UMoE-base step when the
-  passes recompute, session 5's run 1); for larger heads tiles that fit, recomputing (checked at
+  passes recompute, BENCHMARKS.md run 30); for larger heads tiles that fit, recomputing (checked at
   dk 512, D 2048 on the GPU, not swept)."""
   if (dk, d) in TABLE:
     return TABLE[(dk, d)]
