@@ -68,6 +68,7 @@ BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 # UMoE-base's shape (timed in the pair form on an H200, BENCHMARKS.md runs 30-33; not swept), for
 # wider ones at UMoE-large's (dk 512, D 2048; not yet run on a GPU). The readers keep [BM or BN, dk]
 # float32 accumulators, so wide heads take half the rows.
+NARROW_HEAD_MAX = 256   # the widest head (dk) the narrow heads' tiles, swept at dk 192, are for
 STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
 STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
@@ -78,7 +79,7 @@ WIDE_STORED_PAIRS_DK_DS = PassTiles(64, 32, 16, 8, 2)
 
 def stored_tiles(dk: int) -> tuple[PassTiles, PassTiles, PassTiles]:
   """The stored forms' (dq_ds, ds, dk_ds) tiles for keys dk wide."""
-  if dk <= 256:
+  if dk <= NARROW_HEAD_MAX:
     return STORED_DQ_DS, STORED_PAIRS_DS, STORED_PAIRS_DK_DS
   return WIDE_STORED_DQ_DS, WIDE_STORED_PAIRS_DS, WIDE_STORED_PAIRS_DK_DS
 
@@ -110,7 +111,7 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
   dk 512, D 2048 on the GPU, not swept)."""
   if (dk, d) in TABLE:
     return TABLE[(dk, d)]
-  if dk <= 256:
+  if dk <= NARROW_HEAD_MAX:
     recompute = FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
                            dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
     return with_backward(recompute, "stored_pairs", dk)
