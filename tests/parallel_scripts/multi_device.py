@@ -321,7 +321,7 @@ def _train_step_dropped_rows(cfg, model, mesh, fwd):
   """The trainer's step reports the rows its exchanges dropped (`ep_dropped_rows`, the sum over
   pools and micro-batches, in the metrics, the logged scalars and the console line): with 2
   micro-batches (rows a::2) exactly the sown counts of the two forwards; no count without a
-  capacity factor."""
+  capacity factor. The fused loss head (the trainer's default) takes the same step."""
   from umoe_jax.train import metrics as metrics_lib, state as state_lib, step as step_lib
   parts = state_lib.model_parts(cfg)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -329,15 +329,18 @@ def _train_step_dropped_rows(cfg, model, mesh, fwd):
   toks = jnp.asarray(common.tokens())
   batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
   got = {}
-  for cf in (0.25, None):
-    with sharding.use_mesh(mesh, expert_capacity_factor=cf):
+  for cf, fused in ((0.25, False), (None, False), ("fused", True)):
+    with sharding.use_mesh(mesh, expert_capacity_factor=None if cf == "fused" else cf):
       step = jax.jit(functools.partial(step_lib.train_step, graphdef=parts.graphdef, tx=tx,
-                                       schedule=optax.constant_schedule(0.0), accum_steps=2))
+                                       schedule=optax.constant_schedule(0.0), accum_steps=2,
+                                       fused_loss_head=fused))
       got[cf] = jax.tree.map(np.asarray, step(state_lib.state_with_params(params, tx, 0), batch)[1])
-      if cf is not None:
+      if cf == 0.25:
         want = sum(int(v) for a in range(2)
                    for v in jax.tree.leaves(nnx.jit(fwd)(model, batch["inputs"][a::2])))
   assert "ep_dropped_rows" not in got[None], got[None]
+  for key in ("loss", "lm_loss", "grad_norm", "tokens"):
+    np.testing.assert_allclose(got["fused"][key], got[None][key], rtol=1e-5, err_msg=key)
   assert want > 0 and int(got[0.25]["ep_dropped_rows"]) == want, (got[0.25], want)
   scalars, _ = metrics_lib.summarize([got[0.25]])
   assert scalars["train/ep_dropped_rows"] == want, scalars
