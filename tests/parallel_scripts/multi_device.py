@@ -329,20 +329,21 @@ def _train_step_dropped_rows(cfg, model, mesh, fwd):
   toks = jnp.asarray(common.tokens())
   batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
   got = {}
-  for cf, fused in ((0.25, False), (None, False), ("fused", True)):
-    with sharding.use_mesh(mesh, expert_capacity_factor=None if cf == "fused" else cf):
+  for name, cf, fused in (("capped", 0.25, False), ("dropless", None, False),
+                          ("fused head", None, True)):
+    with sharding.use_mesh(mesh, expert_capacity_factor=cf):
       step = jax.jit(functools.partial(step_lib.train_step, graphdef=parts.graphdef, tx=tx,
                                        schedule=optax.constant_schedule(0.0), accum_steps=2,
                                        fused_loss_head=fused))
-      got[cf] = jax.tree.map(np.asarray, step(state_lib.state_with_params(params, tx, 0), batch)[1])
-      if cf == 0.25:
+      got[name] = jax.tree.map(np.asarray, step(state_lib.state_with_params(params, tx, 0), batch)[1])
+      if cf is not None:
         want = sum(int(v) for a in range(2)
                    for v in jax.tree.leaves(nnx.jit(fwd)(model, batch["inputs"][a::2])))
-  assert "ep_dropped_rows" not in got[None], got[None]
+  assert "ep_dropped_rows" not in got["dropless"], got["dropless"]
   for key in ("loss", "lm_loss", "grad_norm", "tokens"):
-    np.testing.assert_allclose(got["fused"][key], got[None][key], rtol=1e-5, err_msg=key)
-  assert want > 0 and int(got[0.25]["ep_dropped_rows"]) == want, (got[0.25], want)
-  scalars, _ = metrics_lib.summarize([got[0.25]])
+    np.testing.assert_allclose(got["fused head"][key], got["dropless"][key], rtol=1e-5, err_msg=key)
+  assert want > 0 and int(got["capped"]["ep_dropped_rows"]) == want, (got["capped"], want)
+  scalars, _ = metrics_lib.summarize([got["capped"]])
   assert scalars["train/ep_dropped_rows"] == want, scalars
   line = metrics_lib.console_line(1, 1, {**scalars, "perf/step_time_s": 0.1})
   assert f"dropped {want:,} rows/step" in line, line
