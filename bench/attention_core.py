@@ -15,7 +15,8 @@ $OUT/attention_tiles.json (`--attention_tiles` of bench/train_step.py and bench/
 loads it) and times the core again with them.
 
   python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
-      [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--out DIR]
+      [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
+      [--out DIR]
 """
 from __future__ import annotations
 
@@ -44,7 +45,12 @@ SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
 # Round 6 adds tiles that ptxas compiles without register spills (bench/kernel_resources.py,
 # BENCHMARKS.md: the defaults of dk / dq / fwd spill 0.8-4 KB a thread), untimed as yet.
 CANDIDATES = {
-    "fwd": [],
+    # Round 7, for UMoE-large's wide heads (dk 512, D 2048; the default 64x32x256 took 2.65 ms, 65
+    # TFLOP/s: each 256-wide D chunk recomputes the 512-deep scores): wider D chunks and taller row
+    # tiles that fit the H200's 227 KB of shared memory and compile without spills for sm_90a
+    # (bench/kernel_resources.py); at dk 192 the tabled 128x64x256 stays first.
+    "fwd": [(64, 32, 512, 8, 2), (128, 32, 256, 8, 2), (64, 32, 384, 8, 2), (64, 64, 128, 4, 2),
+            (64, 32, 256, 8, 3), (32, 32, 512, 4, 2)],
     "dx": [],
     "dk": [(32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
     "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
@@ -92,26 +98,36 @@ def check(fn, ref, q, k, v, cot):
   return err, g_err
 
 
-def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton")):
+def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwards=("auto",)):
+  """Times each core of `which`; the Triton core once per backward form of `backwards`
+  (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others),
+  each first checked against the XLA core."""
+  from kernels import attention_tiles as at
   b, t, h, dk, d = shape
   q, k, v, cot = inputs(shape)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  start = tiles or at.default_tiles(dk, d)
   fns = cores(positions, tiles)
-  row = {}
-  if "triton" in which:
-    row["triton_err"], row["triton_grad_err"] = check(fns["triton"], fns["xla"], q, k, v, cot)
-    log(f"  {name}: triton vs xla: values {row['triton_err']:.2e}, grads {row['triton_grad_err']:.2e}")
   fl = flops(*shape)
+  row = {}
   for core in which:
     if core == "cudnn" and dk > 256:
       continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
-    if core == "triton" and not (row["triton_err"] < 1e-2 and row["triton_grad_err"] < 1e-2):
-      log(f"  {name}: triton core disagrees with XLA; not timed")
-      continue
-    fwd, fb = time_fwd_bwd(fns[core], q, k, v)
-    row[core] = dict(fwd_ms=fwd, fwd_bwd_ms=fb, fwd_tflops=fl / fwd / 1e9, fwd_bwd_tflops=3 * fl / fb / 1e9)
-    log(f"  {name} {core:7s} fwd {fwd:7.3f} ms ({fl / fwd / 1e9:5.0f} TFLOP/s)  "
-        f"fwd+bwd {fb:7.3f} ms ({3 * fl / fb / 1e9:5.0f} TFLOP/s)")
+    variants = ({(f"triton_{bw}" if bw != "auto" else "triton"): cores(
+                    positions, at.with_backward(start, bw, dk))["triton"] for bw in backwards}
+                if core == "triton" else {core: fns[core]})
+    for key, fn in variants.items():
+      if key.startswith("triton"):
+        row[f"{key}_err"], row[f"{key}_grad_err"] = err, g_err = check(fn, fns["xla"], q, k, v, cot)
+        log(f"  {name}: {key} vs xla: values {err:.2e}, grads {g_err:.2e}")
+        if not (err < 1e-2 and g_err < 1e-2):
+          log(f"  {name}: {key} disagrees with XLA; not timed")
+          continue
+      fwd, fb = time_fwd_bwd(fn, q, k, v)
+      row[key] = dict(fwd_ms=fwd, fwd_bwd_ms=fb, fwd_tflops=fl / fwd / 1e9,
+                      fwd_bwd_tflops=3 * fl / fb / 1e9)
+      log(f"  {name} {key:7s} fwd {fwd:7.3f} ms ({fl / fwd / 1e9:5.0f} TFLOP/s)  "
+          f"fwd+bwd {fb:7.3f} ms ({3 * fl / fb / 1e9:5.0f} TFLOP/s)")
   return row
 
 
@@ -256,6 +272,8 @@ def main():
                   help="kernels whose candidates the sweep tries (default: all); the others run "
                        "their default tiles only (fwd, dx, dk, dq always run: the references)")
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
+  ap.add_argument("--backwards", default="auto",
+                  help="the Triton core's backward forms to time, e.g. auto,recompute,stored_pairs")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   from kernels import attention_tiles as at
@@ -269,7 +287,11 @@ def main():
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)
-    results[name] = row = time_cores(name, shape, which=which) if which else {}
+    backwards = tuple(bw for bw in args.backwards.split(",") if bw)
+    bad = [bw for bw in backwards if bw not in at.BACKWARDS]
+    if bad:
+      raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
+    results[name] = row = time_cores(name, shape, which=which, backwards=backwards) if which else {}
     if name in args.sweep.split(","):
       chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s,
                                    sweep_kernels(args.sweep_kernels))
@@ -285,7 +307,8 @@ def main():
   log("\nms (TFLOP/s): fwd / fwd+bwd")
   for name, row in results.items():
     cells = []
-    for core, r in [(c, row.get(c)) for c in ("xla", "cudnn", "triton")] + [
+    keys = ["xla", "cudnn"] + [k for k in row if k.startswith("triton") and isinstance(row[k], dict)]
+    for core, r in [(c, row.get(c)) for c in keys] + [
         ("triton tuned", row.get("tuned", {}).get("triton"))]:
       if r:
         cells.append(f"{core} {r['fwd_ms']:.3f} ({r['fwd_tflops']:.0f}) / {r['fwd_bwd_ms']:.3f} "

@@ -8,7 +8,9 @@ grad + weight grad = 3x the forward FLOPs), JAX's shipped Mosaic GPU ragged_dot 
 fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-dispatch cost against
 the expert matmuls; a short table last. Full results go to $OUT (or --out) as gmm_results.json.
 --sweep times every candidate tile config of kernels/tuning.py's CANDIDATES and reports the best per
-(backend, op, shape): the rows to paste into tuning.TABLE.
+(backend, op, shape): the rows to paste into tuning.TABLE. --sweep-gathered does the same for the
+calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.json, which
+bench/train_step.py --gmm_tiles loads (the step timed with them before they go into the table).
 Group sizes: Dirichlet(alpha=4) as in shared/anchors/grouped_matmul_anchors.py. Inputs are random bf16.
 JAX timings: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure), median of 10 runs;
 torch: CUDA events, median of 20 (as the anchors).
@@ -218,10 +220,17 @@ def routed_inputs(d, h, E, K, n=None, seed=5):
 DISPATCH_CONFIGS = (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10))
 
 
-def sweep_gathered(results, max_cands=8, configs=None, only_ops=None):
+# Gathered ops timed for comparison only: the table row of their op comes from the trainer's form
+# ("gmm_t+gather+silu": the activation fused; "tgmm+gather (down)": the rows pre-scaled).
+COMPARISON_ONLY = ("gmm_t+gather", "tgmm+gather+scale (down)")
+
+
+def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=None):
   """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
   from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py. configs /
-  only_ops: DISPATCH_CONFIGS names / op names to run (None: all)."""
+  only_ops: DISPATCH_CONFIGS names / op names to run (None: all). Returns the best rows; with
+  `out_path` they are also written there (`tuning.rows_to_json`) after every op, so a sweep cut
+  short by a time limit keeps what it found."""
   import jax
   import jax.numpy as jnp
   from kernels import tuning, triton_gmm as TG
@@ -246,6 +255,13 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None):
             lambda o, w, gs, i, s, hr: TG.triton_gmm(o, w, gs, transpose_rhs=True, lhs_index=i,
                                                      row_scale=s, row_dot=hr, config=cfg)),
             (dout, w2, plan.group_sizes, token_of_row, scale, hrows)),
+        # ... as the trainer calls it (`moe.fuse_activation`, the default): hrows hold the
+        # pre-activations, the epilogue takes silu and its derivative too.
+        "gmm_t+gather+silu": ("gmm_t+gather", 2.0 * m * d * h, (d, h), lambda cfg: jax.jit(
+            lambda o, w, gs, i, s, hr: TG.triton_gmm(o, w, gs, transpose_rhs=True, lhs_index=i,
+                                                     row_scale=s, row_dot=hr, epi_act="silu",
+                                                     config=cfg)),
+            (dout, w2, plan.group_sizes, token_of_row, scale, hrows)),
         "tgmm+gather": ("tgmm+gather", 2.0 * m * d * h, (d, h), lambda cfg: jax.jit(
             lambda x, r, gs, i: TG.triton_tgmm(x, r, gs, num_groups=E, lhs_index=i, config=cfg)),
             (x, hrows, plan.group_sizes, token_of_row)),
@@ -255,7 +271,7 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None):
         "tgmm+gather (down)": ("tgmm+gather", 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
             lambda a, o, gs, i: TG.triton_tgmm(a, o, gs, num_groups=E, rhs_index=i, config=cfg)),
             (hscaled, dout, plan.group_sizes, token_of_row)),
-        "tgmm+gather+scale (down)": (None, 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
+        "tgmm+gather+scale (down)": ("tgmm+gather", 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
             lambda a, o, gs, i, s: TG.triton_tgmm(a, o, gs, num_groups=E, rhs_index=i, lhs_scale=s,
                                                   config=cfg)),
             (hrows, dout, plan.group_sizes, token_of_row, scale)),
@@ -264,7 +280,7 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None):
       if only_ops is not None and op not in only_ops:
         continue
       best = (0.0, None)
-      for cfg in tuning.candidates("triton", table_op or "tgmm+gather", kc, no, m)[:max_cands]:
+      for cfg in tuning.candidates("triton", table_op, kc, no, m)[:max_cands]:
         try:
           tf = fl / (jax_ms(make(cfg), *args) / 1e3) / 1e12
         except Exception as e:  # noqa: BLE001
@@ -275,18 +291,23 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None):
         if tf > best[0]:
           best = (tf, cfg)
       best_by_op[(name, op)] = best
-      if table_op is None:  # a comparison row, not a tile for the table
+      if op in COMPARISON_ONLY:  # timed beside the form the trainer calls, not a tile for the table
         continue
       key = ("triton", table_op, kc, no, tuning.m_bucket(m))
       best_rows[key] = best
       if best[1] is not None:
         tuning.TABLE[key] = best[1]
+      if out_path:
+        with open(out_path, "w") as f:
+          json.dump(tuning.rows_to_json({k: c for k, (_, c) in best_rows.items() if c is not None}),
+                    f, indent=1)
   log("best tile per call (TFLOP/s):")
   for (name, op), (tf, cfg) in best_by_op.items():
     log(f"  {name:6s} {op:26s} {tf:6.0f}  {cfg}")
   log("TABLE rows (gathered):")
   for key, (tf, cfg) in best_rows.items():
     log(f"  {key!r}: {cfg!r},  # {tf:.0f} TFLOP/s")
+  return {key: cfg for key, (_, cfg) in best_rows.items() if cfg is not None}
 
 
 def dispatch_part(ours_backend, results):
@@ -465,9 +486,11 @@ def main():
           log(traceback.format_exc())
     _save(args.out, results)
   if args.sweep_gathered and "triton" in backends:
+    os.makedirs(args.out, exist_ok=True)
     sweep_gathered(results, args.max_cands,
                    args.gathered_configs.split(",") if args.gathered_configs else None,
-                   args.gathered_ops.split(";") if args.gathered_ops else None)
+                   args.gathered_ops.split(";") if args.gathered_ops else None,
+                   out_path=os.path.join(args.out, "gmm_tiles.json"))  # train_step.py --gmm_tiles
     _save(args.out, results)
 
   for name, M, K, N, E in shapes:

@@ -44,11 +44,18 @@ def _ptxas() -> str:
 
 
 def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warps: int,
-                      num_stages: int) -> dict:
+                      num_stages: int, aligned_pointers: bool = True) -> dict:
   """Compiles `kernel` (a @triton.jit function) for sm_90a and returns {"registers", "spill_stores",
-  "spill_loads", "stack", "shared"} (bytes but registers). `pointer_types`: the pointer and scalar
-  parameters' Triton types ("*bf16", "*fp32", "*i32", "i32"); `constexprs`: every other parameter's
-  value (parameters left out take their defaults)."""
+  "spill_loads", "stack", "shared", "async_copies"} (bytes but registers; async_copies: the PTX's
+  cp.async instructions, none when the operand loads are not pipelined). `pointer_types`: the
+  pointer and scalar parameters' Triton types ("*bf16", "*fp32", "*i32", "i32"); `constexprs`: every
+  other parameter's value (parameters left out take their defaults).
+
+  `aligned_pointers` (default): every pointer parameter is declared 16-byte aligned, as jax-triton
+  declares the buffers it passes (`triton_call` specialises each array argument to divisibility 16).
+  Without it the compiler can prove no alignment, so it emits scalar 16-bit loads and no cp.async
+  pipeline: a different, spilling program from the one that runs (what this tool reported before
+  2026-12-01's session 7; BENCHMARKS.md says so)."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
@@ -62,7 +69,10 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
       values[(i,)] = constexprs.get(name, p.default)
     else:
       raise KeyError(f"{kernel.fn.__name__}: parameter {name!r} has no type or value")
-  compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values),
+  attrs = ({(i,): [["tt.divisibility", 16]] for i, name in enumerate(params)
+            if pointer_types.get(name, "").startswith("*")} if aligned_pointers else {})
+  compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values,
+                                      attrs=attrs),
                             target=GPUTarget("cuda", ARCH_CAPABILITY, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
   with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +87,8 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
     return dict(registers=number(r"Used (\d+) registers"),
                 spill_stores=number(r"(\d+) bytes spill stores"),
                 spill_loads=number(r"(\d+) bytes spill loads"),
-                stack=number(r"(\d+) bytes stack frame"), shared=int(compiled.metadata.shared))
+                stack=number(r"(\d+) bytes stack frame"), shared=int(compiled.metadata.shared),
+                async_copies=len(re.findall(r"\bcp\.async\.c[ag]\b", compiled.asm["ptx"])))
   except AttributeError:
     raise RuntimeError(f"ptxas -v gave no resource line for {kernel.fn.__name__}:\n{report}") from None
 
@@ -196,7 +207,8 @@ def _line(row: dict) -> str:
   if "error" in row:
     return f"{head}  FAILED {row['error'][:120]}"
   return (f"{head}  regs {row['registers']:3d}  spills {row['spill_stores']:5d} / "
-          f"{row['spill_loads']:5d} B  stack {row['stack']:5d} B  shared {row['shared'] / 1024:6.1f} KB")
+          f"{row['spill_loads']:5d} B  stack {row['stack']:5d} B  shared {row['shared'] / 1024:6.1f} KB"
+          f"  cp.async {row['async_copies']:3d}")
 
 
 def main():

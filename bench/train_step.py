@@ -11,6 +11,7 @@ memory. Usage (GPU):
       [--loss_chunk_tokens=N]   (train.loss_chunk_tokens: LM head + cross-entropy in N-token chunks)
       [--fused_loss_head=0|1]   (train.fused_loss_head: LM head + cross-entropy as one op, unchunked)
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
+      [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
@@ -116,6 +117,9 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   if args.attention_tiles:
     from kernels import attention_tiles
     attention_tiles.load_table(args.attention_tiles)
+  if args.gmm_tiles:
+    from kernels import tuning
+    log(f"gmm tiles from {args.gmm_tiles}: {tuning.load_table(args.gmm_tiles)}")
   layout_kind, n_dev = parse_layout(layout, jax.device_count())
   with config.unlocked():
     config.model.gmm_backend = args.gmm_backend
@@ -288,6 +292,9 @@ def main():
                        "activation derivative inside the grouped matmuls' backward")
   ap.add_argument("--router_topk", default=None, choices=["xla", "triton"],
                   help="model.router.topk_backend (default: the config's)")
+  ap.add_argument("--gmm_tiles", default=None,
+                  help="JSON of grouped-matmul tile rows (bench/gmm.py --sweep-gathered's "
+                       "gmm_tiles.json) added to kernels/tuning.TABLE first")
   ap.add_argument("--attention_tiles", default=None,
                   help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--capacity_factor", type=float, default=None,

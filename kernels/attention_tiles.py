@@ -66,7 +66,7 @@ BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 # Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
 # compiles for sm_90a without register spills (bench/kernel_resources.py): for heads <= 256 wide at
 # UMoE-base's shape (timed in the pair form on an H200, BENCHMARKS.md runs 30-33; not swept), for
-# wider ones at UMoE-large's (dk 512, D 2048; not yet run on a GPU). The readers keep [BM or BN, dk]
+# wider ones at UMoE-large's (dk 512, D 2048; GPU-tested and timed in session 7, not swept). The readers keep [BM or BN, dk]
 # float32 accumulators, so wide heads take half the rows.
 NARROW_HEAD_MAX = 256   # the widest head (dk) the narrow heads' tiles, swept at dk 192, are for
 STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
@@ -86,8 +86,7 @@ def stored_tiles(dk: int) -> tuple[PassTiles, PassTiles, PassTiles]:
 
 def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
   """`tiles` (for keys dk wide) with the backward form `backward`: "auto" leaves them as they are
-  (the default tiles store by the pair pass for dk <= 256 and recompute above; a swept TABLE entry
-  says its own); "recompute" drops the stored forms; "stored" has the dK pass store dS and P for
+  (the default tiles store by the pair pass; a swept TABLE entry says its own); "recompute" drops the stored forms; "stored" has the dK pass store dS and P for
   the dQ and dX passes; "stored_pairs" makes them in the tile-pair pass (`FlashTiles` says what
   each reads). The stored forms keep tiles of their own the tiles name, else `stored_tiles(dk)`."""
   if backward == "auto":
@@ -104,19 +103,21 @@ def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
 
 
 def default_tiles(dk: int, d: int) -> FlashTiles:
-  """TABLE's tiles for (dk, D), else a default by head size. For dk <= 256 the fastest of the H200
-  sweeps at UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17) in the stored-scores pair
-  form (`with_backward(..., "stored_pairs")`: 124.7 against 142.5 ms a UMoE-base step when the
-  passes recompute, BENCHMARKS.md run 30); for larger heads tiles that fit, recomputing (checked at
-  dk 512, D 2048 on the GPU, not swept)."""
+  """TABLE's tiles for (dk, D), else a default by head size, both in the stored-scores pair form
+  (`with_backward(..., "stored_pairs")`). For dk <= 256 the fastest of the H200 sweeps at
+  UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17): 124.7 against 142.5 ms a UMoE-base
+  step when the passes recompute (BENCHMARKS.md run 30). For wider heads tiles that fit (not swept):
+  the core alone at UMoE-large's shape (dk 512, D 2048) took 5.34 ms forward + backward against
+  13.98 recomputing (BENCHMARKS.md, session 7)."""
   if (dk, d) in TABLE:
     return TABLE[(dk, d)]
   if dk <= NARROW_HEAD_MAX:
     recompute = FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
                            dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
-    return with_backward(recompute, "stored_pairs", dk)
-  return FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
-                    dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
+  else:
+    recompute = FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
+                           dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
+  return with_backward(recompute, "stored_pairs", dk)
 
 
 def tiles_to_json(tiles: FlashTiles) -> dict:

@@ -22,6 +22,7 @@ and `bench/gmm.py --sweep --sweep-backends=megablox` on a TPU prints the rows fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Optional
 
@@ -177,9 +178,10 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
       # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row
       # tiles, which halve the weight-tile reloads per output row.
       base = out[0]
-      # Round 6 first (a capped sweep tries these): tiles ptxas compiles without register spills at
-      # UMoE-base's expert calls (bench/kernel_resources.py; the tabled ones spill 1.3-2 KB a
-      # thread: BENCHMARKS.md), not yet timed.
+      # Round 6 (a capped sweep tries these early): narrower K steps and 64-row tiles, not yet
+      # timed. (They were first picked as "spill-free" by a survey that compiled without
+      # jax-triton's pointer-alignment hints; compiled as jax-triton compiles them, the tabled tiles
+      # do not spill either: BENCHMARKS.md, session 7.)
       for bm, bn, bk, nw, ns in ((64, 192, 64, 8, 3), (128, 192, 32, 8, 4), (128, 128, 32, 8, 4),
                                  (64, 128, 32, 4, 4), (64, 64, 64, 4, 3)):
         if bn <= max(no, 64) and (no % bn == 0 or no < bn):
@@ -210,3 +212,52 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
       seen.add(c)
       uniq.append(c)
   return uniq
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweep results as files: bench/gmm.py writes the rows it found, bench/train_step.py (--gmm_tiles)
+# loads them, so a sweep's tiles can be timed in the step before they are pasted into TABLE.
+# One JSON object: {"backend|op|kc|no[|m_bucket]": {"bm": .., "bn": .., "bk": .., ...}}.
+
+
+def _key_text(key: tuple) -> str:
+  return "|".join(str(part) for part in key)
+
+
+def rows_to_json(rows: dict) -> dict:
+  """{TABLE key: TileConfig} -> the JSON object `load_table` reads."""
+  return {_key_text(key): dataclasses.asdict(cfg) for key, cfg in rows.items()}
+
+
+def load_table(path: str, table: Optional[dict] = None) -> dict:
+  """Adds the rows of a JSON file (`rows_to_json`'s form) to TABLE (or `table`); returns them.
+  A bad key or tile names the file and the entry."""
+  table = TABLE if table is None else table
+  try:
+    with open(path) as f:
+      entries = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"gmm tiles file {path}: {e}") from None
+  if not isinstance(entries, dict):
+    raise ValueError(f"gmm tiles file {path}: expected a JSON object of rows, got {type(entries).__name__}")
+  fields = {f.name for f in dataclasses.fields(TileConfig)}
+  rows = {}
+  for text, obj in entries.items():
+    parts = text.split("|")
+    try:
+      if len(parts) not in (4, 5) or not parts[0] or not parts[1]:
+        raise ValueError
+      key = (parts[0], parts[1]) + tuple(int(p) for p in parts[2:])
+    except ValueError:
+      raise ValueError(f"gmm tiles file {path}: key {text!r} is not 'backend|op|kc|no[|m_bucket]'"
+                       ) from None
+    if not isinstance(obj, dict) or not {"bm", "bn", "bk"} <= set(obj) or set(obj) - fields:
+      raise ValueError(f"gmm tiles file {path}: entry {text!r} must give bm, bn, bk (and optionally "
+                       f"{', '.join(sorted(fields - {'bm', 'bn', 'bk'}))}), got {obj!r}")
+    cfg = TileConfig(**obj)
+    if key[0] == "triton" and not _width_ok(cfg.bn):
+      raise ValueError(f"gmm tiles file {path}: entry {text!r}: triton tile width {cfg.bn} must be "
+                       "a power of two or a sum of two")
+    rows[key] = cfg
+  table.update(rows)
+  return rows

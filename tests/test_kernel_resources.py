@@ -30,7 +30,7 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
   except FileNotFoundError as e:
     pytest.skip(str(e))
   res = _dq_ds(32)
-  assert set(res) == {"registers", "spill_stores", "spill_loads", "stack", "shared"}
+  assert set(res) == {"registers", "spill_stores", "spill_loads", "stack", "shared", "async_copies"}
   assert 16 <= res["registers"] <= 255 and res["shared"] > 0
   assert min(res["spill_stores"], res["spill_loads"], res["stack"]) >= 0
   with pytest.raises(Exception, match="power of 2"):   # BN = 24: no tl.arange of it, on any GPU
@@ -39,6 +39,25 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
   with pytest.raises(KeyError, match="'dq_ptr'"):      # a parameter without type or value
     kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16"), {},
                          num_warps=4, num_stages=2)
+
+
+def test_pointers_are_declared_aligned_as_jax_triton_declares_them():
+  """jax-triton specialises every array argument to 16-byte divisibility; compiled without that
+  hint the same grouped matmul has no cp.async pipeline and spills (the program the survey
+  reported before session 7), so the survey must compile with it."""
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  name, _, kernel, ptrs, consts = next(c for c in kr.gmm_cases(kr.SHAPES["base"])
+                                       if c[0] == "ffn up dgrad")
+  consts = dict(consts)
+  warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+  aligned = kr.compile_resources(kernel, ptrs, consts, num_warps=warps, num_stages=stages)
+  unaligned = kr.compile_resources(kernel, ptrs, consts, num_warps=warps, num_stages=stages,
+                                   aligned_pointers=False)
+  assert aligned["async_copies"] > 0 and aligned["spill_stores"] == 0, (name, aligned)
+  assert unaligned["async_copies"] == 0 and unaligned["spill_stores"] > 0, (name, unaligned)
 
 
 @pytest.mark.parametrize("group", ["attention", "gmm"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,35 @@ def test_tuning_gathered_ops_fall_back_to_plain_rows():
   cands = tuning.candidates("triton", "gmm+gather", 2048, 512, 1 << 18)
   assert cands[0] == tuning.lookup("triton", "gmm+gather", 1 << 18, 2048, 512, 64)
   assert any(c.num_stages > cands[0].num_stages for c in cands[1:])
+
+
+def test_tuning_rows_round_trip_through_a_file_and_bad_files_are_named(tmp_path):
+  """A sweep's rows written by rows_to_json load back as the same configs and win the lookup;
+  a bad key, tile or file is refused with the file and the entry named."""
+  rows = {("triton", "gmm_t+gather", 96, 80, tuning.m_bucket(4096)): tuning.TileConfig(64, 192, 32, 4, 5),
+          ("triton", "tgmm", 96, 80): tuning.TileConfig(128, 64, 64, 8, 3, persistent=1)}
+  path = tmp_path / "gmm_tiles.json"
+  path.write_text(json.dumps(tuning.rows_to_json(rows)))
+  table = {}
+  assert tuning.load_table(str(path), table) == rows and table == rows
+  assert tuning.lookup("triton", "gmm_t+gather", 4096, 96, 80, 3, table=table).bn == 192
+  assert tuning.lookup("triton", "tgmm", 10, 96, 80, 3, table=table).persistent == 1
+  tile = {"bm": 64, "bn": 64, "bk": 32}
+  bad = [("triton|gmm|96", tile, "key 'triton|gmm|96' is not 'backend|op|kc|no"),
+         ("triton|gmm|96|x", tile, "is not 'backend|op|kc|no"),
+         ("triton|gmm|96|80", {"bm": 64, "bn": 64}, "entry 'triton|gmm|96|80' must give bm, bn, bk"),
+         ("triton|gmm|96|80", dict(tile, warps=4), "must give bm, bn, bk"),
+         ("triton|gmm|96|80", dict(tile, bn=100), "tile width 100")]
+  for key, obj, message in bad:
+    path.write_text(json.dumps({key: obj}))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + re.escape(message)):
+      tuning.load_table(str(path), {})
+  for text in ("[1, 2]", "{not json"):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+      tuning.load_table(str(path), {})
+  with pytest.raises(ValueError, match="no_such.json"):
+    tuning.load_table(str(tmp_path / "no_such.json"), {})
 
 
 def test_split_width():

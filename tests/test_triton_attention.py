@@ -119,9 +119,10 @@ def test_core_backward_forms():
   import dataclasses
   from umoe_jax import kinds
   assert kinds.ATTENTION_BACKWARDS == at.BACKWARDS
-  # The default for heads up to 256 wide is the pair form (fastest on an H200), above it recompute.
+  # The default is the pair form at both widths (fastest on an H200), each with its own tiles.
   assert at.default_tiles(192, 768) == at.with_backward(at.default_tiles(192, 768), "stored_pairs", 192)
-  assert at.default_tiles(512, 2048) == at.with_backward(at.default_tiles(512, 2048), "recompute", 512)
+  assert at.default_tiles(512, 2048) == at.with_backward(at.default_tiles(512, 2048), "stored_pairs", 512)
+  assert at.default_tiles(512, 2048).ds == at.WIDE_STORED_PAIRS_DS != at.default_tiles(192, 768).ds
   base = at.with_backward(at.default_tiles(192, 768), "recompute", 192)
   assert base.ds is None and at.with_backward(base, "auto", 192) == base
   stored = at.with_backward(base, "stored", 192)

@@ -1,0 +1,78 @@
+"""bench/gmm.py's gathered-call sweep on CPU: the kernels replaced by shape-only stand-ins and the
+timer by fixed per-(op, candidate) times, so that its bookkeeping (which op's best becomes which
+table row, the comparison-only ops kept out, the rows file bench/train_step.py --gmm_tiles loads,
+written after every op) is checked before it costs GPU time."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+import gmm as bench_gmm  # noqa: E402
+from kernels import triton_gmm, tuning  # noqa: E402
+
+
+def _fake_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, lhs_index=None, row_dot=None,
+              config=None, **_):
+  m = lhs.shape[0] if lhs_index is None else lhs_index.shape[0]
+  out = jnp.zeros((m, rhs.shape[1] if transpose_rhs else rhs.shape[2]), lhs.dtype)
+  return out if row_dot is None else (out, jnp.zeros((m,), jnp.float32))
+
+
+def _fake_tgmm(lhs, rhs, group_sizes, *, num_groups=None, **_):
+  return jnp.zeros((num_groups, lhs.shape[1], rhs.shape[1]), lhs.dtype)
+
+
+def test_gathered_sweep_writes_the_trainers_forms_rows(monkeypatch, tmp_path):
+  monkeypatch.setattr(bench_gmm, "T", 256)
+  monkeypatch.setattr(bench_gmm, "DISPATCH_CONFIGS", (("base", 64, 48, 8, 3),))
+  monkeypatch.setattr(triton_gmm, "triton_gmm", _fake_gmm)
+  monkeypatch.setattr(triton_gmm, "triton_tgmm", _fake_tgmm)
+  monkeypatch.setattr(tuning, "TABLE", {})
+  # Per op, the candidate (in the sweep's order) the fake timer makes fastest: the plain dgrad
+  # (comparison only) prefers another tile than the silu form the trainer calls.
+  fastest = {"gmm+gather": 1, "gmm_t+gather": 2, "gmm_t+gather+silu": 3, "tgmm+gather": 0,
+             "tgmm+gather (down)": 2, "tgmm+gather+scale (down)": 1}
+  calls = []
+
+  def timer(fn, *args, iterations=10):
+    jax.block_until_ready(fn(*args))
+    op = current["op"]
+    calls.append(op)
+    i = sum(1 for c in calls if c == op) - 1
+    return 1.0 if i == fastest[op] else 2.0
+
+  current = {}
+  monkeypatch.setattr(bench_gmm, "jax_ms", timer)
+  monkeypatch.setattr(bench_gmm, "log", lambda *a: None)
+  # One op at a time (only_ops), so the timer knows which op it times.
+  path = tmp_path / "gmm_tiles.json"
+  m = 256 * 3   # rows: T tokens x top-3
+  for op in fastest:
+    table_op, kc, no = {"gmm+gather": ("gmm+gather", 64, 48), "gmm_t+gather": (None, 64, 48),
+                        "gmm_t+gather+silu": ("gmm_t+gather", 64, 48),
+                        "tgmm+gather": ("tgmm+gather", 64, 48),
+                        "tgmm+gather (down)": ("tgmm+gather", 48, 64),
+                        "tgmm+gather+scale (down)": (None, 48, 64)}[op]
+    # (the candidates as the sweep sees them: its first is the table's row before it)
+    cands = tuning.candidates("triton", table_op or "tgmm+gather", kc, no, m)[:5]
+    current["op"] = op
+    before = path.read_text() if path.exists() else None
+    rows = bench_gmm.sweep_gathered({}, max_cands=5, only_ops=[op], out_path=str(path))
+    if table_op is None:
+      assert rows == {}, (op, rows)   # timed, but no row: not what the trainer calls
+      assert (path.read_text() if path.exists() else None) == before, op
+      continue
+    key = ("triton", table_op, kc, no, tuning.m_bucket(m))
+    assert len(cands) > fastest[op], (op, cands)
+    want = cands[fastest[op]]
+    assert rows == {key: want}, (op, rows)
+    assert tuning.TABLE[key] == want
+    assert tuning.load_table(str(path), {}) == {key: want}   # the file as the step loads it
+  assert set(calls) == set(fastest)
