@@ -188,7 +188,7 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
     ds_t, p_t = ta._bwd_ds(q, k, v, dout, lse, delta, ds_tiles)
     return (ta._bwd_dk_ds(ds_t, q, k, stored_default["dk_ds"]),
             ta._bwd_dq_ds(ds_t, q, k, stored_default["dq_ds"]),
-            ta._bwd_dx(q, k, v, dout, lse, base.dx, probs_t=p_t))
+            ta._bwd_dx(q, k, v, dout, lse, base.dx_tiles(reads_p=True), probs_t=p_t))
   # dS^T and P^T as the dK pass stores them, for the dq_ds / dx_p / dk_ds candidates.
   readers = {"dq_ds", "dx_p", "dk_ds"}
   stored = (jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, base.dk, store_ds=True,
@@ -198,7 +198,8 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
   t0 = time.perf_counter()
   best, results, outputs = {}, {}, {}
   for kernel, make in calls.items():
-    own = ({"dk_store": base.dk, "dx_p": base.dx}.get(kernel, getattr(base, kernel, None))
+    own = ({"dk_store": base.dk, "dx_p": base.dx_tiles(reads_p=True)}.get(
+               kernel, getattr(base, kernel, None))
            or stored_default.get(kernel))
     own = own if isinstance(own, at.PassTiles) else None
     tried = kernels is None or kernel in kernels
@@ -239,7 +240,9 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
       log(f"  {name} {kernel} {cand}: {ms:.3f} ms (vs default tiles {err:.1e})")
       if ms == ms and (kernel not in best or ms < best[kernel][1]):
         best[kernel] = (cand, ms)
-  pick = lambda kn: at.PassTiles(*best[kn][0]) if kn in best else getattr(base, kn)
+  own_tiles = {"dx_p": base.dx_tiles(reads_p=True), "dk_store": base.dk}
+  pick = lambda kn: (at.PassTiles(*best[kn][0]) if kn in best
+                     else own_tiles.get(kn) or getattr(base, kn) or stored_default.get(kn))
   # The backward with the least summed kernel time: separate passes, the fused dX + dK pass, the
   # dK pass storing dS / P for the readers, or the stored-scores pass with every reader.
   ms = lambda kn: best[kn][1] if kn in best else float("inf")
@@ -248,12 +251,14 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
            "ds+dk_ds+dq_ds+dx_p": ms("ds") + ms("dk_ds") + ms("dq_ds") + ms("dx_p")}
   form = min(forms, key=forms.get)
   common = dict(fwd=pick("fwd"), dq=pick("dq"))
+  # (the recomputing passes' tiles are kept beside the stored form's, so that
+  # `with_backward(chosen, "recompute")` still has tiles that fit)
   if form == "ds+dk_ds+dq_ds+dx_p":
-    chosen = at.FlashTiles(**common, dx=pick("dx_p"), dk=pick("dk"), dq_ds=pick("dq_ds"),
-                           dx_p=True, ds=pick("ds"), dk_ds=pick("dk_ds"))
+    chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk"), dq_ds=pick("dq_ds"),
+                           dx_p=True, ds=pick("ds"), dk_ds=pick("dk_ds"), dx_read=pick("dx_p"))
   elif form == "dk_store+dq_ds+dx_p":
-    chosen = at.FlashTiles(**common, dx=pick("dx_p"), dk=pick("dk_store"), dq_ds=pick("dq_ds"),
-                           dx_p=True)
+    chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk_store"), dq_ds=pick("dq_ds"),
+                           dx_p=True, dx_read=pick("dx_p"))
   else:
     chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk"),
                            dxdk=pick("dxdk") if form == "dxdk+dq" else None)

@@ -114,7 +114,7 @@ def attention_cases(shape: dict):
     meta = at.fwd_launch(t, h, dk, d, tl_)
     yield ("fwd", tl_, ta._fwd_kernel, dict(qkv, v_ptr=bf, o_ptr=bf), {**common, **_meta(meta)})
   for name, load_p in (("dx", False), ("dx_p", True)):
-    for tl_ in tiles(name, base.dx):
+    for tl_ in tiles(name, base.dx_tiles(reads_p=load_p)):
       meta = at.dx_launch(t, h, dk, d, tl_)
       yield (name, tl_, ta._bwd_dx_kernel, dict(qkv, do_ptr=bf, p_ptr=bf, dx_ptr=bf),
              {**common, **_meta(meta), "LOAD_P": load_p})

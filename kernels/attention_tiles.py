@@ -34,7 +34,9 @@ class FlashTiles:
   With `ds` set too (and `dk_ds`, `dq_ds`, `dx_p`), dS and P come from a pass over the causal (row
   tile, key tile) pairs (tiles bm rows x bn keys, bd the D step of dO X^T) and dK is the product of
   the stored dS with the queries (`dk_ds`: bm rows a step x bn keys): no pass accumulates across
-  tiles while contracting over D. The dk tiles are then unused."""
+  tiles while contracting over D. The dk tiles are then unused. `dx_read`: the dX pass's tiles when
+  it reads P (None: dx's); reading P, it holds no scores and takes tiles the recomputing pass could
+  not (at dk 512, 64x64x256 needs 80 KB of shared memory reading P, 257 KB recomputing)."""
   fwd: PassTiles
   dx: PassTiles
   dk: PassTiles
@@ -44,6 +46,11 @@ class FlashTiles:
   dx_p: bool = False
   ds: PassTiles | None = None
   dk_ds: PassTiles | None = None
+  dx_read: PassTiles | None = None
+
+  def dx_tiles(self, reads_p: bool) -> PassTiles:
+    """The dX pass's tiles: `dx_read` when it reads the stored P (and has tiles of its own)."""
+    return self.dx_read if reads_p and self.dx_read is not None else self.dx
 
   def __post_init__(self):
     if self.dxdk is not None and (self.dq_ds is not None or self.dx_p or self.ds is not None):
@@ -54,7 +61,7 @@ class FlashTiles:
                        "the passes that read what it stores")
 
 
-PASSES = ("fwd", "dx", "dk", "dq", "dxdk", "dq_ds", "ds", "dk_ds")
+PASSES = ("fwd", "dx", "dk", "dq", "dxdk", "dq_ds", "ds", "dk_ds", "dx_read")
 
 
 # (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep; BENCHMARKS.md).
@@ -72,9 +79,12 @@ NARROW_HEAD_MAX = 256   # the widest head (dk) the narrow heads' tiles, swept at
 STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
 STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
-WIDE_STORED_DQ_DS = PassTiles(32, 64, 16, 8, 2)
+# Wide heads: dq_ds and the dX pass reading P as swept on an H200 at UMoE-large's shape (session 7:
+# 0.112 against 0.216 ms, 0.340 against 0.591); ds and dk_ds the spill-free picks, not swept.
+WIDE_STORED_DQ_DS = PassTiles(64, 64, 16, 8, 2)
 WIDE_STORED_PAIRS_DS = PassTiles(64, 128, 64, 8, 2)
 WIDE_STORED_PAIRS_DK_DS = PassTiles(64, 32, 16, 8, 2)
+WIDE_STORED_DX_READ = PassTiles(64, 64, 256, 8, 2)
 
 
 def stored_tiles(dk: int) -> tuple[PassTiles, PassTiles, PassTiles]:
@@ -82,6 +92,11 @@ def stored_tiles(dk: int) -> tuple[PassTiles, PassTiles, PassTiles]:
   if dk <= NARROW_HEAD_MAX:
     return STORED_DQ_DS, STORED_PAIRS_DS, STORED_PAIRS_DK_DS
   return WIDE_STORED_DQ_DS, WIDE_STORED_PAIRS_DS, WIDE_STORED_PAIRS_DK_DS
+
+
+def stored_dx_tiles(dk: int) -> PassTiles | None:
+  """The dX pass's tiles when it reads P, for keys dk wide (None: the recomputing pass's serve)."""
+  return None if dk <= NARROW_HEAD_MAX else WIDE_STORED_DX_READ
 
 
 def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
@@ -92,13 +107,14 @@ def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
   if backward == "auto":
     return tiles
   if backward == "recompute":
-    return dataclasses.replace(tiles, dq_ds=None, dx_p=False, ds=None, dk_ds=None)
+    return dataclasses.replace(tiles, dq_ds=None, dx_p=False, ds=None, dk_ds=None, dx_read=None)
   if backward in ("stored", "stored_pairs"):
     pairs = backward == "stored_pairs"
     dq_ds, ds, dk_ds = stored_tiles(dk)
     return dataclasses.replace(
         tiles, dxdk=None, dq_ds=tiles.dq_ds or dq_ds, dx_p=True,
-        ds=(tiles.ds or ds) if pairs else None, dk_ds=(tiles.dk_ds or dk_ds) if pairs else None)
+        ds=(tiles.ds or ds) if pairs else None, dk_ds=(tiles.dk_ds or dk_ds) if pairs else None,
+        dx_read=tiles.dx_read or stored_dx_tiles(dk))
   raise ValueError(f"attention core backward {backward!r}; valid: {', '.join(BACKWARDS)}")
 
 
@@ -106,16 +122,17 @@ def default_tiles(dk: int, d: int) -> FlashTiles:
   """TABLE's tiles for (dk, D), else a default by head size, both in the stored-scores pair form
   (`with_backward(..., "stored_pairs")`). For dk <= 256 the fastest of the H200 sweeps at
   UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17): 124.7 against 142.5 ms a UMoE-base
-  step when the passes recompute (BENCHMARKS.md run 30). For wider heads tiles that fit (not swept):
-  the core alone at UMoE-large's shape (dk 512, D 2048) took 5.34 ms forward + backward against
-  13.98 recomputing (BENCHMARKS.md, session 7)."""
+  step when the passes recompute (BENCHMARKS.md run 30). For wider heads the forward, dQ and dX
+  tiles of a sweep at UMoE-large's shape (dk 512, D 2048), the rest tiles that fit: the core alone
+  there took 5.34 ms forward + backward in the pair form against 13.98 recomputing, before the
+  sweep (BENCHMARKS.md, session 7)."""
   if (dk, d) in TABLE:
     return TABLE[(dk, d)]
   if dk <= NARROW_HEAD_MAX:
     recompute = FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
                            dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
-  else:
-    recompute = FlashTiles(fwd=PassTiles(64, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
+  else:  # fwd as swept at UMoE-large's shape (session 7: 1.189 against 2.646 ms for 64x32x256)
+    recompute = FlashTiles(fwd=PassTiles(128, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
                            dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
   return with_backward(recompute, "stored_pairs", dk)
 

@@ -688,13 +688,13 @@ def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
   if tiles.ds is not None and store_ds and store_p:  # every gradient from the stored dS and P
     ds_t, p_t = _bwd_ds(q, k, v, dout, lse, delta, tiles.ds)
     return (_bwd_dq_ds(ds_t, q, k, tiles.dq_ds), _bwd_dk_ds(ds_t, q, k, tiles.dk_ds),
-            _bwd_dx(q, k, v, dout, lse, tiles.dx, probs_t=p_t))
+            _bwd_dx(q, k, v, dout, lse, tiles.dx_tiles(reads_p=True), probs_t=p_t))
   if store_ds or store_p:  # the dK pass keeps dS / P for the dQ / dX passes (no recomputation)
     dkey, ds_t, p_t = _bwd_dk(q, k, v, dout, lse, delta, tiles.dk, store_ds=store_ds,
                               store_p=store_p)
     dq = (_bwd_dq_ds(ds_t, q, k, tiles.dq_ds) if store_ds
           else _bwd_dq(q, k, v, dout, lse, delta, tiles.dq))
-    return dq, dkey, _bwd_dx(q, k, v, dout, lse, tiles.dx, probs_t=p_t)
+    return dq, dkey, _bwd_dx(q, k, v, dout, lse, tiles.dx_tiles(reads_p=store_p), probs_t=p_t)
   dq = _bwd_dq(q, k, v, dout, lse, delta, tiles.dq)
   if tiles.dxdk is not None:
     dx, dkey = _bwd_dxdk(q, k, v, dout, lse, delta, tiles.dxdk)

@@ -72,6 +72,8 @@ def _sweep_check():
   assert chosen.ds == at.PassTiles(32, 16, 16, 4, 2) and chosen.dk_ds == at.PassTiles(16, 32, 16, 4, 2)
   assert chosen.dq_ds == at.PassTiles(16, 16, 16, 4, 2) and chosen.dx_p and chosen.dxdk is None
   assert at.tiles_from_json(at.tiles_to_json(chosen)) == chosen
+  # the recomputing dX pass's tiles kept beside the reader's (`with_backward(.., "recompute")`)
+  assert chosen.dx == at.PassTiles(16, 16, 48) and chosen.dx_tiles(reads_p=True) == chosen.dx_read
   # The dK pass storing for its readers wins once the pair pass is slow.
   FAKE_MS["ds"] = 5.0
   chosen, _ = ac.sweep("tiny", shape, budget_s=1e9, timer=timer)

@@ -38,9 +38,10 @@ STORED_CASES = [
      (32, 16, 32), (16, 32, 16)),   # T = 2 * 16 + 1: a key tile of the last position alone
     (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), True,
      (16, 32, 64), (32, 16, 16)),
-    # A head over 256 wide (padded to 512) with the wide heads' stored tiles (`stored_tiles(512)`)
+    # A head over 256 wide (padded to 512) with the wide heads' stored tiles (`stored_tiles(512)`),
+    # and the dX pass reading P on tiles of its own (`dx_read`, the 11th field)
     (1, 150, 2, 300, 96, ((16, 16, 32), (16, 16, 32), (16, 16, 32), (16, 16, 32)), (32, 64, 16), True,
-     (64, 128, 64), (64, 32, 16)),
+     (64, 128, 64), (64, 32, 16), (32, 64, 64)),
     # H = 3 with many unmasked (full) row blocks in the dX and dK readers and key tiles in dQ's
     (1, 45, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (32, 32, 32), (16, 16, 16)), (32, 16, 16), True,
      (16, 32, 32), (16, 16, 16)),
@@ -136,6 +137,14 @@ def test_core_backward_forms():
   wide = at.with_backward(at.default_tiles(512, 2048), "stored_pairs", 512)
   assert (wide.dq_ds, wide.ds, wide.dk_ds) == at.stored_tiles(512) != at.stored_tiles(256)
   assert wide.fwd == at.default_tiles(512, 2048).fwd and wide.dx_p
+  # ... and a dX pass reading P on tiles of its own (the recomputing pass's stay for `recompute`).
+  assert wide.dx_read == at.stored_dx_tiles(512) == at.WIDE_STORED_DX_READ != wide.dx
+  assert wide.dx_tiles(reads_p=True) == wide.dx_read and wide.dx_tiles(reads_p=False) == wide.dx
+  wide_recompute = at.with_backward(wide, "recompute", 512)
+  assert wide_recompute.dx_read is None and wide_recompute.dx == wide.dx
+  assert at.with_backward(wide_recompute, "stored_pairs", 512) == wide
+  assert at.tiles_from_json(at.tiles_to_json(wide)) == wide
+  assert at.stored_dx_tiles(192) is None and pairs.dx_read is None
   own = dataclasses.replace(stored, dq_ds=at.PassTiles(128, 64, 16, 8, 2))
   assert at.with_backward(own, "stored_pairs", 192).dq_ds == own.dq_ds        # a swept tile is kept
   fused = dataclasses.replace(base, dxdk=at.PassTiles(64, 32, 256, 4, 2))
@@ -197,6 +206,7 @@ def test_config_accepts_triton_core_and_names_a_bad_one(key, good, bad):
 
 LAUNCHES = []       # the kernels launched, in order
 LAUNCH_FLAGS = []   # their STORE_DS / STORE_P / LOAD_P meta-parameters, where given
+LAUNCH_META = []    # their meta-parameters and warps (the tiles each ran on)
 
 
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
@@ -213,6 +223,7 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
 
   LAUNCHES.append(kernel)
   LAUNCH_FLAGS.append({k: meta[k] for k in ("STORE_DS", "STORE_P", "LOAD_P") if k in meta})
+  LAUNCH_META.append(dict(meta, num_warps=num_warps))
   got = jax.pure_callback(host, tuple(outs), *args)
   return list(got) if isinstance(out_shape, (list, tuple)) else got[0]
 
@@ -247,12 +258,13 @@ def _interpreter_check():
 
   cases = [(*c, None, False, None, None) for c in CASES] + STORED_CASES
   opt = lambda x: None if x is None else at.PassTiles(*x)
-  for b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds in cases:
+  for b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds, *dx_read in cases:
     rng = np.random.default_rng(t * h)
     q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, dk), (b, t, d)))
     cot = rng.standard_normal((b, t, h, d))
+    dx_read = opt(dx_read[0]) if dx_read else None
     flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles), dx_p=dx_p, dq_ds=opt(dq_ds),
-                          ds=opt(ds), dk_ds=opt(dk_ds))
+                          ds=opt(ds), dk_ds=opt(dk_ds), dx_read=dx_read)
     f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
     got = jax.jit(lambda *a: ta.premix_attention(*a, tiles=flash))(*f32)
     want = _reference(*map(jnp.asarray, (q, k, v)))
@@ -277,12 +289,17 @@ def _interpreter_check():
     flags = {kn.fn.__name__: f for kn, f in zip(LAUNCHES[n_launch:], LAUNCH_FLAGS[n_launch:])}
     if "_bwd_dx_kernel" in flags:  # (not with the fused dxdk pass)
       assert flags["_bwd_dx_kernel"]["LOAD_P"] == dx_p, (case, flags)  # P read, not recomputed
+      meta = next(m for kn, m in zip(LAUNCHES[n_launch:], LAUNCH_META[n_launch:])
+                  if kn.fn.__name__ == "_bwd_dx_kernel")
+      want_tiles = flash.dx_tiles(reads_p=dx_p)
+      assert (meta["BM"], meta["BN"], meta["num_warps"]) == (
+          want_tiles.bm, want_tiles.bn, want_tiles.num_warps), (case, meta, want_tiles)
     if "_bwd_dk_kernel" in flags:
       assert flags["_bwd_dk_kernel"] == {"STORE_DS": dq_ds is not None, "STORE_P": dx_p}, (case, flags)
 
   # Past STORED_BYTES_LIMIT the stored forms recompute (same values, the three recompute passes).
   limit, ta.STORED_BYTES_LIMIT = ta.STORED_BYTES_LIMIT, 0
-  b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds = STORED_CASES[3]
+  b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds = STORED_CASES[3][:10]
   flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles), dx_p=dx_p, dq_ds=opt(dq_ds),
                         ds=opt(ds), dk_ds=opt(dk_ds))
   rng = np.random.default_rng(1)
