@@ -12,7 +12,9 @@ no cuDNN row).
 (each first checked against the default tiles' result), keeps the fastest per kernel (the fused
 dX + dK pass when it beats dx + dk), writes them to
 $OUT/attention_tiles.json (`--attention_tiles` of bench/train_step.py and bench/layer_breakdown.py
-loads it) and times the core again with them.
+loads it) and times the core again with them. The file is rewritten after every kernel with what the
+sweep has measured so far (the starting form, its kernels' fastest tiles), so a sweep cut short by
+a time limit still leaves tiles to load.
 
   python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
       [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
@@ -148,11 +150,35 @@ def sweep_kernels(names: str) -> list[str] | None:
   return sorted(set(asked).union(*(NEEDS.get(n, ()) for n in asked)))
 
 
-def sweep(name, shape, budget_s, kernels=None, timer=None):
+# The FlashTiles field each swept kernel's tiles go to when the starting tiles use that kernel.
+FIELD_OF = {"fwd": "fwd", "dx": "dx", "dk": "dk", "dq": "dq", "dxdk": "dxdk", "dk_store": "dk",
+            "dq_ds": "dq_ds", "dx_p": "dx_read", "dk_ds": "dk_ds", "ds": "ds"}
+
+
+def partial_tiles(base, best: dict):
+  """The starting tiles `base` with the fastest tiles found so far (`best`: {kernel: (tiles, ms)})
+  for the kernels base's own backward form launches: what a sweep cut short has improved, its
+  form unchanged (comparing forms needs every kernel timed)."""
+  from kernels import attention_tiles as at
+  # (the recomputing passes' dx / dk / dq tiles are updated whatever the form: `with_backward(..,
+  # "recompute")` takes them)
+  uses = {"fwd", "dx", "dk", "dq"} | ({"dxdk"} if base.dxdk is not None else set())
+  if base.dq_ds is not None or base.dx_p:
+    uses |= {"dq_ds", "dx_p"}
+    if base.ds is not None:
+      uses |= {"ds", "dk_ds"}
+    else:  # the dK pass storing dS / P is the form's dK pass
+      uses = (uses - {"dk"}) | {"dk_store"}
+  fields = {FIELD_OF[kn]: at.PassTiles(*tiles) for kn, (tiles, _) in best.items() if kn in uses}
+  return dataclasses.replace(base, **fields)
+
+
+def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
   """Fastest tiles per kernel; every candidate is checked against the default tiles' output.
   `kernels`: those whose candidates are tried (None: all); fwd, dx, dk and dq run their default
   tiles regardless, the others not at all unless named. `timer(kernel, fn, *args)` -> ms (default:
-  CUPTI kernel time of fn)."""
+  CUPTI kernel time of fn). `progress(tiles)`, after each kernel: `partial_tiles` so far (a caller
+  writes them out, so a sweep cut by a time limit keeps what it measured)."""
   timer = timer or (lambda kernel, fn, *args: jax_ms(fn, *args))
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
@@ -240,6 +266,8 @@ def sweep(name, shape, budget_s, kernels=None, timer=None):
       log(f"  {name} {kernel} {cand}: {ms:.3f} ms (vs default tiles {err:.1e})")
       if ms == ms and (kernel not in best or ms < best[kernel][1]):
         best[kernel] = (cand, ms)
+    if progress is not None:
+      progress(partial_tiles(base, best))
   own_tiles = {"dx_p": base.dx_tiles(reads_p=True), "dk_store": base.dk}
   pick = lambda kn: (at.PassTiles(*best[kn][0]) if kn in best
                      else own_tiles.get(kn) or getattr(base, kn) or stored_default.get(kn))
@@ -298,8 +326,11 @@ def main():
       raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
     results[name] = row = time_cores(name, shape, which=which, backwards=backwards) if which else {}
     if name in args.sweep.split(","):
+      def progress(tiles, key=f"{shape[3]},{shape[4]}"):   # the file as far as the sweep got
+        with open(os.path.join(args.out, "attention_tiles.json"), "w") as f:
+          json.dump({**table, key: at.tiles_to_json(tiles)}, f, indent=1)
       chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s,
-                                   sweep_kernels(args.sweep_kernels))
+                                   sweep_kernels(args.sweep_kernels), progress=progress)
       row["tiles"] = at.tiles_to_json(chosen)
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
       log(f"  {name}: chosen tiles {row['tiles']}")

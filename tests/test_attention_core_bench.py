@@ -61,8 +61,11 @@ def _sweep_check():
   shape = (1, 37, 3, 16, 48)
   at.TABLE[(16, 48)] = at.FlashTiles(fwd=at.PassTiles(16, 16, 48), dx=at.PassTiles(16, 16, 48),
                                      dk=at.PassTiles(16, 16, 16), dq=at.PassTiles(16, 16, 16))
-  chosen, results = ac.sweep("tiny", shape, budget_s=1e9, timer=timer)
+  progress = []
+  chosen, results = ac.sweep("tiny", shape, budget_s=1e9, timer=timer, progress=progress.append)
   print("CHOSEN", at.tiles_to_json(chosen))
+  # After every kernel the tiles so far, in the starting (recomputing) form: a cut sweep's file.
+  assert len(progress) == len(results) and all(p.ds is None and p.dq_ds is None for p in progress)
   assert set(timed) == set(FAKE_MS), sorted(set(timed))
   for kernel, rows in results.items():
     assert rows, kernel
@@ -89,3 +92,26 @@ def test_the_sweep_runs_every_form_and_picks_the_fastest():
   pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_attention_core_bench", "_sweep_check", "ATTENTION_SWEEP_OK",
                             timeout=600)
+
+
+def test_a_cut_sweep_keeps_its_starting_form_with_what_it_measured():
+  """partial_tiles: the kernels timed so far replace the starting tiles' own, in the fields that
+  form launches (the dK pass storing dS / P goes to dk, the dX pass reading P to dx_read), and
+  kernels of other forms change nothing."""
+  sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
+  import attention_core as ac
+  from kernels import attention_tiles as at
+  new = (16, 16, 16, 4, 2)
+  best = {kn: (new, 1.0) for kn in ac.FIELD_OF}
+  pairs = at.default_tiles(192, 768)
+  got = ac.partial_tiles(pairs, {"fwd": best["fwd"], "ds": best["ds"], "dx_p": best["dx_p"],
+                                 "dk_store": best["dk_store"], "dxdk": best["dxdk"]})
+  assert (got.fwd, got.ds, got.dx_read) == (at.PassTiles(*new),) * 3
+  assert (got.dk, got.dxdk, got.dq_ds, got.dk_ds) == (pairs.dk, None, pairs.dq_ds, pairs.dk_ds)
+  stored = at.with_backward(pairs, "stored", 192)
+  got = ac.partial_tiles(stored, {"dk_store": best["dk_store"], "ds": best["ds"]})
+  assert got.dk == at.PassTiles(*new) and got.ds is None and got.dx_p
+  recompute = at.with_backward(pairs, "recompute", 192)
+  got = ac.partial_tiles(recompute, best)
+  assert got == at.FlashTiles(*(at.PassTiles(*new),) * 4)      # fwd, dx, dk, dq only
+  assert ac.partial_tiles(pairs, {}) == pairs
