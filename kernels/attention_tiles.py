@@ -73,8 +73,8 @@ BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 # Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
 # compiles for sm_90a without register spills (bench/kernel_resources.py): for heads <= 256 wide at
 # UMoE-base's shape (timed in the pair form on an H200, BENCHMARKS.md runs 30-33; not swept), for
-# wider ones at UMoE-large's (dk 512, D 2048; GPU-tested and timed in session 7, not swept). The readers keep [BM or BN, dk]
-# float32 accumulators, so wide heads take half the rows.
+# wider ones at UMoE-large's (dk 512, D 2048; GPU-tested and partly swept in session 7). The
+# readers keep [BM or BN, dk] float32 accumulators, so wide heads take half the rows.
 NARROW_HEAD_MAX = 256   # the widest head (dk) the narrow heads' tiles, swept at dk 192, are for
 STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
 STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
@@ -101,9 +101,10 @@ def stored_dx_tiles(dk: int) -> PassTiles | None:
 
 def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
   """`tiles` (for keys dk wide) with the backward form `backward`: "auto" leaves them as they are
-  (the default tiles store by the pair pass; a swept TABLE entry says its own); "recompute" drops the stored forms; "stored" has the dK pass store dS and P for
-  the dQ and dX passes; "stored_pairs" makes them in the tile-pair pass (`FlashTiles` says what
-  each reads). The stored forms keep tiles of their own the tiles name, else `stored_tiles(dk)`."""
+  (the default tiles store by the pair pass; a swept TABLE entry says its own); "recompute" drops
+  the stored forms; "stored" has the dK pass store dS and P for the dQ and dX passes;
+  "stored_pairs" makes them in the tile-pair pass (`FlashTiles` says what each reads). The stored
+  forms keep tiles of their own the tiles name, else `stored_tiles(dk)` / `stored_dx_tiles(dk)`."""
   if backward == "auto":
     return tiles
   if backward == "recompute":

@@ -251,9 +251,10 @@ def load_table(path: str, table: Optional[dict] = None) -> dict:
     except ValueError:
       raise ValueError(f"gmm tiles file {path}: key {text!r} is not 'backend|op|kc|no[|m_bucket]'"
                        ) from None
-    if not isinstance(obj, dict) or not {"bm", "bn", "bk"} <= set(obj) or set(obj) - fields:
+    if (not isinstance(obj, dict) or not {"bm", "bn", "bk"} <= set(obj) or set(obj) - fields
+        or not all(isinstance(v, int) for v in obj.values())):
       raise ValueError(f"gmm tiles file {path}: entry {text!r} must give bm, bn, bk (and optionally "
-                       f"{', '.join(sorted(fields - {'bm', 'bn', 'bk'}))}), got {obj!r}")
+                       f"{', '.join(sorted(fields - {'bm', 'bn', 'bk'}))}) as integers, got {obj!r}")
     cfg = TileConfig(**obj)
     if key[0] == "triton" and not _width_ok(cfg.bn):
       raise ValueError(f"gmm tiles file {path}: entry {text!r}: triton tile width {cfg.bn} must be "

@@ -171,7 +171,8 @@ def test_tuning_rows_round_trip_through_a_file_and_bad_files_are_named(tmp_path)
          ("triton|gmm|96|x", tile, "is not 'backend|op|kc|no"),
          ("triton|gmm|96|80", {"bm": 64, "bn": 64}, "entry 'triton|gmm|96|80' must give bm, bn, bk"),
          ("triton|gmm|96|80", dict(tile, warps=4), "must give bm, bn, bk"),
-         ("triton|gmm|96|80", dict(tile, bn=100), "tile width 100")]
+         ("triton|gmm|96|80", dict(tile, bn=100), "tile width 100"),
+         ("triton|gmm|96|80", dict(tile, bm="64"), "as integers")]
   for key, obj, message in bad:
     path.write_text(json.dumps({key: obj}))
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + re.escape(message)):
