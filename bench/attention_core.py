@@ -221,13 +221,15 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
                                                store_p=True)[1:])(q, k, v)
             if kernels is None or readers & set(kernels) else None)
   same_as = {"dxdk": None, "dk_store": "dk", "dq_ds": "dq", "dx_p": "dx", "dk_ds": "dk"}  # checked against
-  t0 = time.perf_counter()
-  best, results, outputs = {}, {}, {}
-  for kernel, make in calls.items():
+  def own_tiles(kernel):  # the starting tiles of a kernel (None: it has none)
     own = ({"dk_store": base.dk, "dx_p": base.dx_tiles(reads_p=True)}.get(
                kernel, getattr(base, kernel, None))
            or stored_default.get(kernel))
-    own = own if isinstance(own, at.PassTiles) else None
+    return own if isinstance(own, at.PassTiles) else None
+  t0 = time.perf_counter()
+  best, results, outputs = {}, {}, {}
+  for kernel, make in calls.items():
+    own = own_tiles(kernel)
     tried = kernels is None or kernel in kernels
     if not tried and kernel not in ("fwd", "dx", "dk", "dq"):
       continue
@@ -268,9 +270,7 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
         best[kernel] = (cand, ms)
     if progress is not None:
       progress(partial_tiles(base, best))
-  own_tiles = {"dx_p": base.dx_tiles(reads_p=True), "dk_store": base.dk}
-  pick = lambda kn: (at.PassTiles(*best[kn][0]) if kn in best
-                     else own_tiles.get(kn) or getattr(base, kn) or stored_default.get(kn))
+  pick = lambda kn: at.PassTiles(*best[kn][0]) if kn in best else own_tiles(kn)
   # The backward with the least summed kernel time: separate passes, the fused dX + dK pass, the
   # dK pass storing dS / P for the readers, or the stored-scores pass with every reader.
   ms = lambda kn: best[kn][1] if kn in best else float("inf")
@@ -315,15 +315,15 @@ def main():
     at.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
   os.makedirs(args.out, exist_ok=True)
+  backwards = tuple(bw for bw in args.backwards.split(",") if bw)
+  bad = [bw for bw in backwards if bw not in at.BACKWARDS]
+  if bad:
+    raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
   results, table = {}, {}
   for name in args.shapes.split(","):
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)
-    backwards = tuple(bw for bw in args.backwards.split(",") if bw)
-    bad = [bw for bw in backwards if bw not in at.BACKWARDS]
-    if bad:
-      raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
     results[name] = row = time_cores(name, shape, which=which, backwards=backwards) if which else {}
     if name in args.sweep.split(","):
       def progress(tiles, key=f"{shape[3]},{shape[4]}"):   # the file as far as the sweep got
