@@ -132,6 +132,19 @@ def default_config(backend: str, op: str, m: int, kc: int, no: int, g: int) -> T
   return TileConfig(bm=128 if no % 128 == 0 else 64, bn=128 if no % 128 == 0 else 64, bk=64, num_stages=4)
 
 
+# Shared memory a Hopper block may take (227 KB, the opt-in maximum). A Triton grouped matmul's
+# software pipeline holds `num_stages` copies of both bf16 operand tiles (bench/kernel_resources.py
+# reports exactly that for gmm / gmm_t); the persistent form stages its epilogue too (8-32 KB
+# there). A candidate over the limit fails at launch, so the sweep does not spend time on it.
+HOPPER_SHARED_BYTES = 227 * 1024
+
+
+def triton_gmm_shared_bytes(cfg: TileConfig) -> int:
+  """Shared memory of a Triton gmm / gmm_t launch at `cfg` (an upper estimate when persistent)."""
+  per_stage = 2 * (cfg.bm * cfg.bk + cfg.bk * cfg.bn)
+  return cfg.num_stages * per_stage + (32 * 1024 if cfg.persistent else 0)
+
+
 def m_bucket(m: int) -> int:
   """Rows bucketed to the nearest power of two (the key of M-specific TABLE rows)."""
   return 1 << max(0, round(math.log2(max(int(m), 1))))
@@ -178,6 +191,12 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
       # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row
       # tiles, which halve the weight-tile reloads per output row.
       base = out[0]
+      # Round 7: 64-row tiles that fit two programs on an SM (255 registers x 4 warps; 96 KB), so
+      # one program's epilogue overlaps the other's matmul: what the short-contraction dgrad with
+      # the activation epilogue (768 -> 192, 12 K steps a tile) lacks at one 8-warp program per SM.
+      for bm, bn, bk, nw, ns in ((64, 192, 64, 4, 3), (64, 192, 32, 4, 6)):
+        if no % bn == 0:
+          out.append(TileConfig(bm, bn, bk, nw, ns))
       # Round 6 (a capped sweep tries these early): narrower K steps and 64-row tiles, not yet
       # timed. (They were first picked as "spill-free" by a survey that compiled without
       # jax-triton's pointer-alignment hints; compiled as jax-triton compiles them, the tabled tiles
@@ -207,8 +226,10 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
         if no % bn == 0:
           out.append(TileConfig(bm, bn, 64, num_stages=ns))
   seen, uniq = set(), []
-  for c in out:
-    if c not in seen:
+  for i, c in enumerate(out):
+    too_big = (backend == "triton" and plain != "tgmm"
+               and triton_gmm_shared_bytes(c) > HOPPER_SHARED_BYTES)
+    if c not in seen and (i == 0 or not too_big):
       seen.add(c)
       uniq.append(c)
   return uniq

@@ -49,8 +49,8 @@ def test_pointers_are_declared_aligned_as_jax_triton_declares_them():
     kr._ptxas()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  name, _, kernel, ptrs, consts = next(c for c in kr.gmm_cases(kr.SHAPES["base"])
-                                       if c[0] == "ffn up dgrad")
+  name, tiles, kernel, ptrs, consts = next(c for c in kr.gmm_cases(kr.SHAPES["base"])
+                                           if c[0] == "ffn up dgrad")
   consts = dict(consts)
   warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
   aligned = kr.compile_resources(kernel, ptrs, consts, num_warps=warps, num_stages=stages)
@@ -58,6 +58,11 @@ def test_pointers_are_declared_aligned_as_jax_triton_declares_them():
                                    aligned_pointers=False)
   assert aligned["async_copies"] > 0 and aligned["spill_stores"] == 0, (name, aligned)
   assert unaligned["async_copies"] == 0 and unaligned["spill_stores"] > 0, (name, unaligned)
+  # The pipelined program holds num_stages copies of both operand tiles: the estimate the tile
+  # sweep uses to skip candidates that would not launch (kernels/tuning.py).
+  from kernels import tuning
+  assert not tiles.persistent
+  assert aligned["shared"] == tuning.triton_gmm_shared_bytes(tiles), (tiles, aligned)
 
 
 @pytest.mark.parametrize("group", ["attention", "gmm"])

@@ -155,6 +155,25 @@ def test_tuning_gathered_ops_fall_back_to_plain_rows():
   assert any(c.num_stages > cands[0].num_stages for c in cands[1:])
 
 
+def test_tuning_candidates_fit_hopper_shared_memory():
+  """Past the tabled tile, no Triton gmm candidate needs more shared memory than a Hopper block
+  may take (deeper pipelines of a wide tile would fail at launch); the two-programs-per-SM tiles
+  are offered for the 768 -> 192 dgrad."""
+  for op, kc, no in (("gmm_t+gather", 768, 192), ("gmm+gather", 768, 192), ("gmm", 192, 768),
+                     ("gmm_t+gather", 2048, 512), ("gmm", 512, 2048)):
+    cands = tuning.candidates("triton", op, kc, no, 1 << 19)
+    assert len(cands) == len(set(cands)) >= 5, (op, kc, no)
+    over = [c for c in cands[1:] if tuning.triton_gmm_shared_bytes(c) > tuning.HOPPER_SHARED_BYTES]
+    assert not over, (op, kc, no, over)
+  deep = tuning.TileConfig(128, 192, 64, 8, 6)   # 6 x 40 KB: over the limit
+  assert tuning.triton_gmm_shared_bytes(deep) > tuning.HOPPER_SHARED_BYTES
+  dgrad = tuning.candidates("triton", "gmm_t+gather", 768, 192, 1 << 19)
+  assert deep not in dgrad and dataclasses.replace(dgrad[0], num_stages=6) not in dgrad
+  two_per_sm = [c for c in dgrad[:4] if c.bm == 64 and c.num_warps == 4]
+  assert two_per_sm and all(2 * tuning.triton_gmm_shared_bytes(c) <= tuning.HOPPER_SHARED_BYTES
+                            for c in two_per_sm)
+
+
 def test_tuning_rows_round_trip_through_a_file_and_bad_files_are_named(tmp_path):
   """A sweep's rows written by rows_to_json load back as the same configs and win the lookup;
   a bad key, tile or file is refused with the file and the entry named."""
