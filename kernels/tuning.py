@@ -68,6 +68,10 @@ TABLE: dict[tuple, TileConfig] = {
     ("triton", "tgmm+gather", 768, 192, 1 << 19): _C(128, 192, 64, 8, 5),   # base-up wgrad 342 (300)
     ("triton", "gmm+gather", 2048, 512, 1 << 18): _C(256, 128, 64, 8, 3),   # large-up 613 (478)
     ("triton", "gmm_t+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 4),  # large-down dgrad 552 (541)
+    # base-down dgrad as gmm_combine's backward calls it (gathered dout, the silu epilogue: row dot
+    # with act(z), times act'(z), gate scale), session 8: 241 against 215 for the plain op's row;
+    # the epilogue's registers want narrow tiles (256-row tiles: 72).
+    ("triton", "gmm_t+gather", 768, 192, 1 << 19): _C(64, 64, 64, 4, 3),
     # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient), run 26:
     ("triton", "tgmm+gather", 192, 768, 1 << 19): _C(64, 128, 64, 4, 5),    # 302 (4 stages: 289)
     ("triton", "tgmm+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 5),  # large-up wgrad 671 (525)

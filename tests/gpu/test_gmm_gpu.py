@@ -277,3 +277,49 @@ def test_triton_persistent_grid(persistent):
   ref = _ref_gmm(x, w, gs)
   assert _rel(out, ref) < 1e-2
   assert np.all(out[gs.sum():] == 0), "padding rows must be zero"
+
+
+def _epilogue_tiles():
+  """The tiles the Triton backend's tuning table gives the input-gradient call with the row dot
+  (gmm_combine's backward: gmm_t, gathered or not), each (kc, no, cfg) once."""
+  from kernels import tuning
+  seen = {}
+  for key, cfg in tuning.TABLE.items():
+    if key[0] == "triton" and key[1].split("+")[0] == "gmm_t":
+      seen.setdefault((key[2], key[3], cfg), f"{key[1]}|{key[2]}|{key[3]}" + (
+          f"|{key[4]}" if len(key) > 4 else ""))
+  return sorted(seen.items(), key=lambda item: item[1])
+
+
+@pytest.mark.parametrize("shape_cfg", [c for c, _ in _epilogue_tiles()],
+                         ids=[name for _, name in _epilogue_tiles()])
+def test_tabled_dgrad_epilogue_tiles(shape_cfg):
+  """Each tabled tile of the dgrad with the silu epilogue (`moe.fuse_activation`: gathered output
+  gradient, row dot with act(z), output times act'(z) and the gate scale), at its table shape
+  against numpy in float32: a tile may split the output width (the row dot then sums partial dots
+  over column tiles), which the smaller tests' tiles do not."""
+  if "triton" not in BACKENDS:
+    pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
+  _require("triton")
+  from kernels import triton_gmm
+  kc, no, cfg = shape_cfg          # out [M, no] = dout[idx] [M, kc] @ w[g].T, w[g]: [no, kc]
+  m, g = 6000, 16
+  rng = np.random.default_rng(_seed("epilogue", kc, no, cfg))
+  gs = _random_sizes(rng, m - 37, g, empty=2)      # 37 padding rows: the zero tail
+  k1, k2, k3, k4 = jax.random.split(_key("epilogue", kc, no, cfg), 4)
+  src = jax.random.normal(k1, (m // 2, kc), jnp.float32).astype(jnp.bfloat16)
+  idx = jnp.asarray(rng.integers(0, m // 2, m), jnp.int32)
+  w = (jax.random.normal(k2, (g, no, kc), jnp.float32) / np.sqrt(kc)).astype(jnp.bfloat16)
+  z = (2 * jax.random.normal(k3, (m, no), jnp.float32)).astype(jnp.bfloat16)
+  scale = jax.random.uniform(k4, (m,), jnp.float32, 0.1, 1.0)
+  out, dots = jax.jit(lambda *a: triton_gmm.triton_gmm(
+      *a[:3], transpose_rhs=True, lhs_index=a[3], row_scale=a[4], row_dot=a[5], epi_act="silu",
+      config=cfg))(src, w, jnp.asarray(gs), idx, scale, z)
+  u = _ref_gmm(np.asarray(src, np.float32)[np.asarray(idx)], w, gs, transpose_rhs=True)
+  zf = np.asarray(z, np.float32)
+  sig = 1.0 / (1.0 + np.exp(-zf))
+  used = int(gs.sum())
+  assert _rel(np.asarray(dots)[:used], (u * zf * sig).sum(-1)[:used]) < 1e-2
+  want = u * sig * (1 + zf * (1 - sig)) * np.asarray(scale)[:, None]
+  assert _rel(np.asarray(out)[:used], want[:used]) < 1e-2
+  assert np.all(np.asarray(out, np.float32)[used:] == 0), "padding rows must be zero"
