@@ -150,10 +150,13 @@ def gmm_cases(shape: dict):
         ("up fwd (gathered)", "gmm+gather", d, f, False, True, None),
         ("down fwd", "gmm", f, d, False, False, None),
         ("down dgrad: row dot + act'", "gmm_t+gather", d, f, True, True, "act"),
+        ("down dgrad: row dot + act', z early", "gmm_t+gather", d, f, True, True, "act+prefetch"),
         ("down dgrad: + weight rows", "gmm_t+gather", d, f, True, True, "act+rows"),
         ("up dgrad", "gmm_t", f, d, True, False, None)]
     for name, op, kc, no, transpose, gathered, epi in calls:
       cfg = tuning.lookup("triton", op, rows, kc, no, g)
+      if epi == "act+prefetch":
+        cfg = dataclasses.replace(cfg, prefetch_row_dot=True)
       k, n = (no, kc) if transpose else (kc, no)
       launch = tg.gmm_launch(rows, kc, no, g, cfg)
       launch.pop("grid")

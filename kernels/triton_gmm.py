@@ -119,13 +119,16 @@ if HAVE_TRITON:
                 pid_n, compute, M, KC: tl.constexpr, NO: tl.constexpr, s_bg: tl.constexpr,
                 s_bk: tl.constexpr, s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BN2: tl.constexpr, BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr,
-                ROW_DOT: tl.constexpr, EPI_ACT: tl.constexpr, SCALED_D: tl.constexpr):
+                ROW_DOT: tl.constexpr, EPI_ACT: tl.constexpr, SCALED_D: tl.constexpr,
+                PREFETCH_D: tl.constexpr):
     """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
     not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
     `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>.
     EPI_ACT (with ROW_DOT): d holds pre-activations: the dot is taken with act(d) and the output
     (before the scale) is multiplied by act'(d) (gmm_combine's backward with the activation fused).
-    SCALED_D (with ROW_DOT and ROW_SCALE): also ds[rows, cols] = act(d) (or d) * scale[row]."""
+    SCALED_D (with ROW_DOT and ROW_SCALE): also ds[rows, cols] = act(d) (or d) * scale[row].
+    PREFETCH_D (with ROW_DOT): d's tile is loaded before the contraction instead of after it, so
+    its latency hides behind the matmul (its registers are held through the loop)."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
@@ -140,6 +143,12 @@ if HAVE_TRITON:
       offs_n2 = pid_n * (BN + BN2) + BN + tl.arange(0, BN2)
       b2_ptrs = b_base + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
       acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+    if ROW_DOT and PREFETCH_D:  # (without it the program is as before: d is loaded after the loop)
+      pre_mask = (offs_m < row_end)[:, None]
+      pre_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
+      d = tl.load(pre_rows + offs_n[None, :], mask=pre_mask & (offs_n[None, :] < NO), other=0.0)
+      if BN2 > 0:
+        d2 = tl.load(pre_rows + offs_n2[None, :], mask=pre_mask & (offs_n2[None, :] < NO), other=0.0)
 
     if compute:
       for ks in range(0, (KC + BK - 1) // BK):
@@ -168,7 +177,9 @@ if HAVE_TRITON:
       scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
     if ROW_DOT:  # per-row dot with another [M, NO] array, before the scale (dgates of gmm_combine)
       d_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
-      d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO), other=0.0)
+      if not PREFETCH_D:
+        d = tl.load(d_rows + offs_n[None, :], mask=row_mask[:, None] & (offs_n[None, :] < NO),
+                    other=0.0)
       z = d.to(tl.float32)
       if EPI_ACT != 0:  # d holds pre-activations z: the dot with act(z), the output times act'(z)
         part = tl.sum(acc * _act(z, EPI_ACT), axis=1)
@@ -178,8 +189,9 @@ if HAVE_TRITON:
       if SCALED_D:
         _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO, EPI_ACT)
       if BN2 > 0:
-        d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
-                     other=0.0)
+        if not PREFETCH_D:
+          d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
+                       other=0.0)
         z2 = d2.to(tl.float32)
         if EPI_ACT != 0:
           part += tl.sum(acc2 * _act(z2, EPI_ACT), axis=1)
@@ -207,7 +219,8 @@ if HAVE_TRITON:
                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                   N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                   A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr,
-                  EPI_ACT: tl.constexpr = 0, SCALED_D: tl.constexpr = False):
+                  EPI_ACT: tl.constexpr = 0, SCALED_D: tl.constexpr = False,
+                  PREFETCH_D: tl.constexpr = False):
     # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
@@ -221,7 +234,7 @@ if HAVE_TRITON:
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   tl.minimum(g, G - 1), row0, row_end, pid % N_TILES, g < G,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT, SCALED_D)
+                  EPI_ACT, SCALED_D, PREFETCH_D)
     else:
       # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
       # pipeline prefetch the next tile's operands while this tile's epilogue stores.
@@ -232,13 +245,13 @@ if HAVE_TRITON:
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   g, row0, row_end, t % N_TILES, True,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT, SCALED_D)
+                  EPI_ACT, SCALED_D, PREFETCH_D)
       for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   tl.minimum(g, G - 1), row0, row_end, t % N_TILES, False,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT, SCALED_D)
+                  EPI_ACT, SCALED_D, PREFETCH_D)
 
   @triton.jit
   def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
@@ -326,7 +339,7 @@ def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig,
   num_progs = min(cfg.persistent * num_sms, programs) if cfg.persistent else 0
   return dict(grid=(num_progs or programs,), BM=cfg.bm, BN=bn, BN2=bn2, BK=cfg.bk, N_TILES=n_tiles,
               GP=_pow2_at_least(g + 1), NUM_PROGS=num_progs, WARP_SPECIALIZE=cfg.warp_specialize,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              PREFETCH_D=cfg.prefetch_row_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:

@@ -40,6 +40,9 @@ class TileConfig:
   # over the tiles (flattened loop: the next tile's loads overlap this tile's stores).
   persistent: int = 0
   warp_specialize: bool = False
+  # Triton gmm with a row dot (gmm_combine's backward) only: load the epilogue's operand tile (the
+  # pre-activations) before the contraction, its latency hidden behind the matmul.
+  prefetch_row_dot: bool = False
 
 
 # (backend, op, kc, no) or (backend, op, kc, no, m_bucket(M)) -> config. Filled from the H200
@@ -176,6 +179,8 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
   if backend == "triton" and op.endswith("+gather"):
     # Gathered rows arrive with more latency (one index load, rows scattered over HBM): deeper
     # pipelines of the current tile first.
+    if plain == "gmm_t":  # gmm_combine's input gradient: its row-dot epilogue's operand early
+      out.append(dataclasses.replace(out[0], prefetch_row_dot=not out[0].prefetch_row_dot))
     for ns in (out[0].num_stages + 1, out[0].num_stages + 2):
       out += [dataclasses.replace(out[0], num_stages=ns),
               dataclasses.replace(out[0], num_stages=ns, persistent=1)]
@@ -201,6 +206,8 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
       for bm, bn, bk, nw, ns in ((64, 192, 64, 4, 3), (64, 192, 32, 4, 6)):
         if no % bn == 0:
           out.append(TileConfig(bm, bn, bk, nw, ns))
+          if op == "gmm_t+gather":
+            out.append(TileConfig(bm, bn, bk, nw, ns, prefetch_row_dot=True))
       # Round 6 (a capped sweep tries these early): narrower K steps and 64-row tiles, not yet
       # timed. (They were first picked as "spill-free" by a survey that compiled without
       # jax-triton's pointer-alignment hints; compiled as jax-triton compiles them, the tabled tiles

@@ -175,6 +175,9 @@ def test_tuning_candidates_fit_hopper_shared_memory(monkeypatch):
     deep = dataclasses.replace(dgrad[0], num_stages=stages)
     assert tuning.triton_gmm_shared_bytes(deep) > tuning.HOPPER_SHARED_BYTES
     assert deep not in dgrad and dataclasses.replace(deep, persistent=1) not in dgrad
+  # gmm_combine's input gradient: the tile with its epilogue operand loaded early comes next.
+  assert dgrad[1] == dataclasses.replace(dgrad[0], prefetch_row_dot=True)
+  assert not any(c.prefetch_row_dot for c in tuning.candidates("triton", "gmm+gather", 768, 192))
   two_per_sm = [c for c in dgrad[1:4] if c.bm == 64 and c.num_warps == 4]
   assert two_per_sm and all(2 * tuning.triton_gmm_shared_bytes(c) <= tuning.HOPPER_SHARED_BYTES
                             for c in two_per_sm)
@@ -480,7 +483,8 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
   """The epilogue activation codes of the gmm kernel (moe.fuse_activation) against numpy: gmm^T
   with ROW_DOT + EPI_ACT (+ gathered rows and a row scale: gmm_combine's backward: dots with
   act(z), output times act'(z) before the scale), without and with SCALED_D (also the rows
-  act(z) * scale, moe.fuse_weight_rows); code 0 is no activation."""
+  act(z) * scale, moe.fuse_weight_rows), with z's tile loaded after or before the contraction
+  (PREFETCH_D); code 0 is no activation."""
   g = len(gs)
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
   acts = {0: (lambda x: x, lambda x: np.ones_like(x)),
@@ -491,9 +495,9 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
   src_dy = rng.standard_normal((m // 2 + 1, n)).astype(np.float32)
   idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
   scale = rng.standard_normal(m).astype(np.float32)
-  for (code, (act, dact)), scaled_d, persistent in itertools.product(acts.items(), (False, True),
-                                                                     (0, 2)):
-    cfg = tuning.TileConfig(*tile, persistent=persistent)
+  for (code, (act, dact)), scaled_d, (persistent, prefetch) in itertools.product(
+      acts.items(), (False, True), ((0, False), (2, False), (0, True), (2, True))):
+    cfg = tuning.TileConfig(*tile, persistent=persistent, prefetch_row_dot=prefetch)
     launch = T.gmm_launch(m, n, k, g, cfg, num_sms=2)                  # gmm^T: [M, N] -> [M, K]
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
     out = _NpTensor(np.full((m, k), np.nan, np.float32))
@@ -504,7 +508,9 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
                         s_bg=k * n, s_bk=1, s_bn=n, A_INDEX=True, ROW_SCALE=True, ROW_DOT=True,
                         EPI_ACT=code, SCALED_D=scaled_d, **launch)
     u = _ref_gmm(src_dy[idy], w, gs, True)                             # [M, K], rows past the groups 0
-    case = f"EPI_ACT={code} SCALED_D={scaled_d} persistent={persistent} K={k} tile={tile}"
+    case = (f"EPI_ACT={code} SCALED_D={scaled_d} persistent={persistent} prefetch={prefetch} "
+            f"K={k} tile={tile}")
+    assert launch["PREFETCH_D"] == prefetch
     np.testing.assert_allclose(dots.arr.sum(0), (u * act(z)).sum(-1), rtol=1e-4, atol=1e-3,
                                err_msg=f"{case} dots")
     np.testing.assert_allclose(out.arr, u * dact(z) * scale[:, None], rtol=1e-4, atol=1e-4,

@@ -9,6 +9,7 @@ and under `-k`; poisons nothing it does not overwrite, and compares with ||out -
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -291,18 +292,21 @@ def _epilogue_tiles():
   return sorted(seen.items(), key=lambda item: item[1])
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["z_after", "z_early"])
 @pytest.mark.parametrize("shape_cfg", [c for c, _ in _epilogue_tiles()],
                          ids=[name for _, name in _epilogue_tiles()])
-def test_tabled_dgrad_epilogue_tiles(shape_cfg):
+def test_tabled_dgrad_epilogue_tiles(shape_cfg, prefetch):
   """Each tabled tile of the dgrad with the silu epilogue (`moe.fuse_activation`: gathered output
   gradient, row dot with act(z), output times act'(z) and the gate scale), at its table shape
   against numpy in float32: a tile may split the output width (the row dot then sums partial dots
-  over column tiles), which the smaller tests' tiles do not."""
+  over column tiles), which the smaller tests' tiles do not; with z's tile loaded after the
+  contraction and before it (`TileConfig.prefetch_row_dot`)."""
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
   from kernels import triton_gmm
   kc, no, cfg = shape_cfg          # out [M, no] = dout[idx] [M, kc] @ w[g].T, w[g]: [no, kc]
+  cfg = dataclasses.replace(cfg, prefetch_row_dot=prefetch)
   m, g = 6000, 16
   rng = np.random.default_rng(_seed("epilogue", kc, no, cfg))
   gs = _random_sizes(rng, m - 37, g, empty=2)      # 37 padding rows: the zero tail
