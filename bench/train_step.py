@@ -14,6 +14,7 @@ memory. Usage (GPU):
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
+      [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
@@ -133,6 +134,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.model.moe.fuse_activation = bool(args.fuse_activation)
     if args.fuse_weight_rows is not None:
       config.model.moe.fuse_weight_rows = bool(args.fuse_weight_rows)
+    if args.scan_layers is not None:
+      config.model.scan_layers = bool(args.scan_layers)
     config.train.global_batch_size = args.batch * n_dev
     config.train.seq_len = args.seq_len
     config.train.remat = args.remat
@@ -207,7 +210,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
              router_topk=model_cfg.router.topk_backend, fuse_activation=model_cfg.moe.fuse_activation,
-             fuse_weight_rows=model_cfg.moe.fuse_weight_rows,
+             fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
@@ -287,6 +290,9 @@ def main():
   ap.add_argument("--fuse_weight_rows", type=int, choices=[0, 1], default=None,
                   help="model.moe.fuse_weight_rows (default: the config's, off): the weight "
                        "gradient's gate-scaled rows from the dgrad matmul's epilogue")
+  ap.add_argument("--scan_layers", type=int, choices=[0, 1], default=None,
+                  help="model.scan_layers (default: the config's, off): the decoder blocks as one "
+                       "lax.scan (one block to compile)")
   ap.add_argument("--fuse_activation", type=int, choices=[0, 1], default=None,
                   help="model.moe.fuse_activation (default: the config's, on): the experts' "
                        "activation derivative inside the grouped matmuls' backward")

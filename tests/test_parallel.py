@@ -290,6 +290,15 @@ def test_layout_matches_single_device(multi_device_report, layout):
   assert result["param_diff"] < PARAM_TOL, result
 
 
+def test_scanned_layers_match_single_device(multi_device_report):
+  """`model.scan_layers` on fsdp x tensor x expert: the scanned step (a while loop in the program)
+  trains as the looped single-device one."""
+  result = _section(multi_device_report, "scan_layers")
+  assert result["scanned"], result
+  assert result["loss_diff"] < LOSS_TOL and result["grad_diff"] < GRAD_TOL, result
+  assert result["param_diff"] < PARAM_TOL, result
+
+
 @pytest.mark.parametrize("layout,exchange", [("expert=8", "all_gather"),
                                              ("data=2,expert=4", "all_gather"),
                                              ("data=2,expert=4", "all_to_all")])

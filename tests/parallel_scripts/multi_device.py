@@ -2,6 +2,7 @@
 
 Usage: multi_device.py OUT.json [section ...]   sections: shardings expert_map ragged layouts
                                                  large_structure restore variants masked_slots
+                                                 scan_layers
 Writes {section: {"ok": bool, "error": str, ...numbers}}; each section runs even if another failed.
 """
 import contextlib
@@ -849,9 +850,46 @@ def check_variants():
   return report
 
 
+SCAN_LAYOUT = "fsdp=2,tensor=2,expert=2"
+
+
+def check_scan_layers():
+  """`model.scan_layers` under a mesh (sharded parameters stacked for the scan, the expert-parallel
+  shard_map inside its body): two UMoE layers, two sharded steps against the looped single-device
+  ones (losses, the first step's gradients, the parameters after AdamW)."""
+  cfg = dataclasses.replace(common.tiny_cfg(), n_layers=2)
+  params = common.init_params(cfg)
+  batches = [common.tokens(seed=s) for s in range(2)]
+  graphdef, _ = common.model_parts(cfg)
+  ref_step = jax.jit(common.make_step(graphdef))
+  p, o, ref_losses, ref_grads = params, common.TX.init(params), [], None
+  for b in batches:
+    p, o, loss, grads = ref_step(p, o, b)
+    ref_losses.append(float(loss))
+    ref_grads = grads if ref_grads is None else ref_grads
+  ref_params = p
+  scan_graphdef, scan_abstract = common.model_parts(dataclasses.replace(cfg, scan_layers=True))
+  mesh = mesh_lib.make_mesh(parse(SCAN_LAYOUT))
+  step, p_sh, o_sh = common.sharded_step(scan_graphdef, scan_abstract, mesh)
+  p, o = jax.device_put(params, p_sh), jax.device_put(common.TX.init(params), o_sh)
+  losses, first = [], None
+  with sharding.use_mesh(mesh):
+    for b in batches:
+      p, o, loss, grads = step(p, o, jax.device_put(b, sharding.batch_sharding(mesh)))
+      losses.append(float(loss))
+      first = grads if first is None else first
+  scanned = "while" in step.lower(p, o, jax.device_put(batches[0], sharding.batch_sharding(
+      mesh))).as_text()
+  return dict(layout=SCAN_LAYOUT, scanned=scanned,
+              loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+              grad_diff=common.max_abs_diff(first, ref_grads),
+              param_diff=common.max_abs_diff(p, ref_params))
+
+
 CHECKS = dict(shardings=check_shardings, expert_map=check_expert_map, ragged=check_ragged,
               layouts=check_layouts, large_structure=check_large_structure, restore=check_restore,
-              variants=check_variants, masked_slots=check_masked_slots)
+              variants=check_variants, masked_slots=check_masked_slots,
+              scan_layers=check_scan_layers)
 
 
 def main(out_path, sections):

@@ -109,17 +109,20 @@ class CausalLM(nnx.Module):
                             rng=rng)                                                # router extras
     routes: dict[str, RouterOutput] = {}
     block = rematerialise(_apply_block, remat)
-    for i, layer in enumerate(self.layers):
-      layer_context = fold_rng(context, i)
-      with jax.named_scope(f"layer_{i}"):  # profiles group a layer's ops by it (bench/profile_table.py)
-        if cache is None:
-          h, layer_routes = block(layer, h, positions, layer_context)
-        else:
-          h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
-                                               route_context=layer_context)
-          new_layers.append(layer_cache.arrays)
-      h = with_logical_constraint(h, _ACTIVATION_AXES)
-      routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
+    if cfg.scan_layers and cache is None:
+      h, routes = _scanned_blocks(list(self.layers), block, h, positions, context)
+    else:
+      for i, layer in enumerate(self.layers):
+        layer_context = fold_rng(context, i)
+        with jax.named_scope(f"layer_{i}"):  # profiles group a layer's ops by it (bench/profile_table.py)
+          if cache is None:
+            h, layer_routes = block(layer, h, positions, layer_context)
+          else:
+            h, layer_routes, layer_cache = layer(h, positions, cache=cache.layer(i, key_positions),
+                                                 route_context=layer_context)
+            new_layers.append(layer_cache.arrays)
+        h = with_logical_constraint(h, _ACTIVATION_AXES)
+        routes.update({f"layer_{i}/{name}": r for name, r in layer_routes.items()})
     h = self.final_norm(h)
     with jax.named_scope("routing_stats"):
       stats = {name: routing_stats(r, r.probs.shape[-1]) for name, r in routes.items()}
@@ -145,6 +148,32 @@ class CausalLM(nnx.Module):
 
 def _apply_block(layer: DecoderBlock, h: jax.Array, positions: jax.Array, context: dict):
   return layer(h, positions, route_context=context)
+
+
+def _scanned_blocks(layers: list, block, h: jax.Array, positions: jax.Array, context: dict):
+  """`model.scan_layers`: the blocks applied as one lax.scan, so XLA compiles one block. Their
+  parameters stay separate modules (the checkpoint layout); each step stacks them [L, ...] for the
+  scan (its transpose hands each layer its own gradient). h [B, T, D] -> (h, {"layer_{i}/<router>":
+  RouterOutput}), the same values as the loop, with each layer's rng folded with its index."""
+  graphdef, first = nnx.split(layers[0])
+  states = [first]
+  for i, layer in enumerate(layers[1:], start=1):
+    layer_graphdef, state = nnx.split(layer)
+    if layer_graphdef != graphdef:
+      raise ValueError(f"model.scan_layers=True needs decoder blocks of one structure; layer {i} "
+                       "differs from layer 0 (set model.scan_layers=False)")
+    states.append(state)
+  stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+  def body(h, layer_and_index):
+    state, i = layer_and_index
+    h, layer_routes = block(nnx.merge(graphdef, state), h, positions, fold_rng(context, i))
+    return with_logical_constraint(h, _ACTIVATION_AXES), layer_routes
+
+  with jax.named_scope("layers"):
+    h, stacked_routes = jax.lax.scan(body, h, (stacked, jnp.arange(len(layers), dtype=jnp.int32)))
+  return h, {f"layer_{i}/{name}": jax.tree.map(lambda leaf: leaf[i], r)
+             for i in range(len(layers)) for name, r in stacked_routes.items()}
 
 
 def build_model(cfg, seed: int = 0) -> CausalLM:
