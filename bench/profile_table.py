@@ -34,7 +34,9 @@ _CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
 _OPERAND = re.compile(r'%([\w.\-]+)')
 _COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
 _NUMBERED = re.compile(r"([._]\d+)+$")
-_LAYER = re.compile(r"^layer_\d+$")
+_LAYER = re.compile(r"^(layer_\d+|layers)$")   # "layers": model.scan_layers' one scanned block
+# Bare path parts that transforms add inside a scope (a scan's body, remat's recomputation), no scope.
+_TRANSFORM_PARTS = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation"}
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -85,6 +87,8 @@ def op_names(hlo_text: str) -> dict[str, str]:
 
 def scope_key(op_name: str) -> tuple[str, str, str]:
   """op_name -> (scope path with layer_<i> as layer_*, pass "fwd" | "bwd" | "-", primitive).
+  `model.scan_layers`' scope "layers" is layer_* too, and the scan's and remat's own path parts
+  ("while", "body", "checkpoint", ...) are dropped, so both forms give the same keys.
 
   "jit(train)/transpose(jvp(layer_3))/ffn/router/dot_general" -> ("layer_*/ffn/router", "bwd",
   "dot_general"). The first component (the jitted function) is dropped; so is the function name
@@ -106,6 +110,8 @@ def scope_key(op_name: str) -> tuple[str, str, str]:
     autodiff |= "jvp" in wrappers or "transpose" in wrappers
     if wrappers and wrappers[-1] in ("jit", "pjit", "shard_map"):
       continue  # a jitted function's own name, not a scope
+    if inner in _TRANSFORM_PARTS and not wrappers:
+      continue
     if inner and "->" not in inner:  # (an einsum's spec is no scope)
       scopes.append("layer_*" if _LAYER.match(inner) else inner)
   autodiff |= any(w in op_name for w in ("jvp(", "transpose("))

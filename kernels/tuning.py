@@ -73,7 +73,8 @@ TABLE: dict[tuple, TileConfig] = {
     ("triton", "gmm_t+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 4),  # large-down dgrad 552 (541)
     # base-down dgrad as gmm_combine's backward calls it (gathered dout, the silu epilogue: row dot
     # with act(z), times act'(z), gate scale), session 8: 241 against 215 for the plain op's row;
-    # the epilogue's registers want narrow tiles (256-row tiles: 72).
+    # the epilogue's registers want narrow tiles (256-row tiles: 72). Timed with that epilogue only;
+    # the same call without an activation (moe.fuse_activation off) looks this row up too.
     ("triton", "gmm_t+gather", 768, 192, 1 << 19): _C(64, 64, 64, 4, 3),
     # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient), run 26:
     ("triton", "tgmm+gather", 192, 768, 1 << 19): _C(64, 128, 64, 4, 5),    # 302 (4 stages: 289)
@@ -139,7 +140,8 @@ def default_config(backend: str, op: str, m: int, kc: int, no: int, g: int) -> T
   return TileConfig(bm=128 if no % 128 == 0 else 64, bn=128 if no % 128 == 0 else 64, bk=64, num_stages=4)
 
 
-# Shared memory a Hopper block may take (227 KB, the opt-in maximum). A Triton grouped matmul's
+# Shared memory a Hopper block may take (227 KB, the opt-in maximum; the Triton tiles here are
+# tuned for Hopper, and an A100 block takes at most 163 KB). A Triton grouped matmul's
 # software pipeline holds `num_stages` copies of both bf16 operand tiles (bench/kernel_resources.py
 # reports exactly that for gmm / gmm_t); the persistent form stages its epilogue too (8-32 KB
 # there). A candidate over the limit fails at launch, so the sweep does not spend time on it.

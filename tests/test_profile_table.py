@@ -21,6 +21,12 @@ def test_scope_key_reads_passes_layers_and_drops_function_names():
   assert key("jit(train_step)/jvp(jit(_where))/layer_0/ffn/select_n") == (
       "layer_*/ffn", "fwd", "select_n")
   assert key("jit(f)/add") == ("", "-", "add")
+  # model.scan_layers: one scanned block, with remat's recomputation inside the scan's body
+  assert key("jit(train_step)/transpose(jvp(layers))/while/body/closed_call/checkpoint/"
+             "rematted_computation/ffn/expert_down/dot_general") == (
+      "layer_*/ffn/expert_down", "bwd", "dot_general")
+  assert key("jit(train_step)/jvp(layers)/while/body/closed_call/attention/mix/exp") == (
+      "layer_*/attention/mix", "fwd", "exp")
 
 
 def _program():

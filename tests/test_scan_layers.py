@@ -87,12 +87,21 @@ def test_scan_gives_xla_one_block_whatever_the_depth():
   assert scan6 < 0.5 * loop6, (scan6, loop6)
 
 
-def test_the_parameter_layout_does_not_change():
-  """The same modules either way: a checkpoint of one loads into the other."""
-  loop, scan = _model("umoe"), _with_scan(_model("umoe"), True)
+def test_a_looped_models_parameters_load_into_a_scanned_one():
+  """The same modules either way (the checkpoint layout): a model built with scan_layers takes the
+  parameters of one built without, and gives its logits."""
+  loop, scan = _model("umoe", seed=1), _model("umoe", seed=2, scan_layers=True)
+  assert scan.cfg.scan_layers and not loop.cfg.scan_layers
   a, b = nnx.state(loop, nnx.Param), nnx.state(scan, nnx.Param)
   assert jax.tree.structure(a) == jax.tree.structure(b)
   assert [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)]
+  tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, loop.cfg.vocab_size)
+  scan_graphdef, _ = nnx.split(scan)
+  scanned_logits = jax.jit(lambda state: nnx.merge(scan_graphdef, state)(tokens)[0])
+  want = jax.jit(lambda state: nnx.merge(nnx.split(loop)[0], state)(tokens)[0])(nnx.state(loop))
+  assert not np.allclose(scanned_logits(nnx.state(scan)), want)   # two models before the load
+  nnx.update(scan, nnx.state(loop))
+  np.testing.assert_allclose(scanned_logits(nnx.state(scan)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_decoding_with_a_cache_runs_the_loop():

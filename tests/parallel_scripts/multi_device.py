@@ -878,9 +878,10 @@ def check_scan_layers():
       p, o, loss, grads = step(p, o, jax.device_put(b, sharding.batch_sharding(mesh)))
       losses.append(float(loss))
       first = grads if first is None else first
-  scanned = "while" in step.lower(p, o, jax.device_put(batches[0], sharding.batch_sharding(
-      mesh))).as_text()
-  return dict(layout=SCAN_LAYOUT, scanned=scanned,
+  batch = jax.device_put(batches[0], sharding.batch_sharding(mesh))
+  loop_step = common.sharded_step(graphdef, scan_abstract, mesh)[0]   # the same step, looped
+  whiles = [fn.lower(p, o, batch).as_text().count("stablehlo.while") for fn in (loop_step, step)]
+  return dict(layout=SCAN_LAYOUT, scanned=whiles[1] > whiles[0] == 0, whiles=whiles,
               loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
               grad_diff=common.max_abs_diff(first, ref_grads),
               param_diff=common.max_abs_diff(p, ref_params))

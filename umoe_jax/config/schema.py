@@ -153,7 +153,8 @@ class ModelConfig:
   gmm_backend: str = "auto"           # a name in umoe_jax.ops.gmm.BACKENDS or "auto"
   # Run the decoder blocks as one lax.scan over their stacked parameters (training and scoring; a
   # decode with a KV cache loops): one block to compile instead of n_layers, for one copy of the
-  # blocks' parameters a step. The parameter layout (and checkpoints) stay the same either way.
+  # blocks' parameters a step (a pool shared across layers: once per layer). The parameter layout
+  # (and checkpoints) stay the same either way.
   scan_layers: bool = False
   attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
   ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)
