@@ -31,7 +31,10 @@ def measure(config_name: str, n_layers: int, scan: bool, batch: int, seq_len: in
   from umoe_jax.config import model_config
   from umoe_jax.train import state as state_lib
   from umoe_jax.train import step as step_lib
-  model = importlib.import_module(f"configs.{config_name}").get_config().model
+  try:
+    model = importlib.import_module(f"configs.{config_name}").get_config().model
+  except ModuleNotFoundError:
+    raise SystemExit(f"--config={config_name!r}: no configs/{config_name}.py") from None
   model.n_layers, model.scan_layers = n_layers, scan
   model.max_seq_len = max(model.max_seq_len, seq_len)
   cfg = model_config(model)
