@@ -111,3 +111,16 @@ def test_blocks_of_different_structure_are_refused():
     jax.eval_shape(lambda s: nnx.merge(graphdef, s)(tokens), state)
   # the loop takes them
   jax.eval_shape(lambda s: _with_scan(nnx.merge(graphdef, s), False)(tokens), state)
+
+
+def test_remat_inside_the_scan_leaves_out_the_cse_barriers():
+  """In a scan's body the loop keeps XLA from merging the recomputation into the forward pass, so
+  the blocks' checkpoints drop jax.checkpoint's CSE barriers there (prevent_cse=False), and keep
+  them in the loop, once per block."""
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  counts = {}
+  for scan in (False, True):
+    graphdef, state = nnx.split(_model("umoe", scan_layers=scan))
+    text = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, remat="block")[0])(state))
+    counts[scan] = (text.count("prevent_cse=True"), text.count("prevent_cse=False"))
+  assert counts == {False: (2, 0), True: (0, 1)}, counts

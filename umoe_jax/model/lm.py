@@ -108,8 +108,9 @@ class CausalLM(nnx.Module):
     context = route_context(tokens.astype(jnp.int32), step=step, decoding=cache is not None,
                             rng=rng)                                                # router extras
     routes: dict[str, RouterOutput] = {}
-    block = rematerialise(_apply_block, remat)
-    if cfg.scan_layers and cache is None:
+    scanned = cfg.scan_layers and cache is None
+    block = rematerialise(_apply_block, remat, in_scan=scanned)
+    if scanned:
       h, routes = _scanned_blocks(list(self.layers), block, h, positions, context)
     else:
       for i, layer in enumerate(self.layers):

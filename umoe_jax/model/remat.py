@@ -36,9 +36,11 @@ def policy_name(remat: bool | str) -> str:
   return remat
 
 
-def rematerialise(fn: Callable, remat: bool | str) -> Callable:
-  """fn (a block application) wrapped in `nnx.remat` with the policy's saveable rule."""
+def rematerialise(fn: Callable, remat: bool | str, *, in_scan: bool = False) -> Callable:
+  """fn (a block application) wrapped in `nnx.remat` with the policy's saveable rule. `in_scan`: fn
+  is a lax.scan's body (`model.scan_layers`), whose loop already keeps XLA from merging the
+  recomputation back into the forward pass, so the CSE barriers jax.checkpoint adds are left out."""
   name = policy_name(remat)
   if name == "none":
     return fn
-  return nnx.remat(fn, policy=POLICIES[name])
+  return nnx.remat(fn, policy=POLICIES[name], prevent_cse=not in_scan)
