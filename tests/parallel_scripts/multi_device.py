@@ -603,22 +603,24 @@ def check_ragged():
 # ----------------------------------------------------------------------------------------------
 
 
+def train_steps(step, p, o, bs):
+  """Steps `step` over the batches: (losses, the first step's gradients, the final parameters)."""
+  losses, first = [], None
+  for b in bs:
+    p, o, loss, grads = step(p, o, b)
+    losses.append(float(loss))
+    first = grads if first is None else first
+  return losses, first, p
+
+
 def check_layouts():
   cfg = common.tiny_cfg()
   graphdef, abstract_params = common.model_parts(cfg)
   params = common.init_params(cfg)
   batches = [common.tokens(seed=s) for s in range(3)]
 
-  def run(step, p, o, bs):
-    losses, first = [], None
-    for b in bs:
-      p, o, loss, grads = step(p, o, b)
-      losses.append(float(loss))
-      first = grads if first is None else first
-    return losses, first, p
-
-  ref_losses, ref_grads, ref_params = run(jax.jit(common.make_step(graphdef)), params,
-                                          common.TX.init(params), batches)
+  ref_losses, ref_grads, ref_params = train_steps(jax.jit(common.make_step(graphdef)), params,
+                                                  common.TX.init(params), batches)
   report = {"ref_losses": ref_losses, "grad_scale": common.max_abs(ref_grads)}
   for layout in LAYOUTS:
     t0 = time.time()
@@ -627,7 +629,7 @@ def check_layouts():
     o = jax.device_put(common.TX.init(params), o_sh)
     bs = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
     with sharding.use_mesh(mesh):
-      losses, grads, final = run(step, p, o, bs)
+      losses, grads, final = train_steps(step, p, o, bs)
     report[layout] = dict(
         step1_loss_diff=abs(losses[0] - ref_losses[0]),
         loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -641,7 +643,8 @@ def check_layouts():
     p = jax.device_put(params, p_sh)
     o = jax.device_put(common.TX.init(params), o_sh)
     with sharding.use_mesh(mesh, expert_exchange=exchange):
-      losses, grads, _ = run(step, p, o, [jax.device_put(batches[0], sharding.batch_sharding(mesh))])
+      losses, grads, _ = train_steps(step, p, o,
+                                     [jax.device_put(batches[0], sharding.batch_sharding(mesh))])
     report[f"{layout}/{exchange}"] = dict(step1_loss_diff=abs(losses[0] - ref_losses[0]),
                                           grad_diff=common.max_abs_diff(grads, ref_grads),
                                           seconds=round(time.time() - t0, 1))
@@ -861,26 +864,17 @@ def check_scan_layers():
   params = common.init_params(cfg)
   batches = [common.tokens(seed=s) for s in range(2)]
   graphdef, _ = common.model_parts(cfg)
-  ref_step = jax.jit(common.make_step(graphdef))
-  p, o, ref_losses, ref_grads = params, common.TX.init(params), [], None
-  for b in batches:
-    p, o, loss, grads = ref_step(p, o, b)
-    ref_losses.append(float(loss))
-    ref_grads = grads if ref_grads is None else ref_grads
-  ref_params = p
+  ref_losses, ref_grads, ref_params = train_steps(jax.jit(common.make_step(graphdef)), params,
+                                                  common.TX.init(params), batches)
   scan_graphdef, scan_abstract = common.model_parts(dataclasses.replace(cfg, scan_layers=True))
   mesh = mesh_lib.make_mesh(parse(SCAN_LAYOUT))
   step, p_sh, o_sh = common.sharded_step(scan_graphdef, scan_abstract, mesh)
-  p, o = jax.device_put(params, p_sh), jax.device_put(common.TX.init(params), o_sh)
-  losses, first = [], None
+  bs = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
+  o = jax.device_put(common.TX.init(params), o_sh)
   with sharding.use_mesh(mesh):
-    for b in batches:
-      p, o, loss, grads = step(p, o, jax.device_put(b, sharding.batch_sharding(mesh)))
-      losses.append(float(loss))
-      first = grads if first is None else first
-  batch = jax.device_put(batches[0], sharding.batch_sharding(mesh))
+    losses, first, p = train_steps(step, jax.device_put(params, p_sh), o, bs)
   loop_step = common.sharded_step(graphdef, scan_abstract, mesh)[0]   # the same step, looped
-  whiles = [fn.lower(p, o, batch).as_text().count("stablehlo.while") for fn in (loop_step, step)]
+  whiles = [fn.lower(p, o, bs[0]).as_text().count("stablehlo.while") for fn in (loop_step, step)]
   return dict(layout=SCAN_LAYOUT, scanned=whiles[1] > whiles[0] == 0, whiles=whiles,
               loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
               grad_diff=common.max_abs_diff(first, ref_grads),
