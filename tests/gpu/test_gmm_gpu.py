@@ -292,9 +292,12 @@ def _epilogue_tiles():
   return sorted(seen.items(), key=lambda item: item[1])
 
 
+EPILOGUE_TILES = _epilogue_tiles()
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["z_after", "z_early"])
-@pytest.mark.parametrize("shape_cfg", [c for c, _ in _epilogue_tiles()],
-                         ids=[name for _, name in _epilogue_tiles()])
+@pytest.mark.parametrize("shape_cfg", [c for c, _ in EPILOGUE_TILES],
+                         ids=[name for _, name in EPILOGUE_TILES])
 def test_tabled_dgrad_epilogue_tiles(shape_cfg, prefetch):
   """Each tabled tile of the dgrad with the silu epilogue (`moe.fuse_activation`: gathered output
   gradient, row dot with act(z), output times act'(z) and the gate scale), at its table shape
