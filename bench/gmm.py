@@ -227,7 +227,9 @@ COMPARISON_ONLY = ("gmm_t+gather", "tgmm+gather+scale (down)")
 
 def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=None):
   """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
-  from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py. configs /
+  from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py, and the
+  M-specific rows of the two calls whose rows are already in expert order ("gmm (down)", "gmm_t
+  (up)": the plain ops at the trainer's M and routing). configs /
   only_ops: DISPATCH_CONFIGS names / op names to run (None: all). Returns the best rows; with
   `out_path` they are also written there (`tuning.rows_to_json`) after every op, so a sweep cut
   short by a time limit keeps what it found."""
@@ -262,6 +264,15 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=N
                                                      row_scale=s, row_dot=hr, epi_act="silu",
                                                      config=cfg)),
             (dout, w2, plan.group_sizes, token_of_row, scale, hrows)),
+        # The two short-contraction calls (F -> D, K = F) take their rows in expert order, no
+        # gather: the last matmul's forward (act(z) rows, then the fan-in) and the first matmul's
+        # input gradient (gather_gmm's backward, then the fan-in), at the trainer's M and routing.
+        "gmm (down)": ("gmm", 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
+            lambda a, w, gs: TG.triton_gmm(a, w, gs, config=cfg)),
+            (hrows, w2, plan.group_sizes)),
+        "gmm_t (up)": ("gmm_t", 2.0 * m * d * h, (h, d), lambda cfg: jax.jit(
+            lambda o, w, gs: TG.triton_gmm(o, w, gs, transpose_rhs=True, config=cfg)),
+            (hrows, w1, plan.group_sizes)),
         "tgmm+gather": ("tgmm+gather", 2.0 * m * d * h, (d, h), lambda cfg: jax.jit(
             lambda x, r, gs, i: TG.triton_tgmm(x, r, gs, num_groups=E, lhs_index=i, config=cfg)),
             (x, hrows, plan.group_sizes, token_of_row)),

@@ -36,7 +36,8 @@ def test_gathered_sweep_writes_the_trainers_forms_rows(monkeypatch, tmp_path):
   # Per op, the candidate (in the sweep's order) the fake timer makes fastest: the plain dgrad
   # (comparison only) prefers another tile than the silu form the trainer calls.
   fastest = {"gmm+gather": 1, "gmm_t+gather": 2, "gmm_t+gather+silu": 3, "tgmm+gather": 0,
-             "tgmm+gather (down)": 2, "tgmm+gather+scale (down)": 1}
+             "tgmm+gather (down)": 2, "tgmm+gather+scale (down)": 1, "gmm (down)": 4,
+             "gmm_t (up)": 3}
   calls = []
 
   def timer(fn, *args, iterations=10):
@@ -57,7 +58,8 @@ def test_gathered_sweep_writes_the_trainers_forms_rows(monkeypatch, tmp_path):
                         "gmm_t+gather+silu": ("gmm_t+gather", 64, 48),
                         "tgmm+gather": ("tgmm+gather", 64, 48),
                         "tgmm+gather (down)": ("tgmm+gather", 48, 64),
-                        "tgmm+gather+scale (down)": (None, 48, 64)}[op]
+                        "tgmm+gather+scale (down)": (None, 48, 64),
+                        "gmm (down)": ("gmm", 48, 64), "gmm_t (up)": ("gmm_t", 48, 64)}[op]
     # (the candidates as the sweep sees them: its first is the table's row before it)
     cands = tuning.candidates("triton", table_op, kc, no, m)[:5] if table_op else None
     current["op"] = op
