@@ -330,3 +330,55 @@ def test_tabled_dgrad_epilogue_tiles(shape_cfg, prefetch):
   want = u * sig * (1 + zf * (1 - sig)) * np.asarray(scale)[:, None]
   assert _rel(np.asarray(out)[:used], want[:used]) < 1e-2
   assert np.all(np.asarray(out, np.float32)[used:] == 0), "padding rows must be zero"
+
+
+def _tabled_tiles():
+  """Every distinct (op, kc, no, tile) of the Triton backend's tuning table, gathered or not."""
+  from kernels import tuning
+  seen = {}
+  for key, cfg in tuning.TABLE.items():
+    if key[0] == "triton":
+      seen.setdefault((key[1], key[2], key[3], cfg), "|".join(str(p) for p in key[1:]))
+  return sorted(seen.items(), key=lambda item: item[1])
+
+
+TABLED_TILES = _tabled_tiles()
+
+
+@pytest.mark.parametrize("row", [r for r, _ in TABLED_TILES], ids=[name for _, name in TABLED_TILES])
+def test_tabled_tiles(row):
+  """Each tile of the Triton tuning table at its row's widths (kc, no), without an epilogue (as the
+  forward, the plain input gradients and the weight gradients run them), against numpy in float32:
+  the sweeps that tabled them time a tile, they do not check its values. '+gather' rows read the
+  operand rows through an index (tgmm: the left operand's), as fused_dispatch calls them."""
+  if "triton" not in BACKENDS:
+    pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
+  _require("triton")
+  from kernels import triton_gmm
+  op, kc, no, cfg = row
+  plain, gathered = op.split("+")[0], op.endswith("+gather")
+  m, g = 5000, 16
+  rng = np.random.default_rng(_seed("tabled", row))
+  gs = _random_sizes(rng, m - 29, g, empty=2)      # 29 padding rows
+  used = int(gs.sum())
+  k1, k2 = jax.random.split(_key("tabled", row))
+  n_src = m // 2 if gathered else m
+  idx = jnp.asarray(rng.integers(0, n_src, m), jnp.int32) if gathered else None
+  take = (lambda a: np.asarray(a, np.float32)[np.asarray(idx)]) if gathered else (
+      lambda a: np.asarray(a, np.float32))
+  if plain == "tgmm":   # out[g] = lhs[rows of g].T @ rhs[rows of g]: [G, kc, no]
+    lhs = jax.random.normal(k1, (n_src, kc), jnp.float32).astype(jnp.bfloat16)
+    rhs = jax.random.normal(k2, (m, no), jnp.float32).astype(jnp.bfloat16)
+    out = jax.jit(lambda a, b, s, i: triton_gmm.triton_tgmm(
+        a, b, s, num_groups=g, lhs_index=i, config=cfg))(lhs, rhs, jnp.asarray(gs), idx)
+    assert _rel(out, _ref_tgmm(take(lhs)[:used], np.asarray(rhs, np.float32)[:used], gs)) < 1e-2
+    return
+  transpose = plain == "gmm_t"   # gmm: w[g] [kc, no]; gmm_t: w[g] [no, kc], used transposed
+  lhs = jax.random.normal(k1, (n_src, kc), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k2, (g,) + ((no, kc) if transpose else (kc, no)), jnp.float32)
+       / np.sqrt(kc)).astype(jnp.bfloat16)
+  out = jax.jit(lambda a, b, s, i: triton_gmm.triton_gmm(
+      a, b, s, transpose_rhs=transpose, lhs_index=i, config=cfg))(lhs, w, jnp.asarray(gs), idx)
+  ref = _ref_gmm(take(lhs), w, gs, transpose_rhs=transpose)
+  assert _rel(np.asarray(out)[:used], ref[:used]) < 1e-2
+  assert np.all(np.asarray(out, np.float32)[used:] == 0), "padding rows must be zero"
