@@ -20,21 +20,27 @@ def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float, layout: str) -> jax.Array:
-  """Rotates x [B, T, H, Dh] (or [B, T, Dh]) by positions [B, T]; returns x's dtype."""
+  """Rotates x [B, T, H, Dh] (or [B, T, Dh]) by positions [B, T]; returns x's dtype.
+
+  Each pair (a, b) becomes (a cos - b sin, b cos + a sin), written as x * cos + swap(x) * sin with
+  swap(a, b) = (-b, a): a reverse on the pair axis and a sign, both elementwise, so XLA makes the
+  rotation and its transpose one loop fusion each (strided slices and a stack cost the UMoE-base
+  step ~1.6 ms of separate slice / concatenate passes on an H200, BENCHMARKS.md run 43).
+  """
+  if layout not in ("interleaved", "half"):
+    raise ValueError(f"rope layout {layout!r}; valid: interleaved, half")
   squeeze = x.ndim == 3
   if squeeze:
     x = x[:, :, None, :]
-  dh = x.shape[-1]
+  b, t, h, dh = x.shape
   cos, sin = rope_angles(positions, dh, theta)                  # [B, T, Dh/2]
-  cos, sin = cos[:, :, None, :], sin[:, :, None, :]             # [B, T, 1, Dh/2]
-  x32 = x.astype(jnp.float32)
-  if layout == "interleaved":
-    a, b = x32[..., 0::2], x32[..., 1::2]
-    out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
-  elif layout == "half":
-    a, b = x32[..., : dh // 2], x32[..., dh // 2:]
-    out = jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-  else:
-    raise ValueError(f"rope layout {layout!r}; valid: interleaved, half")
-  out = out.astype(x.dtype)
+  if layout == "interleaved":   # channel 2i + j of a head is pairs[..., i, j]
+    pair_shape, pair_axis, sign = (dh // 2, 2), -1, jnp.array([-1.0, 1.0], jnp.float32)
+    cos, sin = cos[:, :, None, :, None], sin[:, :, None, :, None]            # [B, T, 1, Dh/2, 1]
+  else:                         # channel j * Dh/2 + i of a head is pairs[..., j, i]
+    pair_shape, pair_axis, sign = (2, dh // 2), -2, jnp.array([[-1.0], [1.0]], jnp.float32)
+    cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]            # [B, T, 1, 1, Dh/2]
+  pairs = x.astype(jnp.float32).reshape(b, t, h, *pair_shape)
+  out = pairs * cos + (jnp.flip(pairs, pair_axis) * sign) * sin
+  out = out.reshape(x.shape).astype(x.dtype)
   return out[:, :, 0, :] if squeeze else out
