@@ -218,6 +218,9 @@ def routed_inputs(d, h, E, K, n=None, seed=5):
 
 
 DISPATCH_CONFIGS = (("base", 768, 192, 128, 15), ("large", 2048, 512, 64, 10))
+# Swept by --sweep-gathered only: UMoE-base's attention-side calls (the routed queries' and the
+# attention experts' matmuls, K = 3 slots: M = 3 N ~ 2^17 rows, their own table rows).
+ATTENTION_CONFIGS = (("base_att", 768, 192, 128, 3),)
 
 
 # Gathered ops timed for comparison only: the table row of their op comes from the trainer's form
@@ -238,7 +241,7 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=N
   from kernels import tuning, triton_gmm as TG
   from umoe_jax.ops import dispatch as D
   best_rows, best_by_op = {}, {}
-  for name, d, h, E, K in DISPATCH_CONFIGS:
+  for name, d, h, E, K in DISPATCH_CONFIGS + ATTENTION_CONFIGS:
     if configs is not None and name not in configs:
       continue
     x, ids, gates, w1, w2 = routed_inputs(d, h, E, K)
@@ -445,7 +448,8 @@ def main():
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
   ap.add_argument("--sweep-gathered", action="store_true", help="tiles of the fused-dispatch calls")
-  ap.add_argument("--gathered-configs", default="", help="with --sweep-gathered: base,large (default all)")
+  ap.add_argument("--gathered-configs", default="",
+                  help="with --sweep-gathered: base,large,base_att (default all)")
   ap.add_argument("--gathered-ops", default="",
                   help="with --sweep-gathered: ';'-separated call names (default all), e.g. "
                        "'tgmm+gather (down);tgmm+gather+scale (down)'")

@@ -56,6 +56,9 @@ TABLE: dict[tuple, TileConfig] = {
     ("triton", "gmm", 768, 192, 1 << 19): _C(256, 192, 64, 8, 4),  # base-up 461 (round 5)
     ("triton", "gmm", 768, 192, 1 << 17): _C(256, 192, 64, 8, 4),  # base-att 347 (round 5)
     ("triton", "gmm_t", 192, 768): _C(128, 128, 64, 4, 3),   # base-up dgrad 275, base-att 246
+    # base-up dgrad as gather_gmm's backward calls it (rows in expert order, M ~ 2^19; session 9,
+    # run 45): the same tile on a persistent grid of 2 programs an SM, 401 against 269.
+    ("triton", "gmm_t", 192, 768, 1 << 19): _C(128, 128, 64, 4, 3, persistent=2),
     ("triton", "tgmm", 768, 192): _C(128, 192, 64, 8, 3),    # base-up wgrad 422
     ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 3, persistent=2),  # base-down 395 (r4)
     ("triton", "gmm_t", 768, 192): _C(128, 192, 64, 8, 5),   # base-down dgrad 428

@@ -30,6 +30,7 @@ def _fake_tgmm(lhs, rhs, group_sizes, *, num_groups=None, **_):
 def test_gathered_sweep_writes_the_trainers_forms_rows(monkeypatch, tmp_path):
   monkeypatch.setattr(bench_gmm, "T", 256)
   monkeypatch.setattr(bench_gmm, "DISPATCH_CONFIGS", (("base", 64, 48, 8, 3),))
+  monkeypatch.setattr(bench_gmm, "ATTENTION_CONFIGS", ())
   monkeypatch.setattr(triton_gmm, "triton_gmm", _fake_gmm)
   monkeypatch.setattr(triton_gmm, "triton_tgmm", _fake_tgmm)
   monkeypatch.setattr(tuning, "TABLE", {})
