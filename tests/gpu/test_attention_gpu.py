@@ -110,10 +110,12 @@ def test_triton_core_matches_xla(b, t, h, dk, d):
 @pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (2, 203, 3, 64, 320)], ids=["base", "odd"])
 def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
   """The optional fused dX + dK pass (`FlashTiles.dxdk`, off by default) against the XLA core,
-  dK on its own (a concatenation with dX would hide a dK error)."""
+  dK on its own (a concatenation with dX would hide a dK error). It replaces the recomputing
+  backward's dX and dK passes, so it goes on the tiles without the stored forms (the default)."""
   import dataclasses
   from kernels import attention_tiles as at
-  tiles = dataclasses.replace(at.default_tiles(dk, d), dxdk=at.PassTiles(64, 32, 256, 4, 2))
+  tiles = dataclasses.replace(at.with_backward(at.default_tiles(dk, d), "recompute", dk),
+                              dxdk=at.PassTiles(64, 32, 256, 4, 2))
   _assert_triton_grads_match_xla(tiles, *_core_inputs(b, t, h, dk, d, seed=t + dk))
 
 
