@@ -43,6 +43,9 @@ class TileConfig:
   # Triton gmm with a row dot (gmm_combine's backward) only: load the epilogue's operand tile (the
   # pre-activations) before the contraction, its latency hidden behind the matmul.
   prefetch_row_dot: bool = False
+  # Triton gmm with a row dot only: the kernel writes the plain product (no epilogue registers, the
+  # tile of a plain matmul) and one XLA pass applies the epilogue (row dot, act', scale, scaled rows).
+  xla_epilogue: bool = False
 
 
 # (backend, op, kc, no) or (backend, op, kc, no, m_bucket(M)) -> config. Filled from the H200
@@ -186,6 +189,11 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
     # pipelines of the current tile first.
     if plain == "gmm_t":  # gmm_combine's input gradient: its row-dot epilogue's operand early
       out.append(dataclasses.replace(out[0], prefetch_row_dot=not out[0].prefetch_row_dot))
+      # ... or the epilogue left to XLA, the kernel on a plain matmul's tile of these widths (the
+      # gathered forward's, the plain dgrad's): the epilogue's registers halve the tile's speed.
+      for plain_op in ("gmm+gather", "gmm_t"):
+        tile = lookup(backend, plain_op, m, kc, no, 0)
+        out.append(dataclasses.replace(tile, xla_epilogue=True, prefetch_row_dot=False))
     for ns in (out[0].num_stages + 1, out[0].num_stages + 2):
       out += [dataclasses.replace(out[0], num_stages=ns),
               dataclasses.replace(out[0], num_stages=ns, persistent=1)]

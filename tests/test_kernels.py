@@ -178,9 +178,87 @@ def test_tuning_candidates_fit_hopper_shared_memory(monkeypatch):
   # gmm_combine's input gradient: the tile with its epilogue operand loaded early comes next.
   assert dgrad[1] == dataclasses.replace(dgrad[0], prefetch_row_dot=True)
   assert not any(c.prefetch_row_dot for c in tuning.candidates("triton", "gmm+gather", 768, 192))
-  two_per_sm = [c for c in dgrad[1:4] if c.bm == 64 and c.num_warps == 4]
+  # ... then the epilogue left to XLA, on the tiles of the plain matmuls of these widths.
+  assert dgrad[2:4] == [dataclasses.replace(tuning.lookup("triton", op, 1 << 19, 768, 192, 0),
+                                            xla_epilogue=True) for op in ("gmm+gather", "gmm_t")]
+  assert not any(c.xla_epilogue for c in tuning.candidates("triton", "gmm+gather", 768, 192))
+  two_per_sm = [c for c in dgrad[1:6] if c.bm == 64 and c.num_warps == 4]
   assert two_per_sm and all(2 * tuning.triton_gmm_shared_bytes(c) <= tuning.HOPPER_SHARED_BYTES
                             for c in two_per_sm)
+
+
+_SIG = lambda x: 1.0 / (1.0 + np.exp(-x))
+_NP_ACTS = {None: (lambda x: x, lambda x: np.ones_like(x)),
+            "silu": (lambda x: x * _SIG(x), lambda x: _SIG(x) * (1 + x * (1 - _SIG(x)))),
+            "relu": (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float64))}
+
+
+def _epilogue_reference(u, scale, z, act_name, z_dtype):
+  """numpy float64: (u * act'(z) * scale, <u, act(z)>, act(z) rounded to z's dtype * scale)."""
+  act, dact = _NP_ACTS[act_name]
+  u, z, scale = (np.asarray(a, np.float64) for a in (u, z, scale))
+  rounded = np.asarray(jnp.asarray(act(z), jnp.float32).astype(z_dtype), np.float64)
+  return u * dact(z) * scale[:, None], (u * act(z)).sum(-1), rounded * scale[:, None]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("act_name", [None, "silu", "relu"])
+def test_xla_epilogue_matches_numpy(act_name, dtype):
+  """`triton_gmm.xla_epilogue` (`TileConfig.xla_epilogue`: the row-dot epilogue as an XLA pass over
+  the plain product) against numpy in float64: the output times act'(z) and the row scale, the
+  row dots with act(z), and the scaled rows act(z) * scale (act rounded to z's dtype first)."""
+  rng = np.random.default_rng(7 + (act_name is None) + 2 * (dtype == jnp.bfloat16))
+  m, n = 37, 48
+  u = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  z = jnp.asarray(2 * rng.standard_normal((m, n)), dtype)
+  scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+  out, dots, rows = jax.jit(triton_gmm.xla_epilogue, static_argnums=(3, 4, 5))(
+      u, scale, z, act_name, True, dtype)
+  want_out, want_dots, want_rows = _epilogue_reference(u, scale, z, act_name, dtype)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  assert out.dtype == dtype and rows.dtype == dtype and dots.dtype == jnp.float32
+  for name, got, want in (("out", out, want_out), ("dots", dots, want_dots), ("rows", rows, want_rows)):
+    got = np.asarray(got, np.float64)
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want), name
+  two = triton_gmm.xla_epilogue(u, None, z, act_name, False, dtype)
+  assert len(two) == 2 and np.allclose(np.asarray(two[1]), np.asarray(dots), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_gmm_with_the_xla_epilogue_runs_the_plain_kernel(monkeypatch):
+  """With `TileConfig.xla_epilogue` the dgrad call (gathered rows, row scale, row dot with the silu
+  epilogue, scaled rows) launches the kernel without any epilogue, on the same tile and gathered
+  rows, and returns the epilogue's results from the plain product (the launch replaced by a numpy
+  product here: jax-triton needs a GPU)."""
+  launches = []
+
+  def fake_triton_call(lhs, rhs, gs, index, scale, other, *, kernel, grid, out_shape, **params):
+    launches.append(params)
+    rows = np.asarray(lhs, np.float32)[np.asarray(index)] if params["A_INDEX"] else lhs
+    product = _ref_gmm(rows, np.asarray(rhs, np.float32), gs, transpose_rhs=True)
+    return [jnp.asarray(product, out_shape[0].dtype)] + [jnp.zeros(s.shape, s.dtype)
+                                                         for s in out_shape[1:]]
+
+  monkeypatch.setattr(triton_gmm, "jt", type("FakeJT", (), {"triton_call": staticmethod(
+      fake_triton_call)}), raising=False)
+  rng = np.random.default_rng(8)
+  m, kc, no, g = 50, 32, 24, 3
+  gs = np.array([20, 0, 25], np.int32)                    # 5 padding rows
+  src = jnp.asarray(rng.standard_normal((30, kc)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, 30, m), jnp.int32)
+  w = jnp.asarray(rng.standard_normal((g, no, kc)) / 4, jnp.float32)
+  z = jnp.asarray(2 * rng.standard_normal((m, no)), jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+  cfg = tuning.TileConfig(64, 64, 32, 4, 3, xla_epilogue=True)
+  out, dots, rows = triton_gmm.triton_gmm(src, w, jnp.asarray(gs), transpose_rhs=True, config=cfg,
+                                          lhs_index=idx, row_scale=scale, row_dot=z, epi_act="silu",
+                                          scaled_row_dot=True)
+  (params,) = launches
+  assert params["A_INDEX"] and not (params["ROW_DOT"] or params["ROW_SCALE"] or params["SCALED_D"])
+  assert params["EPI_ACT"] == 0 and (params["BM"], params["BK"]) == (64, 32)
+  u = _ref_gmm(np.asarray(src)[np.asarray(idx)], w, gs, transpose_rhs=True)   # padding rows 0
+  for name, got, want in zip(("out", "dots", "rows"), (out, dots, rows),
+                             _epilogue_reference(u, scale, z, "silu", jnp.float32)):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_tuning_rows_round_trip_through_a_file_and_bad_files_are_named(tmp_path):

@@ -295,21 +295,23 @@ def _epilogue_tiles():
 EPILOGUE_TILES = _epilogue_tiles()
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["z_after", "z_early"])
+@pytest.mark.parametrize("epilogue", ["z_after", "z_early", "xla"])
 @pytest.mark.parametrize("shape_cfg", [c for c, _ in EPILOGUE_TILES],
                          ids=[name for _, name in EPILOGUE_TILES])
-def test_tabled_dgrad_epilogue_tiles(shape_cfg, prefetch):
+def test_tabled_dgrad_epilogue_tiles(shape_cfg, epilogue):
   """Each tabled tile of the dgrad with the silu epilogue (`moe.fuse_activation`: gathered output
   gradient, row dot with act(z), output times act'(z) and the gate scale), at its table shape
   against numpy in float32: a tile may split the output width (the row dot then sums partial dots
   over column tiles), which the smaller tests' tiles do not; with z's tile loaded after the
-  contraction and before it (`TileConfig.prefetch_row_dot`)."""
+  contraction, before it (`TileConfig.prefetch_row_dot`), or the epilogue in XLA after the plain
+  kernel (`TileConfig.xla_epilogue`)."""
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
   from kernels import triton_gmm
   kc, no, cfg = shape_cfg          # out [M, no] = dout[idx] [M, kc] @ w[g].T, w[g]: [no, kc]
-  cfg = dataclasses.replace(cfg, prefetch_row_dot=prefetch)
+  cfg = dataclasses.replace(cfg, prefetch_row_dot=epilogue == "z_early",
+                            xla_epilogue=epilogue == "xla")
   m, g = 6000, 16
   rng = np.random.default_rng(_seed("epilogue", kc, no, cfg))
   gs = _random_sizes(rng, m - 37, g, empty=2)      # 37 padding rows: the zero tail
