@@ -49,8 +49,10 @@ def test_pointers_are_declared_aligned_as_jax_triton_declares_them():
     kr._ptxas()
   except FileNotFoundError as e:
     pytest.skip(str(e))
+  # (the attention's up dgrad: the plain one-program-a-tile grid; the FFN's is persistent since
+  # session 9, and a persistent program's shared memory is not the pipeline estimate alone)
   name, tiles, kernel, ptrs, consts = next(c for c in kr.gmm_cases(kr.SHAPES["base"])
-                                           if c[0] == "ffn up dgrad")
+                                           if c[0] == "att up dgrad")
   consts = dict(consts)
   warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
   aligned = kr.compile_resources(kernel, ptrs, consts, num_warps=warps, num_stages=stages)
