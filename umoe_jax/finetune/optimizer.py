@@ -81,7 +81,8 @@ def _schedule_args(t: Any, lr: float, total_steps: int) -> types.SimpleNamespace
   that is done once over all groups)."""
   return types.SimpleNamespace(learning_rate=lr, num_steps=total_steps, warmup_steps=None,
                                warmup_ratio=t.warmup_ratio, min_lr_ratio=t.min_lr_ratio, b1=t.b1,
-                               b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, grad_clip=0.0)
+                               b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, grad_clip=0.0,
+                               mu_dtype="float32")
 
 
 def make_optimizer(t: Any, labels: Any, decay: Any, total_steps: int):

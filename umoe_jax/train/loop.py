@@ -109,7 +109,7 @@ class StopRequest:
 # config.train keys that shape the compiled programs (the others only steer the loop): those of
 # the optimizer (state layout, init, eval are shared by runs that differ only in the step keys).
 OPTIMIZER_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio",
-                  "b1", "b2", "eps", "weight_decay", "grad_clip")
+                  "b1", "b2", "eps", "weight_decay", "mu_dtype", "grad_clip")
 STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite", "loss_chunk_tokens", "fused_loss_head")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from umoe_jax.parallel import rules as ax
@@ -67,9 +68,12 @@ def decay_mask(abstract_params: Any) -> Any:
 
 
 def make_optimizer(train: Any, mask: Any) -> optax.GradientTransformation:
-  """clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, weight_decay, mask)."""
+  """clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, weight_decay, mask), the first
+  moment kept in `train.mu_dtype` (float32: the parameters' dtype)."""
+  mu_dtype = None if train.mu_dtype == "float32" else jnp.dtype(train.mu_dtype)
   adamw = optax.adamw(learning_rate_schedule(train), b1=float(train.b1), b2=float(train.b2),
-                      eps=float(train.eps), weight_decay=float(train.weight_decay), mask=mask)
+                      eps=float(train.eps), weight_decay=float(train.weight_decay), mask=mask,
+                      mu_dtype=mu_dtype)
   if train.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(float(train.grad_clip)), adamw)
   return adamw
