@@ -157,12 +157,14 @@ def gmm_cases(shape: dict):
       cfg = tuning.lookup("triton", op, rows, kc, no, g)
       if epi == "act+prefetch":
         cfg = dataclasses.replace(cfg, prefetch_row_dot=True)
+      if cfg.xla_epilogue:  # launched without the epilogue, writing float32 (triton_gmm)
+        name, epi = f"{name} (epilogue in XLA)", None
       k, n = (no, kc) if transpose else (kc, no)
       launch = tg.gmm_launch(rows, kc, no, g, cfg)
       launch.pop("grid")
       warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-      ptrs = dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, scale_ptr=f32, d_ptr=bf, o_ptr=bf,
-                  rd_ptr=f32, ds_ptr=bf)
+      ptrs = dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, scale_ptr=f32, d_ptr=bf,
+                  o_ptr=f32 if cfg.xla_epilogue else bf, rd_ptr=f32, ds_ptr=bf)
       consts = dict(M=rows, KC=kc, NO=no, G=g, s_bg=k * n, s_bk=1 if transpose else n,
                     s_bn=n if transpose else 1, A_INDEX=gathered, ROW_SCALE=epi is not None,
                     ROW_DOT=epi is not None, EPI_ACT=1 if epi else 0,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import tuning
+from umoe_jax.ops import epilogue
 
 try:  # Triton is only on GPU machines; this module must still import elsewhere.
   import triton
@@ -373,35 +374,6 @@ def _placeholder():
 FUSED_ACTIVATIONS = {"silu": 1, "relu": 2}
 
 
-# The same activations in XLA (float32 in, float32 out): act, act' (`TileConfig.xla_epilogue`).
-def _silu_grad(x):
-  sig = jax.nn.sigmoid(x)
-  return sig * (1.0 + x * (1.0 - sig))
-
-
-XLA_ACTIVATIONS = {"silu": (jax.nn.silu, _silu_grad),
-                   "relu": (jax.nn.relu, lambda x: (x > 0).astype(x.dtype))}
-
-
-def xla_epilogue(out, row_scale, row_dot, epi_act, scaled_row_dot, out_dtype):
-  """`triton_gmm`'s row-dot epilogue as one XLA pass over the plain product out [M, N_out] (the
-  kernel's float32 accumulator rounded to its dtype first): the same results as the kernel's
-  epilogue up to that rounding. Returns (out, dots) or (out, dots, scaled) as `triton_gmm`."""
-  u = out.astype(jnp.float32)
-  z = row_dot.astype(jnp.float32)
-  act, dact = XLA_ACTIVATIONS[epi_act] if epi_act is not None else (None, None)
-  dots = jnp.sum(u * (z if act is None else act(z)), axis=-1)                          # [M]
-  if act is not None:
-    u = u * dact(z)
-  if row_scale is not None:
-    u = u * row_scale.astype(jnp.float32)[:, None]
-  result = (u.astype(out_dtype), dots)
-  if scaled_row_dot:  # act(z) rounded to z's dtype, then scaled, as the kernel's `_scaled_rows`
-    a = row_dot if act is None else act(z).astype(row_dot.dtype)
-    result += ((a.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]).astype(row_dot.dtype),)
-  return result
-
-
 def _act_code(name, what):
   if name is None:
     return 0
@@ -421,8 +393,8 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
   `scaled_row_dot` (with `row_dot` and `row_scale`): return (out, dots, scaled) with scaled [M, N_out]
   in row_dot's dtype, scaled[r] = act(z[r]) (rounded to that dtype; z[r] itself without `epi_act`)
   * row_scale[r]: written from the tiles the epilogue loaded anyway. A tile with `xla_epilogue`
-  (`kernels.tuning.TileConfig`) runs the kernel without the row-dot epilogue and `xla_epilogue`
-  after it."""
+  (`kernels.tuning.TileConfig`) runs the kernel without the row-dot epilogue and XLA's after it
+  (`_with_xla_epilogue`)."""
   if epi_act is not None and row_dot is None:
     raise ValueError("triton_gmm: epi_act needs row_dot (the pre-activations)")
   if scaled_row_dot and (row_dot is None or row_scale is None):
@@ -436,12 +408,10 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
   cfg = config or tuning.lookup("triton", op, m, kc, no, g)
   if row_dot is not None and row_dot.shape != (m, no):
     raise ValueError(f"row_dot {row_dot.shape} must be the output's shape {(m, no)}")
-  _act_code(epi_act, "epi_act")
-  if cfg.xla_epilogue and row_dot is not None:  # the plain product, then the epilogue in XLA
-    plain = triton_gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                       config=dataclasses.replace(cfg, xla_epilogue=False), lhs_index=lhs_index)
-    result = xla_epilogue(plain, row_scale, row_dot, epi_act, scaled_row_dot, out_dtype)
-    return result if scaled_row_dot else result[:2]
+  act_code = _act_code(epi_act, "epi_act")
+  if cfg.xla_epilogue and row_dot is not None:  # the plain float32 product, the epilogue in XLA
+    return _with_xla_epilogue(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, lhs_index,
+                              row_scale, row_dot, epi_act, scaled_row_dot)
   launch = gmm_launch(m, kc, no, g, cfg, _num_sms() if cfg.persistent else 132)
   grid = launch.pop("grid")
   index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
@@ -458,10 +428,24 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
                  scaled_shape],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      EPI_ACT=_act_code(epi_act, "epi_act"), SCALED_D=bool(scaled_row_dot), **launch)
+      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), **launch)
   if row_dot is None:
     return out
   return (out, dots.sum(axis=0), scaled) if scaled_row_dot else (out, dots.sum(axis=0))
+
+
+def _with_xla_epilogue(lhs, rhs, group_sizes, transpose_rhs, out_dtype, cfg, lhs_index, row_scale,
+                       row_dot, epi_act, scaled_row_dot):
+  """`triton_gmm` on a tile with `xla_epilogue`: the kernel without the row-dot epilogue (on the
+  tile, the gathered rows as given) writes the float32 product u [M, N_out], then
+  `umoe_jax.ops.epilogue` applies the epilogue in XLA: the kernel's results up to float32
+  summation order, u written and read once more (4 bytes an element)."""
+  u = triton_gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=jnp.float32,
+                 config=dataclasses.replace(cfg, xla_epilogue=False), lhs_index=lhs_index)
+  out, dots = epilogue.row_dot_epilogue(u, row_scale, row_dot, epi_act, out_dtype)
+  if scaled_row_dot:
+    return out, dots, epilogue.gate_scaled(row_dot, row_scale, epi_act)
+  return out, dots
 
 
 def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=None,

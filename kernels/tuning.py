@@ -43,8 +43,8 @@ class TileConfig:
   # Triton gmm with a row dot (gmm_combine's backward) only: load the epilogue's operand tile (the
   # pre-activations) before the contraction, its latency hidden behind the matmul.
   prefetch_row_dot: bool = False
-  # Triton gmm with a row dot only: the kernel writes the plain product (no epilogue registers, the
-  # tile of a plain matmul) and one XLA pass applies the epilogue (row dot, act', scale, scaled rows).
+  # Triton gmm with a row dot only: the kernel writes the plain float32 product (no epilogue
+  # registers: a plain matmul's tile) and XLA applies the epilogue (umoe_jax.ops.epilogue).
   xla_epilogue: bool = False
 
 

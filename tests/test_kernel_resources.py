@@ -102,3 +102,18 @@ def test_the_stored_forms_default_tiles_do_not_spill(shape):
   assert sorted(c[0] for c in cases) == sorted(defaults)
   for row in kr.survey(cases):
     assert "error" not in row and row["spill_stores"] == row["spill_loads"] == 0, row
+
+
+def test_a_tile_with_the_xla_epilogue_is_surveyed_as_it_launches(monkeypatch):
+  """A tabled dgrad tile with `TileConfig.xla_epilogue` is compiled as `triton_gmm` launches it:
+  no row dot, scale or activation in the kernel, a float32 output (pure Python: no compiler)."""
+  import dataclasses
+  from kernels import tuning
+  key = ("triton", "gmm_t+gather", 768, 192, 1 << 19)
+  monkeypatch.setitem(tuning.TABLE, key, dataclasses.replace(tuning.TABLE[key], xla_epilogue=True))
+  cases = {name: (ptrs, consts) for name, _, _, ptrs, consts in kr.gmm_cases(kr.SHAPES["base"])}
+  ptrs, consts = cases["ffn down dgrad: row dot + act' (epilogue in XLA)"]
+  assert not (consts["ROW_DOT"] or consts["ROW_SCALE"] or consts["SCALED_D"] or consts["EPI_ACT"])
+  assert ptrs["o_ptr"] == "*fp32" and consts["A_INDEX"]
+  ptrs, consts = cases["att down dgrad: row dot + act'"]     # (another row: the fused epilogue)
+  assert consts["ROW_DOT"] and consts["EPI_ACT"] == 1 and ptrs["o_ptr"] == "*bf16"

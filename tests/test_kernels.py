@@ -187,9 +187,12 @@ def test_tuning_candidates_fit_hopper_shared_memory(monkeypatch):
                             for c in two_per_sm)
 
 
-_SIG = lambda x: 1.0 / (1.0 + np.exp(-x))
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
 _NP_ACTS = {None: (lambda x: x, lambda x: np.ones_like(x)),
-            "silu": (lambda x: x * _SIG(x), lambda x: _SIG(x) * (1 + x * (1 - _SIG(x)))),
+            "silu": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
             "relu": (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float64))}
 
 
@@ -203,36 +206,46 @@ def _epilogue_reference(u, scale, z, act_name, z_dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("act_name", [None, "silu", "relu"])
-def test_xla_epilogue_matches_numpy(act_name, dtype):
-  """`triton_gmm.xla_epilogue` (`TileConfig.xla_epilogue`: the row-dot epilogue as an XLA pass over
-  the plain product) against numpy in float64: the output times act'(z) and the row scale, the
-  row dots with act(z), and the scaled rows act(z) * scale (act rounded to z's dtype first)."""
+def test_row_dot_epilogue_matches_numpy(act_name, dtype):
+  """`umoe_jax.ops.epilogue` (the row-dot epilogue in XLA: backends without the fused one, and
+  Triton tiles with `TileConfig.xla_epilogue`) against numpy in float64 from a float32 product:
+  the output times act'(z) (and the row scale, when given), the row dots with act(z), and the
+  scaled rows act(z) * scale with act rounded to z's dtype first, exactly as that rounding."""
+  from umoe_jax.ops import epilogue
   rng = np.random.default_rng(7 + (act_name is None) + 2 * (dtype == jnp.bfloat16))
   m, n = 37, 48
-  u = jnp.asarray(rng.standard_normal((m, n)), dtype)
+  u = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
   z = jnp.asarray(2 * rng.standard_normal((m, n)), dtype)
   scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
-  out, dots, rows = jax.jit(triton_gmm.xla_epilogue, static_argnums=(3, 4, 5))(
-      u, scale, z, act_name, True, dtype)
+  run = jax.jit(epilogue.row_dot_epilogue, static_argnums=(3, 4))
+  out, dots = run(u, scale, z, act_name, dtype)
+  unscaled, unscaled_dots = run(u, None, z, act_name, dtype)
+  rows = jax.jit(epilogue.gate_scaled, static_argnums=2)(z, scale, act_name)
   want_out, want_dots, want_rows = _epilogue_reference(u, scale, z, act_name, dtype)
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
-  assert out.dtype == dtype and rows.dtype == dtype and dots.dtype == jnp.float32
-  for name, got, want in (("out", out, want_out), ("dots", dots, want_dots), ("rows", rows, want_rows)):
+  assert out.dtype == unscaled.dtype == rows.dtype == dtype and dots.dtype == jnp.float32
+  for name, got, want in (("out", out, want_out), ("unscaled", unscaled, want_out / np.asarray(
+      scale, np.float64)[:, None]), ("dots", dots, want_dots), ("unscaled dots", unscaled_dots,
+                                                                  want_dots)):
     got = np.asarray(got, np.float64)
     assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want), name
-  two = triton_gmm.xla_epilogue(u, None, z, act_name, False, dtype)
-  assert len(two) == 2 and np.allclose(np.asarray(two[1]), np.asarray(dots), rtol=1e-5, atol=1e-5)
+  # The rows bit for bit: float32 act(z) (jax.nn's) rounded to z's dtype, then scaled, rounded.
+  act32 = {None: lambda x: x, "silu": jax.nn.silu, "relu": jax.nn.relu}[act_name]
+  a = np.asarray(act32(z.astype(jnp.float32)).astype(dtype), np.float32)
+  want_rows = jnp.asarray(a * np.asarray(scale)[:, None]).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(want_rows, np.float32))
+  assert epilogue.row_dot_epilogue(u, scale, None, None, dtype)[1] is None
 
 
 def test_triton_gmm_with_the_xla_epilogue_runs_the_plain_kernel(monkeypatch):
   """With `TileConfig.xla_epilogue` the dgrad call (gathered rows, row scale, row dot with the silu
   epilogue, scaled rows) launches the kernel without any epilogue, on the same tile and gathered
-  rows, and returns the epilogue's results from the plain product (the launch replaced by a numpy
-  product here: jax-triton needs a GPU)."""
+  rows, writing a float32 product, and returns the epilogue's results from it (the launch replaced
+  by a numpy product here: jax-triton needs a GPU)."""
   launches = []
 
   def fake_triton_call(lhs, rhs, gs, index, scale, other, *, kernel, grid, out_shape, **params):
-    launches.append(params)
+    launches.append(dict(params, out_dtype=out_shape[0].dtype))
     rows = np.asarray(lhs, np.float32)[np.asarray(index)] if params["A_INDEX"] else lhs
     product = _ref_gmm(rows, np.asarray(rhs, np.float32), gs, transpose_rhs=True)
     return [jnp.asarray(product, out_shape[0].dtype)] + [jnp.zeros(s.shape, s.dtype)
@@ -255,6 +268,7 @@ def test_triton_gmm_with_the_xla_epilogue_runs_the_plain_kernel(monkeypatch):
   (params,) = launches
   assert params["A_INDEX"] and not (params["ROW_DOT"] or params["ROW_SCALE"] or params["SCALED_D"])
   assert params["EPI_ACT"] == 0 and (params["BM"], params["BK"]) == (64, 32)
+  assert params["out_dtype"] == jnp.float32   # the product is handed on unrounded
   u = _ref_gmm(np.asarray(src)[np.asarray(idx)], w, gs, transpose_rhs=True)   # padding rows 0
   for name, got, want in zip(("out", "dots", "rows"), (out, dots, rows),
                              _epilogue_reference(u, scale, z, "silu", jnp.float32)):

@@ -352,7 +352,7 @@ def test_tabled_tiles(row):
   """Each tile of the Triton tuning table at its row's widths (kc, no), without an epilogue (as the
   forward, the plain input gradients and the weight gradients run them), against numpy in float32:
   the sweeps that tabled them time a tile, they do not check its values. '+gather' rows read the
-  operand rows through an index (tgmm: the left operand's), as fused_dispatch calls them."""
+  operand rows through an index (tgmm: either operand's), as fused_dispatch calls them."""
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
@@ -369,11 +369,18 @@ def test_tabled_tiles(row):
   take = (lambda a: np.asarray(a, np.float32)[np.asarray(idx)]) if gathered else (
       lambda a: np.asarray(a, np.float32))
   if plain == "tgmm":   # out[g] = lhs[rows of g].T @ rhs[rows of g]: [G, kc, no]
-    lhs = jax.random.normal(k1, (n_src, kc), jnp.float32).astype(jnp.bfloat16)
-    rhs = jax.random.normal(k2, (m, no), jnp.float32).astype(jnp.bfloat16)
-    out = jax.jit(lambda a, b, s, i: triton_gmm.triton_tgmm(
-        a, b, s, num_groups=g, lhs_index=i, config=cfg))(lhs, rhs, jnp.asarray(gs), idx)
-    assert _rel(out, _ref_tgmm(take(lhs)[:used], np.asarray(rhs, np.float32)[:used], gs)) < 1e-2
+    # gathered: through each operand's index in turn (the trainer gathers x for the first
+    # matmul's weight gradient, the output gradient for the last's)
+    for side in ("lhs", "rhs") if gathered else ("none",):
+      lhs = jax.random.normal(k1, (n_src if side == "lhs" else m, kc), jnp.float32)
+      rhs = jax.random.normal(k2, (n_src if side == "rhs" else m, no), jnp.float32)
+      lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+      index = dict(lhs_index=idx) if side == "lhs" else dict(rhs_index=idx) if side == "rhs" else {}
+      out = jax.jit(lambda a, b, s, ix: triton_gmm.triton_tgmm(
+          a, b, s, num_groups=g, config=cfg, **ix))(lhs, rhs, jnp.asarray(gs), index)
+      a_rows = take(lhs) if side == "lhs" else np.asarray(lhs, np.float32)
+      b_rows = take(rhs) if side == "rhs" else np.asarray(rhs, np.float32)
+      assert _rel(out, _ref_tgmm(a_rows[:used], b_rows[:used], gs)) < 1e-2, side
     return
   transpose = plain == "gmm_t"   # gmm: w[g] [kc, no]; gmm_t: w[g] [no, kc], used transposed
   lhs = jax.random.normal(k1, (n_src, kc), jnp.float32).astype(jnp.bfloat16)

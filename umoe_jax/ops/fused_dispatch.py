@@ -28,34 +28,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine
+from umoe_jax.ops.epilogue import FUSABLE_ACTIVATIONS
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
-
-
-# Activations `gmm_combine(activation=...)` can take inside its matmuls: name -> (act, act') on
-# float32 arrays (the same functions as the model's `layers.ACTIVATION_FNS` entries).
-def _silu_grad(z):
-  sig = jax.nn.sigmoid(z)
-  return sig * (1.0 + z * (1.0 - sig))
-
-
-FUSABLE_ACTIVATIONS = {
-    "silu": (jax.nn.silu, _silu_grad),
-    "relu": (jax.nn.relu, lambda z: (z > 0).astype(z.dtype)),
-}
-
-
-def _act(name, x):
-  """act(x) computed in float32 and returned in x's dtype."""
-  return FUSABLE_ACTIVATIONS[name][0](x.astype(jnp.float32)).astype(x.dtype)
-
-
-def _gate_scaled(z: jax.Array, scale: jax.Array, activation: str | None) -> jax.Array:
-  """act(z) (z itself without an activation; act rounded to z's dtype) * scale[:, None], in z's
-  dtype: gmm_combine's weight-gradient operand rows, z [M, F], scale [M] float32."""
-  rows = z if activation is None else _act(activation, z)
-  return (rows.astype(jnp.float32) * scale[:, None]).astype(z.dtype)
 
 
 def _in_kernel(backend, act) -> bool:
@@ -81,21 +58,13 @@ def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None,
     out, dots = _raw_gmm(backend, lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                          lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot,
                          epi_act=epi_act)
-    return out, dots, _gate_scaled(row_dot, row_scale, epi_act)
+    return out, dots, epilogue.gate_scaled(row_dot, row_scale, epi_act)
   if lhs_index is not None:
     lhs = jnp.take(lhs, lhs_index, axis=0)
-  epilogue = row_scale is not None or row_dot is not None
-  out = backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
-                    out_dtype=jnp.float32 if epilogue else out_dtype)
-  dots = None
-  if row_dot is not None:
-    z = row_dot.astype(jnp.float32)
-    dots = jnp.sum(out * (z if epi_act is None else FUSABLE_ACTIVATIONS[epi_act][0](z)), axis=-1)
-    if epi_act is not None:
-      out = out * FUSABLE_ACTIVATIONS[epi_act][1](z)
-  if row_scale is not None:
-    out = out * row_scale[:, None]
-  out = out.astype(out_dtype)
+  if row_scale is None and row_dot is None:
+    return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+  u = backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+  out, dots = epilogue.row_dot_epilogue(u, row_scale, row_dot, epi_act, out_dtype)
   return out if row_dot is None else (out, dots)
 
 
@@ -217,7 +186,8 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
   fuse_weight_rows: the weight gradient's gate-scaled operand rows come from the input-gradient
   matmul's epilogue (which loads h anyway) instead of their own XLA pass."""
   backend = BACKENDS.get(backend_name)
-  operand = (lambda h: h) if activation is None else functools.partial(_act, activation)
+  operand = ((lambda h: h) if activation is None
+             else functools.partial(epilogue.activate, activation))
 
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates):
@@ -244,7 +214,8 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
                      lhs_index=token, row_scale=gate_sorted, row_dot=h, epi_act=activation,
                      scaled_rows=fuse_weight_rows)                                         # [M, F], [M]
     dh, dgate_sorted = grads[:2]
-    hg = grads[2] if fuse_weight_rows else _gate_scaled(h, gate_sorted, activation)        # [M, F]
+    hg = (grads[2] if fuse_weight_rows
+          else epilogue.gate_scaled(h, gate_sorted, activation))                          # [M, F]
     drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      rhs_index=token)                                                      # [E, F, D]
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
