@@ -192,7 +192,8 @@ def _sigmoid(x):
 
 
 _NP_ACTS = {None: (lambda x: x, lambda x: np.ones_like(x)),
-            "silu": (lambda x: x * _sigmoid(x), lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
+            "silu": (lambda x: x * _sigmoid(x),
+                     lambda x: _sigmoid(x) * (1 + x * (1 - _sigmoid(x)))),
             "relu": (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float64))}
 
 
