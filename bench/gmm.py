@@ -231,9 +231,9 @@ COMPARISON_ONLY = ("gmm_t+gather", "tgmm+gather+scale (down)")
 def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=None):
   """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
   from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py, and the
-  M-specific rows of the two calls whose rows are already in expert order ("gmm (down)", "gmm_t
-  (up)": the plain ops at the trainer's M and routing). configs /
-  only_ops: DISPATCH_CONFIGS names / op names to run (None: all). Returns the best rows; with
+  M-specific rows of the two calls whose rows are already in expert order ("gmm (down)",
+  "gmm_t (up)": the plain ops at the trainer's M and routing). configs / only_ops: names of
+  DISPATCH_CONFIGS + ATTENTION_CONFIGS / op names to run (None: all). Returns the best rows; with
   `out_path` they are also written there (`tuning.rows_to_json`) after every op, so a sweep cut
   short by a time limit keeps what it found."""
   import jax
