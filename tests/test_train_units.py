@@ -306,13 +306,14 @@ def test_mu_dtype_keeps_the_first_moment_in_bfloat16():
   parameters in float32), and a few updates on fresh random gradients stay within bf16 rounding
   of the float32-moment optimizer's (and differ from them: the switch does something); a bad value
   is refused naming the field."""
-  cfg = model_config(tiny().model)
-  parts = state_lib.model_parts(cfg)
-  mask = opt_lib.decay_mask(parts.abstract_params)
-  params = jax.tree.map(lambda s: jax.random.normal(jax.random.key(s.size % 97), s.shape, s.dtype),
-                        nnx.to_pure_dict(parts.abstract_params))
-  grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i), p.shape, p.dtype),
-                        params) for i in range(3)]
+  # A small tree (a matrix, an expert stack, a norm scale without decay): the optimizer is per leaf.
+  shapes = {"w": (16, 24), "experts": (4, 8, 12), "norm": {"scale": (16,)}}
+  mask = {"w": True, "experts": True, "norm": {"scale": False}}
+  is_shape = lambda x: isinstance(x, tuple)
+  params = jax.tree.map(lambda sh: jax.random.normal(jax.random.key(len(sh)), sh), shapes,
+                        is_leaf=is_shape)
+  grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(10 + i), p.shape), params)
+           for i in range(3)]
   out = {}
   for mu_dtype in ("float32", "bfloat16"):
     c = tiny()
