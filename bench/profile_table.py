@@ -157,11 +157,16 @@ def trace_calls(run_once: Callable[[], object], calls: int, trace_dir: str | Non
   return trace_dir, wall_ms
 
 
+# Kernels kept per scope in the rows (the console table prints the first two): enough to place the
+# small kernels of a scope like the queries' backward (22 kernels a layer in BENCHMARKS.md run 43).
+TOP_OPS = 8
+
+
 def scope_rows(events: Iterable[tuple[str, str, float]], names: dict[str, str],
                calls: int) -> list[dict]:
   """Kernel time per (scope path, pass), per call, largest first: [{scope, pass, ms, kernels,
-  share, top_ops}] (share of all the calls' kernel time; top_ops: its four largest kernels as
-  'primitive:kernel name ms', numbered copies of a kernel (one per layer) summed)."""
+  share, top_ops}] (share of all the calls' kernel time; top_ops: its `TOP_OPS` largest kernels
+  as 'primitive:kernel name ms', numbered copies of a kernel (one per layer) summed)."""
   totals = collections.defaultdict(float)
   counts = collections.Counter()
   per_op = collections.defaultdict(lambda: collections.defaultdict(float))
@@ -175,7 +180,7 @@ def scope_rows(events: Iterable[tuple[str, str, float]], names: dict[str, str],
   grand = sum(totals.values()) or 1.0
   rows = []
   for key, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
-    top = sorted(per_op[key].items(), key=lambda kv: -kv[1])[:4]
+    top = sorted(per_op[key].items(), key=lambda kv: -kv[1])[:TOP_OPS]
     rows.append(dict(scope=key[0], **{"pass": key[1]}, ms=ms / calls, kernels=counts[key] // calls,
                      share=ms / grand, top_ops=[f"{o} {t / calls:.3f}" for o, t in top]))
   return rows

@@ -74,3 +74,21 @@ def test_profile_calls_puts_the_time_where_the_work_is():
   assert abs(sum(r["ms"] for r in grouped) - summary["kernel_ms"]) < 1e-9
   text = profile_table.format_rows(grouped, title="t")
   assert "big" in text and text.startswith("t\n")
+
+
+def test_scope_rows_keep_the_largest_kernels_per_scope():
+  """scope_rows: a scope's time is its kernels' per call, its top_ops the TOP_OPS largest kernels
+  (numbered copies of one kernel, one per layer, summed under one name), largest first."""
+  names = {f"op{i}": f"jit(train_step)/jvp(layer_{i % 3})/ffn/mul" for i in range(12)}
+  # 12 ops of one scope: op i runs kernel j = (i + 8) % 10 (its copy i) for 3^j ms, so kernels 8
+  # and 9 run twice; two calls' worth of events
+  kernel = lambda j: "fusion_" + "abcdefghij"[j]                  # ("fusion_c.7": copy 7 of c)
+  js = [(i + 8) % 10 for i in range(12)]
+  events = [(f"op{i}", f"{kernel(j)}.{i}", 3.0 ** j) for i, j in enumerate(js)] * 2
+  (row,) = profile_table.scope_rows(events, names, calls=2)
+  assert row["scope"] == "layer_*/ffn" and row["pass"] == "fwd" and row["kernels"] == 12
+  assert abs(row["ms"] - sum(3.0 ** j for j in js)) < 1e-9
+  want = list(range(9, 9 - profile_table.TOP_OPS, -1))             # kernels 9, 8, ..., largest first
+  assert [op.rsplit(" ", 1)[0] for op in row["top_ops"]] == [f"mul:{kernel(j)}" for j in want]
+  assert [float(op.rsplit(" ", 1)[1]) for op in row["top_ops"]] == [
+      3.0 ** j * js.count(j) for j in want]
