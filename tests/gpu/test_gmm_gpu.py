@@ -347,7 +347,8 @@ def _tabled_tiles():
 TABLED_TILES = _tabled_tiles()
 
 
-@pytest.mark.parametrize("row", [r for r, _ in TABLED_TILES], ids=[name for _, name in TABLED_TILES])
+@pytest.mark.parametrize("row", [r for r, _ in TABLED_TILES],
+                         ids=[name for _, name in TABLED_TILES])
 def test_tabled_tiles(row):
   """Each tile of the Triton tuning table at its row's widths (kc, no), without an epilogue (as the
   forward, the plain input gradients and the weight gradients run them), against numpy in float32:
