@@ -188,7 +188,8 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
     # Gathered rows arrive with more latency (one index load, rows scattered over HBM): deeper
     # pipelines of the current tile first.
     if plain == "gmm_t":  # gmm_combine's input gradient: its row-dot epilogue's operand early
-      out.append(dataclasses.replace(out[0], prefetch_row_dot=not out[0].prefetch_row_dot))
+      out.append(dataclasses.replace(out[0], prefetch_row_dot=not out[0].prefetch_row_dot,
+                                     xla_epilogue=False))
       # ... or the epilogue left to XLA, the kernel on a plain matmul's tile of these widths (the
       # gathered forward's, the plain dgrad's): the epilogue's registers halve the tile's speed.
       for plain_op in ("gmm+gather", "gmm_t"):

@@ -579,10 +579,7 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
   act(z) * scale, moe.fuse_weight_rows), with z's tile loaded after or before the contraction
   (PREFETCH_D); code 0 is no activation."""
   g = len(gs)
-  sig = lambda x: 1.0 / (1.0 + np.exp(-x))
-  acts = {0: (lambda x: x, lambda x: np.ones_like(x)),
-          1: (lambda x: x * sig(x), lambda x: sig(x) * (1 + x * (1 - sig(x)))),   # silu
-          2: (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(np.float32))}  # relu
+  acts = {code: _NP_ACTS[name] for code, name in ((0, None), (1, "silu"), (2, "relu"))}
   z = rng.standard_normal((m, k)).astype(np.float32) * 2        # pre-activations [M, F]
   w = rng.standard_normal((g, k, n)).astype(np.float32)
   src_dy = rng.standard_normal((m // 2 + 1, n)).astype(np.float32)

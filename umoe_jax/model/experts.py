@@ -11,7 +11,8 @@ from flax import nnx
 
 from umoe_jax.model.layers import ACTIVATION_FNS, make_param, normal_init
 from umoe_jax.ops import dispatch
-from umoe_jax.ops.fused_dispatch import FUSABLE_ACTIVATIONS, gather_gmm, gmm_combine
+from umoe_jax.ops.epilogue import FUSABLE_ACTIVATIONS
+from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import expert_parallel, expert_routes
 from umoe_jax.parallel import rules as ax

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine
-from umoe_jax.ops.epilogue import FUSABLE_ACTIVATIONS
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
 
@@ -253,8 +252,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if rhs.ndim != 3 or rhs.shape[1] != h.shape[1] or rhs.shape[0] != plan.group_sizes.shape[0]:
     raise ValueError(f"gmm_combine: rhs {rhs.shape} does not fit h {h.shape} and "
                      f"{plan.group_sizes.shape[0]} groups")
-  if activation is not None and activation not in FUSABLE_ACTIVATIONS:
+  if activation is not None and activation not in epilogue.FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
-                     f"{', '.join(FUSABLE_ACTIVATIONS)}")
+                     f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
   return _gmm_combine_fn(resolve_backend(backend), k, activation, bool(fuse_weight_rows))(
       h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
