@@ -18,7 +18,7 @@ a time limit still leaves tiles to load.
 
   python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
       [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
-      [--out DIR]
+      [--delta] [--out DIR]
 """
 from __future__ import annotations
 
@@ -61,11 +61,17 @@ CANDIDATES = {
     # the keys (bd unused), dX reading P (the dx tiles), and the dK pass with both stores.
     "dk_store": [(32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
     "dq_ds": [(64, 64, 16, 4, 2), (64, 64, 16, 8, 2), (64, 128, 16, 8, 2), (64, 32, 16, 4, 2)],
-    "dx_p": [(64, 64, 256, 8, 2), (64, 64, 384, 8, 2)],
+    "dx_p": [(64, 64, 256, 8, 2), (64, 64, 384, 8, 2),
+             # Round 8 (base, never swept there): wider key tiles a program, 128-wide D chunks.
+             (64, 128, 256, 8, 2), (64, 128, 128, 8, 2), (32, 128, 128, 4, 2), (64, 64, 128, 4, 3)],
     # Round 5: dS and P from the pass over (row tile, key tile) pairs (`FlashTiles.ds`, bd = the
     # dO X^T step), dK from the stored dS (`dk_ds`; bd unused).
     "dk_ds": [(64, 64, 16, 4, 2), (64, 32, 16, 4, 2), (128, 64, 16, 8, 2)],
-    "ds": [(128, 64, 64, 8, 2), (128, 128, 64, 8, 2), (64, 128, 64, 8, 2), (128, 64, 128, 8, 3)],
+    "ds": [(128, 64, 64, 8, 2), (128, 128, 64, 8, 2), (64, 128, 64, 8, 2), (128, 64, 128, 8, 3),
+           # Round 8 (base: the pair pass took 7.0 ms of a 123 ms step at 177 TFLOP/s, never swept
+           # there): deeper pipelines, 4-warp programs (two or three an SM), taller row tiles.
+           (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 2), (64, 64, 64, 4, 3),
+           (256, 64, 32, 8, 2), (128, 64, 64, 8, 4)],
 }
 
 
@@ -198,13 +204,14 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
           [a.reshape(-1) for a in ta._bwd_dxdk(q, k, v, dout, lse, delta, tl)])),
       "dk_store": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, tl,
                                                                 store_ds=True, store_p=True)[0]),
+      # (the first stored form: its pass is their largest, spared by a budget cut; checked through
+      # what the readers make of its stores: its unwritten entries are undefined)
+      "ds": lambda tl: (jax.jit(lambda q, k, v: _from_stores(q, k, v, tl)),
+                        jax.jit(lambda q, k, v: ta._bwd_ds(q, k, v, dout, lse, delta, tl))),
       "dq_ds": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq_ds(stored[0], q, k, tl)),
       "dx_p": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dx(q, k, v, dout, lse, tl,
                                                             probs_t=stored[1])),
       "dk_ds": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk_ds(stored[0], q, k, tl)),
-      # (checked through what the readers make of its stores: its unwritten entries are undefined)
-      "ds": lambda tl: (jax.jit(lambda q, k, v: _from_stores(q, k, v, tl)),
-                        jax.jit(lambda q, k, v: ta._bwd_ds(q, k, v, dout, lse, delta, tl))),
   }
 
   # The stored forms' own tiles for this head width where the base tiles name none.
@@ -295,6 +302,37 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
   return chosen, results
 
 
+# The backward's row reduction delta [B, T*H] = <dO[r], out[r]> (float32; `triton_attention._delta`),
+# in the forms XLA may lower differently: a dot_general with no free dimensions, or a float32
+# product reduced over D.
+DELTA_FORMS = {
+    "einsum": lambda out, dout: jnp.einsum("bthd,bthd->bth", dout, out,
+                                           preferred_element_type=jnp.float32),
+    "product_sum": lambda out, dout: jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32),
+                                             axis=-1),
+}
+
+
+def time_delta(name, shape):
+  """Each DELTA_FORMS form and the library's `_delta` at the shape: ms (CUPTI), GB/s of the two
+  bf16 inputs read, and the relative error against a float32 reference."""
+  from kernels import triton_attention as ta
+  b, t, h, _, d = shape
+  ko, kd = jax.random.split(jax.random.key(3))
+  out = jax.random.normal(ko, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  dout = jax.random.normal(kd, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  want = jax.jit(lambda o, g: jnp.sum(o.astype(jnp.float32) * g.astype(jnp.float32), -1))(out, dout)
+  forms = {**DELTA_FORMS, "library": lambda o, g: ta._delta(o, g).reshape(b, t, h)}
+  rows = {}
+  for form, fn in forms.items():
+    f = jax.jit(fn)
+    ms = jax_ms(f, out, dout)
+    rows[form] = dict(ms=ms, gb_s=2 * out.size * 2 / ms / 1e6, err=rel(f(out, dout), want))
+    log(f"  {name} delta {form:12s} {ms:.3f} ms ({rows[form]['gb_s']:.0f} GB/s, err "
+        f"{rows[form]['err']:.1e})")
+  return rows
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="base,large")
@@ -307,6 +345,8 @@ def main():
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--backwards", default="auto",
                   help="the Triton core's backward forms to time, e.g. auto,recompute,stored_pairs")
+  ap.add_argument("--delta", action="store_true",
+                  help="also time the backward's delta = <dO, out> reduction in each DELTA_FORMS form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   from kernels import attention_tiles as at
@@ -325,6 +365,8 @@ def main():
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)
     results[name] = row = time_cores(name, shape, which=which, backwards=backwards) if which else {}
+    if args.delta:
+      row["delta"] = time_delta(name, shape)
     if name in args.sweep.split(","):
       def progress(tiles, key=f"{shape[3]},{shape[4]}"):   # the file as far as the sweep got
         with open(os.path.join(args.out, "attention_tiles.json"), "w") as f:

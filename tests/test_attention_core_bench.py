@@ -115,3 +115,25 @@ def test_a_cut_sweep_keeps_its_starting_form_with_what_it_measured():
   got = ac.partial_tiles(recompute, best)
   assert got == at.FlashTiles(*(at.PassTiles(*new),) * 4)      # fwd, dx, dk, dq only
   assert ac.partial_tiles(pairs, {}) == pairs
+
+
+def test_the_delta_forms_agree_with_a_float64_row_dot():
+  """`--delta`: every form of delta = <dO[r], out[r]> the bench times, and the library's, against
+  numpy in float64 on fresh bf16 rows; each gets a time."""
+  sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
+  import jax
+  import jax.numpy as jnp
+  import attention_core as ac
+  shape = (2, 8, 3, 16, 40)
+  rows = ac.time_delta("tiny", shape)
+  assert set(rows) == set(ac.DELTA_FORMS) | {"library"}
+  b, t, h, _, d = shape
+  ko, kd = jax.random.split(jax.random.key(3))   # the bench's own inputs, re-made here in float64
+  out = np.asarray(jax.random.normal(ko, (b, t, h, d), jnp.float32).astype(jnp.bfloat16), np.float64)
+  dout = np.asarray(jax.random.normal(kd, (b, t, h, d), jnp.float32).astype(jnp.bfloat16), np.float64)
+  want = (out * dout).sum(-1)
+  from kernels import triton_attention as ta
+  for form, fn in {**ac.DELTA_FORMS, "library": lambda o, g: ta._delta(o, g).reshape(b, t, h)}.items():
+    got = np.asarray(fn(jnp.asarray(out, jnp.bfloat16), jnp.asarray(dout, jnp.bfloat16)), np.float64)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), form
+    assert rows[form]["ms"] > 0 and rows[form]["err"] < 1e-6, form
