@@ -72,12 +72,14 @@ TABLE: dict[tuple[int, int], FlashTiles] = {}
 BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
 # Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
 # compiles for sm_90a without register spills (bench/kernel_resources.py): for heads <= 256 wide at
-# UMoE-base's shape (timed in the pair form on an H200, BENCHMARKS.md runs 30-33; not swept), for
-# wider ones at UMoE-large's (dk 512, D 2048; GPU-tested and partly swept in session 7). The
-# readers keep [BM or BN, dk] float32 accumulators, so wide heads take half the rows.
+# UMoE-base's shape (the pair pass and dQ from the stored dS swept on an H200, BENCHMARKS.md run 49:
+# 0.488 against 0.570 ms and 0.100 against 0.138 for the tiles before; dK from dS as timed in the
+# pair form, runs 30-33), for wider ones at UMoE-large's (dk 512, D 2048; GPU-tested and partly
+# swept in session 7). The readers keep [BM or BN, dk] float32 accumulators, so wide heads take
+# half the rows.
 NARROW_HEAD_MAX = 256   # the widest head (dk) the narrow heads' tiles, swept at dk 192, are for
-STORED_DQ_DS = PassTiles(64, 128, 16, 8, 2)
-STORED_PAIRS_DS = PassTiles(128, 64, 64, 8, 2)
+STORED_DQ_DS = PassTiles(64, 64, 16, 4, 2)
+STORED_PAIRS_DS = PassTiles(128, 128, 64, 8, 3)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
 # Wide heads: dq_ds and the dX pass reading P as swept on an H200 at UMoE-large's shape (session 7:
 # 0.112 against 0.216 ms, 0.340 against 0.591); ds and dk_ds the spill-free picks, not swept.

@@ -125,10 +125,11 @@ def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
     (2, 203, 3, 64, 320, None, True, None),
     (3, 77, 1, 128, 256, (64, 32, 16, 4, 2), False, None),
     (2, 256, 4, 192, 768, (64, 128, 16, 8, 2), True, (128, 64, 64, 8, 2)),
+    (2, 256, 4, 192, 768, (64, 64, 16, 4, 2), True, (128, 128, 64, 8, 3)),   # the narrow defaults
     (2, 193, 3, 64, 320, (32, 64, 16, 4, 2), True, (64, 64, 128, 4, 2)),
     (1, 300, 4, 512, 2048, (32, 64, 16, 8, 2), True, (64, 128, 64, 8, 2))],
-    ids=["base", "odd", "odd-dx-only", "one-head-dq-only", "base-ds-pass", "odd-ds-pass",
-         "large-ds-pass"])
+    ids=["base", "odd", "odd-dx-only", "one-head-dq-only", "base-ds-pass", "base-ds-pass-tabled",
+         "odd-ds-pass", "large-ds-pass"])
 def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, dx_p, ds):
   """The dK pass (or with `ds` the pass over tile pairs) storing dS / P for the dQ / dX passes
   (`FlashTiles.dq_ds`, `dx_p`, `ds`) against the XLA core: gradients of q, k and x."""
