@@ -352,3 +352,19 @@ def test_cli_reports_unsupported_config(tmp_path, capsys):
     json.dump(cj, f)
   assert official.main([f"--checkpoint={d}", f"--output={tmp_path / 'out'}"]) == 2
   assert "share_layer=True" in capsys.readouterr().err
+
+
+def test_a_json_that_is_no_shard_index_is_named(tmp_path, capsys):
+  """--checkpoint=DIR/config.json (a JSON, but no shard index) and a broken index: the file named, the
+  CLI's exit code 2 and no traceback."""
+  d = copy_fixture("umoe", tmp_path / "ckpt")
+  config_json = os.path.join(d, "config.json")
+  with pytest.raises(official.StateDictError, match=r"config\.json: not a shard index"):
+    official.load_official_state_dict(config_json)
+  assert official.main([f"--checkpoint={config_json}", f"--output={tmp_path / 'out'}"]) == 2
+  err = capsys.readouterr().err
+  assert "config.json: not a shard index" in err and "Traceback" not in err
+  broken = tmp_path / "model.safetensors.index.json"
+  broken.write_text('{"weight_map": {"a": "x.safetensors",\n')
+  with pytest.raises(official.StateDictError, match=r"index\.json: not a JSON shard index \(line 2"):
+    official.load_official_state_dict(str(broken))

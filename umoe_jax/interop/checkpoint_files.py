@@ -90,8 +90,16 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
 
 
 def _read_index(path: str) -> dict[str, np.ndarray]:
-  with open(path) as f:
-    weight_map = json.load(f)["weight_map"]
+  """The tensors of the shards a Hugging Face index ({"weight_map": {tensor: shard file}}) names."""
+  try:
+    with open(path) as f:
+      index = json.load(f)
+  except json.JSONDecodeError as e:
+    raise StateDictError(f"{path}: not a JSON shard index (line {e.lineno}: {e.msg})") from None
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not isinstance(weight_map, dict):
+    raise StateDictError(f"{path}: not a shard index (no \"weight_map\" of tensor -> shard file; "
+                         "pass the checkpoint directory, or its model.safetensors / index .json)")
   folder = os.path.dirname(path)
   out = {}
   for shard in sorted(set(weight_map.values())):
