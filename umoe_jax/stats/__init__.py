@@ -971,9 +971,3 @@ def run_cli(argv: Optional[Sequence[str]] = None) -> None:
   _define_flags()
   app.run(_main, argv=list(argv) if argv is not None else None)
 
-
-if __name__ == "__main__":
-  # Run the CLI of the importable module, so registrations made by other modules (which import
-  # `umoe_jax.stats`, not `__main__`) are seen.
-  from umoe_jax import stats as _stats
-  _stats.run_cli()
