@@ -1,0 +1,94 @@
+"""Counting primitives: the `Count` of a component, the counts of the building blocks (a linear
+map, an MLP, a routed expert, a low-rank expert query), the component names and the config input.
+
+Each building block's weights equal its forward MACs per token (bias-free matrices), so one
+function serves both counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+from umoe_jax.config import ModelConfig, model_config, resolve
+
+# Parameter components, in table order.
+COMPONENTS = ("embedding", "attention", "attention_routed", "routers", "experts", "shared_experts",
+              "ffn", "norms", "lm_head")
+# MAC components, in table order.
+MAC_COMPONENTS = ("attention", "attention_routed", "attention_scores", "attention_mix", "routers",
+                  "experts", "shared_experts", "ffn", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+  """Parameters of one component: all of them, and those one token reads (the definition of
+  active parameters is in the `umoe_jax.stats` docstring)."""
+  total: int
+  active: Optional[int] = None
+
+  def __post_init__(self):
+    if self.active is None:
+      object.__setattr__(self, "active", self.total)
+
+  def __add__(self, other: "Count") -> "Count":
+    return Count(self.total + other.total, self.active + other.active)
+
+  def __mul__(self, n: int) -> "Count":
+    return Count(self.total * n, self.active * n)
+
+
+def linear(d_in: int, d_out: int) -> int:
+  """Weights of a bias-free linear map, = its MACs per token."""
+  return int(d_in) * int(d_out)
+
+
+def mlp(cfg: ModelConfig, d_hidden: int) -> int:
+  """Weights (= MACs per token) of one MLP D -> d_hidden -> D: 2 matrices, 3 when `moe.gated`."""
+  return (3 if cfg.moe.gated else 2) * linear(cfg.d_model, d_hidden)
+
+
+def routed_expert(cfg: ModelConfig, aoe: bool = False) -> tuple[int, int]:
+  """(weights of one routed pool expert = its MACs per pick, the part every token reads whether
+  picked or not). An MLP D -> d_e -> D; in an AoE pool (`aoe`: an FFN router of kind 'aoe') the
+  activated projection is factorised through rank r, D x r + r x d_e, and every token computes
+  every expert's D x r code (its score)."""
+  f = cfg.moe.d_expert
+  if not aoe:
+    return mlp(cfg, f), 0
+  r = cfg.router_for("ffn").aoe_dim
+  return linear(cfg.d_model, r) + linear(r, f) + (2 if cfg.moe.gated else 1) * linear(cfg.d_model, f), \
+      linear(cfg.d_model, r)
+
+
+def low_rank_expert_count(cfg: ModelConfig) -> tuple[int, int]:
+  """(parameters of one routed low-rank query/key expert, of the rank-r code's RMSNorm): the
+  projections of `attention.common.low_rank_expert_params` (pre- and post-mixing)."""
+  a, d = cfg.attention, cfg.d_model
+  if a.q_lora_rank is None:
+    return linear(d, a.head_dim), 0
+  return (linear(d, a.q_lora_rank) + linear(a.q_lora_rank, a.head_dim),
+          a.q_lora_rank if a.q_lora_norm else 0)
+
+
+def merge(into: dict, items: Mapping[str, Any]) -> dict:
+  """Adds `items` into `into` by name (ints or `Count`s); returns `into`."""
+  for name, value in items.items():
+    into[name] = into[name] + value if name in into else value
+  return into
+
+
+def ordered(d: Mapping[str, Any], order: Sequence[str]) -> dict:
+  """Known names in `order` first, unknown ones after; drops zeros."""
+  names = [n for n in order if n in d] + sorted(n for n in d if n not in order)
+  keep = lambda v: (v.total != 0 or v.active != 0) if isinstance(v, Count) else v != 0
+  return {n: d[n] for n in names if keep(d[n])}
+
+
+def as_model_config(cfg: Any) -> ModelConfig:
+  """ModelConfig | config.model ConfigDict | experiment ConfigDict (uses .model) -> ModelConfig."""
+  if isinstance(cfg, ModelConfig):
+    return resolve(cfg)  # fill the derived defaults (router.aoe_dim, ...) like the model does
+  if isinstance(cfg, Mapping) or hasattr(cfg, "keys"):
+    if "model" in cfg and "d_model" not in cfg:
+      cfg = cfg["model"]
+  return model_config(cfg)

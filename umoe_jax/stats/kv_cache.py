@@ -1,0 +1,36 @@
+"""KV-cache sizes: the values one token caches per layer (by the attention kind's `kv_cache`),
+in bytes of the cache dtype, and their check against the model's own cache layout."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from umoe_jax.stats.counting import as_model_config
+from umoe_jax.stats.kinds import attention_stats
+from umoe_jax.stats.real_model import model_cache_shapes
+
+
+def itemsize(dtype: Any) -> int:
+  """Bytes of one value of `dtype` ("bfloat16" -> 2)."""
+  import jax.numpy as jnp  # late: importing the statistics does not load jax
+  return int(jnp.dtype(dtype).itemsize)
+
+
+def kv_cache_values_per_token(cfg: Any) -> dict[str, int]:
+  """Values cached per token per layer, by name (e.g. {"key": d_k, "value": d} for pre-mixing)."""
+  cfg = as_model_config(cfg)
+  return dict(attention_stats(cfg.attention.kind).kv_cache(cfg))
+
+
+def model_kv_cache_values_per_token(cfg: Any) -> Optional[int]:
+  """Values per token per layer of the model's own cache layout (`cache_shapes` of its attention
+  class), or None where the class declares none: the cross-check of `kv_cache_values_per_token`."""
+  shapes = model_cache_shapes(as_model_config(cfg))
+  return None if shapes is None else sum(math.prod(s) for s in shapes.values())
+
+
+def kv_cache_bytes_per_token(cfg: Any, dtype: Any = "bfloat16") -> dict[str, int]:
+  """KV-cache bytes of one token: {"per_layer": bytes in one layer, "total": all layers}."""
+  cfg = as_model_config(cfg)
+  per_layer = sum(kv_cache_values_per_token(cfg).values()) * itemsize(dtype)
+  return {"per_layer": per_layer, "total": per_layer * cfg.n_layers}

@@ -1,0 +1,79 @@
+"""The model zoo: the statistics of every config file of a directory matching the zoo patterns, as
+the markdown table of docs/model_zoo.md (`python -m umoe_jax.stats --zoo`)."""
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import os
+import sys
+from typing import Sequence
+
+from umoe_jax.stats.summary import model_stats
+
+ZOO_PATTERNS = ("*_tiny.py", "*_base.py", "*_large.py")
+
+
+def load_config_file(path: str):
+  """`get_config()` of a config file; its parent directory's parent goes on sys.path (for
+  `from configs import common`)."""
+  path = os.path.abspath(path)
+  root = os.path.dirname(os.path.dirname(path))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  package = os.path.basename(os.path.dirname(path))
+  module_name = f"{package}.{os.path.splitext(os.path.basename(path))[0]}"
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def zoo_files(config_dir: str = "configs", patterns: Sequence[str] = ZOO_PATTERNS) -> list[str]:
+  """Config files matching `patterns`, ordered by scale (pattern order), then name."""
+  names = sorted(os.listdir(config_dir))
+  out = []
+  for pattern in patterns:
+    out += [os.path.join(config_dir, n) for n in names if fnmatch.fnmatch(n, pattern)]
+  return out
+
+
+def zoo_rows(config_dir: str = "configs", patterns: Sequence[str] = ZOO_PATTERNS, *,
+             batch: int = 4, kv_dtype: str = "bfloat16", from_model: bool = True) -> list[dict]:
+  """`model_stats` of every zoo config at its `max_seq_len` (1024 for base/large = the paper's)."""
+  rows = []
+  for path in zoo_files(config_dir, patterns):
+    name = os.path.relpath(path, os.path.dirname(os.path.abspath(config_dir)))
+    rows.append(model_stats(load_config_file(path), batch=batch, kv_dtype=kv_dtype,
+                            from_model=from_model, name=name))
+  return rows
+
+
+def _in_units(n: float, div: float, suffix: str) -> str:
+  x = n / div
+  return f"{x:,.1f}{suffix}" if x >= 10 else f"{x:.3f}{suffix}"
+
+
+def zoo_markdown(config_dir: str = "configs", patterns: Sequence[str] = ZOO_PATTERNS, *,
+                 batch: int = 4, kv_dtype: str = "bfloat16", from_model: bool = True) -> str:
+  """The model zoo as a markdown table (what `python -m umoe_jax.stats --zoo` prints).
+
+  Parameters in M (10^6), MACs in G (10^9) like the paper's Table 1; MACs of `batch` sequences of
+  the model's `max_seq_len` tokens, counted like the paper (full T x T attention)."""
+  lines = [
+      "| config | attention / FFN | total params | active params | "
+      f"forward MACs ({batch}×T) | T | train FLOPs/token | KV cache/token ({kv_dtype}) | "
+      "KV values/token/layer |",
+      "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+  for s in zoo_rows(config_dir, patterns, batch=batch, kv_dtype=kv_dtype, from_model=from_model):
+    m, p, kv = s["model"], s["params"], s["kv_cache"]
+    if p["check"] == "mismatch":
+      raise ValueError(f"{s['name']}: model and analytic parameter counts differ: {p['mismatches']}")
+    if kv["check"] == "mismatch":
+      raise ValueError(f"{s['name']}: model and analytic KV-cache sizes differ")
+    values = " + ".join(str(v) for v in kv["values_per_token_per_layer"].values())
+    lines.append(
+        f"| `{s['name']}` | {m['attention']} / {m['ffn']} | {_in_units(p['total'], 1e6, 'M')} | "
+        f"{_in_units(p['active'], 1e6, 'M')} | {_in_units(s['macs']['forward'], 1e9, 'G')} | "
+        f"{s['macs']['seq_len']} | {_in_units(s['flops']['train_per_token'], 1e6, 'M')} | "
+        f"{kv['bytes_per_token']:,} B | {values} |")
+  return "\n".join(lines)
