@@ -139,21 +139,23 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
   return row
 
 
-# The kernels a backward form needs beside the one named (`--sweep_kernels` adds them).
+# The kernels a backward form needs beside the one named (`--sweep_kernels` runs them on their own
+# tiles, so that the form's summed time is known).
 NEEDS = {"ds": ("dk_ds", "dq_ds", "dx_p"), "dk_ds": ("ds", "dq_ds", "dx_p"),
          "dq_ds": ("dk_store", "dx_p"), "dx_p": ("dk_store", "dq_ds"),
          "dk_store": ("dq_ds", "dx_p"), "dxdk": ()}
 
 
-def sweep_kernels(names: str) -> list[str] | None:
-  """`--sweep_kernels`: the names with the kernels their backward form needs (NEEDS); None: all."""
+def sweep_kernels(names: str) -> tuple[list[str] | None, list[str]]:
+  """`--sweep_kernels`: (the kernels named, whose candidates are tried; None: all) and (the other
+  kernels their backward forms need (NEEDS), timed on their own tiles only)."""
   asked = [n for n in names.split(",") if n]
   if not asked:
-    return None
+    return None, []
   bad = [n for n in asked if n not in CANDIDATES]
   if bad:
     raise SystemExit(f"--sweep_kernels: unknown {', '.join(bad)}; kernels: {', '.join(CANDIDATES)}")
-  return sorted(set(asked).union(*(NEEDS.get(n, ()) for n in asked)))
+  return sorted(asked), sorted(set().union(*(NEEDS.get(n, ()) for n in asked)) - set(asked))
 
 
 # The FlashTiles field each swept kernel's tiles go to when the starting tiles use that kernel.
@@ -179,10 +181,10 @@ def partial_tiles(base, best: dict):
   return dataclasses.replace(base, **fields)
 
 
-def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
+def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partners=()):
   """Fastest tiles per kernel; every candidate is checked against the default tiles' output.
-  `kernels`: those whose candidates are tried (None: all); fwd, dx, dk and dq run their default
-  tiles regardless, the others not at all unless named. `timer(kernel, fn, *args)` -> ms (default:
+  `kernels`: those whose candidates are tried (None: all); `partners` and fwd, dx, dk, dq run
+  their own tiles only, the others not at all. `timer(kernel, fn, *args)` -> ms (default:
   CUPTI kernel time of fn). `progress(tiles)`, after each kernel: `partial_tiles` so far (a caller
   writes them out, so a sweep cut by a time limit keeps what it measured)."""
   timer = timer or (lambda kernel, fn, *args: jax_ms(fn, *args))
@@ -226,7 +228,7 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
   readers = {"dq_ds", "dx_p", "dk_ds"}
   stored = (jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, base.dk, store_ds=True,
                                                store_p=True)[1:])(q, k, v)
-            if kernels is None or readers & set(kernels) else None)
+            if kernels is None or readers & set(kernels).union(partners) else None)
   same_as = {"dxdk": None, "dk_store": "dk", "dq_ds": "dq", "dx_p": "dx", "dk_ds": "dk"}  # checked against
   def own_tiles(kernel):  # the starting tiles of a kernel (None: it has none)
     own = ({"dk_store": base.dk, "dx_p": base.dx_tiles(reads_p=True)}.get(
@@ -238,7 +240,7 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None):
   for kernel, make in calls.items():
     own = own_tiles(kernel)
     tried = kernels is None or kernel in kernels
-    if not tried and kernel not in ("fwd", "dx", "dk", "dq"):
+    if not tried and kernel not in ("fwd", "dx", "dk", "dq", *partners):
       continue
     cands = ([] if own is None else [dataclasses.astuple(own)]) + [
         c for c in (CANDIDATES.get(kernel, []) if tried else [])
@@ -359,6 +361,7 @@ def main():
   bad = [bw for bw in backwards if bw not in at.BACKWARDS]
   if bad:
     raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
+  kernels, partners = sweep_kernels(args.sweep_kernels)   # (names checked before any GPU work)
   results, table = {}, {}
   for name in args.shapes.split(","):
     shape = SHAPES[name]
@@ -372,7 +375,7 @@ def main():
         with open(os.path.join(args.out, "attention_tiles.json"), "w") as f:
           json.dump({**table, key: at.tiles_to_json(tiles)}, f, indent=1)
       chosen, row["sweep"] = sweep(name, shape, args.sweep_budget_s,
-                                   sweep_kernels(args.sweep_kernels), progress=progress)
+                                   kernels, progress=progress, partners=partners)
       row["tiles"] = at.tiles_to_json(chosen)
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
       log(f"  {name}: chosen tiles {row['tiles']}")

@@ -81,10 +81,14 @@ def _sweep_check():
   FAKE_MS["ds"] = 5.0
   chosen, _ = ac.sweep("tiny", shape, budget_s=1e9, timer=timer)
   assert chosen.ds is None and chosen.dq_ds is not None and chosen.dx_p, at.tiles_to_json(chosen)
-  # Restricted to the stored forms: the others' candidates are not tried, the references run.
+  # Restricted to dQ from the stored dS: its candidates are tried, the passes its form needs (the dK
+  # pass storing, dX reading P) run on their own tiles only, the references run, nothing else.
   timed.clear()
-  _, results = ac.sweep("tiny", shape, budget_s=1e9, kernels=ac.sweep_kernels("dq_ds"), timer=timer)
+  kernels, partners = ac.sweep_kernels("dq_ds")
+  assert (kernels, partners) == (["dq_ds"], ["dk_store", "dx_p"])
+  _, results = ac.sweep("tiny", shape, budget_s=1e9, kernels=kernels, partners=partners, timer=timer)
   assert set(results) == {"fwd", "dx", "dk", "dq", "dk_store", "dq_ds", "dx_p"}, sorted(results)
+  assert len(results["dx_p"]) == len(results["dk_store"]) == 1  # dx_p has a candidate
   print("ATTENTION_SWEEP_OK")
 
 
