@@ -47,21 +47,18 @@ from umoe_jax.stats.counting import Count
 from umoe_jax.stats.real_model import attention_classes, model_cache_shapes
 
 
-class AttentionStats:
-  """Statistics of one attention kind, per layer; all class methods of a `ModelConfig`.
-
-  Subclass, register with `@ATTENTION_STATS.register(kind)`, and fill in `params`, `token_macs`,
-  `pair_macs`, `kv_cache` (see the module docstring).
-  """
+class SublayerStats:
+  """What every sub-layer kind (attention or FFN) states, per layer; class methods of a
+  `ModelConfig`."""
 
   @classmethod
   def params(cls, cfg: ModelConfig) -> dict[str, Count]:
-    """Parameters the attention module owns, by component (not the layer's routed expert pool)."""
+    """Parameters the sub-layer owns, by component (not the layer's routed expert pool)."""
     raise NotImplementedError
 
   @classmethod
   def pool_picks(cls, cfg: ModelConfig) -> int:
-    """Experts of the layer's routed pool one token's attention runs through (0: no pool)."""
+    """Experts of the layer's routed pool one token's sub-layer runs through (0: no pool)."""
     return 0
 
   @classmethod
@@ -69,6 +66,14 @@ class AttentionStats:
     """Forward MACs per token that do not depend on the context (projections, routers, ...),
     excluding the pool experts (counted at the layer from `pool_picks`)."""
     raise NotImplementedError
+
+
+class AttentionStats(SublayerStats):
+  """Statistics of one attention kind, per layer; all class methods of a `ModelConfig`.
+
+  Subclass, register with `@ATTENTION_STATS.register(kind)`, and fill in `params`, `token_macs`,
+  `pair_macs`, `kv_cache` (see the module docstring).
+  """
 
   @classmethod
   def pair_macs(cls, cfg: ModelConfig) -> dict[str, int]:
@@ -91,20 +96,9 @@ class AttentionStats:
     return {name: math.prod(shape) for name, shape in shapes.items()}
 
 
-class FFNStats:
-  """Statistics of one FFN kind, per layer (same conventions as `AttentionStats`)."""
-
-  @classmethod
-  def params(cls, cfg: ModelConfig) -> dict[str, Count]:
-    raise NotImplementedError
-
-  @classmethod
-  def pool_picks(cls, cfg: ModelConfig) -> int:
-    return 0
-
-  @classmethod
-  def token_macs(cls, cfg: ModelConfig) -> dict[str, int]:
-    raise NotImplementedError
+class FFNStats(SublayerStats):
+  """Statistics of one FFN kind, per layer (same conventions as `AttentionStats`): `params`,
+  `token_macs` and, for a routed pool, `pool_picks`."""
 
 
 ATTENTION_STATS: Registry[type] = Registry("attention statistics")

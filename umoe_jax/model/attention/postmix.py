@@ -46,50 +46,22 @@ from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import (AttentionStats, Count, linear, low_rank_expert_count, mlp, router_macs,
-                            router_params)
+from umoe_jax.stats import PreMixStats
 
 
-class PostMixStats(AttentionStats):
+class PostMixStats(PreMixStats):
   """One query; shared + residual keys; K routed low-rank keys; (1 + K) entries per key token of
-  width d_k (scores) and D (mix); the always-on expert; K picks from the layer's pool."""
+  width d_k (scores) and D (mix); the always-on expert; K picks from the layer's pool. Counted as
+  pre-mixing's with the roles of queries and keys swapped (the same projections, routers and
+  experts; no latent values); the cache holds every slot's key and value."""
 
   @classmethod
-  def _slots(cls, cfg) -> int:
-    return cfg.attention.top_k + (1 if cfg.attention.n_shared_experts else 0)
-
-  @classmethod
-  def params(cls, cfg):
-    a, d, e = cfg.attention, cfg.d_model, cfg.moe.n_experts
-    dense = linear(d, a.head_dim)                                       # q_proj
-    dense += linear(d, a.head_dim) if a.n_shared_experts else 0         # shared_k_proj
-    dense += linear(d, a.head_dim) if a.q_lora_rank is not None else 0  # k_res_proj
-    per_expert, lora_norm = low_rank_expert_count(cfg)
-    shared = mlp(cfg, cfg.moe.d_expert * a.n_shared_experts) if a.n_shared_experts else 0
-    return {"attention": Count(dense),
-            "attention_routed": Count(e * per_expert, a.top_k * per_expert),
-            "routers": Count(router_params(cfg, e, "attention")),
-            "shared_experts": Count(shared),
-            "norms": Count(lora_norm)}
-
-  @classmethod
-  def pool_picks(cls, cfg):
-    return cfg.attention.top_k
-
-  @classmethod
-  def token_macs(cls, cfg):
-    p = cls.params(cfg)
-    return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
-            "routers": router_macs(cfg, cfg.moe.n_experts, "attention"), "shared_experts": p["shared_experts"].total}
-
-  @classmethod
-  def pair_macs(cls, cfg):
-    n = cls._slots(cfg)
-    return {"attention_scores": n * cfg.attention.head_dim, "attention_mix": n * cfg.d_model}
+  def _latent(cls, cfg):
+    return None
 
   @classmethod
   def kv_cache(cls, cfg):
-    n = cls._slots(cfg)
+    n = cls._n_queries(cfg)
     cached = {"key": n * cfg.attention.head_dim, "value": n * cfg.d_model}
     if router_masks_slots(cfg.router_for("attention")):
       cached["slot_mask"] = n

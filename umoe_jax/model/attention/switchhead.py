@@ -34,12 +34,12 @@ from umoe_jax.model.routers import RouterOutput, call_router, fold_rng, make_rou
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import AttentionStats, Count, linear, router_macs, router_params
+from umoe_jax.stats import Count, MHAStats, linear, router_macs, router_params
 
 
-class SwitchHeadStats(AttentionStats):
+class SwitchHeadStats(MHAStats):
   """Dense q, k (H heads); H x E value experts [D, Dv] and output experts [Dv, D], K picks each;
-  2H routers of E logits."""
+  2H routers of E logits. Scores, mixing and the cache as dense MHA's (`MHAStats`)."""
 
   @classmethod
   def params(cls, cfg):
@@ -55,16 +55,6 @@ class SwitchHeadStats(AttentionStats):
     p = cls.params(cfg)
     return {"attention": p["attention"].total, "attention_routed": p["attention_routed"].active,
             "routers": 2 * cfg.attention.n_heads * router_macs(cfg, cfg.attention.n_experts, "attention")}
-
-  @classmethod
-  def pair_macs(cls, cfg):
-    a = cfg.attention
-    return {"attention_scores": a.n_heads * a.head_dim, "attention_mix": a.n_heads * a.v_head_dim}
-
-  @classmethod
-  def kv_cache(cls, cfg):
-    a = cfg.attention
-    return {"key": a.n_heads * a.head_dim, "value": a.n_heads * a.v_head_dim}
 
 
 class HeadExperts(nnx.Module):
