@@ -5,8 +5,10 @@ metrics and the loop.
     train.run(config, workdir)      # what `python train.py --config=... --workdir=...` calls
 
 Modules: config (sections, up-front validation), optimizer (AdamW, schedule, decay mask), state
-(TrainState, init, shardings), step (train_step / loss), checkpoint (Orbax manager, resume order),
-metrics (TensorBoard, JSONL, console, MFU), loop (`run`).
+(TrainState, init, shardings), step (train_step / loss), checkpoint (the Orbax Checkpointer),
+checkpoint_metadata (steps, metadata and shapes read without restoring; the errors), resume (where a
+run starts: own checkpoint, init_from, scratch), workdir (layout, checks, config.json), orbax_noise
+(quieting Orbax's echoes after a failure), metrics (TensorBoard, JSONL, console, MFU), loop (`run`).
 """
 
 

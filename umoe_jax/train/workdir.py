@@ -1,0 +1,94 @@
+"""A run's work directory: its layout, the check that it can hold a run, and its config.json.
+
+Layout:
+  <workdir>/config.json                     the experiment config (process 0, at every start once
+                                            the start point is restored: a failed resume keeps it)
+  <workdir>/checkpoints/<step>/state        `state.checkpoint_tree`: params, optimizer state, step,
+                                            RNG, skipped
+  <workdir>/checkpoints/<step>/data         grain iterator position, process_<i>-of-<n>.json
+  <workdir>/checkpoints_damaged/<step>-<t>  checkpoints that failed to restore, moved aside
+  <workdir>/checkpoints_abandoned/<step>-<t>  checkpoints newer than `checkpoint.restore_step`, moved
+                                            aside when a run resumes from that older step
+
+A workdir is a local path or a gs:// URL (Orbax writes checkpoints to those only: other stores,
+s3:// ..., are refused with WorkdirError). config.json goes through umoe_jax/storage.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import jax
+
+from umoe_jax import storage
+
+CHECKPOINT_DIR = "checkpoints"
+DAMAGED_DIR = "checkpoints_damaged"
+ABANDONED_DIR = "checkpoints_abandoned"
+CONFIG_FILE = "config.json"
+
+
+class WorkdirError(ValueError):
+  """--workdir cannot hold a run (a file, or not writable)."""
+
+
+
+CHECKPOINT_SCHEMES = ("gs",)  # remote stores Orbax writes checkpoints to
+
+
+def _check_remote_workdir(workdir: str) -> None:
+  scheme = storage.scheme(workdir)
+  if scheme not in CHECKPOINT_SCHEMES:
+    raise WorkdirError(
+        f"--workdir={workdir!r}: checkpoints (Orbax) are written to local paths and gs:// only, not "
+        f"{scheme}://; use a gs:// bucket, or mount the store (e.g. mountpoint-s3) and pass the "
+        "mount path")
+  bucket = storage.bucket_url(workdir)
+  if bucket == storage.expand(workdir):
+    raise WorkdirError(f"--workdir={workdir!r} is a bucket: pass a directory in it, e.g. "
+                       f"{bucket}/runs/NAME")
+  try:
+    storage.check_bucket(workdir)
+  except FileNotFoundError as e:
+    raise WorkdirError(f"--workdir={workdir!r}: {e}") from None
+  if storage.isfile(workdir):
+    raise WorkdirError(f"--workdir={workdir!r} is a file (an object), not a directory")
+
+
+def check_workdir(workdir: str) -> None:
+  """Raises WorkdirError unless `workdir` is (or can be created as) a writable directory.
+
+  Writes nothing: writability is probed with an anonymous temporary file in the nearest existing
+  ancestor (root ignores permission bits, a read-only mount does not). A URL must be on a store
+  Orbax writes to, in a bucket that exists, and not name an object; its writability shows at the
+  first write (a StorageError naming the object and the credentials to check).
+  """
+  if storage.is_url(workdir):
+    _check_remote_workdir(workdir)
+    return
+  path = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise WorkdirError(f"--workdir={workdir!r} is a file, not a directory")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise WorkdirError(f"--workdir={workdir!r} cannot be created: {existing!r} is a file")
+  try:
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    what = "is not writable" if existing == path else f"cannot be created in {existing!r}"
+    raise WorkdirError(f"--workdir={workdir!r} {what} ({e.strerror or e})") from None
+
+
+
+def write_config(workdir: str, config: Any) -> None:
+  """<workdir>/config.json (process 0), atomically (storage.write_text: a temporary file renamed
+  over it, or one whole upload), so a reader or a crash sees the old file or the new one, never a
+  partial one."""
+  if jax.process_index() != 0:
+    return
+  text = config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config)
+  storage.write_text(storage.join(workdir, CONFIG_FILE), text + "\n")
