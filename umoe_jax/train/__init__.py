@@ -5,8 +5,9 @@ metrics and the loop.
     train.run(config, workdir)      # what `python train.py --config=... --workdir=...` calls
 
 Modules: config (sections, up-front validation), optimizer (AdamW, schedule, decay mask), state
-(TrainState, init, shardings), step (train_step / loss), checkpoint (Orbax manager, resume order),
-metrics (TensorBoard, JSONL, console, MFU), loop (`run`).
+(TrainState, init, shardings), step (train_step / loss), programs (the jitted init / eval / train
+step, cached), checkpoint (Orbax manager, resume order), metrics (TensorBoard, JSONL, console,
+MFU), setup (everything built before the first step; the start state), loop (`run`).
 """
 
 
