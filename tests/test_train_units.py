@@ -27,6 +27,8 @@ from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import config as train_config
 from umoe_jax.train import loop
 from umoe_jax.train import optimizer as opt_lib
+from umoe_jax.train import programs as programs_lib
+from umoe_jax.train import setup as setup_lib
 from umoe_jax.train import state as state_lib
 from umoe_jax.train import step as step_lib
 
@@ -616,8 +618,9 @@ def test_compilation_cache_dir_serves_a_second_process(tmp_path):
 
 
 def test_setup_turns_the_compilation_cache_on(tmp_path, monkeypatch):
-  """loop.setup takes train.compilation_cache_dir to `use_compilation_cache` before it builds the
-  programs (and leaves JAX's cache alone when the key is empty, the default)."""
+  """setup.setup takes train.compilation_cache_dir to `use_compilation_cache` before it builds the
+  programs (and leaves JAX's cache alone when the key is empty, the default). The patches go where
+  `setup` looks the names up: its own module and programs.py."""
   calls = []
 
   class Built(Exception):  # stops setup where the programs would be built
@@ -627,12 +630,12 @@ def test_setup_turns_the_compilation_cache_on(tmp_path, monkeypatch):
     calls.append("programs")
     raise Built
 
-  monkeypatch.setattr(loop, "use_compilation_cache", calls.append)
-  monkeypatch.setattr(loop, "config_programs", config_programs)
+  monkeypatch.setattr(setup_lib, "use_compilation_cache", calls.append)
+  monkeypatch.setattr(programs_lib, "config_programs", config_programs)
   c = tiny()
   for value, want in (("", ["programs"]), (str(tmp_path / "cache"), [str(tmp_path / "cache"), "programs"])):
     c.train.compilation_cache_dir = value
     calls.clear()
     with pytest.raises(Built):
-      loop.setup(c, str(tmp_path / "wd"))
+      setup_lib.setup(c, str(tmp_path / "wd"))
     assert calls == want

@@ -120,7 +120,7 @@ class RoutingProbe:
 
 
 def make_routing_probe(s: Any) -> Optional[RoutingProbe]:
-  """The probe of a trainer `Setup` (`umoe_jax.train.loop.setup`), or None: no evaluation or
+  """The probe of a trainer `Setup` (`umoe_jax.train.setup.setup`), or None: no evaluation or
   `log.routing_probe_batches=0`. (A model without routers gets a probe that logs nothing.)"""
   n = s.config.log.get("routing_probe_batches", 0)
   if not n or not s.eval_batches:

@@ -5,10 +5,12 @@ metrics and the loop.
     train.run(config, workdir)      # what `python train.py --config=... --workdir=...` calls
 
 Modules: config (sections, up-front validation), optimizer (AdamW, schedule, decay mask), state
-(TrainState, init, shardings), step (train_step / loss), checkpoint (the Orbax Checkpointer),
-checkpoint_metadata (steps, metadata and shapes read without restoring; the errors), resume (where a
-run starts: own checkpoint, init_from, scratch), workdir (layout, checks, config.json), orbax_noise
-(quieting Orbax's echoes after a failure), metrics (TensorBoard, JSONL, console, MFU), loop (`run`).
+(TrainState, init, shardings), step (train_step / loss), programs (the jitted init / eval / train
+step, cached), setup (everything built before the first step; the start state), checkpoint (the
+Orbax Checkpointer), checkpoint_metadata (steps, metadata and shapes read without restoring; the
+errors), resume (where a run starts: own checkpoint, init_from, scratch), workdir (layout, checks,
+config.json), orbax_noise (quieting Orbax's echoes after a failure), metrics (TensorBoard, JSONL,
+console, MFU), loop (the Trainer, `run`).
 """
 
 

@@ -1,11 +1,11 @@
 """The training loop: `run(config, workdir)`.
 
-  validate the whole config, the workdir and the start point -> mesh -> data -> model, optimizer,
-  state shardings -> start state (own checkpoint > checkpoint.init_from > scratch) -> config.json,
-  TensorBoard / JSONL writers -> jit step
-  -> loop: step, log every `log_every`, evaluate every `eval_every`, save every `checkpoint.every`
-  (if the save guard passes the state, guard.py) -> final save; SIGTERM / SIGINT save the current
-  step and return.
+  setup.py: validate the whole config, the workdir and the start point -> mesh -> model,
+  optimizer, state shardings, jitted functions (programs.py) -> data -> start state (own checkpoint
+  > checkpoint.init_from > scratch); then here: config.json, TensorBoard / JSONL writers
+  -> loop (Trainer): step, log every `log_every`, evaluate every `eval_every`, save every
+  `checkpoint.every` (if the save guard passes the state, guard.py) -> final save; SIGTERM / SIGINT
+  save the current step and return.
 
 Nothing is written to the workdir before the start state exists: a run that fails a check, fails to
 resume, or has nothing to do leaves the workdir as it was. Every resource (data iterator, checkpoint
@@ -18,36 +18,32 @@ points, so the host runs ahead of the device between them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import os
 import signal
 import threading
 import time
-import types
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 from absl import logging
 
-from umoe_jax import data as data_lib
 from umoe_jax import storage
 from umoe_jax.analysis import training as routing_probe_lib
 from umoe_jax.config import ConfigError
-from umoe_jax.data import pipeline as pipeline_lib
 from umoe_jax.data.sources import DataError
 from umoe_jax.eval import perplexity
-from umoe_jax.parallel import mesh as mesh_lib
 from umoe_jax.parallel import sharding as sharding_lib
 from umoe_jax.train import checkpoint as ckpt_lib
-from umoe_jax.train import config as config_lib
 from umoe_jax.train import guard as guard_lib
 from umoe_jax.train import metrics as metrics_lib
-from umoe_jax.train import optimizer as optimizer_lib
 from umoe_jax.train import profiler as profiler_lib
 from umoe_jax.train import state as state_lib
-from umoe_jax.train import step as step_lib
+# The compiled programs and the run's setup live in their own modules; these names stay importable
+# from here (train.py, bench/ and the tests use them as `loop.<name>`).
+from umoe_jax.train.programs import (OPTIMIZER_KEYS, STEP_KEYS, Programs,  # noqa: F401
+                                     config_programs, expert_chunks, expert_parallel_settings,
+                                     programs)
+from umoe_jax.train.setup import Setup, initial_state, setup, use_compilation_cache  # noqa: F401
 
 
 class NonFiniteError(FloatingPointError):
@@ -104,251 +100,6 @@ class StopRequest:
       from jax.experimental import multihost_utils
       flag = bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
     return flag
-
-
-# config.train keys that shape the compiled programs (the others only steer the loop): those of
-# the optimizer (state layout, init, eval are shared by runs that differ only in the step keys).
-OPTIMIZER_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio",
-                  "b1", "b2", "eps", "weight_decay", "mu_dtype", "grad_clip")
-STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite", "loss_chunk_tokens", "fused_loss_head")
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-  """The model's static parts, the optimizer, the state layout and the jitted functions."""
-  parts: state_lib.ModelParts
-  tx: Any
-  schedule: Any
-  abstract: state_lib.TrainState        # ShapeDtypeStructs
-  shardings: state_lib.TrainState       # NamedShardings on the mesh
-  init_fn: Callable                     # seed -> TrainState (born sharded)
-  from_params_fn: Callable              # (params, seed) -> step-0 TrainState
-  not_halted_fn: Callable               # () -> `halted` (False) of a resumed TrainState, placed
-  eval_fn: Callable                     # (params, batch) -> (nll sum, tokens)
-  train_fn: Optional[Callable] = None   # (state, batch) -> (state, metrics); state donated
-
-
-# Cached, so that a second run in one process (a notebook, the tests) reuses the compilations.
-# `capacity_factor`, `exchange` and `chunks` are part of the keys because the model reads them from
-# `use_mesh` while tracing.
-@functools.lru_cache(maxsize=4)
-def _state_programs(model_cfg: Any, optimizer_items: tuple, mesh: Any, rules: tuple,
-                    capacity_factor: Optional[float], exchange: str = "auto",
-                    chunks: int = 1) -> Programs:
-  del capacity_factor, exchange, chunks
-  t = types.SimpleNamespace(**dict(optimizer_items))
-  parts = state_lib.model_parts(model_cfg)
-  tx = optimizer_lib.make_optimizer(t, optimizer_lib.decay_mask(parts.abstract_params))
-  abstract = state_lib.abstract_state(model_cfg, tx, 0)
-  shardings = state_lib.state_shardings(abstract, parts, mesh, rules)
-  batch = sharding_lib.batch_sharding(mesh, rules)  # a prefix: every [B, T] leaf of the batch
-  return Programs(
-      parts=parts, tx=tx, schedule=optimizer_lib.learning_rate_schedule(t), abstract=abstract,
-      shardings=shardings,
-      init_fn=jax.jit(lambda seed: state_lib.init_state(model_cfg, tx, seed),
-                      out_shardings=shardings),
-      from_params_fn=jax.jit(lambda params, seed: state_lib.state_with_params(params, tx, seed),
-                             out_shardings=shardings),
-      not_halted_fn=jax.jit(state_lib.not_halted, out_shardings=shardings.halted),
-      eval_fn=jax.jit(functools.partial(perplexity.eval_step, graphdef=parts.graphdef),
-                      in_shardings=(shardings.params, batch)))
-
-
-@functools.lru_cache(maxsize=8)
-def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: Any, rules: tuple,
-             capacity_factor: Optional[float], exchange: str = "auto", chunks: int = 1) -> Programs:
-  """Everything compiled for one (model, optimizer, step options, mesh) combination."""
-  base = _state_programs(model_cfg, optimizer_items, mesh, rules, capacity_factor, exchange, chunks)
-  t = dict(step_items)
-  train = functools.partial(step_lib.train_step, graphdef=base.parts.graphdef, tx=base.tx,
-                            schedule=base.schedule, accum_steps=t["grad_accum_steps"],
-                            remat=t["remat"], on_nonfinite=t["on_nonfinite"],
-                            loss_chunk_tokens=t["loss_chunk_tokens"],
-                            fused_loss_head=t["fused_loss_head"])
-  batch = sharding_lib.batch_sharding(mesh, rules)
-  train_fn = jax.jit(train, in_shardings=(base.shardings, batch),
-                     out_shardings=(base.shardings, None), donate_argnums=0)
-  return dataclasses.replace(base, train_fn=train_fn)
-
-
-def expert_parallel_settings(config: Any) -> tuple[Optional[float], str]:
-  """(capacity_factor, exchange) of `config.expert_parallel` (defaults: dropless, "auto"): what
-  `use_mesh(..., expert_capacity_factor=, expert_exchange=)` takes."""
-  ep = config.get("expert_parallel") or {}
-  return ep.get("capacity_factor"), ep.get("exchange", "auto")
-
-
-def expert_chunks(config: Any) -> int:
-  """`config.expert_parallel.chunks` (default 1): what `use_mesh(..., expert_chunks=)` takes."""
-  return (config.get("expert_parallel") or {}).get("chunks", 1)
-
-
-def config_programs(config: Any, model_cfg: Any, mesh: Any, rules: tuple) -> Programs:
-  t = config.train
-  return programs(model_cfg, tuple((k, t[k]) for k in OPTIMIZER_KEYS),
-                  tuple((k, t[k]) for k in STEP_KEYS), mesh, rules,
-                  *expert_parallel_settings(config), expert_chunks(config))
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything `run` builds before the first step."""
-  config: Any
-  model_cfg: Any
-  workdir: str
-  mesh: Any
-  rules: Any
-  capacity_factor: Optional[float]
-  exchange: str
-  programs: Programs
-  train_iter: Any
-  eval_batches: list
-  checkpointer: ckpt_lib.Checkpointer
-  source: ckpt_lib.ResumeSource
-  writer: Optional[metrics_lib.MetricWriter] = None  # made by `run` once the start state exists
-  resume_metadata: dict = dataclasses.field(default_factory=dict)  # of the restored checkpoint
-  chunks: int = 1                      # expert_parallel.chunks
-  restored_from: Optional[int] = None  # checkpoint.restore_step this run's branch started from
-
-
-def _check_batch_layout(config: Any, mesh: Any, rules: Any) -> None:
-  t = config.train
-  shards = sharding_lib.batch_shards(mesh, rules)
-  micro = t.global_batch_size // t.grad_accum_steps
-  procs = jax.process_count()
-  if micro % shards or t.global_batch_size % procs:
-    raise config_lib.ConfigError(
-        f"train.global_batch_size={t.global_batch_size} / train.grad_accum_steps="
-        f"{t.grad_accum_steps} = {micro} sequences per micro-batch must divide into the batch's "
-        f"{shards} shards (mesh {mesh_lib.describe(mesh)}) and {procs} process(es)")
-  eval_bs = t.eval_batch_size or micro
-  if t.eval_every and (eval_bs % shards or eval_bs % procs):
-    raise config_lib.ConfigError(
-        f"eval batch size {eval_bs} (train.eval_batch_size) must be a multiple of the batch's "
-        f"{shards} shards and of {procs} process(es)")
-
-
-def _close_iterator(it: Any) -> None:
-  close = getattr(it, "close", None)
-  if close is not None:
-    close()
-
-
-def _all_processes_agree(ok: bool) -> None:
-  """With several processes: DataError on every one if any found its share of the data unusable
-  (that one raises its own message), instead of the others waiting for it in the first step."""
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
-  flags = np.asarray(multihost_utils.process_allgather(np.asarray(ok)))
-  if ok and not flags.all():
-    bad = [int(i) for i in np.flatnonzero(~flags)]
-    raise DataError(f"process(es) {bad} found too little or bad training data (their logs say "
-                    "which file); every process stops")
-
-
-def use_compilation_cache(path: str) -> None:
-  """Points JAX's persistent compilation cache at `path` (`train.compilation_cache_dir`; a local
-  directory, created if missing, or a gs:// path) for this process, before anything compiles:
-  programs compiled again (a resumed run, the same config elsewhere) load their executable. JAX
-  keeps the first directory a process compiles with, so a later, different one is refused."""
-  if "://" not in path:
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-      os.makedirs(path, exist_ok=True)
-    except OSError as e:
-      raise ConfigError(f"train.compilation_cache_dir={path!r}: cannot create it "
-                        f"({e.strerror or type(e).__name__})") from e
-    if not os.access(path, os.W_OK | os.X_OK):
-      raise ConfigError(f"train.compilation_cache_dir={path!r} is not writable")
-  current = jax.config.jax_compilation_cache_dir
-  if current and current != path:
-    raise ConfigError(f"train.compilation_cache_dir={path!r}: this process already caches "
-                      f"compilations in {current!r} (JAX takes one directory per process)")
-  jax.config.update("jax_compilation_cache_dir", path)
-
-
-def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = None) -> Setup:
-  """Checks and builds everything before the start state; writes nothing (but creates
-  train.compilation_cache_dir when it is set and missing). With `stack`, the data
-  iterator and the checkpoint manager are closed when it exits (else the caller closes them)."""
-  # Config, workdir and start point: everything is checked before any file is read or device
-  # touched.
-  model_cfg = config_lib.validate(config)
-  t = config.train
-  ckpt_lib.check_workdir(workdir)
-  source = ckpt_lib.resume_source(storage.join(workdir, ckpt_lib.CHECKPOINT_DIR),
-                                  config.checkpoint.init_from, config.checkpoint.restore_step)
-
-  # Mesh.
-  try:
-    mesh = mesh_lib.make_mesh(config.get("mesh"))
-    rules = sharding_lib.normalize_rules(config.get("sharding_rules"))
-  except ValueError as e:
-    raise ConfigError(f"config.mesh / config.sharding_rules: {e}") from e
-  _check_batch_layout(config, mesh, rules)
-  logging.info("mesh: %s", mesh_lib.describe(mesh))
-  capacity_factor, exchange = expert_parallel_settings(config)
-
-  # Model, optimizer, state layout, jitted functions.
-  if t.compilation_cache_dir:
-    use_compilation_cache(t.compilation_cache_dir)
-  progs = config_programs(config, model_cfg, mesh, rules)
-
-  # Data.
-  proc = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  try:
-    train_iter = data_lib.make_train_iterator(config.data, seq_len=t.seq_len,
-                                              global_batch_size=t.global_batch_size, seed=t.seed,
-                                              **proc)
-  except DataError:
-    _all_processes_agree(False)
-    raise
-  _all_processes_agree(True)
-  if stack is not None:
-    stack.callback(_close_iterator, train_iter)
-  eval_batches = []
-  if t.eval_every:
-    eval_bs = t.eval_batch_size or t.global_batch_size // t.grad_accum_steps
-    eval_batches = data_lib.make_eval_batches(
-        config.data, seq_len=t.seq_len, num_batches=t.eval_batches, global_batch_size=eval_bs,
-        **proc)
-    if not eval_batches:  # raises, naming what the held-out data holds
-      pipeline_lib.check_one_batch(config.data, split="eval", seq_len=t.seq_len,
-                                   batch_size=eval_bs // jax.process_count(), **proc)
-
-  # Creates no directory: config.json, checkpoints/ and the writers come once the start state is
-  # restored, so a resume that fails (e.g. the model config changed) leaves the workdir as it was.
-  checkpointer = ckpt_lib.Checkpointer(storage.join(workdir, ckpt_lib.CHECKPOINT_DIR),
-                                       keep=config.checkpoint.keep,
-                                       async_save=config.checkpoint.async_save)
-  if stack is not None:
-    stack.push(checkpointer.__exit__)
-  return Setup(config=config, model_cfg=model_cfg, workdir=workdir, mesh=mesh, rules=rules,
-               capacity_factor=capacity_factor, exchange=exchange, programs=progs,
-               train_iter=train_iter, eval_batches=eval_batches, checkpointer=checkpointer,
-               source=source, chunks=expert_chunks(config))
-
-
-def initial_state(s: Setup) -> tuple[state_lib.TrainState, int, str]:
-  """(state, step, source): the run's own checkpoint > checkpoint.init_from > scratch.
-
-  Sets `s.resume_metadata` (the restored checkpoint's) and `s.restored_from`."""
-  cfg, p = s.config, s.programs
-  source = s.source
-  if source.kind == "workdir":
-    target = state_lib.checkpoint_tree(state_lib.with_shardings(p.abstract, p.shardings))
-    tree, step = s.checkpointer.restore(target, s.train_iter, source.step)
-    logging.info("resumed from %s step %d", s.checkpointer.directory, step)
-    s.resume_metadata = s.checkpointer.metadata(step)
-    s.restored_from = (source.step if source.step is not None
-                       else s.resume_metadata.get("restored_from"))
-    return state_lib.from_checkpoint_tree(tree, p.not_halted_fn()), step, "workdir"
-  if source.kind == "init_from":
-    params = ckpt_lib.load_init_params(source.path, p.parts.abstract_params, p.shardings.params)
-    logging.info("initialised parameters from %s", source.path)
-    return p.from_params_fn(params, cfg.train.seed), 0, "init_from"
-  return p.init_fn(cfg.train.seed), 0, "scratch"
 
 
 class Trainer:
