@@ -347,7 +347,18 @@ def test_plot_command_bad_input(tmp_path, capsys):
   (bad / "metrics.jsonl").write_text('{"step": 1, "train/lm_loss": 2.0}\n{"step": 2, "train/lm_')
   assert plot.read_metrics(str(bad)) == {"train/lm_loss": ([1], [2.0])}
   assert "metrics.jsonl:2: skipped the last line, cut short" in capsys.readouterr().err
+  # ... also when it was cut inside a multi-byte character (a UnicodeDecodeError naming no file);
+  # a line of other bytes than UTF-8 before the end is named with its line.
+  good = '{"step": 1, "train/lm_loss": 2.0}\n'.encode()
+  (bad / "metrics.jsonl").write_bytes(good + '{"step": 2, "note": "\u00e9'.encode()[:-1])
+  assert plot.read_metrics(str(bad)) == {"train/lm_loss": ([1], [2.0])}
+  assert ("metrics.jsonl:2: skipped the last line, cut short (not UTF-8: unexpected end of data)"
+          in capsys.readouterr().err)
+  (bad / "metrics.jsonl").write_bytes(good + b'{"step": 2, "x\xff": 1}\n' + good)
+  with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics record \(UnicodeDecodeError"):
+    plot.read_metrics(str(bad))
   # An output directory that cannot be made: one error line (was a traceback).
+  (bad / "metrics.jsonl").write_bytes(good)
   assert plot.main([str(bad), "--out", str(bad / "metrics.jsonl" / "plots")]) == 2
-  assert capsys.readouterr().err.splitlines()[-1].startswith(
-      f"error: --out='{bad}/metrics.jsonl/plots': cannot create")
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"error: --out='{bad}/metrics.jsonl/plots': '{bad}/metrics.jsonl' is a file, not a directory")

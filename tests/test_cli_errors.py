@@ -591,6 +591,22 @@ def test_converter_names_the_file_and_the_problem(tmp_path, capsys, case):
   assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.parametrize("output", ["a_file", "a_file/converted"])
+def test_converter_refuses_an_output_it_cannot_write_before_converting(tmp_path, capsys, monkeypatch,
+                                                                       output):
+  """An --output that is (or lies under) a file: one line naming it, before the weights are read
+  (the conversion ran first, then failed with a bare "[Errno 17] File exists")."""
+  from umoe_jax.interop import official
+  (tmp_path / "a_file").write_text("x")
+  converted = []
+  monkeypatch.setattr(official, "import_official", lambda *a, **k: converted.append(a))
+  fixture = os.path.join(ROOT, "tests", "data", "official", "umoe")
+  assert official.main([f"--checkpoint={fixture}", f"--output={tmp_path / output}"]) == 2
+  assert capsys.readouterr().err.strip() == (f"error: --output='{tmp_path / output}': "
+                                             f"'{tmp_path / 'a_file'}' is a file, not a directory")
+  assert not converted
+
+
 # ----------------------------------------------------------------------------------------------
 # Pieces the cases rely on, without a subprocess.
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 
 import pytest
 
@@ -111,6 +112,13 @@ def test_bad_task_entries(tmp_path):
     taskspec.parse_task_list("x.jsonl:essay")
   with pytest.raises(EvalError, match=r"given twice"):
     taskspec.parse_task_list("piqa,piqa")
+  # A task file without its kind: said so (it was "unknown task '<path>'").
+  mc = _jsonl(tmp_path / "mine.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])
+  for entry in (mc, f"m={mc}"):
+    with pytest.raises(EvalError, match=re.escape(f"--tasks entry {entry!r} is a file: give its "
+                                                  f"kind, {entry}:KIND, with KIND one of "
+                                                  "multiple_choice, schema, lm, race, mmlu")):
+      taskspec.parse_task_list(entry)
   with pytest.raises(FileNotFoundError, match="task spec file not found"):
     taskspec.parse_task_list(str(tmp_path / "none.yaml"))
   mc = _jsonl(tmp_path / "mc.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])

@@ -38,6 +38,7 @@ from umoe_jax.finetune.metrics import classification_metrics, confusion_matrix, 
 from umoe_jax.finetune.model import SequenceClassifier, pool
 from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import loop as pretrain_loop
+from umoe_jax.train.checkpoint import WorkdirError
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 CORPUS = os.path.join(SHARED, "corpora", "linux-docs")
@@ -753,9 +754,15 @@ def test_bad_input_errors_name_file_line_and_value(real_run, tmp_path):
   # traceback, and an unwritable --output failed after the scoring naming no flag).
   with pytest.raises(ConfigError, match=r"^--batch_size=0 must be >= 1$"):
     predict_lib.predict_file(paths["finetuned"], unseen, str(tmp_path / "p.jsonl"), batch_size=0)
-  with pytest.raises(ConfigError, match=re.escape(f"--output='{train}/p.jsonl': cannot create "
-                                                  f"'{train}'")):
+  with pytest.raises(ConfigError, match=re.escape(f"--output='{train}/p.jsonl': '{train}' is a "
+                                                  "file, not a directory")):
     predict_lib.predict_file(paths["finetuned"], unseen, f"{train}/p.jsonl")
+  # A --workdir that is a file (or lies under one): named before any work (was a FileExistsError
+  # traceback from the metric writer, after the data and the model were loaded).
+  for workdir, why in ((train, "is a file, not a directory"),
+                       (f"{train}/wd", f"cannot be created: '{train}' is a file")):
+    with pytest.raises(WorkdirError, match=re.escape(f"--workdir='{workdir}' {why}")):
+      loop.run(finetune_config(paths, **{"data.train_path": train, "data.test_path": ""}), workdir)
   # Resuming a workdir with other data, or fine-tuning into a pretraining workdir.
   with pytest.raises(ConfigError, match=r"classifier\.json holds the labels \['ABI'.*gives \['a', 'b'\]"):
     loop.run(finetune_config(paths, **{"data.train_path": train, "data.test_path": "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -51,9 +52,11 @@ def test_output_paths_are_checked_before_the_work(tmp_path):
   with pytest.raises(ValueError, match=f"--json='{tmp_path}' is not a writable file path"):
     output.check_output_path(str(tmp_path), "--json")
   (tmp_path / "a_file").write_text("x")
-  with pytest.raises(ValueError, match=f"--plots='{tmp_path}/a_file/p': cannot create "
-                                       f"'{tmp_path}/a_file/p'"):
-    output.check_output_path(str(tmp_path / "a_file" / "p"), "--plots", directory=True)
+  # A file where a directory must be (or be made): named as such, not makedirs' bare errno text.
+  for path, directory in (("a_file/p", True), ("a_file", True), ("a_file/sub/r.json", False)):
+    with pytest.raises(ValueError, match=re.escape(f"--out='{tmp_path}/{path}': '{tmp_path}/a_file'"
+                                                   " is a file, not a directory")):
+      output.check_output_path(str(tmp_path / path), "--out", directory=directory)
   with pytest.raises(ValueError, match=r"--json='/proc/umoe-test/r\.json': cannot create "
                                        r"'/proc/umoe-test' \(No such file or directory\)"):
     output.check_output_path("/proc/umoe-test/r.json", "--json")  # /proc refuses even root

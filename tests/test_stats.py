@@ -185,6 +185,34 @@ def test_cli_json_and_override():
   assert two["macs"]["forward"] - head == per_layer_macs * 2 // layers
 
 
+def test_cli_bad_input_is_one_error_line(tmp_path):
+  """Flags and configs the command cannot count: one "error:" line naming the flag or key and exit
+  status 1, before any model is built (were a ZeroDivisionError, numpy's TypeError, a
+  FileNotFoundError and a ConfigError traceback)."""
+  broken = tmp_path / "zoo"
+  broken.mkdir()
+  (broken / "x_tiny.py").write_text("def get_config():\n  raise ValueError('bad scale')\n")
+  tiny = "--config=configs/umoe_tiny.py"
+  cases = {
+      (tiny, "--batch=0"): "error: --batch=0 must be >= 1",
+      (tiny, "--seq_len=0"): "error: --seq_len=0 must be >= 1",
+      (tiny, "--kv_dtype=float13"): "error: --kv_dtype='float13' is not a dtype (e.g. bfloat16, "
+                                    "float16, float32, int8, float8_e4m3fn)",
+      (tiny, "--config.model.d_model=-3"): "error: model.d_model=-3 must be positive",
+      ("--zoo", f"--zoo_dir={tmp_path / 'none'}"): f"error: --zoo_dir='{tmp_path / 'none'}': no "
+                                                   "such directory",
+      ("--zoo", f"--zoo_dir={broken}"): f"error: zoo config {broken / 'x_tiny.py'} does not load "
+                                        "(ValueError: bad scale)",
+  }
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = {args: subprocess.Popen([sys.executable, "-m", "umoe_jax.stats", *args], cwd=ROOT,
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for args in cases}
+  for args, proc in procs.items():
+    stdout, stderr = proc.communicate(timeout=180)
+    assert (proc.returncode, stdout, stderr.strip()) == (1, "", cases[args]), (args, stderr[-2000:])
+
+
 def test_model_zoo_doc_is_current():
   with open(os.path.join(ROOT, "docs", "model_zoo.md")) as f:
     doc = f.read()

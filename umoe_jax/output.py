@@ -103,6 +103,11 @@ def check_output_path(path: str, flag: str, *, directory: bool = False) -> None:
     return
   path = os.path.abspath(os.path.expanduser(path))
   folder = path if directory else os.path.dirname(path)
+  existing = folder
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):  # else makedirs' bare "File exists" / "Not a directory"
+    raise ValueError(f"{flag}={path!r}: {existing!r} is a file, not a directory")
   try:
     os.makedirs(folder, exist_ok=True)
   except OSError as e:

@@ -31,16 +31,17 @@ def read_metrics(run: str) -> dict[str, tuple[list, list]]:
   if not storage.isfile(path):
     raise ValueError(f"{run!r}: no metrics.jsonl (expected {path}); give training workdirs")
   by_key: dict[str, dict[int, float]] = {}
-  with storage.open(path, encoding="utf-8") as f:
+  with storage.open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named like any other
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
-        rec = json.loads(line)
+        rec = json.loads(line.decode("utf-8"))
         step = int(rec["step"])
-      except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        if not line.endswith("\n") and isinstance(e, json.JSONDecodeError):
-          print(f"note: {path}:{lineno}: skipped the last line, cut short ({e.msg})",
+      except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        if not line.endswith(b"\n") and isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+          why = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
+          print(f"note: {path}:{lineno}: skipped the last line, cut short ({why})",
                 file=sys.stderr)
           break
         raise ValueError(f"{path}:{lineno}: not a metrics record ({type(e).__name__}: {e})") from None

@@ -25,7 +25,9 @@ def read_records(path: str, limit: Optional[int] = None,
         continue
       where = f"{path}:{lineno}"
       try:
-        record = json.loads(raw.decode("utf-8"))
+        # without the line end: an unterminated record is reported at its last column, not at
+        # "column 1" (of the line end)
+        record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
       except UnicodeDecodeError as e:
         raise error(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
       except json.JSONDecodeError as e:

@@ -37,6 +37,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
+from umoe_jax import storage
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.fewshot import SAMPLERS
@@ -153,6 +154,10 @@ def parse_task_list(entries: str | Sequence[str | TaskSpec],
       specs.append(TaskSpec(name=name, kind=resolve_file_kind(kind, f"--tasks entry {entry!r}"),
                             path=path))
     else:
+      path = entry.split("=", 1)[-1]
+      if storage.exists(path) and _stem(path) not in tasks_lib.TASKS:  # a file without its kind
+        raise EvalError(f"--tasks entry {entry!r} is a file: give its kind, {entry}:KIND, with "
+                        f"KIND one of {', '.join(FILE_KINDS)} (or mc, cloze)")
       name = tasks_lib.resolve_task(entry)
       filename, kind = tasks_lib.TASKS[name]
       specs.append(TaskSpec(name=name, kind=kind, path=os.path.join(data_dir, filename)))

@@ -70,11 +70,11 @@ def main(argv) -> None:
   logging.get_absl_handler().addFilter(_QuietLibraries())
   from umoe_jax.finetune.data import DataError
   from umoe_jax.config import ConfigError
-  from umoe_jax.train.checkpoint import CheckpointError, quiet_orphaned_orbax_work
+  from umoe_jax.train.checkpoint import CheckpointError, WorkdirError, quiet_orphaned_orbax_work
   quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:
     result = _predict() if command[0] == "predict" else _train()
-  except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+  except (ConfigError, DataError, CheckpointError, WorkdirError, FileNotFoundError) as e:
     _fail(e)
   if command[0] == "predict":
     summary = {k: result[k] for k in ("count", "output", "accuracy", "macro_f1") if k in result}

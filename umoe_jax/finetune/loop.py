@@ -61,6 +61,7 @@ class Run:
 
   def __init__(self, config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]):
     config_lib.validate(config)
+    ckpt_lib.check_workdir(workdir)  # a file, or not writable: before any work (writes nothing)
     self.config, self.workdir, self.step_hook = config, workdir, step_hook
     t, d = config.train, config.data
     # A run with checkpoints resumes with the architecture and tokenizer it started with.

@@ -46,6 +46,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from umoe_jax import storage
+from umoe_jax.output import check_output_path
 from umoe_jax.config import ConfigError, model_config
 from umoe_jax.interop.checkpoint_files import (
     StateDictError, load_official_state_dict, read_safetensors, read_torch_bin)
@@ -121,6 +122,18 @@ def load_converted(output_dir: str, **model_overrides):
 # CLI
 
 
+class OutputError(ValueError):
+  """--output cannot hold the converted checkpoint (a file, or not writable)."""
+
+
+def _check_output(output: str) -> None:
+  """OutputError before the conversion when `output` is a file or cannot be made or written."""
+  try:
+    check_output_path(output, "--output", directory=True)
+  except ValueError as e:
+    raise OutputError(str(e)) from None
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m umoe_jax.interop.official",
@@ -137,12 +150,13 @@ def main(argv=None) -> int:
     layout = expert_weight_layout(config_json)
     if storage.exists(storage.join(args.output, "params")):
       raise FileExistsError(f"{storage.join(args.output, 'params')} exists; choose an empty --output")
+    _check_output(args.output)
     model, cfg = import_official(args.checkpoint, compute_dtype=args.compute_dtype,
                                  gmm_backend=args.gmm_backend)
     out = save_converted(model, cfg, args.output, source=dict(
         checkpoint=os.path.abspath(args.checkpoint), expert_layout=layout, official_config=config_json))
   except (ConfigError, StateDictError, FileNotFoundError, FileExistsError, ImportError,
-          storage.StorageError) as e:
+          OutputError, storage.StorageError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   import jax

@@ -6,6 +6,7 @@ never registers flags that could clash with the caller's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Mapping, Optional, Sequence
 
@@ -39,15 +40,23 @@ def _main(argv):
   from ml_collections import config_flags
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  from umoe_jax.config import ConfigError
   FLAGS = flags.FLAGS
+  _check_flags(FLAGS)
   if FLAGS.zoo:
-    print(zoo_markdown(FLAGS.zoo_dir, batch=FLAGS.batch, kv_dtype=FLAGS.kv_dtype))
+    try:
+      print(zoo_markdown(FLAGS.zoo_dir, batch=FLAGS.batch, kv_dtype=FLAGS.kv_dtype))
+    except ConfigError as e:  # a zoo config that does not load, or an invalid model section
+      raise SystemExit(f"error: {e}") from None
     return 0
   if FLAGS.config is None:
     raise SystemExit("--config=configs/<model>.py is required (or --zoo)")
   name = config_flags.get_config_filename(FLAGS["config"])
-  s = model_stats(FLAGS.config, batch=FLAGS.batch, seq_len=FLAGS.seq_len, causal=FLAGS.causal,
-                  kv_dtype=FLAGS.kv_dtype, from_model=FLAGS.from_model, name=name)
+  try:
+    s = model_stats(FLAGS.config, batch=FLAGS.batch, seq_len=FLAGS.seq_len, causal=FLAGS.causal,
+                    kv_dtype=FLAGS.kv_dtype, from_model=FLAGS.from_model, name=name)
+  except ConfigError as e:  # an override the model refuses, e.g. --config.model.d_model=-3
+    raise SystemExit(f"error: {e}") from None
   overrides = config_flags.get_override_values(FLAGS["config"])
   if overrides:
     s["overrides"] = overrides
@@ -58,6 +67,23 @@ def _main(argv):
       s["name"] += "  " + " ".join(f"{k}={v}" for k, v in _flatten(overrides).items())
     print(format_table(s))
   return 1 if "mismatch" in (s["params"]["check"], s["kv_cache"]["check"]) else 0
+
+
+def _check_flags(FLAGS) -> None:
+  """The command's own flags, before any model is built (else a ZeroDivisionError, a TypeError
+  of numpy's or a FileNotFoundError far from the flag)."""
+  from umoe_jax.stats.kv_cache import itemsize
+  if FLAGS.batch < 1:
+    raise SystemExit(f"error: --batch={FLAGS.batch} must be >= 1")
+  if FLAGS.seq_len is not None and FLAGS.seq_len < 1:
+    raise SystemExit(f"error: --seq_len={FLAGS.seq_len} must be >= 1")
+  try:
+    itemsize(FLAGS.kv_dtype)
+  except TypeError:
+    raise SystemExit(f"error: --kv_dtype={FLAGS.kv_dtype!r} is not a dtype (e.g. bfloat16, "
+                     "float16, float32, int8, float8_e4m3fn)") from None
+  if FLAGS.zoo and not os.path.isdir(FLAGS.zoo_dir):
+    raise SystemExit(f"error: --zoo_dir={FLAGS.zoo_dir!r}: no such directory")
 
 
 def _flatten(d: Mapping, prefix: str = "") -> dict:

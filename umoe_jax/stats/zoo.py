@@ -24,8 +24,13 @@ def load_config_file(path: str):
   module_name = f"{package}.{os.path.splitext(os.path.basename(path))[0]}"
   spec = importlib.util.spec_from_file_location(module_name, path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  try:
+    spec.loader.exec_module(module)
+    return module.get_config()
+  except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
+    from umoe_jax.config import ConfigError
+    raise ConfigError(f"zoo config {path} does not load ({type(e).__name__}: "
+                      f"{' '.join(str(e).split())})") from e
 
 
 def zoo_files(config_dir: str = "configs", patterns: Sequence[str] = ZOO_PATTERNS) -> list[str]:
