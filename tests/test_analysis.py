@@ -324,6 +324,8 @@ def test_plot_command_reads_runs(tmp_path, capsys):
   assert loss_ax.get_title().startswith("LM loss") and ppl_ax.get_yscale() == "log"
   ys = [list(l.get_ydata()) for l in loss_ax.get_lines()]
   assert ys == [[5.0, 3.9], [5.2], [6.0]]  # run_a train, run_a eval, run_b train
+  # run_b's one training interval is a marker (a line of one point draws nothing)
+  assert [l.get_marker() for l in loss_ax.get_lines()] == ["None", "o", "s"]
   legend = [t.get_text() for t in ppl_ax.get_legend().get_texts()]
   assert legend[:2] == ["run_a", "run_b"] and "eval (held-out)" in legend
   out = str(tmp_path / "plots")

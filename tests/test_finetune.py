@@ -763,6 +763,24 @@ def test_bad_input_errors_name_file_line_and_value(real_run, tmp_path):
                        (f"{train}/wd", f"cannot be created: '{train}' is a file")):
     with pytest.raises(WorkdirError, match=re.escape(f"--workdir='{workdir}' {why}")):
       loop.run(finetune_config(paths, **{"data.train_path": train, "data.test_path": ""}), workdir)
+  # A fine-tuning workdir where a language model is expected: said so, with what to run instead
+  # (evaluation, generation and the analysis said "unknown key model.head_dropout"; fine-tuning
+  # from it "does not name its tokenizer (a converted checkpoint)").
+  from umoe_jax.load import LoadError, load_model
+  finetuned = paths["finetuned"]
+  advice = re.escape(f"(classifier.json): a text classifier, not a language model; score texts "
+                     f"with `python -m umoe_jax.finetune predict --checkpoint={finetuned} "
+                     f"--input=FILE --output=FILE`, or use its backbone, {paths['pretrained']}")
+  step = ckpt_lib.complete_steps(os.path.join(finetuned, "checkpoints"))[-1]
+  with pytest.raises(LoadError, match=re.escape(f"'{finetuned}' is a fine-tuning workdir ") + advice):
+    load_model(finetuned)
+  step_dir = os.path.join(finetuned, "checkpoints", str(step))
+  with pytest.raises(LoadError, match=re.escape(f"'{step_dir}' is in the fine-tuning workdir "
+                                                f"{finetuned} ") + advice):
+    load_model(step_dir)
+  with pytest.raises(ConfigError, match=re.escape(f"init_from='{finetuned}' is a fine-tuning "
+                                                  "workdir ") + advice):
+    run(init_from=finetuned)
   # Resuming a workdir with other data, or fine-tuning into a pretraining workdir.
   with pytest.raises(ConfigError, match=r"classifier\.json holds the labels \['ABI'.*gives \['a', 'b'\]"):
     loop.run(finetune_config(paths, **{"data.train_path": train, "data.test_path": "",

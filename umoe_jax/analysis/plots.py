@@ -238,8 +238,10 @@ def loss_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[
   for i, (run, series) in enumerate(runs.items()):
     color = f"C{i % 10}"
     for ax, train_key, eval_key in panels:
-      if train_key in series:
-        ax.plot(*series[train_key], color=color, linewidth=1.3, alpha=0.9)
+      if train_key in series:  # one interval (a short or crashed run): a line of one point shows
+        one = len(series[train_key][0]) == 1  # nothing, so a marker
+        ax.plot(*series[train_key], color=color, linewidth=1.3, alpha=0.9,
+                marker="s" if one else None, markersize=4)
       if eval_key in series:
         ax.plot(*series[eval_key], color=color, linestyle="--", marker="o", markersize=4)
   ax_loss.set_title("LM loss (cross-entropy)")

@@ -23,10 +23,13 @@ from umoe_jax.train import checkpoint as ckpt_lib
 
 def read_backbone(config: Any) -> tuple[ml_collections.ConfigDict, dict]:
   """(model section, the whole config.json dict) of init_from."""
-  from umoe_jax.load import read_checkpoint_config
+  from umoe_jax.load import finetune_message, finetune_workdir, read_checkpoint_config
   path = storage.expand(config.init_from)
   if not storage.isdir(path):
     raise ConfigError(f"init_from={config.init_from!r}: no such directory")
+  workdir = finetune_workdir(path)
+  if workdir is not None:  # else "does not name its tokenizer (a converted checkpoint)"
+    raise ConfigError(f"init_from={finetune_message(config.init_from, workdir)}")
   saved = read_checkpoint_config(path)
   if saved is None or not isinstance(saved, dict) or "model" not in saved:
     raise ConfigError(f"init_from={config.init_from!r} has no config.json with a 'model' section: "

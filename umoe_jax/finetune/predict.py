@@ -31,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from umoe_jax import load as load_lib
 from umoe_jax import storage
 from umoe_jax.config import ConfigError
 from umoe_jax.finetune import data as data_lib
 from umoe_jax.finetune.metrics import classification_metrics
 
-CLASSIFIER_FILE = "classifier.json"
+CLASSIFIER_FILE = load_lib.CLASSIFIER_FILE
 BEST_DIR = "best"
 RESULTS_FILE = "results.json"
 
