@@ -440,3 +440,21 @@ def test_errors_name_the_bad_value(tmp_path):
     data.make_train_iterator(_cfg(), seq_len=8, global_batch_size=3, seed=0, process_count=2)
   with pytest.raises(ValueError, match="data.eval_path"):
     data.make_eval_batches(_cfg(source="parquet"), seq_len=8, global_batch_size=2, num_batches=1)
+
+
+def test_a_json_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
+  """`tokenizers` says "expected `,` or `}` at line 1 column 5" of valid JSON of another schema."""
+  cases = {'{"a": 1}': 'valid JSON but not a Hugging Face tokenizer.json (no "model" entry; it has '
+                       "keys ['a'])",
+           "[1, 2]": 'valid JSON but not a Hugging Face tokenizer.json (no "model" entry; it has a '
+                     "JSON list)",
+           "{not json": "not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+                        "column 2 (char 1))"}
+  for i, (text, why) in enumerate(cases.items()):
+    path = tmp_path / f"tok{i}.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+      data.load_tokenizer(_cfg(tokenizer=str(path)))
+    assert str(e.value) == f"cannot read tokenizer file {str(path)!r} (data.tokenizer): {why}"
+  with pytest.raises(ValueError, match=r"set model\.vocab_size >= 257$"):
+    data.check_vocab(data.ByteTokenizer(), 256)
