@@ -458,3 +458,22 @@ def test_a_json_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
     assert str(e.value) == f"cannot read tokenizer file {str(path)!r} (data.tokenizer): {why}"
   with pytest.raises(ValueError, match=r"set model\.vocab_size >= 257$"):
     data.check_vocab(data.ByteTokenizer(), 256)
+
+
+def test_a_text_file_that_is_not_utf8_is_named_or_skipped(tmp_path):
+  """It used to be read with U+FFFD in place of its bytes, silently; newlines stay universal."""
+  root = _write_text_dir(tmp_path / "docs", DOCS[:5])
+  (root / "001.txt").write_bytes("caf\u00e9 au lait\r\nline two\rthree".encode("utf-8"))
+  (root / "003.txt").write_bytes("first line\nnaïve, in latin-1".encode("latin-1"))
+  cfg = _cfg(source="text", train_path=str(root))
+  read = lambda c: list(sources.document_dataset(c, split="train", seed=0, shuffle=False,
+                                                 num_epochs=1))
+  byte = "naïve".encode("latin-1").index(b"\xef") + len("first line\n")
+  with pytest.raises(sources.DataError) as e:
+    read(cfg)
+  assert str(e.value) == (f"text file {str(root / '003.txt')!r}: not UTF-8 text: line 2, byte "
+                          f"{byte} (b'\\xef': invalid continuation byte)")
+  cfg.on_bad_record = "skip"
+  with open(root / "001.txt", encoding="utf-8") as f:  # Python's universal newlines
+    crlf = f.read()
+  assert read(cfg) == [DOCS[0], crlf, DOCS[2], "", DOCS[4]]

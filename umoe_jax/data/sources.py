@@ -23,8 +23,8 @@ their sizes can differ by a chunk, so processes reach the end of an epoch at dif
 
 Bad data (`data.on_bad_record`): a file that cannot be opened (a parquet footer that is truncated),
 a row group that cannot be decoded, a JSON-lines line that is not a JSON object with a string
-`text_field`, or a text file that cannot be read raises `DataError` naming the file and the row group
-/ line ("error", the default), or is dropped with a warning naming it and a running count ("skip"). A
+`text_field`, or a text file that cannot be read or is not UTF-8 raises `DataError` naming the file
+and the row group / line ("error", the default), or is dropped with a warning naming it and a running count ("skip"). A
 whole file that cannot be opened is dropped under "skip" too; a missing `text_field` column stays an
 error (that is a config mistake, not a bad record).
 
@@ -382,8 +382,17 @@ class _Documents(grain.experimental.FlatMapTransform):
 
 
 def _read_text(path: str) -> str:
-  with storage.open(path, encoding="utf-8", errors="replace") as f:  # universal newlines
-    return f.read()
+  """The file's text, newlines made "\\n" (as universal newlines); ValueError naming the line and
+  offset of the first byte that is not UTF-8 (a latin-1 or binary file: not replaced silently)."""
+  with storage.open(path, "rb") as f:
+    raw = f.read()
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw.count(b"\n", 0, e.start) + 1
+    raise ValueError(f"not UTF-8 text: line {line}, byte {e.start} "
+                     f"({raw[e.start:e.start + 1]!r}: {e.reason})") from None
+  return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +404,9 @@ class _ReadTextFile:
       return _remote_retry(lambda: _read_text(path), "reading", path)
     except OSError as e:
       bad_record(self.on_bad_record, f"text file {path!r} cannot be read ({_one_line(e)})")
+      return ""
+    except ValueError as e:  # not UTF-8
+      bad_record(self.on_bad_record, f"text file {path!r}: {e}")
       return ""
 
 
