@@ -477,3 +477,24 @@ def test_a_text_file_that_is_not_utf8_is_named_or_skipped(tmp_path):
   with open(root / "001.txt", encoding="utf-8") as f:  # Python's universal newlines
     crlf = f.read()
   assert read(cfg) == [DOCS[0], crlf, DOCS[2], "", DOCS[4]]
+
+
+def test_empty_documents_are_not_counted_and_prepare_refuses_no_text(tmp_path, capsys):
+  """Empty text files are documents of an indexed source: the too-little-data message counted
+  them as non-empty, and prepare wrote (exit 0) shards of 0 tokens."""
+  root = _write_text_dir(tmp_path / "docs", ["", "abc", "", "de"])
+  cfg = _cfg(source="text", train_path=str(root))
+  with pytest.raises(sources.DataError) as e:
+    pipeline.check_one_batch(cfg, split="train", seq_len=8, batch_size=2)
+  assert str(e.value) == (f"data.train_path={str(root)!r} (text) holds 2 non-empty documents, 9 "
+                          "tokens with EOS; one batch needs 2 x 9 = 18 tokens")
+  empty = _write_text_dir(tmp_path / "empty", ["", ""])
+  out = tmp_path / "prepared"
+  assert prepare.main(["--source=text", f"--input={empty}", f"--output_dir={out}"]) == 1
+  assert capsys.readouterr().err.endswith(
+      f"error: --input={str(empty)!r} (text) holds no text (2 documents, 0 tokens)\n")
+  assert not out.exists() and not _hidden(tmp_path)
+  (tmp_path / "tok.json").write_text('{"a": 1}')  # prepare's messages name its own flags
+  assert prepare.main(["--source=text", f"--input={root}", f"--tokenizer={tmp_path / 'tok.json'}",
+                       f"--output_dir={out}"]) == 1
+  assert "(--tokenizer): valid JSON but not" in capsys.readouterr().err
