@@ -498,3 +498,17 @@ def test_empty_documents_are_not_counted_and_prepare_refuses_no_text(tmp_path, c
   assert prepare.main(["--source=text", f"--input={root}", f"--tokenizer={tmp_path / 'tok.json'}",
                        f"--output_dir={out}"]) == 1
   assert "(--tokenizer): valid JSON but not" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line,why", [("[1, 2]", "record is a JSON array, not an object with a field "
+                                       "'body' (data.text_field)"),
+                                      ('{"body": 5}', "field 'body' is a JSON number, not a string"),
+                                      ('{"body": true}', "field 'body' is a JSON boolean, not a string")])
+def test_a_jsonl_record_of_the_wrong_type_is_named(tmp_path, line, why):
+  """(An array was "record without field 'body'; record keys: list"; a number "is a int".)"""
+  path = _write_jsonl(tmp_path / "d.jsonl", DOCS[:2])
+  path.write_text(path.read_text() + line + "\n")
+  cfg = _cfg(source="jsonl", train_path=str(path), text_field="body")
+  with pytest.raises(sources.DataError) as e:
+    list(sources.document_dataset(cfg, split="train", seed=0, shuffle=False, num_epochs=1))
+  assert str(e.value) == f"{path}:3: {why}"

@@ -294,13 +294,23 @@ def _jsonl_text(line: bytes, text_field: str) -> str | None:
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
     snippet = f"{line[:80]!r}{'...' if len(line) > 80 else ''}"
     raise ValueError(f"not valid JSON ({_one_line(e, 120)}): {snippet}") from None
-  if not isinstance(record, dict) or text_field not in record:
-    keys = list(record) if isinstance(record, dict) else type(record).__name__
-    raise ValueError(f"record without field {text_field!r} (data.text_field); record keys: {keys}")
+  if not isinstance(record, dict):
+    raise ValueError(f"record is a JSON {_json_type(record)}, not an object with a field "
+                     f"{text_field!r} (data.text_field)")
+  if text_field not in record:
+    raise ValueError(f"record without field {text_field!r} (data.text_field); record keys: "
+                     f"{list(record)}")
   text = record[text_field]
   if text is not None and not isinstance(text, str):
-    raise ValueError(f"field {text_field!r} is a {type(text).__name__}, not a string")
+    raise ValueError(f"field {text_field!r} is a JSON {_json_type(text)}, not a string")
   return text
+
+
+def _json_type(value) -> str:
+  """JSON's name of a decoded value's type (a Python list is an "array")."""
+  names = ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"),
+           (dict, "object"))
+  return next(name for types, name in names if isinstance(value, types))
 
 
 def _lines_before(path: str, offset: int) -> int:
