@@ -344,7 +344,7 @@ def test_bad_records_can_be_skipped_and_are_logged(cli, tmp_path, damaged_parque
 
 @pytest.mark.parametrize("case", ["workdir_is_a_file", "workdir_not_writable", "impossible_mesh",
                                   "unknown_override", "init_from_empty_directory",
-                                  "config_does_not_load"])
+                                  "config_does_not_load", "positional_argument"])
 def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
   workdir = str(tmp_path / "run")
   if case == "workdir_is_a_file":
@@ -367,6 +367,10 @@ def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
     assert "AttributeError" not in message
     debug = cli(workdir, "--config.train.stepz=5", "--debug", timeout=90)  # the traceback, on demand
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+  elif case == "positional_argument":  # a boolean flag's value after a space: absl printed --help
+    proc = cli(workdir, "--config.data.shuffle", "false", timeout=90)
+    assert_fails(proc, 2, "command-line error", re.escape("unexpected argument(s) ['false']: every "
+                                                          "flag takes its value as --name=value"))
   elif case == "config_does_not_load":  # with an override: it used to report an _ErrorConfig
     bad = tmp_path / "bad_config.py"
     bad.write_text("def get_config():\n  raise ValueError('no such scale: huge')\n")
