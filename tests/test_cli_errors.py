@@ -608,7 +608,8 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
   files = {"syntax.py": "def get_config(:\n", "raises.py": "def get_config(arg):\n  raise "
            "RuntimeError('boom')\n", "typo.py": "def get_config(arg):\n  raise ValueError('bad "
            "scale')\n", "none.py": "x = 1\n", "deep.py": "from configs import common\n\n\ndef "
-           "get_config(arg):\n  return common.experiment('umoe', 'huge')\n"}
+           "get_config(arg):\n  return common.experiment('umoe', 'huge')\n",
+           "no_return.py": "def get_config(arg):\n  arg = 1\n"}
   for name, text in files.items():
     (tmp_path / name).write_text(text)
   cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError: invalid "
@@ -617,7 +618,8 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
            "(AttributeError: module 'config_config' has no attribute 'get_config')",
            # raised in configs/common.py: the line of the config file that called it
            "deep.py": " does not load (ValueError at line 5: unknown scale 'huge'; valid: tiny, "
-           "base, large)"}
+           "base, large)", "no_return.py": " does not load (its get_config() returned None: a "
+           "missing return?)"}
   for name, message in cases.items():
     path = str(tmp_path / name)
     with pytest.raises(ConfigError, match=re.escape(f"--config={path}{message}") + "$"):

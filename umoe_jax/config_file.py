@@ -50,7 +50,8 @@ def load(path: str) -> Any:
   sys.modules.pop("config_config", None)
   try:
     config = ConfigFileFlagParser(name="config", lock_config=False).parse(path)
-    config.keys()  # a file that failed to load is an object that raises on first use
+    if config is not None:  # (None: get_config() without a return, named below)
+      config.keys()  # a file that failed to load is an object that raises on first use
   except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
     # config_flags re-raises a TypeError / ValueError of get_config() with its traceback as text.
     cause = e.__context__ if str(e).startswith("Error whilst parsing") and e.__context__ else e
@@ -58,6 +59,9 @@ def load(path: str) -> Any:
     at = f" at line {line}" if line else ""
     raise ConfigError(f"--config={file} does not load ({type(cause).__name__}{at}: "
                       f"{' '.join(str(cause).split())})") from e
+  if config is None:
+    raise ConfigError(f"--config={file} does not load (its get_config() returned None: a missing "
+                      "return?)")
   return config
 
 
