@@ -159,8 +159,10 @@ def _load_config():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if len(argv) > 1:  # (absl's UsageError: the whole --help, then the message, exit 1)
+    _fail("command-line error", f"unexpected argument(s) {argv[1:]}: every flag takes its value "
+          "as --name=value (a boolean one --name=false or --noname)",
+          "python train.py --helpfull lists the flags", EXIT_USAGE)
   debug = _debug()
   logging.get_absl_handler().addFilter(_QuietLibraries(debug))
   from umoe_jax.parallel import distributed

@@ -344,7 +344,7 @@ def test_bad_records_can_be_skipped_and_are_logged(cli, tmp_path, damaged_parque
 
 @pytest.mark.parametrize("case", ["workdir_is_a_file", "workdir_not_writable", "impossible_mesh",
                                   "unknown_override", "init_from_empty_directory",
-                                  "config_does_not_load"])
+                                  "config_does_not_load", "positional_argument"])
 def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
   workdir = str(tmp_path / "run")
   if case == "workdir_is_a_file":
@@ -367,12 +367,16 @@ def test_user_errors_are_one_line_and_write_nothing(cli, tmp_path, case):
     assert "AttributeError" not in message
     debug = cli(workdir, "--config.train.stepz=5", "--debug", timeout=90)  # the traceback, on demand
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+  elif case == "positional_argument":  # a boolean flag's value after a space: absl printed --help
+    proc = cli(workdir, "--config.data.shuffle", "false", timeout=90)
+    assert_fails(proc, 2, "command-line error", re.escape("unexpected argument(s) ['false']: every "
+                                                          "flag takes its value as --name=value"))
   elif case == "config_does_not_load":  # with an override: it used to report an _ErrorConfig
     bad = tmp_path / "bad_config.py"
     bad.write_text("def get_config():\n  raise ValueError('no such scale: huge')\n")
     proc = cli(workdir, "--config.train.num_steps=3", timeout=90, config=str(bad))
-    assert_fails(proc, 2, "config error", re.escape(f"--config={bad} does not load (ValueError: no "
-                                                    "such scale: huge)") + "$")
+    assert_fails(proc, 2, "config error", re.escape(f"--config={bad} does not load (ValueError at "
+                                                    "line 2: no such scale: huge)") + "$")
   else:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -619,13 +623,19 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
   from umoe_jax.eval import cli as eval_cli
   files = {"syntax.py": "def get_config(:\n", "raises.py": "def get_config(arg):\n  raise "
            "RuntimeError('boom')\n", "typo.py": "def get_config(arg):\n  raise ValueError('bad "
-           "scale')\n", "none.py": "x = 1\n"}
+           "scale')\n", "none.py": "x = 1\n", "deep.py": "from configs import common\n\n\ndef "
+           "get_config(arg):\n  return common.experiment('umoe', 'huge')\n",
+           "no_return.py": "def get_config(arg):\n  arg = 1\n"}
   for name, text in files.items():
     (tmp_path / name).write_text(text)
   cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError: invalid "
-           "syntax (syntax.py, line 1))", "raises.py": " does not load (RuntimeError: boom)",
-           "typo.py": " does not load (ValueError: bad scale)", "none.py": " does not load "
-           "(AttributeError: module 'config_config' has no attribute 'get_config')"}
+           "syntax (syntax.py, line 1))", "raises.py": " does not load (RuntimeError at line 2: boom)",
+           "typo.py": " does not load (ValueError at line 2: bad scale)", "none.py": " does not load "
+           "(AttributeError: module 'config_config' has no attribute 'get_config')",
+           # raised in configs/common.py: the line of the config file that called it
+           "deep.py": " does not load (ValueError at line 5: unknown scale 'huge'; valid: tiny, "
+           "base, large)", "no_return.py": " does not load (its get_config() returned None: a "
+           "missing return?)"}
   for name, message in cases.items():
     path = str(tmp_path / name)
     with pytest.raises(ConfigError, match=re.escape(f"--config={path}{message}") + "$"):

@@ -440,3 +440,75 @@ def test_errors_name_the_bad_value(tmp_path):
     data.make_train_iterator(_cfg(), seq_len=8, global_batch_size=3, seed=0, process_count=2)
   with pytest.raises(ValueError, match="data.eval_path"):
     data.make_eval_batches(_cfg(source="parquet"), seq_len=8, global_batch_size=2, num_batches=1)
+
+
+def test_a_json_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
+  """`tokenizers` says "expected `,` or `}` at line 1 column 5" of valid JSON of another schema."""
+  cases = {'{"a": 1}': 'valid JSON but not a Hugging Face tokenizer.json (no "model" entry; it has '
+                       "keys ['a'])",
+           "[1, 2]": 'valid JSON but not a Hugging Face tokenizer.json (no "model" entry; it has a '
+                     "JSON list)",
+           "{not json": "not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+                        "column 2 (char 1))"}
+  for i, (text, why) in enumerate(cases.items()):
+    path = tmp_path / f"tok{i}.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+      data.load_tokenizer(_cfg(tokenizer=str(path)))
+    assert str(e.value) == f"cannot read tokenizer file {str(path)!r} (data.tokenizer): {why}"
+  with pytest.raises(ValueError, match=r"set model\.vocab_size >= 257$"):
+    data.check_vocab(data.ByteTokenizer(), 256)
+
+
+def test_a_text_file_that_is_not_utf8_is_named_or_skipped(tmp_path):
+  """It used to be read with U+FFFD in place of its bytes, silently; newlines stay universal."""
+  root = _write_text_dir(tmp_path / "docs", DOCS[:5])
+  (root / "001.txt").write_bytes("caf\u00e9 au lait\r\nline two\rthree".encode("utf-8"))
+  (root / "003.txt").write_bytes("first line\nnaïve, in latin-1".encode("latin-1"))
+  cfg = _cfg(source="text", train_path=str(root))
+  read = lambda c: list(sources.document_dataset(c, split="train", seed=0, shuffle=False,
+                                                 num_epochs=1))
+  byte = "naïve".encode("latin-1").index(b"\xef") + len("first line\n")
+  with pytest.raises(sources.DataError) as e:
+    read(cfg)
+  assert str(e.value) == (f"text file {str(root / '003.txt')!r}: not UTF-8 text: line 2, byte "
+                          f"{byte} (b'\\xef': invalid continuation byte)")
+  cfg.on_bad_record = "skip"
+  with open(root / "001.txt", encoding="utf-8") as f:  # Python's universal newlines
+    crlf = f.read()
+  assert read(cfg) == [DOCS[0], crlf, DOCS[2], "", DOCS[4]]
+
+
+def test_empty_documents_are_not_counted_and_prepare_refuses_no_text(tmp_path, capsys):
+  """Empty text files are documents of an indexed source: the too-little-data message counted
+  them as non-empty, and prepare wrote (exit 0) shards of 0 tokens."""
+  root = _write_text_dir(tmp_path / "docs", ["", "abc", "", "de"])
+  cfg = _cfg(source="text", train_path=str(root))
+  with pytest.raises(sources.DataError) as e:
+    pipeline.check_one_batch(cfg, split="train", seq_len=8, batch_size=2)
+  assert str(e.value) == (f"data.train_path={str(root)!r} (text) holds 2 non-empty documents, 9 "
+                          "tokens with EOS; one batch needs 2 x 9 = 18 tokens")
+  empty = _write_text_dir(tmp_path / "empty", ["", ""])
+  out = tmp_path / "prepared"
+  assert prepare.main(["--source=text", f"--input={empty}", f"--output_dir={out}"]) == 1
+  assert capsys.readouterr().err.endswith(
+      f"error: --input={str(empty)!r} (text) holds no text (2 documents, 0 tokens)\n")
+  assert not out.exists() and not _hidden(tmp_path)
+  (tmp_path / "tok.json").write_text('{"a": 1}')  # prepare's messages name its own flags
+  assert prepare.main(["--source=text", f"--input={root}", f"--tokenizer={tmp_path / 'tok.json'}",
+                       f"--output_dir={out}"]) == 1
+  assert "(--tokenizer): valid JSON but not" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line,why", [("[1, 2]", "record is a JSON array, not an object with a field "
+                                       "'body' (data.text_field)"),
+                                      ('{"body": 5}', "field 'body' is a JSON number, not a string"),
+                                      ('{"body": true}', "field 'body' is a JSON boolean, not a string")])
+def test_a_jsonl_record_of_the_wrong_type_is_named(tmp_path, line, why):
+  """(An array was "record without field 'body'; record keys: list"; a number "is a int".)"""
+  path = _write_jsonl(tmp_path / "d.jsonl", DOCS[:2])
+  path.write_text(path.read_text() + line + "\n")
+  cfg = _cfg(source="jsonl", train_path=str(path), text_field="body")
+  with pytest.raises(sources.DataError) as e:
+    list(sources.document_dataset(cfg, split="train", seed=0, shuffle=False, num_epochs=1))
+  assert str(e.value) == f"{path}:3: {why}"

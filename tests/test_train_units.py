@@ -426,7 +426,7 @@ def test_resume_source_precedence(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("damage", ["truncate", "delete", "remove_item"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "remove_item", "no_metadata"])
 def test_damaged_checkpoint_fallback(tmp_path, damage, caplog):
   d = str(tmp_path / "checkpoints")
   ck = ckpt_lib.Checkpointer(d, keep=5, async_save=False)
@@ -436,6 +436,8 @@ def test_damaged_checkpoint_fallback(tmp_path, damage, caplog):
   if damage == "remove_item":
     import shutil
     shutil.rmtree(os.path.join(d, "3", "state"))
+  elif damage == "no_metadata":  # Orbax's restore: a bare "pytree structure error" of the TrainState
+    os.remove(os.path.join(d, "3", "state", "_METADATA"))
   else:
     for f in glob.glob(os.path.join(d, "3", "state", "**", "d", "*"), recursive=True):
       if damage == "truncate":
@@ -449,6 +451,8 @@ def test_damaged_checkpoint_fallback(tmp_path, damage, caplog):
   assert step == 2 and int(state["step"]) == 2 and float(state["w"][0, 0]) == 2.0
   assert any("step 3" in r.getMessage() and "cannot be restored" in r.getMessage()
              for r in caplog.records)
+  if damage in ("remove_item", "no_metadata"):
+    assert any(f"{d}/3/state: no readable _METADATA" in r.getMessage() for r in caplog.records)
   assert ck.steps() == [1, 2] and len(glob.glob(str(tmp_path / "checkpoints_damaged" / "3-*"))) == 1
   ck.save(3, _tree(30))  # the step can be written again
   ck.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Any, Sequence
 
 from umoe_jax.config import ConfigError
@@ -49,13 +50,30 @@ def load(path: str) -> Any:
   sys.modules.pop("config_config", None)
   try:
     config = ConfigFileFlagParser(name="config", lock_config=False).parse(path)
-    config.keys()  # a file that failed to load is an object that raises on first use
+    if config is not None:  # (None: get_config() without a return, named below)
+      config.keys()  # a file that failed to load is an object that raises on first use
   except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
     # config_flags re-raises a TypeError / ValueError of get_config() with its traceback as text.
     cause = e.__context__ if str(e).startswith("Error whilst parsing") and e.__context__ else e
-    raise ConfigError(f"--config={file} does not load ({type(cause).__name__}: "
+    line = _line_in(file, cause)
+    at = f" at line {line}" if line else ""
+    raise ConfigError(f"--config={file} does not load ({type(cause).__name__}{at}: "
                       f"{' '.join(str(cause).split())})") from e
+  if config is None:
+    raise ConfigError(f"--config={file} does not load (its get_config() returned None: a missing "
+                      "return?)")
   return config
+
+
+def _line_in(file: str, error: BaseException) -> int | None:
+  """The line of `file` that raised `error` (its innermost frame there: the call into
+  configs/common.py of a bad scale, say); None for a SyntaxError (its message has the line)."""
+  if isinstance(error, SyntaxError):
+    return None
+  target = os.path.abspath(file)
+  lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+           if os.path.abspath(frame.filename) == target]
+  return lines[-1] if lines else None
 
 
 def check_override(config: Any, path: str, name: str = "config") -> None:

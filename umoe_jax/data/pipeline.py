@@ -170,8 +170,9 @@ def check_one_batch(data_config, *, split: str, seq_len: int, batch_size: int,
   n_docs = n_tokens = 0
   try:
     for doc in it:
-      n_docs += 1
-      n_tokens += len(tok.encode_array(doc) if isinstance(doc, str) else doc) + 1  # + EOS
+      length = len(tok.encode_array(doc) if isinstance(doc, str) else doc)
+      n_docs += length > 0  # (indexed sources pass empty files / records on)
+      n_tokens += length + 1  # + EOS
       if n_tokens >= need:
         return
   finally:

@@ -188,7 +188,10 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     for w in writers:
       w.close()
 
-    path, _ = sources.split_path(data_config, split)
+    path, key = sources.split_path(data_config, split)
+    if num_tokens == 0:  # (empty files / texts): shards nothing could train on
+      raise sources.DataError(f"{key}={path!r} ({data_config.source}) holds no text ({num_docs} "
+                              f"document{'' if num_docs == 1 else 's'}, 0 tokens)")
     builtin_split = "validation" if split == "eval" else "train"
     meta = dict(
         format="one record per document: little-endian token ids, no EOS; document i in shard i % N",
@@ -242,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = prepare(cfg, args.output_dir, split=split, num_shards=args.num_shards,
                    overwrite=args.overwrite)
   except (ValueError, OSError) as e:  # DataError, a missing file, StorageError, ...
-    message = " ".join(str(e).split()).replace(f"{key}=", "--input=")  # the flag the user gave
+    message = " ".join(str(e).split()).replace(f"{key}=", "--input=")  # the flags the user gave
+    message = message.replace("(data.tokenizer)", "(--tokenizer)")
     print(f"error: {message}", file=sys.stderr)
     return 1
   print(json.dumps(meta, indent=2))

@@ -23,8 +23,8 @@ their sizes can differ by a chunk, so processes reach the end of an epoch at dif
 
 Bad data (`data.on_bad_record`): a file that cannot be opened (a parquet footer that is truncated),
 a row group that cannot be decoded, a JSON-lines line that is not a JSON object with a string
-`text_field`, or a text file that cannot be read raises `DataError` naming the file and the row group
-/ line ("error", the default), or is dropped with a warning naming it and a running count ("skip"). A
+`text_field`, or a text file that cannot be read or is not UTF-8 raises `DataError` naming the file
+and the row group / line ("error", the default), or is dropped with a warning naming it and a running count ("skip"). A
 whole file that cannot be opened is dropped under "skip" too; a missing `text_field` column stays an
 error (that is a config mistake, not a bad record).
 
@@ -294,13 +294,23 @@ def _jsonl_text(line: bytes, text_field: str) -> str | None:
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
     snippet = f"{line[:80]!r}{'...' if len(line) > 80 else ''}"
     raise ValueError(f"not valid JSON ({_one_line(e, 120)}): {snippet}") from None
-  if not isinstance(record, dict) or text_field not in record:
-    keys = list(record) if isinstance(record, dict) else type(record).__name__
-    raise ValueError(f"record without field {text_field!r} (data.text_field); record keys: {keys}")
+  if not isinstance(record, dict):
+    raise ValueError(f"record is a JSON {_json_type(record)}, not an object with a field "
+                     f"{text_field!r} (data.text_field)")
+  if text_field not in record:
+    raise ValueError(f"record without field {text_field!r} (data.text_field); record keys: "
+                     f"{list(record)}")
   text = record[text_field]
   if text is not None and not isinstance(text, str):
-    raise ValueError(f"field {text_field!r} is a {type(text).__name__}, not a string")
+    raise ValueError(f"field {text_field!r} is a JSON {_json_type(text)}, not a string")
   return text
+
+
+def _json_type(value) -> str:
+  """JSON's name of a decoded value's type (a Python list is an "array")."""
+  names = ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"),
+           (dict, "object"))
+  return next(name for types, name in names if isinstance(value, types))
 
 
 def _lines_before(path: str, offset: int) -> int:
@@ -382,8 +392,17 @@ class _Documents(grain.experimental.FlatMapTransform):
 
 
 def _read_text(path: str) -> str:
-  with storage.open(path, encoding="utf-8", errors="replace") as f:  # universal newlines
-    return f.read()
+  """The file's text, newlines made "\\n" (as universal newlines); ValueError naming the line and
+  offset of the first byte that is not UTF-8 (a latin-1 or binary file: not replaced silently)."""
+  with storage.open(path, "rb") as f:
+    raw = f.read()
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = raw.count(b"\n", 0, e.start) + 1
+    raise ValueError(f"not UTF-8 text: line {line}, byte {e.start} "
+                     f"({raw[e.start:e.start + 1]!r}: {e.reason})") from None
+  return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +414,9 @@ class _ReadTextFile:
       return _remote_retry(lambda: _read_text(path), "reading", path)
     except OSError as e:
       bad_record(self.on_bad_record, f"text file {path!r} cannot be read ({_one_line(e)})")
+      return ""
+    except ValueError as e:  # not UTF-8
+      bad_record(self.on_bad_record, f"text file {path!r}: {e}")
       return ""
 
 

@@ -72,7 +72,8 @@ class HFTokenizer:
     try:
       self._tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON.
-      raise ValueError(f"cannot read tokenizer file {path!r} (data.tokenizer): {e}") from e
+      raise ValueError(f"cannot read tokenizer file {path!r} (data.tokenizer): "
+                       f"{_not_a_tokenizer(text) or e}") from e
     self.name = path
     # Added tokens (e.g. <|endoftext|>) can sit above the base vocabulary: count them.
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -99,6 +100,21 @@ class HFTokenizer:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _not_a_tokenizer(text: str) -> str:
+  """Why `text` is no tokenizer.json, where `tokenizers`' own message misleads ("expected `,` or
+  `}` at line 1 column 5" for valid JSON of another schema); "" to keep its message."""
+  import json
+  try:
+    data = json.loads(text)
+  except ValueError as e:
+    return f"not valid JSON ({e})"
+  if not isinstance(data, dict) or "model" not in data:
+    what = f"keys {sorted(data)[:8]}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+    return (f"valid JSON but not a Hugging Face tokenizer.json (no \"model\" entry; it has "
+            f"{what})")
+  return ""
+
+
 def make_tokenizer(spec: str, eos_token: str = "") -> Tokenizer:
   """"byte" (or "") -> ByteTokenizer; anything else is a path to a tokenizer.json."""
   if spec in ("", "byte"):
@@ -112,4 +128,4 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     raise ValueError(
         f"tokenizer {getattr(tokenizer, 'name', type(tokenizer).__name__)!r} has "
         f"{tokenizer.vocab_size} tokens but the model's vocab_size is {model_vocab_size}; "
-        f"set model vocab_size >= {tokenizer.vocab_size}")
+        f"set model.vocab_size >= {tokenizer.vocab_size}")

@@ -190,9 +190,11 @@ class Checkpointer:
     """CheckpointMismatchError naming the first arrays whose paths or shapes differ between step
     `step`'s saved state and `target`, read from the metadata alone: a mismatch is a config change,
     not damage, and a restore attempt would only leave Orbax reads pending."""
-    on_disk = saved_shapes(storage.join(self.directory, str(step), "state"))
-    if on_disk is None:  # unreadable: the restore reports the damage
-      return
+    state_dir = storage.join(self.directory, str(step), "state")
+    on_disk = saved_shapes(state_dir)
+    if on_disk is None:  # damage; Orbax's restore would say "pytree structure error" without it
+      raise CheckpointError(f"{state_dir}: no readable _METADATA (Orbax's index of the "
+                            "saved arrays: the step is incomplete or damaged)")
     problems = shape_mismatches(on_disk, tree_shapes(target))
     if problems:
       raise CheckpointMismatchError(
