@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from matplotlib import colors as mcolors
 
 from conftest import random_module, tiny_config
 from umoe_jax.analysis import plots, probe, report, routing
@@ -180,7 +181,18 @@ def test_report_text_and_json(tmp_path):
   # Step 20: token id 4 went to experts 1 and 0 (consistency 1/2), id 6 to 1 twice: 3/4.
   assert rep["checkpoints"][1]["routers"]["layer_0/attention"]["token_consistency"] == 0.75
   text = report.format_report(rep)
-  assert "10->20 top-1 changed" in text and "layer_0/attention" in text
+  lines = text.splitlines()
+  # One row per router and pair (attention: 1 of 4 top-1 picks changed; FFN unchanged), and
+  # their mean; columns aligned under a header that names the pair's column.
+  head = next(i for i, l in enumerate(lines) if l.split() == ["router", "ckpts", "top-1", "changed",
+                                                               "top-k", "Jaccard"])
+  assert [l.split() for l in lines[head + 2:head + 5]] == [
+      ["layer_0/attention", "10->20", "0.250", "0.750"], ["layer_0/ffn", "10->20", "0.000", "1.000"],
+      ["mean", "over", "routers", "10->20", "0.125", "0.875"]]
+  assert len({len(l) for l in lines[head:head + 5]}) == 1  # right-aligned numbers: equal widths
+  # The per-checkpoint table: a blank line between the checkpoints' blocks.
+  first = next(i for i, l in enumerate(lines) if l.startswith("router") and "entropy" in l)
+  assert [l.split()[1] if l else "" for l in lines[first + 2:first + 7]] == ["10", "10", "", "20", "20"]
   assert "0.250" in text and "0.750" in text and "ln E" in text and "Shared expert pool" in text
   path = tmp_path / "r.json"
   write_json(str(path), rep)
@@ -265,6 +277,10 @@ def test_load_heatmap_panels(tmp_path):
   np.testing.assert_allclose(panels[1].images[0].get_array()[1], [0.0, 2.0, 1.0, 1.0])
   cbar = [ax for ax in fig.axes if ax not in panels][0]
   assert "1 = balanced" in cbar.get_ylabel() and "no pick" in cbar.get_ylabel()
+  # Ticks at 0, 0.5 and 1 (the balanced centre, half the bar's length) and integers above, to vmax
+  # = 2 here (the largest ratio, 2.0, sets no larger vmax than the minimum of 2).
+  assert list(cbar.get_yticks()) == [0.0, 0.5, 1.0, 2.0]
+  assert plots.load_ticks(7.99) == [0.0, 0.5, 1.0, 2.0, 4.0, 6.0]
   # Dead experts are marked (one x per unused expert) and cells carry their values.
   assert len(panels[0].collections[0].get_offsets()) == 1
   assert "1.50" in [t.get_text() for t in panels[0].texts]
@@ -289,8 +305,16 @@ def test_fluctuation_and_share_figures(tmp_path):
   fig = plots.attention_share_heatmap({0: [0.5, 0.0, None], 1: [0.2, 0.9, 1.0]}, 1 / 3)
   ax = fig.axes[0]
   assert "attention picks / all picks" in ax.get_title()
-  assert fig.axes[1].get_ylabel() == "attention share"
-  _png_ok(plots.save_png(fig, str(tmp_path / "share.png")))
+  assert fig.axes[1].get_ylabel() == "attention share\n(grey = expert not picked)"
+  png = plots.save_png(fig, str(tmp_path / "share.png"))
+  _png_ok(png)
+  # The unpicked cell (layer 0, expert 2) is grey, the one at the proportional share would be white.
+  cmap = ax.images[0].get_cmap()
+  assert mcolors.to_hex(cmap(np.ma.masked_invalid([np.nan]))[0]) == plots.NO_VALUE_COLOR
+  assert mcolors.to_hex(cmap(0.5)) != plots.NO_VALUE_COLOR
+  # 128 experts (UMoE-base): the figure keeps a readable width (it was 39 inches).
+  wide = plots.attention_share_heatmap({0: [0.5] * 128, 1: [0.1] * 128}, 0.2)
+  assert wide.get_size_inches()[0] <= 13.0 and wide.axes[1].get_ylabel() == "attention share"
 
 
 def _write_metrics(path, records):
@@ -328,6 +352,9 @@ def test_plot_command_reads_runs(tmp_path, capsys):
   assert [l.get_marker() for l in loss_ax.get_lines()] == ["None", "o", "s"]
   legend = [t.get_text() for t in ppl_ax.get_legend().get_texts()]
   assert legend[:2] == ["run_a", "run_b"] and "eval (held-out)" in legend
+  plots.png_bytes(fig)  # draws: tick labels are set
+  ppl_ticks = [t.get_text() for t in ppl_ax.get_yticklabels() + ppl_ax.get_yticklabels(minor=True)]
+  assert "100" in ppl_ticks and not any("times" in t or "^" in t for t in ppl_ticks), ppl_ticks
   out = str(tmp_path / "plots")
   assert plot.main([a, b, "--out", out]) == 0
   written = capsys.readouterr().out.split()
@@ -364,3 +391,44 @@ def test_plot_command_bad_input(tmp_path, capsys):
   assert plot.main([str(bad), "--out", str(bad / "metrics.jsonl" / "plots")]) == 2
   assert capsys.readouterr().err.splitlines()[-1] == (
       f"error: --out='{bad}/metrics.jsonl/plots': '{bad}/metrics.jsonl' is a file, not a directory")
+
+
+def test_plot_command_labels_runs_apart(tmp_path, capsys):
+  from umoe_jax import plot
+  assert plot.run_labels(["runs/a/seed0", "runs/b/seed0/"]) == ["a/seed0", "b/seed0"]
+  assert plot.run_labels(["runs/x", "other/y/metrics.jsonl"]) == ["x", "y"]
+  assert plot.run_labels(["runs/x", "runs/x"]) == ["runs/x", "runs/x'"]
+  a, b = str(tmp_path / "a" / "seed0"), str(tmp_path / "b" / "seed0")
+  for run, loss in ((a, 5.0), (b, 4.0)):
+    _write_metrics(run, [{"step": 10, "train/lm_loss": loss, "train/perplexity": math.exp(loss)}])
+  out = str(tmp_path / "plots")
+  assert plot.main([a, b, "--out", out]) == 0
+  capsys.readouterr()
+  from matplotlib import image
+  assert image.imread(os.path.join(out, "curves.png")).shape[0] > 100
+  fig = plots.loss_figure({label: plot.read_metrics(r) for r, label in
+                           zip((a, b), plot.run_labels([a, b]))})
+  assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()][:2] == ["a/seed0", "b/seed0"]
+
+
+def test_fluctuation_plot_of_steps_and_of_other_runs():
+  from umoe_jax.analysis import cli
+  fluct = lambda a, b, c: {"from": a, "to": b,
+                           "routers": {"layer_0/ffn": {"top1_change": c, "jaccard": 1 - c}}}
+  ck = lambda label, step: {"label": label, "step": step}
+  # Steps of one run: against the step of the later checkpoint.
+  rep = {"probe": {"tokens": 64}, "checkpoints": [ck("10", 10), ck("20", 20), ck("40", 40)],
+         "fluctuation": [fluct("10", "20", 0.5), fluct("20", "40", 0.25)]}
+  change = cli.fluctuation_plot(rep).axes[0]
+  assert [t.get_text() for t in change.get_xticklabels()] == ["20", "40"]
+  assert change.get_xlabel() == "training step of the later checkpoint"
+  # Two runs at the same step (a@40 -> b@40 was drawn at x = 40 on top of a@20 -> a@40): one
+  # position per compared pair, named.
+  rep["checkpoints"] = [ck("a@20", 20), ck("a@40", 40), ck("b@40", 40)]
+  rep["fluctuation"] = [fluct("a@20", "a@40", 0.5), fluct("a@40", "b@40", 0.75)]
+  change = cli.fluctuation_plot(rep).axes[0]
+  assert [t.get_text() for t in change.get_xticklabels()] == ["a@20 -> a@40", "a@40 -> b@40"]
+  assert change.get_xlabel() == "checkpoints compared"
+  lines = {l.get_label(): l for l in change.get_lines()}
+  assert list(lines["layer_0/ffn"].get_xdata()) == [1, 2]
+  np.testing.assert_allclose(lines["layer_0/ffn"].get_ydata(), [0.5, 0.75])

@@ -55,9 +55,29 @@ def read_metrics(run: str) -> dict[str, tuple[list, list]]:
   return out
 
 
-def run_label(run: str) -> str:
+def run_label(run: str, depth: int = 1) -> str:
+  """The last `depth` components of a run's directory (runs/a/seed0 -> seed0, or a/seed0)."""
   run = run[:-len("metrics.jsonl")] if run.endswith("metrics.jsonl") else run
-  return os.path.basename(os.path.normpath(run)) or run
+  parts = [p for p in os.path.normpath(run).split(os.sep) if p]
+  return "/".join(parts[-depth:]) or run
+
+
+def run_labels(runs: Sequence[str]) -> list[str]:
+  """Legend names of several runs: their directory names, with as many parent directories as it
+  takes to tell them apart (runs/a/seed0, runs/b/seed0 -> a/seed0, b/seed0); a run given twice
+  gets primes."""
+  depth = 1
+  while True:
+    labels = [run_label(r, depth) for r in runs]
+    if len(set(labels)) == len(labels) or depth > max(r.count(os.sep) for r in runs) + 1:
+      break
+    depth += 1
+  out: list[str] = []
+  for label in labels:
+    while label in out:
+      label += "'"
+    out.append(label)
+  return out
 
 
 def fluctuation_series(metrics: dict[str, tuple[list, list]]) -> dict[str, tuple]:
@@ -81,12 +101,7 @@ def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
 
   if not runs:
     raise ValueError("give at least one run directory")
-  metrics = {}
-  for run in runs:
-    label = run_label(run)
-    while label in metrics:
-      label += "'"
-    metrics[label] = read_metrics(run)
+  metrics = {label: read_metrics(run) for run, label in zip(runs, run_labels(runs))}
   curves = {label: {k: m[k] for k in CURVE_KEYS if k in m} for label, m in metrics.items()}
   if not any(curves.values()):
     raise ValueError(f"no loss records ({', '.join(CURVE_KEYS)}) in {', '.join(runs)}")

@@ -178,27 +178,35 @@ def _plot_checkpoint(plots_dir: str, entry: dict, tokens: int) -> None:
 
 
 def _plot_fluctuation(plots_dir: str, result: dict) -> None:
+  from umoe_jax.analysis import plots
+  plots.save_png(fluctuation_plot(result), storage.join(plots_dir, "fluctuation.png"))
+
+
+def fluctuation_plot(result: dict):
+  """The report's fluctuation between consecutive checkpoints as a figure: against the training
+  step when the checkpoints are increasing steps of one run (their labels are the steps), else one
+  position per compared pair, named "A -> B" (checkpoints of different runs, converted ones)."""
   import numpy as np
 
   from umoe_jax.analysis import plots
-  flucts = result["fluctuation"]
-  steps_known = all(ck["step"] is not None for ck in result["checkpoints"])
-  x = ([ck["step"] for ck in result["checkpoints"][1:]] if steps_known
-       else list(range(1, len(flucts) + 1)))
+  flucts, cks = result["fluctuation"], result["checkpoints"]
+  steps = [ck["step"] for ck in cks]
+  by_step = (all(ck["step"] is not None and ck["label"] == str(ck["step"]) for ck in cks)
+             and all(a < b for a, b in zip(steps, steps[1:])))
+  x = steps[1:] if by_step else list(range(1, len(flucts) + 1))
   names = list(flucts[0]["routers"])
   series = {name: (x, [f["routers"][name]["top1_change"] for f in flucts],
                    [f["routers"][name]["jaccard"] for f in flucts]) for name in names}
   series["mean over routers"] = (
       x, [float(np.mean([f["routers"][n]["top1_change"] for n in names])) for f in flucts],
       [float(np.mean([f["routers"][n]["jaccard"] for n in names])) for f in flucts])
-  fig = plots.fluctuation_figure(
+  return plots.fluctuation_figure(
       series, f"Routing change between consecutive checkpoints ({result['probe']['tokens']:,} "
               f"probe tokens)",
-      xlabel="training step of the later checkpoint" if steps_known else "checkpoints compared",
+      xlabel="training step of the later checkpoint" if by_step else "checkpoints compared",
       highlight="mean over routers", reference="the previous checkpoint",
-      xticklabels=None if steps_known else {i: f"{f['from']} -> {f['to']}"
-                                            for i, f in zip(x, flucts)})
-  plots.save_png(fig, storage.join(plots_dir, "fluctuation.png"))
+      xticklabels=None if by_step else {i: f"{f['from']} -> {f['to']}"
+                                        for i, f in zip(x, flucts)})
 
 
 def define_flags():

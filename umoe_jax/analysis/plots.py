@@ -15,11 +15,12 @@ import math
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
+import matplotlib
 from matplotlib import colors as mcolors
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from umoe_jax import storage
 from umoe_jax.analysis.probe import split_name
@@ -61,10 +62,16 @@ def _matrix(rows: Mapping[int, np.ndarray]) -> tuple[np.ndarray, list[int]]:
 
 # Grids up to this many cells get their values written in (larger ones would be unreadable).
 ANNOTATE_CELLS = 160
+# Heatmaps wider than this many experts get a fixed width (13 in) instead of one growing per expert.
+WIDE_EXPERTS = 32
+# Cells without a value (an expert no token picked, a layer with fewer experts): grey, since white
+# is the centre of both diverging scales (balanced load, proportional attention share).
+NO_VALUE_COLOR = "#b0b0b0"
 
 
 def _heat_axes(ax, m: np.ndarray, layers: Sequence[int], norm, cmap: str, title: str,
                mark: Optional[np.ndarray] = None, fmt: str = "{:.2f}"):
+  cmap = matplotlib.colormaps[cmap].with_extremes(bad=NO_VALUE_COLOR)
   im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap=cmap, norm=norm,
                  interpolation="nearest")
   ax.set_title(title)
@@ -105,7 +112,7 @@ def load_heatmap(counts: Mapping[str, np.ndarray], title: str = "") -> Figure:
   widest = max(r.shape[1] for r, _ in rel.values())
   n_layers = max(len(l) for _, l in rel.values())
   panel_h = max(2.2, 0.32 * n_layers + 1.2)
-  if widest > 32:  # many experts: panels stacked, each the figure's width
+  if widest > WIDE_EXPERTS:  # many experts: panels stacked, each the figure's width
     fig = Figure(figsize=(13.0, n * panel_h + 0.8), layout="constrained")
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
   elif n > 4:  # many routers per layer (SwitchHead's per-head ones): a grid of 4 columns
@@ -125,7 +132,7 @@ def load_heatmap(counts: Mapping[str, np.ndarray], title: str = "") -> Figure:
     m, layers = rel[kind]
     im = _heat_axes(ax, m, layers, norm, "RdBu_r", f"{_KIND_TITLES.get(kind, kind)} router",
                     mark=dead[kind])
-  cbar = fig.colorbar(im, ax=list(axes), shrink=0.9)
+  cbar = fig.colorbar(im, ax=list(axes), shrink=0.9, ticks=load_ticks(vmax), format="{x:g}")
   label = "picks / mean picks of the router\n(1 = balanced, 0 = unused)"
   if any(d.any() for d in dead.values()):
     label += "\nx = expert with no pick"
@@ -134,14 +141,22 @@ def load_heatmap(counts: Mapping[str, np.ndarray], title: str = "") -> Figure:
   return fig
 
 
+def load_ticks(vmax: float) -> list[float]:
+  """Colour-bar ticks of the load scale: 0, 0.5 and 1 (balanced) on its lower half, a few
+  integers up to `vmax` on the upper (TwoSlopeNorm gives each half the same length)."""
+  upper = [float(t) for t in MaxNLocator(nbins=5, integer=True).tick_values(1.0, vmax)
+           if 1.0 < t <= vmax]
+  return [0.0, 0.5, 1.0] + upper
+
+
 def attention_share_heatmap(shares: Mapping[int, Sequence[float]], balanced: float,
                             title: str = "") -> Figure:
   """{layer: attention share of each expert's picks [E]} of a shared pool -> heatmap layers x
   experts, white at the proportional share `balanced` = K_att / (K_att + K_ffn)."""
   m, layers = _matrix({k: np.asarray([np.nan if v is None else v for v in s], np.float64)
                        for k, s in shares.items()})
-  fig = Figure(figsize=(max(6.5, 0.28 * m.shape[1] + 3.0), max(3.0, 0.42 * len(layers) + 2.0)),
-               layout="constrained")
+  width = 13.0 if m.shape[1] > WIDE_EXPERTS else max(6.5, 0.28 * m.shape[1] + 3.0)
+  fig = Figure(figsize=(width, max(3.0, 0.42 * len(layers) + 2.0)), layout="constrained")
   ax = fig.subplots()
   center = min(max(balanced, 1e-3), 1 - 1e-3)
   norm = mcolors.TwoSlopeNorm(vmin=0.0, vcenter=center, vmax=1.0)
@@ -150,7 +165,7 @@ def attention_share_heatmap(shares: Mapping[int, Sequence[float]], balanced: flo
                   f"white = {balanced:.2f}, the attention's share of the top-k slots)")
   ax.title.set_fontsize(9)
   cbar = fig.colorbar(im, ax=ax, ticks=sorted({0.0, round(center, 2), 1.0}))
-  cbar.set_label("attention share")
+  cbar.set_label("attention share" + ("\n(grey = expert not picked)" if np.isnan(m).any() else ""))
   fig.suptitle(title or "Shared expert pool: attention vs FFN use")
   return fig
 
@@ -192,7 +207,10 @@ def fluctuation_figure(series: Mapping[str, tuple[Sequence[float], Sequence[floa
   for ax in (ax_change, ax_jac):
     ax.set_xlabel(xlabel)
     if xticklabels:
-      ax.set_xticks(list(xticklabels), list(xticklabels.values()))
+      names = list(xticklabels.values())
+      slanted = len(names) > 4 or max(len(n) for n in names) > 12  # else they run into each other
+      ax.set_xticks(list(xticklabels), names, rotation=30 if slanted else 0,
+                    ha="right" if slanted else "center", fontsize=8 if slanted else None)
     elif len(xs) <= 12:  # a tick at every measured step (a locator's would fall between them)
       ax.set_xticks(xs, [f"{x:g}" for x in xs])
     else:
@@ -249,6 +267,9 @@ def loss_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[
   ax_ppl.set_title("perplexity")
   ax_ppl.set_ylabel("perplexity (log scale)")
   ax_ppl.set_yscale("log")
+  # Plain numbers (30, 200), not the default's 3x10^1; which minor ticks get a label is unchanged.
+  ax_ppl.yaxis.set_major_formatter(LogFormatter())
+  ax_ppl.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
   for ax in (ax_loss, ax_ppl):
     ax.set_xlabel("training step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

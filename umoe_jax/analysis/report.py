@@ -67,8 +67,15 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
   return format(x, spec)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-  return "\n".join(text_table([header, *rows], rule=True))
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], group: int = 1) -> str:
+  """An aligned table; a blank line wherever column `group` (the checkpoint) changes."""
+  lines = text_table([header, *rows], rule=True)
+  out = lines[:2]
+  for i, (row, line) in enumerate(zip(rows, lines[2:])):
+    if i and row[group] != rows[i - 1][group]:
+      out.append("")
+    out.append(line)
+  return "\n".join(out)
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -89,15 +96,19 @@ def format_report(report: Mapping[str, Any]) -> str:
           table(["router", "ckpt", "E/K", "entropy", "ln E", "load max/mean", "load CV", "dead",
                  "token-id consist."], rows)]
   if report["fluctuation"]:
-    names = list(report["fluctuation"][0]["routers"])
-    header = ["router"]
+    # One row per router and pair of checkpoints (a column pair per comparison would make the table
+    # as wide as the run is long), and per pair the mean over routers (the plots' black line).
+    rows = []
     for f in report["fluctuation"]:
-      header += [f"{f['from']}->{f['to']} top-1 changed", "Jaccard"]
-    rows = [[name] + [v for f in report["fluctuation"]
-                      for v in (_fmt(f["routers"][name]["top1_change"]),
-                                _fmt(f["routers"][name]["jaccard"]))] for name in names]
+      pair = f"{f['from']}->{f['to']}"
+      values = list(f["routers"].values())
+      for name, v in [*f["routers"].items(),
+                      ("mean over routers", {k: float(np.mean([x[k] for x in values]))
+                                             for k in ("top1_change", "jaccard")})]:
+        rows.append([name, pair, _fmt(v["top1_change"]), _fmt(v["jaccard"])])
     out += ["", "Routing fluctuation between consecutive checkpoints (fraction of probe tokens whose "
-            "top-1 expert changed; mean Jaccard overlap of their top-k sets)", table(header, rows)]
+            "top-1 expert changed; mean Jaccard overlap of their top-k sets)",
+            table(["router", "ckpts", "top-1 changed", "top-k Jaccard"], rows)]
   shared = [(ck["label"], layer, s) for ck in report["checkpoints"]
             for layer, s in ck["shared_pool"].items()]
   if shared:
