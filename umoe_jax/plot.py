@@ -8,7 +8,8 @@ Writes into --out (created):
   routing_fluctuation.png    if a run logged the routing probe (routing/... keys, every evaluation):
                              the top-1 change and top-k Jaccard against the step: one run = one line
                              per router and their mean, several runs = the mean of each run.
-Each argument is a run's workdir (or its metrics.jsonl). A step logged twice (a resumed run) keeps
+Each argument is a run's workdir (or its metrics.jsonl), named in the legends by its directory name
+(with parent directories where two names are the same). A step logged twice (a resumed run) keeps
 its last record. Needs no JAX.
 """
 from __future__ import annotations

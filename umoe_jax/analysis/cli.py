@@ -16,7 +16,8 @@ workdirs = their latest step, converted checkpoints, globs). --data: the probe c
 --source (default: from the name: .parquet, .jsonl, an ArrayRecord directory, else text files), or
 "builtin"; default: the held-out data of the first checkpoint's run. The tokenizer is --tokenizer,
 else the run's data.tokenizer, else the byte tokenizer. --plots writes load heatmaps per checkpoint,
-the fluctuation against the step and the shared pool's attention share (PNG).
+the fluctuation against the step (one position per compared pair when the checkpoints are not
+increasing steps of one run) and the shared pool's attention share (PNG).
 """
 from __future__ import annotations
 

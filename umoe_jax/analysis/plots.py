@@ -4,6 +4,7 @@
                                   expert / mean picks of its router (1 = balanced), x = no pick
   attention_share_heatmap(...)    layers x experts of a shared pool: attention's share of each
                                   expert's picks, centred on the proportional share
+                                  (grey cells: no value, e.g. an expert nobody picked)
   fluctuation_figure(series)      top-1 change and top-k Jaccard against the training step
   loss_figure(runs)               LM loss and perplexity (train lines, eval markers) of several runs
   save_png(fig, path) / png_bytes(fig)
