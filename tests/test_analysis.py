@@ -284,6 +284,9 @@ def test_load_heatmap_panels(tmp_path):
   # Dead experts are marked (one x per unused expert) and cells carry their values.
   assert len(panels[0].collections[0].get_offsets()) == 1
   assert "1.50" in [t.get_text() for t in panels[0].texts]
+  # A cell of a few picks is not written as 0.00 (that reads as never picked): 1 / mean 666.7.
+  few = plots.load_heatmap({"layer_0/ffn": [1, 999, 1000]}).axes[0]
+  assert [t.get_text() for t in few.texts] == ["<.01", "1.50", "1.50"]
   _png_ok(plots.save_png(fig, str(tmp_path / "heat.png")))
 
 

@@ -87,7 +87,8 @@ def _heat_axes(ax, m: np.ndarray, layers: Sequence[int], norm, cmap: str, title:
       if np.isfinite(v) and not (mark is not None and mark[y, x]):
         rgba = im.cmap(norm(v))
         dark = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2] < 0.5
-        ax.text(x, y, fmt.format(v), ha="center", va="center", fontsize=8,
+        text = "<.01" if 0 < v < 0.005 else fmt.format(v)  # "0.00" would read as never picked
+        ax.text(x, y, text, ha="center", va="center", fontsize=8,
                 color="white" if dark else "black")
   if mark is not None and mark.any():
     ys, xs = np.nonzero(mark)
