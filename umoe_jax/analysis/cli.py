@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -88,7 +87,6 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   (checkpoints of different shapes, a probe corpus shorter than `tokens`, an unknown router name)
   raises ValueError naming the value."""
   import jax
-  import numpy as np
 
   from umoe_jax import data as data_lib
   from umoe_jax.analysis import checkpoints as ckpt
@@ -187,9 +185,8 @@ def fluctuation_plot(result: dict):
   """The report's fluctuation between consecutive checkpoints as a figure: against the training
   step when the checkpoints are increasing steps of one run (their labels are the steps), else one
   position per compared pair, named "A -> B" (checkpoints of different runs, converted ones)."""
-  import numpy as np
-
   from umoe_jax.analysis import plots
+  from umoe_jax.analysis.report import mean_over_routers
   flucts, cks = result["fluctuation"], result["checkpoints"]
   steps = [ck["step"] for ck in cks]
   by_step = (all(ck["step"] is not None and ck["label"] == str(ck["step"]) for ck in cks)
@@ -198,9 +195,8 @@ def fluctuation_plot(result: dict):
   names = list(flucts[0]["routers"])
   series = {name: (x, [f["routers"][name]["top1_change"] for f in flucts],
                    [f["routers"][name]["jaccard"] for f in flucts]) for name in names}
-  series["mean over routers"] = (
-      x, [float(np.mean([f["routers"][n]["top1_change"] for n in names])) for f in flucts],
-      [float(np.mean([f["routers"][n]["jaccard"] for n in names])) for f in flucts])
+  means = [mean_over_routers(f) for f in flucts]
+  series["mean over routers"] = (x, [m["top1_change"] for m in means], [m["jaccard"] for m in means])
   return plots.fluctuation_figure(
       series, f"Routing change between consecutive checkpoints ({result['probe']['tokens']:,} "
               f"probe tokens)",

@@ -67,6 +67,13 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
   return format(x, spec)
 
 
+def mean_over_routers(fluctuation: Mapping[str, Any]) -> dict[str, float]:
+  """{"top1_change", "jaccard"} of one checkpoint pair's fluctuation entry, averaged over its
+  routers (the report's "mean over routers" row, the plots' black line)."""
+  values = list(fluctuation["routers"].values())
+  return {k: float(np.mean([v[k] for v in values])) for k in ("top1_change", "jaccard")}
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], group: int = 1) -> str:
   """An aligned table; a blank line wherever column `group` (the checkpoint) changes."""
   lines = text_table([header, *rows], rule=True)
@@ -101,10 +108,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     rows = []
     for f in report["fluctuation"]:
       pair = f"{f['from']}->{f['to']}"
-      values = list(f["routers"].values())
-      for name, v in [*f["routers"].items(),
-                      ("mean over routers", {k: float(np.mean([x[k] for x in values]))
-                                             for k in ("top1_change", "jaccard")})]:
+      for name, v in [*f["routers"].items(), ("mean over routers", mean_over_routers(f))]:
         rows.append([name, pair, _fmt(v["top1_change"]), _fmt(v["jaccard"])])
     out += ["", "Routing fluctuation between consecutive checkpoints (fraction of probe tokens whose "
             "top-1 expert changed; mean Jaccard overlap of their top-k sets)",
