@@ -46,8 +46,10 @@ def _ptxas() -> str:
 def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warps: int,
                       num_stages: int, aligned_pointers: bool = True) -> dict:
   """Compiles `kernel` (a @triton.jit function) for sm_90a and returns {"registers", "spill_stores",
-  "spill_loads", "stack", "shared", "async_copies"} (bytes but registers; async_copies: the PTX's
-  cp.async instructions, none when the operand loads are not pipelined). `pointer_types`: the
+  "spill_loads", "stack", "shared", "async_copies", "wgmma", "mma_sync"} (bytes but registers;
+  async_copies: the PTX's cp.async instructions, none when the operand loads are not pipelined;
+  wgmma / mma_sync: its Hopper warpgroup MMAs and its Ampere-style warp MMAs, the latter where a
+  dot did not lower to wgmma). `pointer_types`: the
   pointer and scalar parameters' Triton types ("*bf16", "*fp32", "*i32", "i32"); `constexprs`: every
   other parameter's value (parameters left out take their defaults).
 
@@ -88,7 +90,9 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
                 spill_stores=number(r"(\d+) bytes spill stores"),
                 spill_loads=number(r"(\d+) bytes spill loads"),
                 stack=number(r"(\d+) bytes stack frame"), shared=int(compiled.metadata.shared),
-                async_copies=len(re.findall(r"\bcp\.async\.c[ag]\b", compiled.asm["ptx"])))
+                async_copies=len(re.findall(r"\bcp\.async\.c[ag]\b", compiled.asm["ptx"])),
+                wgmma=len(re.findall(r"\bwgmma\.mma_async\b", compiled.asm["ptx"])),
+                mma_sync=len(re.findall(r"\bmma\.sync\b", compiled.asm["ptx"])))
   except AttributeError:
     raise RuntimeError(f"ptxas -v gave no resource line for {kernel.fn.__name__}:\n{report}") from None
 
@@ -213,7 +217,7 @@ def _line(row: dict) -> str:
     return f"{head}  FAILED {row['error'][:120]}"
   return (f"{head}  regs {row['registers']:3d}  spills {row['spill_stores']:5d} / "
           f"{row['spill_loads']:5d} B  stack {row['stack']:5d} B  shared {row['shared'] / 1024:6.1f} KB"
-          f"  cp.async {row['async_copies']:3d}")
+          f"  cp.async {row['async_copies']:3d}  wgmma {row['wgmma']:3d}  mma.sync {row['mma_sync']:4d}")
 
 
 def main():
