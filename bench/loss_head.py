@@ -3,12 +3,13 @@
 Times `umoe_jax.ops.chunked_loss.chunked_token_nll` (the gradient of the nll sum with respect to
 the hidden states and the head) at the trainer's shape, bf16, for each form asked: the fused head
 (one chunk, the logits kept: `train.fused_loss_head`, the default) and the chunked head
-(`train.loss_chunk_tokens`), each with the log-sum-exp in two passes and in one (`train.online_lse`).
-First checks every form against the default one (loss, dh, dw; relative error) on fresh random
-inputs (never zeros), then reports the median wall time of `--iters` calls after warm-ups.
+(`train.loss_chunk_tokens`). First checks every form against the first (loss, dh, dw; relative
+error) on fresh random inputs (never zeros), then reports the median wall time of `--iters` calls
+after warm-ups. (Session 11 timed a one-pass log-sum-exp here too, the forms "*_online" of ecc739e;
+no faster on an H200: BENCHMARKS.md.)
 
   python bench/loss_head.py [--tokens=32768] [--d_model=768] [--vocab=32000] [--iters=20]
-      [--forms=fused,fused_online,chunked,chunked_online] [--chunk_tokens=4096] [--out=$OUT]
+      [--forms=fused,chunked] [--chunk_tokens=4096] [--out=$OUT]
 """
 from __future__ import annotations
 
@@ -27,15 +28,14 @@ import numpy as np  # noqa: E402
 
 from umoe_jax.ops.chunked_loss import chunked_token_nll  # noqa: E402
 
-FORMS = ("fused", "fused_online", "chunked", "chunked_online")
+FORMS = ("fused", "chunked")
 
 
 def form_kwargs(form: str, tokens: int, chunk_tokens: int) -> dict:
   if form not in FORMS:
     raise ValueError(f"unknown form {form!r}; valid: {', '.join(FORMS)}")
-  chunked = form.startswith("chunked")
-  return dict(chunk_tokens=chunk_tokens if chunked else tokens, keep_logits=not chunked,
-              online_lse=form.endswith("_online"))
+  chunked = form == "chunked"
+  return dict(chunk_tokens=chunk_tokens if chunked else tokens, keep_logits=not chunked)
 
 
 def make_inputs(tokens: int, d_model: int, vocab: int, seed: int = 0):

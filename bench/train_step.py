@@ -11,7 +11,6 @@ memory. Usage (GPU):
       [--loss_chunk_tokens=N]   (train.loss_chunk_tokens: LM head + cross-entropy in N-token chunks)
       [--fused_loss_head=0|1]   (train.fused_loss_head: LM head + cross-entropy as one op, unchunked)
       [--mu_dtype=float32|bfloat16]   (train.mu_dtype: AdamW's first moment)
-      [--online_lse=0|1]   (train.online_lse: the fused head's log-sum-exp in one pass)
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
@@ -146,8 +145,6 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.train.fused_loss_head = bool(args.fused_loss_head)
     if args.mu_dtype is not None:
       config.train.mu_dtype = args.mu_dtype
-    if args.online_lse is not None:
-      config.train.online_lse = bool(args.online_lse)
     config.train.grad_accum_steps = 1
     config.train.eval_every = 0
     config.mesh = layout_mesh(layout_kind, n_dev)
@@ -212,8 +209,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              last_loss=last_loss, loss_check=ok, peak_mem_gb=mem.get("peak_bytes_in_use", 0) / 2**30,
              gmm_backend=args.gmm_backend, remat=args.remat,
              loss_chunk_tokens=config.train.loss_chunk_tokens,
-             fused_loss_head=config.train.fused_loss_head, online_lse=config.train.online_lse,
-             mu_dtype=config.train.mu_dtype,
+             fused_loss_head=config.train.fused_loss_head, mu_dtype=config.train.mu_dtype,
              capacity_factor=cf, exchange=exchange,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
@@ -287,9 +283,6 @@ def main():
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
   ap.add_argument("--fused_loss_head", type=int, choices=[0, 1], default=None,
                   help="train.fused_loss_head (default: the config's, on)")
-  ap.add_argument("--online_lse", type=int, choices=[0, 1], default=None,
-                  help="train.online_lse (default: the config's, off): the fused head's "
-                       "log-sum-exp in one pass over the logits")
   ap.add_argument("--mu_dtype", choices=["float32", "bfloat16"], default=None,
                   help="train.mu_dtype (default: the config's, float32)")
   ap.add_argument("--loss_chunk_tokens", type=int, default=0,

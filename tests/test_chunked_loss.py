@@ -13,7 +13,7 @@ import pytest
 from conftest import jaxpr_avals, rel_err
 from umoe_jax.eval.perplexity import token_nll
 from umoe_jax.model.layers import logits_dot
-from umoe_jax.ops.chunked_loss import chunked_token_nll, online_logsumexp
+from umoe_jax.ops.chunked_loss import chunked_token_nll
 
 B, T, D, V = 3, 5, 16, 37   # N = 15 tokens
 G = 2.5                     # the cotangent of the nll sum (the step's is 1 / tokens)
@@ -65,15 +65,12 @@ def test_values_and_gradients_match_token_nll_and_float64(dtype, masked):
   grad_tol, plain_tol = (1e-6, 1e-6) if dtype == "float32" else (5e-3, 1e-3)
   assert ref[0] > 1.0 and np.abs(ref[3]).max() > 1e-2  # not a degenerate case
   # 15 tokens: 2 and 4 leave a weight-0 padding row (8 x 2, 4 x 4), 5 divides, 15 and 64 are one
-  # chunk; each with the logits recomputed in the backward and kept (keep_logits), the log-sum-exp
-  # in two passes and in one (online_lse)
-  for chunk, keep, online in [(c, k, o) for c in (2, 4, 5, 15, 64) for k in (False, True)
-                              for o in (False, True)]:
+  # chunk; each with the logits recomputed in the backward and kept (keep_logits)
+  for chunk, keep in [(c, k) for c in (2, 4, 5, 15, 64) for k in (False, True)]:
     out = _value_and_grads(
-        lambda h, w: chunked_token_nll(h, w, targets, mask, chunk_tokens=chunk, keep_logits=keep,
-                                       online_lse=online),
+        lambda h, w: chunked_token_nll(h, w, targets, mask, chunk_tokens=chunk, keep_logits=keep),
         h, w)
-    what = f"{dtype} masked={masked} chunk={chunk} keep_logits={keep} online_lse={online}"
+    what = f"{dtype} masked={masked} chunk={chunk} keep_logits={keep}"
     assert out[2].dtype == h.dtype and out[3].dtype == w.dtype, what
     assert out[0].dtype == jnp.float32 and out[1].dtype == jnp.float32, what
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-6, err_msg=what)
@@ -82,35 +79,6 @@ def test_values_and_gradients_match_token_nll_and_float64(dtype, masked):
     for i, name in ((2, "dh"), (3, "dw")):
       assert rel_err(out[i], ref[i]) < grad_tol, (what, name, rel_err(out[i], ref[i]))
       assert rel_err(out[i], plain[i]) < plain_tol, (what, name, rel_err(out[i], plain[i]))
-
-
-def test_online_logsumexp_matches_float64():
-  """One pass over rows whose maxima sit anywhere (first, last, repeated), spreads of ~1e3 (exp
-  under- and overflows in a naive sum), -inf entries and a row of only -inf (-inf, where the
-  two-pass form's shift by the max makes a NaN), against float64; and leading dimensions kept."""
-  rng = np.random.default_rng(7)
-  x = rng.normal(size=(6, 1001)) * np.array([[1.0], [30.0], [300.0], [1.0], [5.0], [1.0]])
-  x[0, 0] = 40.0                    # the max first
-  x[1, -1] = 900.0                  # the max last, far above the rest
-  x[3, [5, 500, 900]] = 12.0        # a repeated max
-  x[4, ::3] = -np.inf               # masked-out entries
-  x[5, :] = -np.inf                 # nothing left
-  ref = np.array([np.log(np.sum(np.exp(r - r.max()))) + r.max() if np.isfinite(r.max())
-                  else -np.inf for r in x])
-  got = np.asarray(online_logsumexp(jnp.asarray(x, jnp.float32)))
-  np.testing.assert_allclose(got[:5], ref[:5], rtol=2e-6)
-  assert got[5] == -np.inf
-  for v in (100, 256, 257):   # shorter than a block, whole blocks, blocks and a partial one
-    x3 = jnp.asarray(rng.normal(size=(2, 3, v)) * 8, jnp.float32)
-    np.testing.assert_allclose(online_logsumexp(x3), jax.scipy.special.logsumexp(x3, axis=-1),
-                               rtol=2e-6)
-  # the float32 rounding of the one pass against the two-pass form's, over many long rows
-  wide = jnp.asarray(rng.normal(size=(64, 32000)) * 4, jnp.float32)
-  wide64 = np.asarray(wide, np.float64)
-  ref = wide64.max(-1) + np.log(np.exp(wide64 - wide64.max(-1, keepdims=True)).sum(-1))
-  two_pass = np.abs(np.asarray(jax.scipy.special.logsumexp(wide, axis=-1)) - ref).max()
-  one_pass = np.abs(np.asarray(online_logsumexp(wide)) - ref).max()
-  assert one_pass < 3 * two_pass, (one_pass, two_pass)
 
 
 def test_no_gradient_to_the_mask_and_bad_arguments():

@@ -233,9 +233,7 @@ def test_loss_chunk_tokens_step_matches_plain_step():
   state = state_lib.state_with_params(params, tx, 0)
 
   forms = {"plain": dict(loss_chunk_tokens=0), "chunked": dict(loss_chunk_tokens=6),
-           "fused": dict(fused_loss_head=True),
-           "chunked_online": dict(loss_chunk_tokens=6, online_lse=True),
-           "fused_online": dict(fused_loss_head=True, online_lse=True)}
+           "fused": dict(fused_loss_head=True)}
 
   def steps(st, b):
     return {name: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
@@ -246,7 +244,7 @@ def test_loss_chunk_tokens_step_matches_plain_step():
   plain, m0 = out["plain"]
   assert float(m0["tokens"]) == float(mask.sum()) < mask.size
   old = jax.tree_util.tree_leaves_with_path(params)
-  for form in ("chunked", "fused", "chunked_online", "fused_online"):
+  for form in ("chunked", "fused"):
     other, m1 = out[form]
     assert int(m0["applied"]) == int(m1["applied"]) == 1
     for key in ("loss", "lm_loss", "balance_loss", "grad_norm", "tokens"):
@@ -290,33 +288,6 @@ def test_loss_chunk_tokens_reaches_the_trainers_step():
   assert not has_logits(4, True)        # chunks win over the unchunked fused head (no [32, V])
   assert tiny().train.fused_loss_head is True and train_config.default_train_config().fused_loss_head
 
-
-
-def test_online_lse_reaches_the_trainers_step():
-  """config.train.online_lse reaches the step train.py builds: its program reduces the logits with
-  the one-pass (max, sum) reduction (a `reduce` of two operands), the default's does not; a
-  non-bool is refused naming the field."""
-  from umoe_jax.parallel import mesh as mesh_lib, sharding
-  c = tiny()
-  c.model.update(dict(n_layers=1, d_model=16))
-  c.train.update(dict(global_batch_size=4, seq_len=8))
-  model_cfg = train_config.validate(c)
-  mesh = mesh_lib.make_mesh(c.get("mesh"), devices=jax.devices()[:1])
-  rules = sharding.normalize_rules(c.get("sharding_rules"))
-  batch = {k: jax.ShapeDtypeStruct((4, 8), jnp.int32) for k in ("inputs", "targets")}
-
-  def pair_reductions(online):
-    c.train.online_lse = online
-    progs = loop.config_programs(c, model_cfg, mesh, rules)
-    text = progs.train_fn.lower(progs.abstract, batch).as_text()
-    return sum(1 for line in text.splitlines() if "stablehlo.reduce(" in line and "), (" in line)
-
-  assert c.train.fused_loss_head and not train_config.default_train_config().online_lse
-  assert pair_reductions(False) == 0 and pair_reductions(True) >= 1
-  with c.train.ignore_type():
-    c.train.online_lse = "yes"
-  with pytest.raises(ConfigError, match=re.escape("train.online_lse='yes' must be true or false")):
-    train_config.validate(c)
 
 
 def test_fused_loss_head_config_check():

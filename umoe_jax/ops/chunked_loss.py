@@ -13,11 +13,6 @@ MaxText / Liger pay), forms its logit cotangent g * weight * (softmax - onehot) 
 inputs' dtype (as `logits_dot`'s backward rounds it), and contracts it at once: dh of the chunk,
 and dW accumulated over chunks in float32 (the scan carry).
 
-The log-sum-exp is two passes over each chunk's logits by default (the row max, then the sum of the
-shifted exponentials, as optax); `online_lse=True` makes it one (`online_logsumexp`: a running max
-and a sum rescaled to it, the online softmax of flash attention, as variadic XLA reductions),
-reading the float32 logits once less.
-
 Chunk k holds rows k, k + K, k + 2K, ... of the flattened tokens (K chunks), not a contiguous slab,
 as the step's micro-batches take rows: with the batch split over devices (and C a multiple of
 their count) every chunk is split over all of them, where a contiguous chunk would lie on few
@@ -35,8 +30,7 @@ import jax.numpy as jnp
 
 def chunked_token_nll(h: jax.Array, w: jax.Array, targets: jax.Array,
                       loss_mask: Optional[jax.Array] = None, *,
-                      chunk_tokens: int, keep_logits: bool = False,
-                      online_lse: bool = False) -> tuple[jax.Array, jax.Array]:
+                      chunk_tokens: int, keep_logits: bool = False) -> tuple[jax.Array, jax.Array]:
   """(sum of -log p(target) over counted tokens, number of counted tokens), float32 scalars.
 
   Args:
@@ -50,8 +44,6 @@ def chunked_token_nll(h: jax.Array, w: jax.Array, targets: jax.Array,
       keeps). With one chunk this is the head and loss as one op whose backward forms the logit
       cotangent and rounds it in a single pass (`train.fused_loss_head`), where autodiff of
       `token_nll(logits_dot(...))` writes a float32 cotangent [N, V] and then rounds it.
-    online_lse: each row's log-sum-exp in one pass over the logits (`online_logsumexp`) instead of
-      a max pass and a sum-exp pass; the same values up to float32 rounding.
 
   Gradients flow to h and w (in their dtypes); none to targets or loss_mask.
   """
@@ -70,7 +62,7 @@ def chunked_token_nll(h: jax.Array, w: jax.Array, targets: jax.Array,
   else:
     mask = jax.lax.stop_gradient(loss_mask.astype(jnp.float32))
     weights, count = mask.reshape(n), jnp.sum(mask)
-  layout = (n, *_layout(n, chunk_tokens), bool(keep_logits), bool(online_lse))
+  layout = (n, *_layout(n, chunk_tokens), bool(keep_logits))
   nll = _nll_sum(layout, h.reshape(n, d), w, targets.reshape(n).astype(jnp.int32), weights)
   return nll, count
 
@@ -103,47 +95,6 @@ def _scan(body, init, xs, k: int):
   return carry, jax.tree.map(lambda y: y[None], ys)
 
 
-def _lse_combine(a, b):
-  """Two partial (max, sum of exp(x - max)) pairs -> theirs together. One exponential: the pair
-  with the larger max keeps its sum and adds the other's rescaled by exp(-|m1 - m2|) (exp(0) when
-  the maxima are equal, which also keeps two empty (-inf, 0) pairs from making a NaN)."""
-  (m1, s1), (m2, s2) = a, b
-  first = m1 >= m2
-  gap = jax.lax.select(m1 == m2, jnp.zeros_like(m1), -jnp.abs(m1 - m2))
-  return (jnp.maximum(m1, m2),
-          jax.lax.select(first, s1, s2) + jax.lax.select(first, s2, s1) * jnp.exp(gap))
-
-
-# Columns a first-level block of `online_logsumexp` reduces: its partial sums run over 128 terms, so
-# a one-level reduction's float32 rounding, which grows with the row (sequential on CPU: 70x the
-# two-pass form's error at V = 32000), stays at the two-pass form's.
-LSE_BLOCK = 128
-
-
-def _lse_reduce(x: jax.Array, m: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-  """(max, sum of exp(x - max)) over `axis` of (x, m) pairs (m: each entry's partial sum)."""
-  return jax.lax.reduce((x, m), (jnp.float32(-jnp.inf), jnp.float32(0.0)), _lse_combine, (axis,))
-
-
-def online_logsumexp(x: jax.Array) -> jax.Array:
-  """log sum_j exp(x[..., j]) of float32 x [..., V] -> [...], reading x once: variadic reductions
-  of (x, 1) pairs under `_lse_combine`, over blocks of LSE_BLOCK columns and then over the blocks'
-  (max, sum) pairs (and a last partial block's)."""
-  x = x.astype(jnp.float32)
-  *lead, v = x.shape
-  full = v - v % LSE_BLOCK
-  parts = []
-  if full:
-    blocks = x[..., :full].reshape(*lead, full // LSE_BLOCK, LSE_BLOCK)
-    parts.append(_lse_reduce(*_lse_reduce(blocks, jnp.ones_like(blocks), len(lead) + 1),
-                             len(lead)))
-  if full < v:
-    tail = x[..., full:]
-    parts.append(_lse_reduce(tail, jnp.ones_like(tail), len(lead)))
-  top, total = parts[0] if len(parts) == 1 else _lse_combine(*parts)
-  return top + jnp.log(total)
-
-
 def _chunk_logits(h_c: jax.Array, w: jax.Array) -> jax.Array:
   """[C, D] @ [D, V] -> float32 [C, V]: products in the inputs' dtype, as `logits_dot`."""
   return jnp.dot(h_c, w, preferred_element_type=jnp.float32)
@@ -153,22 +104,17 @@ def _chunk_logits(h_c: jax.Array, w: jax.Array) -> jax.Array:
 def _nll_sum(layout: tuple[int, int, int, bool], h: jax.Array, w: jax.Array, targets: jax.Array,
              weights: jax.Array) -> jax.Array:
   """sum_i weights[i] * -log softmax(h[i] @ w)[targets[i]]; h [N, D], targets / weights [N];
-  layout = (N, K chunks, C rows each, keep the logits for the backward, one-pass log-sum-exp),
-  static."""
+  layout = (N, K chunks, C rows each, keep the logits for the backward), static."""
   return _nll_fwd(layout, h, w, targets, weights)[0]
 
 
 def _nll_fwd(layout, h, w, targets, weights):
-  _, k, c, keep, online = layout
+  _, k, c, keep = layout
   chunks = (_to_chunks(h, k, c), _to_chunks(targets, k, c), _to_chunks(weights, k, c))
 
   def body(total, xs):
     h_c, t_c, wt_c = xs
     logits = _chunk_logits(h_c, w)                                          # [C, V] float32
-    if online:
-      lse = online_logsumexp(logits)                                        # [C]
-      target = jnp.take_along_axis(logits, t_c[:, None], axis=-1)[:, 0]     # [C]
-      return total + jnp.sum((lse - target) * wt_c), (lse, logits if keep else None)
     # As optax.softmax_cross_entropy_with_integer_labels: shift by the row max, then
     # log-sum-exp minus the shifted target logit.
     top = jnp.max(logits, axis=-1, keepdims=True)

@@ -64,10 +64,6 @@ def default_train_config() -> ml_collections.ConfigDict:
                                    # kept, the logit cotangent formed and rounded to bf16 in one
                                    # pass (no float32 [tokens, V] cotangent); the same values, less
                                    # time and memory (BENCHMARKS.md); loss_chunk_tokens > 0 wins
-      online_lse=False,            # with loss_chunk_tokens or fused_loss_head: each token's
-                                   # log-sum-exp in one pass over the float32 logits (an online max
-                                   # and rescaled sum) instead of two (max, then sum-exp); the same
-                                   # values up to float32 rounding
       max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
       compilation_cache_dir="",    # JAX's persistent compilation cache here (a restart or another
                                    # run of the same program loads its executable); "": off
@@ -173,8 +169,6 @@ def check_train(train: Any, model: ModelConfig) -> None:
          f"train.loss_chunk_tokens={n!r} must be an integer >= 0 (0: the full logits, no chunks)")
   _check(isinstance(t.fused_loss_head, bool),
          f"train.fused_loss_head={t.fused_loss_head!r} must be true or false")
-  _check(isinstance(t.online_lse, bool),
-         f"train.online_lse={t.online_lse!r} must be true or false")
   _check(t.on_nonfinite in NONFINITE_POLICIES,
          f"train.on_nonfinite={t.on_nonfinite!r}; valid: {', '.join(NONFINITE_POLICIES)}")
   _check(t.max_consecutive_skips >= 0,

@@ -28,8 +28,7 @@ from umoe_jax.train import step as step_lib
 # the optimizer (state layout, init, eval are shared by runs that differ only in the step keys).
 OPTIMIZER_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio",
                   "b1", "b2", "eps", "weight_decay", "mu_dtype", "grad_clip")
-STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite", "loss_chunk_tokens", "fused_loss_head",
-             "online_lse")
+STEP_KEYS = ("grad_accum_steps", "remat", "on_nonfinite", "loss_chunk_tokens", "fused_loss_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +82,7 @@ def programs(model_cfg: Any, optimizer_items: tuple, step_items: tuple, mesh: An
                             schedule=base.schedule, accum_steps=t["grad_accum_steps"],
                             remat=t["remat"], on_nonfinite=t["on_nonfinite"],
                             loss_chunk_tokens=t["loss_chunk_tokens"],
-                            fused_loss_head=t["fused_loss_head"], online_lse=t["online_lse"])
+                            fused_loss_head=t["fused_loss_head"])
   batch = sharding_lib.batch_sharding(mesh, rules)
   train_fn = jax.jit(train, in_shardings=(base.shardings, batch),
                      out_shardings=(base.shardings, None), donate_argnums=0)

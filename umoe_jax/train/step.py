@@ -48,14 +48,13 @@ def step_rng(state: TrainState) -> jax.Array:
 
 def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str, total_tokens: jax.Array,
              accum_steps: int, step: Optional[jax.Array], rng: Optional[jax.Array] = None,
-             loss_chunk_tokens: int = 0, fused_loss_head: bool = False, online_lse: bool = False):
+             loss_chunk_tokens: int = 0, fused_loss_head: bool = False):
   """Objective whose gradient, summed over micro-batches, is the batch's gradient.
 
   `loss_chunk_tokens` > 0 fuses the LM head into the cross-entropy, chunked over that many tokens
   (`umoe_jax.ops.chunked_loss`: no float32 [tokens, V] logits); else `fused_loss_head` fuses them
   unchunked (the logits kept, the logit cotangent rounded as it is formed); else the model's
-  logits, then `token_nll`. `online_lse`: the fused forms' log-sum-exp in one pass over the logits
-  (`chunked_token_nll`)."""
+  logits, then `token_nll`."""
   model = nnx.merge(graphdef, params)
   # The step reaches routers with a schedule (SMoE-Dropout's growing k, StableMoE's stage switch);
   # the key, routers with jitter.
@@ -65,7 +64,7 @@ def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str, tota
       w = model.lm_head.value.astype(model.cfg.compute_dtype)
       nll_sum, count = chunked_token_nll(h, w, micro["targets"], micro.get("loss_mask"),
                                          chunk_tokens=loss_chunk_tokens or micro["targets"].size,
-                                         keep_logits=not loss_chunk_tokens, online_lse=online_lse)
+                                         keep_logits=not loss_chunk_tokens)
   else:
     logits, aux = model(micro["inputs"], remat=remat, step=step, rng=rng)
     with jax.named_scope("loss"):
@@ -112,20 +111,18 @@ def _reduce_micro(stats: dict, accum_steps: int) -> dict:
 
 def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int, remat: bool | str,
                     step: Optional[jax.Array] = None, rng: Optional[jax.Array] = None,
-                    loss_chunk_tokens: int = 0, fused_loss_head: bool = False,
-                    online_lse: bool = False):
+                    loss_chunk_tokens: int = 0, fused_loss_head: bool = False):
   """(grads, stats) of the whole batch, accumulating over `accum_steps` micro-batches; `step` []
   int32 is the training step the routers see (None: as at the end of training), `rng` their key
   (folded with the micro-batch index; None: no router noise); `loss_chunk_tokens` and
-  `fused_loss_head`, `online_lse` as in `_forward` (`train.loss_chunk_tokens`, ...)."""
+  `fused_loss_head` as in `_forward` (`train.loss_chunk_tokens`, `train.fused_loss_head`)."""
   mask = batch.get("loss_mask")
   total = (jnp.sum(mask.astype(jnp.float32)) if mask is not None
            else jnp.asarray(batch["targets"].size, jnp.float32))
   total = jnp.maximum(total, 1.0)
   grad_fn = jax.grad(_forward, has_aux=True)
   kw = dict(graphdef=graphdef, remat=remat, total_tokens=total, accum_steps=accum_steps, step=step,
-            loss_chunk_tokens=loss_chunk_tokens, fused_loss_head=fused_loss_head,
-            online_lse=online_lse)
+            loss_chunk_tokens=loss_chunk_tokens, fused_loss_head=fused_loss_head)
   micro_rng = lambda a: None if rng is None else jax.random.fold_in(rng, a)
   if accum_steps == 1:
     grads, stats = grad_fn(params, batch, rng=micro_rng(0), **kw)
@@ -148,13 +145,12 @@ def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int
 def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.GradientTransformation,
                schedule: optax.Schedule, accum_steps: int = 1, remat: bool | str = False,
                on_nonfinite: str = "stop", loss_chunk_tokens: int = 0,
-               fused_loss_head: bool = False, online_lse: bool = False) -> tuple[TrainState, dict]:
+               fused_loss_head: bool = False) -> tuple[TrainState, dict]:
   """One optimizer update on `batch` ({"inputs", "targets": int32 [B, T]}, optional "loss_mask").
 
   Bind the keyword arguments with functools.partial and jit with `donate_argnums=0`.
   `loss_chunk_tokens` (`train.loss_chunk_tokens`) > 0: the LM head and cross-entropy in chunks of
-  that many tokens; `fused_loss_head` (`train.fused_loss_head`): as one op, unchunked (`_forward`);
-  `online_lse` (`train.online_lse`): their log-sum-exp in one pass.
+  that many tokens; `fused_loss_head` (`train.fused_loss_head`): as one op, unchunked (`_forward`).
   Returns the new state and metrics: loss, lm_loss, balance_loss, router_losses ({name: value}, the
   routers' other losses: "z_loss", ...), grad_norm (before clipping), learning_rate, tokens,
   param_norm (global norm of the parameters after the step: what the save guard watches),
@@ -168,7 +164,7 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
   grads, stats = grads_and_stats(state.params, batch, graphdef=graphdef, accum_steps=accum_steps,
                                  remat=remat, step=applied_steps, rng=step_rng(state),
                                  loss_chunk_tokens=loss_chunk_tokens,
-                                 fused_loss_head=fused_loss_head, online_lse=online_lse)
+                                 fused_loss_head=fused_loss_head)
   lm_loss = stats["nll_sum"] / jnp.maximum(stats["tokens"], 1.0)
   loss = lm_loss + stats["balance_loss"] + sum(stats["router_losses"].values(),
                                                jnp.zeros((), jnp.float32))
