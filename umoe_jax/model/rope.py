@@ -41,27 +41,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float, layout: str)
     pair_shape, pair_axis, sign = (2, dh // 2), -2, jnp.array([[-1.0], [1.0]], jnp.float32)
     cos, sin = cos[:, :, None, None, :], sin[:, :, None, None, :]            # [B, T, 1, 1, Dh/2]
   pairs = x.astype(jnp.float32).reshape(b, t, h, *pair_shape)
-  if layout == "interleaved" and x.dtype.itemsize == 2:
-    swapped = _swap_adjacent_halfwords(x).astype(jnp.float32).reshape(pairs.shape)
-  else:
-    swapped = jnp.flip(pairs, pair_axis)
-  out = pairs * cos + (swapped * sign) * sin
+  out = pairs * cos + (jnp.flip(pairs, pair_axis) * sign) * sin
   out = out.reshape(x.shape).astype(x.dtype)
   return out[:, :, 0, :] if squeeze else out
-
-
-@jax.custom_vjp
-def _swap_adjacent_halfwords(x: jax.Array) -> jax.Array:
-  """x [..., Dh] of a 2-byte dtype (bf16, f16) with channels 2i and 2i + 1 swapped: each pair read
-  as one uint32 and rotated by 16 bits. The same values as a flip of the size-2 pair axis, which
-  XLA emits with element-wise index arithmetic: on an H200 that pass (the routed queries' sum,
-  concatenation and rotation in one fusion) ran at ~1 TB/s (BENCHMARKS.md, session 11)."""
-  words = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
-  words = jax.lax.shift_left(words, jnp.uint32(16)) | jax.lax.shift_right_logical(words, jnp.uint32(16))
-  return jax.lax.bitcast_convert_type(words, x.dtype).reshape(x.shape)
-
-
-# The swap is a permutation that is its own inverse: its transpose swaps the cotangent the same way
-# (the integer view has no derivative of its own).
-_swap_adjacent_halfwords.defvjp(lambda x: (_swap_adjacent_halfwords(x), None),
-                                lambda _, g: (_swap_adjacent_halfwords(g),))
