@@ -14,11 +14,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import kernel_resources as kr  # noqa: E402
 
 
-def _dq_ds(bn):
+def _dq_ds(bn, bm=32):
   from kernels import triton_attention as ta
   t, h, dk = 64, 2, 32
-  consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DKP=32, BM=32, BN=bn,
-                N_ROW_TILES=t * h // 32)
+  consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DKP=32, BM=bm, BN=bn,
+                N_ROW_TILES=t * h // bm)
   return kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16",
                                                          dq_ptr="*bf16"), consts,
                               num_warps=4, num_stages=2)
@@ -30,8 +30,14 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
   except FileNotFoundError as e:
     pytest.skip(str(e))
   res = _dq_ds(32)
-  assert set(res) == {"registers", "spill_stores", "spill_loads", "stack", "shared", "async_copies"}
+  assert set(res) == {"registers", "spill_stores", "spill_loads", "stack", "shared", "async_copies",
+                      "wgmma", "mma_sync"}
   assert 16 <= res["registers"] <= 255 and res["shared"] > 0
+  # its dS @ K product: on 32-row tiles Ampere-style warp MMAs (a warpgroup MMA takes 64 rows), on
+  # 64-row tiles Hopper's warpgroup MMA
+  assert res["mma_sync"] > 0 and res["wgmma"] == 0, res
+  wide = _dq_ds(32, bm=64)
+  assert wide["wgmma"] > 0 and wide["mma_sync"] == 0, wide
   assert min(res["spill_stores"], res["spill_loads"], res["stack"]) >= 0
   with pytest.raises(Exception, match="power of 2"):   # BN = 24: no tl.arange of it, on any GPU
     _dq_ds(24)
