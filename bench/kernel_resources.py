@@ -175,9 +175,14 @@ def gmm_cases(shape: dict):
                     SCALED_D=epi == "act+rows", **launch)
       yield (f"{pool} {name}", cfg, tg._gmm_kernel, ptrs, dict(consts, num_warps=warps,
                                                                 num_stages=stages))
-    for name, op, kk, nn, gathered in (("down wgrad (gathered dout)", "tgmm+gather", f, d, True),
-                                       ("up wgrad (gathered x)", "tgmm+gather", d, f, True)):
+    wgrads = [(name, op, kk, nn, gathered, p)
+              for name, op, kk, nn, gathered in (("down wgrad (gathered dout)", "tgmm+gather", f, d, True),
+                                                 ("up wgrad (gathered x)", "tgmm+gather", d, f, True))
+              for p in (0, 1)]   # the tabled tile on its grid and on a persistent one
+    for name, op, kk, nn, gathered, persistent in wgrads:
       cfg = tuning.lookup("triton", op, rows, kk, nn, g)
+      if persistent:
+        cfg, name = dataclasses.replace(cfg, persistent=persistent), f"{name}, persistent"
       launch = tg.tgmm_launch(rows, kk, nn, g, cfg)
       launch.pop("grid")
       warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
@@ -212,7 +217,7 @@ def survey(cases) -> list[dict]:
 
 
 def _line(row: dict) -> str:
-  head = f"  {row['kernel']:34s} {str(tuple(row['tiles'])):40s} w{row['num_warps']} s{row['num_stages']}"
+  head = f"  {row['kernel']:44s} {str(tuple(row['tiles'])):40s} w{row['num_warps']} s{row['num_stages']}"
   if "error" in row:
     return f"{head}  FAILED {row['error'][:120]}"
   return (f"{head}  regs {row['registers']:3d}  spills {row['spill_stores']:5d} / "

@@ -16,7 +16,8 @@ Output column tiles may be two power-of-two pieces (BN + BN2, e.g. 128 + 64 = 19
 must be powers of two while the expert widths here (192, 768) are not.
 
 tgmm: one program per (group, K tile, N tile) accumulating over the group's rows in BM-row chunks; rows
-outside the group are masked to zero in both operands; empty groups write zeros.
+outside the group are masked to zero in both operands; empty groups write zeros. On a persistent grid
+(`TileConfig.persistent`) a fixed number of programs stride over those tiles instead.
 """
 from __future__ import annotations
 
@@ -257,17 +258,15 @@ if HAVE_TRITON:
                   EPI_ACT, SCALED_D, PREFETCH_D)
 
   @triton.jit
-  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
-                   M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
-                   GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr):
-    # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
-    # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
-    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
-    pid = tl.program_id(0)
-    g = pid // (K_TILES * N_TILES)
-    rest = pid % (K_TILES * N_TILES)
+  def _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile,
+                 M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                 GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                 BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
+                 A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr):
+    """Output tile `tile` = (group, K tile, N tile), group slowest: out[g][k tile, n tile] summed
+    over the group's rows in BM-row steps."""
+    g = tile // (K_TILES * N_TILES)
+    rest = tile % (K_TILES * N_TILES)
     pid_k = rest // N_TILES
     pid_n = rest % N_TILES
 
@@ -328,6 +327,28 @@ if HAVE_TRITON:
       tl.store(o_base + offs_k[:, None] * N + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
                mask=kmask[:, None] & (offs_n2[None, :] < N))
 
+  @triton.jit
+  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
+                   M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                   BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
+                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr,
+                   NUM_PROGS: tl.constexpr = 0):
+    # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
+    # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
+    # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
+    # NUM_PROGS == 0: one program per output tile; else NUM_PROGS programs stride over the tiles
+    # in order (those running together share a group's rows in L2), the loop nest flattened so the
+    # next tile's first loads are issued while this tile's last steps and store run.
+    pid = tl.program_id(0)
+    if NUM_PROGS == 0:
+      _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, pid, M, K, N, G,
+                 GP, BM, BK, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE)
+    else:
+      for tile in tl.range(pid, G * K_TILES * N_TILES, NUM_PROGS, flatten=True):
+        _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile, M, K, N,
+                   G, GP, BM, BK, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE)
+
 
 # ----------------------------------------------------------------------------------------------
 # Launch geometry (pure Python: tested on CPU).
@@ -345,13 +366,17 @@ def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig,
               PREFETCH_D=cfg.prefetch_row_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
-  # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step.
+def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig,
+                num_sms: int = 132) -> dict:
+  # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step;
+  # cfg.persistent: p programs an SM striding over the output tiles (0: one program a tile).
   bn, bn2 = split_width(cfg.bn)
   k_tiles = -(-k // cfg.bm)
   n_tiles = -(-n // cfg.bn)
-  return dict(grid=(g * k_tiles * n_tiles,), BK=cfg.bm, BN=bn, BN2=bn2, BM=cfg.bk,
-              K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g),
+  tiles = g * k_tiles * n_tiles
+  num_progs = min(cfg.persistent * num_sms, tiles) if cfg.persistent else 0
+  return dict(grid=(num_progs or tiles,), BK=cfg.bm, BN=bn, BN2=bn2, BM=cfg.bk,
+              K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g), NUM_PROGS=num_progs,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -459,7 +484,7 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   gathered = lhs_index is not None or rhs_index is not None
   cfg = config or tuning.lookup("triton", "tgmm+gather" if gathered else "tgmm", m, k, n, g)
-  launch = tgmm_launch(m, k, n, g, cfg)
+  launch = tgmm_launch(m, k, n, g, cfg, _num_sms() if cfg.persistent else 132)
   grid = launch.pop("grid")
   a_index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
   b_index = _placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)

@@ -36,8 +36,8 @@ class TileConfig:
   num_stages: int = 3
   # Mosaic GPU only: pipeline depth and column-block grouping of the persistent schedule.
   grid_block_n: int = 1
-  # Triton gmm only: 0 = one program per tile; p = a persistent grid of p programs per SM looping
-  # over the tiles (flattened loop: the next tile's loads overlap this tile's stores).
+  # Triton gmm and tgmm: 0 = one program per tile; p = a persistent grid of p programs per SM
+  # looping over the tiles (flattened loop: the next tile's loads overlap this tile's stores).
   persistent: int = 0
   warp_specialize: bool = False
   # Triton gmm with a row dot (gmm_combine's backward) only: load the epilogue's operand tile (the
@@ -184,6 +184,12 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
   what `lookup` gives now."""
   plain = op.split("+")[0]
   out = [lookup(backend, op, m, kc, no, 0)]
+  if backend == "triton" and plain == "tgmm":
+    # Session 11: the tabled tile on a persistent grid (1 or 2 programs an SM striding over the
+    # output tiles in order, the loop nest flattened) first: tgmm had no persistent form before
+    # (its launch ignored the field, so the "+gather" rows' persistent=1 candidates below ran the
+    # one-program-a-tile grid).
+    out += [dataclasses.replace(out[0], persistent=p) for p in (1, 2)]
   if backend == "triton" and op.endswith("+gather"):
     # Gathered rows arrive with more latency (one index load, rows scattered over HBM): deeper
     # pipelines of the current tile first.

@@ -155,6 +155,22 @@ def test_tuning_gathered_ops_fall_back_to_plain_rows():
   assert any(c.num_stages > cands[0].num_stages for c in cands[1:])
 
 
+def test_tgmm_persistent_grid_geometry_and_candidates():
+  """tgmm on a persistent grid: p programs an SM (never more than the output tiles), NUM_PROGS 0
+  for one program a tile; the sweep tries the tabled tile on both grids right after it."""
+  cfg = tuning.TileConfig(64, 128, 64, 4, 5)
+  one = triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg)
+  assert one["grid"] == (128 * 3 * 6,) and one["NUM_PROGS"] == 0
+  for p, sms, want in ((1, 132, 132), (2, 132, 264), (2, 2000, 128 * 3 * 6)):
+    launch = triton_gmm.tgmm_launch(4096, 192, 768, 128, dataclasses.replace(cfg, persistent=p),
+                                    num_sms=sms)
+    assert launch["grid"] == (want,) and launch["NUM_PROGS"] == want, (p, sms)
+  for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
+    cands = tuning.candidates("triton", op, kc, no, 1 << 19)
+    assert cands[1:3] == [dataclasses.replace(cands[0], persistent=p) for p in (1, 2)], op
+    assert not cands[0].persistent and len(cands) == len(set(cands))
+
+
 def test_tuning_candidates_fit_hopper_shared_memory(monkeypatch):
   """Past the tabled tile, no Triton gmm candidate needs more shared memory than a Hopper block
   may take (deeper pipelines of a wide tile would fail at launch); the two-programs-per-SM tiles
@@ -549,11 +565,13 @@ def _triton_interpreter_check():
         if row_scale:
           want = want * scale[:, None]
         np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4, err_msg=case)
-    cfg = tuning.TileConfig(*tile)
-    launch = T.tgmm_launch(m, k, n, g, cfg)
-    grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
-    for a_index, b_index, a_scale in ((False, False, False), (True, False, True),
-                                      (False, True, True), (True, True, False)):
+    for persistent, a_index, b_index, a_scale in ((0, False, False, False), (0, True, False, True),
+                                                  (0, False, True, True), (0, True, True, False),
+                                                  (1, True, False, True), (2, False, True, False)):
+      # a persistent grid of 2 or 4 programs (2 "SMs"): each strides over several output tiles
+      launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile, persistent=persistent), num_sms=2)
+      grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+      assert launch["NUM_PROGS"] == (2 * persistent if persistent else 0)
       out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
       T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
                            _NpTensor(gs), _NpTensor(ia) if a_index else none(),
@@ -563,7 +581,8 @@ def _triton_interpreter_check():
       lhs = src_a[ia] if a_index else a
       want = _ref_tgmm(lhs * scale[:, None] if a_scale else lhs, src_dy[idy] if b_index else dy, gs)
       np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
-                                 err_msg=f"a_index={a_index} b_index={b_index} a_scale={a_scale}")
+                                 err_msg=f"persistent={persistent} a_index={a_index} "
+                                         f"b_index={b_index} a_scale={a_scale}")
     _check_fused_activations(T, m, k, n, gs, tile, rng, none)
   # The epilogue on the second piece of a split column tile (48 = 32 + 16 output columns, as
   # UMoE-base's 192 = 128 + 64), with the zero tail, both grid forms.

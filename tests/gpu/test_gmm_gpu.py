@@ -280,6 +280,28 @@ def test_triton_persistent_grid(persistent):
   assert np.all(out[gs.sum():] == 0), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("persistent", [1, 2])
+def test_triton_persistent_tgmm(persistent):
+  """The weight gradient on a persistent grid (session 11): every group's [K, N] block, empty
+  groups zero, the gathered operands of fused_dispatch's calls, at the FFN's widths."""
+  if "triton" not in BACKENDS:
+    pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
+  _require("triton")
+  from kernels import triton_gmm, tuning
+  m, k, n = 3001, 192, 768
+  gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)   # 2834 rows used
+  x, _, dy, gsj = _inputs(m, k, n, gs, ("persistent tgmm", persistent))
+  rng = np.random.default_rng(_seed("persistent tgmm index", persistent))
+  idx = jnp.asarray(rng.permutation(m).astype(np.int32))
+  for cfg in (tuning.TileConfig(64, 128, 64, 4, 5, persistent=persistent),
+              tuning.TileConfig(128, 192, 64, 8, 5, persistent=persistent)):
+    out = jax.jit(lambda a, b, g, i: triton_gmm.triton_tgmm(
+        a, b, g, num_groups=len(gs), out_dtype=jnp.float32, config=cfg, rhs_index=i))(x, dy, gsj, idx)
+    ref = _ref_tgmm(x, np.asarray(dy)[np.asarray(idx)], gs)
+    assert _rel(np.asarray(out), ref) < 1e-2, cfg
+    assert np.all(np.asarray(out)[gs == 0] == 0), "empty groups must be zero"
+
+
 def _epilogue_tiles():
   """The tiles the Triton backend's tuning table gives the input-gradient call with the row dot
   (gmm_combine's backward: gmm_t, gathered or not), each (kc, no, cfg) once."""
