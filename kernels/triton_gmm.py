@@ -179,6 +179,8 @@ if HAVE_TRITON:
     row_mask = offs_m < row_end
     if ROW_SCALE:
       scale = tl.load(scale_ptr + offs_m, mask=row_mask, other=0.0).to(tl.float32)
+    # Each column piece's epilogue, then its store, before the next piece's: the first piece's
+    # result is not live through the second's epilogue (fewer registers at the peak).
     if ROW_DOT:  # per-row dot with another [M, NO] array, before the scale (dgates of gmm_combine)
       d_rows = d_ptr + offs_m.to(tl.int64)[:, None] * NO
       if not PREFETCH_D:
@@ -192,7 +194,12 @@ if HAVE_TRITON:
         part = tl.sum(acc * z, axis=1)
       if SCALED_D:
         _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO, EPI_ACT)
-      if BN2 > 0:
+    if ROW_SCALE:
+      acc = acc * scale[:, None]
+    o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < NO))
+    if BN2 > 0:
+      if ROW_DOT:
         if not PREFETCH_D:
           d2 = tl.load(d_rows + offs_n2[None, :], mask=row_mask[:, None] & (offs_n2[None, :] < NO),
                        other=0.0)
@@ -204,17 +211,13 @@ if HAVE_TRITON:
           part += tl.sum(acc2 * z2, axis=1)
         if SCALED_D:
           _scaled_rows(ds_ptr, d2, z2, scale, offs_m, offs_n2, row_mask, NO, EPI_ACT)
-      tl.store(rd_ptr + pid_n * M + offs_m, part, mask=row_mask)
-    if ROW_SCALE:
-      acc = acc * scale[:, None]
-    o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < NO))
-    if BN2 > 0:
       if ROW_SCALE:
         acc2 = acc2 * scale[:, None]
       o2_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n2[None, :]
       tl.store(o2_ptrs, acc2.to(o_ptr.dtype.element_ty),
                mask=row_mask[:, None] & (offs_n2[None, :] < NO))
+    if ROW_DOT:
+      tl.store(rd_ptr + pid_n * M + offs_m, part, mask=row_mask)
 
   @triton.jit
   def _gmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, scale_ptr, d_ptr, o_ptr, rd_ptr, ds_ptr,
