@@ -175,23 +175,20 @@ def gmm_cases(shape: dict):
                     SCALED_D=epi == "act+rows", **launch)
       yield (f"{pool} {name}", cfg, tg._gmm_kernel, ptrs, dict(consts, num_warps=warps,
                                                                 num_stages=stages))
-    wgrads = [(name, op, kk, nn, gathered, p)
-              for name, op, kk, nn, gathered in (("down wgrad (gathered dout)", "tgmm+gather", f, d, True),
-                                                 ("up wgrad (gathered x)", "tgmm+gather", d, f, True))
-              for p in (0, 1)]   # the tabled tile on its grid and on a persistent one
-    for name, op, kk, nn, gathered, persistent in wgrads:
-      cfg = tuning.lookup("triton", op, rows, kk, nn, g)
-      if persistent:
-        cfg, name = dataclasses.replace(cfg, persistent=persistent), f"{name}, persistent"
-      launch = tg.tgmm_launch(rows, kk, nn, g, cfg)
-      launch.pop("grid")
-      warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-      yield (f"{pool} {name}", cfg, tg._tgmm_kernel,
-             dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, b_idx_ptr=i32, a_scale_ptr=i32,
-                  o_ptr=bf),
-             dict(M=rows, K=kk, N=nn, G=g, A_INDEX=gathered and "up" in name,
-                  B_INDEX=gathered and "down" in name, A_SCALE=False, **launch,
-                  num_warps=warps, num_stages=stages))
+    for base_name, op, kk, nn, gathered in (("down wgrad (gathered dout)", "tgmm+gather", f, d, True),
+                                            ("up wgrad (gathered x)", "tgmm+gather", d, f, True)):
+      for persistent in (0, 1):   # the tabled tile on its grid and on a persistent one
+        cfg = dataclasses.replace(tuning.lookup("triton", op, rows, kk, nn, g), persistent=persistent)
+        name = base_name + (", persistent" if persistent else "")
+        launch = tg.tgmm_launch(rows, kk, nn, g, cfg)
+        launch.pop("grid")
+        warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+        yield (f"{pool} {name}", cfg, tg._tgmm_kernel,
+               dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, b_idx_ptr=i32, a_scale_ptr=i32,
+                    o_ptr=bf),
+               dict(M=rows, K=kk, N=nn, G=g, A_INDEX=gathered and "up" in base_name,
+                    B_INDEX=gathered and "down" in base_name, A_SCALE=False, **launch,
+                    num_warps=warps, num_stages=stages))
 
 
 def _meta(launch: dict) -> dict:
