@@ -228,6 +228,13 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
           out.append(TileConfig(bm, bn, bk, nw, ns))
           if op == "gmm_t+gather":
             out.append(TileConfig(bm, bn, bk, nw, ns, prefetch_row_dot=True))
+      # Round 9 (session 11, not yet timed): with each column piece's epilogue stored before the
+      # next piece's, these compile for sm_90a without spills at 768 -> 192 with the silu epilogue
+      # (BENCHMARKS.md): the wide 8-warp tiles with z loaded early, and a 128-row 8-warp tile at
+      # 128 registers, which leaves room for two programs an SM.
+      if op == "gmm_t+gather" and no == 192:   # UMoE-base's expert width, where they were surveyed
+        out += [TileConfig(128, 192, 64, 8, 4, prefetch_row_dot=True), TileConfig(128, 64, 64, 8, 3),
+                TileConfig(128, 128, 64, 8, 4, prefetch_row_dot=True)]
       # Round 6 (a capped sweep tries these early): narrower K steps and 64-row tiles, not yet
       # timed. (They were first picked as "spill-free" by a survey that compiled without
       # jax-triton's pointer-alignment hints; compiled as jax-triton compiles them, the tabled tiles

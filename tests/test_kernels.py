@@ -171,6 +171,19 @@ def test_tgmm_persistent_grid_geometry_and_candidates():
     assert not cands[0].persistent and len(cands) == len(set(cands))
 
 
+def test_round_9_dgrad_candidates_only_at_the_base_width():
+  """The spill-free fused-epilogue tiles surveyed at 768 -> 192 (session 11) are offered for that
+  dgrad, within Hopper's shared memory, and not for other widths or ops."""
+  round9 = [tuning.TileConfig(128, 192, 64, 8, 4, prefetch_row_dot=True),
+            tuning.TileConfig(128, 64, 64, 8, 3),
+            tuning.TileConfig(128, 128, 64, 8, 4, prefetch_row_dot=True)]
+  dgrad = tuning.candidates("triton", "gmm_t+gather", 768, 192, 1 << 19)
+  assert all(c in dgrad for c in round9)
+  assert all(tuning.triton_gmm_shared_bytes(c) <= tuning.HOPPER_SHARED_BYTES for c in round9)
+  for op, kc, no in (("gmm_t+gather", 2048, 512), ("gmm+gather", 768, 192)):
+    assert not any(c in tuning.candidates("triton", op, kc, no, 1 << 19) for c in round9), op
+
+
 def test_tuning_candidates_fit_hopper_shared_memory(monkeypatch):
   """Past the tabled tile, no Triton gmm candidate needs more shared memory than a Hopper block
   may take (deeper pipelines of a wide tile would fail at launch); the two-programs-per-SM tiles
