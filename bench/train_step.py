@@ -16,6 +16,7 @@ memory. Usage (GPU):
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
+      [--triton_ffi=0|1]   ($UMOE_TRITON_FFI: Triton kernels as typed-FFI calls, inside CUDA graphs)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
@@ -48,6 +49,8 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from kernels import triton_launch  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
 ANCHORS = {"dense_base": 213.6e3, "ffn_moe_base": 71.2e3, "umoe_base": 58.2e3}
@@ -215,7 +218,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
              router_topk=model_cfg.router.topk_backend, fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
-             step_times_ms=[1e3 * x for x in times],
+             triton_ffi=triton_launch.ffi_route(), step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
     row["profile"] = profile
@@ -293,6 +296,9 @@ def main():
   ap.add_argument("--core_backward", default=None,
                   choices=["auto", "recompute", "stored", "stored_pairs"],
                   help="model.attention.core_backward: the Triton core's backward form")
+  ap.add_argument("--triton_ffi", type=int, choices=[0, 1], default=None,
+                  help="$UMOE_TRITON_FFI for every row (default: as set): the Triton kernels as "
+                       "typed-FFI calls that XLA records into CUDA graphs (kernels/triton_launch.py)")
   ap.add_argument("--fuse_weight_rows", type=int, choices=[0, 1], default=None,
                   help="model.moe.fuse_weight_rows (default: the config's, off): the weight "
                        "gradient's gate-scaled rows from the dgrad matmul's epilogue")
@@ -331,6 +337,8 @@ def main():
                        "compiled before, in this or an earlier command, loads its executable)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  if args.triton_ffi is not None:  # (read when the kernels are traced, in this process or a row's)
+    os.environ[triton_launch.ENV_VAR] = str(args.triton_ffi)
   if args.compilation_cache_dir:
     from umoe_jax.train import loop
     loop.use_compilation_cache(args.compilation_cache_dir)

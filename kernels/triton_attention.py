@@ -54,6 +54,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kernels import triton_launch
 from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
                                      dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch,
                                      with_backward)
@@ -78,7 +79,8 @@ if HAVE_TRITON:
 
 def _launch(kernel, grid, args, out_shape, **meta):
   """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
-  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta)
+  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta,
+                        **triton_launch.launch_kwargs())
 
 
 def _meta(launch: dict, b: int):

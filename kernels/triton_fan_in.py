@@ -24,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels import triton_launch
 from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, _pow2_at_least,
                                 default_backend_is_gpu)
 
@@ -79,7 +80,8 @@ def launch_params(n: int, k: int, d: int, config: FanInConfig | None = None) -> 
 
 def _launch(kernel, grid, args, out_shape, **meta):
   """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
-  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta)
+  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta,
+                        **triton_launch.launch_kwargs())
 
 
 def gather_sum(rows: jax.Array, index: jax.Array, weights: jax.Array | None = None, *,

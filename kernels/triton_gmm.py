@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels import tuning
+from kernels import triton_launch, tuning
 from umoe_jax.ops import epilogue
 
 try:  # Triton is only on GPU machines; this module must still import elsewhere.
@@ -456,7 +456,7 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
                  scaled_shape],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), **launch)
+      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), **launch, **triton_launch.launch_kwargs())
   if row_dot is None:
     return out
   return (out, dots.sum(axis=0), scaled) if scaled_row_dot else (out, dots.sum(axis=0))
@@ -496,7 +496,7 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
       lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale,
       kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
       M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None,
-      A_SCALE=lhs_scale is not None, **launch)
+      A_SCALE=lhs_scale is not None, **launch, **triton_launch.launch_kwargs())
 
 
 def available() -> bool:

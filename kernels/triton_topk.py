@@ -29,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels import triton_launch
 from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _pow2_at_least,
                                 default_backend_is_gpu)
 
@@ -95,7 +96,8 @@ def launch_params(n_rows: int, e: int, k: int, config: TopKConfig | None = None)
 
 def _launch(kernel, grid, args, out_shape, **meta):
   """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
-  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta)
+  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta,
+                        **triton_launch.launch_kwargs())
 
 
 def top_k_ids(x: jax.Array, k: int, *, config: TopKConfig | None = None) -> jax.Array:
