@@ -228,14 +228,16 @@ ATTENTION_CONFIGS = (("base_att", 768, 192, 128, 3),)
 COMPARISON_ONLY = ("gmm_t+gather", "tgmm+gather+scale (down)")
 
 
-def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=None):
+def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=None, cand_indices=None):
   """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
   from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py, and the
   M-specific rows of the two calls whose rows are already in expert order ("gmm (down)",
   "gmm_t (up)": the plain ops at the trainer's M and routing). configs / only_ops: names of
   DISPATCH_CONFIGS + ATTENTION_CONFIGS / op names to run (None: all). Returns the best rows; with
   `out_path` they are also written there (`tuning.rows_to_json`) after every op, so a sweep cut
-  short by a time limit keeps what it found."""
+  short by a time limit keeps what it found. cand_indices: positions in `tuning.candidates`' list
+  to time (0, the tabled tile, is always timed first, as the row to beat); None: the first
+  max_cands."""
   import jax
   import jax.numpy as jnp
   from kernels import tuning, triton_gmm as TG
@@ -294,7 +296,12 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=N
       if only_ops is not None and op not in only_ops:
         continue
       best = (0.0, None)
-      for cfg in tuning.candidates("triton", table_op, kc, no, m)[:max_cands]:
+      cands = tuning.candidates("triton", table_op, kc, no, m)
+      if cand_indices is None:
+        cands = cands[:max_cands]
+      else:
+        cands = [cands[i] for i in sorted({0, *cand_indices}) if i < len(cands)]
+      for cfg in cands:
         try:
           tf = fl / (jax_ms(make(cfg), *args) / 1e3) / 1e12
         except Exception as e:  # noqa: BLE001
@@ -461,6 +468,9 @@ def main():
   ap.add_argument("--no-baselines", action="store_true")
   ap.add_argument("--no-dispatch", action="store_true")
   ap.add_argument("--max-cands", type=int, default=MAX_CANDS, help="candidates per (op, shape)")
+  ap.add_argument("--cands", default="",
+                  help="--sweep-gathered: comma list of candidate positions to time instead of the "
+                       "first --max-cands (the tabled tile, position 0, always comes first)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   globals()["MAX_CANDS"] = args.max_cands
@@ -505,7 +515,8 @@ def main():
     sweep_gathered(results, args.max_cands,
                    args.gathered_configs.split(",") if args.gathered_configs else None,
                    args.gathered_ops.split(";") if args.gathered_ops else None,
-                   out_path=os.path.join(args.out, "gmm_tiles.json"))  # train_step.py --gmm_tiles
+                   out_path=os.path.join(args.out, "gmm_tiles.json"),  # train_step.py --gmm_tiles
+                   cand_indices=[int(i) for i in args.cands.split(",")] if args.cands else None)
     _save(args.out, results)
 
   for name, M, K, N, E in shapes:
