@@ -81,7 +81,10 @@ TABLE: dict[tuple, TileConfig] = {
     # with act(z), times act'(z), gate scale), session 8: 241 against 215 for the plain op's row;
     # the epilogue's registers want narrow tiles (256-row tiles: 72). Timed with that epilogue only;
     # the same call without an activation (moe.fuse_activation off) looks this row up too.
-    ("triton", "gmm_t+gather", 768, 192, 1 << 19): _C(64, 64, 64, 4, 3),
+    # Session 12 (run 55, round 9): 128x192x64 / 8 warps / 4 stages with z loaded before the
+    # contraction, spill-free since the per-piece epilogue order (fa315ec): 248 against 214 for the
+    # 64x64x64 / 4 / 3 tile tabled before (243 with z early).
+    ("triton", "gmm_t+gather", 768, 192, 1 << 19): _C(128, 192, 64, 8, 4, prefetch_row_dot=True),
     # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient), run 26:
     ("triton", "tgmm+gather", 192, 768, 1 << 19): _C(64, 128, 64, 4, 5),    # 302 (4 stages: 289)
     ("triton", "tgmm+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 5),  # large-up wgrad 671 (525)
