@@ -1,12 +1,14 @@
 """What a Triton launch costs between XLA's fusions, through jax-triton's custom call and through the
-typed-FFI route (kernels/triton_launch.py), and whether XLA records the launches into CUDA graphs.
+typed-FFI route (kernels/triton_launch.py): a route whose launches XLA records into its CUDA graphs
+runs the chain faster (host launches gone), one that it launches from the host does not.
 
 A chain of `--layers` small steps, each an XLA fusion and a fan-in kernel (kernels/triton_fan_in.py,
-`--tokens` x K=`--k` rows of width `--d`), is jitted once per route. For each: the optimized HLO's
-Triton custom calls, how many of them sit inside command-buffer computations, the number of those
-computations, and the median wall time of `--iters` calls (after checking that both routes give
-bit-identical results on fresh random inputs). The step's own difference: bench/train_step.py
---triton_ffi=0/1.
+`--tokens` x K=`--k` rows of width `--d`), is jitted once per route. For each: the median wall time
+of `--iters` calls (after checking that both routes give bit-identical results on fresh random
+inputs) and the optimized HLO's Triton custom calls, those inside command-buffer computations and
+the calls of such computations (jax 0.11.2's optimized HLO shows none for either route: there
+only the time tells). The step's own difference:
+bench/train_step.py --triton_ffi=0/1.
 
   python bench/triton_launch.py [--layers=48] [--tokens=2048] [--k=4] [--d=256] [--iters=30] [--out=$OUT]
 """

@@ -1,22 +1,25 @@
-"""How the Triton kernels' launches reach XLA: jax-triton's custom call, or a typed-FFI call that
-XLA can record into its CUDA graphs.
+"""How the Triton kernels' launches reach XLA: jax-triton's custom call, or jaxlib's typed-FFI
+Triton handler.
 
 jax-triton (0.3.1) lowers `triton_call` to the legacy custom call "triton_kernel_call" (API version
-2, the launch proto in `backend_config`). XLA:GPU's command-buffer scheduling records fusions, cuBLAS
-and cuDNN calls into CUDA graphs, but of the custom calls only typed-FFI handlers that declare
-themselves command-buffer compatible. So each Triton kernel of a step closes the graph before it and
-opens one after it, and is launched on its own from the host: a UMoE-base step has ~100 of them a
-layer, and its step time runs ~8 ms past its kernels' summed time (BENCHMARKS.md, run 52).
+2, the launch proto in `backend_config`). XLA:GPU records fusions, cuBLAS and cuDNN calls into CUDA
+graphs (command buffers), but of the custom calls only typed-FFI handlers that declare themselves
+command-buffer compatible; so each Triton kernel of a step is launched on its own from the host.
+jaxlib registers the same launcher as the typed-FFI handler "triton_kernel_call_ffi" (the one
+Pallas' Triton lowering emits), which reads the same compressed launch proto from the attribute
+`opaque`. With the FFI route on, jax-triton lowers the launch as before (so it compiles and caches
+the kernel exactly as it did) and its custom call is then re-emitted as that FFI call: the same
+kernel, grid, aliases and zeroed outputs; only the calling convention changes.
 
-jaxlib registers the same launcher as the typed-FFI handler "triton_kernel_call_ffi" (the one Pallas'
-Triton lowering emits), which reads the same compressed launch proto from the attribute `opaque` and
-is marked command-buffer compatible. With the FFI route on, the launch is lowered by jax-triton as
-before (so it compiles and caches the kernel exactly as it did) and its custom call is then re-emitted
-as that FFI call: the same kernel, grid, aliases and zeroed outputs; only the calling convention
-changes.
+Measured on one H200 with jax 0.11.2 (BENCHMARKS.md, runs 54-55): bit-identical results, but the
+FFI route is slower, not faster as launches inside a CUDA graph would be (a chain of 48 fusion +
+fan-in pairs: 11.4-12.0 against 9.4-10.6 us a pair, also with `--xla_gpu_enable_command_buffer=
++CUSTOM_CALL`; UMoE-base 122.7 against 119.2 ms a step): this XLA does not graph the FFI call, and
+the handler costs more per launch. So the route is off by default; it is here for the jaxlib / XLA
+versions that do graph it (bench/triton_launch.py times both).
 
 The route is chosen when a kernel is traced: `UMOE_TRITON_FFI=1` in the environment, or
-`set_ffi_route(True)`; off by default until the GPU timing says it wins (BENCHMARKS.md).
+`set_ffi_route(True)`.
 """
 from __future__ import annotations
 

@@ -187,12 +187,12 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
   what `lookup` gives now."""
   plain = op.split("+")[0]
   out = [lookup(backend, op, m, kc, no, 0)]
-  if backend == "triton" and plain == "tgmm":
-    # Session 11: the tabled tile on a persistent grid (1 or 2 programs an SM striding over the
-    # output tiles in order, the loop nest flattened) first: tgmm had no persistent form before
-    # (its launch ignored the field, so the "+gather" rows' persistent=1 candidates below ran the
-    # one-program-a-tile grid).
-    out += [dataclasses.replace(out[0], persistent=p) for p in (1, 2)]
+  # tgmm on a persistent grid (session 11; `TileConfig.persistent` still selects it) is not
+  # offered: at all four weight-gradient calls of UMoE-base it was slower than its tile on the
+  # one-program-a-tile grid (run 55: 259 / 325 against 342 TFLOP/s with 1 / 2 programs an SM at
+  # the FFN's first matmul, 189 / 231 against 296 at its last, 115-149 against 183-194 on the
+  # attention side).
+  tiled_grid_only = plain == "tgmm"
   if backend == "triton" and op.endswith("+gather"):
     # Gathered rows arrive with more latency (one index load, rows scattered over HBM): deeper
     # pipelines of the current tile first.
@@ -205,8 +205,9 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
         tile = lookup(backend, plain_op, m, kc, no, 0)
         out.append(dataclasses.replace(tile, xla_epilogue=True, prefetch_row_dot=False))
     for ns in (out[0].num_stages + 1, out[0].num_stages + 2):
-      out += [dataclasses.replace(out[0], num_stages=ns),
-              dataclasses.replace(out[0], num_stages=ns, persistent=1)]
+      out.append(dataclasses.replace(out[0], num_stages=ns))
+      if not tiled_grid_only:
+        out.append(dataclasses.replace(out[0], num_stages=ns, persistent=1))
   if backend.startswith("megablox"):  # (tm, tk, tn) for gmm, (tk, tn, tm) for tgmm: 128-multiples
     for a, b, c in ((256, 512, 512), (512, 512, 1024), (512, 1024, 512), (1024, 1024, 1024),
                     (256, 1024, 1024), (1024, 512, 512)):

@@ -167,8 +167,8 @@ def test_tgmm_persistent_grid_geometry_and_candidates():
     assert launch["grid"] == (want,) and launch["NUM_PROGS"] == want, (p, sms)
   for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
     cands = tuning.candidates("triton", op, kc, no, 1 << 19)
-    assert cands[1:3] == [dataclasses.replace(cands[0], persistent=p) for p in (1, 2)], op
-    assert not cands[0].persistent and len(cands) == len(set(cands))
+    assert not any(c.persistent for c in cands), op
+    assert len(cands) == len(set(cands))
 
 
 def test_round_9_dgrad_candidates_only_at_the_base_width():
