@@ -16,7 +16,7 @@ memory. Usage (GPU):
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
-      [--triton_ffi=0|1]   ($UMOE_TRITON_FFI: Triton kernels as typed-FFI calls, inside CUDA graphs)
+      [--triton_launch=custom_call|ffi|graph]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
@@ -218,7 +218,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
              router_topk=model_cfg.router.topk_backend, fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
-             triton_ffi=triton_launch.ffi_route(), step_times_ms=[1e3 * x for x in times],
+             triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
     row["profile"] = profile
@@ -296,9 +296,10 @@ def main():
   ap.add_argument("--core_backward", default=None,
                   choices=["auto", "recompute", "stored", "stored_pairs"],
                   help="model.attention.core_backward: the Triton core's backward form")
-  ap.add_argument("--triton_ffi", type=int, choices=[0, 1], default=None,
-                  help="$UMOE_TRITON_FFI for every row (default: as set): the Triton kernels as "
-                       "typed-FFI calls that XLA records into CUDA graphs (kernels/triton_launch.py)")
+  ap.add_argument("--triton_launch", default=None, choices=list(triton_launch.ROUTES),
+                  help="$UMOE_TRITON_LAUNCH for every row (default: as set, else custom_call): "
+                       "jax-triton's custom call, jaxlib's typed-FFI handler, or that handler declared "
+                       "command-buffer compatible (kernels/triton_launch.py)")
   ap.add_argument("--fuse_weight_rows", type=int, choices=[0, 1], default=None,
                   help="model.moe.fuse_weight_rows (default: the config's, off): the weight "
                        "gradient's gate-scaled rows from the dgrad matmul's epilogue")
@@ -337,8 +338,8 @@ def main():
                        "compiled before, in this or an earlier command, loads its executable)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
-  if args.triton_ffi is not None:  # (read when the kernels are traced, in this process or a row's)
-    os.environ[triton_launch.ENV_VAR] = str(args.triton_ffi)
+  if args.triton_launch is not None:  # (read when the kernels are traced, here or in a row's process)
+    os.environ[triton_launch.ENV_VAR] = args.triton_launch
   if args.compilation_cache_dir:
     from umoe_jax.train import loop
     loop.use_compilation_cache(args.compilation_cache_dir)

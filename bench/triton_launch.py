@@ -1,14 +1,14 @@
 """What a Triton launch costs between XLA's fusions, through jax-triton's custom call and through the
-typed-FFI route (kernels/triton_launch.py): a route whose launches XLA records into its CUDA graphs
+typed-FFI routes (kernels/triton_launch.py: ffi, graph): a route whose launches XLA records into its CUDA graphs
 runs the chain faster (host launches gone), one that it launches from the host does not.
 
 A chain of `--layers` small steps, each an XLA fusion and a fan-in kernel (kernels/triton_fan_in.py,
-`--tokens` x K=`--k` rows of width `--d`), is jitted once per route. For each: the median wall time
+`--tokens` x K=`--k` rows of width `--d`), is jitted once per route (custom_call, ffi, graph). For each: the median wall time
 of `--iters` calls (after checking that both routes give bit-identical results on fresh random
 inputs) and the optimized HLO's Triton custom calls, those inside command-buffer computations and
 the calls of such computations (jax 0.11.2's optimized HLO shows none for either route: there
 only the time tells). The step's own difference:
-bench/train_step.py --triton_ffi=0/1.
+bench/train_step.py --triton_launch=ROUTE.
 
   python bench/triton_launch.py [--layers=48] [--tokens=2048] [--k=4] [--d=256] [--iters=30] [--out=$OUT]
 """
@@ -91,8 +91,8 @@ def main():
   index = jnp.asarray(rng.permutation(n * k).reshape(n, k), jnp.int32)
   weights = jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.bfloat16)
   results, outs = {}, {}
-  for route in ("legacy", "ffi"):
-    triton_launch.set_ffi_route(route == "ffi")
+  for route in triton_launch.ROUTES:
+    triton_launch.set_route(route)
     try:
       fn = jax.jit(lambda r, i, w: chain(r, i, w, args.layers))
       text = fn.lower(rows, index, weights).compile().as_text()
@@ -100,15 +100,15 @@ def main():
       results[route] = dict(hlo_launch_stats(text), ms=wall_ms(fn, rows, index, weights,
                                                                  iters=args.iters))
     finally:
-      triton_launch.set_ffi_route(None)
-  same = bool(np.array_equal(outs["legacy"], outs["ffi"]))
+      triton_launch.set_route(None)
+  same = all(np.array_equal(outs["custom_call"], o) for o in outs.values())
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "triton_launch.json"), "w") as f:
     json.dump(dict(args=vars(args), results=results, bit_identical=same), f, indent=1)
   print(f"chain of {args.layers} x (XLA fusion + fan-in {n}x{k}x{d}); routes bit-identical: {same}")
-  print("route    ms/call  us/layer  triton calls  in command buffers  command-buffer calls")
+  print("route        ms/call  us/layer  triton calls  in command buffers  command-buffer calls")
   for route, r in results.items():
-    print(f"{route:7s} {r['ms']:8.3f} {1e3 * r['ms'] / args.layers:9.1f} {r['triton_calls']:13d} "
+    print(f"{route:11s} {r['ms']:8.3f} {1e3 * r['ms'] / args.layers:9.1f} {r['triton_calls']:13d} "
           f"{r['triton_calls_in_command_buffers']:19d} {r['command_buffer_calls']:21d}")
   if not same:
     sys.exit("the two routes disagree")

@@ -18,8 +18,12 @@ fan-in pairs: 11.4-12.0 against 9.4-10.6 us a pair, also with `--xla_gpu_enable_
 the handler costs more per launch. So the route is off by default; it is here for the jaxlib / XLA
 versions that do graph it (bench/triton_launch.py times both).
 
-The route is chosen when a kernel is traced: `UMOE_TRITON_FFI=1` in the environment, or
-`set_ffi_route(True)`.
+A third route, "graph", launches through the same handler registered once more under a name of our
+own, declared command-buffer compatible (XLA takes an FFI target's traits from its registration,
+and jaxlib registers the Triton handler with none): not yet timed on a GPU.
+
+The route is chosen when a kernel is traced: `UMOE_TRITON_LAUNCH=custom_call|ffi|graph` in the
+environment (default custom_call), or `set_route(...)`.
 """
 from __future__ import annotations
 
@@ -31,85 +35,111 @@ import jax
 _log = logging.getLogger(__name__)
 
 FFI_TARGET = "triton_kernel_call_ffi"
-# The custom-call target a launch carries through jax-triton's primitive when it is to take the FFI
-# route: jax-triton passes the name through untouched, the lowering below looks for it.
-FFI_ROUTE_MARK = "umoe_triton_kernel_call_via_ffi"
+# jaxlib's handler registered once more under this name, declared command-buffer compatible (its
+# launch is one cuLaunchKernel, plus a memset for zeroed outputs, on XLA's stream: capturable; our
+# launches are never autotuned at run time, the one thing a graph could not replay).
+GRAPHED_TARGET = "umoe_triton_kernel_call_graphed"
+ROUTES = ("custom_call", "ffi", "graph")
+# The custom-call target a launch carries through jax-triton's primitive to take a route other than
+# jax-triton's own: jax-triton passes the name through untouched, the lowering below looks for it.
+ROUTE_MARKS = {"ffi": "umoe_triton_launch_via_ffi", "graph": "umoe_triton_launch_via_graphed_ffi"}
+_ROUTE_TARGETS = {"ffi": FFI_TARGET, "graph": GRAPHED_TARGET}
 _LEGACY_TARGET = "triton_kernel_call"
-ENV_VAR = "UMOE_TRITON_FFI"
+ENV_VAR = "UMOE_TRITON_LAUNCH"
 
-_route_override: bool | None = None
+_route_override: str | None = None
 _installed = False
 
 
-def set_ffi_route(enabled: bool | None) -> None:
+def set_route(route: str | None) -> None:
   """Forces the route for launches traced from now on (None: back to the environment variable)."""
   global _route_override
-  _route_override = enabled
+  if route is not None and route not in ROUTES:
+    raise ValueError(f"Triton launch route {route!r}; valid: {', '.join(ROUTES)}")
+  _route_override = route
 
 
-def ffi_route() -> bool:
-  """Whether launches traced now take the FFI route (and it is installed: a GPU jaxlib with the
-  handler, jax-triton importable)."""
-  wanted = _route_override if _route_override is not None else (
-      os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on"))
-  return bool(wanted) and install()
+def requested_route() -> str:
+  """The route asked for: set_route's, else $UMOE_TRITON_LAUNCH (empty: custom_call)."""
+  if _route_override is not None:
+    return _route_override
+  value = os.environ.get(ENV_VAR, "").strip().lower() or "custom_call"
+  if value not in ROUTES:
+    raise ValueError(f"{ENV_VAR}={value!r}; valid: {', '.join(ROUTES)}")
+  return value
+
+
+def route() -> str:
+  """The route launches traced now take: the requested one where it is installed (a GPU jaxlib
+  with the FFI handler, jax-triton importable), else custom_call."""
+  wanted = requested_route()
+  return wanted if wanted == "custom_call" or install() else "custom_call"
 
 
 def launch_kwargs() -> dict:
   """Extra keyword arguments for `jax_triton.triton_call` that pick the route."""
-  return {"custom_call_target_name": FFI_ROUTE_MARK} if ffi_route() else {}
+  chosen = route()
+  return {} if chosen == "custom_call" else {"custom_call_target_name": ROUTE_MARKS[chosen]}
 
 
-def lower_as_ffi(legacy_rule, ctx, *args, input_output_aliases=(), **params):
+def lower_as_ffi(legacy_rule, ctx, *args, target: str = FFI_TARGET, input_output_aliases=(),
+                 **params):
   """Lowers one launch with `legacy_rule` (which emits an API-version-2 custom call whose string
-  `backend_config` is the launch proto) and replaces that op by a typed-FFI custom call of
-  FFI_TARGET with the proto as its `opaque` attribute, the same operands, results, layouts and
-  input/output aliases. Returns the new op's results."""
+  `backend_config` is the launch proto) and replaces that op by a typed-FFI custom call of `target`
+  with the proto as its `opaque` attribute, the same operands, results, layouts and input/output
+  aliases. Returns the new op's results."""
   results = legacy_rule(ctx, *args, input_output_aliases=input_output_aliases, **params)
   flat = list(results)
   if not flat:
     raise ValueError("a Triton launch without results cannot be re-emitted as an FFI call")
   legacy = flat[0].owner
   opaque = legacy.attributes["backend_config"]
-  rule = jax.ffi.ffi_lowering(FFI_TARGET, backend_config={"opaque": opaque},
+  rule = jax.ffi.ffi_lowering(target, backend_config={"opaque": opaque},
                               operand_output_aliases=dict(input_output_aliases))
   new = rule(ctx, *args)
   legacy.erase()  # (its results have no uses yet: they were never returned)
   return new
 
 
-def _handler_registered() -> bool:
+def _ffi_handler():
+  """jaxlib's typed-FFI Triton handler (what its registrations hold for FFI_TARGET), or None."""
   try:
     from jax._src.lib import gpu_triton
     cuda_triton = getattr(gpu_triton, "_cuda_triton", None)
-    return cuda_triton is not None and FFI_TARGET in cuda_triton.registrations()
+    return None if cuda_triton is None else cuda_triton.registrations().get(FFI_TARGET)
   except Exception:  # noqa: BLE001  (an older or CPU-only jaxlib: no FFI route)
-    return False
+    return None
 
 
 def install() -> bool:
-  """Registers the CUDA lowering of jax-triton's primitive that serves both routes (once). False
-  where the route cannot exist here (no jax-triton, no FFI handler in this jaxlib)."""
+  """Registers the graphed target and the CUDA lowering of jax-triton's primitive that serves all
+  routes (once). False where the routes cannot exist here (no jax-triton, no FFI handler)."""
   global _installed
   if _installed:
     return True
   try:
     from jax._src.interpreters import mlir
     from jax_triton import triton_lib
+    from jaxlib import xla_client
   except Exception as e:  # noqa: BLE001
-    _log.debug("Triton FFI route unavailable: %r", e)
+    _log.debug("Triton FFI routes unavailable: %r", e)
     return False
-  if not _handler_registered():
-    _log.warning("%s is set but this jaxlib registers no %s handler: Triton kernels keep jax-triton's "
-                 "custom call", ENV_VAR, FFI_TARGET)
+  handler = _ffi_handler()
+  if handler is None:
+    _log.warning("%s asks for an FFI route but this jaxlib registers no %s handler: Triton kernels "
+                 "keep jax-triton's custom call", ENV_VAR, FFI_TARGET)
     return False
+  jax.ffi.register_ffi_target(GRAPHED_TARGET, handler, platform="CUDA", api_version=1,
+                              traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
   legacy_rule = lambda ctx, *a, **p: triton_lib.triton_kernel_call_lowering(  # noqa: E731
       triton_lib.get_cuda_backend, ctx, *a, **p)
+  targets = {mark: _ROUTE_TARGETS[name] for name, mark in ROUTE_MARKS.items()}
 
   def rule(ctx, *args, custom_call_target_name, **params):
-    if custom_call_target_name != FFI_ROUTE_MARK:
+    if custom_call_target_name not in targets:
       return legacy_rule(ctx, *args, custom_call_target_name=custom_call_target_name, **params)
-    return lower_as_ffi(legacy_rule, ctx, *args, custom_call_target_name=_LEGACY_TARGET, **params)
+    return lower_as_ffi(legacy_rule, ctx, *args, target=targets[custom_call_target_name],
+                        custom_call_target_name=_LEGACY_TARGET, **params)
 
   mlir.register_lowering(triton_lib.triton_kernel_call_p, rule, platform="cuda")
   _installed = True

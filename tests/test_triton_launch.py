@@ -40,10 +40,12 @@ def _stand_in(blob: bytes):
                                 operand_output_aliases=dict(input_output_aliases))(ctx, *args)
 
   def rule(ctx, *args, custom_call_target_name, **params):
-    if custom_call_target_name != triton_launch.FFI_ROUTE_MARK:
+    targets = {"umoe_mark_ffi": triton_launch.FFI_TARGET,
+               "umoe_mark_graph": triton_launch.GRAPHED_TARGET}
+    if custom_call_target_name not in targets:
       return legacy(ctx, *args, custom_call_target_name=custom_call_target_name, **params)
-    return triton_launch.lower_as_ffi(legacy, ctx, *args, custom_call_target_name="triton_kernel_call",
-                                      **params)
+    return triton_launch.lower_as_ffi(legacy, ctx, *args, target=targets[custom_call_target_name],
+                                      custom_call_target_name="triton_kernel_call", **params)
 
   mlir.register_lowering(prim, rule, platform="cuda")
   return prim
@@ -76,14 +78,16 @@ def _bytes(attr) -> bytes:
   return ir.StringAttr(attr).value_bytes
 
 
-def test_ffi_route_reemits_the_launch_as_one_typed_ffi_call():
-  blob = _blob(11)
+@pytest.mark.parametrize("mark,target", [("umoe_mark_ffi", triton_launch.FFI_TARGET),
+                                         ("umoe_mark_graph", triton_launch.GRAPHED_TARGET)])
+def test_ffi_route_reemits_the_launch_as_one_typed_ffi_call(mark, target):
+  blob = _blob(11 + len(target))
   prim = _stand_in(blob)
-  lowered = _lowered(prim, triton_launch.FFI_ROUTE_MARK)
+  lowered = _lowered(prim, mark)
   ops = _custom_call_ops(lowered)
   assert len(ops) == 1, lowered.as_text()          # the legacy op was replaced, not kept beside it
   attrs = ops[0].operation.attributes
-  assert ir.StringAttr(attrs["call_target_name"]).value == triton_launch.FFI_TARGET
+  assert ir.StringAttr(attrs["call_target_name"]).value == target
   assert _bytes(ir.DictAttr(attrs["mhlo.backend_config"])["opaque"]) == blob  # the proto, byte for byte
   assert _bytes(attrs["backend_config"]) == b""
   text = lowered.as_text()
@@ -105,20 +109,24 @@ def test_legacy_route_is_left_as_jax_triton_emits_it():
 
 
 def test_route_switch_without_a_gpu_jaxlib(monkeypatch):
-  # Here (no jax-triton, no CUDA jaxlib) the route cannot be installed: launches keep jax-triton's
-  # custom call whatever is asked for, and nothing fails.
-  for value in ("0", "1", "true"):
+  # Here (no jax-triton, no CUDA jaxlib) the FFI routes cannot be installed: launches keep
+  # jax-triton's custom call whatever is asked for, and nothing fails; a bad name fails naming it.
+  assert not triton_launch.install()
+  for value in ("", "custom_call", "ffi", "graph", " GRAPH "):
     monkeypatch.setenv(triton_launch.ENV_VAR, value)
-    expect_on = value != "0" and triton_launch.install()
-    assert triton_launch.ffi_route() is expect_on
-    assert triton_launch.launch_kwargs() == (
-        {"custom_call_target_name": triton_launch.FFI_ROUTE_MARK} if expect_on else {})
-  triton_launch.set_ffi_route(False)
+    assert triton_launch.requested_route() == (value.strip().lower() or "custom_call")
+    assert triton_launch.route() == "custom_call"
+    assert triton_launch.launch_kwargs() == {}
+  monkeypatch.setenv(triton_launch.ENV_VAR, "graphs")
+  with pytest.raises(ValueError, match="UMOE_TRITON_LAUNCH='graphs'"):
+    triton_launch.route()
+  triton_launch.set_route("ffi")
   try:
-    monkeypatch.setenv(triton_launch.ENV_VAR, "1")
-    assert triton_launch.launch_kwargs() == {}      # the override wins over the environment
+    assert triton_launch.requested_route() == "ffi"  # the override wins over the environment
   finally:
-    triton_launch.set_ffi_route(None)
+    triton_launch.set_route(None)
+  with pytest.raises(ValueError, match="valid: custom_call, ffi, graph"):
+    triton_launch.set_route("fast")
 
 
 def test_lower_as_ffi_refuses_a_launch_without_results():

@@ -3,7 +3,7 @@ through jaxlib's typed-FFI handler give bit-identical results to jax-triton's cu
 compiled program holds the FFI call (and no legacy one). Inputs are fresh random bf16 (never zeros):
 the fan-in kernel, a grouped matmul with its gathered rows and row-dot epilogue, a weight gradient,
 and the pre-mixing attention core forward + backward. Timing: bench/triton_launch.py and
-bench/train_step.py --triton_ffi=1.
+bench/train_step.py --triton_launch=ROUTE.
 """
 from __future__ import annotations
 
@@ -22,27 +22,28 @@ pytestmark = pytest.mark.skipif(not fi.available(), reason="needs a GPU with Tri
 
 def _both_routes(fn, *args):
   """fn(*args) compiled with each route (a fresh jit each: the route is read at trace time) ->
-  ((outputs, compiled HLO text) legacy, (...) FFI)."""
+  [(outputs, compiled HLO text)] for custom_call, ffi, graph."""
   out = []
-  for route in (False, True):
-    triton_launch.set_ffi_route(route)
+  for route in triton_launch.ROUTES:
+    triton_launch.set_route(route)
     try:
       jitted = jax.jit(lambda *a: fn(*a))
       text = jitted.lower(*args).compile().as_text()
       out.append((jax.tree.map(np.asarray, jitted(*args)), text))
     finally:
-      triton_launch.set_ffi_route(None)
+      triton_launch.set_route(None)
   return out
 
 
-def _assert_same(legacy, ffi):
-  (got_legacy, text_legacy), (got_ffi, text_ffi) = legacy, ffi
-  assert triton_launch.FFI_TARGET in text_ffi
-  assert 'custom_call_target="triton_kernel_call"' not in text_ffi
+def _assert_same(legacy, ffi, graphed):
+  (got_legacy, text_legacy) = legacy
   assert 'custom_call_target="triton_kernel_call"' in text_legacy
-  for a, b in zip(jax.tree.leaves(got_legacy), jax.tree.leaves(got_ffi)):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    np.testing.assert_array_equal(a, b)          # the same kernel on the same inputs: bit-identical
+  for (got, text), target in ((ffi, triton_launch.FFI_TARGET), (graphed, triton_launch.GRAPHED_TARGET)):
+    assert f'custom_call_target="{target}"' in text
+    assert 'custom_call_target="triton_kernel_call"' not in text
+    for a, b in zip(jax.tree.leaves(got_legacy), jax.tree.leaves(got)):
+      assert a.dtype == b.dtype and a.shape == b.shape
+      np.testing.assert_array_equal(a, b)        # the same kernel on the same inputs: bit-identical
 
 
 def _plan(rng, n, k, e):
