@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from kernels import triton_fan_in as fi  # noqa: E402
 from kernels import triton_launch  # noqa: E402
 
-TRITON_TARGETS = ("triton_kernel_call", triton_launch.FFI_TARGET)
+TRITON_TARGETS = ("triton_kernel_call", triton_launch.FFI_TARGET, triton_launch.GRAPHED_TARGET)
 
 
 def hlo_launch_stats(text: str) -> dict:
