@@ -1,7 +1,7 @@
 """bench/gmm.py's gathered-call sweep on CPU: the kernels replaced by shape-only stand-ins and the
 timer by fixed per-(op, candidate) times, so that its bookkeeping (which op's best becomes which
-table row, the comparison-only ops kept out, the rows file bench/train_step.py --gmm_tiles loads,
-written after every op) is checked before it costs GPU time."""
+table row, the comparison-only ops kept out, tiles with the epilogue in XLA timed but not picked
+unless asked, the rows file bench/train_step.py --gmm_tiles loads, written after every op) is checked before it costs GPU time."""
 from __future__ import annotations
 
 import os
@@ -73,7 +73,19 @@ def test_gathered_sweep_writes_the_trainers_forms_rows(monkeypatch, tmp_path):
     key = ("triton", table_op, kc, no, tuning.m_bucket(m))
     assert len(cands) > fastest[op], (op, cands)
     want = cands[fastest[op]]
+    if want.xla_epilogue:  # timed, not picked by default: the first of the others (all tie) wins
+      want = cands[0]
+      tiles = dict(tuning.TABLE)
+      current["op"] = op
+      calls[:] = [c for c in calls if c != op]
+      picked = bench_gmm.sweep_gathered({}, max_cands=5, only_ops=[op], pick_xla_epilogue=True)
+      assert picked == {key: cands[fastest[op]]}, (op, picked)
+      tuning.TABLE.clear()
+      tuning.TABLE.update(tiles)
     assert rows == {key: want}, (op, rows)
     assert tuning.TABLE[key] == want
     assert tuning.load_table(str(path), {}) == {key: want}   # the file as the step loads it
   assert set(calls) == set(fastest)
+  # The silu dgrad's fastest candidate here is one with the epilogue in XLA (so both branches ran).
+  silu = tuning.candidates("triton", "gmm_t+gather", 64, 48, m)
+  assert silu[fastest["gmm_t+gather+silu"]].xla_epilogue
