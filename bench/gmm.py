@@ -22,12 +22,14 @@ import functools
 import json
 import os
 import sys
-import time
 import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                os.path.dirname(os.path.abspath(__file__))]
+
+import timing  # noqa: E402  (bench/timing.py)
 
 T = 32 * 1024
 SHAPES = [  # name, M, K, N, G
@@ -61,7 +63,6 @@ def log(*a):
 
 def jax_ms(f, *args, iterations=10):
   """Median kernel time in ms (CUPTI); falls back to wall clock around block_until_ready."""
-  import jax
   try:
     from jax.experimental.mosaic.gpu import profiler
     f(*args)  # compile + warm up
@@ -70,13 +71,7 @@ def jax_ms(f, *args, iterations=10):
       return float(np.median(t))
   except Exception as e:  # noqa: BLE001
     log("  cupti timing failed, wall clock:", repr(e)[:120])
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iterations):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append((time.perf_counter() - t0) * 1e3)
-  return float(np.median(ts))
+  return float(timing.wall_ms(f, *args, iters=iterations))
 
 
 def torch_part(shapes):

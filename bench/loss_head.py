@@ -16,16 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import timing  # noqa: E402  (bench/timing.py)
 from umoe_jax.ops.chunked_loss import chunked_token_nll  # noqa: E402
 
 FORMS = ("fused", "chunked")
@@ -86,14 +86,8 @@ def main(argv=None) -> int:
       ref = (loss, dh, dw)
     errs = dict(loss=rel_err(loss, ref[0]), dh=rel_err(dh, ref[1]), dw=rel_err(dw, ref[2]))
     ok = all(np.isfinite(v) and v < 1e-2 for v in errs.values()) and bool(np.isfinite(loss))
-    for _ in range(args.warmup):
-      jax.block_until_ready(fn(h, w, targets))
-    times = []
-    for _ in range(args.iters):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(h, w, targets))
-      times.append(time.perf_counter() - t0)
-    rows.append(dict(form=form, ms=1e3 * statistics.median(times), loss=float(loss),
+    ms = timing.wall_ms(fn, h, w, targets, iters=args.iters, warmup=args.warmup)
+    rows.append(dict(form=form, ms=ms, loss=float(loss),
                      errors_vs_first=errs, check=ok, tokens=args.tokens, d_model=args.d_model,
                      vocab=args.vocab, chunk_tokens=args.chunk_tokens,
                      device=jax.devices()[0].device_kind))

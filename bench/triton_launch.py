@@ -18,16 +18,16 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import timing  # noqa: E402  (bench/timing.py)
 from kernels import triton_fan_in as fi  # noqa: E402
 from kernels import triton_launch  # noqa: E402
 
@@ -66,16 +66,6 @@ def chain(rows, index, weights, layers: int):
   return acc
 
 
-def wall_ms(fn, *args, iters: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--layers", type=int, default=48)
@@ -97,8 +87,8 @@ def main():
       fn = jax.jit(lambda r, i, w: chain(r, i, w, args.layers))
       text = fn.lower(rows, index, weights).compile().as_text()
       outs[route] = np.asarray(fn(rows, index, weights))
-      results[route] = dict(hlo_launch_stats(text), ms=wall_ms(fn, rows, index, weights,
-                                                                 iters=args.iters))
+      results[route] = dict(hlo_launch_stats(text), ms=timing.wall_ms(fn, rows, index, weights,
+                                                                        iters=args.iters))
     finally:
       triton_launch.set_route(None)
   same = all(np.array_equal(outs["custom_call"], o) for o in outs.values())
