@@ -169,15 +169,14 @@ if HAVE_TRITON:
     return r_start, n_diag, r_full, n_full, r_tail
 
   @triton.jit
-  def _bwd_dx_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, p_ptr, dx_ptr, T: tl.constexpr, H: tl.constexpr,
-                     DK: tl.constexpr, D: tl.constexpr, qk_scale: tl.constexpr, DKP: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
-                     BD2S: tl.constexpr, N_CHUNKS: tl.constexpr, LOAD_P: tl.constexpr = False):
-    # dX [B, T, D] = sum over rows of P^T dO (values = X: its whole gradient through the mix);
-    # P^T recomputed from q, k and lse, or with LOAD_P read from the dK pass's key-major copy.
-    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    TH: tl.constexpr = T * H
-    s0 = (pid // N_CHUNKS) * BN  # the first key tiles see the most rows: they start first
+  def _key_tile(k_ptr, pid, b, T: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, BD2S: tl.constexpr,
+                N_CHUNKS: tl.constexpr):
+    """The key-major dX passes' program setup: program `pid` of grid axis 0 is (key tile, D chunk
+    c), the first key tiles first (they see the most rows); b the sequence. Returns s0, c, keys
+    [BN], key_ok, offs_m [BM], offs_dk [DKP], the chunk's column pieces d1 [BD1] and d2 [BD2S], and
+    the key tile k [BN, DKP]."""
+    s0 = (pid // N_CHUNKS) * BN
     c = pid % N_CHUNKS
     keys = s0 + tl.arange(0, BN)
     key_ok = keys < T
@@ -187,6 +186,19 @@ if HAVE_TRITON:
     d2 = c * (BD1 + BD2) + BD1 + tl.arange(0, BD2S)
     k = tl.load(k_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
                 mask=key_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    return s0, c, keys, key_ok, offs_m, offs_dk, d1, d2, k
+
+  @triton.jit
+  def _bwd_dx_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, p_ptr, dx_ptr, T: tl.constexpr, H: tl.constexpr,
+                     DK: tl.constexpr, D: tl.constexpr, qk_scale: tl.constexpr, DKP: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
+                     BD2S: tl.constexpr, N_CHUNKS: tl.constexpr, LOAD_P: tl.constexpr = False):
+    # dX [B, T, D] = sum over rows of P^T dO (values = X: its whole gradient through the mix);
+    # P^T recomputed from q, k and lse, or with LOAD_P read from the dK pass's key-major copy.
+    pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    TH: tl.constexpr = T * H
+    s0, c, keys, key_ok, offs_m, offs_dk, d1, d2, k = _key_tile(
+        k_ptr, pid, b, T, DK, DKP, BM, BN, BD1, BD2, BD2S, N_CHUNKS)
     q_base, lse_base, do_base = q_ptr + b * (TH * DK), lse_ptr + b * TH, do_ptr + b * (TH * D)
     p_base = p_ptr + b * (T * TH)
     acc1 = tl.zeros((BN, BD1), tl.float32)
@@ -319,16 +331,8 @@ if HAVE_TRITON:
     # (dS is linear in dO X^T, so the chunks' shares add up to dS^T q).
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     TH: tl.constexpr = T * H
-    s0 = (pid // N_CHUNKS) * BN
-    c = pid % N_CHUNKS
-    keys = s0 + tl.arange(0, BN)
-    key_ok = keys < T
-    offs_m = tl.arange(0, BM)
-    offs_dk = tl.arange(0, DKP)
-    d1 = c * (BD1 + BD2) + tl.arange(0, BD1)
-    d2 = c * (BD1 + BD2) + BD1 + tl.arange(0, BD2S)
-    k = tl.load(k_ptr + b * (T * DK) + keys[:, None] * DK + offs_dk[None, :],
-                mask=key_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    s0, c, keys, key_ok, offs_m, offs_dk, d1, d2, k = _key_tile(
+        k_ptr, pid, b, T, DK, DKP, BM, BN, BD1, BD2, BD2S, N_CHUNKS)
     x_rows = x_ptr + b * (T * D) + keys[:, None] * D
     x1 = tl.load(x_rows + d1[None, :], mask=key_ok[:, None] & (d1 < D)[None, :], other=0.0)
     if BD2 > 0:
