@@ -1,4 +1,4 @@
-"""bench/gmm.py's gathered-call sweep on CPU: the kernels replaced by shape-only stand-ins and the
+"""bench/gmm.py's gathered-call sweep (bench/gmm_sweep.py) on CPU: the kernels replaced by shape-only stand-ins and the
 timer by fixed per-(op, candidate) times, so that its bookkeeping (which op's best becomes which
 table row, the comparison-only ops kept out, tiles with the epilogue in XLA timed but not picked
 unless asked, the rows file bench/train_step.py --gmm_tiles loads, written after every op) is checked before it costs GPU time."""
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
-import gmm as bench_gmm  # noqa: E402
+import gmm_common  # noqa: E402
+import gmm_sweep as bench_gmm  # noqa: E402  (bench/gmm_sweep.py: the sweeps of bench/gmm.py)
 from kernels import triton_gmm, tuning  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def _fake_tgmm(lhs, rhs, group_sizes, *, num_groups=None, **_):
 
 
 def test_gathered_sweep_writes_the_trainers_forms_rows(monkeypatch, tmp_path):
-  monkeypatch.setattr(bench_gmm, "T", 256)
+  monkeypatch.setattr(gmm_common, "T", 256)       # routed_inputs' token count
   monkeypatch.setattr(bench_gmm, "DISPATCH_CONFIGS", (("base", 64, 48, 8, 3),))
   monkeypatch.setattr(bench_gmm, "ATTENTION_CONFIGS", ())
   monkeypatch.setattr(triton_gmm, "triton_gmm", _fake_gmm)
