@@ -13,7 +13,8 @@ calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.js
 bench/train_step.py --gmm_tiles loads (the step timed with them before they go into the table).
 Group sizes: Dirichlet(alpha=4) as in shared/anchors/grouped_matmul_anchors.py. Inputs are random bf16.
 JAX timings: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure), median of 10 runs;
-torch: CUDA events, median of 20 (as the anchors).
+torch: CUDA events, median of 20 (as the anchors). The sweeps are bench/gmm_sweep.py, the dispatch
+part bench/gmm_dispatch.py, what they share (shapes, inputs, the timer) bench/gmm_common.py.
 """
 from __future__ import annotations
 
