@@ -49,7 +49,7 @@ _LEGACY_TARGET = "triton_kernel_call"
 ENV_VAR = "UMOE_TRITON_LAUNCH"
 
 _route_override: str | None = None
-_installed = False
+_installed: bool | None = None   # None: not tried yet; then whether the routes exist here
 
 
 def set_route(route: str | None) -> None:
@@ -114,10 +114,15 @@ def _ffi_handler():
 
 def install() -> bool:
   """Registers the graphed target and the CUDA lowering of jax-triton's primitive that serves all
-  routes (once). False where the routes cannot exist here (no jax-triton, no FFI handler)."""
+  routes, on the first call (later calls return its outcome: no second registration, no repeated
+  warning per launch). False where the routes cannot exist here (no jax-triton, no FFI handler)."""
   global _installed
-  if _installed:
-    return True
+  if _installed is None:
+    _installed = _install()
+  return _installed
+
+
+def _install() -> bool:
   try:
     from jax._src.interpreters import mlir
     from jax_triton import triton_lib
@@ -143,5 +148,4 @@ def install() -> bool:
                         custom_call_target_name=_LEGACY_TARGET, **params)
 
   mlir.register_lowering(triton_lib.triton_kernel_call_p, rule, platform="cuda")
-  _installed = True
   return True
