@@ -414,3 +414,40 @@ def test_tabled_tiles(row):
   ref = _ref_gmm(take(lhs), w, gs, transpose_rhs=transpose)
   assert _rel(np.asarray(out)[:used], ref[:used]) < 1e-2
   assert np.all(np.asarray(out, np.float32)[used:] == 0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_xla_epilogue_row_dots_stay_out_of_the_router_scatter(activation):
+  """The XLA row-dot epilogue (`umoe_jax.ops.epilogue`, the gate gradient dgate = <u, act(z)>):
+  in the compiled backward through a top-k router (gates taken from the softmax, whose gradient
+  XLA scatter-adds), no fusion that scatters also reduces an [M, F] array: fused there, the F-wide
+  dot ran once per scattered value (BENCHMARKS.md run 61). The gates' gradient is checked too."""
+  from umoe_jax.ops import dispatch as D
+  from umoe_jax.ops import fused_dispatch as FD
+  import re
+  n, k, e, f, d = 2048, 4, 16, 176, 256      # F = 176: a width nothing else in the program has
+  k1, k2, k3, k4 = jax.random.split(_key("epilogue_fusion", activation), 4)
+  logits = jax.random.normal(k1, (n, e), jnp.float32)
+  ids = jax.lax.top_k(logits, k)[1]
+  h = jax.random.normal(k2, (n * k, f), jnp.float32).astype(jnp.bfloat16)
+  w = (jax.random.normal(k3, (e, f, d)) / np.sqrt(f)).astype(jnp.bfloat16)
+  cot = jax.random.normal(k4, (n, d), jnp.float32)
+  plan = D.make_plan(ids, e)
+  act = (lambda t: t) if activation is None else jax.nn.silu
+
+  def loss(logits_, backend):
+    gates = jnp.take_along_axis(jax.nn.softmax(logits_, -1), ids, axis=1)
+    if backend == "xla":
+      y = FD.gmm_combine(h, w, plan, gates, backend="xla", activation=activation)
+    else:   # float32 reference: apply the experts row by row in expert order, unsort, weight
+      rows = G.gmm(act(h.astype(jnp.float32)), w.astype(jnp.float32), plan.group_sizes,
+                   backend="xla")
+      y = jnp.einsum("nkd,nk->nd", rows[plan.inverse].reshape(n, k, d), gates)
+    return jnp.sum(y.astype(jnp.float32) * cot)
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  text = grad.lower(logits, "xla").compile().as_text()
+  bad = [c.splitlines()[0][:120] for c in text.split("\n\n")
+         if "scatter(" in c and re.search(rf"reduce\(f32\[\d+,{f}\]", c)]
+  assert not bad, bad
+  assert _rel(grad(logits, "xla"), np.asarray(grad(logits, "ref"))) < 1e-2

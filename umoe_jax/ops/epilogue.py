@@ -54,7 +54,11 @@ def row_dot_epilogue(u: jax.Array, row_scale: Optional[jax.Array], row_dot: Opti
   if row_dot is not None:
     z = row_dot.astype(jnp.float32)
     act, dact = FUSABLE_ACTIVATIONS[activation] if activation is not None else (None, None)
-    dots = jnp.sum(out * (z if act is None else act(z)), axis=-1)
+    # The barrier keeps the row dots a pass of their own: left free, XLA on GPU fuses this
+    # F-wide reduction into its consumer, the router backward's scatter-add, which then reduces
+    # F elements per scattered value (UMoE-base: that scatter 7.6 ms a step instead of 0.09 ms;
+    # BENCHMARKS.md run 61).
+    dots = jax.lax.optimization_barrier(jnp.sum(out * (z if act is None else act(z)), axis=-1))
     if dact is not None:
       out = out * dact(z)
   if row_scale is not None:
