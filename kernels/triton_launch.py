@@ -21,7 +21,8 @@ versions that do graph it (bench/triton_launch.py times both).
 A third route, "graph", launches through the same handler registered once more under a name of our
 own, declared command-buffer compatible (jaxlib registers the Triton handler with no traits, and
 XLA goes by the registration's): the same chain 10.1 against 11.4 us a pair with the custom call
-(run 58), bit-identical; not yet timed in a training step (BENCHMARKS.md, "Next").
+(run 58), bit-identical; but slower in the training step (run 59: UMoE-base 120.9 against 118.0 ms,
+FFN-MoE-base 90.6 against 88.8 ms), so it is off by default too.
 
 The route is chosen when a kernel is traced: `UMOE_TRITON_LAUNCH=custom_call|ffi|graph` in the
 environment (default custom_call), or `set_route(...)`.

@@ -421,7 +421,7 @@ def test_xla_epilogue_row_dots_stay_out_of_the_router_scatter(activation):
   """The XLA row-dot epilogue (`umoe_jax.ops.epilogue`, the gate gradient dgate = <u, act(z)>):
   in the compiled backward through a top-k router (gates taken from the softmax, whose gradient
   XLA scatter-adds), no fusion that scatters also reduces an [M, F] array: fused there, the F-wide
-  dot ran once per scattered value (BENCHMARKS.md run 61). The gates' gradient is checked too."""
+  dot ran once per scattered value (BENCHMARKS.md run 59). The gates' gradient is checked too."""
   from umoe_jax.ops import dispatch as D
   from umoe_jax.ops import fused_dispatch as FD
   import re
