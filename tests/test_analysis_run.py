@@ -12,6 +12,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -238,6 +239,10 @@ def test_unknown_router_and_missing_paths(run, tmp_path):
     analysis_cli.analyze(str(tmp_path))
   with pytest.raises(ValueError, match=r"--batch_size=0 must be >= 1"):
     analysis_cli.analyze(f"{workdir}/checkpoints/8", tokens=64, batch_size=0)
+  # A tokenizer is named once (the message was "tokenizer 'X': tokenizer file not found: 'X'").
+  missing = str(tmp_path / "tok.json")
+  with pytest.raises(ValueError, match="^" + re.escape(f"tokenizer file not found: {missing!r}")):
+    analysis_cli.analyze(f"{workdir}/checkpoints/8", tokens=64, tokenizer=missing)
 
 
 @pytest.mark.parametrize("key,value,match", [

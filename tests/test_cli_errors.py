@@ -576,7 +576,7 @@ def test_load_model_names_the_directory_and_what_it_lacks(tmp_path):
     load_model(str(empty))
 
 
-@pytest.mark.parametrize("case", ["config_not_json", "file_not_directory"])
+@pytest.mark.parametrize("case", ["config_not_json", "file_not_directory", "ours_not_official"])
 def test_converter_names_the_file_and_the_problem(tmp_path, capsys, case):
   from umoe_jax.interop import official
   ckpt = tmp_path / "official"
@@ -585,6 +585,10 @@ def test_converter_names_the_file_and_the_problem(tmp_path, capsys, case):
   if case == "config_not_json":
     (ckpt / "config.json").write_text('{"model_type": "PremixMoe_v2",\n  oops}')
     arg, expected = str(ckpt), f"error: {ckpt}/config.json is not valid JSON (line 2, column 3: "
+  elif case == "ours_not_official":  # a training workdir of this library (its config.json)
+    (ckpt / "config.json").write_text(json.dumps({"model": {"d_model": 32}, "train": {}}))
+    arg, expected = str(ckpt), (f"error: {ckpt}/config.json is this library's config (a training "
+                                "workdir or a converted checkpoint")
   else:
     arg = str(ckpt / "model.safetensors")
     expected = f"error: {arg} is a file; pass the official checkpoint directory"
@@ -821,3 +825,46 @@ def test_every_command_help_lists_its_flags():
     # absl's flag lines ("  --name: ...", "  --[no]name: ...") and argparse's ("  --name NAME")
     listed = {f"--{name}" for name in re.findall(r"^\s+--(?:\[no\])?([a-z_]+)\b", out, re.M)}
     assert set(commands[cmd]) <= listed, (cmd, sorted(listed), out[-2000:])
+
+
+def test_every_command_reports_bad_flags_and_inputs_in_one_error_line(tmp_path):
+  """A flag absl cannot parse (an unknown name, a value of the wrong type, a config override of the
+  wrong type) was absl's "FATAL Flags parsing error" and a second line; the fine-tuning command
+  printed each of its errors twice (a log line and the error line); the linux-docs set builder
+  showed a traceback for an output it cannot write or a corpus that is not parquet. Each is one
+  `error:` line now, with the command's usual exit status."""
+  not_parquet = tmp_path / "corpus.parquet"
+  not_parquet.write_text("not parquet\n")
+  a_file = str(not_parquet)
+  cases = {
+      ("-m", "umoe_jax.stats", "--config=configs/dense_tiny.py", "--config.model.n_layers=abc"):
+          (1, "error: flag --config.model.n_layers=abc: invalid literal for int() with base 10: "
+              "'abc'"),
+      ("-m", "umoe_jax.analysis", "routing", "--checkpoints=x", "--tokens=abc"):
+          (1, "error: flag --tokens=abc: invalid literal for int() with base 10: 'abc'"),
+      ("-m", "umoe_jax.generate", "--prompt=x", "--max_new_tokenz=3"):
+          (1, "error: Unknown command line flag 'max_new_tokenz'. Did you mean: max_new_tokens ?"),
+      ("-m", "umoe_jax.finetune", "--workdirr=x"):
+          (2, "error: Unknown command line flag 'workdirr'. Did you mean: workdir ?"),
+      ("-m", "umoe_jax.finetune", "predict", f"--checkpoint={tmp_path / 'none'}", "--input=x.csv",
+       "--output=y.csv"):
+          (2, f"error: checkpoint '{tmp_path / 'none'}': no such directory"),
+      ("-m", "umoe_jax.finetune.linux_docs", f"--output={tmp_path / 'out'}", "--per_class=1"):
+          (1, "error: --per_class=1 must be >= 2 (a train and a test document per class)"),
+      ("-m", "umoe_jax.finetune.linux_docs", f"--corpus={a_file}", f"--output={a_file}/set"):
+          (1, f"error: --output='{a_file}/set': '{a_file}' is a file, not a directory"),
+      ("-m", "umoe_jax.finetune.linux_docs", f"--corpus={a_file}", f"--output={tmp_path / 'out'}"):
+          (1, f"error: linux-docs corpus '{a_file}': cannot read its text, id and url columns as "
+              "parquet (ArrowInvalid: "),
+  }
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = {cmd: subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           for cmd in cases}
+  for cmd, proc in procs.items():
+    _, err = proc.communicate(timeout=120)
+    code, message = cases[cmd]
+    # absl's INFO / WARNING lines of start-up (JAX's backends) are not part of the report
+    lines = [l for l in err.strip().split("\n") if not re.match(r"[IW]\d{4} ", l)]
+    assert proc.returncode == code, (cmd, err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith(message), (cmd, err[-2000:])

@@ -13,6 +13,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from umoe_jax.data.tokenizer import ByteTokenizer
 from umoe_jax.eval import cli, corpora, corpus_ppl, fewshot, harness, taskspec
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.scoring import Scorer, encode_requests
-from umoe_jax.load import load_model_and_tokenizer
+from umoe_jax.load import LoadError, load_model_and_tokenizer
 
 WIKITEXT = os.path.join(os.path.dirname(ROOT), "shared", "data", "wikitext-2")
 GPT2 = os.path.join(os.path.dirname(ROOT), "shared", "data", "tokenizers", "gpt2", "tokenizer.json")
@@ -209,6 +210,24 @@ def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
       res.stderr[-3000:]
 
 
+def test_damaged_array_chunks_name_the_array(trained, tmp_path):
+  """Array chunks cut short (their metadata intact): the error gives TensorStore's reason, which
+  names the array and the file, not Orbax's wrapper of it ("See full TensorStore details: <bound
+  method ... spec of TensorStore({...", cut at 300 characters before it said anything)."""
+  ckpt, _, _ = trained
+  damaged = tmp_path / "damaged"
+  shutil.copytree(ckpt, damaged)
+  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "ocdbt.process_*" / "d" / "*"))
+  assert chunks
+  for path in chunks:
+    os.truncate(path, 100)
+  with pytest.raises(LoadError, match=re.escape(f"checkpoint {damaged}/checkpoints/3 (damaged files, "
+                                                "or not the model of its config): ValueError: ")
+                     + r"[A-Z_]+: .*Error reading \"params\.") as error:
+    load_model_and_tokenizer(str(damaged))
+  assert "TensorStore details" not in str(error.value), error.value
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input
 
@@ -381,6 +400,15 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, cap
                            task_dir)
   assert code == 1 and "Traceback" not in err, err[-3000:]
   assert err.strip().splitlines()[-1] == f"error: checkpoint '{tmp_path}/missing': no such directory"
+  # A built-in task whose data lm-eval downloads, with no Hub to reach: one line (was datasets'
+  # ConnectionError traceback).
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                           f"checkpoint={ckpt}", "--tasks", "hellaswag", "--limit", "2")
+  assert code == 1 and "Traceback" not in err, err[-3000:]
+  assert re.match(r"error: Couldn't reach '\S*hellaswag' on the Hub .*: lm-eval's built-in tasks "
+                  r"download their data", err.strip().splitlines()[-1]), err[-3000:]
 
   # generate_until: greedy decoding of our decode loop, cut at the stop string
   from lm_eval.api.instance import Instance

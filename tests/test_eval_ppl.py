@@ -182,6 +182,11 @@ def test_corpus_formats(tmp_path):
     corpora.read_corpus(str(tmp_path / "missing.txt"))
   with pytest.raises(EvalError, match="mixes formats"):
     corpora.read_corpus(str(tmp_path / "*.*"))
+  # A text file that is not UTF-8 (a Latin-1 export): named with its line, as JSON lines are.
+  (tmp_path / "latin.txt").write_bytes(b"x" * 9000 + b"\nok\ncaf\xe9\n")
+  with pytest.raises(EvalError, match=re.escape("latin.txt:3: not UTF-8 text (invalid continuation "
+                                                "byte at byte 9007)")):
+    corpora.read_corpus(str(tmp_path / "latin.txt"))
 
 
 # ------------------------------------------------------------------------------------------------

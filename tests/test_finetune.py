@@ -400,11 +400,25 @@ def _write(path, text):
 
 
 def test_readers_labels_and_line_numbers(tmp_path):
-  csv_path = _write(tmp_path / "a.csv", 'text,category\n"two\nlines, quoted",card_arrival\n'
+  # A record is named by the line it starts on (a quoted field may span lines; blank lines skipped).
+  csv_path = _write(tmp_path / "a.csv", 'text,category\n"two\nlines, quoted",card_arrival\n\n'
                     'plain,atm_support\n')
   ex = data_lib.read_examples(csv_path, text_field="text", label_field="category")
   assert [(e.text, e.label, e.where) for e in ex] == [
-      ("two\nlines, quoted", "card_arrival", "a.csv:3"), ("plain", "atm_support", "a.csv:4")]
+      ("two\nlines, quoted", "card_arrival", "a.csv:2"), ("plain", "atm_support", "a.csv:5")]
+  # A file cut inside a quoted text (a truncated download): the record where the quote opened,
+  # and why its label is missing; a record cut before its text the same way.
+  cut = _write(tmp_path / "cut.csv", 'text,label\nok,a\n"long\ntext, cut\n')
+  with pytest.raises(DataError, match=re.escape(f"{cut} (cut.csv:3): no value of the label field "
+                                                "'label'; the record has fewer fields than the "
+                                                "header: a line cut short, or a quote never closed?")):
+    data_lib.read_examples(cut, text_field="text", label_field="label")
+  short = _write(tmp_path / "short.csv", 'label,text\na,ok\nb\n')
+  with pytest.raises(DataError, match=re.escape("(short.csv:3): no value of the text field 'text'")):
+    data_lib.read_examples(short, text_field="text", label_field="label")
+  wide = _write(tmp_path / "wide.csv", 'text,label\n"x\ny",a,extra\n')
+  with pytest.raises(DataError, match=re.escape("wide.csv:2: more fields than the header")):
+    data_lib.read_examples(wide, text_field="text", label_field="label")
   bom = _write(tmp_path / "excel.csv", "\ufefftext,label\nhello,x\n")   # a spreadsheet's byte-order mark
   assert data_lib.read_examples(bom, text_field="text", label_field="label")[0].text == "hello"
   # GLUE TSV: quotes are text, labels are digits

@@ -423,6 +423,17 @@ def test_resume_source_precedence(tmp_path):
   assert ckpt_lib.resume_source(ckpt_dir, "").kind == "workdir"
   with pytest.raises(ConfigError, match="no such directory"):
     ckpt_lib.resume_source(str(tmp_path / "empty"), str(tmp_path / "missing"))
+  # A fine-tuning workdir (classifier.json beside checkpoints/ and best/) holds a classifier, whose
+  # parameters a language model cannot start from: named as such, not as missing parameters.
+  finetuned = tmp_path / "sst2"
+  (finetuned / "best").mkdir(parents=True)
+  (finetuned / "classifier.json").write_text("{}")
+  (finetuned / "config.json").write_text('{"init_from": "runs/umoe_base"}')
+  for arg in (finetuned, finetuned / "best"):
+    with pytest.raises(ConfigError, match=re.escape(f"checkpoint.init_from='{arg}' is ") + ".*"
+                       + re.escape("(classifier.json): a text classifier, not a language model; ")
+                       + ".*" + re.escape("or use its backbone, runs/umoe_base")):
+      ckpt_lib.resume_source(str(tmp_path / "empty"), str(arg))
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -193,9 +193,21 @@ def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
   except LoadError:
     raise
   except Exception as e:  # pylint: disable=broad-except  (any unreadable or mismatched file)
-    text = " ".join(str(e).split())  # Orbax / TensorStore messages span lines
+    cause = _innermost_cause(e)
+    text = " ".join(str(cause).split())  # Orbax / TensorStore messages span lines
     raise LoadError(f"cannot read the parameters of checkpoint {ref.path} (damaged files, or not "
-                    f"the model of its config): {type(e).__name__}: {text[:300]}") from e
+                    f"the model of its config): {type(cause).__name__}: {text[:300]}") from e
+
+
+def _innermost_cause(error: BaseException) -> BaseException:
+  """The first exception of the `raise ... from` chain. Orbax wraps TensorStore's error, which
+  names the array and file ('OUT_OF_RANGE: Error reading "params.embed/0" in OCDBT database at
+  local file ...'), in one that says only "See full TensorStore details" and dumps its spec."""
+  seen = {id(error)}
+  while error.__cause__ is not None and id(error.__cause__) not in seen:
+    error = error.__cause__
+    seen.add(id(error))
+  return error
 
 
 def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,

@@ -109,8 +109,9 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   try:
     tok = data_lib.load_tokenizer(data_cfg)
     data_lib.check_vocab(tok, cfgs[0].vocab_size)
-  except (ValueError, OSError) as e:
-    raise ValueError(f"tokenizer {data_cfg.tokenizer!r}: {e}") from None
+  except (ValueError, OSError) as e:  # (their messages mostly name the tokenizer already)
+    named = data_cfg.tokenizer in str(e)
+    raise ValueError(str(e) if named else f"tokenizer {data_cfg.tokenizer!r}: {e}") from None
   if seq_len is None:
     seq_len = min(int((refs[0].config.get("train") or {}).get("seq_len") or cfgs[0].max_seq_len),
                   cfgs[0].max_seq_len)

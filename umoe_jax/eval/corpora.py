@@ -85,8 +85,10 @@ def _read_text(path: str) -> str:
   try:
     with storage.open(path, encoding="utf-8") as f:   # universal newlines: CRLF -> "\n"
       return f.read()
-  except UnicodeDecodeError as e:
-    raise EvalError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  except UnicodeDecodeError as e:  # (read() decodes the whole file: e.start is its byte offset)
+    with storage.open(path, "rb") as f:
+      line = f.read(e.start).count(b"\n") + 1
+    raise EvalError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _read_jsonl(path: str, text_field: str) -> list[str]:

@@ -146,8 +146,8 @@ class UMoELM(LM):
 
 def run_lm_eval_cli(argv: Sequence[str]) -> int:
   """lm-eval's command line (`lm_eval ...` arguments) with `umoe_jax` registered; exit status.
-  Our model's bad input (a missing checkpoint, a tokenizer larger than the model) is one "error:"
-  line and status 1, as in the other commands."""
+  Our model's bad input (a missing checkpoint, a tokenizer larger than the model) and a Hub that
+  cannot be reached for a task's data are one "error:" line and status 1, as in the other commands."""
   from lm_eval.__main__ import cli_evaluate
 
   from umoe_jax.load import LoadError
@@ -159,6 +159,11 @@ def run_lm_eval_cli(argv: Sequence[str]) -> int:
     return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
   except (EvalError, LoadError, FileNotFoundError) as e:  # LoadError is a ValueError: not lm-eval's
     print(f"error: {e}", file=sys.stderr)
+    return 1
+  except ConnectionError as e:  # a task whose data lm-eval fetches (datasets) from an unreachable Hub
+    print(f"error: {e}: lm-eval's built-in tasks download their data; offline, give local files "
+          "(--include_path with a task YAML, or `python -m umoe_jax.eval tasks` on JSONL files)",
+          file=sys.stderr)
     return 1
   finally:
     sys.argv = saved

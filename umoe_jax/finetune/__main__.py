@@ -41,7 +41,7 @@ class _QuietLibraries(std_logging.Filter):
 
 
 def _fail(e: Exception) -> None:
-  logging.error("%s", e)
+  # Printed once: absl's handler writes logging.error to the same stderr, which doubled the line.
   print(f"error: {e}", file=sys.stderr)
   raise SystemExit(2)
 
@@ -90,11 +90,11 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from umoe_jax import config_file
+  from umoe_jax import config_file, flag_errors
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv)  # else config_flags' traceback (or IOError at first use)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  app.run(main)
+  app.run(main, flags_parser=flag_errors.parser(exit_code=2))

@@ -5,8 +5,8 @@ Files (the format follows the extension, or `data.format`):
   .csv             comma-separated with a header row (RFC 4180 quoting, fields may span lines)
   .tsv             tab-separated with a header row, no quoting (GLUE's SST-2 files)
   .parquet         columns named by the fields
-Each example is (text, label, where): `where` names the file and line ("train.csv:17"; parquet: row)
-for error messages. Labels are names (strings) or integers.
+Each example is (text, label, where): `where` names the file and line ("train.csv:17", the first
+line of a record whose quoted text spans lines; parquet: row) for error messages. Labels are names (strings) or integers.
 
 The label map (`LabelMap`) is built from the training file alone: class i is the i-th name of
 `data.label_names` when given, else of the sorted distinct training labels (numerically when every
@@ -45,6 +45,13 @@ _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": 
 
 class DataError(ValueError):
   """A data file is missing, malformed or inconsistent; the message names the file (and line)."""
+
+
+# The value of a CSV / TSV field past the end of a record's fields (a line cut short, or a quote
+# never closed, which runs the field to the end of the file).
+MISSING_FIELD = object()
+_MISSING_HINT = ("the record has fewer fields than the header: a line cut short, or a quote never "
+                 "closed?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +108,25 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
       yield f"{name}:{lineno}", record
   elif fmt in ("csv", "tsv"):
     kw = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if fmt == "tsv" else {}
-    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""), **kw)
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), **kw)
+    start = 1
     try:
-      for record in reader:
-        if None in record:
-          raise DataError(f"{path}:{reader.line_num}: more fields than the header "
-                          f"{reader.fieldnames}")
-        yield f"{name}:{reader.line_num}", record
+      header = next(reader, None)
+      while header is not None:
+        # A quoted field may span lines: a record is named by its first line (reader.line_num is
+        # its last), where an editor shows it begin and where an unclosed quote opened.
+        start = reader.line_num + 1
+        row = next(reader, None)
+        if row is None:
+          break
+        if not row:  # a blank line (skipped, as csv.DictReader does)
+          continue
+        if len(row) > len(header):
+          raise DataError(f"{path}:{start}: more fields than the header {header}")
+        # fields missing at the end are MISSING_FIELD (csv.DictReader's None reads as a JSON null)
+        yield f"{name}:{start}", dict(zip(header, row + [MISSING_FIELD] * (len(header) - len(row))))
     except csv.Error as e:
-      raise DataError(f"{path}:{reader.line_num}: {e}") from None
+      raise DataError(f"{path}:{start}: {e}") from None
   elif fmt == "parquet":
     import pyarrow.parquet as pq
     try:
@@ -164,6 +181,9 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
       raise DataError(f"{path} ({where}): no text field {text_field!r} (fields: {fields}); set "
                       f"data.text_field")
     text = record[text_field]
+    if text is MISSING_FIELD:
+      raise DataError(f"{path} ({where}): no value of the text field {text_field!r}; "
+                      f"{_MISSING_HINT}")
     if not isinstance(text, str) or not text.strip():
       raise DataError(f"{path} ({where}): text field {text_field!r} is {text!r}; expected a "
                       f"non-empty string")
@@ -172,6 +192,9 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
       if label_field not in record:
         raise DataError(f"{path} ({where}): no label field {label_field!r} (fields: {fields}); "
                         f"set data.label_field")
+      if record[label_field] is MISSING_FIELD:
+        raise DataError(f"{path} ({where}): no value of the label field {label_field!r}; "
+                        f"{_MISSING_HINT}")
       label = canonical_label(record[label_field], f"{path} ({where})", label_field)
     out.append(Example(text=text, label=label, where=where))
   if not out:

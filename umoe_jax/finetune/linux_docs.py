@@ -44,11 +44,26 @@ def clean_text(text: str, max_chars: int) -> str:
 
 def build(corpus: str, output_dir: str, *, num_classes: int = 6, per_class: int = 200,
           test_fraction: float = 0.25, max_chars: int = 2000) -> dict:
-  """Writes train.jsonl and test.csv into `output_dir`; returns {"train", "test", "classes"}."""
+  """Writes train.jsonl and test.csv into `output_dir`; returns {"train", "test", "classes"}.
+  Raises ValueError naming the argument, the corpus or the output directory when one is unusable
+  (checked before anything is written)."""
   import pyarrow.parquet as pq
+  from umoe_jax.output import check_output_path
+  for flag, value, ok, want in (
+      ("num_classes", num_classes, num_classes >= 1, ">= 1"),
+      ("per_class", per_class, per_class >= 2, ">= 2 (a train and a test document per class)"),
+      ("test_fraction", test_fraction, 0 < test_fraction < 1, "in (0, 1)"),
+      ("max_chars", max_chars, max_chars >= 1, ">= 1")):
+    if not ok:
+      raise ValueError(f"--{flag}={value} must be {want}")
   if not os.path.isfile(corpus):
     raise FileNotFoundError(f"linux-docs corpus {corpus!r}: no such file")
-  table = pq.read_table(corpus, columns=["text", "id", "url"]).to_pylist()
+  check_output_path(output_dir, "--output", directory=True)  # before the corpus is read
+  try:
+    table = pq.read_table(corpus, columns=["text", "id", "url"]).to_pylist()
+  except Exception as e:  # pylint: disable=broad-except  (pyarrow raises several types)
+    raise ValueError(f"linux-docs corpus {corpus!r}: cannot read its text, id and url columns as "
+                     f"parquet ({type(e).__name__}: {' '.join(str(e).split())})") from None
   by_class: dict[str, list[dict]] = collections.defaultdict(list)
   for row in table:
     label = subtree(row["url"])
@@ -62,6 +77,9 @@ def build(corpus: str, output_dir: str, *, num_classes: int = 6, per_class: int 
     n_test = max(1, int(round(test_fraction * len(docs))))
     test += docs[:n_test]
     train += docs[n_test:]
+  if not train:  # e.g. a corpus whose classes hold one document each
+    raise ValueError(f"linux-docs corpus {corpus!r}: no training documents (classes {classes}, "
+                     f"--per_class={per_class}, --test_fraction={test_fraction})")
   train.sort(key=lambda r: r["id"])  # classes interleaved, as in a real file
   test.sort(key=lambda r: r["id"])
   # Atomic writes (storage.write_text): an interrupted run never leaves half a file behind.
@@ -82,7 +100,7 @@ def main(argv) -> None:
   try:
     out = build(f.corpus, f.output, num_classes=f.num_classes, per_class=f.per_class,
                 test_fraction=f.test_fraction, max_chars=f.max_chars)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   print(json.dumps(out))
 
@@ -95,4 +113,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("per_class", 200, "At most this many documents per class.")
   flags.DEFINE_float("test_fraction", 0.25, "Share of each class held out as test.")
   flags.DEFINE_integer("max_chars", 2000, "Characters kept of each text.")
-  app.run(main)
+  from umoe_jax import flag_errors
+  app.run(main, flags_parser=flag_errors.parser(exit_code=1))

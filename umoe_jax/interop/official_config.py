@@ -282,5 +282,11 @@ def load_official_config(path: str) -> dict:
   if not isinstance(config, dict):
     raise OfficialConfigError(f"{path} holds a JSON {type(config).__name__}, not an object of "
                               "config fields")
+  if isinstance(config.get("model"), dict) and "hidden_size" not in config:
+    # else "official config field hidden_size is missing", about a file that is not official
+    raise OfficialConfigError(f"{path} is this library's config (a training workdir or a "
+                              "converted checkpoint: its \"model\" section), not the official "
+                              "code's: it needs no conversion; pass its directory as --checkpoint "
+                              "(eval, generate) or checkpoint.init_from")
   return config
 

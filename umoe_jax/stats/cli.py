@@ -101,12 +101,13 @@ def run_cli(argv: Optional[Sequence[str]] = None) -> None:
   """Runs the command on `argv` (default: sys.argv); exits 1 when a cross-check finds a mismatch."""
   from absl import app
 
-  from umoe_jax import config_file
+  from umoe_jax import config_file, flag_errors
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv if argv is None else argv)  # else config_flags' traceback
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   _define_flags()
-  app.run(_main, argv=list(argv) if argv is not None else None)
+  app.run(_main, argv=list(argv) if argv is not None else None,
+          flags_parser=flag_errors.parser(exit_code=1))
 

@@ -26,6 +26,7 @@ from absl import logging
 
 from umoe_jax import storage
 from umoe_jax.config import ConfigError
+from umoe_jax.load import finetune_message, finetune_workdir
 from umoe_jax.train.checkpoint_metadata import (CheckpointMismatchError, complete_steps, saved_shapes,
                                                 shape_mismatches, step_metadata, tree_shapes)
 from umoe_jax.train.workdir import CHECKPOINT_DIR
@@ -78,6 +79,9 @@ def resume_source(checkpoint_dir: str, init_from: str = "",
     return ResumeSource("workdir", checkpoint_dir)
   if init_from:
     path = storage.expand(init_from)
+    workdir = finetune_workdir(path) if storage.isdir(path) else None
+    if workdir:  # else "does not fit this model: parameter embed is not in the checkpoint ..."
+      raise ConfigError(f"checkpoint.init_from={finetune_message(path, workdir)}")
     init_from_checkpoints(path)
     return ResumeSource("init_from", path)
   return ResumeSource("scratch")
