@@ -14,6 +14,7 @@ memory. Usage (GPU):
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
+      [--router_logits_dtype=float32|bfloat16]   (model.router.logits_dtype: x W_r's operands)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
       [--triton_launch=custom_call|ffi|graph]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
@@ -134,6 +135,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.model.attention.core_backward = args.core_backward
     if args.router_topk is not None:
       config.model.router.topk_backend = args.router_topk
+    if args.router_logits_dtype is not None:
+      config.model.router.logits_dtype = args.router_logits_dtype
     if args.fuse_activation is not None:
       config.model.moe.fuse_activation = bool(args.fuse_activation)
     if args.fuse_weight_rows is not None:
@@ -216,7 +219,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              capacity_factor=cf, exchange=exchange,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
-             router_topk=model_cfg.router.topk_backend, fuse_activation=model_cfg.moe.fuse_activation,
+             router_topk=model_cfg.router.topk_backend,
+             router_logits_dtype=model_cfg.router.logits_dtype, fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              anchor_tokens_per_s=ANCHORS.get(name))
@@ -311,6 +315,8 @@ def main():
                        "activation derivative inside the grouped matmuls' backward")
   ap.add_argument("--router_topk", default=None, choices=["xla", "triton"],
                   help="model.router.topk_backend (default: the config's)")
+  ap.add_argument("--router_logits_dtype", default=None, choices=["float32", "bfloat16"],
+                  help="model.router.logits_dtype (default: the config's, float32)")
   ap.add_argument("--gmm_tiles", default=None,
                   help="JSON of grouped-matmul tile rows (bench/gmm.py --sweep-gathered's "
                        "gmm_tiles.json) added to kernels/tuning.TABLE first")

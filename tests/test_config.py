@@ -255,6 +255,7 @@ BAD = [
      "model.ffn.router.expert_choice_slots", "99"),
     ("ffn_moe", {"router.selection": "expert_choice", "router.expert_choice_capacity": 0.0},
      "model.router.expert_choice_capacity", "0.0"),
+    ("umoe", {"router.logits_dtype": "float16"}, "model.router.logits_dtype", "'float16'"),
 ]
 
 

@@ -1,6 +1,8 @@
 """Top-k softmax router: gates, choices, renormalization, balance losses and their gradients."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,6 +139,47 @@ def test_bfloat16_input_routes_in_float32():
   x_seen = np.asarray(xb.astype(jnp.float32), np.float64)
   ref = np.stack([R.route_token(x_seen[0, t], w, 3, False)[0] for t in range(6)])
   assert rel_err(out.probs[0], ref) < 1e-6
+
+
+def test_router_matmul_bfloat16_against_float64():
+  """router.logits_dtype="bfloat16": x W in bf16 operands with float32 accumulation, forward and
+  both backward dots, against float64 (values and gradients, relative error < 1e-2); each gradient
+  in its input's dtype; no float32 dot left in the gradient's program. "float32" matches float64
+  to float32 round-off; an unknown dtype is refused naming the valid ones."""
+  from umoe_jax.model.routers.matmul import router_matmul
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((2, 37, 48)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((48, 24)) / np.sqrt(48), jnp.float32)
+  g = rng.standard_normal((2, 37, 24))                         # the scores' cotangent
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  ref = x64 @ w64
+  ref_dx, ref_dw = g @ w64.T, x64.reshape(-1, 48).T @ g.reshape(-1, 24)
+  loss = lambda dt: (lambda x, w: jnp.sum(router_matmul(x, w, dt) * jnp.asarray(g, jnp.float32)))
+  for dt, tol in (("bfloat16", 1e-2), ("float32", 1e-5)):
+    y = jax.jit(lambda x, w: router_matmul(x, w, dt))(x, w)
+    dx, dw = jax.jit(jax.grad(loss(dt), argnums=(0, 1)))(x, w)
+    assert y.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    assert rel_err(y, ref) < tol and rel_err(dw, ref_dw) < tol, dt
+    assert rel_err(dx, ref_dx) < max(tol, 1e-2), dt            # dx is rounded to bf16 either way
+  squares = lambda x, w: jnp.sum(jnp.square(router_matmul(x, w, "bfloat16")))  # keeps all 3 dots
+  text = jax.jit(jax.grad(squares, argnums=(0, 1))).lower(x, w).as_text()
+  operand_types = [re.search(r": \((.*)\) ->", ln).group(1) for ln in text.splitlines()
+                   if "dot_general" in ln]
+  assert len(operand_types) == 3, text                            # forward, dX, dW
+  assert all(t.count("xbf16>") == 2 for t in operand_types), operand_types
+  with pytest.raises(ValueError, match="valid: float32, bfloat16"):
+    router_matmul(x, w, "float16")
+
+
+def test_bfloat16_router_logits_pick_the_float32_experts():
+  """A top-k softmax router with logits_dtype="bfloat16" on random tokens: probabilities within
+  bf16 rounding of the float32 router's and the same experts for nearly every token."""
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 64, 32)), jnp.bfloat16)
+  out32 = _call(_router(32, 16, 3, seed=6), x)
+  out16 = _call(_router(32, 16, 3, seed=6, logits_dtype="bfloat16"), x)
+  assert out16.probs.dtype == jnp.float32 and rel_err(out16.probs, out32.probs) < 1e-2
+  same = np.mean(np.sort(np.asarray(out16.expert_ids), -1) == np.sort(np.asarray(out32.expert_ids), -1))
+  assert same > 0.97, same
 
 
 # ------------------------------------------------------------------------------------------------
@@ -486,6 +529,32 @@ def test_lm_with_router_trains_one_step(family, kind):
                          minlength=cfg.moe.n_experts)
       np.testing.assert_array_equal(np.asarray(stats["expert_counts"]), want, err_msg=name)
       assert float(stats["balance_loss"]) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["topk_softmax", "xmoe", "smoe_dropout", "stablemoe"])
+def test_lm_router_logits_dtype_reaches_every_router_with_a_matmul(kind):
+  """model.router.logits_dtype="bfloat16" in a UMoE LM, for each router whose scores are an x W: the
+  loss and its gradient move by bf16 rounding from the float32 router's (so the option is applied:
+  identical results would fail), and stay within 2e-2 of them."""
+  import optax
+
+  def loss_and_grads(dtype):
+    cfg, model = _lm("umoe", kind, **{"router.logits_dtype": dtype})
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+
+    def loss_fn(model):
+      logits, aux = model(tokens[:, :-1])
+      return (optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+              + aux["balance_loss"])
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)
+    return float(loss), jax.tree.leaves(nnx.to_pure_dict(grads))
+
+  loss32, g32 = loss_and_grads("float32")
+  loss16, g16 = loss_and_grads("bfloat16")
+  flat = lambda gs: np.concatenate([np.asarray(g, np.float64).ravel() for g in gs])
+  assert loss16 != loss32 or not np.array_equal(flat(g16), flat(g32))
+  assert abs(loss16 - loss32) < 2e-2 * abs(loss32)
+  assert rel_err(flat(g16), flat(g32)) < 2e-2
 
 
 def test_registry_has_xmoe_and_hash():

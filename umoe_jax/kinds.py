@@ -39,6 +39,7 @@ GMM_BACKENDS = ("xla", "masked", "triton", "mosaic", "megablox")
 
 # `router.topk_backend`: how routers with scores take their top-k / top-P ids (`umoe_jax.ops.topk`).
 TOPK_BACKENDS = ("auto", "xla", "triton")
+ROUTER_LOGITS_DTYPES = ("float32", "bfloat16")   # umoe_jax.model.routers.matmul
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,6 +101,8 @@ def _check_router_values(router: RouterConfig, cfg: ModelConfig, key) -> None:
   check("z_loss_coef", 0 <= router.z_loss_coef < float("inf"), "must be >= 0 and finite")
   check("jitter_eps", 0 <= router.jitter_eps < 1, "must be in [0, 1)")
   check("bias_update_rate", 0 <= router.bias_update_rate < float("inf"), "must be >= 0 and finite")
+  check("logits_dtype", router.logits_dtype in kinds.ROUTER_LOGITS_DTYPES,
+        f"; valid: {', '.join(kinds.ROUTER_LOGITS_DTYPES)}")
   check("topk_backend", router.topk_backend in kinds.TOPK_BACKENDS,
         f"; valid: {', '.join(kinds.TOPK_BACKENDS)}")
   kind = kinds.ROUTER_KINDS.get(router.kind)

@@ -66,6 +66,8 @@ class RouterConfig:
   jitter_eps: float = 0.0             # Switch jitter: router input x * U(1-eps, 1+eps), training only (HF 0.01)
   bias_update_rate: float = 0.0       # DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved
                                       # by rate * sign(mean load - load) after each step (paper 1e-3); 0 = off
+  logits_dtype: str = "float32"       # x W_r's operands: "float32" (official MoEGate) or "bfloat16" (bf16
+                                      # operands, float32 accumulation and softmax; umoe_jax.model.routers.matmul)
   topk_backend: str = "auto"          # top-k / top-P ids (umoe_jax.ops.topk): "xla" (lax.top_k, a sort
                                       # on GPU), "triton" (kernels/triton_topk.py on GPU; same ids) or
                                       # "auto" (triton on one device, xla on several)

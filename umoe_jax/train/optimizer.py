@@ -67,13 +67,17 @@ def decay_mask(abstract_params: Any) -> Any:
   return nnx.to_pure_dict(flags) if isinstance(flags, nnx.State) else flags
 
 
-def make_optimizer(train: Any, mask: Any) -> optax.GradientTransformation:
-  """clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, weight_decay, mask), the first
-  moment kept in `train.mu_dtype` (float32: the parameters' dtype)."""
+def adamw(train: Any, mask: Any) -> optax.GradientTransformation:
+  """AdamW(schedule, b1, b2, eps, weight_decay, mask), the first moment kept in `train.mu_dtype`
+  (float32: the parameters' dtype)."""
   mu_dtype = None if train.mu_dtype == "float32" else jnp.dtype(train.mu_dtype)
-  adamw = optax.adamw(learning_rate_schedule(train), b1=float(train.b1), b2=float(train.b2),
-                      eps=float(train.eps), weight_decay=float(train.weight_decay), mask=mask,
-                      mu_dtype=mu_dtype)
+  return optax.adamw(learning_rate_schedule(train), b1=float(train.b1), b2=float(train.b2),
+                     eps=float(train.eps), weight_decay=float(train.weight_decay), mask=mask,
+                     mu_dtype=mu_dtype)
+
+
+def make_optimizer(train: Any, mask: Any) -> optax.GradientTransformation:
+  """clip_by_global_norm(grad_clip) -> `adamw` (no clipping when grad_clip is 0)."""
   if train.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(float(train.grad_clip)), adamw)
-  return adamw
+    return optax.chain(optax.clip_by_global_norm(float(train.grad_clip)), adamw(train, mask))
+  return adamw(train, mask)

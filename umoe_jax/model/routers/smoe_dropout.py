@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.kinds import ROUTERS
+from umoe_jax.model.routers.matmul import router_matmul
 from umoe_jax.model.routers.selection import biased_top_k
 from umoe_jax.model.routers.topk import TopKSoftmaxRouter
 from umoe_jax.parallel import rules as ax
@@ -51,8 +52,7 @@ class SMoEDropoutRouter(TopKSoftmaxRouter):
   def logits(self, x: jax.Array, **context) -> jax.Array:
     """x [B, T, D] -> float32 logits [B, T, E]; no gradient reaches W_r (fixed router)."""
     del context
-    w = jax.lax.stop_gradient(self.kernel.value.astype(jnp.float32))
-    return jnp.dot(x.astype(jnp.float32), w)
+    return router_matmul(x, jax.lax.stop_gradient(self.kernel.value), self.cfg.logits_dtype)
 
   def active_k(self, step: Optional[jax.Array]) -> jax.Array:
     """Active experts per token at `step` (None: the end of the schedule, K), int32 []."""

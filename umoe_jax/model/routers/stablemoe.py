@@ -12,6 +12,7 @@ from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import make_param
 from umoe_jax.model.routers.base import Router, RouterOutput, jitter, need_token_ids
+from umoe_jax.model.routers.matmul import router_matmul
 from umoe_jax.model.routers.scoring import z_loss_terms
 from umoe_jax.model.routers.xmoe import orthogonal_init
 from umoe_jax.parallel import rules as ax
@@ -75,7 +76,7 @@ class StableMoERouter(Router):
 
   def affinities(self, x: jax.Array) -> jax.Array:
     """x [B, T, D] -> s [B, T, E] float32."""
-    return jnp.dot(x.astype(jnp.float32), self.centroids.value.astype(jnp.float32).T)
+    return router_matmul(x, self.centroids.value.T, self.cfg.logits_dtype)
 
   def distilled(self, token_ids: jax.Array) -> jax.Array:
     """token ids [B, T] -> the distilled router's scores d [B, T, E] float32."""

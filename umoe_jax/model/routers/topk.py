@@ -9,6 +9,7 @@ from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import kaiming_uniform_init, make_param
 from umoe_jax.model.routers.base import RouterOutput, jitter
+from umoe_jax.model.routers.matmul import router_matmul
 from umoe_jax.model.routers.scoring import ScoreRouter
 from umoe_jax.model.routers.selection import biased_top_k
 from umoe_jax.parallel import rules as ax
@@ -32,7 +33,7 @@ class TopKSoftmaxRouter(ScoreRouter):
   def logits(self, x: jax.Array, **context) -> jax.Array:
     """x [B, T, D] -> float32 logits [B, T, E]."""
     del context
-    return jnp.dot(x.astype(jnp.float32), self.kernel.value.astype(jnp.float32))
+    return router_matmul(x, self.kernel.value, self.cfg.logits_dtype)
 
 
 @ROUTERS.register("topk_sigmoid")

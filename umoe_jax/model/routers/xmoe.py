@@ -11,6 +11,7 @@ from flax import nnx
 from umoe_jax.config import RouterConfig
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.layers import kaiming_uniform_init, make_param
+from umoe_jax.model.routers.matmul import router_matmul
 from umoe_jax.model.routers.scoring import ScoreRouter
 from umoe_jax.parallel import rules as ax
 from umoe_jax.stats import linear
@@ -62,7 +63,7 @@ class XMoERouter(ScoreRouter):
 
   def scores(self, x: jax.Array) -> jax.Array:
     """x [B, T, D] -> float32 cosine scores [B, T, E] in [-1, 1]."""
-    z = jnp.dot(x.astype(jnp.float32), self.proj.value.astype(jnp.float32))          # [B, T, d_r]
+    z = router_matmul(x, self.proj.value, self.cfg.logits_dtype)                       # [B, T, d_r]
     e = l2_normalize(self.expert_embed.value.astype(jnp.float32))                    # [E, d_r]
     return jnp.dot(l2_normalize(z), e.T)
 
