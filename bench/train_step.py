@@ -19,6 +19,7 @@ memory. Usage (GPU):
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
       [--triton_launch=custom_call|ffi|graph]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
+      [--trace_step=N]   (a jax.profiler trace of timed step N as it runs, CUDA graphs kept)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
@@ -193,12 +194,17 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     for _ in range(args.warmup):
       state, m = step_fn(state, batch)
     jax.block_until_ready(state)
-    times = []
-    for _ in range(args.steps):
+    times, trace_dir = [], None
+    for i in range(args.steps):
+      if args.trace_step == i + 1:  # CUDA graphs stay on, unlike --profile: the timed step as it runs
+        trace_dir = os.path.join(args.out, f"trace_{name}_{layout}_step{i + 1}")
+        jax.profiler.start_trace(trace_dir)
       s0 = time.perf_counter()
       state, m = step_fn(state, batch)
       jax.block_until_ready(m["loss"])
       times.append(time.perf_counter() - s0)
+      if args.trace_step == i + 1:
+        jax.profiler.stop_trace()
     last_loss = float(m["loss"])
     profile = None
     if args.profile:
@@ -223,6 +229,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              router_logits_dtype=model_cfg.router.logits_dtype, fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
+             trace_step=args.trace_step or None, trace_dir=trace_dir,
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
     row["profile"] = profile
@@ -339,11 +346,17 @@ def main():
   ap.add_argument("--profile", type=int, nargs="?", const=2, default=0,
                   help="after timing, trace this many steps (a bare --profile = 2) and print / save "
                        "their kernel time by named scope (bench/profile_table.py)")
+  ap.add_argument("--trace_step", type=int, default=0,
+                  help="record a jax.profiler trace (TensorBoard / Perfetto) of this timed step, "
+                       "1-based, CUDA graphs kept, under --out/trace_CONFIG_LAYOUT_stepN (its time "
+                       "includes the tracer's overhead)")
   ap.add_argument("--compilation_cache_dir", default="",
                   help="train.compilation_cache_dir: JAX's persistent compilation cache (a row "
                        "compiled before, in this or an earlier command, loads its executable)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
+  if not 0 <= args.trace_step <= args.steps:
+    ap.error(f"--trace_step={args.trace_step}: a timed step, 1 to --steps={args.steps} (0: none)")
   if args.triton_launch is not None:  # (read when the kernels are traced, here or in a row's process)
     os.environ[triton_launch.ENV_VAR] = args.triton_launch
   if args.compilation_cache_dir:
