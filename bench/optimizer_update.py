@@ -18,6 +18,7 @@ relative error), then reports the median wall time of `--iters` calls and the nu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -35,20 +36,12 @@ import timing  # noqa: E402  (bench/timing.py)
 from umoe_jax.train import optimizer as optimizer_lib  # noqa: E402
 
 
-def _optax_norm(tree):
-  return optax.tree.norm(tree)
-
-
 def _rows_norm(tree, barrier: bool = False):
   parts = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1).reshape(-1) if x.ndim else
            jnp.square(x.astype(jnp.float32)).reshape(1) for x in jax.tree.leaves(tree) if x.size]
   if barrier:
     parts = jax.lax.optimization_barrier(parts)
   return jnp.sqrt(jnp.sum(jnp.concatenate(parts)))
-
-
-def _rows_barrier_norm(tree):
-  return _rows_norm(tree, barrier=True)
 
 
 def _clip_with(norm_fn, max_norm: float) -> optax.GradientTransformation:
@@ -61,10 +54,11 @@ def _clip_with(norm_fn, max_norm: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+# The global norm of each form; "optax" also clips with optax's own transform, as the trainer does.
 FORMS = {
-    "optax": (_optax_norm, optax.clip_by_global_norm),
-    "rows": (_rows_norm, lambda m: _clip_with(_rows_norm, m)),
-    "rows_barrier": (_rows_barrier_norm, lambda m: _clip_with(_rows_barrier_norm, m)),
+    "optax": optax.tree.norm,
+    "rows": _rows_norm,
+    "rows_barrier": functools.partial(_rows_norm, barrier=True),
 }
 
 
@@ -72,8 +66,11 @@ def update_fn(form: str, train, mask):
   """(params, opt_state, grads) -> (params, opt_state, grad_norm, param_norm), as in train_step."""
   if form not in FORMS:
     raise ValueError(f"unknown form {form!r}; valid: {', '.join(FORMS)}")
-  norm_fn, clip = FORMS[form]
-  tx = optax.chain(clip(float(train.grad_clip)), optimizer_lib.adamw(train, mask))
+  norm_fn = FORMS[form]
+  max_norm = float(train.grad_clip)
+  clip = (optax.clip_by_global_norm(max_norm) if form == "optax" else
+          _clip_with(norm_fn, max_norm))
+  tx = optax.chain(clip, optimizer_lib.adamw(train, mask))
 
   def f(params, opt_state, grads):
     grad_norm = norm_fn(grads)
@@ -99,14 +96,15 @@ def launched_ops(hlo_text: str) -> int:
 
 
 def model_tree(config_name: str, seed: int = 0):
-  """(params, grads, decay mask, train config): random float32 trees of the model's shapes, the
-  gradient's global norm 2 (so the clip at the recipe's 1.0 scales it)."""
+  """(params, grads, decay mask, train config) of configs/CONFIG_NAME.py (loaded as
+  bench/train_step.py loads it): random float32 trees of the model's shapes, the gradient's global
+  norm 2 (so the clip at the recipe's 1.0 scales it)."""
   from flax import nnx
 
-  from configs import common
+  from umoe_jax import stats
   from umoe_jax.model.lm import abstract_model
-  family, scale = config_name.rsplit("_", 1)
-  cfg = common.experiment(family, scale)
+  cfg = stats.load_config_file(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "configs", f"{config_name}.py"))
   abstract = nnx.state(abstract_model(cfg.model), nnx.Param)
   mask = optimizer_lib.decay_mask(abstract)
   shapes = nnx.to_pure_dict(jax.tree.map(lambda v: v.value, abstract,
@@ -128,7 +126,7 @@ def rel_err(a, b) -> float:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--config", default="umoe_base", help="FAMILY_SCALE of configs/common.py")
+  ap.add_argument("--config", default="umoe_base", help="a file of configs/, without .py")
   ap.add_argument("--forms", default=",".join(FORMS))
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--out", default="")

@@ -196,14 +196,15 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     jax.block_until_ready(state)
     times, trace_dir = [], None
     for i in range(args.steps):
-      if args.trace_step == i + 1:  # CUDA graphs stay on, unlike --profile: the timed step as it runs
+      tracing = args.trace_step == i + 1  # CUDA graphs stay on, unlike --profile: the step as it runs
+      if tracing:
         trace_dir = os.path.join(args.out, f"trace_{name}_{layout}_step{i + 1}")
         jax.profiler.start_trace(trace_dir)
       s0 = time.perf_counter()
       state, m = step_fn(state, batch)
       jax.block_until_ready(m["loss"])
       times.append(time.perf_counter() - s0)
-      if args.trace_step == i + 1:
+      if tracing:
         jax.profiler.stop_trace()
     last_loss = float(m["loss"])
     profile = None

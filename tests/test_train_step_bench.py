@@ -6,16 +6,13 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
                      "train_step.py")
 
 
-@pytest.mark.parametrize("step", [5])
-def test_a_trace_step_outside_the_timed_steps_is_refused(step, tmp_path):
-  out = subprocess.run([sys.executable, BENCH, "--steps=3", f"--trace_step={step}",
-                        f"--out={tmp_path}"], capture_output=True, text=True, timeout=120)
+def test_a_trace_step_outside_the_timed_steps_is_refused(tmp_path):
+  out = subprocess.run([sys.executable, BENCH, "--steps=3", "--trace_step=5", f"--out={tmp_path}"],
+                       capture_output=True, text=True, timeout=120)
   assert out.returncode == 2, out
-  assert f"--trace_step={step}: a timed step, 1 to --steps=3" in out.stderr
+  assert "--trace_step=5: a timed step, 1 to --steps=3" in out.stderr
   assert not os.listdir(tmp_path)
