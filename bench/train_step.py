@@ -20,6 +20,7 @@ memory. Usage (GPU):
       [--triton_launch=custom_call|ffi|graph]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
       [--trace_step=N]   (a jax.profiler trace of timed step N as it runs, CUDA graphs kept)
+      [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
@@ -53,6 +54,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels import triton_launch  # noqa: E402
+from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
 ANCHORS = {"dense_base": 213.6e3, "ffn_moe_base": 71.2e3, "umoe_base": 58.2e3}
@@ -194,18 +196,23 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     for _ in range(args.warmup):
       state, m = step_fn(state, batch)
     jax.block_until_ready(state)
-    times, trace_dir = [], None
-    for i in range(args.steps):
-      tracing = args.trace_step == i + 1  # CUDA graphs stay on, unlike --profile: the step as it runs
-      if tracing:
-        trace_dir = os.path.join(args.out, f"trace_{name}_{layout}_step{i + 1}")
-        jax.profiler.start_trace(trace_dir)
-      s0 = time.perf_counter()
-      state, m = step_fn(state, batch)
-      jax.block_until_ready(m["loss"])
-      times.append(time.perf_counter() - s0)
-      if tracing:
-        jax.profiler.stop_trace()
+    # The trainer's own freeze (train/host_gc.py): without it a collection of the compile's objects
+    # can land in a timed step (run 65: 223 against 86 ms); --freeze_heap=0 shows it.
+    with host_gc.FrozenHeap() as heap:
+      if args.freeze_heap:
+        heap.freeze()
+      times, trace_dir = [], None
+      for i in range(args.steps):
+        tracing = args.trace_step == i + 1  # CUDA graphs stay on, unlike --profile: the step as it runs
+        if tracing:
+          trace_dir = os.path.join(args.out, f"trace_{name}_{layout}_step{i + 1}")
+          jax.profiler.start_trace(trace_dir)
+        s0 = time.perf_counter()
+        state, m = step_fn(state, batch)
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - s0)
+        if tracing:
+          jax.profiler.stop_trace()
     last_loss = float(m["loss"])
     profile = None
     if args.profile:
@@ -230,7 +237,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              router_logits_dtype=model_cfg.router.logits_dtype, fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
-             trace_step=args.trace_step or None, trace_dir=trace_dir,
+             trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
              anchor_tokens_per_s=ANCHORS.get(name))
   if profile is not None:
     row["profile"] = profile
@@ -293,6 +300,8 @@ def main():
   ap.add_argument("--seq_len", type=int, default=1024)
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--freeze_heap", type=int, choices=[0, 1], default=1,
+                  help="gc.freeze the host heap before the timed steps, as the trainer does (0: not)")
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")

@@ -130,13 +130,19 @@ def test_resume_after_sigterm_is_identical(straight_run, tmp_path, record):
   workdir = str(tmp_path / "resumed")
   half = NUM_STEPS // 2 + 1  # not a multiple of checkpoint.every: the signal forces the save
 
+  frozen = {}  # step -> objects in the permanent generation (train/host_gc.py)
+
   def send_sigterm(step):
+    frozen[step] = gc.get_freeze_count()
     if step == half:
       os.kill(os.getpid(), signal.SIGTERM)
 
   handler_before = signal.getsignal(signal.SIGTERM)
   first = loop.run(small_config(), workdir, step_hook=send_sigterm)
   assert first["stopped"] and first["step"] == half
+  # The heap is frozen once the step is compiled (after step 1) and given back when the loop ends.
+  assert sorted(frozen) == list(range(1, half + 1)) and min(frozen.values()) > 0
+  assert gc.get_freeze_count() == 0
   assert half in ckpt_lib.complete_steps(os.path.join(workdir, "checkpoints"))
   assert signal.getsignal(signal.SIGTERM) == handler_before  # the run's handler is removed
 

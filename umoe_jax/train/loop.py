@@ -35,6 +35,7 @@ from umoe_jax.eval import perplexity
 from umoe_jax.parallel import sharding as sharding_lib
 from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import guard as guard_lib
+from umoe_jax.train import host_gc
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train import profiler as profiler_lib
 from umoe_jax.train import state as state_lib
@@ -106,9 +107,13 @@ class Trainer:
   """The loop over steps, with its logging, evaluation, checkpointing and stop handling."""
 
   def __init__(self, s: Setup, state, step: int, *, step_hook: Optional[Callable[[int], None]],
-               profiler: Optional[profiler_lib.StepProfiler] = None):
+               profiler: Optional[profiler_lib.StepProfiler] = None,
+               heap: Optional[host_gc.FrozenHeap] = None):
     self.s, self.state, self.step = s, state, step
     self.profiler = profiler or profiler_lib.StepProfiler()
+    # Frozen once the step is compiled (host_gc.py: no collector pause inside the timed steps);
+    # whoever made it releases it when the loop ends.
+    self.heap = heap or host_gc.FrozenHeap()
     self.routing_probe = routing_probe_lib.make_routing_probe(s)  # log.routing_probe_batches
     self.t = s.config.train
     self.step_hook = step_hook
@@ -302,6 +307,7 @@ class Trainer:
         first = False
         jax.block_until_ready(m)
         logging.info("step %d (the first of this run, with compilation) done", self.step)
+        self.heap.freeze()
         self._start_timer()
       else:
         self._timer_steps += 1
@@ -359,8 +365,9 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
                                                       expert_capacity_factor=s.capacity_factor,
                                                       expert_exchange=s.exchange,
                                                       expert_chunks=s.chunks), \
-        profiler_lib.StepProfiler.from_config(config, workdir) as profiler:
-      trainer = Trainer(s, state, step, step_hook=step_hook, profiler=profiler)
+        profiler_lib.StepProfiler.from_config(config, workdir) as profiler, \
+        host_gc.FrozenHeap() as heap:
+      trainer = Trainer(s, state, step, step_hook=step_hook, profiler=profiler, heap=heap)
       stopped = trainer.train(stop)
       trainer.log()
     s.checkpointer.wait()  # the last (async) save's failure is this run's error
