@@ -37,10 +37,13 @@ def orphaned_orbax_record(record: std_logging.LogRecord) -> bool:
   reported by the run, the others are logged when their futures are garbage-collected, in no fixed
   order); after a damaged checkpoint's first read error, TensorStore's other reads fail inside
   Tasks nobody awaits any more (their errors carry a `tensorstore_spec`; whether they are logged
-  depends on timing)."""
+  depends on timing). A write's error may carry no Orbax frame at all (TensorStore sets it on the
+  future from its own threads); it names the save's in-progress directory, `*.orbax-checkpoint-tmp`,
+  which only Orbax writes."""
   if "/asyncio/" not in record.pathname or not record.exc_info:
     return False
-  if "tensorstore_spec" in str(record.exc_info[1]):
+  message = str(record.exc_info[1])
+  if "tensorstore_spec" in message or ".orbax-checkpoint-tmp" in message:
     return True
   tb = record.exc_info[2]
   while tb is not None:
