@@ -37,7 +37,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from gmm import jax_ms, log  # noqa: E402
-from layer_breakdown import rel, time_fwd_bwd  # noqa: E402
+from checks import rel_err  # noqa: E402
+from layer_breakdown import time_fwd_bwd  # noqa: E402
 
 SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
 
@@ -101,8 +102,8 @@ def cores(positions, tiles=None):
 def check(fn, ref, q, k, v, cot):
   """(value error, max gradient error) of fn against ref, relative."""
   loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot), (0, 1, 2)))
-  err = rel(jax.jit(fn)(q, k, v), jax.jit(ref)(q, k, v))
-  g_err = max(rel(a, b) for a, b in zip(loss(fn)(q, k, v), loss(ref)(q, k, v)))
+  err = rel_err(jax.jit(fn)(q, k, v), jax.jit(ref)(q, k, v))
+  g_err = max(rel_err(a, b) for a, b in zip(loss(fn)(q, k, v), loss(ref)(q, k, v)))
   return err, g_err
 
 
@@ -266,8 +267,8 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
         if want is None:
           want = outputs[kernel] = got
         # (per gradient for the ds pass: one error over all three could hide a small one's)
-        err = (max(rel(g, w) for g, w in zip(got, want)) if isinstance(got, tuple)
-               else rel(got, want))
+        err = (max(rel_err(g, w) for g, w in zip(got, want)) if isinstance(got, tuple)
+               else rel_err(got, want))
         ms = timer(kernel, f_time, q, k, v) if err < 1e-2 else float("nan")
       except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip the candidate)
         log(f"  {name} {kernel} {cand}: failed {type(e).__name__}: {str(e)[:160]}")
@@ -329,7 +330,7 @@ def time_delta(name, shape):
   for form, fn in forms.items():
     f = jax.jit(fn)
     ms = jax_ms(f, out, dout)
-    rows[form] = dict(ms=ms, gb_s=2 * out.size * 2 / ms / 1e6, err=rel(f(out, dout), want))
+    rows[form] = dict(ms=ms, gb_s=2 * out.size * 2 / ms / 1e6, err=rel_err(f(out, dout), want))
     log(f"  {name} delta {form:12s} {ms:.3f} ms ({rows[form]['gb_s']:.0f} GB/s, err "
         f"{rows[form]['err']:.1e})")
   return rows

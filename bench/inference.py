@@ -35,11 +35,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from checks import rel_err  # noqa: E402  (bench/checks.py)
 
 BASE_CONFIGS = "dense_base,ffn_moe_base,moa_base,switchhead_base,umoe_att_base,umoe_base"
 RESULT = "inference.json"
@@ -106,7 +108,7 @@ def bench_one(name: str, batch: int, args) -> dict:
   full = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[0][:, -1])(state, tokens[:1])
   ref = np.asarray(full, np.float32)
   got = np.asarray(logits[:1], np.float32)
-  logits_rel_err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+  logits_rel_err = rel_err(got, ref)
   check = bool(np.isfinite(got).all() and logits_rel_err < args.check_bound)
   measured_cache = cache_bytes(cache)
   t0 = time.perf_counter()

@@ -22,8 +22,6 @@ import json
 import os
 import sys
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
@@ -32,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from checks import rel_err  # noqa: E402
 from gmm import jax_ms, log  # noqa: E402  (bench/gmm.py: CUPTI kernel time)
 
 
@@ -68,11 +67,6 @@ def ffn_targets(results: dict) -> dict:
       out[name] = dict(ffn_fwd_bwd_ms=r["ffn_fwd_bwd"], allowed_ms=allowed,
                        dense_ffn_tflops=rate / 1e12, ratio=r["ffn_fwd_bwd"] / allowed)
   return out
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def time_fwd_bwd(fn, *args):
@@ -140,9 +134,9 @@ def breakdown(name, batch, seq_len, attention_core, core_backward="auto"):
                                                           core_backward=core_backward)
     try:
       got, want = jax.jit(flash)(q, k, v), jax.jit(xla_core)(q, k, v)
-      row[f"core_{fused}_err"] = rel(got, want)
+      row[f"core_{fused}_err"] = rel_err(got, want)
       loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), (0, 1, 2)))
-      row[f"core_{fused}_grad_err"] = max(rel(a, b) for a, b in zip(loss(flash)(q, k, v),
+      row[f"core_{fused}_grad_err"] = max(rel_err(a, b) for a, b in zip(loss(flash)(q, k, v),
                                                                     loss(xla_core)(q, k, v)))
       if row[f"core_{fused}_err"] < 2e-2 and row[f"core_{fused}_grad_err"] < 5e-2:
         row[f"core_{fused}_fwd"], row[f"core_{fused}_fwd_bwd"] = time_fwd_bwd(flash, q, k, v)

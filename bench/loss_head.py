@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import timing  # noqa: E402  (bench/timing.py)
+from checks import rel_err  # noqa: E402
 from umoe_jax.ops.chunked_loss import chunked_token_nll  # noqa: E402
 
 FORMS = ("fused", "chunked")
@@ -55,11 +56,6 @@ def loss_and_grads_fn(form: str, tokens: int, chunk_tokens: int):
     nll = lambda h, w: chunked_token_nll(h, w, targets, None, **kw)[0] / tokens
     return jax.value_and_grad(nll, argnums=(0, 1))(h, w)
   return jax.jit(f)
-
-
-def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main(argv=None) -> int:

@@ -29,10 +29,10 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import timing  # noqa: E402  (bench/timing.py)
+from checks import rel_err  # noqa: E402
 from umoe_jax.train import optimizer as optimizer_lib  # noqa: E402
 
 
@@ -117,11 +117,6 @@ def model_tree(config_name: str, seed: int = 0):
            for k, s in zip(keys[len(leaves):], leaves)]
   return (jax.tree.unflatten(treedef, params), jax.tree.unflatten(treedef, grads), mask,
           cfg.train)
-
-
-def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def main(argv=None) -> int:
