@@ -367,18 +367,23 @@ def test_train_step_passes_the_step_to_scheduled_routers():
   tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, c.vocab_size)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
+  compiled = {}   # one program per router config: the step is an input, not a constant
+
   def stats_at(router, step):
-    c.router.update(router)
-    cfg = model_config(c)
-    parts = state_lib.model_parts(cfg)
-    params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
-                                        nnx.Param))
-    tx = optax.sgd(1e-3)
+    key = tuple(sorted(router.items()))
+    if key not in compiled:
+      c.router.update(router)
+      cfg = model_config(c)
+      parts = state_lib.model_parts(cfg)
+      params = nnx.to_pure_dict(nnx.state(random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), 0),
+                                          nnx.Param))
+      tx = optax.sgd(1e-3)
+      fn = jax.jit(lambda st, b: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
+                                                     schedule=optax.constant_schedule(1e-3)))
+      compiled[key] = (fn, state_lib.state_with_params(params, tx, 0))
+    fn, state = compiled[key]
     # 2 of the steps were skipped (non-finite): the routers see the applied steps, like the schedule
-    state = state_lib.state_with_params(params, tx, 0).replace(
-        step=jnp.asarray(step + 2, jnp.int32), skipped=jnp.asarray(2, jnp.int32))
-    fn = jax.jit(lambda st, b: step_lib.train_step(st, b, graphdef=parts.graphdef, tx=tx,
-                                                   schedule=optax.constant_schedule(1e-3)))
+    state = state.replace(step=jnp.asarray(step + 2, jnp.int32), skipped=jnp.asarray(2, jnp.int32))
     metrics = fn(state, batch)[1]
     return {"balance_loss": metrics["balance_loss"], "nll_sum": metrics["lm_loss"]}
 
