@@ -17,7 +17,9 @@ must be powers of two while the expert widths here (192, 768) are not.
 
 tgmm: one program per (group, K tile, N tile) accumulating over the group's rows in BM-row chunks; rows
 outside the group are masked to zero in both operands; empty groups write zeros. On a persistent grid
-(`TileConfig.persistent`) a fixed number of programs stride over those tiles instead.
+(`TileConfig.persistent`) a fixed number of programs stride over those tiles instead. Its output tile's
+rows may be two pieces as well (BK + BK2): a 192 x 128 tile covers all of a 192-wide expert's rows,
+so each step's rows of the other operand are loaded once for the whole K side, not once a piece.
 """
 from __future__ import annotations
 
@@ -263,11 +265,14 @@ if HAVE_TRITON:
   @triton.jit
   def _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile,
                  M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
-                 GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                 BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                 A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr):
+                 GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
+                 BN: tl.constexpr, BN2: tl.constexpr, K_TILES: tl.constexpr,
+                 N_TILES: tl.constexpr, A_INDEX: tl.constexpr, B_INDEX: tl.constexpr,
+                 A_SCALE: tl.constexpr):
     """Output tile `tile` = (group, K tile, N tile), group slowest: out[g][k tile, n tile] summed
-    over the group's rows in BM-row steps."""
+    over the group's rows in BM-row steps. The tile's rows may be two pieces BK + BK2 (e.g. all
+    192 rows of a 192-wide expert as 128 + 64, two accumulators sharing each step's b), or its
+    columns BN + BN2, not both."""
     g = tile // (K_TILES * N_TILES)
     rest = tile % (K_TILES * N_TILES)
     pid_k = rest // N_TILES
@@ -280,10 +285,13 @@ if HAVE_TRITON:
     end = tl.minimum(tl.sum(tl.where(sel, cum, 0), axis=0), M)
     start = tl.minimum(end - tl.sum(tl.where(sel, sizes, 0), axis=0), end)
 
-    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_k = pid_k * (BK + BK2) + tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
     offs_r = tl.arange(0, BM)
     acc = tl.zeros((BK, BN), dtype=tl.float32)
+    if BK2 > 0:
+      offs_k2 = pid_k * (BK + BK2) + BK + tl.arange(0, BK2)
+      acc_k2 = tl.zeros((BK2, BN), dtype=tl.float32)
     if BN2 > 0:
       offs_n2 = pid_n * (BN + BN2) + BN + tl.arange(0, BN2)
       acc2 = tl.zeros((BK, BN2), dtype=tl.float32)
@@ -307,6 +315,11 @@ if HAVE_TRITON:
       if A_SCALE:
         a_scale = tl.load(a_scale_ptr + rows, mask=rmask, other=0.0)
         a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
+      if BK2 > 0:
+        a2 = tl.load(a_ptr + a_rows[:, None] * K + offs_k2[None, :],
+                     mask=rmask[:, None] & (offs_k2[None, :] < K), other=0.0)
+        if A_SCALE:
+          a2 = (a2.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
       if N % (BN + BN2) == 0:
         b = tl.load(b_ptr + b_rows[:, None] * N + offs_n[None, :], mask=rmask[:, None], other=0.0)
       else:
@@ -314,6 +327,8 @@ if HAVE_TRITON:
                     mask=rmask[:, None] & (offs_n[None, :] < N), other=0.0)
       at = tl.trans(a)
       acc = tl.dot(at, b, acc)
+      if BK2 > 0:
+        acc_k2 = tl.dot(tl.trans(a2), b, acc_k2)
       if BN2 > 0:
         if N % (BN + BN2) == 0:
           b2 = tl.load(b_ptr + b_rows[:, None] * N + offs_n2[None, :], mask=rmask[:, None], other=0.0)
@@ -329,14 +344,17 @@ if HAVE_TRITON:
     if BN2 > 0:
       tl.store(o_base + offs_k[:, None] * N + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
                mask=kmask[:, None] & (offs_n2[None, :] < N))
+    if BK2 > 0:
+      tl.store(o_base + offs_k2[:, None] * N + offs_n[None, :], acc_k2.to(o_ptr.dtype.element_ty),
+               mask=(offs_k2 < K)[:, None] & (offs_n[None, :] < N))
 
   @triton.jit
   def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
                    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
-                   GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                   BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                   A_INDEX: tl.constexpr, B_INDEX: tl.constexpr, A_SCALE: tl.constexpr,
-                   NUM_PROGS: tl.constexpr = 0):
+                   GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
+                   BN: tl.constexpr, BN2: tl.constexpr, K_TILES: tl.constexpr,
+                   N_TILES: tl.constexpr, A_INDEX: tl.constexpr, B_INDEX: tl.constexpr,
+                   A_SCALE: tl.constexpr, NUM_PROGS: tl.constexpr = 0):
     # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
     # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
     # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
@@ -346,11 +364,11 @@ if HAVE_TRITON:
     pid = tl.program_id(0)
     if NUM_PROGS == 0:
       _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, pid, M, K, N, G,
-                 GP, BM, BK, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE)
+                 GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE)
     else:
       for tile in tl.range(pid, G * K_TILES * N_TILES, NUM_PROGS, flatten=True):
         _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile, M, K, N,
-                   G, GP, BM, BK, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE)
+                   G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,12 +391,17 @@ def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig,
                 num_sms: int = 132) -> dict:
   # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step;
   # cfg.persistent: p programs an SM striding over the output tiles (0: one program a tile).
+  # Either side may be two powers of two (192 = 128 + 64), not both (four accumulators).
+  bk, bk2 = split_width(cfg.bm)
   bn, bn2 = split_width(cfg.bn)
+  if bk2 and bn2:
+    raise ValueError(f"tgmm tile {cfg.bm} x {cfg.bn}: at most one side may be a sum of two powers "
+                     "of two")
   k_tiles = -(-k // cfg.bm)
   n_tiles = -(-n // cfg.bn)
   tiles = g * k_tiles * n_tiles
   num_progs = min(cfg.persistent * num_sms, tiles) if cfg.persistent else 0
-  return dict(grid=(num_progs or tiles,), BK=cfg.bm, BN=bn, BN2=bn2, BM=cfg.bk,
+  return dict(grid=(num_progs or tiles,), BK=bk, BK2=bk2, BN=bn, BN2=bn2, BM=cfg.bk,
               K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g), NUM_PROGS=num_progs,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

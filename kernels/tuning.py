@@ -180,6 +180,8 @@ def lookup(backend: str, op: str, m: int, kc: int, no: int, g: int,
     cfg = default_config(backend, op.split("+")[0], m, kc, no, g)
   if backend == "triton" and not _width_ok(cfg.bn):
     raise ValueError(f"triton tile width {cfg.bn} must be a power of two or a sum of two")
+  if backend == "triton" and op.split("+")[0] == "tgmm" and not _width_ok(cfg.bm):
+    raise ValueError(f"triton tgmm tile rows {cfg.bm} must be a power of two or a sum of two")
   return cfg
 
 
@@ -220,6 +222,12 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
                                  (128, 256, 64, 8, 3), (128, 192, 64, 8, 3), (256, 128, 64, 8, 3)):
         if bn in widths or bn <= no:
           out.append(TileConfig(bm, bn, bk, nw, ns))
+      # All of a 192-row output side in one tile (128 + 64 rows, two accumulators sharing each
+      # step's rows of the other operand): a torch + Triton probe of UMoE-base's down-projection
+      # weight gradient (BENCHMARKS.md, run 69) ran 471 against 401 TFLOP/s for the tabled 64-row tile.
+      if kc % 192 == 0 and no % 128 == 0:
+        for bn, bk, nw, ns in ((128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 4, 5), (64, 64, 4, 4)):
+          out.append(TileConfig(192, bn, bk, nw, ns))
     else:
       # Round 4: the tabled tile as a persistent grid (1 or 2 programs per SM, flattened loop so the
       # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row

@@ -601,7 +601,39 @@ def _triton_interpreter_check():
   # UMoE-base's 192 = 128 + 64), with the zero tail, both grid forms.
   _check_fused_activations(T, 40, 48, 32, np.asarray([9, 0, 20], np.int32), (16, 48, 16),
                            np.random.default_rng(40), none)
+  _check_tgmm_split_rows(T, none)
   print("TRITON_INTERPRETER_OK")
+
+
+def _check_tgmm_split_rows(T, none):
+  """tgmm with its output tile's rows in two pieces (48 = 32 + 16, as UMoE-base's 192 = 128 + 64
+  down-projection weight gradient): all of K in one tile (K = 48) and K past the second piece's end
+  (K = 40, masked), with gathered and scaled rows and an empty group, both grid forms."""
+  rng = np.random.default_rng(48)
+  gs = np.asarray([11, 0, 17, 6], np.int32)
+  m, n, g = int(gs.sum()) + 3, 32, len(gs)  # 3 rows past the groups: never read
+  for k, (persistent, a_index, b_index, a_scale) in itertools.product(
+      (48, 40), ((0, False, False, False), (0, True, True, True), (1, False, True, True))):
+    src_a = rng.standard_normal((m + 5, k)).astype(np.float32)
+    src_dy = rng.standard_normal((m + 2, n)).astype(np.float32)
+    ia = rng.integers(0, src_a.shape[0], m).astype(np.int32)
+    idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
+    scale = rng.standard_normal(m).astype(np.float32)
+    a, dy = src_a[:m], src_dy[:m]
+    launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(48, 16, 16, persistent=persistent), num_sms=2)
+    assert (launch["BK"], launch["BK2"], launch["K_TILES"]) == (32, 16, 1)
+    grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+    out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
+    T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
+                         _NpTensor(gs), _NpTensor(ia) if a_index else none(),
+                         _NpTensor(idy) if b_index else none(),
+                         _NpTensor(scale) if a_scale else none(), out, M=m, K=k, N=n, G=g,
+                         A_INDEX=a_index, B_INDEX=b_index, A_SCALE=a_scale, **launch)
+    lhs = src_a[ia] if a_index else a
+    want = _ref_tgmm(lhs * scale[:, None] if a_scale else lhs, src_dy[idy] if b_index else dy, gs)
+    np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
+                               err_msg=f"k={k} persistent={persistent} a_index={a_index} "
+                                       f"b_index={b_index} a_scale={a_scale}")
 
 
 def _check_fused_activations(T, m, k, n, gs, tile, rng, none):

@@ -302,6 +302,37 @@ def test_triton_persistent_tgmm(persistent):
     assert np.all(np.asarray(out)[gs == 0] == 0), "empty groups must be zero"
 
 
+
+@pytest.mark.parametrize("cfg", [(192, 128, 64, 4, 4), (192, 128, 64, 8, 4), (192, 64, 64, 4, 4),
+                                 (192, 128, 64, 4, 4, 1)])
+def test_triton_tgmm_split_row_tiles(cfg):
+  """The weight gradient with its output tile's rows in two pieces (192 = 128 + 64: all of a
+  192-wide expert's rows in one tile), plain, with gathered rows and the gate scale as
+  gmm_combine's backward calls it, on both grids; empty groups zero."""
+  if "triton" not in BACKENDS:
+    pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
+  _require("triton")
+  from kernels import triton_gmm, tuning
+  cfg = tuning.TileConfig(*cfg)
+  m, k, n = 3001, 192, 768
+  gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)   # 2834 rows used
+  x, _, dy, gsj = _inputs(m, k, n, gs, ("split-row tgmm", cfg))
+  rng = np.random.default_rng(_seed("split-row tgmm index", cfg))
+  idx = jnp.asarray(rng.permutation(m).astype(np.int32))
+  scale = jnp.asarray(rng.uniform(0.1, 1.0, m).astype(np.float32))
+  plain = jax.jit(lambda a, b, g: triton_gmm.triton_tgmm(
+      a, b, g, num_groups=len(gs), out_dtype=jnp.float32, config=cfg))(x, dy, gsj)
+  assert _rel(np.asarray(plain), _ref_tgmm(x, dy, gs)) < 1e-2
+  fused = jax.jit(lambda a, b, g, i, sc: triton_gmm.triton_tgmm(
+      a, b, g, num_groups=len(gs), out_dtype=jnp.float32, config=cfg, rhs_index=i,
+      lhs_scale=sc))(x, dy, gsj, idx, scale)
+  a_rows = (np.asarray(x, np.float32) * np.asarray(scale)[:, None]).astype(jnp.bfloat16)
+  ref = _ref_tgmm(a_rows, np.asarray(dy)[np.asarray(idx)], gs)
+  assert _rel(np.asarray(fused), ref) < 1e-2
+  for out in (plain, fused):
+    assert np.all(np.asarray(out)[gs == 0] == 0), "empty groups must be zero"
+
+
 def _epilogue_tiles():
   """The tiles the Triton backend's tuning table gives the input-gradient call with the row dot
   (gmm_combine's backward: gmm_t, gathered or not), each (kc, no, cfg) once."""
