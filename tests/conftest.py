@@ -142,6 +142,21 @@ def positions_for(b: int, t: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
+def interpreter_loop_bounds() -> None:
+  """Lets Triton's interpreter (TRITON_INTERPRET=1) take tensors as loop bounds: under numpy >= 2
+  it calls int() on a size-1 array, which numpy refuses. Call it before running a kernel there."""
+  import triton.runtime.interpreter as interp
+  orig = interp._patch_lang_tensor
+  if getattr(orig, "takes_loop_bounds", False):
+    return
+
+  def patched(tensor, scope):
+    orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+  patched.takes_loop_bounds = True
+  interp._patch_lang_tensor = patched
+
+
 def run_in_triton_interpreter(module: str, check: str, marker: str, timeout: int = 300) -> None:
   """Runs `<module>.<check>()` of a test module in a fresh CPU process with TRITON_INTERPRET=1 (it
   must be set before Triton is imported) and asserts that it printed `marker`."""

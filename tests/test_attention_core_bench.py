@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import run_in_triton_interpreter
+from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,13 +28,7 @@ def _sweep_check():
   import test_triton_attention as tta
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
-  import triton.runtime.interpreter as interp
-  orig = interp._patch_lang_tensor
-
-  def patched(tensor, scope):  # numpy >= 2 refuses int() of a size-1 array (dynamic loop bounds)
-    orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-  interp._patch_lang_tensor = patched
+  interpreter_loop_bounds()
   ta._launch = tta._interpreter_launch
 
   def inputs(shape, seed=0):  # float32: the interpreter has no bf16

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_in_triton_interpreter
+from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 import kernels
 from kernels import schedule, triton_gmm, tuning
 from umoe_jax.ops import gmm as G
@@ -529,13 +529,7 @@ TRITON_CASES = [  # m, k, n, group sizes, (bm, bn, bk)
 
 def _triton_interpreter_check():
   """Runs in a fresh process with TRITON_INTERPRET=1 set before Triton is imported."""
-  import triton.runtime.interpreter as interp
-  orig = interp._patch_lang_tensor
-
-  def patched(tensor, scope):  # numpy >= 2 refuses int() of a size-1 array (dynamic loop bounds)
-    orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-  interp._patch_lang_tensor = patched
+  interpreter_loop_bounds()
   T = triton_gmm
   for m, k, n, gs, tile in TRITON_CASES:
     rng = np.random.default_rng(m)

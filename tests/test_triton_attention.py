@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import run_in_triton_interpreter
+from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 from kernels import attention_tiles as at
 from kernels import triton_attention as ta
 
@@ -247,13 +247,7 @@ def _interpreter_check():
   import jax
   jax.config.update("jax_enable_x64", True)
   import jax.numpy as jnp
-  import triton.runtime.interpreter as interp
-  orig = interp._patch_lang_tensor
-
-  def patched(tensor, scope):  # numpy >= 2 refuses int() of a size-1 array (dynamic loop bounds)
-    orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-  interp._patch_lang_tensor = patched
+  interpreter_loop_bounds()
   ta._launch = _interpreter_launch
 
   cases = [(*c, None, False, None, None) for c in CASES] + STORED_CASES
