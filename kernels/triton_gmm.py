@@ -307,7 +307,8 @@ if HAVE_TRITON:
         b_rows = tl.load(b_idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
       else:
         b_rows = rows.to(tl.int64)
-      if K % BK == 0:
+      # A K tile spans BK + BK2 rows of the output: only a K that is not a multiple of that masks.
+      if K % (BK + BK2) == 0:
         a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :], mask=rmask[:, None], other=0.0)
       else:
         a = tl.load(a_ptr + a_rows[:, None] * K + offs_k[None, :],
@@ -316,8 +317,12 @@ if HAVE_TRITON:
         a_scale = tl.load(a_scale_ptr + rows, mask=rmask, other=0.0)
         a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
       if BK2 > 0:
-        a2 = tl.load(a_ptr + a_rows[:, None] * K + offs_k2[None, :],
-                     mask=rmask[:, None] & (offs_k2[None, :] < K), other=0.0)
+        if K % (BK + BK2) == 0:
+          a2 = tl.load(a_ptr + a_rows[:, None] * K + offs_k2[None, :], mask=rmask[:, None],
+                       other=0.0)
+        else:
+          a2 = tl.load(a_ptr + a_rows[:, None] * K + offs_k2[None, :],
+                       mask=rmask[:, None] & (offs_k2[None, :] < K), other=0.0)
         if A_SCALE:
           a2 = (a2.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
       if N % (BN + BN2) == 0:

@@ -223,8 +223,10 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
         if bn in widths or bn <= no:
           out.append(TileConfig(bm, bn, bk, nw, ns))
       # All of a 192-row output side in one tile (128 + 64 rows, two accumulators sharing each
-      # step's rows of the other operand): a torch + Triton probe of UMoE-base's down-projection
-      # weight gradient (BENCHMARKS.md, run 69) ran 471 against 401 TFLOP/s for the tabled 64-row tile.
+      # step's rows of the other operand): in a torch + Triton probe of UMoE-base's down-projection
+      # weight gradient (BENCHMARKS.md, run 69) 471 TFLOP/s against 382 for the tabled 64 x 128 tile
+      # in the same kernel (401 in the library's); at the gathered call the step makes, no gain (run
+      # 70), so not tabled. (N a multiple of the widest candidate's 128 columns.)
       if kc % 192 == 0 and no % 128 == 0:
         for bn, bk, nw, ns in ((128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 4, 5), (64, 64, 4, 4)):
           out.append(TileConfig(192, bn, bk, nw, ns))

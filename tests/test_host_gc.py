@@ -36,3 +36,17 @@ def test_release_without_freeze_leaves_the_heap_alone():
   assert not heap.frozen
   gc.collect()
   assert alive() is None
+
+
+def test_a_heap_frozen_elsewhere_is_left_to_whoever_froze_it():
+  gc.collect()
+  gc.freeze()   # e.g. a server that froze at start-up, or an outer FrozenHeap
+  try:
+    outer = gc.get_freeze_count()
+    with host_gc.FrozenHeap() as heap:
+      heap.freeze()
+      assert not heap.frozen
+    assert gc.get_freeze_count() == outer   # not thawed by the inner block
+  finally:
+    gc.unfreeze()
+

@@ -601,13 +601,14 @@ def _triton_interpreter_check():
 
 def _check_tgmm_split_rows(T, none):
   """tgmm with its output tile's rows in two pieces (48 = 32 + 16, as UMoE-base's 192 = 128 + 64
-  down-projection weight gradient): all of K in one tile (K = 48) and K past the second piece's end
-  (K = 40, masked), with gathered and scaled rows and an empty group, both grid forms."""
+  down-projection weight gradient): all of K in one tile (K = 48), K ending inside the second piece
+  (40, masked), two K tiles (96) with the second's pieces masked (88) or past K (64: K a multiple of
+  the first piece, not of the tile), with gathered and scaled rows and an empty group, both grids."""
   rng = np.random.default_rng(48)
   gs = np.asarray([11, 0, 17, 6], np.int32)
   m, n, g = int(gs.sum()) + 3, 32, len(gs)  # 3 rows past the groups: never read
   for k, (persistent, a_index, b_index, a_scale) in itertools.product(
-      (48, 40), ((0, False, False, False), (0, True, True, True), (1, False, True, True))):
+      (48, 40, 96, 88, 64), ((0, False, False, False), (0, True, True, True), (1, False, True, True))):
     src_a = rng.standard_normal((m + 5, k)).astype(np.float32)
     src_dy = rng.standard_normal((m + 2, n)).astype(np.float32)
     ia = rng.integers(0, src_a.shape[0], m).astype(np.int32)
@@ -615,7 +616,7 @@ def _check_tgmm_split_rows(T, none):
     scale = rng.standard_normal(m).astype(np.float32)
     a, dy = src_a[:m], src_dy[:m]
     launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(48, 16, 16, persistent=persistent), num_sms=2)
-    assert (launch["BK"], launch["BK2"], launch["K_TILES"]) == (32, 16, 1)
+    assert (launch["BK"], launch["BK2"], launch["K_TILES"]) == (32, 16, -(-k // 48))
     grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
     out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
     T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),

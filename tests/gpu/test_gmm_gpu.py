@@ -302,18 +302,19 @@ def test_triton_persistent_tgmm(persistent):
     assert np.all(np.asarray(out)[gs == 0] == 0), "empty groups must be zero"
 
 
-
-@pytest.mark.parametrize("cfg", [(192, 128, 64, 4, 4), (192, 128, 64, 8, 4), (192, 64, 64, 4, 4),
-                                 (192, 128, 64, 4, 4, 1)])
+@pytest.mark.parametrize("cfg", [(192, 128, 64, 4, 4, 0), (192, 128, 64, 8, 4, 0),
+                                 (192, 64, 64, 4, 4, 0), (192, 128, 64, 4, 4, 1)])
 def test_triton_tgmm_split_row_tiles(cfg):
   """The weight gradient with its output tile's rows in two pieces (192 = 128 + 64: all of a
   192-wide expert's rows in one tile), plain, with gathered rows and the gate scale as
-  gmm_combine's backward calls it, on both grids; empty groups zero."""
+  gmm_combine's backward calls it, on both grids (the last field: programs an SM); empty groups
+  zero."""
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
   from kernels import triton_gmm, tuning
-  cfg = tuning.TileConfig(*cfg)
+  *tile, persistent = cfg
+  cfg = tuning.TileConfig(*tile, persistent=persistent)
   m, k, n = 3001, 192, 768
   gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)   # 2834 rows used
   x, _, dy, gsj = _inputs(m, k, n, gs, ("split-row tgmm", cfg))

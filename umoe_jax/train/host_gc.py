@@ -8,6 +8,10 @@ the host). Once the step is compiled, `FrozenHeap.freeze()` collects once and mo
 into the permanent generation (`gc.freeze`), so later collections walk only what the loop itself
 allocates; leaving the `with` block gives them back to the collector (`gc.unfreeze`), so nothing
 frozen outlives the loop (a test process that trains many times does not pile them up).
+
+`gc.unfreeze` thaws the whole permanent generation, so a FrozenHeap takes no part where something
+else froze the heap first (an outer FrozenHeap, a server that froze at start-up): it neither
+freezes nor thaws then. Programs compiled after the freeze (the first evaluation's) stay collectable.
 """
 from __future__ import annotations
 
@@ -18,10 +22,10 @@ class FrozenHeap:
   """`with FrozenHeap() as heap: ...; heap.freeze(); ...` (freeze at most once; idempotent)."""
 
   def __init__(self):
-    self.frozen = False
+    self.frozen = False   # whether this one froze the heap (and so thaws it)
 
   def freeze(self) -> None:
-    if self.frozen:
+    if self.frozen or gc.get_freeze_count() > 0:   # ours already, or someone else's to thaw
       return
     gc.collect()  # what is already garbage goes now, not into the permanent generation
     gc.freeze()

@@ -107,13 +107,12 @@ class Trainer:
   """The loop over steps, with its logging, evaluation, checkpointing and stop handling."""
 
   def __init__(self, s: Setup, state, step: int, *, step_hook: Optional[Callable[[int], None]],
-               profiler: Optional[profiler_lib.StepProfiler] = None,
-               heap: Optional[host_gc.FrozenHeap] = None):
+               heap: host_gc.FrozenHeap, profiler: Optional[profiler_lib.StepProfiler] = None):
     self.s, self.state, self.step = s, state, step
     self.profiler = profiler or profiler_lib.StepProfiler()
-    # Frozen once the step is compiled (host_gc.py: no collector pause inside the timed steps);
-    # whoever made it releases it when the loop ends.
-    self.heap = heap or host_gc.FrozenHeap()
+    # Frozen once the step is compiled (host_gc.py: no collector pause inside the timed steps); the
+    # caller's `with` block releases it when the loop ends.
+    self.heap = heap
     self.routing_probe = routing_probe_lib.make_routing_probe(s)  # log.routing_probe_batches
     self.t = s.config.train
     self.step_hook = step_hook
