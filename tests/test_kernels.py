@@ -577,19 +577,9 @@ def _triton_interpreter_check():
                                                   (1, True, False, True), (2, False, True, False)):
       # a persistent grid of 2 or 4 programs (2 "SMs"): each strides over several output tiles
       launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile, persistent=persistent), num_sms=2)
-      grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
       assert launch["NUM_PROGS"] == (2 * persistent if persistent else 0)
-      out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
-      T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
-                           _NpTensor(gs), _NpTensor(ia) if a_index else none(),
-                           _NpTensor(idy) if b_index else none(),
-                           _NpTensor(scale) if a_scale else none(), out, M=m, K=k, N=n, G=g,
-                           A_INDEX=a_index, B_INDEX=b_index, A_SCALE=a_scale, **launch)
-      lhs = src_a[ia] if a_index else a
-      want = _ref_tgmm(lhs * scale[:, None] if a_scale else lhs, src_dy[idy] if b_index else dy, gs)
-      np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
-                                 err_msg=f"persistent={persistent} a_index={a_index} "
-                                         f"b_index={b_index} a_scale={a_scale}")
+      _check_tgmm(T, none, launch, gs, (a, src_a, ia, a_index), (dy, src_dy, idy, b_index),
+                  scale if a_scale else None, f"persistent={persistent}")
     _check_fused_activations(T, m, k, n, gs, tile, rng, none)
   # The epilogue on the second piece of a split column tile (48 = 32 + 16 output columns, as
   # UMoE-base's 192 = 128 + 64), with the zero tail, both grid forms.
@@ -614,21 +604,33 @@ def _check_tgmm_split_rows(T, none):
     ia = rng.integers(0, src_a.shape[0], m).astype(np.int32)
     idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
     scale = rng.standard_normal(m).astype(np.float32)
-    a, dy = src_a[:m], src_dy[:m]
     launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(48, 16, 16, persistent=persistent), num_sms=2)
     assert (launch["BK"], launch["BK2"], launch["K_TILES"]) == (32, 16, -(-k // 48))
-    grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
-    out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
-    T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
-                         _NpTensor(gs), _NpTensor(ia) if a_index else none(),
-                         _NpTensor(idy) if b_index else none(),
-                         _NpTensor(scale) if a_scale else none(), out, M=m, K=k, N=n, G=g,
-                         A_INDEX=a_index, B_INDEX=b_index, A_SCALE=a_scale, **launch)
-    lhs = src_a[ia] if a_index else a
-    want = _ref_tgmm(lhs * scale[:, None] if a_scale else lhs, src_dy[idy] if b_index else dy, gs)
-    np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
-                               err_msg=f"k={k} persistent={persistent} a_index={a_index} "
-                                       f"b_index={b_index} a_scale={a_scale}")
+    _check_tgmm(T, none, launch, gs, (src_a[:m], src_a, ia, a_index),
+                (src_dy[:m], src_dy, idy, b_index), scale if a_scale else None,
+                f"k={k} persistent={persistent}")
+
+
+def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what):
+  """Runs the tgmm kernel at `launch` (tgmm_launch's dict) and compares it with numpy. lhs / rhs:
+  (plain operand [M, K|N], gather source, row index [M], gathered?); scale: the lhs rows' scale [M]
+  or None. Output starts as NaN, so a tile the kernel never writes fails."""
+  (a, src_a, ia, a_index), (dy, src_dy, idy, b_index) = lhs, rhs
+  m, k, n, g = a.shape[0], a.shape[1], dy.shape[1], len(gs)
+  launch = dict(launch)
+  grid = launch.pop("grid"); launch.pop("num_warps"); launch.pop("num_stages")
+  out = _NpTensor(np.full((g, k, n), np.nan, np.float32))
+  T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
+                       _NpTensor(gs), _NpTensor(ia) if a_index else none(),
+                       _NpTensor(idy) if b_index else none(),
+                       none() if scale is None else _NpTensor(scale), out, M=m, K=k, N=n, G=g,
+                       A_INDEX=a_index, B_INDEX=b_index, A_SCALE=scale is not None, **launch)
+  lhs_rows = src_a[ia] if a_index else a
+  want = _ref_tgmm(lhs_rows if scale is None else lhs_rows * scale[:, None],
+                   src_dy[idy] if b_index else dy, gs)
+  np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4,
+                             err_msg=f"{what} a_index={a_index} b_index={b_index} "
+                                     f"a_scale={scale is not None}")
 
 
 def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
