@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 
-import numpy as np
+import gmm_common  # bench/gmm_common.py (this directory)
 
 try:
   import triton
@@ -132,14 +132,6 @@ if HAVE_TRITON:
                acc2.to(o_ptr.dtype.element_ty))
 
 
-def group_sizes(m: int, g: int, seed: int = 0) -> list[int]:
-  """Dirichlet-skewed sizes summing to m (bench/gmm_common.py's routing)."""
-  p = np.random.default_rng(seed).dirichlet(np.ones(g) * 4.0)
-  sizes = np.floor(p * m).astype(np.int64)
-  sizes[-1] += m - sizes.sum()
-  return [int(s) for s in sizes]
-
-
 def _offsets(sizes, device):
   import torch
   starts = torch.zeros(len(sizes) + 1, dtype=torch.int32)
@@ -229,7 +221,7 @@ def _time(rows, name, call, ref, flops):
 def probe_gmm(rows):
   """192 -> 768 forward (UMoE-base's down projection): TMA or pointer loads, grid or persistent."""
   import torch
-  sizes = group_sizes(M, G)
+  sizes = [int(s) for s in gmm_common.group_sizes(M, G)]  # bench/gmm.py's routing
   a = torch.randn(M, H, device="cuda").to(torch.bfloat16)
   w = (torch.randn(G, H, D, device="cuda") / H ** 0.5).to(torch.bfloat16)
   ref = reference_gmm(a, w, sizes)
@@ -247,7 +239,7 @@ def probe_gmm(rows):
 def probe_tgmm(rows):
   """The down projection's weight gradient h.T @ dY ([M, 192], [M, 768] -> [G, 192, 768])."""
   import torch
-  sizes = group_sizes(M, G)
+  sizes = [int(s) for s in gmm_common.group_sizes(M, G)]  # bench/gmm.py's routing
   a = torch.randn(M, H, device="cuda").to(torch.bfloat16)
   b = torch.randn(M, D, device="cuda").to(torch.bfloat16)
   ref = reference_tgmm(a, b, sizes)
