@@ -132,10 +132,12 @@ if HAVE_TRITON:
                acc2.to(o_ptr.dtype.element_ty))
 
 
-def _offsets(sizes, device):
+def _starts(counts, device):
+  """[0, c0, c0 + c1, ..., sum(counts)] as int32 on `device`: where each group's rows (or tiles)
+  start, the total last."""
   import torch
-  starts = torch.zeros(len(sizes) + 1, dtype=torch.int32)
-  starts[1:] = torch.cumsum(torch.as_tensor(sizes), 0)
+  starts = torch.zeros(len(counts) + 1, dtype=torch.int32)
+  starts[1:] = torch.cumsum(torch.as_tensor(counts), 0)
   return starts.to(device)
 
 
@@ -144,17 +146,16 @@ def gmm_call(a, w, sizes, *, bm, bn, bk, warps, stages, tma, persistent, num_sms
   import torch
   g, k, n = w.shape
   m = a.shape[0]
-  tiles = [-(-s // bm) for s in sizes]
-  tiles_before = torch.zeros(g + 1, dtype=torch.int32)
-  tiles_before[1:] = torch.cumsum(torch.as_tensor(tiles), 0)
-  starts, tiles_before = _offsets(sizes, a.device), tiles_before.to(a.device)
+  starts = _starts(sizes, a.device)
+  tiles_before = _starts([-(-s // bm) for s in sizes], a.device)
   total = int(tiles_before[-1]) * (n // bn)
   out = torch.empty((m, n), dtype=a.dtype, device=a.device)
   grid = (min(total, num_sms),) if persistent else (total,)
 
   def call():
-    gmm_kernel[grid](a, w, out, starts, tiles_before, m, total, g, 1 << g.bit_length(), k, n, bm,  # GP > G
-                     bn, bk, tma, persistent, grid[0], stages, num_warps=warps, num_stages=stages)
+    gp = 1 << g.bit_length()   # a power of two > G: the kernel loads tiles_before[0..G] at once
+    gmm_kernel[grid](a, w, out, starts, tiles_before, m, total, g, gp, k, n, bm, bn, bk, tma,
+                     persistent, grid[0], stages, num_warps=warps, num_stages=stages)
     return out
   return call
 
@@ -163,7 +164,7 @@ def tgmm_call(a, b, sizes, *, bm, bk, bk2, bn, warps, stages, tma):
   """A zero-argument launch of tgmm_kernel writing and returning out [G, K, N]."""
   import torch
   k, n, g = a.shape[1], b.shape[1], len(sizes)
-  starts = _offsets(sizes, a.device)
+  starts = _starts(sizes, a.device)
   out = torch.empty((g, k, n), dtype=a.dtype, device=a.device)
   grid = (g * (k // (bk + bk2)) * (n // bn),)
 
