@@ -172,7 +172,7 @@ def gmm_cases(shape: dict):
       consts = dict(M=rows, KC=kc, NO=no, G=g, s_bg=k * n, s_bk=1 if transpose else n,
                     s_bn=n if transpose else 1, A_INDEX=gathered, ROW_SCALE=epi is not None,
                     ROW_DOT=epi is not None, EPI_ACT=1 if epi else 0,
-                    SCALED_D=epi == "act+rows", **launch)
+                    SCALED_D=epi == "act+rows", FAST_SIGMOID=tg.FAST_SIGMOID, **launch)
       yield (f"{pool} {name}", cfg, tg._gmm_kernel, ptrs, dict(consts, num_warps=warps,
                                                                 num_stages=stages))
     for base_name, op, kk, nn, gathered in (("down wgrad (gathered dout)", "tgmm+gather", f, d, True),

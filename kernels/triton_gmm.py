@@ -63,10 +63,27 @@ def split_width(width: int) -> tuple[int, int]:
 if HAVE_TRITON:
 
   @triton.jit
-  def _act(x, ACT: tl.constexpr):
-    """An activation of float32 x: ACT 1 = SiLU, 2 = ReLU, 0 = identity (FUSED_ACTIVATIONS)."""
+  def _sigmoid(x, FAST: tl.constexpr):
+    """Sigmoid of float32 x. FAST: 0.5 + 0.5 * tanh(x / 2) through the one-instruction
+    `tanh.approx.f32` (absolute error <= ~2.5e-4) instead of an exponential and a reciprocal, two
+    special-function ops an element that a matmul epilogue cannot hide (BENCHMARKS.md, runs
+    72-73: the down projection's input gradient with the SiLU epilogue 22% faster on its tile,
+    UMoE-base's step 2.2 ms). Inline PTX: not in Triton's interpreter, whose launches keep FAST
+    off."""
+    if FAST:
+      t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5],
+                                    dtype=tl.float32, is_pure=True, pack=1)
+      y = 0.5 * t + 0.5
+    else:
+      y = tl.sigmoid(x)
+    return y
+
+  @triton.jit
+  def _act(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """An activation of float32 x: ACT 1 = SiLU, 2 = ReLU, 0 = identity (FUSED_ACTIVATIONS); FAST
+    as in `_sigmoid`."""
     if ACT == 1:
-      y = x * tl.sigmoid(x)
+      y = x * _sigmoid(x, FAST)
     elif ACT == 2:
       y = tl.maximum(x, 0.0)
     else:
@@ -74,10 +91,12 @@ if HAVE_TRITON:
     return y
 
   @triton.jit
-  def _act_grad(x, ACT: tl.constexpr):
-    """The activation's derivative at float32 x (ACT as in `_act`)."""
+  def _act_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """The activation's derivative at float32 x (ACT and FAST as in `_act`). With FAST the
+    compiler shares one tanh with `_act`'s at the same x; the exact form's exponential and divide
+    come twice (the PTX of the SiLU epilogue: two of each an element)."""
     if ACT == 1:
-      sig = tl.sigmoid(x)
+      sig = _sigmoid(x, FAST)
       y = sig * (1.0 + x * (1.0 - sig))
     elif ACT == 2:
       y = (x > 0.0).to(tl.float32)
@@ -108,11 +127,11 @@ if HAVE_TRITON:
 
   @triton.jit
   def _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO: tl.constexpr,
-                   EPI_ACT: tl.constexpr):
+                   EPI_ACT: tl.constexpr, FAST: tl.constexpr):
     """ds[rows, cols] = act(d) (or d) rounded to d's dtype, times scale[row], in ds's dtype: the
     gate-scaled operand rows of gmm_combine's weight gradient, as its XLA pass makes them."""
     if EPI_ACT != 0:
-      a = _act(z, EPI_ACT).to(d.dtype).to(tl.float32)
+      a = _act(z, EPI_ACT, FAST).to(d.dtype).to(tl.float32)
     else:
       a = z
     tl.store(ds_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :],
@@ -125,7 +144,7 @@ if HAVE_TRITON:
                 s_bk: tl.constexpr, s_bn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BN2: tl.constexpr, BK: tl.constexpr, A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr,
                 ROW_DOT: tl.constexpr, EPI_ACT: tl.constexpr, SCALED_D: tl.constexpr,
-                PREFETCH_D: tl.constexpr):
+                PREFETCH_D: tl.constexpr, FAST_SIGMOID: tl.constexpr):
     """One (row tile, column tile): out[row0:row_end, cols] = a[rows] @ b[g][:, cols] (zeros when
     not `compute`); a's rows come through `a_idx` when A_INDEX, output rows are scaled by
     `scale[row]` when ROW_SCALE; with ROW_DOT, rd[pid_n, row] = <unscaled out[row, cols], d[row, cols]>.
@@ -134,7 +153,8 @@ if HAVE_TRITON:
     SCALED_D (with ROW_DOT and ROW_SCALE): also ds[rows, cols] = act(d) (or d) * scale[row].
     PREFETCH_D (with ROW_DOT): d's tile is loaded before the contraction instead of after it, so
     its latency hides behind the matmul (the tile stays live through the loop; compiled for sm_90a
-    at the surveyed tiles it took no more registers than the load after it)."""
+    at the surveyed tiles it took no more registers than the load after it). FAST_SIGMOID: SiLU's
+    sigmoid through tanh.approx (`_sigmoid`)."""
     offs_m = row0 + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
@@ -190,12 +210,12 @@ if HAVE_TRITON:
                     other=0.0)
       z = d.to(tl.float32)
       if EPI_ACT != 0:  # d holds pre-activations z: the dot with act(z), the output times act'(z)
-        part = tl.sum(acc * _act(z, EPI_ACT), axis=1)
-        acc = acc * _act_grad(z, EPI_ACT)
+        part = tl.sum(acc * _act(z, EPI_ACT, FAST_SIGMOID), axis=1)
+        acc = acc * _act_grad(z, EPI_ACT, FAST_SIGMOID)
       else:
         part = tl.sum(acc * z, axis=1)
       if SCALED_D:
-        _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO, EPI_ACT)
+        _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO, EPI_ACT, FAST_SIGMOID)
     if ROW_SCALE:
       acc = acc * scale[:, None]
     o_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :]
@@ -207,12 +227,13 @@ if HAVE_TRITON:
                        other=0.0)
         z2 = d2.to(tl.float32)
         if EPI_ACT != 0:
-          part += tl.sum(acc2 * _act(z2, EPI_ACT), axis=1)
-          acc2 = acc2 * _act_grad(z2, EPI_ACT)
+          part += tl.sum(acc2 * _act(z2, EPI_ACT, FAST_SIGMOID), axis=1)
+          acc2 = acc2 * _act_grad(z2, EPI_ACT, FAST_SIGMOID)
         else:
           part += tl.sum(acc2 * z2, axis=1)
         if SCALED_D:
-          _scaled_rows(ds_ptr, d2, z2, scale, offs_m, offs_n2, row_mask, NO, EPI_ACT)
+          _scaled_rows(ds_ptr, d2, z2, scale, offs_m, offs_n2, row_mask, NO, EPI_ACT,
+                       FAST_SIGMOID)
       if ROW_SCALE:
         acc2 = acc2 * scale[:, None]
       o2_ptrs = o_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n2[None, :]
@@ -229,7 +250,7 @@ if HAVE_TRITON:
                   N_TILES: tl.constexpr, NUM_PROGS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
                   A_INDEX: tl.constexpr, ROW_SCALE: tl.constexpr, ROW_DOT: tl.constexpr,
                   EPI_ACT: tl.constexpr = 0, SCALED_D: tl.constexpr = False,
-                  PREFETCH_D: tl.constexpr = False):
+                  PREFETCH_D: tl.constexpr = False, FAST_SIGMOID: tl.constexpr = False):
     # out[M, NO] = a[M, KC] @ b[g][KC, NO]; b[g][k, n] at b_ptr + g*s_bg + k*s_bk + n*s_bn.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = _row_schedule(gs_ptr, M, G, GP, BM)
@@ -243,7 +264,7 @@ if HAVE_TRITON:
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   tl.minimum(g, G - 1), row0, row_end, pid % N_TILES, g < G,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT, SCALED_D, PREFETCH_D)
+                  EPI_ACT, SCALED_D, PREFETCH_D, FAST_SIGMOID)
     else:
       # Persistent: NUM_PROGS programs stride over the tiles. The flattened loop lets the software
       # pipeline prefetch the next tile's operands while this tile's epilogue stores.
@@ -254,13 +275,13 @@ if HAVE_TRITON:
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   g, row0, row_end, t % N_TILES, True,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT, SCALED_D, PREFETCH_D)
+                  EPI_ACT, SCALED_D, PREFETCH_D, FAST_SIGMOID)
       for t in range(work + pid, num_tiles * N_TILES, NUM_PROGS):  # the zero tail
         g, row0, row_end = _locate(t // N_TILES, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
         _gmm_tile(a_ptr, b_ptr, o_ptr, a_idx_ptr, scale_ptr, d_ptr, rd_ptr, ds_ptr,
                   tl.minimum(g, G - 1), row0, row_end, t % N_TILES, False,
                   M, KC, NO, s_bg, s_bk, s_bn, BM, BN, BN2, BK, A_INDEX, ROW_SCALE, ROW_DOT,
-                  EPI_ACT, SCALED_D, PREFETCH_D)
+                  EPI_ACT, SCALED_D, PREFETCH_D, FAST_SIGMOID)
 
   @triton.jit
   def _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile,
@@ -438,6 +459,11 @@ def _act_code(name, what):
   return FUSED_ACTIVATIONS[name]
 
 
+# The epilogue's SiLU takes its sigmoid from tanh.approx (`_sigmoid`): on the GPU the launches
+# below always do; False gives the exponential-and-reciprocal form (to compare the two).
+FAST_SIGMOID = True
+
+
 def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
                lhs_index=None, row_scale=None, row_dot=None, epi_act=None, scaled_row_dot=False):
   """Raw grouped matmul (see module docstring). `lhs_index` [M] int32: the operand's row r is
@@ -484,7 +510,8 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
                  scaled_shape],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), **launch, **triton_launch.launch_kwargs())
+      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), FAST_SIGMOID=FAST_SIGMOID, **launch,
+      **triton_launch.launch_kwargs())
   if row_dot is None:
     return out
   return (out, dots.sum(axis=0), scaled) if scaled_row_dot else (out, dots.sum(axis=0))

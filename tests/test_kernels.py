@@ -267,6 +267,33 @@ def test_row_dot_epilogue_matches_numpy(act_name, dtype):
   assert epilogue.row_dot_epilogue(u, scale, None, None, dtype)[1] is None
 
 
+def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch):
+  """The dgrad call with the silu epilogue launches the kernel with FAST_SIGMOID as
+  `triton_gmm.FAST_SIGMOID` says (default on: tanh.approx, GPU only; the interpreter's launches in
+  this file leave the kernel's default, off); the launch replaced by a recorder (no GPU)."""
+  launches = []
+
+  def fake_triton_call(*args, out_shape, **params):
+    launches.append(params)
+    return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+
+  monkeypatch.setattr(triton_gmm, "jt", type("FakeJT", (), {"triton_call": staticmethod(
+      fake_triton_call)}), raising=False)
+  m, kc, no = 40, 32, 16
+  args = (jnp.ones((m, kc), jnp.bfloat16), jnp.ones((2, no, kc), jnp.bfloat16),
+          jnp.asarray([20, 20], jnp.int32))
+  z = jnp.ones((m, no), jnp.bfloat16)
+  cfg = tuning.TileConfig(64, 16, 32, 4, 3)
+  assert triton_gmm.FAST_SIGMOID
+  for fast in (True, False):
+    monkeypatch.setattr(triton_gmm, "FAST_SIGMOID", fast)
+    triton_gmm.triton_gmm(*args, transpose_rhs=True, config=cfg, row_dot=z, epi_act="silu")
+    assert launches[-1]["FAST_SIGMOID"] is fast and launches[-1]["EPI_ACT"] == 1
+  import inspect
+  default = inspect.signature(triton_gmm._gmm_kernel.fn).parameters["FAST_SIGMOID"].default
+  assert default is False     # what the interpreter's direct launches get
+
+
 def test_triton_gmm_with_the_xla_epilogue_runs_the_plain_kernel(monkeypatch):
   """With `TileConfig.xla_epilogue` the dgrad call (gathered rows, row scale, row dot with the silu
   epilogue, scaled rows) launches the kernel without any epilogue, on the same tile and gathered

@@ -388,6 +388,43 @@ def test_tabled_dgrad_epilogue_tiles(shape_cfg, epilogue):
   assert np.all(np.asarray(out, np.float32)[used:] == 0), "padding rows must be zero"
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_silu_epilogue_sigmoid_error_bound(fast):
+  """The silu epilogue's sigmoid (`triton_gmm.FAST_SIGMOID`: tanh.approx, the default, or exp and
+  reciprocal) elementwise over pre-activations across [-16, 16], the product u = 1 exactly (rows of
+  ones times an identity weight) and a float32 output, so what is compared is the epilogue alone:
+  out = act'(z) * scale within 3e-4 * (1 + |z|) of float64 (the tanh form's bound: its sigmoid
+  within ~2.5e-4, times |d act' / d sigmoid| <= 1 + |z|), and the row dots sum(silu(z)) within
+  3e-4 * sum(1 + |z|)."""
+  if "triton" not in BACKENDS:
+    pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
+  _require("triton")
+  from kernels import triton_gmm
+  m, width, g = 2048, 64, 2
+  gs = jnp.asarray([1000, m - 1000], jnp.int32)
+  z = jnp.linspace(-16.0, 16.0, m * width, dtype=jnp.float32).reshape(m, width)
+  z = jax.random.permutation(_key("sigmoid", fast), z.reshape(-1)).reshape(m, width)
+  z = z.astype(jnp.bfloat16)       # the pre-activations arrive in bf16; the epilogue works in f32
+  scale = jax.random.uniform(_key("sigmoid_scale", fast), (m,), jnp.float32, 0.5, 1.0)
+  ones = jnp.ones((m, width), jnp.bfloat16)
+  eye = jnp.broadcast_to(jnp.eye(width, dtype=jnp.bfloat16), (g, width, width))
+  old = triton_gmm.FAST_SIGMOID
+  try:
+    triton_gmm.FAST_SIGMOID = fast
+    out, dots = jax.jit(lambda *a: triton_gmm.triton_gmm(
+        *a[:3], transpose_rhs=True, out_dtype=jnp.float32, row_scale=a[3], row_dot=a[4],
+        epi_act="silu"))(ones, eye, gs, scale, z)
+  finally:
+    triton_gmm.FAST_SIGMOID = old
+  zf = np.asarray(z, np.float64)
+  sig = 1.0 / (1.0 + np.exp(-zf))
+  bound = 3e-4 * (1.0 + np.abs(zf))
+  err = np.abs(np.asarray(out, np.float64) / np.asarray(scale)[:, None] - sig * (1 + zf * (1 - sig)))
+  assert np.all(err <= bound), (float(err.max()), float(zf.reshape(-1)[err.argmax()]))
+  dot_err = np.abs(np.asarray(dots, np.float64) - (zf * sig).sum(-1))
+  assert np.all(dot_err <= bound.sum(-1)), float(dot_err.max())
+
+
 def _tabled_tiles():
   """Every distinct (op, kc, no, tile) of the Triton backend's tuning table, gathered or not."""
   from kernels import tuning
