@@ -34,6 +34,7 @@ import optax  # noqa: E402
 import timing  # noqa: E402  (bench/timing.py)
 from checks import rel_err  # noqa: E402
 from umoe_jax.train import optimizer as optimizer_lib  # noqa: E402
+from umoe_jax.train.step import keep_if  # noqa: E402
 
 
 def _rows_norm(tree, barrier: bool = False):
@@ -77,9 +78,8 @@ def update_fn(form: str, train, mask):
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     apply = jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
-    new_params = keep(new_params, params)
-    return new_params, keep(new_opt, opt_state), grad_norm, norm_fn(new_params)
+    new_params = keep_if(apply, new_params, params)
+    return new_params, keep_if(apply, new_opt, opt_state), grad_norm, norm_fn(new_params)
   return tx, jax.jit(f)
 
 

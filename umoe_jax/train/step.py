@@ -142,6 +142,12 @@ def grads_and_stats(params: Any, batch: dict, *, graphdef: Any, accum_steps: int
   return grads, _reduce_micro(stats, accum_steps)
 
 
+def keep_if(apply: jax.Array, new: Any, old: Any) -> Any:
+  """`new` where `apply` ([] bool) holds, else `old`, leaf by leaf: a dropped update (non-finite, or
+  the state halted) leaves parameters and optimizer state as they were."""
+  return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+
+
 def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.GradientTransformation,
                schedule: optax.Schedule, accum_steps: int = 1, remat: bool | str = False,
                on_nonfinite: str = "stop", loss_chunk_tokens: int = 0,
@@ -180,12 +186,11 @@ def train_step(state: TrainState, batch: dict, *, graphdef: Any, tx: optax.Gradi
     params = optax.apply_updates(state.params, updates)
   # Aux-loss-free balancing: selection biases follow this batch's loads (no gradient of their own).
   params, bias_spreads = update_selection_biases(params, graphdef, stats["routers"])
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
-  new_params = keep(params, state.params)
+  new_params = keep_if(apply, params, state.params)
   new_state = state.replace(
       step=state.step + 1,
       params=new_params,
-      opt_state=keep(opt_state, state.opt_state),
+      opt_state=keep_if(apply, opt_state, state.opt_state),
       skipped=state.skipped + (1 - apply.astype(jnp.int32)),
       halted=halted)
   metrics = {
