@@ -46,10 +46,11 @@ def _ptxas() -> str:
 def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warps: int,
                       num_stages: int, aligned_pointers: bool = True) -> dict:
   """Compiles `kernel` (a @triton.jit function) for sm_90a and returns {"registers", "spill_stores",
-  "spill_loads", "stack", "shared", "async_copies", "wgmma", "mma_sync"} (bytes but registers;
-  async_copies: the PTX's cp.async instructions, none when the operand loads are not pipelined;
-  wgmma / mma_sync: its Hopper warpgroup MMAs and its Ampere-style warp MMAs, the latter where a
-  dot did not lower to wgmma). `pointer_types`: the
+  "spill_loads", "stack", "shared", "async_copies", "wgmma", "mma_sync", "tanh_approx"} (bytes but
+  registers; async_copies: the PTX's cp.async instructions, none when the operand loads are not
+  pipelined; wgmma / mma_sync: its Hopper warpgroup MMAs and its Ampere-style warp MMAs, the latter
+  where a dot did not lower to wgmma; tanh_approx: its tanh.approx.f32 instructions, the fast
+  sigmoid of the gmm epilogue, kernels/triton_gmm.FAST_SIGMOID). `pointer_types`: the
   pointer and scalar parameters' Triton types ("*bf16", "*fp32", "*i32", "i32"); `constexprs`: every
   other parameter's value (parameters left out take their defaults).
 
@@ -92,7 +93,8 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
                 stack=number(r"(\d+) bytes stack frame"), shared=int(compiled.metadata.shared),
                 async_copies=len(re.findall(r"\bcp\.async\.c[ag]\b", compiled.asm["ptx"])),
                 wgmma=len(re.findall(r"\bwgmma\.mma_async\b", compiled.asm["ptx"])),
-                mma_sync=len(re.findall(r"\bmma\.sync\b", compiled.asm["ptx"])))
+                mma_sync=len(re.findall(r"\bmma\.sync\b", compiled.asm["ptx"])),
+                tanh_approx=len(re.findall(r"\btanh\.approx\.f32\b", compiled.asm["ptx"])))
   except AttributeError:
     raise RuntimeError(f"ptxas -v gave no resource line for {kernel.fn.__name__}:\n{report}") from None
 

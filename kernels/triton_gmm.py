@@ -63,14 +63,13 @@ def split_width(width: int) -> tuple[int, int]:
 if HAVE_TRITON:
 
   @triton.jit
-  def _sigmoid(x, FAST: tl.constexpr):
-    """Sigmoid of float32 x. FAST: 0.5 + 0.5 * tanh(x / 2) through the one-instruction
-    `tanh.approx.f32` (absolute error <= ~2.5e-4) instead of an exponential and a reciprocal, two
-    special-function ops an element that a matmul epilogue cannot hide (BENCHMARKS.md, runs
-    72-73: the down projection's input gradient with the SiLU epilogue 22% faster on its tile,
-    UMoE-base's step 2.2 ms). Inline PTX: not in Triton's interpreter, whose launches keep FAST
-    off."""
-    if FAST:
+  def _sigmoid(x, FAST_SIGMOID: tl.constexpr):
+    """Sigmoid of float32 x. FAST_SIGMOID: 0.5 + 0.5 * tanh(x / 2) through the one-instruction
+    `tanh.approx.f32` (sm_75 and later; absolute error <= ~2.5e-4), instead of `tl.sigmoid`'s
+    exponential and reciprocal: two special-function ops an element that a matmul epilogue cannot
+    hide (BENCHMARKS.md, runs 72-73). Inline PTX: not in Triton's interpreter, whose launches
+    keep it off."""
+    if FAST_SIGMOID:
       t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5],
                                     dtype=tl.float32, is_pure=True, pack=1)
       y = 0.5 * t + 0.5
@@ -79,11 +78,11 @@ if HAVE_TRITON:
     return y
 
   @triton.jit
-  def _act(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
-    """An activation of float32 x: ACT 1 = SiLU, 2 = ReLU, 0 = identity (FUSED_ACTIVATIONS); FAST
-    as in `_sigmoid`."""
+  def _act(x, ACT: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
+    """An activation of float32 x: ACT 1 = SiLU, 2 = ReLU, 0 = identity (FUSED_ACTIVATIONS);
+    FAST_SIGMOID as in `_sigmoid`."""
     if ACT == 1:
-      y = x * _sigmoid(x, FAST)
+      y = x * _sigmoid(x, FAST_SIGMOID)
     elif ACT == 2:
       y = tl.maximum(x, 0.0)
     else:
@@ -91,12 +90,12 @@ if HAVE_TRITON:
     return y
 
   @triton.jit
-  def _act_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
-    """The activation's derivative at float32 x (ACT and FAST as in `_act`). With FAST the
-    compiler shares one tanh with `_act`'s at the same x; the exact form's exponential and divide
-    come twice (the PTX of the SiLU epilogue: two of each an element)."""
+  def _act_grad(x, ACT: tl.constexpr, FAST_SIGMOID: tl.constexpr = False):
+    """The activation's derivative at float32 x (ACT and FAST_SIGMOID as in `_act`). With
+    FAST_SIGMOID the compiler shares one tanh with `_act`'s at the same x; `tl.sigmoid`'s
+    exponential and divide come twice (the PTX of the SiLU epilogue: two of each an element)."""
     if ACT == 1:
-      sig = _sigmoid(x, FAST)
+      sig = _sigmoid(x, FAST_SIGMOID)
       y = sig * (1.0 + x * (1.0 - sig))
     elif ACT == 2:
       y = (x > 0.0).to(tl.float32)
@@ -127,11 +126,12 @@ if HAVE_TRITON:
 
   @triton.jit
   def _scaled_rows(ds_ptr, d, z, scale, offs_m, offs_n, row_mask, NO: tl.constexpr,
-                   EPI_ACT: tl.constexpr, FAST: tl.constexpr):
+                   EPI_ACT: tl.constexpr, FAST_SIGMOID: tl.constexpr):
     """ds[rows, cols] = act(d) (or d) rounded to d's dtype, times scale[row], in ds's dtype: the
-    gate-scaled operand rows of gmm_combine's weight gradient, as its XLA pass makes them."""
+    gate-scaled operand rows of gmm_combine's weight gradient, as its XLA pass makes them (with
+    FAST_SIGMOID, act(d) within `_sigmoid`'s error of the pass's)."""
     if EPI_ACT != 0:
-      a = _act(z, EPI_ACT, FAST).to(d.dtype).to(tl.float32)
+      a = _act(z, EPI_ACT, FAST_SIGMOID).to(d.dtype).to(tl.float32)
     else:
       a = z
     tl.store(ds_ptr + offs_m.to(tl.int64)[:, None] * NO + offs_n[None, :],
@@ -459,8 +459,8 @@ def _act_code(name, what):
   return FUSED_ACTIVATIONS[name]
 
 
-# The epilogue's SiLU takes its sigmoid from tanh.approx (`_sigmoid`): on the GPU the launches
-# below always do; False gives the exponential-and-reciprocal form (to compare the two).
+# The epilogue's SiLU takes its sigmoid from tanh.approx (`_sigmoid`) in the launches below (GPU
+# only); False gives `tl.sigmoid`'s exponential-and-reciprocal form (to compare the two).
 FAST_SIGMOID = True
 
 

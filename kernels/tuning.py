@@ -87,8 +87,10 @@ TABLE: dict[tuple, TileConfig] = {
     # 87.4-88.8 against 90.7 ms; UMoE-base unchanged (119.8-120.6 against 119.2-120.5).
     # Session 16 (run 73), with the epilogue's sigmoid from tanh.approx (triton_gmm.FAST_SIGMOID):
     # 64x192x64 / 4 warps / 3 stages with z early, two programs an SM, 0.438 ms (331 TFLOP/s)
-    # against 0.456 for the tile before (0.588 with the exponential-and-reciprocal sigmoid); at the
-    # attention pool's 2^17 rows 0.105 against 0.123 for the plain op's row it took before.
+    # against 0.456 for the 128x192 tile before (with tl.sigmoid: 0.550 against 0.588); at the
+    # attention pool's 2^17 rows 0.105 against 0.123 for the plain op's row it took before. With
+    # tanh.approx ptxas reports 108-128 B of spills a thread at these tiles (none before): timed
+    # faster regardless.
     ("triton", "gmm_t+gather", 768, 192, 1 << 19): _C(64, 192, 64, 4, 3, prefetch_row_dot=True),
     ("triton", "gmm_t+gather", 768, 192, 1 << 17): _C(64, 192, 64, 4, 3, prefetch_row_dot=True),
     # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient), run 26:

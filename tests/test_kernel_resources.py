@@ -123,3 +123,21 @@ def test_a_tile_with_the_xla_epilogue_is_surveyed_as_it_launches(monkeypatch):
   assert ptrs["o_ptr"] == "*fp32" and consts["A_INDEX"]
   ptrs, consts = cases["att down dgrad: row dot + act'"]     # (another row: the fused epilogue)
   assert consts["ROW_DOT"] and consts["EPI_ACT"] == 1 and ptrs["o_ptr"] == "*bf16"
+
+
+def test_the_dgrad_epilogue_compiles_with_the_fast_sigmoid(monkeypatch):
+  """The down projection's input gradient with the silu epilogue, as `triton_gmm` launches it on a
+  GPU (FAST_SIGMOID on), compiles for sm_90a with tanh.approx in its PTX (the inline PTX that
+  Triton's interpreter cannot run is checked here, short of a GPU); with it off, none."""
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  from kernels import triton_gmm
+  name = "ffn down dgrad: row dot + act'"
+  for fast in (True, False):
+    monkeypatch.setattr(triton_gmm, "FAST_SIGMOID", fast)
+    (case,) = [c for c in kr.gmm_cases(kr.SHAPES["base"]) if c[0] == name]
+    (row,) = kr.survey([case])
+    assert "error" not in row, row
+    assert (row["tanh_approx"] > 0) is fast, row

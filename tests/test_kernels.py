@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import itertools
 import json
 import re
@@ -289,7 +290,6 @@ def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch
     monkeypatch.setattr(triton_gmm, "FAST_SIGMOID", fast)
     triton_gmm.triton_gmm(*args, transpose_rhs=True, config=cfg, row_dot=z, epi_act="silu")
     assert launches[-1]["FAST_SIGMOID"] is fast and launches[-1]["EPI_ACT"] == 1
-  import inspect
   default = inspect.signature(triton_gmm._gmm_kernel.fn).parameters["FAST_SIGMOID"].default
   assert default is False     # what the interpreter's direct launches get
 

@@ -235,8 +235,9 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   else XLA), so d act(z) is never written and act(z) is not kept (the forward and the weight
   gradient's gate-scaled operand recompute it in XLA passes they make anyway). With
   `fuse_weight_rows` (`moe.fuse_weight_rows`) that operand, gate * act(z), is written by the
-  input-gradient matmul's epilogue instead (backends with `GmmBackend.scaled_row_dot`; the same
-  values: act(z) rounded to h's dtype first, as the XLA pass has it).
+  input-gradient matmul's epilogue instead (backends with `GmmBackend.scaled_row_dot`; act(z)
+  rounded to h's dtype first, as the XLA pass has it; the Triton epilogue's sigmoid comes from
+  tanh.approx, within ~2.5e-4 of XLA's: `kernels.triton_gmm.FAST_SIGMOID`).
 
   Args:
     h: [M, F] rows in expert order (pre-activations with `activation`).
