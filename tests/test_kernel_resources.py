@@ -31,7 +31,8 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
     pytest.skip(str(e))
   res = _dq_ds(32)
   assert set(res) == {"registers", "spill_stores", "spill_loads", "stack", "shared", "async_copies",
-                      "wgmma", "mma_sync"}
+                      "wgmma", "mma_sync", "tanh_approx"}
+  assert res["tanh_approx"] == 0   # (an attention kernel: no fast sigmoid)
   assert 16 <= res["registers"] <= 255 and res["shared"] > 0
   # its dS @ K product: on 32-row tiles Ampere-style warp MMAs (a warpgroup MMA takes 64 rows), on
   # 64-row tiles Hopper's warpgroup MMA
