@@ -43,10 +43,13 @@ def test_a_heap_frozen_elsewhere_is_left_to_whoever_froze_it():
   gc.freeze()   # e.g. a server that froze at start-up, or an outer FrozenHeap
   try:
     outer = gc.get_freeze_count()
+    assert outer > 1000
     with host_gc.FrozenHeap() as heap:
       heap.freeze()
       assert not heap.frozen
-    assert gc.get_freeze_count() == outer   # not thawed by the inner block
+    # Not thawed by the inner block: unfreeze() would empty the permanent generation. (Not an exact
+    # count: a frozen object whose last reference goes is freed all the same, and leaves it.)
+    assert gc.get_freeze_count() > outer // 2
   finally:
     gc.unfreeze()
 
