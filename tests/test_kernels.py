@@ -268,6 +268,13 @@ def test_row_dot_epilogue_matches_numpy(act_name, dtype):
   assert epilogue.row_dot_epilogue(u, scale, None, None, dtype)[1] is None
 
 
+def _replace_triton_call(monkeypatch, fake):
+  """triton_gmm's launches go to `fake` (jax_triton.triton_call's signature) instead of jax-triton,
+  which needs a GPU."""
+  monkeypatch.setattr(triton_gmm, "jt", type("FakeJT", (), {"triton_call": staticmethod(fake)}),
+                      raising=False)
+
+
 def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch):
   """The dgrad call with the silu epilogue launches the kernel with FAST_SIGMOID as
   `triton_gmm.FAST_SIGMOID` says (default on: tanh.approx, GPU only; the interpreter's launches in
@@ -278,8 +285,7 @@ def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch
     launches.append(params)
     return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
 
-  monkeypatch.setattr(triton_gmm, "jt", type("FakeJT", (), {"triton_call": staticmethod(
-      fake_triton_call)}), raising=False)
+  _replace_triton_call(monkeypatch, fake_triton_call)
   m, kc, no = 40, 32, 16
   args = (jnp.ones((m, kc), jnp.bfloat16), jnp.ones((2, no, kc), jnp.bfloat16),
           jnp.asarray([20, 20], jnp.int32))
@@ -308,8 +314,7 @@ def test_triton_gmm_with_the_xla_epilogue_runs_the_plain_kernel(monkeypatch):
     return [jnp.asarray(product, out_shape[0].dtype)] + [jnp.zeros(s.shape, s.dtype)
                                                          for s in out_shape[1:]]
 
-  monkeypatch.setattr(triton_gmm, "jt", type("FakeJT", (), {"triton_call": staticmethod(
-      fake_triton_call)}), raising=False)
+  _replace_triton_call(monkeypatch, fake_triton_call)
   rng = np.random.default_rng(8)
   m, kc, no, g = 50, 32, 24, 3
   gs = np.array([20, 0, 25], np.int32)                    # 5 padding rows
