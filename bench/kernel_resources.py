@@ -86,15 +86,14 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
                           os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
   report = out.stdout + out.stderr
   number = lambda pattern: int(re.search(pattern, report).group(1))
+  in_ptx = lambda pattern: len(re.findall(pattern, compiled.asm["ptx"]))
   try:
     return dict(registers=number(r"Used (\d+) registers"),
                 spill_stores=number(r"(\d+) bytes spill stores"),
                 spill_loads=number(r"(\d+) bytes spill loads"),
                 stack=number(r"(\d+) bytes stack frame"), shared=int(compiled.metadata.shared),
-                async_copies=len(re.findall(r"\bcp\.async\.c[ag]\b", compiled.asm["ptx"])),
-                wgmma=len(re.findall(r"\bwgmma\.mma_async\b", compiled.asm["ptx"])),
-                mma_sync=len(re.findall(r"\bmma\.sync\b", compiled.asm["ptx"])),
-                tanh_approx=len(re.findall(r"\btanh\.approx\.f32\b", compiled.asm["ptx"])))
+                async_copies=in_ptx(r"\bcp\.async\.c[ag]\b"), wgmma=in_ptx(r"\bwgmma\.mma_async\b"),
+                mma_sync=in_ptx(r"\bmma\.sync\b"), tanh_approx=in_ptx(r"\btanh\.approx\.f32\b"))
   except AttributeError:
     raise RuntimeError(f"ptxas -v gave no resource line for {kernel.fn.__name__}:\n{report}") from None
 
