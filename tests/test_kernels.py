@@ -166,6 +166,12 @@ def test_tgmm_persistent_grid_geometry_and_candidates():
     launch = triton_gmm.tgmm_launch(4096, 192, 768, 128, dataclasses.replace(cfg, persistent=p),
                                     num_sms=sms)
     assert launch["grid"] == (want,) and launch["NUM_PROGS"] == want, (p, sms)
+  # the tile order's skew gate: the module default unless given; a bad ratio named
+  assert one["BIG_FIRST_SKEW"] == triton_gmm.TGMM_BIG_FIRST_SKEW
+  assert triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg, big_first_skew=0)["BIG_FIRST_SKEW"] == 0
+  for bad in (-1, 1.5):
+    with pytest.raises(ValueError, match=re.escape(f"big_first_skew={bad!r}")):
+      triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg, big_first_skew=bad)
   for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
     cands = tuning.candidates("triton", op, kc, no, 1 << 19)
     assert not any(c.persistent for c in cands), op
@@ -604,21 +610,54 @@ def _triton_interpreter_check():
         if row_scale:
           want = want * scale[:, None]
         np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4, err_msg=case)
-    for persistent, a_index, b_index, a_scale in ((0, False, False, False), (0, True, False, True),
-                                                  (0, False, True, True), (0, True, True, False),
-                                                  (1, True, False, True), (2, False, True, False)):
-      # a persistent grid of 2 or 4 programs (2 "SMs"): each strides over several output tiles
-      launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile, persistent=persistent), num_sms=2)
+    for persistent, a_index, b_index, a_scale, skew in (
+        (0, False, False, False, 1), (0, True, False, True, 1), (0, False, True, True, 2),
+        (0, True, True, False, 1), (1, True, False, True, 1), (2, False, True, False, 2),
+        (0, True, False, True, 0), (2, False, True, False, 0)):
+      # a persistent grid of 2 or 4 programs (2 "SMs"): each strides over several output tiles;
+      # the tiles in group order (skew 0), the largest groups' first (1), or where skewed (2)
+      launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile, persistent=persistent), num_sms=2,
+                             big_first_skew=skew)
       assert launch["NUM_PROGS"] == (2 * persistent if persistent else 0)
+      assert launch["BIG_FIRST_SKEW"] == skew
       _check_tgmm(T, none, launch, gs, (a, src_a, ia, a_index), (dy, src_dy, idy, b_index),
-                  scale if a_scale else None, f"persistent={persistent}")
+                  scale if a_scale else None, f"persistent={persistent} skew={skew}")
     _check_fused_activations(T, m, k, n, gs, tile, rng, none)
   # The epilogue on the second piece of a split column tile (48 = 32 + 16 output columns, as
   # UMoE-base's 192 = 128 + 64), with the zero tail, both grid forms.
   _check_fused_activations(T, 40, 48, 32, np.asarray([9, 0, 20], np.int32), (16, 48, 16),
                            np.random.default_rng(40), none)
   _check_tgmm_split_rows(T, none)
+  _check_group_by_size(T)
   print("TRITON_INTERPRETER_OK")
+
+
+def _check_group_by_size(T):
+  """`_tile_group` (the weight gradient's tile order) against numpy's stable sort by decreasing size
+  (`_group_by_size`: ties, empty groups and padding; G = 6 groups in GP = 8 lanes, 8 in 8, 1),
+  and the skew gate: group order at skew 0, or where the largest group holds under `skew` times
+  the mean group's rows ([3, 0, 7, 7, 0, 12] is ranked at skew 2, not at 3)."""
+  import triton
+  import triton.language as tl
+
+  @triton.jit
+  def probe(gs_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr, SKEW: tl.constexpr):
+    offs_g = tl.arange(0, GP)
+    sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
+    slot = tl.program_id(0)
+    tl.store(out_ptr + slot, triton_gmm._tile_group(sizes, offs_g, slot, G, SKEW))
+
+  rng = np.random.default_rng(6)
+  cases = ([3, 0, 7, 7, 0, 12], [5, 5, 5, 5, 5, 5, 5, 5], [4], [9, 10, 11, 10],
+           rng.integers(0, 4, 8).tolist(), rng.integers(0, 1000, 6).tolist(),
+           rng.integers(90, 110, 8).tolist())
+  for sizes, skew in itertools.product(cases, (0, 1, 2, 3)):
+    gs = np.asarray(sizes, np.int32)
+    out = _NpTensor(np.full(len(gs), -1, np.int32))
+    probe[(len(gs),)](_NpTensor(gs), out, G=len(gs), GP=T._pow2_at_least(len(gs) + 1), SKEW=skew)
+    ranked = skew > 0 and gs.max() * len(gs) >= skew * gs.sum()
+    want = np.argsort(-gs, kind="stable") if ranked else np.arange(len(gs))
+    np.testing.assert_array_equal(out.arr, want, err_msg=f"{sizes} skew={skew}")
 
 
 def _check_tgmm_split_rows(T, none):
