@@ -186,7 +186,7 @@ def gmm_cases(shape: dict):
         warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
         yield (f"{pool} {name}", cfg, tg._tgmm_kernel,
                dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, b_idx_ptr=i32, a_scale_ptr=i32,
-                    o_ptr=bf),
+                    order_ptr=i32, o_ptr=bf),
                dict(M=rows, K=kk, N=nn, G=g, A_INDEX=gathered and "up" in base_name,
                     B_INDEX=gathered and "down" in base_name, A_SCALE=False, **launch,
                     num_warps=warps, num_stages=stages))

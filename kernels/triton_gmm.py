@@ -284,42 +284,18 @@ if HAVE_TRITON:
                   EPI_ACT, SCALED_D, PREFETCH_D, FAST_SIGMOID)
 
   @triton.jit
-  def _group_by_size(sizes, offs_g, slot):
-    """The group at position `slot` of the groups sorted by size, largest first (ties by index;
-    the padding entries past G, size 0, rank after every real group). A tile's time grows with
-    its group's rows, and programs start in id order: taking the largest groups first leaves the
-    short tiles to fill the last wave (longest-first list scheduling) instead of a long one
-    running alone at the end. [GP] ranks from a [GP, GP] comparison: ~GP^2 / threads integer ops
-    a program, against the tile's BM-row steps of tensor-core work."""
-    other_first = ((sizes[None, :] > sizes[:, None])
-                   | ((sizes[None, :] == sizes[:, None]) & (offs_g[None, :] < offs_g[:, None])))
-    rank = tl.sum(other_first.to(tl.int32), axis=1)
-    return tl.sum(tl.where(rank == slot, offs_g, 0), axis=0)
-
-  @triton.jit
-  def _tile_group(sizes, offs_g, slot, G: tl.constexpr, BIG_FIRST_SKEW: tl.constexpr):
-    """The group of the weight gradient's tile slot `slot`: `slot` itself (group order), or, where
-    the largest group holds at least BIG_FIRST_SKEW times the mean group's rows, the slot-th
-    largest (`_group_by_size`; 0: never, 1: always). Balanced groups stay in group order: there
-    the last wave is short anyway and the ranking's cost and lost order measured slower."""
-    g = slot
-    if BIG_FIRST_SKEW > 0:
-      if tl.max(sizes, axis=0) * G >= BIG_FIRST_SKEW * tl.sum(sizes, axis=0):
-        g = _group_by_size(sizes, offs_g, slot)
-    return g
-
-  @triton.jit
-  def _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile,
+  def _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr,
+                 tile,
                  M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                  GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                  BN: tl.constexpr, BN2: tl.constexpr, K_TILES: tl.constexpr,
                  N_TILES: tl.constexpr, A_INDEX: tl.constexpr, B_INDEX: tl.constexpr,
-                 A_SCALE: tl.constexpr, BIG_FIRST_SKEW: tl.constexpr):
+                 A_SCALE: tl.constexpr, ORDERED: tl.constexpr):
     """Output tile `tile` = (group slot, K tile, N tile), slot slowest: out[g][k tile, n tile]
-    summed over the group's rows in BM-row steps, g the slot's group (`_tile_group`: group order,
-    or largest first where the sizes are skewed by BIG_FIRST_SKEW). The tile's rows may be two
-    pieces BK + BK2 (e.g. all 192 rows of a 192-wide expert as 128 + 64, two accumulators sharing
-    each step's b), or its columns BN + BN2, not both."""
+    summed over the group's rows in BM-row steps, g = slot, or with ORDERED g = order[slot]
+    (`tile_order`). The tile's rows may be two pieces BK + BK2 (e.g. all 192 rows of a 192-wide
+    expert as 128 + 64, two accumulators sharing each step's b), or its columns BN + BN2, not
+    both."""
     slot = tile // (K_TILES * N_TILES)
     rest = tile % (K_TILES * N_TILES)
     pid_k = rest // N_TILES
@@ -327,7 +303,10 @@ if HAVE_TRITON:
 
     offs_g = tl.arange(0, GP)
     sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
-    g = _tile_group(sizes, offs_g, slot, G, BIG_FIRST_SKEW)
+    if ORDERED:
+      g = tl.load(order_ptr + slot)
+    else:
+      g = slot
     cum = tl.cumsum(sizes, axis=0)
     sel = offs_g == g
     end = tl.minimum(tl.sum(tl.where(sel, cum, 0), axis=0), M)
@@ -402,37 +381,37 @@ if HAVE_TRITON:
                mask=(offs_k2 < K)[:, None] & (offs_n[None, :] < N))
 
   @triton.jit
-  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr,
+  def _tgmm_kernel(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr,
                    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                    GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                    BN: tl.constexpr, BN2: tl.constexpr, K_TILES: tl.constexpr,
                    N_TILES: tl.constexpr, A_INDEX: tl.constexpr, B_INDEX: tl.constexpr,
                    A_SCALE: tl.constexpr, NUM_PROGS: tl.constexpr = 0,
-                   BIG_FIRST_SKEW: tl.constexpr = 0):
+                   ORDERED: tl.constexpr = False):
     # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
     # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
     # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
+    # With ORDERED the tiles of group order[slot] run in slot `slot` (`tile_order`).
     # NUM_PROGS == 0: one program per output tile; else NUM_PROGS programs stride over the tiles
     # in order (those running together share a group's rows in L2), the loop nest flattened so the
     # next tile's first loads are issued while this tile's last steps and store run.
     pid = tl.program_id(0)
     if NUM_PROGS == 0:
-      _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, pid, M, K, N, G,
-                 GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE,
-                 BIG_FIRST_SKEW)
+      _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr, pid,
+                 M, K, N, G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX,
+                 A_SCALE, ORDERED)
     else:
       for tile in tl.range(pid, G * K_TILES * N_TILES, NUM_PROGS, flatten=True):
-        _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, o_ptr, tile, M, K, N,
-                   G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX, A_SCALE,
-                   BIG_FIRST_SKEW)
+        _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr,
+                   tile, M, K, N, G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX,
+                   B_INDEX, A_SCALE, ORDERED)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launch geometry (pure Python: tested on CPU).
 
-# The weight gradient's output tiles in the order of their groups' sizes, largest first, in a
-# launch whose largest group holds at least this many times the mean group's rows (`_tile_group`);
-# 0: always in group order, 1: always largest first (to compare).
+# The weight gradient's output tiles run largest groups first in a call whose largest group holds
+# at least this many times the mean group's rows (`tile_order`); 0: always in group order.
 TGMM_BIG_FIRST_SKEW = 0
 
 
@@ -449,16 +428,11 @@ def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig,
 
 
 def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig,
-                num_sms: int = 132, big_first_skew: int | None = None) -> dict:
+                num_sms: int = 132, ordered: bool = False) -> dict:
   # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step;
   # cfg.persistent: p programs an SM striding over the output tiles (0: one program a tile).
   # Either side may be two powers of two (192 = 128 + 64), not both (four accumulators).
-  # big_first_skew: the largest groups' tiles first where the sizes are this skewed (`_tile_group`);
-  # None: the module's TGMM_BIG_FIRST_SKEW.
-  if big_first_skew is None:
-    big_first_skew = TGMM_BIG_FIRST_SKEW
-  if not isinstance(big_first_skew, int) or big_first_skew < 0:
-    raise ValueError(f"tgmm big_first_skew={big_first_skew!r}: a whole ratio >= 0 (0: group order)")
+  # ordered: slot s runs group order[s]'s tiles (`tile_order`), else group s's.
   bk, bk2 = split_width(cfg.bm)
   bn, bn2 = split_width(cfg.bn)
   if bk2 and bn2:
@@ -470,7 +444,23 @@ def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig,
   num_progs = min(cfg.persistent * num_sms, tiles) if cfg.persistent else 0
   return dict(grid=(num_progs or tiles,), BK=bk, BK2=bk2, BN=bn, BN2=bn2, BM=cfg.bk,
               K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g), NUM_PROGS=num_progs,
-              BIG_FIRST_SKEW=big_first_skew, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              ORDERED=bool(ordered), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def tile_order(group_sizes: jax.Array, num_groups: int, skew: int) -> jax.Array:
+  """The weight gradient's tile order, [num_groups] int32: the group whose tiles run in slot s.
+  Largest groups first (ties by index) where the largest group holds at least `skew` (>= 1) times
+  the mean group's rows, else group order. A tile's time grows with its group's rows and programs
+  start in id order: under skewed routing, starting the long tiles first leaves the short ones to
+  fill the last wave (longest-first list scheduling) instead of a long one running alone at the
+  end; balanced groups have no long tail to move. group_sizes [G]: missing groups count as empty."""
+  if isinstance(skew, bool) or not isinstance(skew, int) or skew < 1:
+    raise ValueError(f"tgmm tile order skew={skew!r}: a whole ratio >= 1 (largest group / mean)")
+  sizes = group_sizes.astype(jnp.int32)
+  sizes = jnp.pad(sizes, (0, max(0, num_groups - sizes.shape[0])))[:num_groups]
+  ranked = jnp.argsort(-sizes, stable=True)
+  skewed = sizes.max() * num_groups >= skew * sizes.sum()
+  return jnp.where(skewed, ranked, jnp.arange(num_groups)).astype(jnp.int32)
 
 
 def _num_sms() -> int:
@@ -583,13 +573,15 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   gathered = lhs_index is not None or rhs_index is not None
   cfg = config or tuning.lookup("triton", "tgmm+gather" if gathered else "tgmm", m, k, n, g)
-  launch = tgmm_launch(m, k, n, g, cfg, _num_sms() if cfg.persistent else 132)
+  skew = TGMM_BIG_FIRST_SKEW
+  launch = tgmm_launch(m, k, n, g, cfg, _num_sms() if cfg.persistent else 132, ordered=skew != 0)
   grid = launch.pop("grid")
   a_index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
   b_index = _placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)
   a_scale = _placeholder() if lhs_scale is None else lhs_scale.astype(jnp.float32)
+  order = tile_order(group_sizes, g, skew) if skew != 0 else _placeholder()
   return jt.triton_call(
-      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale,
+      lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale, order,
       kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,
       M=m, K=k, N=n, G=g, A_INDEX=lhs_index is not None, B_INDEX=rhs_index is not None,
       A_SCALE=lhs_scale is not None, **launch, **triton_launch.launch_kwargs())

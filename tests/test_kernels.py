@@ -166,12 +166,33 @@ def test_tgmm_persistent_grid_geometry_and_candidates():
     launch = triton_gmm.tgmm_launch(4096, 192, 768, 128, dataclasses.replace(cfg, persistent=p),
                                     num_sms=sms)
     assert launch["grid"] == (want,) and launch["NUM_PROGS"] == want, (p, sms)
-  # the tile order's skew gate: the module default unless given; a bad ratio named
-  assert one["BIG_FIRST_SKEW"] == triton_gmm.TGMM_BIG_FIRST_SKEW
-  assert triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg, big_first_skew=0)["BIG_FIRST_SKEW"] == 0
-  for bad in (-1, 1.5):
-    with pytest.raises(ValueError, match=re.escape(f"big_first_skew={bad!r}")):
-      triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg, big_first_skew=bad)
+  assert one["ORDERED"] is False and triton_gmm.tgmm_launch(
+      4096, 192, 768, 128, cfg, ordered=True)["ORDERED"] is True
+
+
+def test_tgmm_tile_order_largest_groups_first_where_skewed():
+  """`tile_order` against numpy's stable sort by decreasing size (ties by index, empty groups
+  last) where the largest group holds at least `skew` times the mean group's rows, and group order
+  where it does not; fewer sizes than groups count as empty groups; a bad skew is named."""
+  rng = np.random.default_rng(15)
+  cases = ([3, 0, 7, 7, 0, 12], [5] * 8, [4], [9, 10, 11, 10], [0, 0, 0],
+           rng.integers(0, 4, 8).tolist(), rng.integers(0, 1000, 6).tolist(),
+           rng.integers(90, 110, 128).tolist(), (rng.dirichlet(np.ones(128)) * 4e5).astype(int).tolist())
+  ranked_seen = set()
+  for sizes, skew in itertools.product(cases, (1, 2, 3)):
+    gs = np.asarray(sizes, np.int64)
+    ranked = gs.max() * len(gs) >= skew * gs.sum()
+    ranked_seen.add(bool(ranked))
+    want = np.argsort(-gs, kind="stable") if ranked else np.arange(len(gs))
+    got = triton_gmm.tile_order(jnp.asarray(gs, jnp.int32), len(gs), skew)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, want, err_msg=f"{sizes} skew={skew}")
+  assert ranked_seen == {True, False}
+  # 2 sizes for 4 groups: groups 2 and 3 are empty ([0, 6, 0, 0]: 6 * 4 >= 2 * 6, ranked)
+  np.testing.assert_array_equal(triton_gmm.tile_order(jnp.asarray([0, 6]), 4, 2), [1, 0, 2, 3])
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=re.escape(f"skew={bad!r}")):
+      triton_gmm.tile_order(jnp.asarray([1, 2]), 2, bad)
   for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
     cands = tuning.candidates("triton", op, kc, no, 1 << 19)
     assert not any(c.persistent for c in cands), op
@@ -610,54 +631,32 @@ def _triton_interpreter_check():
         if row_scale:
           want = want * scale[:, None]
         np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4, err_msg=case)
-    for persistent, a_index, b_index, a_scale, skew in (
-        (0, False, False, False, 1), (0, True, False, True, 1), (0, False, True, True, 2),
-        (0, True, True, False, 1), (1, True, False, True, 1), (2, False, True, False, 2),
-        (0, True, False, True, 0), (2, False, True, False, 0)):
+    order = rng.permutation(g).astype(np.int32)
+    for persistent, a_index, b_index, a_scale, ordered in (
+        (0, False, False, False, False), (0, True, False, True, True), (0, False, True, True, False),
+        (0, True, True, False, True), (1, True, False, True, False), (2, False, True, False, True),
+        (1, False, True, True, True), (2, True, False, False, False)):
       # a persistent grid of 2 or 4 programs (2 "SMs"): each strides over several output tiles;
-      # the tiles in group order (skew 0), the largest groups' first (1), or where skewed (2)
+      # slot s runs group s's tiles, or (ordered) group order[s]'s, a random permutation
       launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile, persistent=persistent), num_sms=2,
-                             big_first_skew=skew)
+                             ordered=ordered)
       assert launch["NUM_PROGS"] == (2 * persistent if persistent else 0)
-      assert launch["BIG_FIRST_SKEW"] == skew
+      assert launch["ORDERED"] is ordered
       _check_tgmm(T, none, launch, gs, (a, src_a, ia, a_index), (dy, src_dy, idy, b_index),
-                  scale if a_scale else None, f"persistent={persistent} skew={skew}")
+                  scale if a_scale else None, f"persistent={persistent} ordered={ordered}",
+                  order=order if ordered else None)
+    # ...and does read it: group 1 named in every slot leaves the other groups unwritten (NaN)
+    launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile), ordered=True)
+    with pytest.raises(AssertionError, match="nan location mismatch"):
+      _check_tgmm(T, none, launch, gs, (a, src_a, ia, False), (dy, src_dy, idy, False), None,
+                  "order [1] * G", order=np.ones(g, np.int32))
     _check_fused_activations(T, m, k, n, gs, tile, rng, none)
   # The epilogue on the second piece of a split column tile (48 = 32 + 16 output columns, as
   # UMoE-base's 192 = 128 + 64), with the zero tail, both grid forms.
   _check_fused_activations(T, 40, 48, 32, np.asarray([9, 0, 20], np.int32), (16, 48, 16),
                            np.random.default_rng(40), none)
   _check_tgmm_split_rows(T, none)
-  _check_group_by_size(T)
   print("TRITON_INTERPRETER_OK")
-
-
-def _check_group_by_size(T):
-  """`_tile_group` (the weight gradient's tile order) against numpy's stable sort by decreasing size
-  (`_group_by_size`: ties, empty groups and padding; G = 6 groups in GP = 8 lanes, 8 in 8, 1),
-  and the skew gate: group order at skew 0, or where the largest group holds under `skew` times
-  the mean group's rows ([3, 0, 7, 7, 0, 12] is ranked at skew 2, not at 3)."""
-  import triton
-  import triton.language as tl
-
-  @triton.jit
-  def probe(gs_ptr, out_ptr, G: tl.constexpr, GP: tl.constexpr, SKEW: tl.constexpr):
-    offs_g = tl.arange(0, GP)
-    sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
-    slot = tl.program_id(0)
-    tl.store(out_ptr + slot, triton_gmm._tile_group(sizes, offs_g, slot, G, SKEW))
-
-  rng = np.random.default_rng(6)
-  cases = ([3, 0, 7, 7, 0, 12], [5, 5, 5, 5, 5, 5, 5, 5], [4], [9, 10, 11, 10],
-           rng.integers(0, 4, 8).tolist(), rng.integers(0, 1000, 6).tolist(),
-           rng.integers(90, 110, 8).tolist())
-  for sizes, skew in itertools.product(cases, (0, 1, 2, 3)):
-    gs = np.asarray(sizes, np.int32)
-    out = _NpTensor(np.full(len(gs), -1, np.int32))
-    probe[(len(gs),)](_NpTensor(gs), out, G=len(gs), GP=T._pow2_at_least(len(gs) + 1), SKEW=skew)
-    ranked = skew > 0 and gs.max() * len(gs) >= skew * gs.sum()
-    want = np.argsort(-gs, kind="stable") if ranked else np.arange(len(gs))
-    np.testing.assert_array_equal(out.arr, want, err_msg=f"{sizes} skew={skew}")
 
 
 def _check_tgmm_split_rows(T, none):
@@ -682,10 +681,11 @@ def _check_tgmm_split_rows(T, none):
                 f"k={k} persistent={persistent}")
 
 
-def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what):
+def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what, order=None):
   """Runs the tgmm kernel at `launch` (tgmm_launch's dict) and compares it with numpy. lhs / rhs:
   (plain operand [M, K|N], gather source, row index [M], gathered?); scale: the lhs rows' scale [M]
-  or None. Output starts as NaN, so a tile the kernel never writes fails."""
+  or None; order: the tile order [G] of an ORDERED launch. Output starts as NaN, so a tile the
+  kernel never writes fails."""
   (a, src_a, ia, a_index), (dy, src_dy, idy, b_index) = lhs, rhs
   m, k, n, g = a.shape[0], a.shape[1], dy.shape[1], len(gs)
   launch = dict(launch)
@@ -694,7 +694,8 @@ def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what):
   T._tgmm_kernel[grid](_NpTensor(src_a if a_index else a), _NpTensor(src_dy if b_index else dy),
                        _NpTensor(gs), _NpTensor(ia) if a_index else none(),
                        _NpTensor(idy) if b_index else none(),
-                       none() if scale is None else _NpTensor(scale), out, M=m, K=k, N=n, G=g,
+                       none() if scale is None else _NpTensor(scale),
+                       none() if order is None else _NpTensor(order), out, M=m, K=k, N=n, G=g,
                        A_INDEX=a_index, B_INDEX=b_index, A_SCALE=scale is not None, **launch)
   lhs_rows = src_a[ia] if a_index else a
   want = _ref_tgmm(lhs_rows if scale is None else lhs_rows * scale[:, None],
