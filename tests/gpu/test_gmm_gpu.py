@@ -394,10 +394,10 @@ def test_silu_epilogue_sigmoid_error_bound(fast, monkeypatch):
   `tl.sigmoid`'s exponential and reciprocal) elementwise over pre-activations across [-16, 16],
   the product u = 1 exactly (rows of ones times an identity weight) and a float32 output, so what
   is compared is the epilogue alone: out = act'(z) * scale against float64 within
-  tol * (1 + |z|), |d act' / d sigmoid| <= 1 + |z| times the sigmoid's error, tol = 3e-4 for
-  tanh.approx (~2.5e-4) and 2e-6 for tl.sigmoid; the row dots sum(silu(z)) within
-  tol * sum(1 + |z|). The tanh form must differ from float64 by more than the other's bound
-  somewhere (else the fast path was not compiled in)."""
+  tol * (1 + |z|), |d act' / d sigmoid| <= 1 + |z| times the sigmoid's error, tol = 1e-5 for
+  tanh.approx (its sigmoid measured within 3.9e-6 on an H200, BENCHMARKS.md run 78) and 2e-6 for
+  tl.sigmoid; the row dots sum(silu(z)) within tol * sum(1 + |z|). The fast form must differ from
+  the exact one somewhere (else the tanh form was not compiled in)."""
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
@@ -410,20 +410,24 @@ def test_silu_epilogue_sigmoid_error_bound(fast, monkeypatch):
   scale = jax.random.uniform(_key("sigmoid_scale", fast), (m,), jnp.float32, 0.5, 1.0)
   ones = jnp.ones((m, width), jnp.bfloat16)
   eye = jnp.broadcast_to(jnp.eye(width, dtype=jnp.bfloat16), (g, width, width))
-  monkeypatch.setattr(triton_gmm, "FAST_SIGMOID", fast)
-  out, dots = jax.jit(lambda *a: triton_gmm.triton_gmm(
-      *a[:3], transpose_rhs=True, out_dtype=jnp.float32, row_scale=a[3], row_dot=a[4],
-      epi_act="silu"))(ones, eye, gs, scale, z)
+
+  def epilogue(fast_sigmoid):
+    monkeypatch.setattr(triton_gmm, "FAST_SIGMOID", fast_sigmoid)
+    return jax.jit(lambda *a: triton_gmm.triton_gmm(
+        *a[:3], transpose_rhs=True, out_dtype=jnp.float32, row_scale=a[3], row_dot=a[4],
+        epi_act="silu"))(ones, eye, gs, scale, z)
+
+  out, dots = epilogue(fast)
   zf = np.asarray(z, np.float64)
   sig = 1.0 / (1.0 + np.exp(-zf))
-  exact_tol, fast_tol = 2e-6, 3e-4
-  bound = (fast_tol if fast else exact_tol) * (1.0 + np.abs(zf))
+  bound = (1e-5 if fast else 2e-6) * (1.0 + np.abs(zf))
   err = np.abs(np.asarray(out, np.float64) / np.asarray(scale)[:, None] - sig * (1 + zf * (1 - sig)))
   assert np.all(err <= bound), (float(err.max()), float(zf.reshape(-1)[err.argmax()]))
   dot_err = np.abs(np.asarray(dots, np.float64) - (zf * sig).sum(-1))
   assert np.all(dot_err <= bound.sum(-1)), float(dot_err.max())
   if fast:
-    assert np.any(err > exact_tol * (1.0 + np.abs(zf))), "tanh.approx was not used"
+    exact_out, _ = epilogue(False)
+    assert np.any(np.asarray(out) != np.asarray(exact_out)), "tanh.approx was not used"
 
 
 def _tabled_tiles():
