@@ -74,6 +74,9 @@ TABLE: dict[tuple, TileConfig] = {
     ("triton", "tgmm", 512, 2048): _C(128, 256, 64, 8, 3),   # large-down wgrad 708
     # The calls of umoe_jax.ops.fused_dispatch (rows gathered through the sort order), H200 sweep
     # 2026-11-30 (bench/gmm.py --sweep-gathered): gathered vs the plain op's row at the same call.
+    # The tgmm rows were swept in group order; the largest-groups-first order under skewed routing
+    # (triton_gmm.tile_order, 2026-12-04 run 77) takes the two base rows to 433 and 389 TFLOP/s at
+    # Dirichlet-skewed sizes; a sweep with the order on may pick other tiles.
     ("triton", "tgmm+gather", 768, 192, 1 << 19): _C(128, 192, 64, 8, 5),   # base-up wgrad 342 (300)
     ("triton", "gmm+gather", 2048, 512, 1 << 18): _C(256, 128, 64, 8, 3),   # large-up 613 (478)
     ("triton", "gmm_t+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 4),  # large-down dgrad 552 (541)
