@@ -181,7 +181,7 @@ def gmm_cases(shape: dict):
       for persistent in (0, 1):   # the tabled tile on its grid and on a persistent one
         cfg = dataclasses.replace(tuning.lookup("triton", op, rows, kk, nn, g), persistent=persistent)
         name = base_name + (", persistent" if persistent else "")
-        launch = tg.tgmm_launch(rows, kk, nn, g, cfg)
+        launch = tg.tgmm_launch(rows, kk, nn, g, cfg, ordered=tg.TGMM_BIG_FIRST_SKEW != 0)
         launch.pop("grid")
         warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
         yield (f"{pool} {name}", cfg, tg._tgmm_kernel,

@@ -1,6 +1,6 @@
-"""The Triton weight gradient's tile order (`kernels.triton_gmm._tile_group`) under balanced and
-skewed routing: group order (skew gate 0), largest groups first (1), and largest first only where
-the largest group holds at least twice the mean group's rows (2).
+"""The Triton weight gradient's tile order (`kernels.triton_gmm.tile_order`) under balanced and
+skewed routing: group order (TGMM_BIG_FIRST_SKEW 0), largest groups first in every call (1), and
+largest first only where the largest group holds at least twice the mean group's rows (2).
 
 UMoE-base's four gathered weight-gradient calls (FFN pool K = 15 slots, attention pool K = 3; the
 up projection dW1 = x[token].T @ dh, the down projection dW2 = hg.T @ dout[token]) on 32 x 1024
@@ -34,7 +34,8 @@ SKEWS = (0, 1, 2)
 
 
 def route(slots, alpha, seed=0):
-  """Top-`slots` routing of T tokens: (group sizes [E], token of each expert-sorted row [T*slots])."""
+  """Top-`slots` routing of T tokens: (group sizes [E], the token of each expert-sorted row
+  [T * slots])."""
   rng = np.random.default_rng(seed)
   logits = rng.standard_normal((T, EXPERTS)).astype(np.float32)
   if alpha is not None:
@@ -73,19 +74,24 @@ def main():
       gs, token = jnp.asarray(gs_np), jnp.asarray(token_np)
       index = dict(lhs_index=token) if gathered == "lhs" else dict(rhs_index=token)
       outs, times = {}, {}
-      for skew in SKEWS:
-        triton_gmm.TGMM_BIG_FIRST_SKEW = skew  # read when the launch is traced: a fresh jit each
-        f = jax.jit(lambda a, b, g, i: triton_gmm.triton_tgmm(
-            a, b, g, num_groups=EXPERTS, **{next(iter(index)): i}))
-        outs[skew] = np.asarray(f(lhs, rhs, gs, token).astype(jnp.float32))
-        times[skew] = jax_ms(f, lhs, rhs, gs, token, iterations=args.iterations)
+      default_skew = triton_gmm.TGMM_BIG_FIRST_SKEW
+      try:
+        for skew in SKEWS:
+          triton_gmm.TGMM_BIG_FIRST_SKEW = skew  # read when the launch is traced: a fresh jit each
+          f = jax.jit(lambda a, b, g, i: triton_gmm.triton_tgmm(
+              a, b, g, num_groups=EXPERTS, **{next(iter(index)): i}))
+          outs[skew] = np.asarray(f(lhs, rhs, gs, token).astype(jnp.float32))
+          times[skew] = jax_ms(f, lhs, rhs, gs, token, iterations=args.iterations)
+      finally:
+        triton_gmm.TGMM_BIG_FIRST_SKEW = default_skew
       a = np.asarray(jnp.take(lhs, token, axis=0)) if gathered == "lhs" else np.asarray(lhs)
       b = np.asarray(jnp.take(rhs, token, axis=0)) if gathered == "rhs" else np.asarray(rhs)
       want = reference(a, b, gs_np)
       rel = float(np.abs(outs[0] - want).max() / np.abs(want).max())
       same = all(np.array_equal(outs[0], outs[s]) for s in SKEWS)
       flops = 2.0 * m * kw * nw
-      row = dict(call=name, routing=routing, rows=m, max_over_mean=float(gs_np.max() / gs_np.mean()),
+      row = dict(call=name, routing=routing, rows=m,
+                 max_over_mean=float(gs_np.max() / gs_np.mean()),
                  rel_err=rel, orders_bitwise_equal=same,
                  ms={str(s): times[s] for s in SKEWS},
                  tflops={str(s): flops / times[s] / 1e9 for s in SKEWS})

@@ -65,7 +65,7 @@ if HAVE_TRITON:
   @triton.jit
   def _sigmoid(x, FAST_SIGMOID: tl.constexpr):
     """Sigmoid of float32 x. FAST_SIGMOID: 0.5 + 0.5 * tanh(x / 2) through the one-instruction
-    `tanh.approx.f32` (sm_75 and later; on an H200 within 7.9e-6 of tanh over [-12, 12], the
+    `tanh.approx.f32` (sm_75 and later; on an H200 within 7.8e-6 of tanh over [-12, 12], the
     sigmoid within 3.9e-6: BENCHMARKS.md run 78), instead of `tl.sigmoid`'s
     exponential and reciprocal: two special-function ops an element that a matmul epilogue cannot
     hide (BENCHMARKS.md, runs 72-73). Inline PTX: not in Triton's interpreter, whose launches
@@ -460,7 +460,8 @@ def tile_order(group_sizes: jax.Array, num_groups: int, skew: int) -> jax.Array:
   sizes = group_sizes.astype(jnp.int32)
   sizes = jnp.pad(sizes, (0, max(0, num_groups - sizes.shape[0])))[:num_groups]
   ranked = jnp.argsort(-sizes, stable=True)
-  skewed = sizes.max() * num_groups >= skew * sizes.sum()
+  # float32: max * G overflows int32 from 2^31 (e.g. 2^23 rows in one of 256 groups)
+  skewed = sizes.max().astype(jnp.float32) * num_groups >= skew * sizes.sum().astype(jnp.float32)
   return jnp.where(skewed, ranked, jnp.arange(num_groups)).astype(jnp.int32)
 
 

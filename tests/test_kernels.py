@@ -166,6 +166,10 @@ def test_tgmm_persistent_grid_geometry_and_candidates():
     launch = triton_gmm.tgmm_launch(4096, 192, 768, 128, dataclasses.replace(cfg, persistent=p),
                                     num_sms=sms)
     assert launch["grid"] == (want,) and launch["NUM_PROGS"] == want, (p, sms)
+  for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
+    cands = tuning.candidates("triton", op, kc, no, 1 << 19)
+    assert not any(c.persistent for c in cands), op
+    assert len(cands) == len(set(cands))
   assert one["ORDERED"] is False and triton_gmm.tgmm_launch(
       4096, 192, 768, 128, cfg, ordered=True)["ORDERED"] is True
 
@@ -177,7 +181,8 @@ def test_tgmm_tile_order_largest_groups_first_where_skewed():
   rng = np.random.default_rng(15)
   cases = ([3, 0, 7, 7, 0, 12], [5] * 8, [4], [9, 10, 11, 10], [0, 0, 0],
            rng.integers(0, 4, 8).tolist(), rng.integers(0, 1000, 6).tolist(),
-           rng.integers(90, 110, 128).tolist(), (rng.dirichlet(np.ones(128)) * 4e5).astype(int).tolist())
+           rng.integers(90, 110, 128).tolist(),
+           (rng.dirichlet(np.ones(128)) * 4e5).astype(int).tolist())
   ranked_seen = set()
   for sizes, skew in itertools.product(cases, (1, 2, 3)):
     gs = np.asarray(sizes, np.int64)
@@ -190,13 +195,17 @@ def test_tgmm_tile_order_largest_groups_first_where_skewed():
   assert ranked_seen == {True, False}
   # 2 sizes for 4 groups: groups 2 and 3 are empty ([0, 6, 0, 0]: 6 * 4 >= 2 * 6, ranked)
   np.testing.assert_array_equal(triton_gmm.tile_order(jnp.asarray([0, 6]), 4, 2), [1, 0, 2, 3])
+  # more sizes than groups: the first num_groups; at the gate's equality (4 * 4 == 2 * 8): ranked
+  np.testing.assert_array_equal(triton_gmm.tile_order(jnp.asarray([1, 9, 30]), 2, 1), [1, 0])
+  np.testing.assert_array_equal(triton_gmm.tile_order(jnp.asarray([2, 4, 0, 2]), 4, 2),
+                                [1, 0, 3, 2])
+  # under jit, max * G past int32 (2^23 rows in one of 256 groups, 2^31): still ranked
+  big = jnp.zeros(256, jnp.int32).at[7].set(1 << 23).at[3].set(5)
+  got = jax.jit(lambda s: triton_gmm.tile_order(s, 256, 2))(big)
+  assert list(np.asarray(got[:3])) == [7, 3, 0]
   for bad in (0, -1, 1.5, True):
     with pytest.raises(ValueError, match=re.escape(f"skew={bad!r}")):
       triton_gmm.tile_order(jnp.asarray([1, 2]), 2, bad)
-  for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
-    cands = tuning.candidates("triton", op, kc, no, 1 << 19)
-    assert not any(c.persistent for c in cands), op
-    assert len(cands) == len(set(cands))
 
 
 def test_round_9_dgrad_candidates_only_at_the_base_width():

@@ -46,7 +46,7 @@ def test_reference_is_each_groups_product():
 
 def _stand_in(perturb_skew=None):
   """The weight gradient in XLA (float32 one-hot contraction), reading the gathers as the kernel
-  does; with perturb_skew, that order's output is off by 1e-3 (not bitwise equal)."""
+  does; with perturb_skew, that order's output is off by one (not bitwise equal)."""
   def tgmm(lhs, rhs, gs, *, num_groups, lhs_index=None, rhs_index=None, **_):
     a = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
     b = rhs if rhs_index is None else jnp.take(rhs, rhs_index, axis=0)
@@ -54,7 +54,7 @@ def _stand_in(perturb_skew=None):
     onehot = jax.nn.one_hot(group, num_groups, dtype=jnp.float32)
     out = jnp.einsum("mg,mk,mn->gkn", onehot, a.astype(jnp.float32), b.astype(jnp.float32))
     if perturb_skew is not None and triton_gmm.TGMM_BIG_FIRST_SKEW == perturb_skew:
-      out = out * (1 + 1e-3)
+      out = out + 1.0
     return out.astype(lhs.dtype)
   return tgmm
 
