@@ -21,6 +21,7 @@ import numpy as np
 
 from gmm_common import T, jax_ms, log
 from kernels import triton_gmm
+from umoe_jax.ops import dispatch
 
 EXPERTS = 128
 CALLS = (  # name, slots K, lhs width, rhs width, which operand is gathered by token
@@ -34,16 +35,15 @@ SKEWS = (0, 1, 2)
 
 
 def route(slots, alpha, seed=0):
-  """Top-`slots` routing of T tokens: (group sizes [E], the token of each expert-sorted row
-  [T * slots])."""
+  """Top-`slots` routing of T tokens, sorted by the model's dispatch plan: (group sizes [E], the
+  token of each expert-sorted row [T * slots])."""
   rng = np.random.default_rng(seed)
   logits = rng.standard_normal((T, EXPERTS)).astype(np.float32)
   if alpha is not None:
     logits += np.log(rng.dirichlet(np.full(EXPERTS, alpha))).astype(np.float32)
   ids = np.argpartition(-logits, slots - 1, axis=1)[:, :slots]
-  flat = ids.reshape(-1)
-  order = np.argsort(flat, kind="stable")
-  return np.bincount(flat, minlength=EXPERTS).astype(np.int32), (order // slots).astype(np.int32)
+  plan = dispatch.make_plan(jnp.asarray(ids, jnp.int32), EXPERTS)
+  return np.asarray(plan.group_sizes), np.asarray(plan.order) // slots
 
 
 def reference(lhs, rhs, gs):
@@ -72,14 +72,14 @@ def main():
         lhs = jax.random.normal(keys[0], (m, kw), jnp.bfloat16)        # hg [M, 192]
         rhs = jax.random.normal(keys[1], (T, nw), jnp.bfloat16)        # dout [T, 768]
       gs, token = jnp.asarray(gs_np), jnp.asarray(token_np)
-      index = dict(lhs_index=token) if gathered == "lhs" else dict(rhs_index=token)
+      index_arg = "lhs_index" if gathered == "lhs" else "rhs_index"
       outs, times = {}, {}
       default_skew = triton_gmm.TGMM_BIG_FIRST_SKEW
       try:
         for skew in SKEWS:
           triton_gmm.TGMM_BIG_FIRST_SKEW = skew  # read when the launch is traced: a fresh jit each
           f = jax.jit(lambda a, b, g, i: triton_gmm.triton_tgmm(
-              a, b, g, num_groups=EXPERTS, **{next(iter(index)): i}))
+              a, b, g, num_groups=EXPERTS, **{index_arg: i}))
           outs[skew] = np.asarray(f(lhs, rhs, gs, token).astype(jnp.float32))
           times[skew] = jax_ms(f, lhs, rhs, gs, token, iterations=args.iterations)
       finally:
