@@ -9,6 +9,7 @@ UMoE pre-mixing attention (skewed routing) with core="triton" against core="xla"
 """
 from __future__ import annotations
 
+import threading
 
 import numpy as np
 import pytest
@@ -209,6 +210,11 @@ LAUNCH_FLAGS = []   # their STORE_DS / STORE_P / LOAD_P meta-parameters, where g
 LAUNCH_META = []    # their meta-parameters and warps (the tiles each ran on)
 
 
+# The Triton interpreter keeps the running grid in module state: launches from several device
+# threads at once (a shard_map over virtual CPU devices) must take turns.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
   """`triton_attention._launch` through the interpreter: outputs poisoned with NaN first."""
   import jax
@@ -218,7 +224,8 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
   def host(*arrays):
     ins = [_NpTensor(np.asarray(a)) for a in arrays]
     res = [_NpTensor(np.full(o.shape, np.nan, o.dtype)) for o in outs]
-    kernel[grid](*ins, *res, **meta)
+    with _INTERPRETER_LOCK:
+      kernel[grid](*ins, *res, **meta)
     return tuple(r.arr for r in res)
 
   LAUNCHES.append(kernel)

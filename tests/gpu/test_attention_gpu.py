@@ -143,3 +143,48 @@ def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, dx_p, ds):
                               dk_ds=None if ds is None else at.stored_tiles(dk)[2])
   assert ta.stores_probs(tiles, q.shape, 2) == (dq_ds is not None, dx_p)
   _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos)
+
+
+GPUS = [d for d in jax.devices() if d.platform == "gpu"]
+
+
+@pytest.mark.skipif(len(GPUS) < 2, reason="needs 2 or more GPUs")
+@pytest.mark.parametrize("core,h,hk,dk,dv", [("triton", 4, 1, 192, 768), ("cudnn", 4, 1, 64, 768),
+                                             ("cudnn", 12, 12, 64, 64)],
+                         ids=["triton_premix", "cudnn_premix", "cudnn_mha"])
+def test_fused_cores_on_each_devices_rows(core, h, hk, dk, dv):
+  """Under a mesh of every GPU (batch over "data", heads over "tensor" where 2 GPUs are left), the
+  fused cores run inside shard_map (`attention.common.on_local_shards`): values and gradients
+  within 1e-2 of the same core on one device and within 2e-2 of the XLA form, and the compiled
+  step holds no all-gather of the batch."""
+  from umoe_jax.parallel import mesh as mesh_lib, sharding
+  n = len(GPUS)
+  axes = dict(data=n // 2, tensor=2) if n >= 4 and hk == 1 else dict(data=n)
+  b, t = 2 * axes["data"], 256
+  kq, kk, kv, kc = jax.random.split(jax.random.key(n * 7 + h), 4)
+  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, hk, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, hk, dv), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (b, t, h, dv), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+  def step(core):
+    f = lambda q, k, v: causal_attention(q, k, v, pos, pos, core=core)
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot)
+    return jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))
+
+  with jax.default_device(GPUS[0]):
+    single = step(core)(q, k, v)
+    xla = step("xla")(q, k, v)
+  mesh = mesh_lib.make_mesh(axes, devices=GPUS)
+  with sharding.use_mesh(mesh):
+    spec = sharding.batch_sharding(mesh, ndim=4)
+    args = [jax.device_put(a, spec) for a in (q, k, v)]
+    fn = step(core)
+    text = fn.lower(*args).compile().as_text()
+    got = fn(*args)
+  assert "all-gather" not in text, "the batch was gathered around the kernel"
+  for name, a, want1, want_x in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]),
+                                    (single[0], *single[1]), (xla[0], *xla[1])):
+    assert _rel(a, want1) < 1e-2, (name, _rel(a, want1))
+    assert _rel(a, want_x) < 2e-2, (name, _rel(a, want_x))

@@ -93,16 +93,9 @@ from umoe_jax.parallel import exchange as exchange_lib
 from umoe_jax.parallel import rules as ax
 from umoe_jax.parallel.exchange import axis_arg
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES as EXCHANGES
-from umoe_jax.parallel.sharding import current_context, normalize_rules
+from umoe_jax.parallel.sharding import current_context, normalize_rules, shard_map
 
 LocalFn = Callable[..., jax.Array]  # (rows [R, D], group_sizes [E_local], *weights) -> [R, D_out]
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-  from jax.experimental.shard_map import shard_map  # jax < 0.7
-  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=True)
 
 
 def is_active() -> bool:
@@ -319,11 +312,11 @@ def expert_map(x: jax.Array, expert_ids: jax.Array, gates: Optional[jax.Array],
   out_spec = P(bspec, None) if gates is not None else P(bspec, None, None)
   out_specs = (out_spec, P(), P(bspec, None))
   if gates is None:
-    run = _shard_map(lambda a, b, w: per_device(a, b, None, w), mesh,
+    run = shard_map(lambda a, b, w: per_device(a, b, None, w), mesh,
                      (in_specs[0], in_specs[1], in_specs[3]), out_specs)
     y, dropped, sent = run(x, expert_ids, tuple(weights))
   else:
-    run = _shard_map(per_device, mesh, in_specs, out_specs)
+    run = shard_map(per_device, mesh, in_specs, out_specs)
     y, dropped, sent = run(x, expert_ids, gates, tuple(weights))
   return y, {"dropped_rows": dropped, "capacity": cap, "sent_rows": sent}
 

@@ -15,6 +15,7 @@ maps each name to mesh axes. This module turns that into `NamedSharding`s:
   with_logical_constraint(x, names)              pins an activation; a no-op outside `use_mesh`
   use_mesh(mesh, rules, ...)                     the context the model reads (constraints, expert
                                                  parallelism); wraps `jax.set_mesh`
+  shard_map(f, mesh, in_specs, out_specs)        `jax.shard_map` on every jax this library supports
 
 A mesh axis that does not divide a dimension is dropped for that dimension (it stays replicated),
 so one rules table serves every model size (e.g. a 16-expert pool on expert=32 would be replicated).
@@ -126,6 +127,16 @@ def use_mesh(mesh: Mesh, rules: Optional[Iterable[Any]] = None, *,
 def current_context() -> Optional[ParallelContext]:
   """The innermost `use_mesh` context, or None."""
   return _CONTEXT.get()
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs, *, check_vma: bool = True) -> Callable:
+  """`jax.shard_map(f, ...)`, or `jax.experimental.shard_map` (jax < 0.7, where the check of
+  replicated / varying values is called `check_rep`). check_vma=False for bodies whose custom calls
+  drop the varying-axes type and do not restore it."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+  from jax.experimental.shard_map import shard_map as legacy_shard_map  # jax < 0.7
+  return legacy_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -119,12 +119,52 @@ AUTO_GPU_WIDE_VALUE_CORE = "triton"
 
 def auto_core(head_dim: int, value_dim: int) -> str:
   """What `core="auto"` (the default) runs for keys of head_dim and values of value_dim: on one
-  GPU AUTO_GPU_WIDE_VALUE_CORE when value_dim > head_dim, else "cudnn"; "xla" on several GPUs (the
-  Triton kernel's custom call is not partitioned by XLA, and no fused core is measured there) and
-  off GPU (TPU: "splash" is not validated on a TPU yet)."""
+  GPU AUTO_GPU_WIDE_VALUE_CORE when value_dim > head_dim, else "cudnn"; "xla" on several GPUs and
+  off GPU (TPU: "splash" is not validated on a TPU yet). On several GPUs the fused cores run when
+  asked for by name ("triton", "cudnn": each device's own rows, `on_local_shards`), but no
+  multi-GPU step has measured them yet, so "auto" does not pick them there."""
   if jax.default_backend() == "gpu" and jax.device_count() == 1:
     return AUTO_GPU_WIDE_VALUE_CORE if value_dim > head_dim else "cudnn"
   return "xla"
+
+
+def on_local_shards(attend, q: jax.Array, k: jax.Array, v: jax.Array):
+  """attend(q, k, v) on each device's own rows while a mesh of several devices is active
+  (`parallel.use_mesh`), else on the arrays as they are: how the fused cores, whose custom calls
+  XLA does not partition, run on the data-, FSDP- and expert-parallel layouts.
+
+  The batch is split as the activations are (BATCH's mesh axes) and the query heads over HEADS'
+  axes where they divide them (a shared key head, Hk = 1, stays whole on every head shard); the
+  sequence and the widths stay whole, since a causal core needs every earlier key. A mesh axis that
+  divides neither is replicated: its devices repeat the same work.
+
+  Args:
+    attend: (q, k, v) -> [B, T, H, Dv], or None where it cannot take the (local) shapes.
+    q [B, T, H, Dk], k [B, T, Hk, Dk], v [B, T, Hk, Dv] with Hk == H or Hk == 1.
+  Returns:
+    attend's [B, T, H, Dv] (sharded like q), or None where attend declines the local shapes.
+  """
+  from jax.sharding import PartitionSpec as P
+  from umoe_jax.parallel import rules as ax
+  from umoe_jax.parallel import sharding
+  ctx = sharding.current_context()
+  if ctx is None or ctx.mesh.size == 1:
+    return attend(q, k, v)
+  mesh = ctx.mesh
+  q_spec = sharding.spec_for_shape((ax.BATCH, None, ax.HEADS, None), q.shape, mesh, ctx.rules)
+  kv_spec = P(q_spec[0], None, q_spec[2] if k.shape[2] == q.shape[2] else None, None)
+
+  def shards(entry) -> int:  # devices one dimension is split over
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(mesh.shape[a] for a in axes)
+
+  def local(x, spec):  # the part of x one device holds
+    return jax.ShapeDtypeStruct(tuple(d // shards(e) for d, e in zip(x.shape, spec)), x.dtype)
+
+  if jax.eval_shape(attend, local(q, q_spec), local(k, kv_spec), local(v, kv_spec)) is None:
+    return None
+  # check_vma=False: the kernels' custom calls drop shard_map's varying-axes type.
+  return sharding.shard_map(attend, mesh, (q_spec, kv_spec, kv_spec), q_spec, check_vma=False)(q, k, v)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
@@ -164,10 +204,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   auto = core == "auto"
   core = auto_core(q.shape[-1], v.shape[-1]) if auto else core
   if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
-    out = triton_attention(q, k, v, backward=core_backward) if core == "triton" else None
+    out = None
+    if core == "triton":
+      out = on_local_shards(lambda q, k, v: triton_attention(q, k, v, backward=core_backward),
+                            q, k, v)
     if out is None and jax.default_backend() == "gpu":
       try:
-        out = fused_attention(q, k, v)
+        out = on_local_shards(fused_attention, q, k, v)
       except Exception:  # noqa: BLE001  (a GPU or cuDNN the fused kernel refuses: "auto" takes XLA)
         if not auto:
           raise

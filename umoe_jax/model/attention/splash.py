@@ -12,9 +12,9 @@ The causal mask is splash's `CausalMask` (fully masked blocks are skipped, not c
 scaled by 1/sqrt(Dk) before the kernel (splash applies no scale). Sequence lengths must be a multiple
 of 128 (the block sizes below), else the XLA form runs.
 
-Under `parallel.use_mesh` the kernel runs inside `shard_map`: batch split like the activations
-(BATCH), query heads over HEADS' mesh axes when they divide them (MQA keys and values whole on every
-head shard), sequence whole.
+Under `parallel.use_mesh` the kernel runs inside `shard_map` (`common.on_local_shards`): batch split
+like the activations (BATCH), query heads over HEADS' mesh axes when they divide them (MQA keys and
+values whole on every head shard), sequence whole.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from umoe_jax.ops import pallas_tpu
 
@@ -50,17 +49,17 @@ def _kernel(t: int, heads: int, mqa: bool, block: int, interpret: bool):
   return make(mask, block_sizes=sizes, interpret=interpret)
 
 
-def _local(q, k, v, *, mqa: bool, block: int, interpret: bool):
-  """q [B, H, T, Dk], k / v [B, T, D] (mqa) or [B, H, T, D] -> [B, H, T, Dv], on local shards."""
-  kernel = _kernel(q.shape[2], q.shape[1], mqa, block, interpret)
-  return jax.vmap(kernel)(q, k, v)
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  from jax.experimental.shard_map import shard_map  # jax < 0.7
-  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+def _local(q, k, v, *, block: int, interpret: bool):
+  """q [B, T, H, Dk], k / v [B, T, Hk, D] -> [B, T, H, Dv] through the kernel, on local shards."""
+  _, t, h, dk = q.shape
+  mqa = k.shape[2] == 1
+  q = (q.astype(jnp.float32) / math.sqrt(dk)).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, Dk]
+  if mqa:
+    k, v = k[:, :, 0], v[:, :, 0]                                                # [B, T, D]
+  else:
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)                      # [B, H, T, D]
+  kernel = _kernel(t, h, mqa, block, interpret)
+  return jax.vmap(kernel)(q, k, v).transpose(0, 2, 1, 3)                         # [B, T, H, Dv]
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -74,26 +73,13 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     [B, T, H, Dv] in q's dtype, or None (keys not the queries' own length, a length no block
     divides, unsupported dtype).
   """
-  from umoe_jax.parallel import rules as ax
-  from umoe_jax.parallel import sharding
+  from umoe_jax.model.attention.common import on_local_shards
 
   interpret = pallas_tpu.interpret() if interpret is None else interpret
-  b, t, h, dk = q.shape
+  t, h = q.shape[1], q.shape[2]
   hk = k.shape[2]
   block = block_size(t)
   if (k.shape[1] != t or hk not in (1, h) or block is None
       or q.dtype not in (jnp.bfloat16, jnp.float32)):
     return None
-  mqa = hk == 1
-  q = (q.astype(jnp.float32) / math.sqrt(dk)).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, Dk]
-  if mqa:
-    k, v = k[:, :, 0], v[:, :, 0]                                                # [B, T, D]
-  else:
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)                      # [B, H, T, D]
-  run = functools.partial(_local, mqa=mqa, block=block, interpret=interpret)
-  ctx = sharding.current_context()
-  if ctx is not None and ctx.mesh.size > 1:
-    q_spec = sharding.spec_for_shape((ax.BATCH, ax.HEADS, None, None), q.shape, ctx.mesh, ctx.rules)
-    kv_spec = (P(q_spec[0], None, None) if mqa else q_spec)
-    run = _shard_map(run, ctx.mesh, (q_spec, kv_spec, kv_spec), q_spec)
-  return run(q, k, v).transpose(0, 2, 1, 3)                                      # [B, T, H, Dv]
+  return on_local_shards(functools.partial(_local, block=block, interpret=interpret), q, k, v)

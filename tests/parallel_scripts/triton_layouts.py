@@ -1,0 +1,112 @@
+"""The Triton pre-mixing attention core inside a model on 8 virtual CPU devices, run by
+test_parallel.py with TRITON_INTERPRET=1: every kernel launch goes through the Triton interpreter
+(`test_triton_attention._interpreter_launch`), and a one-layer UMoE with `attention.core="triton"`
+gives the same loss and gradients on each layout as the XLA core on one device. Each launch must see
+one device's rows (`attention.common.on_local_shards`): its grid's batch axis is the local batch,
+its H the local query heads.
+
+Usage: triton_layouts.py OUT.json   writes {"single": {...}, "layouts": {layout: {...}}}
+"""
+import json
+import os
+import sys
+import time
+
+import common
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.join(common.ROOT, "tests"))
+import test_triton_attention as tta  # noqa: E402  (the interpreter launch)
+
+import configs.common  # noqa: E402
+from kernels import triton_attention as ta  # noqa: E402
+from umoe_jax.config import model_config  # noqa: E402
+from umoe_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
+
+# Query heads: the always-on one + top_k = 3 routed = 4; tensor=2 and tensor=4 split them.
+LAYOUTS = ["data=8", "expert=8", "fsdp=2,tensor=2,expert=2", "data=2,tensor=4"]
+BATCH, SEQ = 8, 24   # 24: not a multiple of the kernels' 16-row tiles
+
+
+def cfg_for(core: str):
+  m = configs.common.model("umoe", "tiny")
+  m.n_layers, m.max_seq_len, m.vocab_size, m.d_model = 1, SEQ, 128, 64
+  m.compute_dtype, m.gmm_backend, m.attention.core = "float32", "xla", core
+  m.attention.head_dim = m.attention.v_head_dim = 16
+  m.attention.top_k = 3
+  return model_config(m)
+
+
+def grads_fn(graphdef):
+  return jax.value_and_grad(lambda p, b: common.loss_fn(p, b, graphdef))
+
+
+def rel_diff(a, b) -> float:
+  num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
+  return (num / den) ** 0.5
+
+
+LAUNCHED = []   # (kernel name, grid batch, H) of every launch, as traced
+
+
+def launch(kernel, grid, args, out_shape, **meta):
+  LAUNCHED.append((kernel.fn.__name__, grid[1], meta["H"]))
+  return tta._interpreter_launch(kernel, grid, args, out_shape, **meta)
+
+
+def main(out_path: str):
+  assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+  tta.interpreter_loop_bounds()
+  ta._launch, ta.available, ta.DTYPES = launch, (lambda: True), (jnp.float32,)
+  ref_cfg, cfg = cfg_for("xla"), cfg_for("triton")
+  params = common.init_params(ref_cfg)
+  rng = np.random.default_rng(3)
+  batch = jnp.asarray(rng.integers(0, 128, (BATCH, SEQ + 1)), jnp.int32)
+  ref_graphdef, _ = common.model_parts(ref_cfg)
+  ref_loss, ref_grads = jax.jit(grads_fn(ref_graphdef))(params, batch)
+  assert not LAUNCHED, "the XLA core launched a Triton kernel"
+
+  graphdef, abstract_params = common.model_parts(cfg)
+  loss, grads = jax.jit(grads_fn(graphdef))(params, batch)
+  names = {name for name, _, _ in LAUNCHED}
+  assert "_fwd_kernel" in names and len(names) >= 4, names   # forward and the backward passes
+  batches, heads = {b for _, b, _ in LAUNCHED}, {h for _, _, h in LAUNCHED}
+  assert batches == {BATCH} and heads == {4}, LAUNCHED
+  n_heads = heads.pop()
+  report = {"single": dict(loss_diff=abs(float(loss) - float(ref_loss)),
+                           grad_rel=rel_diff(grads, ref_grads), kernels=sorted(names),
+                           heads=n_heads),
+            "layouts": {}}
+  print("single", report["single"], flush=True)
+
+  pure_abs = jax.eval_shape(lambda: nnx.to_pure_dict(abstract_params))
+  for layout in LAYOUTS:
+    t0 = time.time()
+    axes = {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
+    mesh = mesh_lib.make_mesh(axes)
+    p_sh = sharding.state_shardings(pure_abs, mesh, None, params=abstract_params)
+    b_sh = sharding.batch_sharding(mesh)
+    fn = jax.jit(grads_fn(graphdef), in_shardings=(p_sh, b_sh))
+    del LAUNCHED[:]
+    with sharding.use_mesh(mesh):
+      loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
+    batch_shards = mesh.size // axes.get("tensor", 1)   # BATCH: data x fsdp x expert
+    tensor = axes.get("tensor", 1)
+    want_heads = n_heads // tensor if n_heads % tensor == 0 else n_heads
+    seen = sorted({(b, h) for _, b, h in LAUNCHED})
+    report["layouts"][layout] = dict(
+        loss_diff=abs(float(loss) - float(ref_loss)), grad_rel=rel_diff(grads, ref_grads),
+        kernels=sorted({name for name, _, _ in LAUNCHED}), local=seen,
+        want_local=[[BATCH // batch_shards, want_heads]], seconds=round(time.time() - t0, 1))
+    print(layout, report["layouts"][layout], flush=True)
+  with open(out_path, "w") as f:
+    json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])
