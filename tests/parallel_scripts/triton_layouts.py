@@ -28,7 +28,11 @@ from umoe_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
 
 # Query heads: the always-on one + top_k = 3 routed = 4; tensor=2 and tensor=4 split them.
 LAYOUTS = ["data=8", "expert=8", "fsdp=2,tensor=2,expert=2", "data=2,tensor=4"]
-BATCH, SEQ = 8, 24   # 24: not a multiple of the kernels' 16-row tiles
+# 24: not a multiple of the kernels' 16-row tiles. Keep the arrays small: on jax 0.10's CPU client a
+# callback on several virtual devices hangs once an operand passes ~64 KB a device (pure_callback
+# copies it onto device 0, whose thread pool is busy with the other devices' callbacks; seen at
+# 256 KB, never at 64 KB or below). These are ~6 KB.
+BATCH, SEQ = 8, 24
 
 
 def cfg_for(core: str):
