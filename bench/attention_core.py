@@ -1,7 +1,8 @@
 """The pre-mixing attention core alone: the XLA, cuDNN and Triton cores, and the Triton tile sweep.
 
-Shapes (one shared key head, values = the hidden states): base B=32, T=1024, H=1+3, dk=192, D=768;
-large B=16, T=1024, H=4, dk=512, D=2048. For each: the Triton core is checked against the XLA core
+Shapes (one shared key head; pre-mixing's values = the hidden states): base B=32, T=1024, H=1+3, dk=192, D=768;
+large B=16, T=1024, H=4, dk=512, D=2048; moa (MoA-base's shared key / value head) B=32, T=1024,
+H=1+3, dk=192, D=192. For each: the Triton core is checked against the XLA core
 (values and the gradients of q, k, x, relative error), then every core is timed forward and
 forward+backward (CUPTI kernel time, median of 10; gradients of all three inputs under a
 non-constant cotangent). TFLOP/s counts useful causal FLOPs: forward 2 * B*H * T(T+1)/2 * (dk + D),
@@ -16,7 +17,7 @@ loads it) and times the core again with them. The file is rewritten after every 
 sweep has measured so far (the starting form, its kernels' fastest tiles), so a sweep cut short by
 a time limit still leaves tiles to load.
 
-  python3 bench/attention_core.py [--shapes=base,large] [--cores=xla,cudnn,triton] [--sweep=base]
+  python3 bench/attention_core.py [--shapes=base,large,moa] [--cores=xla,cudnn,triton] [--sweep=base]
       [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
       [--delta] [--out DIR]
 """
@@ -40,7 +41,10 @@ from gmm import jax_ms, log  # noqa: E402
 from checks import rel_err  # noqa: E402
 from layer_breakdown import time_fwd_bwd  # noqa: E402
 
-SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048)}
+SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048),
+          # MoA-base: 1 + 3 query heads over one shared key / value head, values as wide as the
+          # keys (where `auto` takes cuDNN; whether the Triton core beats it there: issue 15, item 1)
+          "moa": (32, 1024, 4, 192, 192)}
 
 # Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
 # Rounds 1-2 (BENCHMARKS.md) ranked the fwd / dx / dk ones; round 3: dQ's longer dO X^T step and

@@ -23,6 +23,8 @@ CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, b
     (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16), (16, 16, 48))),
     (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64), (32, 16, 32))),
     (1, 21, 1, 16, 40, ((16, 32, 32), (16, 16, 24), (32, 16, 16), (16, 16, 32))),
+    # values as wide as the keys (MoA's shared key / value head)
+    (1, 40, 4, 32, 32, ((32, 16, 32), (32, 16, 32), (16, 32, 32), (32, 16, 32))),
 ]
 # The dK pass storing dS / P for the dQ / dX passes (`FlashTiles.dq_ds`, `dx_p`): B, T, H, dk, D,
 # the four passes' tiles, dq_ds tiles or None, dx_p. The readers' key tiles differ from the dK

@@ -31,7 +31,7 @@ LAYOUTS = ["data=8", "expert=8", "fsdp=2,tensor=2,expert=2", "data=2,tensor=4"]
 # 24: not a multiple of the kernels' 16-row tiles. Keep the arrays small: on jax 0.10's CPU client a
 # callback on several virtual devices hangs once an operand passes ~64 KB a device (pure_callback
 # copies it onto device 0, whose thread pool is busy with the other devices' callbacks; seen at
-# 256 KB, never at 64 KB or below). These are ~6 KB.
+# 256 KB, never at 64 KB or below). These stay under 20 KB.
 BATCH, SEQ = 8, 24
 
 
