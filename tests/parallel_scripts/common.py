@@ -115,3 +115,16 @@ def max_abs_diff(a, b) -> float:
 
 def max_abs(a) -> float:
   return max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(a))
+
+
+def loss_and_grads_fn(graphdef):
+  """(params, batch) -> (loss, grads) of `loss_fn`."""
+  return jax.value_and_grad(lambda p, b: loss_fn(p, b, graphdef))
+
+
+def rel_diff(a, b) -> float:
+  """||a - b|| / ||b|| over all leaves of two pytrees, in float64."""
+  num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
+  return (num / den) ** 0.5

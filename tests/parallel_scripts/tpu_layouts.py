@@ -32,17 +32,6 @@ def cfg_for(gmm_backend: str, core: str):
   return model_config(m)
 
 
-def grads_fn(graphdef):
-  return jax.value_and_grad(lambda p, b: common.loss_fn(p, b, graphdef))
-
-
-def rel_diff(a, b) -> float:
-  num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
-  return (num / den) ** 0.5
-
-
 def main(out_path: str):
   assert pallas_tpu.interpret(), "run with UMOE_PALLAS_TPU_INTERPRET=1"
   ref_cfg, tpu_cfg = cfg_for("xla", "xla"), cfg_for("megablox", "splash")
@@ -50,7 +39,7 @@ def main(out_path: str):
   rng = np.random.default_rng(3)
   batch = jnp.asarray(rng.integers(0, 128, (8, SEQ + 1)), jnp.int32)
   ref_graphdef, _ = common.model_parts(ref_cfg)
-  ref_loss, ref_grads = jax.jit(grads_fn(ref_graphdef))(params, batch)
+  ref_loss, ref_grads = jax.jit(common.loss_and_grads_fn(ref_graphdef))(params, batch)
 
   graphdef, abstract_params = common.model_parts(tpu_cfg)
   report = {"layouts": {}}
@@ -60,14 +49,14 @@ def main(out_path: str):
     pure_abs = jax.eval_shape(lambda: nnx.to_pure_dict(abstract_params))
     p_sh = sharding.state_shardings(pure_abs, mesh, None, params=abstract_params)
     b_sh = sharding.batch_sharding(mesh)
-    fn = jax.jit(grads_fn(graphdef), in_shardings=(p_sh, b_sh))
+    fn = jax.jit(common.loss_and_grads_fn(graphdef), in_shardings=(p_sh, b_sh))
     with sharding.use_mesh(mesh):
       if "pallas_calls" not in report.get("kernels", {}):
-        text = str(jax.make_jaxpr(grads_fn(graphdef))(params, batch))
+        text = str(jax.make_jaxpr(common.loss_and_grads_fn(graphdef))(params, batch))
         report["kernels"] = {"pallas_calls": text.count("pallas_call")}
       loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
     report["layouts"][layout] = dict(loss=float(loss), loss_diff=abs(float(loss) - float(ref_loss)),
-                                     grad_rel=rel_diff(grads, ref_grads),
+                                     grad_rel=common.rel_diff(grads, ref_grads),
                                      seconds=round(time.time() - t0, 1))
     print(layout, report["layouts"][layout], flush=True)
   with open(out_path, "w") as f:

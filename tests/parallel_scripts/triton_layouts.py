@@ -44,17 +44,6 @@ def cfg_for(core: str):
   return model_config(m)
 
 
-def grads_fn(graphdef):
-  return jax.value_and_grad(lambda p, b: common.loss_fn(p, b, graphdef))
-
-
-def rel_diff(a, b) -> float:
-  num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
-  return (num / den) ** 0.5
-
-
 LAUNCHED = []   # (kernel name, grid batch, H) of every launch, as traced
 
 
@@ -72,18 +61,18 @@ def main(out_path: str):
   rng = np.random.default_rng(3)
   batch = jnp.asarray(rng.integers(0, 128, (BATCH, SEQ + 1)), jnp.int32)
   ref_graphdef, _ = common.model_parts(ref_cfg)
-  ref_loss, ref_grads = jax.jit(grads_fn(ref_graphdef))(params, batch)
+  ref_loss, ref_grads = jax.jit(common.loss_and_grads_fn(ref_graphdef))(params, batch)
   assert not LAUNCHED, "the XLA core launched a Triton kernel"
 
   graphdef, abstract_params = common.model_parts(cfg)
-  loss, grads = jax.jit(grads_fn(graphdef))(params, batch)
+  loss, grads = jax.jit(common.loss_and_grads_fn(graphdef))(params, batch)
   names = {name for name, _, _ in LAUNCHED}
   assert "_fwd_kernel" in names and len(names) >= 4, names   # forward and the backward passes
   batches, heads = {b for _, b, _ in LAUNCHED}, {h for _, _, h in LAUNCHED}
   assert batches == {BATCH} and heads == {4}, LAUNCHED
   n_heads = heads.pop()
   report = {"single": dict(loss_diff=abs(float(loss) - float(ref_loss)),
-                           grad_rel=rel_diff(grads, ref_grads), kernels=sorted(names),
+                           grad_rel=common.rel_diff(grads, ref_grads), kernels=sorted(names),
                            heads=n_heads),
             "layouts": {}}
   print("single", report["single"], flush=True)
@@ -95,7 +84,7 @@ def main(out_path: str):
     mesh = mesh_lib.make_mesh(axes)
     p_sh = sharding.state_shardings(pure_abs, mesh, None, params=abstract_params)
     b_sh = sharding.batch_sharding(mesh)
-    fn = jax.jit(grads_fn(graphdef), in_shardings=(p_sh, b_sh))
+    fn = jax.jit(common.loss_and_grads_fn(graphdef), in_shardings=(p_sh, b_sh))
     del LAUNCHED[:]
     with sharding.use_mesh(mesh):
       loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
@@ -104,7 +93,7 @@ def main(out_path: str):
     want_heads = n_heads // tensor if n_heads % tensor == 0 else n_heads
     seen = sorted({(b, h) for _, b, h in LAUNCHED})
     report["layouts"][layout] = dict(
-        loss_diff=abs(float(loss) - float(ref_loss)), grad_rel=rel_diff(grads, ref_grads),
+        loss_diff=abs(float(loss) - float(ref_loss)), grad_rel=common.rel_diff(grads, ref_grads),
         kernels=sorted({name for name, _, _ in LAUNCHED}), local=seen,
         want_local=[[BATCH // batch_shards, want_heads]], seconds=round(time.time() - t0, 1))
     print(layout, report["layouts"][layout], flush=True)
