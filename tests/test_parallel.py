@@ -364,15 +364,19 @@ def test_attention_variant_matches_single_device(multi_device_report, variant, l
   assert result["grad_diff"] < GRAD_TOL, result
 
 
-def test_triton_attention_core_runs_on_each_devices_rows(tmp_path, monkeypatch):
+def test_fused_attention_cores_run_on_each_devices_rows(tmp_path, monkeypatch):
   """`attention.core="triton"` on 8 virtual devices (the kernels in the Triton interpreter): the
   custom calls run inside shard_map on one device's batch rows and query heads, and the loss and
-  gradients match the XLA core on one device (tests/parallel_scripts/triton_layouts.py)."""
+  gradients match the XLA core on one device; `on_local_shards` itself with as many key heads as
+  query heads and with replicated mesh axes (tests/parallel_scripts/fused_core_layouts.py)."""
   pytest.importorskip("triton", reason="Triton is not installed")
   monkeypatch.setenv("TRITON_INTERPRET", "1")
-  out = tmp_path / "triton_layouts.json"
-  run_script("triton_layouts.py", str(out), timeout=600)
+  out = tmp_path / "fused_core_layouts.json"
+  run_script("fused_core_layouts.py", str(out), timeout=600)
   report = json.loads(out.read_text())
+  assert len(report["wrapper"]) == 4, report["wrapper"]
+  for name, r in report["wrapper"].items():
+    assert r["local"] == r["want_local"] and r["rel"] < 1e-5, (name, r)
   assert report["single"]["loss_diff"] < LOSS_TOL and report["single"]["grad_rel"] < 1e-5, report
   assert set(report["layouts"]) == {"data=8", "expert=8", "fsdp=2,tensor=2,expert=2",
                                     "data=2,tensor=4"}, report

@@ -130,13 +130,15 @@ def auto_core(head_dim: int, value_dim: int) -> str:
 
 def on_local_shards(attend, q: jax.Array, k: jax.Array, v: jax.Array):
   """attend(q, k, v) on each device's own rows while a mesh of several devices is active
-  (`parallel.use_mesh`), else on the arrays as they are: how the fused cores, whose custom calls
-  XLA does not partition, run on the data-, FSDP- and expert-parallel layouts.
+  (`parallel.use_mesh`), else on the arrays as they are: how the fused cores run on the data-,
+  FSDP- and expert-parallel layouts (XLA does not partition the Triton and splash kernels' custom
+  calls; jax partitions cuDNN's by batch and heads itself, and this gives it the same layout).
 
   The batch is split as the activations are (BATCH's mesh axes) and the query heads over HEADS'
   axes where they divide them (a shared key head, Hk = 1, stays whole on every head shard); the
   sequence and the widths stay whole, since a causal core needs every earlier key. A mesh axis that
-  divides neither is replicated: its devices repeat the same work.
+  divides neither is replicated: its devices repeat the same work, and the backward sums the
+  input gradients over it.
 
   Args:
     attend: (q, k, v) -> [B, T, H, Dv], or None where it cannot take the (local) shapes.
@@ -163,7 +165,10 @@ def on_local_shards(attend, q: jax.Array, k: jax.Array, v: jax.Array):
 
   if jax.eval_shape(attend, local(q, q_spec), local(k, kv_spec), local(v, kv_spec)) is None:
     return None
-  # check_vma=False: the kernels' custom calls drop shard_map's varying-axes type.
+  # check_vma=False is required, not a convenience: the kernels' VJPs type dK / dV like k and v,
+  # which do not vary over the head axes, so with the check on, shard_map would not sum a shared key
+  # head's gradient over the head shards. With it off, the transpose sums every input's cotangent
+  # over the mesh axes its spec leaves out.
   return sharding.shard_map(attend, mesh, (q_spec, kv_spec, kv_spec), q_spec, check_vma=False)(q, k, v)
 
 

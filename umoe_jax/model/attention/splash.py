@@ -49,10 +49,11 @@ def _kernel(t: int, heads: int, mqa: bool, block: int, interpret: bool):
   return make(mask, block_sizes=sizes, interpret=interpret)
 
 
-def _local(q, k, v, *, block: int, interpret: bool):
-  """q [B, T, H, Dk], k / v [B, T, Hk, D] -> [B, T, H, Dv] through the kernel, on local shards."""
+def _local(q, k, v, *, mqa: bool, block: int, interpret: bool):
+  """q [B, T, H, Dk], k / v [B, T, Hk, D] -> [B, T, H, Dv] through the kernel, on local shards.
+  mqa: one key head over all query heads (decided on the global shapes: a head shard of one query
+  head over its own key head is still multi-head)."""
   _, t, h, dk = q.shape
-  mqa = k.shape[2] == 1
   q = (q.astype(jnp.float32) / math.sqrt(dk)).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, Dk]
   if mqa:
     k, v = k[:, :, 0], v[:, :, 0]                                                # [B, T, D]
@@ -82,4 +83,5 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   if (k.shape[1] != t or hk not in (1, h) or block is None
       or q.dtype not in (jnp.bfloat16, jnp.float32)):
     return None
-  return on_local_shards(functools.partial(_local, block=block, interpret=interpret), q, k, v)
+  return on_local_shards(functools.partial(_local, mqa=hk == 1, block=block, interpret=interpret),
+                         q, k, v)

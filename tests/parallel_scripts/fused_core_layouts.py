@@ -1,11 +1,17 @@
-"""The Triton pre-mixing attention core inside a model on 8 virtual CPU devices, run by
-test_parallel.py with TRITON_INTERPRET=1: every kernel launch goes through the Triton interpreter
-(`test_triton_attention._interpreter_launch`), and a one-layer UMoE with `attention.core="triton"`
-gives the same loss and gradients on each layout as the XLA core on one device. Each launch must see
-one device's rows (`attention.common.on_local_shards`): its grid's batch axis is the local batch,
-its H the local query heads.
+"""The fused attention cores on 8 virtual CPU devices (`attention.common.on_local_shards`), run by
+test_parallel.py with TRITON_INTERPRET=1:
 
-Usage: triton_layouts.py OUT.json   writes {"single": {...}, "layouts": {layout: {...}}}
+  * "single", "layouts": the Triton pre-mixing core inside a model, every kernel launch through the
+    Triton interpreter (`test_triton_attention._interpreter_launch`). A one-layer UMoE with
+    `attention.core="triton"` gives the same loss and gradients on each layout as the XLA core on
+    one device, and each launch sees one device's rows: its grid's batch axis is the local batch,
+    its H the local query heads.
+  * "wrapper": `on_local_shards` around the XLA form of a causal core (`fused_attention(...,
+    implementation="xla")`) where the model's layouts do not reach: key heads as many as the query
+    heads with the heads split, and mesh axes that divide neither batch nor heads (replicated:
+    the backward must sum the gradients over them). Values and gradients against no mesh.
+
+Usage: fused_core_layouts.py OUT.json   writes {"single": {...}, "layouts": {...}, "wrapper": {...}}
 """
 import json
 import os
@@ -97,8 +103,46 @@ def main(out_path: str):
         kernels=sorted({name for name, _, _ in LAUNCHED}), local=seen,
         want_local=[[BATCH // batch_shards, want_heads]], seconds=round(time.time() - t0, 1))
     print(layout, report["layouts"][layout], flush=True)
+  report["wrapper"] = wrapper_cases()
   with open(out_path, "w") as f:
     json.dump(report, f, indent=1)
+
+
+# (name, mesh, B, H, Hk, the local [B, H] each device must see)
+WRAPPER_CASES = [("mha_heads_split", "data=2,tensor=4", 4, 4, 4, [2, 1]),
+                 ("shared_key_batch_replicated", "expert=8", 2, 4, 1, [2, 4]),
+                 ("mha_batch_and_heads_replicated", "data=8,tensor=1", 3, 3, 3, [3, 3]),
+                 ("shared_key_heads_split_batch_replicated", "data=4,tensor=2", 2, 4, 1, [2, 2])]
+
+
+def wrapper_cases() -> dict:
+  from umoe_jax.model.attention.common import fused_attention, on_local_shards
+  out = {}
+  for name, layout, b, h, hk, want_local in WRAPPER_CASES:
+    rng = np.random.default_rng(len(name))
+    t, dk, dv = 12, 8, 8 if hk == h else 24
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((b, t, h, dk), (b, t, hk, dk), (b, t, hk, dv)))
+    cot = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
+    seen = []
+
+    def attend(q, k, v):
+      seen.append([q.shape[0], q.shape[2]])
+      return fused_attention(q, k, v, implementation="xla")
+
+    def pullback(q, k, v):
+      y, vjp = jax.vjp(lambda *a: on_local_shards(attend, *a), q, k, v)
+      return (y, *vjp(cot))
+
+    want = pullback(q, k, v)                     # no mesh: the arrays as they are
+    del seen[:]
+    mesh = mesh_lib.make_mesh({a: int(n) for a, n in (kv.split("=") for kv in layout.split(","))})
+    with sharding.use_mesh(mesh):
+      got = jax.jit(pullback)(q, k, v)
+    out[name] = dict(rel=max(common.rel_diff(g, w) for g, w in zip(got, want)),
+                     local=sorted({tuple(s) for s in seen}), want_local=[want_local])
+    print(name, out[name], flush=True)
+  return out
 
 
 if __name__ == "__main__":
