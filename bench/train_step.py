@@ -21,6 +21,10 @@ memory. Usage (GPU):
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
       [--trace_step=N]   (a jax.profiler trace of timed step N as it runs, CUDA graphs kept)
       [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
+      [--zipf=S]   (tokens drawn Zipf(S) over a shuffled vocabulary, as text's unigrams, instead of
+                    uniformly: a fresh router's loads then skew as on real text; 0 = uniform)
+      [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
+                    gradient's tiles largest groups first under skew >= N; 0 = group order)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
@@ -31,7 +35,9 @@ A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left o
   fsdp         FSDP (mesh fsdp=N: params and optimizer state split, batch split)
   expert       expert parallel (mesh expert=N; the batch is split over the expert axis too)
   fsdp_expert  FSDP x expert parallel (mesh fsdp=2, expert=N/2; UMoE-large on 8: fsdp=2 x expert=4)
-The batch is --batch sequences per device. After the rows, the table gives each row's scaling
+The batch is --batch sequences per device. Every row reports its routing's load skew: per router,
+the largest expert's picks over the mean in the last timed step (`routing_load`: median and max over
+the routers). After the rows, the table gives each row's scaling
 efficiency = (tokens/s per device) / (tokens/s of the same config's single row in this command).
 `--time_limit_s` starts no row that the slowest row so far would carry past the limit (device
 machines stop a command at their limit; the rows measured so far are in $OUT/train_step.json).
@@ -113,6 +119,30 @@ def row_spec(r: dict) -> str:
   return ":".join([r["config"], r["layout"]] + ["-" if f is None else str(f) for f in fields])
 
 
+def bench_tokens(rng: np.random.Generator, vocab: int, shape: tuple, zipf: float) -> np.ndarray:
+  """int32 tokens of `shape` in [0, vocab): uniform for zipf == 0, else rank r (1-based) of a
+  shuffled vocabulary drawn with probability proportional to r^-zipf (text's unigrams: ~1.0-1.2)."""
+  if zipf < 0:
+    raise ValueError(f"--zipf={zipf}: an exponent >= 0 (0 = uniform tokens)")
+  if zipf == 0:
+    return rng.integers(0, vocab, size=shape, dtype=np.int32)
+  weights = np.arange(1, vocab + 1, dtype=np.float64) ** -zipf
+  ranks = rng.choice(vocab, size=shape, p=weights / weights.sum())
+  return rng.permutation(vocab).astype(np.int32)[ranks]
+
+
+def routing_load(router_metrics: dict) -> dict:
+  """{"median", "max", "per_router"} of each router's largest expert load over the mean (1 =
+  balanced) from a step's metrics["routers"] ({name: {"expert_counts" [E], ...}}); {} without
+  routers."""
+  from umoe_jax.train import metrics as metrics_lib
+  per = {name: metrics_lib.load_balance(np.asarray(r["expert_counts"]))[0]
+         for name, r in sorted(router_metrics.items()) if "expert_counts" in r}
+  if not per:
+    return {}
+  return dict(median=statistics.median(per.values()), max=max(per.values()), per_router=per)
+
+
 def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
               capacity_factor=None) -> dict:
   from umoe_jax import stats
@@ -175,9 +205,11 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   chunks = (config.get("expert_parallel") or {}).get("chunks", 1)
   progs = loop.config_programs(config, model_cfg, mesh, rules)
 
+  if args.tgmm_big_first_skew is not None:
+    from kernels import triton_gmm
+    triton_gmm.TGMM_BIG_FIRST_SKEW = args.tgmm_big_first_skew
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, v, size=(b, t + 1), dtype=np.int32)
+  tokens = bench_tokens(np.random.default_rng(0), v, (b, t + 1), args.zipf)
   batch_sharding = sharding_lib.batch_sharding(mesh, rules)
   batch = {"inputs": jax.device_put(tokens[:, :-1], batch_sharding),
            "targets": jax.device_put(tokens[:, 1:], batch_sharding)}
@@ -214,6 +246,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
         if tracing:
           jax.profiler.stop_trace()
     last_loss = float(m["loss"])
+    load = routing_load(jax.device_get(m.get("routers", {})))
     profile = None
     if args.profile:
       profile = _profile_steps(step_fn, state, batch, args.profile)
@@ -238,13 +271,23 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
-             anchor_tokens_per_s=ANCHORS.get(name))
+             anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
+             tgmm_big_first_skew=_tgmm_skew())
   if profile is not None:
     row["profile"] = profile
   del state, m, batch
   gc.collect()
   jax.clear_caches()
   return row
+
+
+def _tgmm_skew():
+  """The Triton weight gradient's TGMM_BIG_FIRST_SKEW the row ran with (None: no Triton here)."""
+  try:
+    from kernels import triton_gmm
+  except Exception:  # noqa: BLE001
+    return None
+  return triton_gmm.TGMM_BIG_FIRST_SKEW
 
 
 def _profile_steps(step_fn, state, batch, calls: int) -> dict:
@@ -302,6 +345,12 @@ def main():
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--freeze_heap", type=int, choices=[0, 1], default=1,
                   help="gc.freeze the host heap before the timed steps, as the trainer does (0: not)")
+  ap.add_argument("--zipf", type=float, default=0.0,
+                  help="draw the tokens Zipf(S) over a shuffled vocabulary (text-like unigrams: a "
+                       "fresh router's loads skew) instead of uniformly (0, the default)")
+  ap.add_argument("--tgmm_big_first_skew", type=int, default=None,
+                  help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
+                       "module's, 2; 0 = the weight gradient's tiles in group order)")
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
@@ -367,6 +416,10 @@ def main():
   args = ap.parse_args()
   if not 0 <= args.trace_step <= args.steps:
     ap.error(f"--trace_step={args.trace_step}: a timed step, 1 to --steps={args.steps} (0: none)")
+  if not (math.isfinite(args.zipf) and args.zipf >= 0):
+    ap.error(f"--zipf={args.zipf}: an exponent >= 0 (0 = uniform tokens)")
+  if args.tgmm_big_first_skew is not None and args.tgmm_big_first_skew < 0:
+    ap.error(f"--tgmm_big_first_skew={args.tgmm_big_first_skew}: >= 0 (0 = group order)")
   if args.triton_launch is not None:  # (read when the kernels are traced, here or in a row's process)
     os.environ[triton_launch.ENV_VAR] = args.triton_launch
   if args.compilation_cache_dir:
@@ -404,7 +457,9 @@ def main():
           f"loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
           f"(check {'ok' if r['loss_check'] else 'FAILED'})  compile {r['compile_s']:.0f}s  "
           f"mem {r['peak_mem_gb']:.1f} GB"
-          + (f"  loss chunks {r['loss_chunk_tokens']}" if r.get("loss_chunk_tokens") else ""))
+          + (f"  loss chunks {r['loss_chunk_tokens']}" if r.get("loss_chunk_tokens") else "")
+          + (f"  load max/mean {r['routing_load']['median']:.2f} (worst router "
+             f"{r['routing_load']['max']:.2f})" if r.get("routing_load") else ""))
     except Exception as e:  # noqa: BLE001  (report and go on with the next row)
       log(f"{name} {layout}: FAILED {type(e).__name__}: {str(e)[:400]}")
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))
@@ -428,7 +483,7 @@ def add_efficiency(rows: list) -> None:
 
 def print_table(rows: list) -> None:
   log("\nconfig          layout          dev  mesh (d,f,t,e)  exchange    chunks  cf     step ms   "
-      "tok/s (k)  per dev  efficiency  MFU    peak GB  anchor (k, official torch)")
+      "tok/s (k)  per dev  efficiency  MFU    peak GB  anchor (k, official torch)  load")
   for r in rows:
     if "error" in r:
       log(f"{r['config']:15s} {r['layout']:15s} FAILED ({r['error'][:60]})")
@@ -441,7 +496,10 @@ def print_table(rows: list) -> None:
         f"{r['chunks']:6d}  {r['capacity_factor'] or '-':5}  {r['step_ms']:8.1f} "
         f"{r['tokens_per_s'] / 1e3:10.1f} {r['tokens_per_s_per_device'] / 1e3:8.1f} "
         f"{'%9.1f%%' % (100 * eff) if eff is not None else '        -'}  {100 * r['mfu']:5.1f}%  "
-        f"{r['peak_mem_gb']:7.1f}  {anchor / 1e3 if anchor else float('nan'):6.1f}")
+        f"{r['peak_mem_gb']:7.1f}  {anchor / 1e3 if anchor else float('nan'):6.1f}"
+        f"{'':22s}{r['routing_load']['median'] if r.get('routing_load') else float('nan'):5.2f}")
+  log("(load: the median router's largest expert load over the mean in the last timed step; "
+      "1 = balanced)")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""bench/train_step.py refuses a --trace_step outside the timed steps before it builds anything (a
-GPU run would otherwise compile for minutes and trace nothing)."""
+"""bench/train_step.py on CPU: flags it refuses before it builds anything (a GPU run would otherwise
+compile for minutes and measure nothing), its token draws (uniform, text-like Zipf), the routing
+load it reports, and one tiny row end to end."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
                      "train_step.py")
@@ -16,3 +19,77 @@ def test_a_trace_step_outside_the_timed_steps_is_refused(tmp_path):
   assert out.returncode == 2, out
   assert "--trace_step=5: a timed step, 1 to --steps=3" in out.stderr
   assert not os.listdir(tmp_path)
+
+
+def _bench_module():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("train_step_bench", BENCH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_zipf_tokens_follow_their_exponent_and_uniform_stays_as_before():
+  import numpy as np
+  bench = _bench_module()
+  uniform = bench.bench_tokens(np.random.default_rng(0), 1000, (4, 33), 0.0)
+  np.testing.assert_array_equal(  # the default: the draw the bench always made
+      uniform, np.random.default_rng(0).integers(0, 1000, size=(4, 33), dtype=np.int32))
+  vocab, s = 500, 1.1
+  tokens = bench.bench_tokens(np.random.default_rng(1), vocab, (400, 500), s)
+  assert tokens.dtype == np.int32 and tokens.shape == (400, 500)
+  assert tokens.min() >= 0 and tokens.max() < vocab
+  freq = np.sort(np.bincount(tokens.ravel(), minlength=vocab))[::-1] / tokens.size
+  want = np.arange(1, vocab + 1, dtype=np.float64) ** -s
+  want /= want.sum()
+  np.testing.assert_allclose(freq[:5], want[:5], rtol=0.05)     # the frequent ranks, 200k draws
+  top = np.argsort(np.bincount(tokens.ravel(), minlength=vocab))[::-1][:5]
+  assert sorted(top) != list(range(5)), top                     # ranks land on shuffled ids
+  with pytest.raises(ValueError, match="--zipf=-0.5"):
+    bench.bench_tokens(np.random.default_rng(0), vocab, (2, 2), -0.5)
+
+
+def test_routing_load_is_each_routers_largest_load_over_the_mean():
+  import numpy as np
+  bench = _bench_module()
+  load = bench.routing_load({"layer_0/ffn": {"expert_counts": np.array([2.0, 2.0, 2.0, 2.0])},
+                             "layer_0/attention": {"expert_counts": np.array([6.0, 1.0, 1.0, 0.0])},
+                             "layer_1/ffn": {"expert_counts": np.array([3.0, 1.0, 2.0, 2.0]),
+                                             "entropy": np.float32(1.0)}})
+  assert load["per_router"] == {"layer_0/attention": 3.0, "layer_0/ffn": 1.0, "layer_1/ffn": 1.5}
+  assert load["median"] == 1.5 and load["max"] == 3.0
+  assert bench.routing_load({}) == {}
+
+
+@pytest.mark.parametrize("flag,message", [("--zipf=-1", "--zipf=-1.0: an exponent >= 0"),
+                                          ("--zipf=nan", "--zipf=nan: an exponent >= 0"),
+                                          ("--tgmm_big_first_skew=-2", "--tgmm_big_first_skew=-2: >= 0")])
+def test_bad_token_and_tile_order_flags_are_refused(tmp_path, flag, message):
+  out = subprocess.run([sys.executable, BENCH, flag, f"--out={tmp_path}"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out
+  assert message in out.stderr, out.stderr
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_tiny_row_reports_its_routing_load_and_zipf_tokens_skew_it(tmp_path):
+  """One CPU row of umoe_tiny per token distribution: the row records its loads, and text-like
+  tokens load a fresh router's busiest experts more than uniform ones."""
+  import json
+  loads = {}
+  for zipf in ("0", "1.2"):
+    out_dir = tmp_path / zipf
+    out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single", "--batch=4",
+                          "--seq_len=64", "--steps=1", "--warmup=0", f"--zipf={zipf}",
+                          f"--out={out_dir}"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    row = json.loads((out_dir / "train_step.json").read_text())[0]
+    assert "error" not in row, row["error"]
+    assert row["zipf"] == float(zipf) and row["loss_check"], row
+    load = row["routing_load"]
+    assert len(load["per_router"]) == 8, load                   # 4 layers x (attention, FFN)
+    assert all(v >= 1.0 for v in load["per_router"].values()), load
+    loads[zipf] = load["median"]
+  assert loads["1.2"] > loads["0"], loads
