@@ -523,7 +523,7 @@ def _ragged_call(mesh, sizes_per_device, operand, out_rows, send, in_off, out_of
                                      max_slice=sizes_per_device)
     return out[None]
   spec = P("x")
-  run = jax.jit(expert_parallel._shard_map(f, mesh, (spec,) * 5, spec))
+  run = jax.jit(sharding.shard_map(f, mesh, (spec,) * 5, spec))
   return np.asarray(run(operand, send, in_off, out_off, recv))
 
 
