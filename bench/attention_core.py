@@ -2,7 +2,8 @@
 
 Shapes (one shared key head; pre-mixing's values = the hidden states): base B=32, T=1024, H=1+3, dk=192, D=768;
 large B=16, T=1024, H=4, dk=512, D=2048; moa (MoA-base's shared key / value head) B=32, T=1024,
-H=1+3, dk=192, D=192. For each: the Triton core is checked against the XLA core
+H=1+3, dk=192, D=192; mha (dense-base) B=32, T=1024, H=4 heads of 192 each over its own key / value
+head (the Triton core folds the heads into the batch). For each: the Triton core is checked against the XLA core
 (values and the gradients of q, k, x, relative error), then every core is timed forward and
 forward+backward (CUPTI kernel time, median of 10; gradients of all three inputs under a
 non-constant cotangent). TFLOP/s counts useful causal FLOPs: forward 2 * B*H * T(T+1)/2 * (dk + D),
@@ -17,7 +18,7 @@ loads it) and times the core again with them. The file is rewritten after every 
 sweep has measured so far (the starting form, its kernels' fastest tiles), so a sweep cut short by
 a time limit still leaves tiles to load.
 
-  python3 bench/attention_core.py [--shapes=base,large,moa] [--cores=xla,cudnn,triton] [--sweep=base]
+  python3 bench/attention_core.py [--shapes=base,large,moa,mha] [--cores=xla,cudnn,triton] [--sweep=base]
       [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
       [--delta] [--out DIR]
 """
@@ -44,7 +45,11 @@ from layer_breakdown import time_fwd_bwd  # noqa: E402
 SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048),
           # MoA-base: 1 + 3 query heads over one shared key / value head, values as wide as the
           # keys (where `auto` takes cuDNN; whether the Triton core beats it there: issue 15, item 1)
-          "moa": (32, 1024, 4, 192, 192)}
+          "moa": (32, 1024, 4, 192, 192),
+          # dense-base's MHA: 4 heads of 192, each over its own key / value head (KEY_HEADS); the
+          # Triton core runs them folded into the batch (`common.triton_attention(fold_key_heads)`)
+          "mha": (32, 1024, 4, 192, 192)}
+KEY_HEADS = {"mha": 4}   # key / value heads of a shape (default 1: shared by every query head)
 
 # Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
 # Rounds 1-2 (BENCHMARKS.md) ranked the fwd / dx / dk ones; round 3: dQ's longer dO X^T step and
@@ -84,22 +89,26 @@ def flops(b, t, h, dk, d):
   return 2.0 * b * h * t * (t + 1) / 2 * (dk + d)
 
 
-def inputs(shape, seed=0):
+def inputs(shape, seed=0, key_heads=1):
   b, t, h, dk, d = shape
   kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, key_heads, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, key_heads, d), jnp.float32).astype(jnp.bfloat16)
   return q, k, v, jax.random.normal(kc, (b, t, h, d), jnp.float32)
 
 
-def cores(positions, tiles=None):
+def cores(positions, tiles=None, key_heads=1, backward="auto"):
   from kernels import triton_attention as ta
-  from umoe_jax.model.attention.common import causal_attention
+  from umoe_jax.model.attention.common import causal_attention, triton_attention
+  if key_heads > 1:  # each head folded into the batch, on the default tiles of (dk, D)
+    triton = lambda q, k, v: triton_attention(q, k, v, backward=backward, fold_key_heads=True)
+  else:
+    triton = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
   return {
       "xla": lambda q, k, v: causal_attention(q, k, v, positions, positions),
       "cudnn": lambda q, k, v: causal_attention(q, k, v, positions, positions, core="cudnn"),
-      "triton": lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles),
+      "triton": triton,
   }
 
 
@@ -117,17 +126,19 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
   each first checked against the XLA core."""
   from kernels import attention_tiles as at
   b, t, h, dk, d = shape
-  q, k, v, cot = inputs(shape)
+  key_heads = KEY_HEADS.get(name, 1)
+  q, k, v, cot = inputs(shape, key_heads=key_heads)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   start = tiles or at.default_tiles(dk, d)
-  fns = cores(positions, tiles)
+  fns = cores(positions, tiles, key_heads)
   fl = flops(*shape)
   row = {}
   for core in which:
     if core == "cudnn" and dk > 256:
       continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
     variants = ({(f"triton_{bw}" if bw != "auto" else "triton"): cores(
-                    positions, at.with_backward(start, bw, dk))["triton"] for bw in backwards}
+                    positions, at.with_backward(start, bw, dk), key_heads, bw)["triton"]
+                 for bw in backwards}
                 if core == "triton" else {core: fns[core]})
     for key, fn in variants.items():
       if key.startswith("triton"):
@@ -368,7 +379,13 @@ def main():
     raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
   kernels, partners = sweep_kernels(args.sweep_kernels)   # (names checked before any GPU work)
   results, table = {}, {}
-  for name in args.shapes.split(","):
+  names = args.shapes.split(",")
+  bad = [n for n in names if n not in SHAPES] + [
+      f"{n} (--sweep: several key heads run the default tiles)" for n in args.sweep.split(",")
+      if KEY_HEADS.get(n, 1) > 1]
+  if bad:
+    raise SystemExit(f"--shapes / --sweep: {', '.join(bad)}; shapes: {', '.join(SHAPES)}")
+  for name in names:
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)

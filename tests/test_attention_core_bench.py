@@ -1,7 +1,8 @@
 """bench/attention_core.py's tile sweep, run on CPU: every kernel through the Triton interpreter
 (tests/test_triton_attention.py's launcher), the timer replaced by fixed per-kernel times, so that
 its plumbing (the stored forms' inputs, the per-gradient check of the tile-pair pass, the choice of
-the backward form and the tiles it writes, `--sweep_kernels`) is exercised before it costs GPU time."""
+the backward form and the tiles it writes, `--sweep_kernels`, the folded core of shapes with a key
+head per query head) is exercised before it costs GPU time."""
 from __future__ import annotations
 
 import os
@@ -89,6 +90,39 @@ def _sweep_check():
 def test_the_sweep_runs_every_form_and_picks_the_fastest():
   pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_attention_core_bench", "_sweep_check", "ATTENTION_SWEEP_OK",
+                            timeout=600)
+
+
+def _mha_check():
+  """time_cores on a shape with a key head per query head ("mha"): the Triton core (folded into the
+  batch) is checked against XLA and timed, every backward form asked for."""
+  sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
+  import jax
+  import attention_core as ac
+  import test_triton_attention as tta
+  from kernels import triton_attention as ta
+  interpreter_loop_bounds()
+  ta._launch, ta.available, ta.DTYPES = tta._interpreter_launch, (lambda: True), (jax.numpy.float32,)
+  real_inputs = ac.inputs
+  ac.inputs = lambda shape, seed=0, key_heads=1: tuple(  # float32: the interpreter has no bf16
+      x.astype(jax.numpy.float32) for x in real_inputs(shape, seed, key_heads))
+  ac.time_fwd_bwd = lambda fn, *args: (jax.block_until_ready(fn(*args)), 1.0, 3.0)[1:]
+  shape = (1, 21, 2, 16, 16)
+  ac.SHAPES["mha_tiny"], ac.KEY_HEADS["mha_tiny"] = shape, 2
+  q, k, v, _ = ac.inputs(shape, key_heads=2)
+  assert k.shape == (1, 21, 2, 16) and v.shape == (1, 21, 2, 16)
+  n_launch = len(tta.LAUNCHES)
+  row = ac.time_cores("mha_tiny", shape, which=("xla", "triton"), backwards=("auto", "recompute"))
+  assert {"xla", "triton", "triton_recompute"} <= set(row), row
+  for key in ("triton", "triton_recompute"):
+    assert row[f"{key}_err"] < 1e-5 and row[f"{key}_grad_err"] < 1e-5, row
+  assert len(tta.LAUNCHES) > n_launch                         # the kernels really ran
+  print("ATTENTION_MHA_OK")
+
+
+def test_the_core_on_a_key_head_per_query_head_is_checked_and_timed():
+  pytest.importorskip("triton", reason="Triton is not installed")
+  run_in_triton_interpreter("test_attention_core_bench", "_mha_check", "ATTENTION_MHA_OK",
                             timeout=600)
 
 

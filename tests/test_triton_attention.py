@@ -4,7 +4,8 @@ the core choice and its config validation, and the kernels themselves under the 
 custom VJP) with every launch routed through `jax.pure_callback` into the interpreter. Values and
 the gradients of q, k and x are compared with a float64 autodiff reference of the naive formula;
 sequence lengths are not multiples of the tiles, head counts and widths not powers of two, D-chunks
-of two pieces, a partial last chunk, the optional fused dX + dK pass. The layer test runs the tiny
+of two pieces, a partial last chunk, the optional fused dX + dK pass, and as many key heads as query heads folded into the batch
+(`fold_key_heads`). The layer test runs the tiny
 UMoE pre-mixing attention (skewed routing) with core="triton" against core="xla". GPU runs: tests/gpu/test_attention_gpu.py.
 """
 from __future__ import annotations
@@ -320,6 +321,34 @@ def _interpreter_check():
                                   "_bwd_dx_kernel"]), names
   assert not any(any(f.values()) for f in LAUNCH_FLAGS[n_launch:]), LAUNCH_FLAGS[n_launch:]
   ta.STORED_BYTES_LIMIT = limit
+
+  # As many key heads as query heads (MHA, SwitchHead), each head folded into the batch as a
+  # sequence of its own (`common.triton_attention(fold_key_heads=True)`), on the default tiles.
+  from umoe_jax.model.attention.common import triton_attention as core_entry
+  ta.available, ta.DTYPES = (lambda: True), (jnp.float32,)
+  b, t, h, dk, dv = 2, 37, 3, 24, 40
+  rng = np.random.default_rng(7)
+  q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, h, dk), (b, t, h, dv)))
+  cot = rng.standard_normal((b, t, h, dv))
+
+  def mha_reference(q, k, v):  # float64, every head over its own key head
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(dk)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
+
+  f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+  assert core_entry(*f32) is None                  # without folding: several key heads decline
+  n_launch = len(LAUNCHES)
+  folded = lambda *a: core_entry(*a, fold_key_heads=True)
+  got = jax.jit(folded)(*f32)
+  want = mha_reference(*map(jnp.asarray, (q, k, v)))
+  assert got.shape == (b, t, h, dv) and _rel(got, want) < 1e-5, ("mha", _rel(got, want))
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(folded(*a) * cot), argnums=(0, 1, 2)))(*f32)
+  want_g = jax.grad(lambda *a: jnp.sum(mha_reference(*a) * cot), argnums=(0, 1, 2))(
+      *map(jnp.asarray, (q, k, v)))
+  for name, g, w in zip(("dq", "dk", "dv"), grads, want_g):
+    assert _rel(g, w) < 1e-5, ("mha", name, _rel(g, w))
+  assert "_fwd_kernel" in {kn.fn.__name__ for kn in LAUNCHES[n_launch:]}
 
   # The layer: tiny UMoE pre-mixing attention with skewed routing (nearly every token's slots on
   # experts 0-2), core="triton" (the kernel, via the interpreter) against core="xla".

@@ -56,14 +56,26 @@ def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: st
   return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
 
 
-def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str = "auto"):
+def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str = "auto",
+                     fold_key_heads: bool = False):
   """Causal attention through the Triton kernel of one shared key head (kernels/triton_attention.py:
   pre-mixing's D-wide values in one pass, no per-chunk cuDNN calls), or None where it cannot run
   (no GPU / Triton, float32, several key heads, S != T, head dim > 512). `backward`:
   `model.attention.core_backward` (kernels/attention_tiles.with_backward).
 
-  Args: q [B, T, H, Dk], k [B, T, 1, Dk], v [B, T, 1, Dv]. Returns [B, T, H, Dv] or None.
+  fold_key_heads: with as many key heads as query heads (MHA, SwitchHead), run each head as a
+  sequence of its own, one query head over its own key head: [B, T, H, .] -> [B*H, T, 1, .] (a
+  transpose of q, k, v and of the output). Off by default (then such shapes return None and the
+  caller takes cuDNN): not yet timed against cuDNN on a GPU (`bench/attention_core.py --shapes=mha`).
+
+  Args: q [B, T, H, Dk], k [B, T, 1, Dk] (or [B, T, H, Dk] with fold_key_heads), v [B, T, 1, Dv]
+  (or [B, T, H, Dv]). Returns [B, T, H, Dv] or None.
   """
+  b, t, h = q.shape[:3]
+  if fold_key_heads and h > 1 and k.shape[2] == h and v.shape[2] == h:
+    fold = lambda x: x.transpose(0, 2, 1, 3).reshape(b * h, x.shape[1], 1, x.shape[3])
+    out = triton_attention(fold(q), fold(k), fold(v), backward=backward)
+    return None if out is None else out.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
   try:
     from kernels import triton_attention as kernel
   except Exception:  # noqa: BLE001  (no kernels package on the path: the caller falls back)
