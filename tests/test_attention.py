@@ -104,7 +104,8 @@ def test_attention_core_choice():
 
 def test_auto_core_is_the_fused_kernel_on_one_gpu_only(monkeypatch):
   """core="auto" (the config default): on one GPU the Triton core for values wider than the keys
-  (AUTO_GPU_WIDE_VALUE_CORE) and cuDNN for the rest; XLA on several GPUs and off GPU;
+  (AUTO_GPU_WIDE_VALUE_CORE) and cuDNN for the rest; XLA on several GPUs (the fused cores there
+  once AUTO_FUSED_ON_SEVERAL_GPUS is on) and off GPU;
   here on CPU it computes the XLA form; a fused kernel that raises under "auto" falls back to XLA
   (an explicit "cudnn" lets the error through)."""
   from configs import common as configs
@@ -123,6 +124,13 @@ def test_auto_core_is_the_fused_kernel_on_one_gpu_only(monkeypatch):
     monkeypatch.setattr(common.jax, "default_backend", lambda b=backend: b)
     monkeypatch.setattr(common.jax, "device_count", lambda d=devices: d)
     assert common.auto_core(192, dv) == core, (backend, devices, dv)
+  monkeypatch.setattr(common, "AUTO_FUSED_ON_SEVERAL_GPUS", True)   # the switch, once measured
+  for backend, devices, dv, core in (("gpu", 8, 768, wide), ("gpu", 2, 192, "cudnn"),
+                                     ("cpu", 8, 768, "xla")):
+    monkeypatch.setattr(common.jax, "default_backend", lambda b=backend: b)
+    monkeypatch.setattr(common.jax, "device_count", lambda d=devices: d)
+    assert common.auto_core(192, dv) == core, ("several GPUs on", backend, devices, dv)
+  monkeypatch.setattr(common, "AUTO_FUSED_ON_SEVERAL_GPUS", False)
   # a GPU whose fused kernel refuses the call: "auto" answers with XLA, "cudnn" raises
   monkeypatch.setattr(common.jax, "device_count", lambda: 1)
   monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")

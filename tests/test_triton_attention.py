@@ -349,6 +349,16 @@ def _interpreter_check():
   for name, g, w in zip(("dq", "dk", "dv"), grads, want_g):
     assert _rel(g, w) < 1e-5, ("mha", name, _rel(g, w))
   assert "_fwd_kernel" in {kn.fn.__name__ for kn in LAUNCHES[n_launch:]}
+  # causal_attention(core="triton") folds only with TRITON_FOLDS_KEY_HEADS (else cuDNN's, here XLA's).
+  from umoe_jax.model.attention import common as att_common
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  for fold in (False, True):
+    att_common.TRITON_FOLDS_KEY_HEADS = fold
+    n_launch = len(LAUNCHES)
+    out = jax.jit(lambda *a: att_common.causal_attention(*a, pos, pos, core="triton"))(*f32)
+    assert (len(LAUNCHES) > n_launch) == fold, fold
+    assert _rel(out, want) < 1e-5, ("mha via causal_attention", fold, _rel(out, want))
+  att_common.TRITON_FOLDS_KEY_HEADS = False
 
   # The layer: tiny UMoE pre-mixing attention with skewed routing (nearly every token's slots on
   # experts 0-2), core="triton" (the kernel, via the interpreter) against core="xla".

@@ -66,7 +66,8 @@ def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str 
   fold_key_heads: with as many key heads as query heads (MHA, SwitchHead), run each head as a
   sequence of its own, one query head over its own key head: [B, T, H, .] -> [B*H, T, 1, .] (a
   transpose of q, k, v and of the output). Off by default (then such shapes return None and the
-  caller takes cuDNN): not yet timed against cuDNN on a GPU (`bench/attention_core.py --shapes=mha`).
+  caller takes cuDNN; `causal_attention` passes TRITON_FOLDS_KEY_HEADS): not yet timed against
+  cuDNN on a GPU (`bench/attention_core.py --shapes=mha`).
 
   Args: q [B, T, H, Dk], k [B, T, 1, Dk] (or [B, T, H, Dk] with fold_key_heads), v [B, T, 1, Dv]
   (or [B, T, H, Dv]). Returns [B, T, H, Dv] or None.
@@ -127,15 +128,22 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
 # (BENCHMARKS.md, runs 22-23). Values as wide as the keys (MHA, MoA, SwitchHead) take cuDNN's own
 # kernel: the Triton one is not measured against it there.
 AUTO_GPU_WIDE_VALUE_CORE = "triton"
+# Whether "auto" takes those fused cores on several GPUs too (each device's own rows,
+# `on_local_shards`). Off until a multi-GPU step measures them (BENCHMARKS.md, rows F0-F1).
+AUTO_FUSED_ON_SEVERAL_GPUS = False
+# Whether core="triton" runs layouts with a key head per query head (MHA, SwitchHead) through the
+# Triton kernel, heads folded into the batch (`triton_attention(fold_key_heads=True)`), rather than
+# handing them to cuDNN. Off until timed on a GPU (`bench/attention_core.py --shapes=mha`).
+TRITON_FOLDS_KEY_HEADS = False
 
 
 def auto_core(head_dim: int, value_dim: int) -> str:
   """What `core="auto"` (the default) runs for keys of head_dim and values of value_dim: on one
-  GPU AUTO_GPU_WIDE_VALUE_CORE when value_dim > head_dim, else "cudnn"; "xla" on several GPUs and
-  off GPU (TPU: "splash" is not validated on a TPU yet). On several GPUs the fused cores run when
-  asked for by name ("triton", "cudnn": each device's own rows, `on_local_shards`), but no
-  multi-GPU step has measured them yet, so "auto" does not pick them there."""
-  if jax.default_backend() == "gpu" and jax.device_count() == 1:
+  GPU AUTO_GPU_WIDE_VALUE_CORE when value_dim > head_dim, else "cudnn"; "xla" on several GPUs
+  (unless AUTO_FUSED_ON_SEVERAL_GPUS) and off GPU (TPU: "splash" is not validated on a TPU yet).
+  On several GPUs the fused cores run when asked for by name ("triton", "cudnn": each device's own
+  rows, `on_local_shards`), but no multi-GPU step has measured them yet."""
+  if jax.default_backend() == "gpu" and (jax.device_count() == 1 or AUTO_FUSED_ON_SEVERAL_GPUS):
     return AUTO_GPU_WIDE_VALUE_CORE if value_dim > head_dim else "cudnn"
   return "xla"
 
@@ -223,8 +231,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
     out = None
     if core == "triton":
-      out = on_local_shards(lambda q, k, v: triton_attention(q, k, v, backward=core_backward),
-                            q, k, v)
+      out = on_local_shards(lambda q, k, v: triton_attention(
+          q, k, v, backward=core_backward, fold_key_heads=TRITON_FOLDS_KEY_HEADS), q, k, v)
     if out is None and jax.default_backend() == "gpu":
       try:
         out = on_local_shards(fused_attention, q, k, v)
