@@ -60,13 +60,13 @@ def test_cudnn_core_matches_xla(h, hk, dk, dv, offset):
     assert _rel(a, b_) < 2e-2, name
 
 
-def _core_inputs(b, t, h, dk, d, seed):
-  """Random bf16 q [B,T,H,dk], k [B,T,1,dk], v [B,T,1,D], a float32 cotangent [B,T,H,D] and the
-  positions [B,T] (never zeros)."""
+def _core_inputs(b, t, h, dk, d, seed, key_heads=1):
+  """Random bf16 q [B,T,H,dk], k [B,T,Hk,dk], v [B,T,Hk,D] (Hk = key_heads), a float32 cotangent
+  [B,T,H,D] and the positions [B,T] (never zeros)."""
   kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, key_heads, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, key_heads, d), jnp.float32).astype(jnp.bfloat16)
   cot = jax.random.normal(kc, (b, t, h, d), jnp.float32)
   return q, k, v, cot, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
@@ -114,12 +114,7 @@ def test_triton_core_with_a_key_head_per_query_head_matches_xla(b, t, h, dk, dv)
   lengths; 12 heads of 64) through the one-key-head kernel, each head a sequence of its own, against
   the XLA core within 1e-2 on values and the gradients of q, k and v (not yet run on a GPU)."""
   from umoe_jax.model.attention.common import triton_attention
-  kq, kk, kv, kc = jax.random.split(jax.random.key(t * 13 + h), 4)
-  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, h, dv), jnp.float32).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (b, t, h, dv), jnp.float32)
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  q, k, v, cot, pos = _core_inputs(b, t, h, dk, dv, seed=t * 13 + h, key_heads=h)
   folded = lambda q, k, v: triton_attention(q, k, v, fold_key_heads=True)
   assert jax.eval_shape(folded, q, k, v) is not None   # the kernel runs, not a fallback
 
@@ -192,12 +187,7 @@ def test_fused_cores_on_each_devices_rows(core, h, hk, dk, dv):
   n = len(GPUS)
   axes = dict(data=n // 2, tensor=2) if n >= 4 and n % 2 == 0 else dict(data=n)
   b, t = 2 * axes["data"], 256
-  kq, kk, kv, kc = jax.random.split(jax.random.key(n * 7 + h), 4)
-  q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, hk, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, hk, dv), jnp.float32).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (b, t, h, dv), jnp.float32)
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  q, k, v, cot, pos = _core_inputs(b, t, h, dk, dv, seed=n * 7 + h, key_heads=hk)
 
   def step(core):
     f = lambda q, k, v: causal_attention(q, k, v, pos, pos, core=core)
