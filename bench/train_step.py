@@ -119,11 +119,15 @@ def row_spec(r: dict) -> str:
   return ":".join([r["config"], r["layout"]] + ["-" if f is None else str(f) for f in fields])
 
 
+def check_zipf(zipf: float) -> None:
+  if not (math.isfinite(zipf) and zipf >= 0):
+    raise ValueError(f"--zipf={zipf}: an exponent >= 0 (0 = uniform tokens)")
+
+
 def bench_tokens(rng: np.random.Generator, vocab: int, shape: tuple, zipf: float) -> np.ndarray:
   """int32 tokens of `shape` in [0, vocab): uniform for zipf == 0, else rank r (1-based) of a
   shuffled vocabulary drawn with probability proportional to r^-zipf (text's unigrams: ~1.0-1.2)."""
-  if zipf < 0:
-    raise ValueError(f"--zipf={zipf}: an exponent >= 0 (0 = uniform tokens)")
+  check_zipf(zipf)
   if zipf == 0:
     return rng.integers(0, vocab, size=shape, dtype=np.int32)
   weights = np.arange(1, vocab + 1, dtype=np.float64) ** -zipf
@@ -416,8 +420,10 @@ def main():
   args = ap.parse_args()
   if not 0 <= args.trace_step <= args.steps:
     ap.error(f"--trace_step={args.trace_step}: a timed step, 1 to --steps={args.steps} (0: none)")
-  if not (math.isfinite(args.zipf) and args.zipf >= 0):
-    ap.error(f"--zipf={args.zipf}: an exponent >= 0 (0 = uniform tokens)")
+  try:
+    check_zipf(args.zipf)
+  except ValueError as e:
+    ap.error(str(e))
   if args.tgmm_big_first_skew is not None and args.tgmm_big_first_skew < 0:
     ap.error(f"--tgmm_big_first_skew={args.tgmm_big_first_skew}: >= 0 (0 = group order)")
   if args.triton_launch is not None:  # (read when the kernels are traced, here or in a row's process)

@@ -11,6 +11,8 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
                      "train_step.py")
+sys.path.insert(0, os.path.dirname(BENCH))
+import train_step as bench  # noqa: E402  (bench/train_step.py)
 
 
 def test_a_trace_step_outside_the_timed_steps_is_refused(tmp_path):
@@ -21,17 +23,8 @@ def test_a_trace_step_outside_the_timed_steps_is_refused(tmp_path):
   assert not os.listdir(tmp_path)
 
 
-def _bench_module():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("train_step_bench", BENCH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_zipf_tokens_follow_their_exponent_and_uniform_stays_as_before():
   import numpy as np
-  bench = _bench_module()
   uniform = bench.bench_tokens(np.random.default_rng(0), 1000, (4, 33), 0.0)
   np.testing.assert_array_equal(  # the default: the draw the bench always made
       uniform, np.random.default_rng(0).integers(0, 1000, size=(4, 33), dtype=np.int32))
@@ -47,11 +40,12 @@ def test_zipf_tokens_follow_their_exponent_and_uniform_stays_as_before():
   assert sorted(top) != list(range(5)), top                     # ranks land on shuffled ids
   with pytest.raises(ValueError, match="--zipf=-0.5"):
     bench.bench_tokens(np.random.default_rng(0), vocab, (2, 2), -0.5)
+  with pytest.raises(ValueError, match="--zipf=nan"):
+    bench.bench_tokens(np.random.default_rng(0), vocab, (2, 2), float("nan"))
 
 
 def test_routing_load_is_each_routers_largest_load_over_the_mean():
   import numpy as np
-  bench = _bench_module()
   load = bench.routing_load({"layer_0/ffn": {"expert_counts": np.array([2.0, 2.0, 2.0, 2.0])},
                              "layer_0/attention": {"expert_counts": np.array([6.0, 1.0, 1.0, 0.0])},
                              "layer_1/ffn": {"expert_counts": np.array([3.0, 1.0, 2.0, 2.0]),

@@ -117,6 +117,11 @@ def max_abs(a) -> float:
   return max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(a))
 
 
+def parse_layout(layout: str) -> dict:
+  """"data=2,expert=4" -> {"data": 2, "expert": 4}: a mesh config for `mesh.make_mesh`."""
+  return {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
+
+
 def loss_and_grads_fn(graphdef):
   """(params, batch) -> (loss, grads) of `loss_fn`."""
   return jax.value_and_grad(lambda p, b: loss_fn(p, b, graphdef))

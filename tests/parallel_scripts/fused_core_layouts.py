@@ -86,7 +86,7 @@ def main(out_path: str):
   pure_abs = jax.eval_shape(lambda: nnx.to_pure_dict(abstract_params))
   for layout in LAYOUTS:
     t0 = time.time()
-    axes = {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
+    axes = common.parse_layout(layout)
     mesh = mesh_lib.make_mesh(axes)
     p_sh = sharding.state_shardings(pure_abs, mesh, None, params=abstract_params)
     b_sh = sharding.batch_sharding(mesh)
@@ -94,8 +94,8 @@ def main(out_path: str):
     del LAUNCHED[:]
     with sharding.use_mesh(mesh):
       loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(batch, b_sh))
-    batch_shards = mesh.size // axes.get("tensor", 1)   # BATCH: data x fsdp x expert
     tensor = axes.get("tensor", 1)
+    batch_shards = mesh.size // tensor   # BATCH: data x fsdp x expert
     want_heads = n_heads // tensor if n_heads % tensor == 0 else n_heads
     seen = sorted({(b, h) for _, b, h in LAUNCHED})
     report["layouts"][layout] = dict(
@@ -136,7 +136,7 @@ def wrapper_cases() -> dict:
 
     want = pullback(q, k, v)                     # no mesh: the arrays as they are
     del seen[:]
-    mesh = mesh_lib.make_mesh({a: int(n) for a, n in (kv.split("=") for kv in layout.split(","))})
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     with sharding.use_mesh(mesh):
       got = jax.jit(pullback)(q, k, v)
     out[name] = dict(rel=max(common.rel_diff(g, w) for g, w in zip(got, want)),

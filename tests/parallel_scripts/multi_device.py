@@ -40,10 +40,6 @@ EXCHANGE_LAYOUTS = [("expert=8", "all_gather"), ("data=2,expert=4", "all_gather"
                     ("data=2,expert=4", "all_to_all")]
 
 
-def parse(layout: str) -> dict:
-  return {k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))}
-
-
 _STEPS: dict = {}
 
 
@@ -51,7 +47,7 @@ def step_for(layout: str, graphdef, abstract_params, exchange: str = "auto"):
   """(mesh, jitted sharded step, param shardings, opt shardings), compiled once per layout and
   exchange (a step is traced under the `use_mesh` of its first call: run it under that exchange)."""
   if (layout, exchange) not in _STEPS:
-    mesh = mesh_lib.make_mesh(parse(layout))
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     _STEPS[layout, exchange] = (mesh, *common.sharded_step(graphdef, abstract_params, mesh))
   return _STEPS[layout, exchange]
 
@@ -230,7 +226,7 @@ def check_expert_map():
   names = (("expert", "embed", None),)
   out = {}
   for layout, expert_rule, variants in EXPERT_MAP_CASES:
-    mesh = mesh_lib.make_mesh(parse(layout))
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     rules = None
     if expert_rule:
       rules = [(n_, expert_rule if n_ == "expert" else t) for n_, t in sharding.normalize_rules(None)]
@@ -407,7 +403,7 @@ def check_masked_slots():
   names = (("expert", "embed", None),)
   out = {}
   for layout in dict.fromkeys(c[0] for c in MASKED_CASES):
-    mesh = mesh_lib.make_mesh(parse(layout))
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     ep, shards = mesh.shape["expert"], 8
     cases = []
     for _, exchange, chunks in (c for c in MASKED_CASES if c[0] == layout):
@@ -576,7 +572,7 @@ def check_ragged():
   ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(64)]).astype(np.int32))
   x, g = jnp.ones((64, 8)), jnp.full((64, k), 0.5)
   w = jnp.asarray(rng.standard_normal((e, 8, 5)).astype(np.float32))
-  mesh = mesh_lib.make_mesh(parse("data=2,expert=4"))
+  mesh = mesh_lib.make_mesh(common.parse_layout("data=2,expert=4"))
   os.environ[exchange_lib.IMPL_ENV] = "native"
   try:
     # Chunks: independent collectives per chunk (what lets the scheduler overlap them).
@@ -719,7 +715,7 @@ def check_large_structure():
                 seconds_one_device=round(time.time() - t0, 1))
   for layout, exch, chunks in LARGE_RUNS:
     t0 = time.time()
-    mesh = mesh_lib.make_mesh(parse(layout))
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     _, p_sh, _ = common.sharded_step(graphdef, abstract_params, mesh)
     w_up = p_sh["layers"][0]["experts"]["w_up"].spec
     assert w_up[:2] == ("expert", "fsdp"), w_up     # experts split, FSDP over the model width
@@ -819,7 +815,7 @@ def check_variants():
   report["seconds/one_device"] = round(time.time() - t0, 1)
   for layout in VARIANT_LAYOUTS:
     t0 = time.time()
-    mesh = mesh_lib.make_mesh(parse(layout))
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     p_sh = {n: common.sharded_step(graphdef, abstract, mesh)[1]
             for n, (_, graphdef, abstract) in parts.items()}
     b_sh = sharding.batch_sharding(mesh)
@@ -871,7 +867,7 @@ def check_scan_layers():
   ref_losses, ref_grads, ref_params = train_steps(jax.jit(common.make_step(graphdef)), params,
                                                   common.TX.init(params), batches)
   scan_graphdef, scan_abstract = common.model_parts(dataclasses.replace(cfg, scan_layers=True))
-  mesh = mesh_lib.make_mesh(parse(SCAN_LAYOUT))
+  mesh = mesh_lib.make_mesh(common.parse_layout(SCAN_LAYOUT))
   step, p_sh, o_sh = common.sharded_step(scan_graphdef, scan_abstract, mesh)
   bs = [jax.device_put(b, sharding.batch_sharding(mesh)) for b in batches]
   o = jax.device_put(common.TX.init(params), o_sh)

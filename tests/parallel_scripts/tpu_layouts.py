@@ -45,7 +45,7 @@ def main(out_path: str):
   report = {"layouts": {}}
   for layout in LAYOUTS:
     t0 = time.time()
-    mesh = mesh_lib.make_mesh({k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
+    mesh = mesh_lib.make_mesh(common.parse_layout(layout))
     pure_abs = jax.eval_shape(lambda: nnx.to_pure_dict(abstract_params))
     p_sh = sharding.state_shardings(pure_abs, mesh, None, params=abstract_params)
     b_sh = sharding.batch_sharding(mesh)
