@@ -7,7 +7,7 @@ shared memory the kernel asks for. A kernel that does not compile fails here the
 GPU, and one that spills is a tile candidate to avoid (spills go through local memory: L1 at best).
 No timing: speed comes from bench/attention_core.py and bench/gmm.py on a GPU.
 
-  python3 bench/kernel_resources.py [--kernels=attention,gmm] [--shape=base|large] [--out DIR]
+  python3 bench/kernel_resources.py [--kernels=attention,gmm,router] [--shape=base|large] [--out DIR]
 
 Attention kernels (kernels/triton_attention.py) run at the shape's (T, H, dk, D) with the default
 tiles and bench/attention_core.py's CANDIDATES; grouped-matmul kernels (kernels/triton_gmm.py) with
@@ -192,6 +192,32 @@ def gmm_cases(shape: dict):
                     num_warps=warps, num_stages=stages))
 
 
+def router_cases(shape: dict):
+  """The routers' kernels at the shape's FFN and attention top-k: the top-k ids
+  (kernels/triton_topk.py) and the one-pass softmax + top-k + statistics (kernels/triton_router.py,
+  `router.one_pass`) with and without the selection bias and renormalisation."""
+  from kernels import triton_router as tr
+  from kernels import triton_topk as tk
+  t, e = shape["t"], shape["e"]
+  for k in (shape["k"], shape["k_att"]):
+    meta = tk.launch_params(shape["m"], e, k)
+    meta.pop("grid")
+    warps = meta.pop("num_warps")
+    yield (f"top-k ids, k={k}", tk.TopKConfig(meta["BLOCK_ROWS"], warps), tk._topk_kernel,
+           dict(x_ptr="*fp32", ids_ptr="*i32"), dict(N=shape["m"], **meta, num_warps=warps,
+                                                     num_stages=1))
+    for bias, renormalize in ((False, False), (True, True)):
+      meta = tr.launch_params(t, e, k)
+      warps = meta.pop("num_warps")
+      f32 = "*fp32"
+      yield (f"router pass, k={k}{', bias' if bias else ''}{', renormalized' if renormalize else ''}",
+             tr.RouterPassConfig(meta["BLOCK_ROWS"], warps), tr._softmax_top_k_kernel,
+             dict(logits_ptr=f32, bias_ptr=f32, probs_ptr=f32, ids_ptr="*i32", gates_ptr=f32,
+                  sums_ptr=f32, counts_ptr=f32),
+             dict(T=t, HAS_BIAS=bias, RENORMALIZE=renormalize, **meta, num_warps=warps,
+                  num_stages=1))
+
+
 def _meta(launch: dict) -> dict:
   """A launch dict's kernel meta-parameters (grid0 dropped; warps / stages kept for the caller)."""
   return {k: v for k, v in launch.items() if k != "grid0"}
@@ -232,9 +258,9 @@ def main():
   shape = SHAPES[args.shape]
   results = {}
   for group in args.kernels.split(","):
-    cases = {"attention": attention_cases, "gmm": gmm_cases}.get(group)
+    cases = {"attention": attention_cases, "gmm": gmm_cases, "router": router_cases}.get(group)
     if cases is None:
-      raise SystemExit(f"--kernels: unknown {group!r}; valid: attention, gmm")
+      raise SystemExit(f"--kernels: unknown {group!r}; valid: attention, gmm, router")
     print(f"{group} kernels, {args.shape} shape {shape}, sm_{ARCH_CAPABILITY}a:")
     results[group] = survey(cases(shape))
   os.makedirs(args.out, exist_ok=True)

@@ -54,6 +54,36 @@ class TopKConfig:
 if HAVE_TRITON:
 
   @triton.jit
+  def ordered_keys(x):
+    """float32 x -> int32 keys in IEEE total order (module docstring), compared as signed ints."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+  @triton.jit
+  def pick_top_k(key, values, cols, E: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """The K largest keys of each row of key [R, E_PAD] (columns `cols` [E_PAD], those >= E never
+    picked): (ids [R, K_PAD] int32, values at the ids [R, K_PAD] from values [R, E_PAD], taken
+    [R, E_PAD] bool = the picks and the padding columns); slots >= K hold 0."""
+    rows: tl.constexpr = key.shape[0]
+    e_pad: tl.constexpr = key.shape[1]
+    lowest = tl.full((rows, e_pad), -2147483648, tl.int32)
+    taken = tl.broadcast_to((cols >= E)[None, :], (rows, e_pad))
+    col_ids = tl.broadcast_to(cols[None, :], (rows, e_pad))
+    slots = tl.arange(0, K_PAD)
+    out = tl.zeros((rows, K_PAD), tl.int32)
+    picked = tl.zeros((rows, K_PAD), values.dtype)
+    for j in tl.static_range(K):
+      best = tl.max(tl.where(taken, lowest, key), axis=1)
+      hit = (key == best[:, None]) & ~taken
+      pick = tl.min(tl.where(hit, col_ids, e_pad), axis=1)
+      is_pick = col_ids == pick[:, None]
+      taken = taken | is_pick
+      out = tl.where(slots[None, :] == j, pick[:, None], out)
+      value = tl.sum(tl.where(is_pick, values, 0.0), axis=1)
+      picked = tl.where(slots[None, :] == j, value[:, None], picked)
+    return out, picked, taken
+
+  @triton.jit
   def _topk_kernel(x_ptr, ids_ptr, N: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, K: tl.constexpr,
                    K_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     # x [N, E] row-major -> ids [N, K] int32 (module docstring).
@@ -62,19 +92,8 @@ if HAVE_TRITON:
     row_ok = rows < N
     x = tl.load(x_ptr + rows[:, None] * E + cols[None, :],
                 mask=row_ok[:, None] & (cols < E)[None, :], other=0.0).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)           # total order as signed int32
-    lowest = tl.full((BLOCK_ROWS, E_PAD), -2147483648, tl.int32)
-    taken = tl.broadcast_to((cols >= E)[None, :], (BLOCK_ROWS, E_PAD))
-    col_ids = tl.broadcast_to(cols[None, :], (BLOCK_ROWS, E_PAD))
+    out, _, _ = pick_top_k(ordered_keys(x), x, cols, E, K, K_PAD)
     slots = tl.arange(0, K_PAD)
-    out = tl.zeros((BLOCK_ROWS, K_PAD), tl.int32)
-    for j in tl.static_range(K):
-      best = tl.max(tl.where(taken, lowest, key), axis=1)
-      hit = (key == best[:, None]) & ~taken
-      pick = tl.min(tl.where(hit, col_ids, E_PAD), axis=1)
-      taken = taken | (col_ids == pick[:, None])
-      out = tl.where(slots[None, :] == j, pick[:, None], out)
     tl.store(ids_ptr + rows[:, None] * K + slots[None, :], out,
              mask=row_ok[:, None] & (slots < K)[None, :])
 

@@ -74,7 +74,7 @@ def test_pointers_are_declared_aligned_as_jax_triton_declares_them():
   assert aligned["shared"] == tuning.triton_gmm_shared_bytes(tiles), (tiles, aligned)
 
 
-@pytest.mark.parametrize("group", ["attention", "gmm"])
+@pytest.mark.parametrize("group", ["attention", "gmm", "router"])
 def test_the_survey_cases_match_the_kernels_signatures(group):
   """Every case of the survey names each kernel parameter (a kernel that gains one fails here, not
   on a GPU); the first case of each group compiles."""
@@ -83,8 +83,9 @@ def test_the_survey_cases_match_the_kernels_signatures(group):
     kr._ptxas()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  cases = list({"attention": kr.attention_cases, "gmm": kr.gmm_cases}[group](kr.SHAPES["base"]))
-  assert len(cases) >= (10 if group == "attention" else 14)
+  cases = list({"attention": kr.attention_cases, "gmm": kr.gmm_cases,
+                "router": kr.router_cases}[group](kr.SHAPES["base"]))
+  assert len(cases) >= {"attention": 10, "gmm": 14, "router": 6}[group]
   for name, _, kernel, ptrs, consts in cases:
     params = inspect.signature(kernel.fn).parameters
     missing = [p for p, v in params.items() if p not in ptrs and p not in consts

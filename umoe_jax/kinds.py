@@ -57,7 +57,9 @@ class RouterKind:
   selection_bias: takes the aux-loss-free balancing bias (`router.bias_update_rate`);
   selections:   the `router.selection` values it accepts;
   masks_slots:  can leave slots without a pick by itself (`RouterOutput.slot_mask`; the selections
-                of `SLOT_MASKING_SELECTIONS` do so for any kind).
+                of `SLOT_MASKING_SELECTIONS` do so for any kind);
+  one_pass:     its forward is `ScoreRouter`'s softmax of the logits, top-k and balance statistics,
+                which `router.one_pass` runs as one kernel (`umoe_jax.ops.router_pass`).
   """
   scores: bool = True
   distribution: bool = True
@@ -68,10 +70,11 @@ class RouterKind:
   selection_bias: bool = True
   selections: tuple[str, ...] = ("top_k", "top_p", "expert_choice")
   masks_slots: bool = False
+  one_pass: bool = False
 
 
 ROUTER_KINDS: dict[str, RouterKind] = {
-    "topk_softmax": RouterKind(),
+    "topk_softmax": RouterKind(one_pass=True),
     # gates are sigmoid scores, not a distribution; `probs` is only their normalisation
     "topk_sigmoid": RouterKind(distribution=False, selections=("top_k",)),
     "xmoe": RouterKind(),
@@ -85,7 +88,7 @@ ROUTER_KINDS: dict[str, RouterKind] = {
     "similarity_aware": RouterKind(mixing="similarity", decodes=False),
     "attention_aware": RouterKind(mixing="attention", decodes=False, sublayers=("ffn",)),
     # the experts score themselves: an MoE FFN's pool of factorised experts
-    "aoe": RouterKind(weights=False, sublayers=("ffn",)),
+    "aoe": RouterKind(weights=False, sublayers=("ffn",), one_pass=True),
 }
 
 MIXINGS = ("none", "similarity", "attention")             # router.mixing

@@ -71,6 +71,10 @@ class RouterConfig:
   topk_backend: str = "auto"          # top-k / top-P ids (umoe_jax.ops.topk): "xla" (lax.top_k, a sort
                                       # on GPU), "triton" (kernels/triton_topk.py on GPU; same ids) or
                                       # "auto" (triton on one device, xla on several)
+  one_pass: bool = False              # softmax, top-k, gates and the balance statistics in one kernel pass over
+                                      # the logits (umoe_jax.ops.router_pass; Triton on one GPU, the separate
+                                      # ops elsewhere): softmax routers, top_k selection, no mixing. Not yet
+                                      # timed on a GPU: off
 
 
 # The keys of a sub-layer's own router section (`model.attention.router`, `model.ffn.router`): every

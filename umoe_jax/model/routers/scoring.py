@@ -30,6 +30,7 @@ from umoe_jax.model.routers.base import Router, RouterOutput, jitter
 from umoe_jax.model.routers.expert_choice import expert_choice_select
 from umoe_jax.model.routers.losses import BALANCE_LOSSES, router_z_loss, sequence_pick_counts
 from umoe_jax.model.routers.selection import biased_top_k, entropy_loss, top_p_select
+from umoe_jax.ops.router_pass import softmax_top_k
 from umoe_jax.parallel import rules as ax
 
 
@@ -110,21 +111,37 @@ class ScoreRouter(Router):
   def __call__(self, x: jax.Array, *, rng: Optional[jax.Array] = None, **context) -> RouterOutput:
     x = jitter(x, self.cfg.jitter_eps, rng)
     logits = self.logits(x, **context)                                                # [B, T, E]
+    if self.cfg.one_pass:  # (the config allows it only where the steps below are these)
+      return self.one_pass(logits)
     probs = self.mix(self.distribution(logits), x, **context)
     ids, gates, mask = self.select(probs, **context)
     return self.output(logits, probs, ids, gates, balance_probs=self.balance_probs(probs, x),
                        mask=mask)
 
-  def output(self, logits, probs, ids, gates, *, balance_probs, mask=None) -> RouterOutput:
+  def one_pass(self, logits: jax.Array) -> RouterOutput:
+    """`router.one_pass`: softmax, top-k (+ the selection bias), gates and the balance statistics of
+    logits [B, T, E] from one `router_pass.softmax_top_k` call (a kernel on one GPU), for the kinds
+    whose `__call__` is exactly those steps (`kinds.RouterKind.one_pass`)."""
+    cfg = self.cfg
+    out = softmax_top_k(logits, self.top_k, bias=self.bias(), renormalize=cfg.renormalize,
+                        topk_backend=cfg.topk_backend)
+    return self.output(logits, out.probs, out.ids, out.gates, balance_probs=out.probs,
+                       counts=out.counts, prob_means=out.prob_means)
+
+  def output(self, logits, probs, ids, gates, *, balance_probs, mask=None, counts=None,
+             prob_means=None) -> RouterOutput:
     """The RouterOutput with the balance loss on `balance_probs` (over the active slots `mask`),
-    the z-loss of `logits` and the entropy loss of `probs`."""
+    the z-loss of `logits` and the entropy loss of `probs`. counts [B, E] (the picks per sequence)
+    and prob_means [B, E] (balance_probs' mean over T): the one pass's, else computed here."""
     cfg = self.cfg
     # The picks per sequence, once: the balance loss and the logged loads (`pick_counts`) share them.
-    counts = (sequence_pick_counts(jax.lax.stop_gradient(ids), self.n_experts, mask)
-              if ids.ndim == 3 else None)                                            # [B, E]
+    if counts is None and ids.ndim == 3:
+      counts = sequence_pick_counts(ids, self.n_experts, mask)                        # [B, E]
+    counts = None if counts is None else jax.lax.stop_gradient(counts)
     if self.balance_loss_applies:
       loss = cfg.balance_coef * BALANCE_LOSSES[cfg.balance_loss](
-          balance_probs, jax.lax.stop_gradient(ids), self.n_experts, mask=mask, counts=counts)
+          balance_probs, jax.lax.stop_gradient(ids), self.n_experts, mask=mask, counts=counts,
+          prob_means=prob_means)
     else:
       loss = jnp.zeros((), jnp.float32)
     aux = z_loss_terms(logits, cfg)
