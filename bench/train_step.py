@@ -15,6 +15,7 @@ memory. Usage (GPU):
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
       [--router_logits_dtype=float32|bfloat16]   (model.router.logits_dtype: x W_r's operands)
+      [--router_one_pass=0|1]   (model.router.one_pass: softmax, top-k and statistics in one kernel)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
       [--triton_launch=custom_call|ffi|graph]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
@@ -174,6 +175,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.model.router.topk_backend = args.router_topk
     if args.router_logits_dtype is not None:
       config.model.router.logits_dtype = args.router_logits_dtype
+    if args.router_one_pass is not None:
+      config.model.router.one_pass = bool(args.router_one_pass)
     if args.fuse_activation is not None:
       config.model.moe.fuse_activation = bool(args.fuse_activation)
     if args.fuse_weight_rows is not None:
@@ -271,7 +274,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              chunks=chunks, mesh=dict(mesh.shape), xla_flags=os.environ.get("XLA_FLAGS", ""),
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
              router_topk=model_cfg.router.topk_backend,
-             router_logits_dtype=model_cfg.router.logits_dtype, fuse_activation=model_cfg.moe.fuse_activation,
+             router_logits_dtype=model_cfg.router.logits_dtype,
+             router_one_pass=model_cfg.router.one_pass, fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
@@ -387,6 +391,9 @@ def main():
                   help="model.router.topk_backend (default: the config's)")
   ap.add_argument("--router_logits_dtype", default=None, choices=["float32", "bfloat16"],
                   help="model.router.logits_dtype (default: the config's, float32)")
+  ap.add_argument("--router_one_pass", type=int, choices=[0, 1], default=None,
+                  help="model.router.one_pass (default: the config's, off): the routers' softmax, "
+                       "top-k and balance statistics in one Triton pass")
   ap.add_argument("--gmm_tiles", default=None,
                   help="JSON of grouped-matmul tile rows (bench/gmm.py --sweep-gathered's "
                        "gmm_tiles.json) added to kernels/tuning.TABLE first")

@@ -87,3 +87,17 @@ def test_a_tiny_row_reports_its_routing_load_and_zipf_tokens_skew_it(tmp_path):
     assert all(v >= 1.0 for v in load["per_router"].values()), load
     loads[zipf] = load["median"]
   assert loads["1.2"] > loads["0"], loads
+
+
+@pytest.mark.slow
+def test_a_row_with_the_one_pass_routers_records_the_switch(tmp_path):
+  """`--router_one_pass=1` reaches the model config (the routers take `router_pass.softmax_top_k`;
+  on CPU its separate-ops form) and the row records it, loss check passed."""
+  import json
+  out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single", "--batch=2", "--seq_len=32",
+                        "--steps=1", "--warmup=0", "--router_one_pass=1", f"--out={tmp_path}"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  row = json.loads((tmp_path / "train_step.json").read_text())[0]
+  assert "error" not in row, row["error"]
+  assert row["router_one_pass"] is True and row["loss_check"], row
