@@ -120,10 +120,12 @@ def check(fn, ref, q, k, v, cot):
   return err, g_err
 
 
-def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwards=("auto",)):
+def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwards=("auto",),
+               split_key_width=(False,)):
   """Times each core of `which`; the Triton core once per backward form of `backwards`
-  (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others),
-  each first checked against the XLA core."""
+  (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others)
+  and per `split_key_width` setting (`attention_tiles.SPLIT_KEY_WIDTH`; "_split" appended to the
+  key when on), each first checked against the XLA core."""
   from kernels import attention_tiles as at
   b, t, h, dk, d = shape
   key_heads = KEY_HEADS.get(name, 1)
@@ -136,11 +138,12 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
   for core in which:
     if core == "cudnn" and dk > 256:
       continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
-    variants = ({(f"triton_{bw}" if bw != "auto" else "triton"): cores(
-                    positions, at.with_backward(start, bw, dk), key_heads, bw)["triton"]
-                 for bw in backwards}
-                if core == "triton" else {core: fns[core]})
-    for key, fn in variants.items():
+    variants = ({(f"triton_{bw}" if bw != "auto" else "triton") + ("_split" if split else ""): (
+                    cores(positions, at.with_backward(start, bw, dk), key_heads, bw)["triton"], split)
+                 for bw in backwards for split in split_key_width}
+                if core == "triton" else {core: (fns[core], False)})
+    for key, (fn, split) in variants.items():
+      at.SPLIT_KEY_WIDTH = split   # read when the kernels are traced: in check() and the timing
       if key.startswith("triton"):
         row[f"{key}_err"], row[f"{key}_grad_err"] = err, g_err = check(fn, fns["xla"], q, k, v, cot)
         log(f"  {name}: {key} vs xla: values {err:.2e}, grads {g_err:.2e}")
@@ -152,6 +155,7 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
                       fwd_bwd_tflops=3 * fl / fb / 1e9)
       log(f"  {name} {key:7s} fwd {fwd:7.3f} ms ({fl / fwd / 1e9:5.0f} TFLOP/s)  "
           f"fwd+bwd {fb:7.3f} ms ({3 * fl / fb / 1e9:5.0f} TFLOP/s)")
+  at.SPLIT_KEY_WIDTH = False
   return row
 
 
@@ -363,6 +367,9 @@ def main():
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--backwards", default="auto",
                   help="the Triton core's backward forms to time, e.g. auto,recompute,stored_pairs")
+  ap.add_argument("--split_key_width", default="0",
+                  help="attention_tiles.SPLIT_KEY_WIDTH settings to time the Triton core at, e.g. "
+                       "0,1 (1: keys of two exact power-of-two pieces, 192 = 128 + 64)")
   ap.add_argument("--delta", action="store_true",
                   help="also time the backward's delta = <dO, out> reduction in each DELTA_FORMS form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -378,6 +385,9 @@ def main():
   if bad:
     raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
   kernels, partners = sweep_kernels(args.sweep_kernels)   # (names checked before any GPU work)
+  splits = tuple(dict(zip("01", (False, True))).get(v, v) for v in args.split_key_width.split(","))
+  if not splits or any(not isinstance(v, bool) for v in splits):
+    raise SystemExit(f"--split_key_width={args.split_key_width!r}: 0, 1 or 0,1")
   results, table = {}, {}
   names = args.shapes.split(",")
   bad = [n for n in names if n not in SHAPES] + [
@@ -389,7 +399,8 @@ def main():
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)
-    results[name] = row = time_cores(name, shape, which=which, backwards=backwards) if which else {}
+    results[name] = row = (time_cores(name, shape, which=which, backwards=backwards,
+                                      split_key_width=splits) if which else {})
     if args.delta:
       row["delta"] = time_delta(name, shape)
     if name in args.sweep.split(","):

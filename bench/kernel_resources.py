@@ -7,7 +7,8 @@ shared memory the kernel asks for. A kernel that does not compile fails here the
 GPU, and one that spills is a tile candidate to avoid (spills go through local memory: L1 at best).
 No timing: speed comes from bench/attention_core.py and bench/gmm.py on a GPU.
 
-  python3 bench/kernel_resources.py [--kernels=attention,gmm,router] [--shape=base|large] [--out DIR]
+  python3 bench/kernel_resources.py [--kernels=attention,gmm,router] [--shape=base|large]
+      [--split_key_width=0|1] [--out DIR]
 
 Attention kernels (kernels/triton_attention.py) run at the shape's (T, H, dk, D) with the default
 tiles and bench/attention_core.py's CANDIDATES; grouped-matmul kernels (kernels/triton_gmm.py) with
@@ -253,9 +254,14 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--kernels", default="attention,gmm")
   ap.add_argument("--shape", default="base", choices=sorted(SHAPES))
+  ap.add_argument("--split_key_width", type=int, choices=[0, 1], default=0,
+                  help="attention kernels with kernels/attention_tiles.SPLIT_KEY_WIDTH (keys in "
+                       "two exact power-of-two pieces)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   shape = SHAPES[args.shape]
+  from kernels import attention_tiles
+  attention_tiles.SPLIT_KEY_WIDTH = bool(args.split_key_width)
   results = {}
   for group in args.kernels.split(","):
     cases = {"attention": attention_cases, "gmm": gmm_cases, "router": router_cases}.get(group)
@@ -265,7 +271,8 @@ def main():
     results[group] = survey(cases(shape))
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "kernel_resources.json"), "w") as f:
-    json.dump(dict(shape=args.shape, arch=f"sm_{ARCH_CAPABILITY}a", results=results), f, indent=1)
+    json.dump(dict(shape=args.shape, arch=f"sm_{ARCH_CAPABILITY}a",
+                   split_key_width=bool(args.split_key_width), results=results), f, indent=1)
 
 
 if __name__ == "__main__":

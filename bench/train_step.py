@@ -24,6 +24,8 @@ memory. Usage (GPU):
       [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
       [--zipf=S]   (tokens drawn Zipf(S) over a shuffled vocabulary, as text's unigrams, instead of
                     uniformly: a fresh router's loads then skew as on real text; 0 = uniform)
+      [--split_key_width=0|1]   (kernels/attention_tiles.SPLIT_KEY_WIDTH: the Triton attention
+                    core's keys in two exact pieces, 192 = 128 + 64, not padded to 256)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N; 0 = group order)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -215,6 +217,9 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   if args.tgmm_big_first_skew is not None:
     from kernels import triton_gmm
     triton_gmm.TGMM_BIG_FIRST_SKEW = args.tgmm_big_first_skew
+  if args.split_key_width is not None:
+    from kernels import attention_tiles
+    attention_tiles.SPLIT_KEY_WIDTH = bool(args.split_key_width)
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
   tokens = bench_tokens(np.random.default_rng(0), v, (b, t + 1), args.zipf)
   batch_sharding = sharding_lib.batch_sharding(mesh, rules)
@@ -280,13 +285,22 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
              anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
-             tgmm_big_first_skew=_tgmm_skew())
+             tgmm_big_first_skew=_tgmm_skew(), split_key_width=_split_key_width())
   if profile is not None:
     row["profile"] = profile
   del state, m, batch
   gc.collect()
   jax.clear_caches()
   return row
+
+
+def _split_key_width():
+  """The Triton attention core's SPLIT_KEY_WIDTH the row ran with (None: no kernels package)."""
+  try:
+    from kernels import attention_tiles
+  except Exception:  # noqa: BLE001
+    return None
+  return attention_tiles.SPLIT_KEY_WIDTH
 
 
 def _tgmm_skew():
@@ -356,6 +370,9 @@ def main():
   ap.add_argument("--zipf", type=float, default=0.0,
                   help="draw the tokens Zipf(S) over a shuffled vocabulary (text-like unigrams: a "
                        "fresh router's loads skew) instead of uniformly (0, the default)")
+  ap.add_argument("--split_key_width", type=int, choices=[0, 1], default=None,
+                  help="kernels/attention_tiles.SPLIT_KEY_WIDTH (default: off): the Triton "
+                       "attention core's keys in two exact power-of-two pieces")
   ap.add_argument("--tgmm_big_first_skew", type=int, default=None,
                   help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
                        "module's, 2; 0 = the weight gradient's tiles in group order)")

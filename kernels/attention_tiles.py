@@ -7,6 +7,7 @@ the dK / dQ passes' step of the dO X^T contraction, one power of two), warps and
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -183,8 +184,38 @@ MIN_DOT = 16
 
 
 def key_width(dk: int) -> int:
-  """DKP, the key width inside the kernels: dk padded to a power of two >= MIN_DOT (masked loads)."""
+  """dk padded to a power of two >= MIN_DOT: the kernels' one-piece key width (masked loads)."""
   return max(MIN_DOT, _pow2_at_least(dk))
+
+
+# Keys dk wide held in two column pieces of powers of two that add up to dk exactly (192 = 128 +
+# 64), not one piece padded to the next power of two (256): a quarter less tensor-core work in
+# every product over dk at UMoE-base's dk 192 (the forward's scores are half its MMA work there).
+# Off until timed on a GPU (bench/attention_core.py; interpreter-tested either way).
+SPLIT_KEY_WIDTH = False
+
+
+@contextlib.contextmanager
+def split_key_width(on: bool):
+  """SPLIT_KEY_WIDTH = on while the block runs (the launches traced inside it read it)."""
+  global SPLIT_KEY_WIDTH
+  before, SPLIT_KEY_WIDTH = SPLIT_KEY_WIDTH, on
+  try:
+    yield
+  finally:
+    SPLIT_KEY_WIDTH = before
+
+
+def key_pieces(dk: int) -> dict:
+  """The kernels' key-width constexprs {DK1, DK2, DK2S} (triton_attention_kernels' docstring): two
+  exact pieces (dk = DK1 + DK2, each >= MIN_DOT) when SPLIT_KEY_WIDTH and dk is such a sum, else
+  one padded piece (DK1 = key_width(dk), DK2 = 0, DK2S = 1)."""
+  if SPLIT_KEY_WIDTH and dk >= 2 * MIN_DOT:
+    hi = 1 << (dk.bit_length() - 1)
+    lo = dk - hi
+    if lo >= MIN_DOT and lo & (lo - 1) == 0:
+      return dict(DK1=hi, DK2=lo, DK2S=lo)
+  return dict(DK1=key_width(dk), DK2=0, DK2S=1)
 
 
 def _check(tiles: PassTiles, pow2_bd: bool, contracts_bd: bool = False) -> None:
@@ -203,7 +234,7 @@ def fwd_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
   _check(tiles, pow2_bd=False)
   bd1, bd2 = split_width(tiles.bd)
   n_row_tiles, n_chunks = -(-t * h // tiles.bm), -(-d // tiles.bd)
-  return dict(grid0=n_row_tiles * n_chunks, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=n_row_tiles * n_chunks, **key_pieces(dk), BM=tiles.bm, BN=tiles.bn,
               BD1=bd1, BD2=bd2, BD2S=max(bd2, 1), N_ROW_TILES=n_row_tiles, N_CHUNKS=n_chunks,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
@@ -213,14 +244,14 @@ def dx_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles, *, fused_dk: bo
   _check(tiles, pow2_bd=False, contracts_bd=fused_dk)
   bd1, bd2 = split_width(tiles.bd)
   n_chunks = -(-d // tiles.bd)
-  return dict(grid0=-(-t // tiles.bn) * n_chunks, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=-(-t // tiles.bn) * n_chunks, **key_pieces(dk), BM=tiles.bm, BN=tiles.bn,
               BD1=bd1, BD2=bd2, BD2S=max(bd2, 1), N_CHUNKS=n_chunks, num_warps=tiles.num_warps,
               num_stages=tiles.num_stages)
 
 
 def dk_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
   _check(tiles, pow2_bd=True, contracts_bd=True)  # bd: the D step of the dO X^T contraction
-  return dict(grid0=-(-t // tiles.bn), DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=-(-t // tiles.bn), **key_pieces(dk), BM=tiles.bm, BN=tiles.bn,
               BDK=tiles.bd, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -228,7 +259,7 @@ def ds_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
   """The stored-scores pass: a program per (row tile, key tile); bd the D step of dO X^T."""
   _check(tiles, pow2_bd=True, contracts_bd=True)
   n_key_tiles = -(-t // tiles.bn)
-  return dict(grid0=-(-t * h // tiles.bm) * n_key_tiles, DKP=key_width(dk), BM=tiles.bm,
+  return dict(grid0=-(-t * h // tiles.bm) * n_key_tiles, **key_pieces(dk), BM=tiles.bm,
               BN=tiles.bn, BDK=tiles.bd, N_KEY_TILES=n_key_tiles, num_warps=tiles.num_warps,
               num_stages=tiles.num_stages)
 
@@ -236,7 +267,7 @@ def ds_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
 def dk_ds_launch(t: int, h: int, dk: int, tiles: PassTiles) -> dict:
   """dK from the stored dS: a program per bn keys, bm rows a step (bd unused)."""
   _check(dataclasses.replace(tiles, bd=MIN_DOT), pow2_bd=True)
-  return dict(grid0=-(-t // tiles.bn), DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=-(-t // tiles.bn), **key_pieces(dk), BM=tiles.bm, BN=tiles.bn,
               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -244,12 +275,12 @@ def dq_ds_launch(t: int, h: int, dk: int, tiles: PassTiles) -> dict:
   """dQ from the stored dS: a program per bm rows, bn keys a step (bd unused)."""
   _check(dataclasses.replace(tiles, bd=MIN_DOT), pow2_bd=True)
   n_row_tiles = -(-t * h // tiles.bm)
-  return dict(grid0=n_row_tiles, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn,
+  return dict(grid0=n_row_tiles, **key_pieces(dk), BM=tiles.bm, BN=tiles.bn,
               N_ROW_TILES=n_row_tiles, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def dq_launch(t: int, h: int, dk: int, d: int, tiles: PassTiles) -> dict:
   _check(tiles, pow2_bd=True, contracts_bd=True)
   n_row_tiles = -(-t * h // tiles.bm)
-  return dict(grid0=n_row_tiles, DKP=key_width(dk), BM=tiles.bm, BN=tiles.bn, BDK=tiles.bd,
+  return dict(grid0=n_row_tiles, **key_pieces(dk), BM=tiles.bm, BN=tiles.bn, BDK=tiles.bd,
               N_ROW_TILES=n_row_tiles, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -39,7 +39,9 @@ tile past T and the row tile past T*H are masked, the others are not):
 delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward kernels.
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
-column tiles; the key width dk is padded to a power of two >= 16 inside the kernels (masked loads).
+column tiles; the key width dk is padded to a power of two >= 16 inside the kernels (masked loads),
+or with `attention_tiles.SPLIT_KEY_WIDTH` (off until timed) held as two exact pieces when it is a
+sum of two powers of two (192 = 128 + 64), read when `premix_attention` is called.
 
 The kernels themselves are in kernels/triton_attention_kernels.py; this module launches and composes
 them. `premix_attention` is the differentiable JAX entry (jax.custom_vjp); `supported` says whether
@@ -54,10 +56,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels import triton_launch
+from kernels import attention_tiles, triton_launch
 from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
                                      dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch,
-                                     with_backward)
+                                     split_key_width, with_backward)
 from kernels.triton_attention_kernels import LOG2E
 from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, default_backend_is_gpu
 
@@ -218,7 +220,9 @@ def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiable(tiles: FlashTiles):
+def _differentiable(tiles: FlashTiles, split: bool):
+  """The custom-VJP core on `tiles`, its kernels launched with `attention_tiles.SPLIT_KEY_WIDTH`
+  = split (a cache key too: jax may reuse a traced custom VJP of the same function)."""
   from umoe_jax.ops.varying import vary_like, varying_axes
 
   def typed_like(x, *refs):  # custom calls drop shard_map's varying-axes type: restore it
@@ -226,16 +230,19 @@ def _differentiable(tiles: FlashTiles):
 
   @jax.custom_vjp
   def attend(q, k, v):
-    return typed_like(_forward(q, k, v, tiles)[0], q, k, v)
+    with split_key_width(split):
+      return typed_like(_forward(q, k, v, tiles)[0], q, k, v)
 
   def fwd(q, k, v):
-    out, lse = _forward(q, k, v, tiles)
+    with split_key_width(split):
+      out, lse = _forward(q, k, v, tiles)
     out = typed_like(out, q, k, v)
     return out, (q, k, v, out, lse)
 
   def bwd(res, dout):
     q, k, v, out, lse = res
-    dq, dk, dv = _backward(q, k, v, out, lse, dout, tiles)
+    with split_key_width(split):
+      dq, dk, dv = _backward(q, k, v, out, lse, dout, tiles)
     return typed_like(dq, q), typed_like(dk, k), typed_like(dv, v)
 
   attend.defvjp(fwd, bwd)
@@ -259,7 +266,8 @@ def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTi
     raise ValueError(f"premix_attention wants q [B,T,H,dk], k [B,T,dk], v [B,T,D]; got "
                      f"{q.shape}, {k.shape}, {v.shape}")
   tiles = with_backward(tiles or default_tiles(dk, v.shape[-1]), backward, dk)
-  return _differentiable(tiles)(q, k.astype(q.dtype), v.astype(q.dtype))
+  return _differentiable(tiles, attention_tiles.SPLIT_KEY_WIDTH)(q, k.astype(q.dtype),
+                                                                 v.astype(q.dtype))
 
 
 # Operand dtypes the kernels run in (a float32 tl.dot would be tf32: callers use XLA instead).

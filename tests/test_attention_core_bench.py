@@ -126,6 +126,41 @@ def test_the_core_on_a_key_head_per_query_head_is_checked_and_timed():
                             timeout=600)
 
 
+def _split_check():
+  """time_cores with `split_key_width=(False, True)`: the Triton core checked against XLA and timed
+  once with dk padded (one piece) and once in two exact pieces ("triton_split"), the launches of
+  each with their own pieces, and the switch back off after."""
+  sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
+  import jax
+  import attention_core as ac
+  import test_triton_attention as tta
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  interpreter_loop_bounds()
+  ta._launch, ta.available, ta.DTYPES = tta._interpreter_launch, (lambda: True), (jax.numpy.float32,)
+  real_inputs = ac.inputs
+  ac.inputs = lambda shape, seed=0, key_heads=1: tuple(
+      x.astype(jax.numpy.float32) for x in real_inputs(shape, seed, key_heads))
+  ac.time_fwd_bwd = lambda fn, *args: (jax.block_until_ready(fn(*args)), 1.0, 3.0)[1:]
+  shape = (1, 21, 2, 48, 32)            # dk 48 = 32 + 16
+  ac.SHAPES["split_tiny"] = shape
+  n_launch = len(tta.LAUNCHES)
+  row = ac.time_cores("split_tiny", shape, which=("xla", "triton"), split_key_width=(False, True))
+  assert {"xla", "triton", "triton_split"} <= set(row), row
+  for key in ("triton", "triton_split"):
+    assert row[f"{key}_err"] < 1e-5 and row[f"{key}_grad_err"] < 1e-5, row
+  pieces = [(m["DK1"], m["DK2"]) for m in tta.LAUNCH_META[n_launch:] if "DK1" in m]
+  assert set(pieces) == {(64, 0), (32, 16)}, pieces
+  assert not at.SPLIT_KEY_WIDTH
+  print("ATTENTION_SPLIT_OK")
+
+
+def test_the_core_is_timed_with_and_without_the_split_key_width():
+  pytest.importorskip("triton", reason="Triton is not installed")
+  run_in_triton_interpreter("test_attention_core_bench", "_split_check", "ATTENTION_SPLIT_OK",
+                            timeout=600)
+
+
 def test_a_cut_sweep_keeps_its_starting_form_with_what_it_measured():
   """partial_tiles: the kernels timed so far replace the starting tiles' own, in the fields that
   form launches (the dK pass storing dS / P goes to dk, the dX pass reading P to dx_read), and

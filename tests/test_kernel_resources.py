@@ -17,7 +17,7 @@ import kernel_resources as kr  # noqa: E402
 def _dq_ds(bn, bm=32):
   from kernels import triton_attention as ta
   t, h, dk = 64, 2, 32
-  consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DKP=32, BM=bm, BN=bn,
+  consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DK1=32, DK2=0, DK2S=1, BM=bm, BN=bn,
                 N_ROW_TILES=t * h // bm)
   return kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16",
                                                          dq_ptr="*bf16"), consts,
@@ -110,6 +110,31 @@ def test_the_stored_forms_default_tiles_do_not_spill(shape):
   assert sorted(c[0] for c in cases) == sorted(defaults)
   for row in kr.survey(cases):
     assert "error" not in row and row["spill_stores"] == row["spill_loads"] == 0, row
+
+
+def test_the_split_key_width_compiles_without_spills_and_with_less_shared_memory(monkeypatch):
+  """`attention_tiles.SPLIT_KEY_WIDTH` at UMoE-base's dk 192 (128 + 64): the default tiles' kernels
+  of the stored-pairs backward and the forward compile for sm_90a without spills, and the forward
+  asks less shared memory than with dk padded to 256 (its key and query tiles are a quarter
+  narrower)."""
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  from kernels import attention_tiles as at
+  dims = kr.SHAPES["base"]
+  base = at.default_tiles(dims["dk"], dims["d"])
+  defaults = {"fwd": base.fwd, "dq_ds": base.dq_ds, "ds": base.ds, "dk_ds": base.dk_ds}
+  rows = {}
+  for split in (False, True):
+    monkeypatch.setattr(at, "SPLIT_KEY_WIDTH", split)
+    cases = [c for c in kr.attention_cases(dims) if defaults.get(c[0]) == c[1]]
+    assert sorted(c[0] for c in cases) == sorted(defaults)
+    assert all(c[4]["DK2"] == (64 if split else 0) for c in cases)
+    rows[split] = {r["kernel"]: r for r in kr.survey(cases)}
+  for name, row in rows[True].items():
+    assert "error" not in row and row["spill_stores"] == row["spill_loads"] == 0, row
+  assert rows[True]["fwd"]["shared"] < rows[False]["fwd"]["shared"], rows
 
 
 def test_a_tile_with_the_xla_epilogue_is_surveyed_as_it_launches(monkeypatch):

@@ -90,14 +90,16 @@ def test_a_tiny_row_reports_its_routing_load_and_zipf_tokens_skew_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_row_with_the_one_pass_routers_records_the_switch(tmp_path):
+def test_a_row_with_the_one_pass_routers_records_the_switches(tmp_path):
   """`--router_one_pass=1` reaches the model config (the routers take `router_pass.softmax_top_k`;
-  on CPU its separate-ops form) and the row records it, loss check passed."""
+  on CPU its separate-ops form) and `--split_key_width=1` the attention kernels' switch; the row
+  records both, loss check passed."""
   import json
   out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single", "--batch=2", "--seq_len=32",
-                        "--steps=1", "--warmup=0", "--router_one_pass=1", f"--out={tmp_path}"],
+                        "--steps=1", "--warmup=0", "--router_one_pass=1", "--split_key_width=1",
+                        f"--out={tmp_path}"],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   row = json.loads((tmp_path / "train_step.json").read_text())[0]
   assert "error" not in row, row["error"]
-  assert row["router_one_pass"] is True and row["loss_check"], row
+  assert row["router_one_pass"] is True and row["split_key_width"] is True and row["loss_check"], row

@@ -58,7 +58,7 @@ def test_launch_geometry_covers_every_row_key_and_column():
     f = at.fwd_launch(t, h, dk, d, tiles.fwd)
     assert f["N_ROW_TILES"] * f["BM"] >= t * h > (f["N_ROW_TILES"] - 1) * f["BM"]
     assert f["N_CHUNKS"] * (f["BD1"] + f["BD2"]) >= d > (f["N_CHUNKS"] - 1) * (f["BD1"] + f["BD2"])
-    assert f["grid0"] == f["N_ROW_TILES"] * f["N_CHUNKS"] and f["DKP"] >= dk
+    assert f["grid0"] == f["N_ROW_TILES"] * f["N_CHUNKS"] and f["DK1"] >= dk and f["DK2"] == 0
     x = at.dx_launch(t, h, dk, d, tiles.dx)
     assert x["grid0"] // x["N_CHUNKS"] * x["BN"] >= t
     assert at.dk_launch(t, h, dk, d, tiles.dk)["grid0"] * tiles.dk.bn >= t
@@ -72,7 +72,7 @@ def test_launch_geometry_covers_every_row_key_and_column():
   # tl.dot contracts >= 16 elements on the GPU (the interpreter does not check): a small head is
   # padded to 16 keys' width, and tiles with a contraction under 16 are refused up front.
   for launch in (at.fwd_launch, at.dx_launch, at.dk_launch, at.dq_launch):
-    assert launch(37, 3, 8, 80, at.PassTiles(16, 16, 16))["DKP"] == 16
+    assert launch(37, 3, 8, 80, at.PassTiles(16, 16, 16))["DK1"] == 16
   with pytest.raises(ValueError, match=">= 16"):
     at.fwd_launch(64, 4, 64, 128, at.PassTiles(64, 8, 64))     # p V contracts over bn keys
   with pytest.raises(ValueError, match=">= 16"):
@@ -110,7 +110,7 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   with pytest.raises(ValueError, match="powers of two"):
     at.dq_ds_launch(1024, 4, 192, at.PassTiles(48, 64, 16))
   launch = at.dq_ds_launch(1024, 4, 192, at.PassTiles(64, 32, 7))   # bd is not used
-  assert launch["grid0"] * 64 >= 4096 and launch["DKP"] == 256
+  assert launch["grid0"] * 64 >= 4096 and (launch["DK1"], launch["DK2"]) == (256, 0)
   # UMoE-base's shape (B=32, T=1024, H=4, bf16): 2 x 268 MB, stored; 4x the length: not stored.
   assert ta.stores_probs(tiles, (32, 1024, 4, 192), 2) == (True, True)
   assert ta.stores_probs(tiles, (32, 4096, 4, 192), 2) == (False, False)
@@ -262,7 +262,14 @@ def _interpreter_check():
 
   cases = [(*c, None, False, None, None) for c in CASES] + STORED_CASES
   opt = lambda x: None if x is None else at.PassTiles(*x)
-  for b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds, *dx_read in cases:
+  # With `SPLIT_KEY_WIDTH` every pass again, on heads of two exact pieces (48 = 32 + 16, 320 = 256
+  # + 64): the recomputing passes, the fused dX + dK pass, the stored forms, the wide head.
+  split_dk = {24: 48, 32: 48, 16: 48, 300: 320}
+  split_cases = [(*c[:3], split_dk[c[3]], *c[4:]) for c in (cases[0], cases[1], cases[2], cases[5],
+                                                            cases[8], cases[10])]
+  runs = [(False, c) for c in cases] + [(True, c) for c in split_cases]
+  for split, (b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds, *dx_read) in runs:
+    at.SPLIT_KEY_WIDTH = split
     rng = np.random.default_rng(t * h)
     q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, dk), (b, t, d)))
     cot = rng.standard_normal((b, t, h, d))
@@ -273,7 +280,7 @@ def _interpreter_check():
     got = jax.jit(lambda *a: ta.premix_attention(*a, tiles=flash))(*f32)
     want = _reference(*map(jnp.asarray, (q, k, v)))
     case = (f"B={b} T={t} H={h} dk={dk} D={d} fused dxdk={len(tiles) > 4} dq_ds={dq_ds} "
-            f"dx_p={dx_p} ds={ds}")
+            f"dx_p={dx_p} ds={ds} split={split}")
     n_launch = len(LAUNCHES)
     assert got.shape == (b, t, h, d) and got.dtype == jnp.float32, case
     assert np.isfinite(np.asarray(got)).all(), case
@@ -300,6 +307,10 @@ def _interpreter_check():
           want_tiles.bm, want_tiles.bn, want_tiles.num_warps), (case, meta, want_tiles)
     if "_bwd_dk_kernel" in flags:
       assert flags["_bwd_dk_kernel"] == {"STORE_DS": dq_ds is not None, "STORE_P": dx_p}, (case, flags)
+    pieces = {(m["DK1"], m["DK2"]) for m in LAUNCH_META[n_launch:] if "DK1" in m}
+    assert pieces == ({(1 << (dk.bit_length() - 1), dk - (1 << (dk.bit_length() - 1)))} if split
+                      else {(at.key_width(dk), 0)}), (case, pieces)
+  at.SPLIT_KEY_WIDTH = False
 
   # Past STORED_BYTES_LIMIT the stored forms recompute (same values, the three recompute passes).
   limit, ta.STORED_BYTES_LIMIT = ta.STORED_BYTES_LIMIT, 0

@@ -107,6 +107,25 @@ def test_triton_core_matches_xla(b, t, h, dk, d):
     assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
 
 
+@pytest.mark.parametrize("backward", ["auto", "recompute", "stored"])
+@pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (2, 203, 3, 96, 320),
+                                        (1, 300, 4, 320, 1024)], ids=["base", "odd", "wide"])
+def test_triton_core_with_split_key_width_matches_xla(b, t, h, dk, d, backward, monkeypatch):
+  """`attention_tiles.SPLIT_KEY_WIDTH` (off by default; not yet run on a GPU): keys of two exact
+  pieces (192 = 128 + 64, 96 = 64 + 32, 320 = 256 + 64) in every pass of each backward form, the
+  values and the gradients of q, k and x against the XLA core within 1e-2."""
+  from kernels import attention_tiles as at
+  from kernels import triton_attention as ta
+  monkeypatch.setattr(at, "SPLIT_KEY_WIDTH", True)
+  assert at.key_pieces(dk)["DK2"] > 0
+  q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=5 * t + dk)
+  tiles = at.with_backward(at.default_tiles(dk, d), backward, dk)
+  out = jax.jit(lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles))(q, k, v)
+  want = jax.jit(lambda q, k, v: causal_attention(q, k, v, pos, pos))(q, k, v)
+  assert _rel(out, want) < 1e-2, _rel(out, want)
+  _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos)
+
+
 @pytest.mark.parametrize("b,t,h,dk,dv", [(2, 256, 4, 192, 192), (2, 203, 3, 64, 64),
                                          (1, 130, 12, 64, 64)], ids=["dense_base", "odd", "12_heads"])
 def test_triton_core_with_a_key_head_per_query_head_matches_xla(b, t, h, dk, dv):
