@@ -98,6 +98,11 @@ def test_task_list_entries_and_spec_files(tmp_path):
     ("- {path: a.jsonl, kind: mc, num_fewshot: -1}", "'num_fewshot' must be an integer >= 0"),
     ("tasks: [", "cannot parse task spec"),
     ("[]", "no tasks"),
+    # Not strings: a name failed in the results table after every task was scored, a description
+    # once scoring began, a split in os.path.join.
+    ("- {name: 5, path: a.jsonl, kind: mc}", "task 0: 'name' must be a string, got 5"),
+    ("- {path: a.jsonl, kind: mc, description: 3}", "task 0: 'description' must be a string, got 3"),
+    ("- {path: data, kind: mmlu, split: 1}", "task 0: 'split' must be a string, got 1"),
 ])
 def test_bad_spec_files(tmp_path, content, message):
   (tmp_path / "s.yaml").write_text(content)

@@ -95,6 +95,11 @@ def _spec_from_mapping(rec: Any, where: str, base_dir: str) -> TaskSpec:
       if not isinstance(rec[key], str):
         raise EvalError(f"{where}: {key!r} must be a string, got {rec[key]!r}")
       rec[key] = os.path.join(base_dir, os.path.expanduser(rec[key]))
+  # Else a number here fails only once scored (description) or in the table after every task
+  # (name), the results lost.
+  for key in ("name", "description", "split"):
+    if key in rec and not isinstance(rec[key], str):
+      raise EvalError(f"{where}: {key!r} must be a string, got {rec[key]!r}")
   for key in ("num_fewshot", "limit", "fewshot_seed"):
     if rec.get(key) is not None and (isinstance(rec[key], bool) or not isinstance(rec[key], int)
                                      or rec[key] < 0):
