@@ -200,6 +200,16 @@ def test_glob_skips_a_save_in_progress(run, tmp_path):
   assert [r.step for r in ckpt.resolve(f"{fake}/checkpoints/*")] == [4, 8]
 
 
+def test_glob_matching_no_checkpoint_directory(tmp_path):
+  """A pattern whose matches are all files or saves in progress: named (was an IndexError)."""
+  (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-1733000000").mkdir(parents=True)
+  (tmp_path / "config.json").write_text("{}")
+  for pattern in (f"{tmp_path}/*.json", f"{tmp_path}/checkpoints/*"):
+    with pytest.raises(ValueError, match=f"checkpoint pattern '{re.escape(pattern)}' matches no "
+                                         "checkpoint directory"):
+      analysis_cli.analyze(pattern, tokens=64)
+
+
 def test_checkpoints_of_different_shapes(run, tmp_path):
   workdir, _ = run
   other = _fake_run(tmp_path, workdir, "wide", **{"moe.n_experts": 8})

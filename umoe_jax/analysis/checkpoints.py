@@ -52,6 +52,10 @@ def resolve(spec: str | Sequence[str]) -> list[CheckpointRef]:
       # a save in progress (<step>.orbax-checkpoint-tmp-<t>, while the run trains) is no step yet
       found = [resolve_checkpoint(m) for m in matches
                if storage.isdir(m) and not ocp.step.is_tmp_checkpoint(m)]
+      if not found:  # else an IndexError on the empty list further on
+        raise ValueError(f"checkpoint pattern {item!r} matches no checkpoint directory (only "
+                         f"files or saves in progress: {', '.join(sorted(matches)[:3])}"
+                         f"{', ...' if len(matches) > 3 else ''})")
       refs += sorted(found, key=lambda r: (r.run, r.step if r.step is not None else -1))
     else:
       refs.append(resolve_checkpoint(item))
