@@ -60,3 +60,23 @@ def test_output_paths_are_checked_before_the_work(tmp_path):
   with pytest.raises(ValueError, match=r"--json='/proc/umoe-test/r\.json': cannot create "
                                        r"'/proc/umoe-test' \(No such file or directory\)"):
     output.check_output_path("/proc/umoe-test/r.json", "--json")  # /proc refuses even root
+
+
+def test_tilde_paths_are_written_where_they_were_checked(tmp_path, monkeypatch):
+  """`--json=~/r.json` / `--out=~/plots` (no shell expansion after "="): check_output_path made
+  $HOME/... but the results went to a directory named "~" below the working directory."""
+  from umoe_jax import plot
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir()
+  cwd.mkdir()
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.chdir(cwd)
+  output.check_output_path("~/res/r.json", "--json")
+  output.write_json("~/res/r.json", {"acc": 0.5})
+  assert json.loads((home / "res" / "r.json").read_text()) == {"acc": 0.5}
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text('{"step": 1, "train/lm_loss": 2.0}\n')
+  assert plot.plot_runs([str(run)], "~/plots") == ["~/plots/curves.png"]
+  assert (home / "plots" / "curves.png").stat().st_size > 0
+  assert os.listdir(cwd) == []

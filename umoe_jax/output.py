@@ -75,7 +75,7 @@ def write_json(path: str, obj: Any, indent: int = 2) -> None:
   if storage.is_url(path):
     storage.write_text(path, json.dumps(jsonable(obj), indent=indent, allow_nan=False) + "\n")
     return
-  path = os.path.abspath(path)
+  path = os.path.abspath(os.path.expanduser(path))  # the path check_output_path checked
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
                              dir=os.path.dirname(path))

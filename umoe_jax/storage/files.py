@@ -251,6 +251,7 @@ def write_bytes(path: str, data: bytes) -> None:
         f.write(data)
     _remote("writing", path, put)
     return
+  path = expand(path)  # "~/r.png" is below $HOME, as `abspath` and output.check_output_path read it
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
   tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
@@ -311,7 +312,7 @@ def makedirs(path: str) -> None:
   """Local: os.makedirs (exist_ok). Remote: nothing; object stores have no directories (a prefix
   exists once an object below it does), and a file system call here could create a bucket."""
   if not is_url(path):
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(expand(path), exist_ok=True)
 
 
 def remove(path: str, missing_ok: bool = False) -> None:
