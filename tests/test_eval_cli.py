@@ -250,6 +250,11 @@ def _bad_inputs(tmp, ckpt):
        "has no config.json"),
       (["tasks", *common, "--tasks=piqa", f"--tokenizer={GPT2}"], 1,
        "has 50257 tokens but the model's vocab_size is 512"),
+      # A BOS id the model has no embedding for is named (it was "the tokenizer does not fit").
+      (["tasks", *common, "--tasks=piqa", "--bos_id=512"], 1,
+       "--bos_id=512 is outside the model's vocabulary [0, 512)"),
+      (["perplexity", f"--checkpoint={ckpt}", f"--data={bad}", "--bos_id=-1"], 1,
+       "--bos_id=-1 must be a token id >= 0"),
       (["perplexity", f"--checkpoint={ckpt}", f"--data={tmp}/none.txt"], 1, "no such file"),
       (["perplexity", f"--checkpoint={ckpt}", f"--data={bad}"], 1,
        "bad.jsonl:1: expected an object with a string field 'text'"),

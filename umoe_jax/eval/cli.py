@@ -106,6 +106,9 @@ def _load(f):
   model, tokenizer, info = load_model_and_tokenizer(f.checkpoint, f.config, tokenizer=f.tokenizer,
                                                     seed=f.seed,
                                                     compute_dtype=f.compute_dtype or None)
+  vocab = info["model"]["vocab_size"]
+  if f.bos_id is not None and f.bos_id >= vocab:  # else "the tokenizer does not fit" when scored
+    raise EvalError(f"--bos_id={f.bos_id} is outside the model's vocabulary [0, {vocab})")
   step = f" (step {info['step']})" if info["step"] is not None else ""
   _log(f"model: {f.checkpoint or '(random parameters)'}{step}; tokenizer: {info['tokenizer']}")
   return model, tokenizer, info
@@ -276,6 +279,8 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
   try:
     if fv.batch_size < 1:
       raise EvalError(f"--batch_size={fv.batch_size} must be >= 1")
+    if fv.bos_id is not None and fv.bos_id < 0:
+      raise EvalError(f"--bos_id={fv.bos_id} must be a token id >= 0")
     if fv.json is not None:  # fail before any scoring when the results could not be written
       try:
         check_output_path(fv.json, "--json")
