@@ -426,3 +426,31 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, cap
     full = tok.decode(generate(model, [tok.encode(c)], max_new_tokens=6,
                                eos_id=tok.eos_id).sequences()[0])
     assert o == full.split("e", 1)[0] and "e" not in o
+
+
+def test_lm_eval_model_args_batch_size_wins(trained, tmp_path, monkeypatch, capsys):
+  """batch_size in --model_args (documented there) beside lm-eval's own --batch_size, which always
+  has a value: the model's wins (it was a TypeError traceback, 'multiple values for keyword')."""
+  pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
+                                        "requirements-eval.txt)")
+  from umoe_jax.eval import lm_eval_adapter
+  ckpt, _, _ = trained
+  lm = lm_eval_adapter.UMoELM.create_from_arg_string(
+      f"checkpoint={ckpt},batch_size=3", {"batch_size": 1, "max_batch_size": None, "device": None})
+  assert lm.batch_size == lm.scorer.batch_size == 3
+  lm = lm_eval_adapter.UMoELM.create_from_arg_string(f"checkpoint={ckpt}", {"batch_size": "5"})
+  assert lm.batch_size == 5
+  # Through lm-eval's CLI, on a local task.
+  mc = _jsonl(tmp_path / "mc.jsonl", [{"query": f"Is {i} even?", "choices": ["yes", "no"],
+                                       "gold": int(i % 2)} for i in range(4)])
+  (tmp_path / "mc.yaml").write_text(
+      f"task: umoe_bs\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+      f"    test: {mc}\noutput_type: multiple_choice\ndoc_to_text: '{{{{query}}}}'\n"
+      "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
+  for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
+                     ("HF_HOME", str(tmp_path / "hf"))):
+    monkeypatch.setenv(var, value)
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                           f"checkpoint={ckpt},batch_size=2", "--tasks", "umoe_bs",
+                           "--include_path", tmp_path)
+  assert code == 0 and "umoe_bs" in out, err[-3000:]

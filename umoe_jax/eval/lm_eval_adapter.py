@@ -79,6 +79,21 @@ class UMoELM(LM):
     self.scorer = Scorer(model, batch_size=self.batch_size)
 
   @classmethod
+  def create_from_arg_obj(cls, arg_dict: dict, additional_config: Optional[dict] = None
+                          ) -> "UMoELM":
+    """LM's, except that a key of --model_args (batch_size, max_batch_size, device) wins over the
+    command's own flag: LM's passes both, a TypeError since lm-eval's --batch_size always has a value."""
+    extra = {k: v for k, v in (additional_config or {}).items()
+             if v is not None and k not in arg_dict}
+    return cls(**arg_dict, **extra)
+
+  @classmethod
+  def create_from_arg_string(cls, arg_string: str,
+                             additional_config: Optional[dict] = None) -> "UMoELM":
+    from lm_eval.utils import simple_parse_args_string
+    return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+  @classmethod
   def from_model(cls, model, tokenizer, *, batch_size: int = 16, bos_id: Optional[int] = None,
                  max_gen_toks: int = 256) -> "UMoELM":
     """An adapter over a model already in memory (no checkpoint read)."""
