@@ -430,7 +430,8 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, cap
 
 def test_lm_eval_model_args_batch_size_wins(trained, tmp_path, monkeypatch, capsys):
   """batch_size in --model_args (documented there) beside lm-eval's own --batch_size, which always
-  has a value: the model's wins (it was a TypeError traceback, 'multiple values for keyword')."""
+  has a value: the model's wins (it was a TypeError traceback, 'multiple values for keyword');
+  an unknown task name is one error line."""
   pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
                                         "requirements-eval.txt)")
   from umoe_jax.eval import lm_eval_adapter
@@ -454,3 +455,8 @@ def test_lm_eval_model_args_batch_size_wins(trained, tmp_path, monkeypatch, caps
                            f"checkpoint={ckpt},batch_size=2", "--tasks", "umoe_bs",
                            "--include_path", tmp_path)
   assert code == 0 and "umoe_bs" in out, err[-3000:]
+  # A task name lm-eval does not know: one error line (was lm-eval's ValueError traceback).
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--model_args",
+                           f"checkpoint={ckpt}", "--tasks", "umoe_bz", "--include_path", tmp_path)
+  assert code == 1 and "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1].startswith("error: Tasks not found: umoe_bz"), err[-3000:]

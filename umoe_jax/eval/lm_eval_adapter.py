@@ -175,6 +175,12 @@ def run_lm_eval_cli(argv: Sequence[str]) -> int:
   except (EvalError, LoadError, FileNotFoundError) as e:  # LoadError is a ValueError: not lm-eval's
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except ValueError as e:  # lm-eval's "Tasks not found: x" (a typo); any other is a bug: its traceback
+    if not str(e).startswith("Tasks not found"):
+      raise
+    print(f"error: {e} (lm-eval's task names, `lm-eval ls tasks`, or --include_path DIR with "
+          "your task YAMLs)", file=sys.stderr)
+    return 1
   except ConnectionError as e:  # a task whose data lm-eval fetches (datasets) from an unreachable Hub
     print(f"error: {e}: lm-eval's built-in tasks download their data; offline, give local files "
           "(--include_path with a task YAML, or `python -m umoe_jax.eval tasks` on JSONL files)",
