@@ -128,6 +128,11 @@ def test_max_tokens_cuts_the_stream(model):
   assert (out["tokens"], out["documents"], out["bytes"]) == (n0 + 10, 2, n0 + 10)
   assert out["words"] == corpora.wikitext_words(TEXTS[0]) + corpora.wikitext_words(tok.decode(cut))
   np.testing.assert_allclose(out["nll"], nll.sum(), rtol=2e-5)
+  # A cut before the first word of WikiText (its lines start with a space): no word scored, no
+  # word perplexity (was a ZeroDivisionError).
+  out = corpus_ppl.corpus_perplexity(Scorer(model), tok, [" = Title = \n"], words=[4], max_tokens=1)
+  assert (out["tokens"], out["words"], out["word_ppl"]) == (1, 0, None)
+  assert math.isfinite(out["token_ppl"]) and math.isfinite(out["bits_per_byte"])
   with pytest.raises(EvalError, match="exceeds the model's max_seq_len"):
     corpus_ppl.corpus_perplexity(Scorer(model), tok, TEXTS, context=64)
   for bad, message in ((dict(context=0), r"--context=0 must be >= 1"),   # 0 is not "default"

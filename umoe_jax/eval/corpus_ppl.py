@@ -164,5 +164,6 @@ def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
          **dict(zip(("context", "stride"), window_sizes(scorer, context, stride)))}
   if counts is not None:
     out["words"] = sum(counts)
-    out["word_ppl"] = _safe_exp(nll / out["words"])
+    # No word scored (--max_tokens inside the leading whitespace of a line): no word perplexity.
+    out["word_ppl"] = _safe_exp(nll / out["words"]) if out["words"] else None
   return out
