@@ -254,5 +254,10 @@ def test_detokenized_max_tokens_counts_the_original_words(model, tmp_path):
                                      max_tokens=len(tok.encode(kept)) + 5)   # inside line 2
   assert (out["tokens"], out["bytes"]) == (len(kept), len(kept))
   assert out["words"] == (10 + 1) + (8 + 1)                              # words + line ends
+  # A budget inside the first line: that said (was "the corpus encodes to no tokens").
+  with pytest.raises(EvalError, match=re.escape(f"--max_tokens=5 is shorter than the corpus's first "
+                                                f"line ({len(detok[0])} tokens)")):
+    corpus_ppl.corpus_perplexity(Scorer(model), tok, corpus.documents, words=corpus.words,
+                                 originals=corpus.originals, max_tokens=5)
   np.testing.assert_allclose(out["nll"], naive_nll(model, tok.encode(kept), tok.eos_id, 32, 32).sum(),
                              rtol=2e-5)

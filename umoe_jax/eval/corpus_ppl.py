@@ -129,6 +129,10 @@ def truncate(tokenizer, documents: Sequence[str], words: Optional[Sequence[int]]
         toks = toks[:budget]
         n_words = wikitext_words(doc) if words is not None else None
       if not toks:                            # the first line alone is over the budget
+        if not token_lists:  # else "the corpus encodes to no tokens", which it does not
+          first = len(tokenizer.encode(_first_lines(documents[i], 1)))
+          raise EvalError(f"--max_tokens={max_tokens} is shorter than the corpus's first line "
+                          f"({first} tokens): with --detokenize only whole lines are scored")
         break
     texts.append(doc)
     token_lists.append(toks)
