@@ -279,6 +279,21 @@ def test_bad_input_one_line_nonzero_exit_nothing_written(trained, tmp_path, caps
     assert not out_json.exists() and not [p for p in tmp_path.glob("out/*") if ".tmp" in p.name]
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/proc/self"),
+                    reason="needs root: /proc passes the writability check only for root")
+def test_json_that_cannot_be_written_at_the_end(trained, tmp_path, capsys):
+  """A --json that passes the check before scoring but fails when written (here /proc, as root;
+  elsewhere a full disk): one error line after the table (was an OSError traceback)."""
+  ckpt, _, _ = trained
+  doc = tmp_path / "doc.txt"
+  doc.write_text("The quick brown fox jumps over the lazy dog.")
+  code, out, err = run_cli(capsys, "perplexity", f"--checkpoint={ckpt}", f"--data={doc}",
+                           "--json=/proc/umoe-test.json")
+  assert code == 1 and "token_ppl" in out and "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1].startswith(
+      "error: cannot write --json='/proc/umoe-test.json' ("), err[-3000:]
+
+
 def test_bad_window_flags_fail_before_the_model_loads(trained, tmp_path, capsys):
   """Flag values that cannot work are named before the corpus is read and the model loaded (a
   base model takes minutes to load); --stride against the default --context once it is known."""

@@ -292,6 +292,11 @@ def main(argv: Sequence[str], prog: str = "python -m umoe_jax.eval") -> int:
     return 1
   print(table, flush=True)
   if fv.json:
-    write_json(fv.json, dict(command=command, **payload))
+    try:
+      write_json(fv.json, dict(command=command, **payload))
+    except OSError as e:  # checked before the scoring, but a disk can fill up since
+      print(f"error: cannot write --json={fv.json!r} ({e.strerror or e}); the results are the "
+            "table above", file=sys.stderr)
+      return 1
     _log(f"wrote {fv.json}")
   return 0
