@@ -366,6 +366,15 @@ def test_plot_command_reads_runs(tmp_path, capsys):
     _png_ok(p)
 
 
+def test_loss_figure_of_one_step():
+  """A run with one record so far (the evaluation at step 0): the step axis shows that step, not
+  fractional steps -0.045 .. 0.045 around it."""
+  fig = plots.loss_figure({"run": {"eval/loss": ([0], [6.28]), "eval/perplexity": ([0], [533.0])}})
+  plots.png_bytes(fig)
+  for ax in fig.axes[:2]:
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0"]
+
+
 def test_plot_command_bad_input(tmp_path, capsys):
   from umoe_jax import plot
   assert plot.main([str(tmp_path / "nowhere")]) == 2

@@ -272,9 +272,14 @@ def loss_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[
   # Plain numbers (30, 200), not the default's 3x10^1; which minor ticks get a label is unchanged.
   ax_ppl.yaxis.set_major_formatter(LogFormatter())
   ax_ppl.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+  steps = {x for series in runs.values() for xs, _ in series.values() for x in xs}
   for ax in (ax_loss, ax_ppl):
     ax.set_xlabel("training step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(steps) == 1:  # one step (the evaluation at step 0 alone): its tick, not -0.045..0.045
+      (x,) = steps
+      ax.set_xlim(x - 1, x + 1)
+      ax.set_xticks([x], [f"{x:g}"])
     ax.grid(alpha=0.3, which="both")
   handles = [Line2D([], [], color=f"C{i % 10}", linewidth=2, label=run) for i, run in enumerate(runs)]
   handles += [Line2D([], [], color="gray", label="train (interval mean)"),
