@@ -193,6 +193,24 @@ def test_scoring_matches_naive_reference(tiny):
   assert greedy[-1] and not greedy[:-1].any()
 
 
+def test_batch_size_far_above_the_work_pads_few_rows(tiny):
+  """--batch_size=4096 for 3 windows: forwards of 4 rows, not 4096 (minutes of padding on a CPU,
+  or out of memory), with the same log-likelihoods."""
+  _, model = tiny
+  rng = np.random.default_rng(2)
+  requests = [(rng.integers(0, 256, n).tolist(), rng.integers(0, 256, 3).tolist())
+              for n in (5, 9, 12)]
+  big = harness.Scorer(model, batch_size=4096)
+  shapes, forward = [], big._score
+  big._score = lambda state, tokens, *rest: shapes.append(tokens.shape) or forward(state, tokens,
+                                                                                   *rest)
+  ll, greedy = big.loglikelihood(requests)
+  assert shapes == [(4, 32)]
+  ll2, greedy2 = harness.Scorer(model, batch_size=2).loglikelihood(requests)
+  np.testing.assert_allclose(ll, ll2, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(greedy, greedy2)
+
+
 def test_long_continuation_is_scored_in_windows(tiny):
   """A continuation of 80 tokens (> max_seq_len=64) after 5: windows score its last 64 targets after
   one more token, then its first 16 after the context; ll adds up, greedy is the AND."""

@@ -15,7 +15,8 @@ whether each of them is the argmax. Requests (context c, continuation x):
 
 Speed: windows are sorted by length (longest first), batched `batch_size` at a time, right-padded to
 the smallest bucket length (powers of two from 32, and max_seq_len) that fits the batch, and the
-batch is padded with empty rows to `batch_size`: one compiled forward per bucket, at most
+batch is padded with empty rows to `batch_size` (fewer windows in all: the power of two that holds
+them): one compiled forward per bucket (and such a smaller row count), at most
 ~log2(T/32)+1, shared by every Scorer of the same model graph (`compile_count()` counts them). The
 device results stay on device until the last batch is dispatched, so the host packs batch i+1 while
 the device runs batch i. Right padding never changes the real tokens (causal attention, per-token
@@ -171,11 +172,14 @@ class Scorer:
         raise EvalError(f"bad window: {len(inputs)} inputs, {len(targets)} targets, {k} scored "
                         f"(max_seq_len={self.max_seq_len})")
     order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
+    # Rows per forward: batch_size, or the power of two that holds every window when that is
+    # fewer (few extra shapes): a --batch_size far above the work (4096 for 2 windows) would pad
+    # thousands of empty rows, minutes of compute or out of memory.
+    rows = min(self.batch_size, 1 << max(len(wins) - 1, 0).bit_length())
     pending = []
-    for start in range(0, len(order), self.batch_size):
-      idx = order[start:start + self.batch_size]
-      tokens, targets, mask = pack([wins[j] for j in idx], self.bucket(len(wins[idx[0]][0])),
-                                   self.batch_size)
+    for start in range(0, len(order), rows):
+      idx = order[start:start + rows]
+      tokens, targets, mask = pack([wins[j] for j in idx], self.bucket(len(wins[idx[0]][0])), rows)
       self._check_ids(tokens)
       self._check_ids(targets)
       pending.append((idx, self._score(self.state, jnp.asarray(tokens), jnp.asarray(targets),
