@@ -20,7 +20,11 @@ a time limit still leaves tiles to load.
 
   python3 bench/attention_core.py [--shapes=base,large,moa,mha] [--cores=xla,cudnn,triton] [--sweep=base]
       [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
-      [--delta] [--out DIR]
+      [--delta] [--split_key_width=0|1|0,1] [--out DIR]
+
+--split_key_width=0,1 times the Triton core with dk padded to a power of two and as two exact pieces
+(`attention_tiles.SPLIT_KEY_WIDTH`; row keys "triton" and "triton_split"); =1 alone runs everything
+with the split, the sweep included.
 """
 from __future__ import annotations
 
@@ -140,6 +144,7 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
   fns = cores(positions, tiles, key_heads)
   fl = flops(*shape)
   row = {}
+  split_before = at.SPLIT_KEY_WIDTH
   for core in which:
     if core == "cudnn" and dk > 256:
       continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
@@ -160,7 +165,7 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
                       fwd_bwd_tflops=3 * fl / fb / 1e9)
       log(f"  {name} {key:7s} fwd {fwd:7.3f} ms ({fl / fwd / 1e9:5.0f} TFLOP/s)  "
           f"fwd+bwd {fb:7.3f} ms ({3 * fl / fb / 1e9:5.0f} TFLOP/s)")
-  at.SPLIT_KEY_WIDTH = False
+  at.SPLIT_KEY_WIDTH = split_before
   return row
 
 
@@ -374,7 +379,8 @@ def main():
                   help="the Triton core's backward forms to time, e.g. auto,recompute,stored_pairs")
   ap.add_argument("--split_key_width", default="0",
                   help="attention_tiles.SPLIT_KEY_WIDTH settings to time the Triton core at, e.g. "
-                       "0,1 (1: keys of two exact power-of-two pieces, 192 = 128 + 64)")
+                       "0,1 (1: keys of two exact power-of-two pieces, 192 = 128 + 64); 1 alone "
+                       "also sweeps with it")
   ap.add_argument("--delta", action="store_true",
                   help="also time the backward's delta = <dO, out> reduction in each DELTA_FORMS form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -393,6 +399,8 @@ def main():
   splits = tuple(dict(zip("01", (False, True))).get(v, v) for v in args.split_key_width.split(","))
   if not splits or any(not isinstance(v, bool) for v in splits):
     raise SystemExit(f"--split_key_width={args.split_key_width!r}: 0, 1 or 0,1")
+  if splits == (True,):  # the sweep too (its candidates are traced with the switch as it is)
+    at.SPLIT_KEY_WIDTH = True
   results, table = {}, {}
   names = args.shapes.split(",")
   bad = [n for n in names if n not in SHAPES] + [
