@@ -111,8 +111,9 @@ if HAVE_TRITON:
   @triton.jit
   def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, T: tl.constexpr, H: tl.constexpr,
                   DK: tl.constexpr, D: tl.constexpr, qk_scale: tl.constexpr, DK1: tl.constexpr,
-                  DK2: tl.constexpr, DK2S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
-                  BD2S: tl.constexpr, N_ROW_TILES: tl.constexpr, N_CHUNKS: tl.constexpr):
+                  DK2: tl.constexpr, DK2S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BD1: tl.constexpr, BD2: tl.constexpr, BD2S: tl.constexpr,
+                  N_ROW_TILES: tl.constexpr, N_CHUNKS: tl.constexpr):
     # q [B, T*H, DK], k [B, T, DK], v [B, T, D] -> o [B, T*H, D], lse [B, T*H] (base 2).
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     TH: tl.constexpr = T * H
@@ -245,8 +246,9 @@ if HAVE_TRITON:
   @triton.jit
   def _bwd_dx_kernel(q_ptr, k_ptr, do_ptr, lse_ptr, p_ptr, dx_ptr, T: tl.constexpr, H: tl.constexpr,
                      DK: tl.constexpr, D: tl.constexpr, qk_scale: tl.constexpr, DK1: tl.constexpr,
-                     DK2: tl.constexpr, DK2S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr,
-                     BD2S: tl.constexpr, N_CHUNKS: tl.constexpr, LOAD_P: tl.constexpr = False):
+                     DK2: tl.constexpr, DK2S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BD1: tl.constexpr, BD2: tl.constexpr, BD2S: tl.constexpr,
+                     N_CHUNKS: tl.constexpr, LOAD_P: tl.constexpr = False):
     # dX [B, T, D] = sum over rows of P^T dO (values = X: its whole gradient through the mix);
     # P^T recomputed from q, k and lse, or with LOAD_P read from the dK pass's key-major copy.
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)

@@ -89,7 +89,8 @@ def test_separate_ops_match_a_float64_loop():
 def test_softmax_top_k_off_gpu_is_the_separate_ops():
   """Without a GPU (and with the kernel unavailable) the entry answers with `separate_ops`."""
   x = jnp.asarray(_logits(0, 2, 6, 12))
-  got, want = router_pass.softmax_top_k(x, 4, renormalize=True), router_pass.separate_ops(x, 4, renormalize=True)
+  got = router_pass.softmax_top_k(x, 4, renormalize=True)
+  want = router_pass.separate_ops(x, 4, renormalize=True)
   for a, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
   with pytest.raises(ValueError, match=r"1 <= k <= E; got \(2, 6, 12\), k=13"):
@@ -137,48 +138,41 @@ def test_config_switch_and_its_errors():
 def test_router_with_the_switch_on_takes_the_same_values_off_gpu():
   """On CPU the switch changes the path (one `softmax_top_k` call) but not the values: the tiny
   config's routers on against off, outputs and gradients of the router weights bit for bit."""
-  outs = []
-  for one_pass in (False, True):
-    outs.append(_router_outputs("ffn", dict(one_pass=one_pass, bias_update_rate=1e-3),
-                                jnp.asarray(np.random.default_rng(1).standard_normal((2, 9, 32)), jnp.float32),
-                                bias=np.random.default_rng(2).standard_normal(20).astype(np.float32) * 0.05))
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 9, 32)), jnp.float32)
+  bias = np.random.default_rng(2).standard_normal(20).astype(np.float32) * 0.05
+  outs = [_router_outputs("ffn", dict(one_pass=one_pass, bias_update_rate=1e-3), x, bias=bias)
+          for one_pass in (False, True)]
   for a, w in zip(jax.tree.leaves(outs[1]), jax.tree.leaves(outs[0])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
 
 
 def _router_outputs(sublayer, keys, x, bias=None, topk_backend="xla"):
-  """(ids, gates, probs, total loss, sequence counts, gradients of the router weights) of the tiny
-  config's `sublayer` router (20 experts, d_model = x's last axis) with `keys` set on model.router;
-  bias [E]: its aux-loss-free selection bias (needs bias_update_rate in keys)."""
-  from flax import nnx
+  """`test_triton_topk._router_outputs` (ids, gates, total loss, gradients of the router weights,
+  probs, sequence counts) of the tiny config's `sublayer` router (20 experts, d_model = x's last
+  axis) with `keys` set on model.router; bias [E]: its selection bias (needs bias_update_rate)."""
   from configs import common as configs
+  from test_triton_topk import _router_outputs as router_outputs
   from umoe_jax.config import model_config
-  from umoe_jax.model.routers import make_router
   m = configs.model("umoe", "tiny")
   m.moe.n_experts = 20
   m.d_model = x.shape[-1]
   for key, value in keys.items():
     setattr(m.router, key, value)
-  cfg = model_config(m)
-  rcfg = dataclasses.replace(cfg.router_for(sublayer), topk_backend=topk_backend)
-  k = cfg.ffn.top_k if sublayer == "ffn" else cfg.attention.top_k
-  router = make_router(rcfg, cfg.d_model, cfg.moe.n_experts, k, param_dtype="float32",
-                       rngs=nnx.Rngs(params=0))
-  if bias is not None:
-    router.selection_bias.set_value(jnp.asarray(bias))
-  graphdef, params, rest = nnx.split(router, nnx.Param, ...)
-  cot = jnp.asarray(np.random.default_rng(3).standard_normal(x.shape[:-1] + (k,)), jnp.float32)
-  cot_p = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape[:-1] + (20,)), jnp.float32)
+  return router_outputs(model_config(m), sublayer, topk_backend, x, bias)
 
-  def loss(params):
-    out = nnx.merge(graphdef, params, rest)(x)
-    # Every differentiable output: gates, probs (the logged entropy's input), the losses.
-    total = (jnp.sum(out.gates * cot) + jnp.sum(out.probs * cot_p) + out.balance_loss
-             + sum(out.aux_losses.values()))
-    return total, out
 
-  (total, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  return (out.expert_ids, out.gates, out.probs, total, out.sequence_counts, jax.tree.leaves(grads))
+def assert_routers_agree(on, off, case):
+  """Two `_router_outputs`: the same picks and counts, values to float32 round-off, gradients of
+  the router weights within 1e-4 (some of them non-zero)."""
+  for name, a, w in zip(("ids", "gates", "loss", "probs", "counts"), on[:3] + on[4:], off[:3] + off[4:]):
+    if name in ("ids", "counts"):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(w), err_msg=f"{case} {name}")
+    else:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-7,
+                                 err_msg=f"{case} {name}")
+  assert len(on[3]) == len(off[3]) and any(np.any(np.asarray(w)) for w in off[3]), case
+  for a, w in zip(on[3], off[3]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-6, err_msg=f"{case} grad")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +222,8 @@ def _interpreter_check():
   x = jnp.asarray(_logits(5, 3, 11, 24))
   bias = jnp.asarray(np.random.default_rng(6).standard_normal(24).astype(np.float32) * 0.05)
   rng = np.random.default_rng(7)
-  cots = [jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in ((3, 11, 24), (3, 11, 5), (3, 24))]
+  cots = [jnp.asarray(rng.standard_normal(s).astype(np.float32))
+          for s in ((3, 11, 24), (3, 11, 5), (3, 24))]
   for renorm in (False, True):
     def objective(fn, v):
       out = fn(v, 5, bias=bias, renormalize=renorm)
@@ -252,17 +247,7 @@ def _interpreter_check():
     n0 = len(LAUNCHES)
     on = _router_outputs(sublayer, dict(keys, one_pass=True), x, b)
     assert len(LAUNCHES) == n0 + 1, (sublayer, keys)
-    off = _router_outputs(sublayer, keys, x, b)
-    for name, a, w in zip(("ids", "gates", "probs", "loss", "counts"), on[:5], off[:5]):
-      if name in ("ids", "counts"):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(w), err_msg=f"{sublayer} {keys} {name}")
-      else:
-        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-7,
-                                   err_msg=f"{sublayer} {keys} {name}")
-    assert any(np.any(np.asarray(w)) for w in off[5]), (sublayer, keys)
-    for a, w in zip(on[5], off[5]):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-4, atol=1e-6,
-                                 err_msg=f"{sublayer} {keys} grad")
+    assert_routers_agree(on, _router_outputs(sublayer, keys, x, b), f"{sublayer} {keys}")
   print("TRITON_ROUTER_INTERPRETER_OK")
 
 

@@ -152,8 +152,10 @@ def _values(rng, n, e, kind):
 
 
 def _router_outputs(cfg, sublayer, backend, x, bias=None):
-  """(ids, gates, losses, gradients of the router weights) of a tiny config's `sublayer` router
-  with router.topk_backend=backend; `bias` [E]: its aux-loss-free selection bias."""
+  """(ids, gates, total loss, gradients of the router weights, probs, sequence counts) of a tiny
+  config's `sublayer` router with router.topk_backend=backend, the loss reaching every
+  differentiable output (gates, probs, the router's losses); `bias` [E]: its aux-loss-free
+  selection bias. (tests/test_router_pass.py uses it too.)"""
   from flax import nnx
   from umoe_jax.model.routers import make_router
   rcfg = dataclasses.replace(cfg.router_for(sublayer), topk_backend=backend)
@@ -164,14 +166,17 @@ def _router_outputs(cfg, sublayer, backend, x, bias=None):
     router.selection_bias.set_value(jnp.asarray(bias))
   graphdef, params, rest = nnx.split(router, nnx.Param, ...)
   cot = jnp.asarray(np.random.default_rng(3).standard_normal(x.shape[:-1] + (k,)), jnp.float32)
+  cot_p = jnp.asarray(np.random.default_rng(4).standard_normal(x.shape[:-1] + (cfg.moe.n_experts,)),
+                      jnp.float32)
 
   def loss(params):
     out = nnx.merge(graphdef, params, rest)(x)
-    total = jnp.sum(out.gates * cot) + out.balance_loss + sum(out.aux_losses.values())
+    total = (jnp.sum(out.gates * cot) + 1e-2 * jnp.sum(out.probs * cot_p) + out.balance_loss
+             + sum(out.aux_losses.values()))
     return total, out
 
   (total, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  return out.expert_ids, out.gates, total, jax.tree.leaves(grads), out.probs
+  return out.expert_ids, out.gates, total, jax.tree.leaves(grads), out.probs, out.sequence_counts
 
 
 def _interpreter_check():
