@@ -248,6 +248,26 @@ def test_collect_matches_the_models_routing():
   assert routing.token_consistency(ids.reshape(-1), two["layer_1/ffn"].expert_ids[:, 0])[0] < 1.0
 
 
+def test_batch_size_far_above_the_probe_pads_few_rows():
+  """--batch_size=1024 for 3 probe windows: forwards of 4 rows, not 1024 (minutes of padding on a
+  CPU, or out of memory), with the same routing."""
+  cfg = tiny_config("umoe", n_layers=2)
+  model = random_module(lambda: CausalLM(cfg, rngs=nnx.Rngs(params=0)), seed=3)
+  graphdef, params = nnx.split(model, nnx.Param)
+  params = nnx.to_pure_dict(params)
+  rows = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 16)).astype(np.int32)
+  fn = jax.jit(functools.partial(probe.route_outputs, graphdef=graphdef))
+  shapes = []
+  recording = lambda p, tokens: shapes.append(tokens.shape) or fn(p, tokens)  # noqa: E731
+  big = probe.collect(recording, params, rows, n_tokens=40, batch_size=1024)
+  assert shapes == [(4, 16)]
+  small = probe.collect(fn, params, rows, n_tokens=40, batch_size=2)
+  assert sorted(big) == sorted(small)
+  for name, r in big.items():
+    np.testing.assert_array_equal(r.expert_ids, small[name].expert_ids)
+    np.testing.assert_allclose(r.probs, small[name].probs, rtol=1e-5, atol=1e-7)
+
+
 # ------------------------------------------------------------------------------------------------
 # Figures
 

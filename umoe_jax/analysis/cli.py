@@ -219,7 +219,8 @@ def define_flags():
   flags.DEFINE_integer("tokens", 16384, "Probe tokens N.")
   flags.DEFINE_integer("seq_len", None, "Tokens per probe window (default: the run's train.seq_len).")
   flags.DEFINE_integer("seed", 0, "Seed of the probe's document order.")
-  flags.DEFINE_integer("batch_size", 8, "Probe windows per forward pass.")
+  flags.DEFINE_integer("batch_size", 8, "Probe windows per forward pass (at most the power of "
+                       "two that holds every window).")
   flags.DEFINE_list("routers", [], "Routers to report: kinds (attention, ffn, ...) or full names "
                     "(layer_0/ffn); default all.")
   flags.DEFINE_string("compute_dtype", "float32", 'Compute dtype ("" = the config\'s).')

@@ -114,14 +114,18 @@ def collect(fn: Callable, params: Any, rows: np.ndarray, *, n_tokens: int,
             batch_size: int = 8, routers: Optional[Sequence[str]] = None) -> dict[str, Routes]:
   """Every router's picks on the probe rows [R, T] (the first n_tokens, row by row).
 
-  `fn(params, tokens [b, T]) -> route_outputs(..., with_probs=True)`; the last batch is padded with copies of the
-  first row (causal routing: padding rows never change the real ones) so that one compile serves.
-  `routers`: names to keep (default all).
+  `fn(params, tokens [b, T]) -> route_outputs(..., with_probs=True)`; a batch holds batch_size
+  rows, or the power of two that holds every row when that is fewer; the last batch is padded with
+  copies of the first row (causal routing: padding rows never change the real ones) so that one
+  compile serves. `routers`: names to keep (default all).
   """
   import jax
 
   rows = np.asarray(rows, np.int32)
   n_rows, t = rows.shape
+  # A --batch_size far above the probe (1024 for 2 windows) would pad hundreds of copies of the
+  # first row into every forward: minutes of compute, or out of memory.
+  batch_size = min(batch_size, 1 << max(n_rows - 1, 0).bit_length())
   parts: dict[str, list] = {}
   for start in range(0, n_rows, batch_size):
     batch = rows[start:start + batch_size]
