@@ -284,3 +284,34 @@ def test_routing_command_usage_errors():
   proc = subprocess.run([sys.executable, "-m", "umoe_jax.analysis", "stats"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "usage: python -m umoe_jax.analysis {routing}" in proc.stderr
+
+
+def _routing_command(*flags):
+  return subprocess.run([sys.executable, "-m", "umoe_jax.analysis", "routing", "--tokens=64",
+                         *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/proc/self"),
+                    reason="needs root: /proc passes the writability check only for root")
+def test_json_that_cannot_be_written_at_the_end(run):
+  """A --json that passes the check before the analysis but fails when written (here /proc, as
+  root; elsewhere a full disk): one error line after the report (was an OSError traceback)."""
+  workdir, _ = run
+  proc = _routing_command(f"--checkpoints={workdir}/checkpoints/8", "--json=/proc/umoe-test.json")
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "layer_0/ffn" in proc.stdout  # the report came out
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: cannot write --json='/proc/umoe-test.json' ("), proc.stderr[-3000:]
+
+
+def test_plot_that_cannot_be_written(run, tmp_path):
+  """A --plots file that cannot be written once the analysis runs (here a directory in its place;
+  elsewhere a full disk): one error line naming it (was an OSError traceback)."""
+  workdir, _ = run
+  plots_dir = tmp_path / "plots"
+  (plots_dir / "load_heatmap_8.png" / "x").mkdir(parents=True)
+  proc = _routing_command(f"--checkpoints={workdir}/checkpoints/8", f"--plots={plots_dir}")
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"error: cannot write --plots={str(plots_dir)!r}: "
+      f"{str(plots_dir / 'load_heatmap_8.png')!r} (Is a directory)"), proc.stderr[-3000:]

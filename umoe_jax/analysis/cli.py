@@ -158,28 +158,38 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   return result
 
 
+def _save_plot(plots_dir: str, fig: Any, name: str) -> None:
+  """plots.save_png into --plots; a write that fails (checked before the analysis, but a disk can
+  fill up since) raises ValueError naming the file: one error line, not a traceback."""
+  from umoe_jax.analysis import plots
+  path = storage.join(plots_dir, name)
+  try:
+    storage.makedirs(plots_dir)
+    plots.save_png(fig, path)
+  except OSError as e:
+    raise ValueError(f"cannot write --plots={plots_dir!r}: {path!r} ({e.strerror or e})") from None
+
+
 def _plot_checkpoint(plots_dir: str, entry: dict, tokens: int) -> None:
   import numpy as np
 
   from umoe_jax.analysis import plots
-  storage.makedirs(plots_dir)
   label = entry["label"]
   safe = label.replace("/", "_").replace("@", "_")
   counts = {name: np.asarray(s["expert_counts"]) for name, s in entry["routers"].items()}
-  plots.save_png(plots.load_heatmap(counts, f"Expert load per layer, checkpoint {label} "
-                                            f"({tokens:,} probe tokens)"),
-                 storage.join(plots_dir, f"load_heatmap_{safe}.png"))
+  _save_plot(plots_dir, plots.load_heatmap(counts, f"Expert load per layer, checkpoint {label} "
+                                                  f"({tokens:,} probe tokens)"),
+             f"load_heatmap_{safe}.png")
   if entry["shared_pool"]:
     shares = {int(k.split("_")[1]): v["attention_share"] for k, v in entry["shared_pool"].items()}
     balanced = next(iter(entry["shared_pool"].values()))["attention_share_balanced"]
-    plots.save_png(plots.attention_share_heatmap(
+    _save_plot(plots_dir, plots.attention_share_heatmap(
         shares, balanced, f"Shared expert pool, checkpoint {label}: attention vs FFN picks"),
-        storage.join(plots_dir, f"attention_share_{safe}.png"))
+        f"attention_share_{safe}.png")
 
 
 def _plot_fluctuation(plots_dir: str, result: dict) -> None:
-  from umoe_jax.analysis import plots
-  plots.save_png(fluctuation_plot(result), storage.join(plots_dir, "fluctuation.png"))
+  _save_plot(plots_dir, fluctuation_plot(result), "fluctuation.png")
 
 
 def fluctuation_plot(result: dict):
@@ -263,7 +273,11 @@ def main(argv) -> int:
     raise SystemExit(f"error: {e}") from None
   print(report.format_report(result))
   if f.json:
-    write_json(f.json, result, indent=1)
+    try:
+      write_json(f.json, result, indent=1)
+    except OSError as e:  # checked before the analysis, but a disk can fill up since
+      raise SystemExit(f"error: cannot write --json={f.json!r} ({e.strerror or e}); the results "
+                       "are the report above") from None
     log(f"wrote {f.json}")
   if f.plots:
     log(f"wrote plots to {f.plots}")
