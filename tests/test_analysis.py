@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -403,6 +404,12 @@ def test_plot_command_bad_input(tmp_path, capsys):
   bad.mkdir()
   (bad / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\nnot json\n')
   with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a metrics record"):
+    plot.read_metrics(str(bad))
+  # A record cut short before its line end: its column on that line (was "line 2 column 1").
+  (bad / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n{"step": 2,\n')
+  with pytest.raises(ValueError, match=re.escape(
+      "metrics.jsonl:2: not a metrics record (JSONDecodeError: Expecting property name enclosed "
+      "in double quotes at column 12)")):
     plot.read_metrics(str(bad))
   # A run killed while writing its last line: that line is skipped (it failed the whole file).
   (bad / "metrics.jsonl").write_text('{"step": 1, "train/lm_loss": 2.0}\n{"step": 2, "train/lm_')

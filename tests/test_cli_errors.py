@@ -574,6 +574,12 @@ def test_load_model_names_the_directory_and_what_it_lacks(tmp_path):
   (empty / "config.json").write_text("{oops")
   with pytest.raises(LoadError, match=re.escape(f"{empty}/config.json is not valid JSON")):
     load_model(str(empty))
+  # Cut short: its last line (json says "line 3 column 1", after the file's last line end).
+  (empty / "config.json").write_text('{"model": {"d_model": 32},\n "train": {\n')
+  with pytest.raises(LoadError, match=re.escape(
+      f"{empty}/config.json is not valid JSON (Expecting property name enclosed in double quotes: "
+      "line 2 column 12 (char 38))")):
+    load_model(str(empty))
 
 
 @pytest.mark.parametrize("case", ["config_not_json", "file_not_directory", "ours_not_official"])

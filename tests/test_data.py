@@ -449,7 +449,10 @@ def test_a_json_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
            "[1, 2]": 'valid JSON but not a Hugging Face tokenizer.json (no "model" entry; it has a '
                      "JSON list)",
            "{not json": "not valid JSON (Expecting property name enclosed in double quotes: line 1 "
-                        "column 2 (char 1))"}
+                        "column 2 (char 1))",
+           # cut short: its last line, not json's line 3 column 1 (after the last line end)
+           '{"version": "1.0",\n "model": {\n': "not valid JSON (Expecting property name enclosed "
+                                                 "in double quotes: line 2 column 12 (char 30))"}
   for i, (text, why) in enumerate(cases.items()):
     path = tmp_path / f"tok{i}.json"
     path.write_text(text)
@@ -503,7 +506,11 @@ def test_empty_documents_are_not_counted_and_prepare_refuses_no_text(tmp_path, c
 @pytest.mark.parametrize("line,why", [("[1, 2]", "record is a JSON array, not an object with a field "
                                        "'body' (data.text_field)"),
                                       ('{"body": 5}', "field 'body' is a JSON number, not a string"),
-                                      ('{"body": true}', "field 'body' is a JSON boolean, not a string")])
+                                      ('{"body": true}', "field 'body' is a JSON boolean, not a string"),
+                                      # cut short: its column on its line (json said line 2 column 1)
+                                      ('{"body": "x",', "not valid JSON (JSONDecodeError: Expecting "
+                                       "property name enclosed in double quotes: line 1 column 14 "
+                                       "(char 13)): b'{\"body\": \"x\",\\n'")])
 def test_a_jsonl_record_of_the_wrong_type_is_named(tmp_path, line, why):
   """(An array was "record without field 'body'; record keys: list"; a number "is a int".)"""
   path = _write_jsonl(tmp_path / "d.jsonl", DOCS[:2])

@@ -110,6 +110,21 @@ def test_bad_spec_files(tmp_path, content, message):
     taskspec.parse_task_list(str(tmp_path / "s.yaml"))
 
 
+def test_json_cut_short_is_named_at_its_last_line(tmp_path):
+  """A JSON spec / RACE file that ends inside its object: its last line and column, not json's
+  "line N+1 column 1" (a line after the file's last)."""
+  (tmp_path / "s.json").write_text('[{"path": "a.jsonl",\n  "kind": "mc",\n\n')
+  with pytest.raises(EvalError, match=re.escape(
+      "s.json: cannot parse task spec (Expecting property name enclosed in double quotes: line 2 "
+      "column 16 (char 36))")):
+    taskspec.parse_task_list(str(tmp_path / "s.json"))
+  (tmp_path / "RACE").mkdir()
+  (tmp_path / "RACE" / "1.txt").write_text('{"article": "x",\n "questions": ["q"],\n')
+  with pytest.raises(tasks_lib.TaskFormatError, match=re.escape(
+      "1.txt:2: invalid JSON (Expecting property name enclosed in double quotes at column 21)")):
+    race.load_race(str(tmp_path / "RACE"))
+
+
 def test_bad_task_entries(tmp_path):
   with pytest.raises(EvalError, match="unknown task 'nope'"):
     taskspec.parse_task_list("nope")

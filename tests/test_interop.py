@@ -366,5 +366,6 @@ def test_a_json_that_is_no_shard_index_is_named(tmp_path, capsys):
   assert "config.json: not a shard index" in err and "Traceback" not in err
   broken = tmp_path / "model.safetensors.index.json"
   broken.write_text('{"weight_map": {"a": "x.safetensors",\n')
-  with pytest.raises(official.StateDictError, match=r"index\.json: not a JSON shard index \(line 2"):
+  # (its one line: json says line 2, after the file's last line end)
+  with pytest.raises(official.StateDictError, match=r"index\.json: not a JSON shard index \(line 1:"):
     official.load_official_state_dict(str(broken))

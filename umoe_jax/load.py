@@ -23,7 +23,7 @@ import dataclasses
 import json
 from typing import Any, Optional
 
-from umoe_jax import storage
+from umoe_jax import json_errors, storage
 
 CONFIG_FILE = "config.json"
 # What marks a fine-tuning workdir (`umoe_jax.finetune.predict`): a text classifier, not an LM.
@@ -54,8 +54,8 @@ def _read_json(path: str) -> Optional[dict]:
   try:
     return json.loads(storage.read_text(path))
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-    raise LoadError(f"{path} is not valid JSON ({e}); a training workdir or a converted "
-                    "checkpoint writes it") from None
+    raise LoadError(f"{path} is not valid JSON ({json_errors.message(e)}); a training workdir or a "
+                    "converted checkpoint writes it") from None
 
 
 def _read_config(directory: str) -> Optional[dict]:

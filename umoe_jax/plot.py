@@ -37,7 +37,8 @@ def read_metrics(run: str) -> dict[str, tuple[list, list]]:
       if not line.strip():
         continue
       try:
-        rec = json.loads(line.decode("utf-8"))
+        # without the line end: json would place an unterminated record at "line 2 column 1"
+        rec = json.loads(line.rstrip(b"\r\n").decode("utf-8"))
         step = int(rec["step"])
       except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
         if not line.endswith(b"\n") and isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
@@ -45,7 +46,9 @@ def read_metrics(run: str) -> dict[str, tuple[list, list]]:
           print(f"note: {path}:{lineno}: skipped the last line, cut short ({why})",
                 file=sys.stderr)
           break
-        raise ValueError(f"{path}:{lineno}: not a metrics record ({type(e).__name__}: {e})") from None
+        why = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)  # one line
+               else str(e))
+        raise ValueError(f"{path}:{lineno}: not a metrics record ({type(e).__name__}: {why})") from None
       for key, value in rec.items():
         if key != "step" and isinstance(value, (int, float)):
           by_key.setdefault(key, {})[step] = float(value)

@@ -290,7 +290,8 @@ def _check_first_record(path: str, text_field: str) -> None:
 def _jsonl_text(line: bytes, text_field: str) -> str | None:
   """The text of one JSON-lines record (None: null); ValueError saying what is wrong otherwise."""
   try:
-    record = json.loads(line)
+    # without the line end: json would place an unterminated record at "line 2 column 1"
+    record = json.loads(line.rstrip(b"\r\n"))
   except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
     snippet = f"{line[:80]!r}{'...' if len(line) > 80 else ''}"
     raise ValueError(f"not valid JSON ({_one_line(e, 120)}): {snippet}") from None

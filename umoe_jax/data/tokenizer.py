@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from umoe_jax import storage
+from umoe_jax import json_errors, storage
 
 # Common end-of-document tokens, most specific first: GPT-2 / GPT-NeoX, Llama-3, Llama-2/T5, Gemma.
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -107,7 +107,7 @@ def _not_a_tokenizer(text: str) -> str:
   try:
     data = json.loads(text)
   except ValueError as e:
-    return f"not valid JSON ({e})"
+    return f"not valid JSON ({json_errors.message(e)})"
   if not isinstance(data, dict) or "model" not in data:
     what = f"keys {sorted(data)[:8]}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
     return (f"valid JSON but not a Hugging Face tokenizer.json (no \"model\" entry; it has "

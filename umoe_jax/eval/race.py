@@ -24,6 +24,7 @@ import os
 import re
 from typing import Any, Optional
 
+from umoe_jax import json_errors
 from umoe_jax.eval.jsonl import read_records
 from umoe_jax.eval.tasks import MultipleChoice, TaskFormatError
 
@@ -77,7 +78,8 @@ def _read_json_file(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   except json.JSONDecodeError as e:
-    raise TaskFormatError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    line, column = json_errors.position(e)  # (json's of a file cut short: the line after its last)
+    raise TaskFormatError(f"{path}:{line}: invalid JSON ({e.msg} at column {column})") from None
   except UnicodeDecodeError as e:
     raise TaskFormatError(f"{path}: not UTF-8 text ({e.reason})") from None
 

@@ -37,7 +37,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-from umoe_jax import storage
+from umoe_jax import json_errors, storage
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.fewshot import SAMPLERS
@@ -128,7 +128,8 @@ def load_spec_file(path: str) -> list[TaskSpec]:
       import yaml
       data = yaml.safe_load(text)
   except Exception as e:   # yaml.YAMLError / json.JSONDecodeError: both say where
-    raise EvalError(f"{path}: cannot parse task spec ({e})".replace("\n", " ")) from None
+    raise EvalError(f"{path}: cannot parse task spec ({json_errors.message(e)})"
+                    .replace("\n", " ")) from None
   if isinstance(data, dict) and "tasks" in data:
     data = data["tasks"]
   entries = data if isinstance(data, list) else [data]

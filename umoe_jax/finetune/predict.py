@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from umoe_jax import json_errors
 from umoe_jax import load as load_lib
 from umoe_jax import storage
 from umoe_jax.config import ConfigError
@@ -58,7 +59,7 @@ def read_meta(checkpoint: str) -> dict:
   try:
     meta = json.loads(storage.read_text(path))
   except json.JSONDecodeError as e:
-    raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raise ConfigError(f"{path}: not valid JSON ({json_errors.message(e)})") from None
   for key in ("model", "labels", "pooling", "tokenizer", "max_len"):
     if key not in meta:
       raise ConfigError(f"{path} lacks the key {key!r}")

@@ -20,6 +20,8 @@ from typing import Mapping
 
 import numpy as np
 
+from umoe_jax import json_errors
+
 
 class StateDictError(ValueError):
   """An official state dict cannot be read or does not fit the config: an unreadable file, or
@@ -95,7 +97,8 @@ def _read_index(path: str) -> dict[str, np.ndarray]:
     with open(path) as f:
       index = json.load(f)
   except json.JSONDecodeError as e:
-    raise StateDictError(f"{path}: not a JSON shard index (line {e.lineno}: {e.msg})") from None
+    raise StateDictError(f"{path}: not a JSON shard index (line {json_errors.position(e)[0]}: "
+                         f"{e.msg})") from None
   weight_map = index.get("weight_map") if isinstance(index, dict) else None
   if not isinstance(weight_map, dict):
     raise StateDictError(f"{path}: not a shard index (no \"weight_map\" of tensor -> shard file; "

@@ -29,6 +29,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from umoe_jax import json_errors
 from umoe_jax.config import ConfigError, ModelConfig, model_config
 
 OFFICIAL_MODEL_TYPE = "PremixMoe_v2"
@@ -275,7 +276,8 @@ def load_official_config(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
       config = json.load(f)
   except json.JSONDecodeError as e:
-    raise OfficialConfigError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: "
+    line, column = json_errors.position(e)
+    raise OfficialConfigError(f"{path} is not valid JSON (line {line}, column {column}: "
                               f"{e.msg})") from None
   except UnicodeDecodeError:
     raise OfficialConfigError(f"{path} is not a text (JSON) file") from None
