@@ -141,6 +141,19 @@ def test_bad_task_entries(tmp_path):
       taskspec.parse_task_list(entry)
   with pytest.raises(FileNotFoundError, match="task spec file not found"):
     taskspec.parse_task_list(str(tmp_path / "none.yaml"))
+  # A directory where a file is read: said so (it was "not found", or "is a file").
+  d = tmp_path / "items"
+  d.mkdir()
+  with pytest.raises(EvalError, match=re.escape(f"eval file {str(d)!r} is a directory: a "
+                                                "multiple_choice task reads one JSON-lines file")):
+    harness.prepare(taskspec.parse_task_list(f"{d}:mc")[0])
+  with pytest.raises(EvalError, match=re.escape(f"--tasks entry {str(d)!r} is a directory: give its "
+                                                f"kind, {d}:KIND, with KIND race or mmlu")):
+    taskspec.parse_task_list(str(d))
+  (tmp_path / "suite.yaml").mkdir()
+  with pytest.raises(EvalError, match=re.escape(f"task spec file {str(tmp_path / 'suite.yaml')!r} "
+                                                "is a directory")):
+    taskspec.parse_task_list(str(tmp_path / "suite.yaml"))
   mc = _jsonl(tmp_path / "mc.jsonl", [{"query": "q", "choices": ["a", "b"], "gold": 0}])
   for limit in (0, -3):   # not "mc.jsonl: no records": the file is fine
     with pytest.raises(EvalError, match=f"task 'mc': limit={limit} must be >= 1"):

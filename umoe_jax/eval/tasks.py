@@ -174,6 +174,9 @@ def parse_record(kind: str, rec: Any, where: str) -> Doc:
 def read_jsonl(path: str, kind: str, limit: Optional[int] = None) -> list[Doc]:
   """The first `limit` (None: all) records of a JSONL file of `kind`; blank lines are skipped."""
   kind = resolve_kind(kind)
+  if os.path.isdir(path):  # (not "not found": it is there)
+    raise EvalError(f"eval file {path!r} is a directory: a {kind} task reads one JSON-lines file "
+                    "(the kinds race and mmlu read directories)")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"eval file not found: {path!r}")
   docs = [parse_record(kind, rec, where)

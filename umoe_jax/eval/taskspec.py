@@ -117,6 +117,8 @@ def _spec_from_mapping(rec: Any, where: str, base_dir: str) -> TaskSpec:
 
 def load_spec_file(path: str) -> list[TaskSpec]:
   """The tasks of a YAML / JSON spec file (see the module docstring); errors name the file."""
+  if os.path.isdir(path):  # (not "not found": it is there)
+    raise EvalError(f"task spec file {path!r} is a directory, not a YAML / JSON file")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"task spec file not found: {path!r}")
   with open(path, encoding="utf-8") as f:
@@ -162,6 +164,9 @@ def parse_task_list(entries: str | Sequence[str | TaskSpec],
     else:
       path = entry.split("=", 1)[-1]
       if storage.exists(path) and _stem(path) not in tasks_lib.TASKS:  # a file without its kind
+        if storage.isdir(path):  # only race and mmlu read a directory
+          raise EvalError(f"--tasks entry {entry!r} is a directory: give its kind, {entry}:KIND, "
+                          "with KIND race or mmlu (the kinds that read a directory)")
         raise EvalError(f"--tasks entry {entry!r} is a file: give its kind, {entry}:KIND, with "
                         f"KIND one of {', '.join(FILE_KINDS)} (or mc, cloze)")
       name = tasks_lib.resolve_task(entry)
