@@ -26,7 +26,9 @@ Metrics (NLL in nats, summed over all scored tokens of all documents):
   mean_document_ppl  mean over documents of exp(document NLL / its tokens) (UMoE's FineWeb number)
 
 `max_tokens` scores only the first tokens of the corpus (documents in order, the last one cut);
-a cut document's bytes and words are counted on the decoded scored tokens. A detokenized WikiText
+a cut document's bytes and words are counted on the decoded scored tokens (a cut inside a
+multi-byte character decodes its 1-3 scored bytes to U+FFFD, 3 bytes: off by at most 2 bytes; the
+tokenizer interface has no byte-exact decode for every kind of tokenizer). A detokenized WikiText
 document (`originals` given) is cut at its last complete line instead, and its words are those of
 the original lines (detokenizing merges words: "1 @,@ 000" is three, "1,000" one).
 """
