@@ -35,8 +35,9 @@ def validate_routers(cfg: ModelConfig) -> None:
     rate_key = cfg.router_key("attention", "bias_update_rate")
     require(att.bias_update_rate == 0, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with "
             f"{rate_key}={att.bias_update_rate!r}: one selection bias cannot follow two routers' loads")
+    how = ("topk_backend", "one_pass")  # how the router computes, not what: may differ
     diff = sorted(k for k in overrides(cfg.attention.router).keys() | overrides(cfg.ffn.router).keys()
-                  if getattr(att, k) != getattr(ffn, k) and k not in ("topk_backend", "one_pass"))  # how, not what
+                  if getattr(att, k) != getattr(ffn, k) and k not in how)
     if diff:
       k = diff[0]
       require(False, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} needs one router for "
