@@ -302,6 +302,47 @@ def test_loader_rejects_shards_that_do_not_match_metadata(tmp_path):
   assert _prepared_docs(out / "*.array_record") == sorted(DOCS)  # A glob of the whole output.
 
 
+def _word_tokenizer(path: pathlib.Path) -> pathlib.Path:
+  """A word-level tokenizer.json of DOCS' words (ids of another vocabulary than the byte one)."""
+  import tokenizers
+  from tokenizers import models, pre_tokenizers
+  words = sorted({w for d in DOCS for w in d.split()})
+  tok = tokenizers.Tokenizer(models.WordLevel(
+      {w: i for i, w in enumerate(words + ["[UNK]", "<|endoftext|>"])}, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(path))
+  return path
+
+
+def test_eval_shards_of_another_tokenizer_are_refused(tmp_path):
+  # Held-out shards prepared with another tokenizer held ids of that vocabulary, and were scored
+  # as the training tokenizer's (only data.train_path's metadata.json was checked).
+  from configs import common
+  from umoe_jax.config import ConfigError, model_config
+  from umoe_jax.train import config as train_config
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  raw = _cfg(source="jsonl", train_path=str(jsonl), eval_path=str(jsonl), text_field="body")
+  prepare.prepare(raw, str(tmp_path / "train"), progress=False)
+  words = _word_tokenizer(tmp_path / "words.json")
+  prepare.prepare(_cfg(**{**raw, "tokenizer": str(words)}), str(tmp_path / "eval"), split="eval",
+                  progress=False)
+  cfg = _cfg(source="arrayrecord", train_path=str(tmp_path / "train"),
+             eval_path=str(tmp_path / "eval"))
+  message = (rf"does not match the tokenizer the shards in data.eval_path='{tmp_path}/eval' were "
+             rf"prepared with: '{words}' \(vocab \d+, eos \d+\)")
+  with pytest.raises(ValueError, match=message):
+    data.load_tokenizer(cfg)
+  with pytest.raises(ValueError, match=message):
+    data.make_eval_batches(cfg, seq_len=8, global_batch_size=2, num_batches=1)
+  train = train_config.default_train_config()
+  train.update(seq_len=8, global_batch_size=2, eval_every=10)
+  with pytest.raises(ConfigError, match=message):  # at start-up, before anything is built
+    train_config.check_data(cfg, train, model_config(common.model("dense", "tiny")))
+  # Shards of the same tokenizer pass.
+  prepare.prepare(raw, str(tmp_path / "eval"), split="eval", overwrite=True, progress=False)
+  assert data.load_tokenizer(cfg).vocab_size == 257
+
+
 @pytest.mark.parametrize("previous", [True, False])
 def test_failed_prepare_leaves_the_previous_output_loadable(tmp_path, monkeypatch, previous):
   from array_record.python import array_record_module

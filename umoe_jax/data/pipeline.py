@@ -47,16 +47,27 @@ Batch = dict[str, np.ndarray]
 def load_tokenizer(data_config) -> Tokenizer:
   """The tokenizer named by `data_config.tokenizer` ("byte" or a tokenizer.json path).
 
-  For `source="arrayrecord"` it also checks that the shards were written with a tokenizer of the same
-  vocabulary size and EOS id (metadata.json), since token ids there are already fixed.
+  For `source="arrayrecord"` it also checks that the shards of both splits were written with a
+  tokenizer of the same vocabulary size and EOS id (metadata.json), since token ids there are already
+  fixed (held-out shards of another tokenizer would be scored as this one's ids).
   """
   tok = make_tokenizer(data_config.tokenizer, data_config.get("eos_token", ""))
-  if data_config.source == "arrayrecord" and data_config.train_path:
-    _, meta = sources.arrayrecord_files(data_config.train_path, "data.train_path")
+  if data_config.source != "arrayrecord":
+    return tok
+  for key in ("train_path", "eval_path"):
+    path = data_config.get(key, "")
+    if not path:
+      continue
+    try:
+      _, meta = sources.arrayrecord_files(path, f"data.{key}")
+    except FileNotFoundError:
+      if key == "train_path":
+        raise
+      continue  # held-out shards are named where they are read (unused with train.eval_every=0)
     if (meta["vocab_size"], meta["eos_id"]) != (tok.vocab_size, tok.eos_id):
       raise ValueError(
           f"data.tokenizer={data_config.tokenizer!r} (vocab {tok.vocab_size}, eos {tok.eos_id}) does "
-          f"not match the tokenizer the shards in {data_config.train_path!r} were prepared with: "
+          f"not match the tokenizer the shards in data.{key}={path!r} were prepared with: "
           f"{meta['tokenizer']!r} (vocab {meta['vocab_size']}, eos {meta['eos_id']})")
   return tok
 
