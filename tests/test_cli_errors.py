@@ -268,6 +268,21 @@ def test_full_disk_names_the_step_and_the_last_checkpoint(cli, tmp_path, small_d
   assert tree_digest(os.path.join(workdir, "checkpoints", str(last))) == before
 
 
+def test_full_disk_under_the_logs_names_the_file(cli, tmp_path):
+  # The disk can fill at a metrics write as well as at a save: metrics.jsonl on /dev/full (every
+  # write fails with ENOSPC, as on a full disk) was a bare OSError traceback, three times over.
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  os.symlink("/dev/full", workdir / "metrics.jsonl")
+  proc = cli(str(workdir), "--config.checkpoint.every=1")
+  message = assert_fails(proc, 1, "workdir error")
+  assert message == (f"workdir error: writing {workdir}/metrics.jsonl failed (No space left on "
+                     "device)"), message
+  assert "run the same command again" in proc.stderr
+  # The checkpoint saved before the failing write (step 1; logs come at step 2) is complete.
+  assert complete_steps(str(workdir)) == [1]
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. Damaged data: the file and the line / row group, also from a reader thread; or skipped.
 

@@ -594,6 +594,39 @@ def test_interval_means_skip_nonfinite_steps(tmp_path):
   assert record["train/loss"] is None and record["train/interval_skipped_steps"] == 1.0
 
 
+def test_full_disk_in_the_workdir_names_the_file(tmp_path):
+  """A write of the logs or config.json that fails (a full disk) is a WorkdirError naming the file,
+  not a bare OSError; closing after it logs instead of raising again."""
+  from umoe_jax.train import metrics as metrics_lib
+  os.symlink("/dev/full", tmp_path / "metrics.jsonl")  # every write: ENOSPC
+  message = rf"writing {tmp_path}/metrics.jsonl failed \(No space left on device\)"
+  writer = metrics_lib.MetricWriter(str(tmp_path), tensorboard=False)
+  with pytest.raises(ckpt_lib.WorkdirError, match=message):
+    writer.scalars(1, {"train/loss": 1.0})
+  writer.close(quiet=True)  # (the error above is being reported)
+  with pytest.raises(ckpt_lib.WorkdirError, match=message):  # buffered, fails at close
+    with metrics_lib.MetricWriter(str(tmp_path), tensorboard=False) as writer:
+      writer._jsonl.write("{}\n")  # pylint: disable=protected-access
+  # config.json (a temporary file renamed over it) and the event files: a full file system.
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs",
+                                          str(disk)], capture_output=True).returncode:
+    return
+  try:
+    with open(disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+      while True:
+        f.write(b"x" * 1024)
+    with pytest.raises(ckpt_lib.WorkdirError,
+                       match=rf"writing {disk}/run/config.json failed \(No space left on device\)"):
+      ckpt_lib.write_config(str(disk / "run"), configs.common.experiment("dense", "tiny"))
+    with pytest.raises(ckpt_lib.WorkdirError, match=rf"writing {disk}/run/tensorboard/events.out"
+                                                    r"\.tfevents\.\S+ failed \(No space left"):
+      metrics_lib.MetricWriter(str(disk / "run"), jsonl=False)
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 _CACHE_SCRIPT = """
 import sys, jax, jax.numpy as jnp
 from jax import monitoring

@@ -358,7 +358,7 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
     ckpt_lib.write_config(workdir, config)
     s.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
                                         jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
-    stack.callback(s.writer.close)
+    stack.push(s.writer.__exit__)  # (quiet while another error is reported)
     logging.info("starting at step %d (%s) in %s", step, start, workdir)
     with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
                                                       expert_capacity_factor=s.capacity_factor,

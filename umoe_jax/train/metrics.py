@@ -24,6 +24,7 @@ Every writer acts on process 0 only.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -37,6 +38,7 @@ import numpy as np
 from absl import logging
 
 from umoe_jax import storage
+from umoe_jax.train.workdir import WorkdirError, write_failed
 
 # bf16 dense peak FLOP/s per device, matched by substring of `jax.Device.device_kind` (first match).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
@@ -205,11 +207,13 @@ class _EventWriter:
     self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
     name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
             f"{next(self._count)}")
-    self._file = storage.AppendFile(storage.join(logdir, name))
-    self._records = RecordWriter(self._file)
-    self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
-                                source_metadata=event_pb2.SourceMetadata(writer="umoe_jax")))
-    self.flush()
+    self.path = storage.join(logdir, name)
+    with _writing(self.path):
+      self._file = storage.AppendFile(self.path)
+      self._records = RecordWriter(self._file)
+      self._write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
+                                  source_metadata=event_pb2.SourceMetadata(writer="umoe_jax")))
+      self.flush()
 
   def _write(self, event) -> None:
     self._records.write(event.SerializeToString())
@@ -243,9 +247,22 @@ class _EventWriter:
     self._file.close()
 
 
+@contextlib.contextmanager
+def _writing(path: str):
+  """A local write into the workdir that fails (a full disk, ...) raises WorkdirError naming the
+  file, not a bare OSError (a remote one raises StorageError naming the URL already)."""
+  try:
+    yield
+  except storage.StorageError:
+    raise
+  except OSError as e:
+    raise write_failed(path, e) from e
+
+
 class MetricWriter:
   """TensorBoard event files + a JSONL file (local paths or URLs: umoe_jax/storage). Only the
-  process with `is_main` writes anything."""
+  process with `is_main` writes anything. A write that fails raises WorkdirError naming the file.
+  Use as a context manager (or call `close`): on an exception it closes without raising again."""
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, jsonl: bool = True,
                is_main: bool = True):
@@ -254,23 +271,28 @@ class MetricWriter:
     self._jsonl = None
     if not is_main:
       return
-    storage.makedirs(workdir)
+    with _writing(workdir):
+      storage.makedirs(workdir)
     if tensorboard:
       self._tb = _EventWriter(storage.join(workdir, "tensorboard"))
     if jsonl:
-      self._jsonl = storage.AppendFile(storage.join(workdir, "metrics.jsonl"), lines=True)
+      path = storage.join(workdir, "metrics.jsonl")
+      with _writing(path):
+        self._jsonl = storage.AppendFile(path, lines=True)
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     if not self.is_main:
       return
     finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
     if self._tb is not None:
-      self._tb.scalars(step, finite)
-      self._tb.flush()
+      with _writing(self._tb.path):
+        self._tb.scalars(step, finite)
+        self._tb.flush()
     if self._jsonl is not None:
       record = {"step": int(step), **{k: finite.get(k) for k in values}}
-      self._jsonl.write(json.dumps(record) + "\n")
-      self._jsonl.flush()
+      with _writing(self._jsonl.path):
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
 
   def expert_histograms(self, step: int, counts: Mapping[str, np.ndarray]) -> None:
     """One histogram per router: bucket e = expert e, height = tokens routed to it."""
@@ -282,30 +304,49 @@ class MetricWriter:
       total = float(c.sum())
       if total <= 0:
         continue
-      self._tb.histogram(
-          step, router_tag(name, "expert_load"), bucket_limits=(ids + 0.5).tolist(),
-          bucket_counts=c.tolist(), min=0.0, max=float(len(c) - 1), num=total,
-          sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()))
+      with _writing(self._tb.path):
+        self._tb.histogram(
+            step, router_tag(name, "expert_load"), bucket_limits=(ids + 0.5).tolist(),
+            bucket_counts=c.tolist(), min=0.0, max=float(len(c) - 1), num=total,
+            sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()))
 
   def image(self, step: int, tag: str, png: bytes) -> None:
     """A PNG image (e.g. `umoe_jax.analysis.plots.png_bytes(fig)`) in TensorBoard's images tab."""
     if self.is_main and self._tb is not None:
-      self._tb.image(step, tag, png)
+      with _writing(self._tb.path):
+        self._tb.image(step, tag, png)
 
   def flush(self) -> None:
     if self._tb is not None:
-      self._tb.flush()
+      with _writing(self._tb.path):
+        self._tb.flush()
     if self._jsonl is not None:
-      self._jsonl.flush()
+      with _writing(self._jsonl.path):
+        self._jsonl.flush()
 
-  def close(self) -> None:
+  def close(self, *, quiet: bool = False) -> None:
+    """Closes both files. A write that fails here raises WorkdirError, or (quiet=True, while
+    another error is being reported) is logged."""
     tb, jsonl, self._tb, self._jsonl = self._tb, self._jsonl, None, None
-    try:
-      if tb is not None:
-        tb.close()
-    finally:
-      if jsonl is not None:
-        jsonl.close()
+    error = None
+    for f in (tb, jsonl):
+      if f is None:
+        continue
+      try:
+        with _writing(f.path):
+          f.close()
+      except (WorkdirError, storage.StorageError) as e:
+        error = error or e
+    if error is not None:
+      if not quiet:
+        raise error
+      logging.error("%s", error)
+
+  def __enter__(self) -> "MetricWriter":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    self.close(quiet=exc_type is not None)
 
 
 def log_line(line: str) -> None:

@@ -30,7 +30,16 @@ CONFIG_FILE = "config.json"
 
 
 class WorkdirError(ValueError):
-  """--workdir cannot hold a run (a file, or not writable)."""
+  """--workdir cannot hold a run (a file, or not writable), or a write into it failed."""
+
+
+def write_failed(path: str, error: OSError) -> WorkdirError:
+  """WorkdirError naming the file of the workdir a local write failed on and why (a full disk,
+  ...), with a hint: the run's checkpoints are intact, so the same command resumes."""
+  e = WorkdirError(f"writing {path} failed ({error.strerror or error})")
+  e.hint = ("free space (or fix the directory) and run the same command again: it resumes from "
+            "the last complete checkpoint")
+  return e
 
 
 
@@ -91,4 +100,10 @@ def write_config(workdir: str, config: Any) -> None:
   if jax.process_index() != 0:
     return
   text = config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config)
-  storage.write_text(storage.join(workdir, CONFIG_FILE), text + "\n")
+  path = storage.join(workdir, CONFIG_FILE)
+  try:
+    storage.write_text(path, text + "\n")
+  except storage.StorageError:
+    raise  # (remote: names the URL already)
+  except OSError as e:
+    raise write_failed(path, e) from e
