@@ -490,6 +490,44 @@ def test_checkpoint_of_another_shape_is_an_error(tmp_path):
   assert ckpt_lib.complete_steps(d) == [1]  # nothing moved aside
 
 
+def test_data_position_of_another_data_config_is_an_error(tmp_path):
+  """A data iterator position saved by another data pipeline (data.worker_count, data.source, ...
+  changed) is a config change named by its keys, not damage: it was grain's bare KeyError, with
+  every step "damaged" and the advice to restore the model or optimizer config."""
+  from umoe_jax import data as data_lib
+  d = str(tmp_path / "checkpoints")
+  cfg = data_lib.default_data_config()
+  make = lambda c: data_lib.make_train_iterator(c, seq_len=16, global_batch_size=2, seed=0)
+  it = make(cfg)
+  next(it)
+  with ckpt_lib.Checkpointer(d, keep=5, async_save=False) as ck:
+    for s in (1, 2):
+      ck.save(s, _tree(s), it)
+  it.close()
+  (tmp_path / "config.json").write_text(json.dumps({"data": cfg.to_dict()}))
+  other = data_lib.default_data_config()
+  other.worker_count = 1
+  it = make(other)
+  with ckpt_lib.Checkpointer(d, keep=5, data_config=other) as ck:
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match=re.escape(
+        f"checkpoint step 2 in {d} holds the position of another data pipeline (KeyError: ") +
+        r".*\): data\.worker_count=0 when saved, 1 now\. A run resumes with the data config it was "
+        + re.escape(f"started with ({tmp_path}/config.json)")):
+      ck.restore_latest(_target(), it)
+  it.close()
+  assert ckpt_lib.complete_steps(d) == [1, 2]  # nothing moved aside
+  # The same data config restores (the position and the state).
+  it = make(cfg)
+  with ckpt_lib.Checkpointer(d, keep=5, data_config=cfg) as ck:
+    state, step = ck.restore_latest(_target(), it)
+  assert step == 2 and float(state["w"][0, 0]) == 2.0
+  fresh = make(cfg)
+  next(fresh)
+  np.testing.assert_array_equal(next(it)["inputs"], next(fresh)["inputs"])
+  it.close()
+  fresh.close()
+
+
 _CRASH_MID_SAVE = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {root!r})

@@ -29,6 +29,7 @@ guard's reference values, see guard.py); a step can be protected from keep-last-
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -103,8 +104,10 @@ class Checkpointer:
   one reported.
   """
 
-  def __init__(self, directory: str, *, keep: int, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int, async_save: bool = True,
+               data_config: Optional[Any] = None):
     self.directory = storage.abspath(directory)  # a local path or a gs:// URL, as Orbax takes it
+    self.data_config = data_config  # (names the changed data keys when a data position misfits)
     self._protected = _ProtectedSteps()
     policy = ocp.checkpoint_managers.AnyPreservationPolicy(
         [ocp.checkpoint_managers.LatestN(n=keep), self._protected])
@@ -205,7 +208,8 @@ class Checkpointer:
 
   def _restore_step(self, step: int, target: Any, data_iter: Optional[Any]):
     self._check_fits(step, target)
-    items = {"state": ocp.args.StandardRestore(target)}
+    state = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target)))["state"]
     if data_iter is not None:
       saved = _saved_process_counts(storage.join(self.directory, str(step)))
       if saved and jax.process_count() not in saved:
@@ -217,8 +221,41 @@ class Checkpointer:
             "beginning of this run's stream (epoch 0 of train.seed; data seen before is seen again)",
             step, "/".join(str(n) for n in sorted(saved)), jax.process_count())
       else:
-        items["data"] = data_lib.restore_args(data_iter)
-    return self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+        self._restore_data(step, data_iter)
+    return state
+
+  def _restore_data(self, step: int, data_iter: Any) -> None:
+    """Restores the iterator position of `step` into `data_iter`. A position that is readable JSON
+    but that the iterator refuses (grain's KeyError) was saved by another data pipeline: a config
+    change (CheckpointMismatchError naming the data keys that changed), not damage."""
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(data=data_lib.restore_args(data_iter)))
+    except Exception as e:  # pylint: disable=broad-except
+      name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+      try:
+        json.loads(storage.read_text(storage.join(self.directory, str(step), "data", name)))
+      except (OSError, ValueError):
+        raise e from None  # missing or damaged: the damage path
+      config_file = storage.join(storage.dirname(self.directory), CONFIG_FILE)
+      raise CheckpointMismatchError(
+          f"checkpoint step {step} in {self.directory} holds the position of another data "
+          f"pipeline ({_one_line(e, 80)}){self._changed_data_keys(config_file)}. A run resumes "
+          f"with the data config it was started with ({config_file}); to train on other data, "
+          f"start a new --workdir with --config.checkpoint.init_from="
+          f"{storage.dirname(self.directory)} (its parameters)") from e
+
+  def _changed_data_keys(self, config_file: str) -> str:
+    """': data.k=<saved> when saved, <now> now, ...' from the run's config.json ('' if unknown)."""
+    if self.data_config is None:
+      return ""
+    try:
+      saved = json.loads(storage.read_text(config_file))["data"]
+    except (OSError, ValueError, KeyError, TypeError):
+      return ""
+    now = self.data_config.to_dict() if hasattr(self.data_config, "to_dict") else self.data_config
+    changed = [f"data.{k}={saved[k]!r} when saved, {v!r} now" for k, v in sorted(now.items())
+               if k in saved and saved[k] != v and not isinstance(v, (tuple, list, dict))]
+    return f": {'; '.join(changed)}" if changed else ""
 
   def restore(self, target: Any, data_iter: Optional[Any] = None,
               step: Optional[int] = None) -> tuple[Any, int]:

@@ -163,7 +163,8 @@ def setup(config: Any, workdir: str, stack: Optional[contextlib.ExitStack] = Non
   # restored, so a resume that fails (e.g. the model config changed) leaves the workdir as it was.
   checkpointer = ckpt_lib.Checkpointer(storage.join(workdir, ckpt_lib.CHECKPOINT_DIR),
                                        keep=config.checkpoint.keep,
-                                       async_save=config.checkpoint.async_save)
+                                       async_save=config.checkpoint.async_save,
+                                       data_config=config.data)
   if stack is not None:
     stack.push(checkpointer.__exit__)
   return Setup(config=config, model_cfg=model_cfg, workdir=workdir, mesh=mesh, rules=rules,
