@@ -343,6 +343,28 @@ def test_eval_shards_of_another_tokenizer_are_refused(tmp_path):
   assert data.load_tokenizer(cfg).vocab_size == 257
 
 
+def test_prepare_onto_a_full_disk_names_the_output(tmp_path, capsys):
+  # array_record's writer raises RuntimeError ("write() failed: No space left on device; ..."):
+  # it was a traceback, not the one error line of the other failures.
+  import os
+  import subprocess
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs",
+                                          str(disk)], capture_output=True).returncode:
+    pytest.skip("needs root to mount a small tmpfs")
+  try:
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", [f"document {i} " * 40 for i in range(200)])
+    assert prepare.main(["--source=jsonl", f"--input={jsonl}", "--text_field=body",
+                         f"--output_dir={disk}/out", "--num_shards=2"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (  # (after tqdm's progress line)
+        f"error: output_dir '{disk}/out': writing the shards failed (write() failed: No space left "
+        "on device); a previous output there is unchanged")
+    assert not os.listdir(disk)  # the staging directory is removed
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 @pytest.mark.parametrize("previous", [True, False])
 def test_failed_prepare_leaves_the_previous_output_loadable(tmp_path, monkeypatch, previous):
   from array_record.python import array_record_module
@@ -371,7 +393,7 @@ def test_failed_prepare_leaves_the_previous_output_loadable(tmp_path, monkeypatc
       self._w.close()
 
   monkeypatch.setattr(array_record_module, "ArrayRecordWriter", CrashingWriter)
-  with pytest.raises(RuntimeError, match="simulated crash"):
+  with pytest.raises(OSError, match=r"writing the shards failed \(simulated crash\)"):
     prepare.prepare(raw, str(out), num_shards=1, overwrite=True, progress=False)
   assert not _hidden(tmp_path)
   if previous:

@@ -134,6 +134,14 @@ def _check_output_dir(output_dir: str, overwrite: bool) -> None:
         "replaces the whole directory, so move them away or pick another output_dir")
 
 
+def _write_failed(output_dir: str, error: RuntimeError) -> OSError:
+  """An OSError naming `output_dir` for array_record's writer error (a RuntimeError such as "write()
+  failed: No space left on device; writing <shard>; at byte N; ...")."""
+  cause = str(error).split(";")[0].strip() or type(error).__name__
+  return OSError(f"output_dir {output_dir!r}: writing the shards failed ({cause}); a previous "
+                 "output there is unchanged")
+
+
 def _encode_group(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
   if isinstance(tok, HFTokenizer):
     return [np.asarray(ids) for ids in tok.encode_batch(texts)]
@@ -173,20 +181,29 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
     tmp_dir = os.path.join(parent, f".{name}.prepare-{uuid.uuid4().hex[:12]}")
     os.mkdir(tmp_dir)  # Mode from the umask, like a directory made by os.makedirs.
   try:
-    writers = [ArrayRecordWriter(os.path.join(tmp_dir, shard_name(i, num_shards)), "group_size:1")
-               for i in range(num_shards)]
+    try:
+      writers = [ArrayRecordWriter(os.path.join(tmp_dir, shard_name(i, num_shards)), "group_size:1")
+                 for i in range(num_shards)]
+    except RuntimeError as e:
+      raise _write_failed(output_dir, e) from e
     num_docs = num_tokens = 0
     doc_iter = iter(docs)
     with tqdm(total=total, unit="doc", disable=not progress, desc=f"tokenizing {split}") as bar:
       while group := list(itertools.islice(doc_iter, _DOCS_PER_GROUP)):
         for ids in _encode_group(tok, group):
-          writers[num_docs % num_shards].write(np.asarray(ids, dtype=dtype).tobytes())
+          try:
+            writers[num_docs % num_shards].write(np.asarray(ids, dtype=dtype).tobytes())
+          except RuntimeError as e:  # (a full disk, ...; not a read error of the input)
+            raise _write_failed(output_dir, e) from e
           num_docs += 1
           num_tokens += len(ids)
         bar.update(len(group))
         bar.set_postfix(tokens=f"{num_tokens:,}")
-    for w in writers:
-      w.close()
+    try:
+      for w in writers:
+        w.close()
+    except RuntimeError as e:
+      raise _write_failed(output_dir, e) from e
 
     path, key = sources.split_path(data_config, split)
     if num_tokens == 0:  # (empty files / texts): shards nothing could train on
