@@ -265,6 +265,10 @@ def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeyp
                                     "directory\n"
   assert prepare.main([*args, "--num_shards=0"]) == 1
   assert capsys.readouterr().err == "error: num_shards=0 must be >= 1\n"
+  # An output_dir below a file: named as such (it was makedirs' "[Errno 17] File exists: ...").
+  assert prepare.main([*args[:3], f"--output_dir={jsonl}/sub/out"]) == 1
+  assert capsys.readouterr().err == (f"error: output_dir '{jsonl}/sub/out' cannot be created: "
+                                     f"'{jsonl}' is a file\n")
   prepare.main([*args[:3], f"--output_dir={partial}", "--overwrite"])
   assert _prepared_docs(partial) == sorted(DOCS)
 

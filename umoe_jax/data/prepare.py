@@ -116,6 +116,14 @@ def _publish_remote(staged: str, output_dir: str) -> None:
 def _check_output_dir(output_dir: str, overwrite: bool) -> None:
   """Refuses to replace a previous output without `overwrite`, or a directory holding other files."""
   if not storage.exists(output_dir):
+    existing = output_dir  # a local one is made below its nearest existing ancestor
+    while not storage.is_url(existing) and existing != os.path.dirname(existing):
+      existing = os.path.dirname(existing)
+      if os.path.exists(existing):
+        if not os.path.isdir(existing):  # (else makedirs' bare "[Errno 17] File exists")
+          raise NotADirectoryError(f"output_dir {output_dir!r} cannot be created: {existing!r} "
+                                   "is a file")
+        break
     return
   if not storage.isdir(output_dir):
     raise NotADirectoryError(f"output_dir {output_dir!r} exists and is not a directory")
