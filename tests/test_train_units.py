@@ -579,6 +579,8 @@ def test_init_from_converted_and_from_run(tmp_path):
 
   run = tmp_path / "run"  # another training run: its latest state's params
   ck = ckpt_lib.Checkpointer(str(run / "checkpoints"), keep=2, async_save=False)
+  older = jax.tree.map(lambda x: x + 1, want)
+  ck.save(4, {"params": older, "opt_state": {"mu": older}, "step": jnp.asarray(4)})
   ck.save(5, {"params": want, "opt_state": {"mu": want}, "step": jnp.asarray(5)})
   ck.close()
   got = ckpt_lib.load_init_params(str(run), parts.abstract_params, shardings)
@@ -593,6 +595,26 @@ def test_init_from_converted_and_from_run(tmp_path):
                        match=re.escape(f"checkpoint.init_from='{path}' does not fit this model: "
                                        "parameter embed is (512, 16) on disk, (512, 24) here; ")):
       ckpt_lib.load_init_params(str(path), other.abstract_params, shardings)
+  # A damaged latest step (truncated files): the previous one, as a resume does; none readable is a
+  # CheckpointError naming the directory (both were TensorStore tracebacks), as is a damaged
+  # converted checkpoint.
+  def truncate(directory):
+    for f in glob.glob(os.path.join(directory, "**", "d", "*"), recursive=True):
+      with open(f, "r+b") as fh:
+        fh.truncate(1)
+  truncate(run / "checkpoints" / "5")
+  got = ckpt_lib.load_init_params(str(run), parts.abstract_params, shardings)
+  jax.tree.map(np.testing.assert_array_equal, got, older)
+  assert ckpt_lib.complete_steps(str(run / "checkpoints")) == [4, 5]  # left as it was
+  truncate(run / "checkpoints" / "4")
+  with pytest.raises(ckpt_lib.CheckpointError, match=re.escape(
+      f"checkpoint.init_from='{run}': no checkpoint in {run}/checkpoints can be restored (step 5: ")
+                     + ".*; step 4: "):
+    ckpt_lib.load_init_params(str(run), parts.abstract_params, shardings)
+  truncate(converted / "params")
+  with pytest.raises(ckpt_lib.CheckpointError, match=re.escape(
+      f"checkpoint.init_from='{converted}': {converted}/params cannot be restored (")):
+    ckpt_lib.load_init_params(str(converted), parts.abstract_params, shardings)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ from absl import logging
 from umoe_jax import storage
 from umoe_jax.config import ConfigError
 from umoe_jax.load import finetune_message, finetune_workdir
-from umoe_jax.train.checkpoint_metadata import (CheckpointMismatchError, complete_steps, saved_shapes,
-                                                shape_mismatches, step_metadata, tree_shapes)
+from umoe_jax.train.checkpoint_metadata import (CheckpointError, CheckpointMismatchError,
+                                                complete_steps, saved_shapes, shape_mismatches,
+                                                step_metadata, tree_shapes)
 from umoe_jax.train.workdir import CHECKPOINT_DIR
 
 
@@ -106,17 +107,39 @@ def load_init_params(path: str, abstract_params: Any, param_shardings: Any) -> A
     _check_init_from_fits(path, params_dir, target_dict, "")
     target = jax.tree.map(lambda x: x, abstract_params)
     nnx.replace_by_pure_dict(target, target_dict)
-    restored = ocp.StandardCheckpointer().restore(storage.abspath(params_dir), target)
+    try:
+      restored = ocp.StandardCheckpointer().restore(storage.abspath(params_dir), target)
+    except Exception as e:  # pylint: disable=broad-except  (a damaged file: TensorStore's error)
+      raise CheckpointError(f"checkpoint.init_from={path!r}: {params_dir} cannot be restored "
+                            f"({_one_line(e)})") from e
     return nnx.to_pure_dict(restored)
   ckpt_dir, steps = init_from_checkpoints(path)
-  state_dir = storage.join(storage.abspath(ckpt_dir), str(steps[-1]), "state")
-  _check_init_from_fits(path, state_dir, target_dict, "params/")
-  item = {"params": target_dict}
-  restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-      partial_restore=True))
-  logging.info("init_from: params of step %d of %s", steps[-1], ckpt_dir)
-  return restored["params"]
+  # As a resume does: a damaged latest step (a run killed mid-write, a truncated copy) is reported
+  # and the previous one used; the other run's directory is left as it is.
+  damaged = []
+  for step in reversed(steps):
+    state_dir = storage.join(storage.abspath(ckpt_dir), str(step), "state")
+    _check_init_from_fits(path, state_dir, target_dict, "params/")
+    item = {"params": target_dict}
+    try:
+      restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+          item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True))
+    except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
+      logging.warning("checkpoint.init_from: step %d of %s cannot be restored (%s); trying the "
+                      "previous one", step, ckpt_dir, _one_line(e))
+      damaged.append(f"step {step}: {_one_line(e, 200)}")
+      continue
+    logging.info("init_from: params of step %d of %s", step, ckpt_dir)
+    return restored["params"]
+  raise CheckpointError(f"checkpoint.init_from={path!r}: no checkpoint in {ckpt_dir} can be "
+                        f"restored ({'; '.join(damaged)})")
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+  """'Type: message' on one line (TensorStore errors span many), cut to `limit`."""
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def _check_init_from_fits(path: str, directory: str, target_dict: Any, prefix: str) -> None:
