@@ -353,6 +353,40 @@ def test_freeze_routers_without_routers_is_an_error():
   optimizer_lib.check_freeze_routers(nnx.state(model, nnx.Param), t, cfg.router.kind)   # has routers
 
 
+_FILTER_CHECK = """
+import logging, os, sys
+sys.argv = sys.argv[:1]
+from umoe_jax.finetune import __main__ as finetune_main
+
+try:  # an error raised inside Orbax's code, as a save's failed write on a full disk
+  exec(compile("raise ValueError('RESOURCE_EXHAUSTED: No space left on device')",
+               "/site-packages/orbax/checkpoint/_src/futures/future.py", "exec"))
+except ValueError as e:
+  error = e
+def record(path, level=logging.ERROR):
+  return logging.LogRecord("absl", level, path, 387, "_SignalingThread.run() raised", None,
+                           (type(error), error, error.__traceback__))
+quiet = finetune_main._QuietLibraries()
+orbax = record("/site-packages/orbax/checkpoint/_src/futures/future.py")
+mine = record("/home/me/x.py")
+info = record("/site-packages/orbax/checkpoint/a.py", logging.INFO)
+print(quiet.filter(orbax), orbax.exc_info is None, quiet.filter(mine), mine.exc_info is None,
+      quiet.filter(info))
+"""
+
+
+def test_orbax_error_records_lose_their_tracebacks():
+  """A save that fails on a full disk: Orbax logs each failed write with its traceback before the
+  run's one error line (two tracebacks for a fine-tuning run); they are dropped as train.py does
+  (the line itself stays), kept for other code and with UMOE_DEBUG=1."""
+  env = {k: v for k, v in os.environ.items() if k != "UMOE_DEBUG"}
+  for debug, expected in (("0", "True True True False False"), ("1", "True False True False False")):
+    proc = subprocess.run([sys.executable, "-c", _FILTER_CHECK], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(env, UMOE_DEBUG=debug))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == expected
+
+
 def test_config_takes_remat_policies_and_the_old_bool():
   from umoe_jax.finetune.config import validate
   config = default_config()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging as std_logging
+import os
 import sys
 
 from absl import app, flags, logging
@@ -34,10 +35,18 @@ _COMPUTE_DTYPE = flags.DEFINE_string("compute_dtype", "", "predict: compute dtyp
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops the INFO chatter of Orbax (one line per file written); warnings pass."""
+  """Drops the INFO chatter of Orbax (one line per file written); warnings pass, and errors pass
+  without the tracebacks Orbax attaches (a failed save: the run names it in one line), unless
+  UMOE_DEBUG=1."""
 
   def filter(self, record):
-    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+    if "/orbax/" not in record.pathname:
+      return True
+    if record.levelno < std_logging.WARNING:
+      return False
+    if record.exc_info and os.environ.get("UMOE_DEBUG", "") in ("", "0"):
+      record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _fail(e: Exception) -> None:
