@@ -586,3 +586,28 @@ def test_a_jsonl_record_of_the_wrong_type_is_named(tmp_path, line, why):
   with pytest.raises(sources.DataError) as e:
     list(sources.document_dataset(cfg, split="train", seed=0, shuffle=False, num_epochs=1))
   assert str(e.value) == f"{path}:3: {why}"
+
+
+def test_a_parquet_text_column_that_is_not_strings_is_named(tmp_path, capsys):
+  """(Integers, lists or bytes in data.text_field's column ended in a TypeError / ValueError
+  traceback from the tokenizer or the packer.)"""
+  for name, values, type_name in (("ints", list(range(40)), "int64"),
+                                  ("lists", [["a", "b"]] * 40, "list<element: string>"),
+                                  ("bytes", [b"abc" * 20] * 40, "binary")):
+    path = tmp_path / f"{name}.parquet"
+    pq.write_table(pa.table({"text": values, "id": list(range(40))}), path)
+    cfg = _cfg(source="parquet", train_path=str(path))
+    with pytest.raises(sources.DataError) as e:
+      _train(cfg)
+    assert str(e.value) == (f"parquet file '{path}': column 'text' (data.text_field) holds "
+                            f"{type_name}, not strings; columns: ['text', 'id']")
+    assert prepare.main(["--source=parquet", f"--input={path}",
+                         f"--output_dir={tmp_path / 'out'}"]) == 1  # its flag named
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"error: parquet file '{path}': column 'text' (--text_field) holds {type_name}")
+  # Dictionary-encoded and large strings are text.
+  texts = pa.array(DOCS).dictionary_encode()
+  for column in (texts, pa.array(DOCS, pa.large_string())):
+    path = tmp_path / "strings.parquet"
+    pq.write_table(pa.table({"text": column}), path)
+    assert sorted(_documents(_cfg(source="parquet", train_path=str(path)), 0, 1)) == sorted(DOCS)

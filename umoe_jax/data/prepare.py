@@ -271,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    overwrite=args.overwrite)
   except (ValueError, OSError) as e:  # DataError, a missing file, StorageError, ...
     message = " ".join(str(e).split()).replace(f"{key}=", "--input=")  # the flags the user gave
-    message = message.replace("(data.tokenizer)", "(--tokenizer)")
+    message = message.replace("(data.tokenizer)", "(--tokenizer)").replace(
+        "(data.text_field)", "(--text_field)")
     print(f"error: {message}", file=sys.stderr)
     return 1
   print(json.dumps(meta, indent=2))

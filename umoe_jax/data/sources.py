@@ -261,8 +261,22 @@ def _parquet_chunks(files: Sequence[str], text_field: str, on_bad_record: str = 
     if text_field not in names:
       raise DataError(f"parquet file {path!r} has no column {text_field!r} (data.text_field); "
                       f"columns: {names}", hint="set data.text_field to the column with the text")
+    column_type = meta.schema_arrow.field(text_field).type
+    if not _is_text_type(column_type):  # (else a TypeError deep in the tokenizer or packer)
+      raise DataError(f"parquet file {path!r}: column {text_field!r} (data.text_field) holds "
+                      f"{column_type}, not strings; columns: {names}",
+                      hint="set data.text_field to the column with the text")
     chunks += [Chunk("parquet", path, index=rg) for rg in range(meta.num_row_groups)]
   return chunks
+
+
+def _is_text_type(arrow_type) -> bool:
+  """A parquet column of strings (also large / view strings, dictionary-encoded)."""
+  import pyarrow as pa
+  if pa.types.is_dictionary(arrow_type):
+    arrow_type = arrow_type.value_type
+  return (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+          or pa.types.is_string_view(arrow_type))
 
 
 def _jsonl_chunks(files: Sequence[str], text_field: str, on_bad_record: str = "error") -> list[Chunk]:
