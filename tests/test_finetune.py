@@ -399,6 +399,23 @@ def test_config_takes_remat_policies_and_the_old_bool():
     validate(config)
 
 
+def test_label_names_given_with_commas_are_named():
+  """--config.data.label_names=a,b is one name 'a,b' to ml_collections: the error said "label 'a' is
+  not one of data.label_names=['a,b']" after reading the data; now the config check says how."""
+  cmd = [sys.executable, "-m", "umoe_jax.finetune", "--config=configs/finetune/linux_docs.py",
+         "--workdir=/nonexistent/run", "--config.init_from=runs/x",
+         "--config.data.label_names=ABI,devicetree"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.splitlines()[-1] == (
+      "error: data.label_names=('ABI,devicetree',) is one name holding commas; pass the names as a "
+      "tuple: --config.data.label_names=\"('ABI', 'devicetree')\"")
+  proc = subprocess.run(cmd[:-1] + ["--config.data.label_names=('ABI', 'devicetree')",
+                                    "--config.model.pooling=max"],  # past the names, then stops
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.stderr.splitlines()[-1] == "error: model.pooling='max'; valid: last, mean"
+
+
 # ----------------------------------------------------------------------------------------------
 # Metrics by hand.
 

@@ -118,6 +118,12 @@ def validate(config: Any) -> None:
   _check(d.dev_path or 0 < d.dev_fraction < 1,
          f"data.dev_fraction={d.dev_fraction!r} must be in (0, 1) when data.dev_path is empty")
   _check(d.max_len >= 2, f"data.max_len={d.max_len!r} must be >= 2")
+  names = tuple(d.label_names)
+  # ml_collections reads an unquoted --config.data.label_names=a,b as the one name "a,b".
+  if len(names) == 1 and isinstance(names[0], str) and "," in names[0]:
+    split = tuple(n.strip() for n in names[0].split(","))
+    raise ConfigError(f"data.label_names={names!r} is one name holding commas; pass the names as "
+                      f"a tuple: --config.data.label_names=\"{split!r}\"")
   _check(m.pooling in POOLINGS, f"model.pooling={m.pooling!r}; valid: {', '.join(POOLINGS)}")
   _check(0 <= m.head_dropout < 1, f"model.head_dropout={m.head_dropout!r} must be in [0, 1)")
   from umoe_jax.model.remat import POLICIES as REMAT_POLICIES  # (lazy: the model package)
