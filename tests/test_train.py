@@ -221,6 +221,41 @@ def test_damaged_latest_checkpoint_falls_back(straight_run, tmp_path, damage, ca
   assert ckpt_lib.complete_steps(ckpt_dir)[-1] == 8
 
 
+def test_resume_from_an_older_step_replaces_the_later_points(straight_run, tmp_path):
+  """A run resumed from step 4 while steps 5-8 were logged (checkpoint.restore_step): TensorBoard
+  and `plot.read_metrics` show steps 5-8 once, with the new run's values. Before, TensorBoard showed
+  both branches (a zigzag) and plot kept the abandoned branch's steps 5 and 7."""
+  from tensorboard.backend.event_processing import event_accumulator
+  from umoe_jax import plot
+  straight_dir, _ = straight_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(straight_dir, workdir)
+  # Another learning rate (other values) and log interval (steps 5 and 7 are not logged again).
+  cfg = small_config(learning_rate=1e-3, log_every=2)
+  cfg.checkpoint.restore_step = 4
+  result = loop.run(cfg, workdir)
+  assert result["start"] == "workdir" and result["step"] == NUM_STEPS
+  old, new = jsonl(straight_dir), jsonl(workdir)
+  assert new[6] != old[6] and new[8] != old[8]
+  acc = event_accumulator.EventAccumulator(os.path.join(workdir, "tensorboard"),
+                                           size_guidance={event_accumulator.SCALARS: 0})
+  acc.Reload()
+  loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+  assert [s for s, _ in loss] == [1, 2, 3, 4, 6, 8]
+  np.testing.assert_allclose([v for _, v in loss], [old[1], old[2], old[3], old[4], new[6], new[8]],
+                             rtol=1e-6)  # (TensorBoard keeps float32)
+  evals = [(e.step, e.value) for e in acc.Scalars("eval/loss")]
+  assert [s for s, _ in evals] == [0, 4, 8]
+  assert np.isclose(evals[-1][1], jsonl(workdir, "eval/loss")[8], rtol=1e-6)
+  assert evals[-1][1] != jsonl(straight_dir, "eval/loss")[8]
+  # The plots read metrics.jsonl the same way.
+  metrics = plot.read_metrics(workdir)
+  for key in ("train/loss", "eval/loss"):
+    steps, values = metrics[key]
+    assert steps == [e.step for e in acc.Scalars(key)], key
+    np.testing.assert_allclose(values, [e.value for e in acc.Scalars(key)], rtol=1e-6)
+
+
 def test_init_from_another_run(straight_run, tmp_path):
   """checkpoint.init_from takes the params of another run; step, optimizer and data start fresh."""
   straight_dir, _ = straight_run

@@ -654,6 +654,38 @@ def test_interval_means_skip_nonfinite_steps(tmp_path):
   assert record["train/loss"] is None and record["train/interval_skipped_steps"] == 1.0
 
 
+def test_session_start_drops_the_abandoned_branch(tmp_path):
+  """Two runs writing into one workdir, the second resumed from step 4 of the first's 8 and logging
+  every other step: TensorBoard (EventAccumulator, purging orphaned data by default) and
+  `plot.read_metrics` both show steps 1-4 of the first run and 6, 8 of the second, once."""
+  from tensorboard.backend.event_processing import event_accumulator
+  from umoe_jax import plot
+  from umoe_jax.train import metrics as metrics_lib
+  with metrics_lib.MetricWriter(str(tmp_path)) as first:
+    first.start_session(0)
+    first.scalars(0, {"eval/loss": 9.0})
+    for step in range(1, 9):
+      first.scalars(step, {"train/loss": 10.0 - step, "train/grad_norm": 1.0})
+    first.scalars(8, {"eval/loss": 2.5})
+  with metrics_lib.MetricWriter(str(tmp_path)) as second:
+    second.start_session(5)
+    second.scalars(6, {"train/loss": 5.5, "train/grad_norm": float("nan")})  # null: no point
+    second.scalars(8, {"train/loss": 3.5, "train/grad_norm": 2.0})
+  acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"),
+                                           size_guidance={event_accumulator.SCALARS: 0})
+  acc.Reload()
+  want = {"train/loss": ([1, 2, 3, 4, 6, 8], [9.0, 8.0, 7.0, 6.0, 5.5, 3.5]),
+          "train/grad_norm": ([1, 2, 3, 4, 8], [1.0, 1.0, 1.0, 1.0, 2.0]),
+          "eval/loss": ([0], [9.0])}
+  assert {k: ([e.step for e in acc.Scalars(k)], [e.value for e in acc.Scalars(k)])
+          for k in acc.Tags()["scalars"]} == want
+  assert plot.read_metrics(str(tmp_path)) == want
+  # The first record of each run marks its start.
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r for r in records if "session_start" in r] == [{"step": 0, "session_start": True},
+                                                          {"step": 5, "session_start": True}]
+
+
 def test_full_disk_in_the_workdir_names_the_file(tmp_path):
   """A write of the logs or config.json that fails (a full disk) is a WorkdirError naming the file,
   not a bare OSError; closing after it logs instead of raising again."""

@@ -10,7 +10,8 @@ Writes into --out (created):
                              per router and their mean, several runs = the mean of each run.
 Each argument is a run's workdir (or its metrics.jsonl), named in the legends by its directory name
 (with parent directories where two names are the same). A step logged twice (a resumed run) keeps
-its last record. Needs no JAX.
+its last record, and the steps after a run's resume point that an earlier run logged and the resumed
+run did not are dropped, as TensorBoard shows them. Needs no JAX.
 """
 from __future__ import annotations
 
@@ -22,12 +23,17 @@ from typing import Sequence
 from umoe_jax import storage
 
 CURVE_KEYS = ("train/lm_loss", "eval/loss", "train/perplexity", "eval/perplexity")
+# A run's first record, {"step": S, "session_start": true}: the points earlier runs logged at step S
+# or later belong to an abandoned branch (umoe_jax.train.metrics.SESSION_START).
+SESSION_START = "session_start"
 
 
 def read_metrics(run: str) -> dict[str, tuple[list, list]]:
   """{key: (steps, values)} of a run's metrics.jsonl, steps ascending, the last record of a step
-  winning. Raises ValueError naming the file (and line) when it is missing or not JSON lines; a
-  last line cut short (no newline: the run was killed while writing it) is skipped with a note."""
+  winning; a session start at step S drops what earlier runs logged at S or later (as TensorBoard
+  drops their points). Raises ValueError naming the file (and line) when it is missing or not JSON
+  lines; a last line cut short (no newline: the run was killed while writing it) is skipped with a
+  note."""
   path = run if run.endswith(".jsonl") else storage.join(run, "metrics.jsonl")
   if not storage.isfile(path):
     raise ValueError(f"{run!r}: no metrics.jsonl (expected {path}); give training workdirs")
@@ -49,11 +55,18 @@ def read_metrics(run: str) -> dict[str, tuple[list, list]]:
         why = (f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)  # one line
                else str(e))
         raise ValueError(f"{path}:{lineno}: not a metrics record ({type(e).__name__}: {why})") from None
+      if rec.get(SESSION_START) is True:
+        for points in by_key.values():
+          for old in [s for s in points if s >= step]:
+            del points[old]
+        continue
       for key, value in rec.items():
         if key != "step" and isinstance(value, (int, float)):
           by_key.setdefault(key, {})[step] = float(value)
   out = {}
   for key, points in by_key.items():
+    if not points:  # logged by an abandoned branch only
+      continue
     steps = sorted(points)
     out[key] = (steps, [points[s] for s in steps])
   return out

@@ -176,6 +176,7 @@ class Run:
   def train(self, state: dict, stop: StopRequest) -> tuple[dict, bool]:
     t, ck, p = self.config.train, self.config.checkpoint, self.programs
     step = int(jax.device_get(state["step"]))
+    self.writer.start_session(step + 1)  # earlier runs' points after `step`: an abandoned branch
     pending: list = []
     interval: list = []
     bar = None

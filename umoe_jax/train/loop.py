@@ -359,6 +359,9 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
     s.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
                                         jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
     stack.push(s.writer.__exit__)  # (quiet while another error is reported)
+    # What earlier runs logged after `step` is an abandoned branch when this one resumes from an
+    # older step: TensorBoard and plot drop it. A run from step 0 logs step 0 again (its evaluation).
+    s.writer.start_session(step + 1 if step else 0)
     logging.info("starting at step %d (%s) in %s", step, start, workdir)
     with StopRequest() as stop, sharding_lib.use_mesh(s.mesh, s.rules,
                                                       expert_capacity_factor=s.capacity_factor,

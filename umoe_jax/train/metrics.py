@@ -20,6 +20,12 @@ Names (TensorBoard tags = JSONL keys):
   eval/loss, eval/perplexity;
   routing/... (routing fluctuation on a probe batch at every evaluation, images of its expert load:
       `umoe_jax.analysis.training`).
+Every run starts with a session mark at the first step it logs (`MetricWriter.start_session`): a
+`SessionLog.START` event, upon which TensorBoard drops the points of earlier runs at that step or
+later, and the JSONL record {"step": <that step>, "session_start": true}, read the same way by
+`umoe_jax.plot.read_metrics`. So a run resumed from an older step than the last one logged (a
+damaged latest checkpoint, checkpoint.restore_step, a kill after the last save) shows the re-run
+steps once, with the new values.
 Every writer acts on process 0 only.
 """
 from __future__ import annotations
@@ -194,6 +200,10 @@ def console_line(step: int, num_steps: int, s: Mapping[str, float], *,
   return " | ".join(parts)
 
 
+# The JSONL key of a run's first record (`MetricWriter.start_session`).
+SESSION_START = "session_start"
+
+
 class _EventWriter:
   """A TensorBoard event file (`events.out.tfevents.<time>.<host>.<pid>.<n>` in `logdir`):
   tensorboard's protos and TFRecord framing (no TensorFlow, no torch), written through an
@@ -221,6 +231,11 @@ class _EventWriter:
   def _add(self, step: int, values: list) -> None:
     summary = self._summary_pb2.Summary(value=values)
     self._write(self._event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+  def session_start(self, step: int) -> None:
+    # TensorBoard's loader purges the points at `step` or later that it read before this event.
+    log = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+    self._write(self._event_pb2.Event(wall_time=time.time(), step=int(step), session_log=log))
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     self._add(step, [self._summary_pb2.Summary.Value(tag=k, simple_value=float(v))
@@ -279,6 +294,21 @@ class MetricWriter:
       path = storage.join(workdir, "metrics.jsonl")
       with _writing(path):
         self._jsonl = storage.AppendFile(path, lines=True)
+
+  def start_session(self, first_step: int) -> None:
+    """Marks the start of a run that logs from `first_step` on: the points earlier runs logged at
+    that step or later belong to an abandoned branch (a resume from an older step) and are dropped
+    by TensorBoard and `umoe_jax.plot.read_metrics`."""
+    if not self.is_main:
+      return
+    if self._tb is not None:
+      with _writing(self._tb.path):
+        self._tb.session_start(first_step)
+        self._tb.flush()
+    if self._jsonl is not None:
+      with _writing(self._jsonl.path):
+        self._jsonl.write(json.dumps({"step": int(first_step), SESSION_START: True}) + "\n")
+        self._jsonl.flush()
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     if not self.is_main:
