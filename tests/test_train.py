@@ -215,6 +215,7 @@ def test_damaged_latest_checkpoint_falls_back(straight_run, tmp_path, damage, ca
   assert any("checkpoint step 8" in r.getMessage() and "cannot be restored" in r.getMessage()
              for r in caplog.records)
   assert any("resumed from checkpoint step 6" in r.getMessage() for r in caplog.records)
+  assert not any("learning-rate schedule" in r.getMessage() for r in caplog.records)  # unchanged
   assert glob.glob(os.path.join(workdir, "checkpoints_damaged", "8-*"))
   # Steps 7 and 8 were trained again from step 6's state and data position: same losses.
   assert jsonl(workdir)[8] == jsonl(straight_dir)[8]
@@ -254,6 +255,28 @@ def test_resume_from_an_older_step_replaces_the_later_points(straight_run, tmp_p
     steps, values = metrics[key]
     assert steps == [e.step for e in acc.Scalars(key)], key
     np.testing.assert_allclose(values, [e.value for e in acc.Scalars(key)], rtol=1e-6)
+
+
+def test_extending_a_run_warns_of_the_new_schedule(straight_run, tmp_path, caplog):
+  """Raising train.num_steps on resume stretches the cosine: one warning names the change and the
+  learning rate the next step trains with, the one the run then logs."""
+  import re
+  straight_dir, _ = straight_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(straight_dir, workdir)
+  with caplog.at_level("WARNING"):
+    result = loop.run(small_config(num_steps=NUM_STEPS + 2), workdir)
+  assert result["start"] == "workdir" and result["step"] == NUM_STEPS + 2
+  [message] = [r.getMessage() for r in caplog.records if "learning-rate schedule" in r.getMessage()]
+  match = re.fullmatch(
+      re.escape(f"resuming with another learning-rate schedule than {workdir}/config.json: "
+                f"train.num_steps {NUM_STEPS} -> {NUM_STEPS + 2}: the learning rate at step "
+                f"{NUM_STEPS}, where this run resumes, becomes ") + r"(\S+) \(was (\S+)\)", message)
+  assert match, message
+  new, was = map(float, match.groups())
+  lr = jsonl(workdir, "train/learning_rate")
+  # (the old schedule had reached its floor at step 8; the new one is back up the cosine)
+  assert np.isclose(lr[NUM_STEPS + 1], new, rtol=1e-2) and new > 10 * was
 
 
 def test_init_from_another_run(straight_run, tmp_path):

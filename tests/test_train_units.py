@@ -175,6 +175,47 @@ def test_schedule_warmup_cosine_floor():
   assert opt_lib.warmup_steps(t) == 5
 
 
+def test_resuming_with_another_schedule_warns(tmp_path, caplog):
+  """A resume whose schedule keys differ from the run's config.json warns once, naming the keys,
+  both values and the learning rate at the resumed step before and after; an unchanged schedule
+  (or an unused key) logs nothing. It used to reshape the schedule silently."""
+  import math
+  cfg = tiny()
+  cfg.train.update(dict(num_steps=40, warmup_steps=None, warmup_ratio=0.05, learning_rate=1e-3,
+                        min_lr_ratio=0.1))
+  ckpt_lib.write_config(str(tmp_path), cfg)
+  # warmup_ratio * num_steps warmup steps, then cosine from 1e-3 down to 1e-4 at num_steps
+  cosine = lambda t, warm, total: 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * (t - warm) /
+                                                                     (total - warm))))
+
+  def warnings(train, step, count):
+    c = tiny()
+    c.train.update(cfg.train.to_dict())
+    c.train.update(train)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      loop.warn_schedule_change(str(tmp_path), c, step, count)
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+  assert warnings({}, 25, 25) == []
+  assert warnings({"log_every": 7, "seed": 3}, 25, 25) == []  # not schedule keys
+  assert warnings({"num_steps": 60}, 25, 25) == [
+      f"resuming with another learning-rate schedule than {tmp_path}/config.json: train.num_steps "
+      f"40 -> 60: the learning rate at step 25, where this run resumes, becomes "
+      f"{cosine(25, 3, 60):.2e} (was {cosine(25, 2, 40):.2e})"]
+  # One warning for several keys; the schedule reads the updates applied (skipped steps excluded).
+  [message] = warnings({"warmup_steps": 4, "min_lr_ratio": 0.0}, 25, 24)
+  assert message.endswith(
+      "train.warmup_steps None -> 4, train.min_lr_ratio 0.1 -> 0.0: the learning rate at step 25, "
+      f"where this run resumes, becomes {1e-3 * 0.5 * (1 + math.cos(math.pi * 20 / 36)):.2e} "
+      f"(was {cosine(24, 2, 40):.2e})"), message
+  # warmup_ratio is unused while warmup_steps is set
+  cfg.train.warmup_steps = 2
+  ckpt_lib.write_config(str(tmp_path), cfg)
+  assert warnings({"warmup_ratio": 0.5}, 25, 25) == []
+  assert len(warnings({"learning_rate": 2e-3}, 25, 25)) == 1
+
+
 def test_no_weight_decay_on_norm_scales():
   cfg = model_config(tiny().model)
   parts = state_lib.model_parts(cfg)

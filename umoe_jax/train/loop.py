@@ -18,6 +18,7 @@ points, so the host runs ahead of the device between them.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 import time
@@ -37,6 +38,7 @@ from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import guard as guard_lib
 from umoe_jax.train import host_gc
 from umoe_jax.train import metrics as metrics_lib
+from umoe_jax.train import optimizer as opt_lib
 from umoe_jax.train import profiler as profiler_lib
 from umoe_jax.train import state as state_lib
 # The compiled programs and the run's setup live in their own modules; these names stay importable
@@ -354,6 +356,8 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
                   nothing_to_do=True)
     if start == "workdir" and s.restored_from == step:
       s.checkpointer.set_aside_newer(step)  # this run continues another branch from `step`
+    if start == "workdir":
+      warn_schedule_change(workdir, config, step, step - int(jax.device_get(state.skipped)))
     # Only now is anything written: the config fits the start state.
     ckpt_lib.write_config(workdir, config)
     s.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
@@ -376,6 +380,22 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
     return dict(result, step=trainer.step, stopped=stopped, eval=trainer.last_eval,
                 train=trainer.last_scalars, checkpoints=s.checkpointer.steps(),
                 elapsed_s=time.perf_counter() - t0)
+
+
+def warn_schedule_change(workdir: str, config: Any, step: int, count: int) -> None:
+  """Warns when a run resumes with other learning-rate schedule keys than its config.json says:
+  extending a run (train.num_steps) is intended, but it reshapes the rest of the schedule, so the
+  learning rate can jump at the resumed step."""
+  if jax.process_index() != 0:
+    return
+  path = storage.join(workdir, ckpt_lib.CONFIG_FILE)
+  try:
+    saved = json.loads(storage.read_text(path))["train"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return  # nothing to compare with (written before config.json existed, or removed)
+  change = opt_lib.schedule_change(saved, config.train, step, count)
+  if change is not None:
+    logging.warning("resuming with another learning-rate schedule than %s: %s", path, change)
 
 
 def summary(result: dict, config: Any) -> list[str]:

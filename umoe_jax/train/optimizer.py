@@ -9,7 +9,8 @@ a skipped (non-finite) step does not advance the schedule.
 """
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,27 @@ def learning_rate_schedule(train: Any) -> optax.Schedule:
   if warm == 0:
     return cosine
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), cosine], [warm])
+
+
+# The train keys that shape the learning-rate schedule.
+SCHEDULE_KEYS = ("num_steps", "learning_rate", "warmup_steps", "warmup_ratio", "min_lr_ratio")
+
+
+def schedule_change(saved: Mapping[str, Any], train: Any, step: int, count: int) -> Optional[str]:
+  """What resuming at `step` (`count` updates applied) with `train` instead of the run's saved train
+  config (`saved`, from its config.json) does to the schedule: 'train.num_steps 40 -> 60: the
+  learning rate at step 25, where this run resumes, becomes 3.12e-04 (was 1.42e-04)', or None when
+  no schedule key changed. Keys missing from `saved` count as unchanged."""
+  old = types.SimpleNamespace(**{k: saved.get(k, getattr(train, k)) for k in SCHEDULE_KEYS})
+  changed = [k for k in SCHEDULE_KEYS if getattr(old, k) != getattr(train, k)]
+  if train.warmup_steps is not None and old.warmup_steps is not None and "warmup_ratio" in changed:
+    changed.remove("warmup_ratio")  # unused next to warmup_steps
+  if not changed:
+    return None
+  lr = lambda t: float(learning_rate_schedule(t)(count))
+  keys = ", ".join(f"train.{k} {getattr(old, k)!r} -> {getattr(train, k)!r}" for k in changed)
+  return (f"{keys}: the learning rate at step {step}, where this run resumes, becomes "
+          f"{lr(train):.2e} (was {lr(old):.2e})")
 
 
 def _logical_axes(var: Any) -> tuple:
