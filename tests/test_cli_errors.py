@@ -279,8 +279,9 @@ def test_full_disk_under_the_logs_names_the_file(cli, tmp_path):
   assert message == (f"workdir error: writing {workdir}/metrics.jsonl failed (No space left on "
                      "device)"), message
   assert "run the same command again" in proc.stderr
-  # The checkpoint saved before the failing write (step 1; logs come at step 2) is complete.
-  assert complete_steps(str(workdir)) == [1]
+  assert "Traceback" not in proc.stderr
+  # The first metrics write is the run's session mark, before any step: it fails fast, nothing saved.
+  assert complete_steps(str(workdir)) == []
 
 
 # ----------------------------------------------------------------------------------------------
