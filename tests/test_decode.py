@@ -204,3 +204,16 @@ def test_cli_prints_a_continuation(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, timeout=300)
   assert res.returncode == 0, res.stderr.decode()[-3000:]
   assert res.stdout.decode("utf-8") == expected
+
+
+def test_cli_names_a_prompt_that_is_not_utf8():
+  # argv bytes that are not UTF-8 reach Python as surrogates; encoding them was a raw traceback.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.generate", "--config=configs/umoe_tiny.py",
+                        b"--prompt=ab\xffcd", "--max_new_tokens=2"],
+                       cwd=ROOT, env=env, capture_output=True, timeout=300)
+  err = res.stderr.decode("utf-8", "replace")
+  assert res.returncode == 1, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1] == ("error: --prompt=b'ab\\xffcd' is not valid UTF-8; "
+                                          "pass the prompt as UTF-8 text")

@@ -45,6 +45,12 @@ def main(argv) -> int:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
   if not _PROMPT.value:
     raise SystemExit("--prompt is required")
+  for p in _PROMPT.value:  # bytes that are not UTF-8 arrive as surrogates: a UnicodeEncodeError later
+    try:
+      p.encode("utf-8")
+    except UnicodeEncodeError:
+      raise SystemExit(f"error: --prompt={p.encode('utf-8', 'surrogateescape')!r} is not valid "
+                       "UTF-8; pass the prompt as UTF-8 text") from None
   if not flags.FLAGS["verbosity"].present:  # Orbax's INFO lines would bury the continuations
     logging.set_verbosity(logging.WARNING)
   from umoe_jax.load import LoadError, load_model_and_tokenizer
