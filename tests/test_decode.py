@@ -217,3 +217,24 @@ def test_cli_names_a_prompt_that_is_not_utf8():
   assert "Traceback" not in err, err[-3000:]
   assert err.strip().splitlines()[-1] == ("error: --prompt=b'ab\\xffcd' is not valid UTF-8; "
                                           "pass the prompt as UTF-8 text")
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_cli_names_a_seed_outside_int64(tmp_path, checkpoint):
+  # an OverflowError traceback from nnx.Rngs (random init) or jax.random.key (sampling) before
+  args = ["--config=configs/umoe_tiny.py"]
+  if checkpoint:
+    from umoe_jax.interop.official import save_converted
+    m = configs.common.model("umoe", "tiny")
+    m.n_layers, m.compute_dtype, m.gmm_backend = 1, "float32", "xla"
+    model = random_module(lambda: CausalLM(model_config(m), rngs=nnx.Rngs(0)), 7)
+    args = [f"--checkpoint={save_converted(model, m, str(tmp_path / 'ckpt'))}", "--temperature=1"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.generate", *args, "--prompt=ab",
+                        "--max_new_tokens=2", "--seed=99999999999999999999"],
+                       cwd=ROOT, env=env, capture_output=True, timeout=300)
+  err = res.stderr.decode("utf-8", "replace")
+  assert res.returncode == 1, err[-3000:]
+  assert "Traceback" not in err, err[-3000:]
+  assert err.strip().splitlines()[-1] == ("error: --seed=99999999999999999999 is outside the int64 "
+                                          "range [-2**63, 2**63)")
