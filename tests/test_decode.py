@@ -165,6 +165,7 @@ def test_generate_rejects_prompt_ids_outside_the_vocabulary():
       generate(model, [[1, 2], [3, bad]], max_new_tokens=2)
   # Settings that cannot mean what was asked (a negative temperature decoded greedily, silently).
   for kw, message in (({"temperature": -0.8}, r"temperature=-0\.8 must be >= 0 \(0: greedy\)"),
+                      ({"temperature": float("inf")}, r"temperature=inf must be finite"),
                       ({"top_p": 1.5}, r"top_p=1\.5 must be in \(0, 1\]"),
                       ({"max_new_tokens": 0}, r"max_new_tokens=0 must be >= 1")):
     with pytest.raises(ValueError, match=message):

@@ -166,6 +166,8 @@ def generate(model: nnx.Module, prompts: Sequence[Sequence[int]], *, max_new_tok
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
   if not temperature >= 0:  # a negative one (or NaN) would silently decode greedily
     raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+  if temperature == float("inf"):  # logits / inf = 0: uniform over the vocabulary, the model ignored
+    raise ValueError(f"temperature={temperature} must be finite")
   if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
     raise ValueError(f"eos_id={eos_id} is outside the model's vocabulary [0, {cfg.vocab_size})")
   tokens, positions = left_pad(prompts, pad_id)
