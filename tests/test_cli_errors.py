@@ -598,6 +598,23 @@ def test_load_model_names_the_directory_and_what_it_lacks(tmp_path):
     load_model(str(empty))
 
 
+def test_random_init_seed_outside_int64_is_one_error_line(tmp_path):
+  # The init seed of generate / eval without a checkpoint: an OverflowError traceback before.
+  import configs.common
+  from umoe_jax.load import LoadError, load_model
+  with pytest.raises(LoadError, match=re.escape("--seed=100000000000000000000 is outside the int64 "
+                                                "range [-2**63, 2**63)")):
+    load_model(None, configs.common.experiment("umoe", "tiny"), seed=10**20)
+  (tmp_path / "c.txt").write_text("hello world\n")
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.eval", "perplexity",
+                        "--config=configs/umoe_tiny.py", f"--data={tmp_path / 'c.txt'}",
+                        f"--seed={10**20}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+  assert res.stderr.strip().splitlines()[-1] == (
+      "error: --seed=100000000000000000000 is outside the int64 range [-2**63, 2**63)")
+
+
 @pytest.mark.parametrize("case", ["config_not_json", "file_not_directory", "ours_not_official"])
 def test_converter_names_the_file_and_the_problem(tmp_path, capsys, case):
   from umoe_jax.interop import official

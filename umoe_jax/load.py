@@ -243,6 +243,8 @@ def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: in
     raise LoadError(f"the model config of {ref.config_path if ref else 'the config'} is invalid: "
                     f"{e}") from None
   if ref is None:
+    if not -2**63 <= seed < 2**63:  # nnx.Rngs takes an int64: else an OverflowError traceback
+      raise LoadError(f"--seed={seed} is outside the int64 range [-2**63, 2**63)")
     return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), section, None
   parts = state_lib.model_parts(cfg)
   params = load_params(ref, parts.abstract_params)
