@@ -210,10 +210,12 @@ def key_pieces(dk: int) -> dict:
   """The kernels' key-width constexprs {DK1, DK2, DK2S} (triton_attention_kernels' docstring): two
   exact pieces (dk = DK1 + DK2, each >= MIN_DOT) when SPLIT_KEY_WIDTH and dk is such a sum, else
   one padded piece (DK1 = key_width(dk), DK2 = 0, DK2S = 1)."""
-  if SPLIT_KEY_WIDTH and dk >= 2 * MIN_DOT:
-    hi = 1 << (dk.bit_length() - 1)
-    lo = dk - hi
-    if lo >= MIN_DOT and lo & (lo - 1) == 0:
+  if SPLIT_KEY_WIDTH:
+    try:
+      hi, lo = split_width(dk)
+    except ValueError:  # not a sum of two powers of two: padded
+      lo = 0
+    if lo >= MIN_DOT:
       return dict(DK1=hi, DK2=lo, DK2S=lo)
   return dict(DK1=key_width(dk), DK2=0, DK2S=1)
 

@@ -24,14 +24,13 @@ interpreter.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from kernels import triton_launch
-from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _pow2_at_least,
-                                default_backend_is_gpu)
+from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu
+from kernels.triton_topk import MAX_E, row_tiles
+from kernels.triton_topk import TopKConfig as RouterPassConfig  # (positions per program, warps)
 
 if HAVE_TRITON:
   import triton
@@ -40,16 +39,6 @@ if HAVE_TRITON:
   from kernels.triton_topk import ordered_keys, pick_top_k
 if HAVE_JAX_TRITON:
   import jax_triton as jt
-
-MAX_E = 1024                     # a row of E_PAD values lives in registers
-ROW_ELEMENTS = 2048              # default BLOCK_ROWS * E_PAD per program (16 rows of 128)
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterPassConfig:
-  """Launch parameters: positions per program (a power of two) and warps per program."""
-  block_rows: int = 0            # 0 = ROW_ELEMENTS // E_PAD (at least 1)
-  num_warps: int = 4
 
 
 if HAVE_TRITON:
@@ -89,21 +78,12 @@ if HAVE_TRITON:
 
 
 def launch_params(t: int, e: int, k: int, config: RouterPassConfig | None = None) -> dict:
-  """Blocks per sequence and constexprs of one launch for logits [B, t, e] and k (checked:
-  1 <= k <= e <= MAX_E, t >= 1)."""
-  if not 1 <= k <= e:
-    raise ValueError(f"router pass: k={k} must be in [1, E={e}]")
-  if e > MAX_E:
-    raise ValueError(f"router pass kernel: E={e} exceeds MAX_E={MAX_E}")
+  """Blocks per sequence and constexprs of one launch for logits [B, t, e] and k (checked: t >= 1
+  and, as the top-k kernel's, 1 <= k <= e <= MAX_E: `triton_topk.row_tiles`)."""
   if t < 1:
     raise ValueError(f"router pass kernel: T={t} must be >= 1")
-  cfg = config or RouterPassConfig()
-  e_pad = _pow2_at_least(max(e, 2))  # no 1-wide aranges
-  block_rows = cfg.block_rows or max(1, ROW_ELEMENTS // e_pad)
-  if block_rows & (block_rows - 1):
-    raise ValueError(f"router pass kernel: block_rows={block_rows} must be a power of two")
-  return dict(N_BLOCKS=-(-t // block_rows), E=e, E_PAD=e_pad, K=k, K_PAD=_pow2_at_least(max(k, 2)),
-              BLOCK_ROWS=block_rows, num_warps=cfg.num_warps)
+  tiles = row_tiles(e, k, config, kernel="router pass")
+  return dict(N_BLOCKS=-(-t // tiles["BLOCK_ROWS"]), **tiles)
 
 
 def _launch(kernel, grid, args, out_shape, **meta):

@@ -98,19 +98,27 @@ if HAVE_TRITON:
              mask=row_ok[:, None] & (slots < K)[None, :])
 
 
-def launch_params(n_rows: int, e: int, k: int, config: TopKConfig | None = None) -> dict:
-  """Grid and constexprs of one launch for x [n_rows, e] and k (checked: 1 <= k <= e <= MAX_E)."""
+def row_tiles(e: int, k: int, config: TopKConfig | None = None, *, kernel: str = "top-k") -> dict:
+  """The constexprs E, E_PAD, K, K_PAD, BLOCK_ROWS and num_warps of a kernel that holds rows of e
+  values whole and picks k of them (this one; kernels/triton_router.py), checked: 1 <= k <= e <=
+  MAX_E, block_rows a power of two. `kernel` names it in the errors."""
   if not 1 <= k <= e:
-    raise ValueError(f"top-k: k={k} must be in [1, E={e}]")
+    raise ValueError(f"{kernel}: k={k} must be in [1, E={e}]")
   if e > MAX_E:
-    raise ValueError(f"top-k kernel: E={e} exceeds MAX_E={MAX_E}")
+    raise ValueError(f"{kernel} kernel: E={e} exceeds MAX_E={MAX_E}")
   cfg = config or TopKConfig()
   e_pad = _pow2_at_least(max(e, 2))  # no 1-wide aranges
   block_rows = cfg.block_rows or max(1, ROW_ELEMENTS // e_pad)
   if block_rows & (block_rows - 1):
-    raise ValueError(f"top-k kernel: block_rows={block_rows} must be a power of two")
-  return dict(grid=(max(1, -(-n_rows // block_rows)),), E=e, E_PAD=e_pad, K=k,
-              K_PAD=_pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows, num_warps=cfg.num_warps)
+    raise ValueError(f"{kernel} kernel: block_rows={block_rows} must be a power of two")
+  return dict(E=e, E_PAD=e_pad, K=k, K_PAD=_pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows,
+              num_warps=cfg.num_warps)
+
+
+def launch_params(n_rows: int, e: int, k: int, config: TopKConfig | None = None) -> dict:
+  """Grid and constexprs of one launch for x [n_rows, e] and k (`row_tiles`)."""
+  tiles = row_tiles(e, k, config)
+  return dict(grid=(max(1, -(-n_rows // tiles["BLOCK_ROWS"])),), **tiles)
 
 
 def _launch(kernel, grid, args, out_shape, **meta):

@@ -93,9 +93,11 @@ def test_the_sweep_runs_every_form_and_picks_the_fastest():
                             timeout=600)
 
 
-def _mha_check():
-  """time_cores on a shape with a key head per query head ("mha"): the Triton core (folded into the
-  batch) is checked against XLA and timed, every backward form asked for."""
+def _time_cores_in_interpreter():
+  """bench/attention_core.py and tests/test_triton_attention.py (its launcher) with the Triton
+  kernels in the interpreter, float32 inputs (the interpreter has no bf16) and a fixed timer
+  (fwd 1.0, fwd+bwd 3.0 ms): what `time_cores` runs on CPU. Returns (attention_core, the test
+  module, whose LAUNCHES / LAUNCH_META record every launch)."""
   sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
   import jax
   import attention_core as ac
@@ -104,9 +106,16 @@ def _mha_check():
   interpreter_loop_bounds()
   ta._launch, ta.available, ta.DTYPES = tta._interpreter_launch, (lambda: True), (jax.numpy.float32,)
   real_inputs = ac.inputs
-  ac.inputs = lambda shape, seed=0, key_heads=1: tuple(  # float32: the interpreter has no bf16
+  ac.inputs = lambda shape, seed=0, key_heads=1: tuple(
       x.astype(jax.numpy.float32) for x in real_inputs(shape, seed, key_heads))
   ac.time_fwd_bwd = lambda fn, *args: (jax.block_until_ready(fn(*args)), 1.0, 3.0)[1:]
+  return ac, tta
+
+
+def _mha_check():
+  """time_cores on a shape with a key head per query head ("mha"): the Triton core (folded into the
+  batch) is checked against XLA and timed, every backward form asked for."""
+  ac, tta = _time_cores_in_interpreter()
   shape = (1, 21, 2, 16, 16)
   ac.SHAPES["mha_tiny"], ac.KEY_HEADS["mha_tiny"] = shape, 2
   q, k, v, _ = ac.inputs(shape, key_heads=2)
@@ -130,18 +139,8 @@ def _split_check():
   """time_cores with `split_key_width=(False, True)`: the Triton core checked against XLA and timed
   once with dk padded (one piece) and once in two exact pieces ("triton_split"), the launches of
   each with their own pieces, and the switch back off after."""
-  sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
-  import jax
-  import attention_core as ac
-  import test_triton_attention as tta
   from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
-  interpreter_loop_bounds()
-  ta._launch, ta.available, ta.DTYPES = tta._interpreter_launch, (lambda: True), (jax.numpy.float32,)
-  real_inputs = ac.inputs
-  ac.inputs = lambda shape, seed=0, key_heads=1: tuple(
-      x.astype(jax.numpy.float32) for x in real_inputs(shape, seed, key_heads))
-  ac.time_fwd_bwd = lambda fn, *args: (jax.block_until_ready(fn(*args)), 1.0, 3.0)[1:]
+  ac, tta = _time_cores_in_interpreter()
   shape = (1, 21, 2, 48, 32)            # dk 48 = 32 + 16
   ac.SHAPES["split_tiny"] = shape
   n_launch = len(tta.LAUNCHES)

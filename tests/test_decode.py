@@ -209,15 +209,20 @@ def test_cli_prints_a_continuation(tmp_path):
 
 def test_cli_names_a_prompt_that_is_not_utf8():
   # argv bytes that are not UTF-8 reach Python as surrogates; encoding them was a raw traceback.
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  res = subprocess.run([sys.executable, "-m", "umoe_jax.generate", "--config=configs/umoe_tiny.py",
-                        b"--prompt=ab\xffcd", "--max_new_tokens=2"],
-                       cwd=ROOT, env=env, capture_output=True, timeout=300)
+  last = _generate_error_line("--config=configs/umoe_tiny.py", b"--prompt=ab\xffcd",
+                              "--max_new_tokens=2")
+  assert last == "error: --prompt=b'ab\\xffcd' is not valid UTF-8; pass the prompt as UTF-8 text"
+
+
+def _generate_error_line(*args) -> str:
+  """The last stderr line of `python -m umoe_jax.generate ARGS`, asserted to exit 1 with no
+  traceback."""
+  res = subprocess.run([sys.executable, "-m", "umoe_jax.generate", *args], cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, timeout=300)
   err = res.stderr.decode("utf-8", "replace")
   assert res.returncode == 1, err[-3000:]
   assert "Traceback" not in err, err[-3000:]
-  assert err.strip().splitlines()[-1] == ("error: --prompt=b'ab\\xffcd' is not valid UTF-8; "
-                                          "pass the prompt as UTF-8 text")
+  return err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
@@ -230,12 +235,6 @@ def test_cli_names_a_seed_outside_int64(tmp_path, checkpoint):
     m.n_layers, m.compute_dtype, m.gmm_backend = 1, "float32", "xla"
     model = random_module(lambda: CausalLM(model_config(m), rngs=nnx.Rngs(0)), 7)
     args = [f"--checkpoint={save_converted(model, m, str(tmp_path / 'ckpt'))}", "--temperature=1"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  res = subprocess.run([sys.executable, "-m", "umoe_jax.generate", *args, "--prompt=ab",
-                        "--max_new_tokens=2", "--seed=99999999999999999999"],
-                       cwd=ROOT, env=env, capture_output=True, timeout=300)
-  err = res.stderr.decode("utf-8", "replace")
-  assert res.returncode == 1, err[-3000:]
-  assert "Traceback" not in err, err[-3000:]
-  assert err.strip().splitlines()[-1] == ("error: --seed=99999999999999999999 is outside the int64 "
-                                          "range [-2**63, 2**63)")
+  last = _generate_error_line(*args, "--prompt=ab", "--max_new_tokens=2",
+                              "--seed=99999999999999999999")
+  assert last == "error: --seed=99999999999999999999 is outside the int64 range [-2**63, 2**63)"

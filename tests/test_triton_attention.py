@@ -18,6 +18,7 @@ import pytest
 from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 from kernels import attention_tiles as at
 from kernels import triton_attention as ta
+from kernels.triton_gmm import split_width
 
 CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, bd)
     (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16))),
@@ -308,8 +309,7 @@ def _interpreter_check():
     if "_bwd_dk_kernel" in flags:
       assert flags["_bwd_dk_kernel"] == {"STORE_DS": dq_ds is not None, "STORE_P": dx_p}, (case, flags)
     pieces = {(m["DK1"], m["DK2"]) for m in LAUNCH_META[n_launch:] if "DK1" in m}
-    assert pieces == ({(1 << (dk.bit_length() - 1), dk - (1 << (dk.bit_length() - 1)))} if split
-                      else {(at.key_width(dk), 0)}), (case, pieces)
+    assert pieces == ({split_width(dk)} if split else {(at.key_width(dk), 0)}), (case, pieces)
   at.SPLIT_KEY_WIDTH = False
 
   # Past STORED_BYTES_LIMIT the stored forms recompute (same values, the three recompute passes).

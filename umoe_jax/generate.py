@@ -51,16 +51,15 @@ def main(argv) -> int:
     except UnicodeEncodeError:
       raise SystemExit(f"error: --prompt={p.encode('utf-8', 'surrogateescape')!r} is not valid "
                        "UTF-8; pass the prompt as UTF-8 text") from None
-  if not -2**63 <= _SEED.value < 2**63:  # jax.random.key and nnx.Rngs take an int64: else OverflowError
-    raise SystemExit(f"error: --seed={_SEED.value} is outside the int64 range [-2**63, 2**63)")
   if not flags.FLAGS["verbosity"].present:  # Orbax's INFO lines would bury the continuations
     logging.set_verbosity(logging.WARNING)
-  from umoe_jax.load import LoadError, load_model_and_tokenizer
+  from umoe_jax.load import LoadError, check_seed, load_model_and_tokenizer
   from umoe_jax.model.decode import generate
   from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
   quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
 
   try:
+    check_seed(_SEED.value)  # also the sampling seed, with a checkpoint
     model, tokenizer, info = load_model_and_tokenizer(
         _CHECKPOINT.value, _CONFIG.value, tokenizer=_TOKENIZER.value, seed=_SEED.value,
         compute_dtype=_COMPUTE_DTYPE.value or None)

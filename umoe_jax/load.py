@@ -210,6 +210,13 @@ def _innermost_cause(error: BaseException) -> BaseException:
   return error
 
 
+def check_seed(seed: int) -> None:
+  """LoadError naming a --seed outside int64: nnx.Rngs and jax.random.key take an int64, and raise
+  an OverflowError traceback otherwise."""
+  if not -2**63 <= seed < 2**63:
+    raise LoadError(f"--seed={seed} is outside the int64 range [-2**63, 2**63)")
+
+
 def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: int = 0,
                compute_dtype: Optional[str] = None):
   """(CausalLM, model ConfigDict, CheckpointRef or None) (module docstring).
@@ -243,8 +250,7 @@ def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: in
     raise LoadError(f"the model config of {ref.config_path if ref else 'the config'} is invalid: "
                     f"{e}") from None
   if ref is None:
-    if not -2**63 <= seed < 2**63:  # nnx.Rngs takes an int64: else an OverflowError traceback
-      raise LoadError(f"--seed={seed} is outside the int64 range [-2**63, 2**63)")
+    check_seed(seed)
     return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), section, None
   parts = state_lib.model_parts(cfg)
   params = load_params(ref, parts.abstract_params)

@@ -121,11 +121,10 @@ def collect(fn: Callable, params: Any, rows: np.ndarray, *, n_tokens: int,
   """
   import jax
 
+  from umoe_jax.eval.scoring import rows_per_forward
   rows = np.asarray(rows, np.int32)
   n_rows, t = rows.shape
-  # A --batch_size far above the probe (1024 for 2 windows) would pad hundreds of copies of the
-  # first row into every forward: minutes of compute, or out of memory.
-  batch_size = min(batch_size, 1 << max(n_rows - 1, 0).bit_length())
+  batch_size = rows_per_forward(batch_size, n_rows)  # not hundreds of copies of the first row
   parts: dict[str, list] = {}
   for start in range(0, n_rows, batch_size):
     batch = rows[start:start + batch_size]

@@ -36,6 +36,14 @@ from flax import nnx
 
 from umoe_jax.eval.errors import EvalError
 
+
+def rows_per_forward(batch_size: int, n_rows: int) -> int:
+  """Rows of a batched forward over n_rows windows: batch_size, or the power of two that holds them
+  all when that is fewer (few extra compiled shapes). A batch size far above the work (4096 for 2
+  windows) would pad thousands of rows: minutes of compute, or out of memory. The scorer's and the
+  routing probe's (`analysis.probe.collect`) batches."""
+  return min(batch_size, 1 << max(n_rows - 1, 0).bit_length())
+
 Request = tuple[Sequence[int], Sequence[int]]   # (context token ids, continuation token ids)
 Window = tuple[list[int], list[int], int]       # (inputs, targets, number of scored targets at the end)
 
@@ -172,10 +180,7 @@ class Scorer:
         raise EvalError(f"bad window: {len(inputs)} inputs, {len(targets)} targets, {k} scored "
                         f"(max_seq_len={self.max_seq_len})")
     order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
-    # Rows per forward: batch_size, or the power of two that holds every window when that is
-    # fewer (few extra shapes): a --batch_size far above the work (4096 for 2 windows) would pad
-    # thousands of empty rows, minutes of compute or out of memory.
-    rows = min(self.batch_size, 1 << max(len(wins) - 1, 0).bit_length())
+    rows = rows_per_forward(self.batch_size, len(wins))
     pending = []
     for start in range(0, len(order), rows):
       idx = order[start:start + rows]

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops.topk import top_k_ids
+from umoe_jax.ops.topk import biased_top_k
 
 
 class RouterPass(NamedTuple):
@@ -45,14 +45,10 @@ def _kernel():
 
 def separate_ops(logits: jax.Array, k: int, *, bias: Optional[jax.Array] = None,
                  renormalize: bool = False, topk_backend: str = "auto") -> RouterPass:
-  """The RouterPass from XLA's softmax, `top_k_ids` (`topk_backend`), a gather and two reductions:
-  the fallback, and the reference the kernel is tested against."""
+  """The RouterPass from XLA's softmax, the routers' `biased_top_k` (ids by `topk_backend`, gates
+  gathered) and two reductions: the fallback, and the reference the kernel is tested against."""
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  scores = probs if bias is None else probs + jax.lax.stop_gradient(bias)
-  ids = top_k_ids(scores, k, backend=topk_backend)
-  gates = jnp.take_along_axis(probs, ids, axis=-1)
-  if renormalize:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  ids, gates = biased_top_k(probs, k, renormalize, bias, topk_backend=topk_backend)
   counts = jax.nn.one_hot(ids, logits.shape[-1], dtype=jnp.float32).sum(axis=(1, 2))
   return RouterPass(probs, ids, gates, jnp.mean(probs, axis=1), counts)
 

@@ -12,11 +12,15 @@ ids. Backends:
             custom call, so in a program sharded over devices it would gather x whole to every
             device (inside shard_map, where each device holds its own rows, "triton" is fine).
 The ids carry no gradient; callers gather the values they need (`jnp.take_along_axis(x, ids, -1)`),
-through which gradients reach x as through `jax.lax.top_k`'s values.
+through which gradients reach x as through `jax.lax.top_k`'s values: `biased_top_k` is that for the
+routers (ids of probs + the selection bias, gates gathered from probs).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
+import jax.numpy as jnp
 
 from umoe_jax.ops.varying import vary_like, varying_axes
 
@@ -49,3 +53,15 @@ def top_k_ids(x: jax.Array, k: int, *, backend: str = "auto") -> jax.Array:
       ids = kernel.top_k_ids(flat, k).reshape(*x.shape[:-1], k)
       return vary_like(ids, varying_axes(x))  # a custom call drops shard_map's varying type
   return jax.lax.top_k(x, k)[1].astype("int32")
+
+
+def biased_top_k(probs: jax.Array, k: int, renormalize: bool, bias: Optional[jax.Array] = None,
+                 *, topk_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
+  """Top-k of probs [..., E] (+ bias [E] for the choice only) -> (ids [..., K] int32, gates
+  [..., K] = probs at ids, renormalised over them if `renormalize`). `topk_backend`: the ids'
+  `umoe_jax.ops.topk` backend (`router.topk_backend`); gradients reach probs through the gather."""
+  ids = top_k_ids(probs if bias is None else probs + bias, k, backend=topk_backend)
+  gates = jnp.take_along_axis(probs, ids, axis=-1)
+  if renormalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return ids, gates

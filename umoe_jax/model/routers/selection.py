@@ -1,6 +1,7 @@
 """How a router with a distribution picks experts (`router.selection`), per token:
 
-  "top_k"  the K most probable experts (+ the selection bias of aux-loss-free balancing);
+  "top_k"  the K most probable experts (+ the selection bias of aux-loss-free balancing):
+           `umoe_jax.ops.topk.biased_top_k`, which the one-pass router's fallback shares;
   "top_p"  experts in order of probability until their cumulative probability reaches
            `router.top_p` (at least one, at most the sub-layer's top_k slots; Huang et al. 2024,
            "Harder tasks need more experts"; the AoE paper's top-P with P = 0.6). The unused slots
@@ -12,24 +13,10 @@ Expert choice (each expert picks its tokens) is `expert_choice.expert_choice_sel
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops.topk import top_k_ids
-
-
-def biased_top_k(probs: jax.Array, k: int, renormalize: bool, bias: Optional[jax.Array] = None,
-                 *, topk_backend: str = "xla") -> tuple[jax.Array, jax.Array]:
-  """Top-k of probs [..., E] (+ bias [E] for the choice only) -> (ids [..., K] int32, gates
-  [..., K] = probs at ids, renormalised over them if `renormalize`). `topk_backend`: the ids'
-  `umoe_jax.ops.topk` backend (`router.topk_backend`); gradients reach probs through the gather."""
-  ids = top_k_ids(probs if bias is None else probs + bias, k, backend=topk_backend)
-  gates = jnp.take_along_axis(probs, ids, axis=-1)
-  if renormalize:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return ids, gates
+from umoe_jax.ops.topk import biased_top_k, top_k_ids  # noqa: F401  (biased_top_k: the routers')
 
 
 def top_p_select(probs: jax.Array, p: float, max_k: int, renormalize: bool, *,
