@@ -98,17 +98,19 @@ if HAVE_TRITON:
              mask=row_ok[:, None] & (slots < K)[None, :])
 
 
-def row_tiles(e: int, k: int, config: TopKConfig | None = None, *, kernel: str = "top-k") -> dict:
+def row_tiles(e: int, k: int, config: TopKConfig | None = None, *, kernel: str = "top-k",
+              row_elements: int = ROW_ELEMENTS) -> dict:
   """The constexprs E, E_PAD, K, K_PAD, BLOCK_ROWS and num_warps of a kernel that holds rows of e
   values whole and picks k of them (this one; kernels/triton_router.py), checked: 1 <= k <= e <=
-  MAX_E, block_rows a power of two. `kernel` names it in the errors."""
+  MAX_E, block_rows a power of two (default: row_elements // E_PAD). `kernel` names it in the
+  errors."""
   if not 1 <= k <= e:
     raise ValueError(f"{kernel}: k={k} must be in [1, E={e}]")
   if e > MAX_E:
     raise ValueError(f"{kernel} kernel: E={e} exceeds MAX_E={MAX_E}")
   cfg = config or TopKConfig()
   e_pad = _pow2_at_least(max(e, 2))  # no 1-wide aranges
-  block_rows = cfg.block_rows or max(1, ROW_ELEMENTS // e_pad)
+  block_rows = cfg.block_rows or max(1, row_elements // e_pad)
   if block_rows & (block_rows - 1):
     raise ValueError(f"{kernel} kernel: block_rows={block_rows} must be a power of two")
   return dict(E=e, E_PAD=e_pad, K=k, K_PAD=_pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows,

@@ -98,8 +98,10 @@ def test_softmax_top_k_off_gpu_is_the_separate_ops():
 
 
 def test_launch_params():
-  p = tr.launch_params(1024, 128, 15)
-  assert (p["N_BLOCKS"], p["BLOCK_ROWS"], p["E_PAD"], p["K_PAD"]) == (64, 16, 128, 16)
+  p = tr.launch_params(1024, 128, 15)    # the default: 1024 logits, 2 warps a program
+  assert (p["N_BLOCKS"], p["BLOCK_ROWS"], p["E_PAD"], p["K_PAD"], p["num_warps"]) == (128, 8, 128, 16, 2)
+  p = tr.launch_params(1024, 1000, 15)
+  assert (p["N_BLOCKS"], p["BLOCK_ROWS"], p["E_PAD"]) == (1024, 1, 1024)
   p = tr.launch_params(1000, 100, 3, tr.RouterPassConfig(block_rows=8, num_warps=2))
   assert (p["N_BLOCKS"], p["BLOCK_ROWS"], p["E_PAD"], p["K_PAD"], p["num_warps"]) == (125, 8, 128, 4, 2)
   with pytest.raises(ValueError, match="k=5 must be in"):

@@ -73,8 +73,8 @@ class RouterConfig:
                                       # "auto" (triton on one device, xla on several)
   one_pass: bool = False              # softmax, top-k, gates and the balance statistics in one kernel pass over
                                       # the logits (umoe_jax.ops.router_pass; Triton on one GPU, the separate
-                                      # ops elsewhere): softmax routers, top_k selection, no mixing. Not yet
-                                      # timed on a GPU: off
+                                      # ops elsewhere): softmax routers, top_k selection, no mixing. Off: it
+                                      # lost in the step on an H200 (BENCHMARKS.md runs 81-82)
 
 
 # The keys of a sub-layer's own router section (`model.attention.router`, `model.ffn.router`): every
