@@ -23,8 +23,9 @@ a time limit still leaves tiles to load.
       [--delta] [--split_key_width=0|1|0,1] [--out DIR]
 
 --split_key_width=0,1 times the Triton core with dk padded to a power of two and as two exact pieces
-(`attention_tiles.SPLIT_KEY_WIDTH`; row keys "triton" and "triton_split"); =1 alone runs everything
-with the split, the sweep included.
+(`attention_tiles.SPLIT_KEY_WIDTH`; row keys "triton" and "triton_split"); one setting alone (0 or 1)
+runs everything with it, the sweep and the swept tiles' timing included. Without the flag every run
+takes the module's setting (on).
 """
 from __future__ import annotations
 
@@ -130,12 +131,15 @@ def check(fn, ref, q, k, v, cot):
 
 
 def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwards=("auto",),
-               split_key_width=(False,)):
+               split_key_width=None):
   """Times each core of `which`; the Triton core once per backward form of `backwards`
   (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others)
-  and per `split_key_width` setting (`attention_tiles.SPLIT_KEY_WIDTH`; "_split" appended to the
-  key when on), each first checked against the XLA core."""
+  and per `split_key_width` setting (`attention_tiles.SPLIT_KEY_WIDTH`, default: as it is now;
+  with two settings "_split" is appended to the key of the one that is on; the row's
+  "split_key_width" lists them), each first checked against the XLA core."""
   from kernels import attention_tiles as at
+  if split_key_width is None:
+    split_key_width = (at.SPLIT_KEY_WIDTH,)
   b, t, h, dk, d = shape
   key_heads = KEY_HEADS.get(name, 1)
   q, k, v, cot = inputs(shape, key_heads=key_heads)
@@ -143,15 +147,16 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
   start = tiles or at.default_tiles(dk, d)
   fns = cores(positions, tiles, key_heads)
   fl = flops(*shape)
-  row = {}
+  row = {"split_key_width": list(split_key_width)}
   split_before = at.SPLIT_KEY_WIDTH
   for core in which:
     if core == "cudnn" and dk > 256:
       continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
-    variants = ({(f"triton_{bw}" if bw != "auto" else "triton") + ("_split" if split else ""): (
+    suffix = lambda split: "_split" if split and len(split_key_width) > 1 else ""
+    variants = ({(f"triton_{bw}" if bw != "auto" else "triton") + suffix(split): (
                     cores(positions, at.with_backward(start, bw, dk), key_heads, bw)["triton"], split)
                  for bw in backwards for split in split_key_width}
-                if core == "triton" else {core: (fns[core], False)})
+                if core == "triton" else {core: (fns[core], split_before)})
     for key, (fn, split) in variants.items():
       at.SPLIT_KEY_WIDTH = split   # read when the kernels are traced: in check() and the timing
       if key.startswith("triton"):
@@ -377,10 +382,10 @@ def main():
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--backwards", default="auto",
                   help="the Triton core's backward forms to time, e.g. auto,recompute,stored_pairs")
-  ap.add_argument("--split_key_width", default="0",
+  ap.add_argument("--split_key_width", default="",
                   help="attention_tiles.SPLIT_KEY_WIDTH settings to time the Triton core at, e.g. "
-                       "0,1 (1: keys of two exact power-of-two pieces, 192 = 128 + 64); 1 alone "
-                       "also sweeps with it")
+                       "0,1 (1: keys of two exact power-of-two pieces, 192 = 128 + 64); one alone "
+                       "also sweeps with it (default: the module's setting, on)")
   ap.add_argument("--delta", action="store_true",
                   help="also time the backward's delta = <dO, out> reduction in each DELTA_FORMS form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -396,11 +401,12 @@ def main():
   if bad:
     raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
   kernels, partners = sweep_kernels(args.sweep_kernels)   # (names checked before any GPU work)
-  splits = tuple(dict(zip("01", (False, True))).get(v, v) for v in args.split_key_width.split(","))
+  given = args.split_key_width or ("1" if at.SPLIT_KEY_WIDTH else "0")
+  splits = tuple(dict(zip("01", (False, True))).get(v, v) for v in given.split(","))
   if not splits or any(not isinstance(v, bool) for v in splits):
     raise SystemExit(f"--split_key_width={args.split_key_width!r}: 0, 1 or 0,1")
-  if splits == (True,):  # the sweep too (its candidates are traced with the switch as it is)
-    at.SPLIT_KEY_WIDTH = True
+  if len(splits) == 1:  # the sweep and the swept tiles' timing too (traced with the switch as is)
+    at.SPLIT_KEY_WIDTH = splits[0]
   results, table = {}, {}
   names = args.shapes.split(",")
   bad = [n for n in names if n not in SHAPES] + [

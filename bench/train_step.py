@@ -24,8 +24,8 @@ memory. Usage (GPU):
       [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
       [--zipf=S]   (tokens drawn Zipf(S) over a shuffled vocabulary, as text's unigrams, instead of
                     uniformly: a fresh router's loads then skew as on real text; 0 = uniform)
-      [--split_key_width=0|1]   (kernels/attention_tiles.SPLIT_KEY_WIDTH: the Triton attention
-                    core's keys in two exact pieces, 192 = 128 + 64, not padded to 256)
+      [--split_key_width=0|1]   (kernels/attention_tiles.SPLIT_KEY_WIDTH, on by default: the Triton
+                    attention core's keys in two exact pieces, 192 = 128 + 64; 0 pads them to 256)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N; 0 = group order)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -371,8 +371,9 @@ def main():
                   help="draw the tokens Zipf(S) over a shuffled vocabulary (text-like unigrams: a "
                        "fresh router's loads skew) instead of uniformly (0, the default)")
   ap.add_argument("--split_key_width", type=int, choices=[0, 1], default=None,
-                  help="kernels/attention_tiles.SPLIT_KEY_WIDTH (default: off): the Triton "
-                       "attention core's keys in two exact power-of-two pieces")
+                  help="kernels/attention_tiles.SPLIT_KEY_WIDTH (default: the module's, on): "
+                       "the Triton attention core's keys in two exact power-of-two pieces; 0 pads "
+                       "them to one")
   ap.add_argument("--tgmm_big_first_skew", type=int, default=None,
                   help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
                        "module's, 2; 0 = the weight gradient's tiles in group order)")

@@ -191,8 +191,9 @@ def key_width(dk: int) -> int:
 # Keys dk wide held in two column pieces of powers of two that add up to dk exactly (192 = 128 +
 # 64), not one piece padded to the next power of two (256): a quarter less tensor-core work in
 # every product over dk at UMoE-base's dk 192 (the forward's scores are half its MMA work there).
-# Off until timed on a GPU (bench/attention_core.py; interpreter-tested either way).
-SPLIT_KEY_WIDTH = False
+# On since timed on one H200 (BENCHMARKS.md runs 81-82: the core 3.8% faster forward + backward,
+# the UMoE-base step 1.2%); False pads dk to one power of two, as before.
+SPLIT_KEY_WIDTH = True
 
 
 @contextlib.contextmanager

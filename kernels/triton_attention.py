@@ -39,9 +39,9 @@ tile past T and the row tile past T*H are masked, the others are not):
 delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward kernels.
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
-column tiles; the key width dk is padded to a power of two >= 16 inside the kernels (masked loads),
-or with `attention_tiles.SPLIT_KEY_WIDTH` (off until timed) held as two exact pieces when it is a
-sum of two powers of two (192 = 128 + 64), read when `premix_attention` is called.
+column tiles; the key width dk is held as two exact pieces when it is a sum of two powers of two
+(192 = 128 + 64; `attention_tiles.SPLIT_KEY_WIDTH`, on by default, read when `premix_attention` is
+called), else padded to a power of two >= 16 inside the kernels (masked loads).
 
 The kernels themselves are in kernels/triton_attention_kernels.py; this module launches and composes
 them. `premix_attention` is the differentiable JAX entry (jax.custom_vjp); `supported` says whether

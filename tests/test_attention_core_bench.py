@@ -144,13 +144,19 @@ def _split_check():
   shape = (1, 21, 2, 48, 32)            # dk 48 = 32 + 16
   ac.SHAPES["split_tiny"] = shape
   n_launch = len(tta.LAUNCHES)
+  default = at.SPLIT_KEY_WIDTH
   row = ac.time_cores("split_tiny", shape, which=("xla", "triton"), split_key_width=(False, True))
   assert {"xla", "triton", "triton_split"} <= set(row), row
   for key in ("triton", "triton_split"):
     assert row[f"{key}_err"] < 1e-5 and row[f"{key}_grad_err"] < 1e-5, row
   pieces = [(m["DK1"], m["DK2"]) for m in tta.LAUNCH_META[n_launch:] if "DK1" in m]
   assert set(pieces) == {(64, 0), (32, 16)}, pieces
-  assert not at.SPLIT_KEY_WIDTH
+  assert at.SPLIT_KEY_WIDTH == default
+  n_launch = len(tta.LAUNCHES)    # by default the setting as it is (the swept tiles' timing)
+  with at.split_key_width(True):
+    row = ac.time_cores("split_tiny", shape, which=("triton",))
+  assert row["split_key_width"] == [True] and "triton" in row and "triton_split" not in row, row
+  assert {(m["DK1"], m["DK2"]) for m in tta.LAUNCH_META[n_launch:] if "DK1" in m} == {(32, 16)}
   print("ATTENTION_SPLIT_OK")
 
 

@@ -59,7 +59,11 @@ def test_launch_geometry_covers_every_row_key_and_column():
     f = at.fwd_launch(t, h, dk, d, tiles.fwd)
     assert f["N_ROW_TILES"] * f["BM"] >= t * h > (f["N_ROW_TILES"] - 1) * f["BM"]
     assert f["N_CHUNKS"] * (f["BD1"] + f["BD2"]) >= d > (f["N_CHUNKS"] - 1) * (f["BD1"] + f["BD2"])
-    assert f["grid0"] == f["N_ROW_TILES"] * f["N_CHUNKS"] and f["DK1"] >= dk and f["DK2"] == 0
+    assert f["grid0"] == f["N_ROW_TILES"] * f["N_CHUNKS"] and f["DK1"] + f["DK2"] >= dk
+    with at.split_key_width(False):
+      assert at.fwd_launch(t, h, dk, d, tiles.fwd)["DK2"] == 0
+    with at.split_key_width(True):   # 192 = 128 + 64 exactly; 24 = 16 + 8 and 512 stay one piece
+      assert at.fwd_launch(t, h, dk, d, tiles.fwd)["DK2"] == (64 if dk == 192 else 0)
     x = at.dx_launch(t, h, dk, d, tiles.dx)
     assert x["grid0"] // x["N_CHUNKS"] * x["BN"] >= t
     assert at.dk_launch(t, h, dk, d, tiles.dk)["grid0"] * tiles.dk.bn >= t
@@ -111,7 +115,8 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   with pytest.raises(ValueError, match="powers of two"):
     at.dq_ds_launch(1024, 4, 192, at.PassTiles(48, 64, 16))
   launch = at.dq_ds_launch(1024, 4, 192, at.PassTiles(64, 32, 7))   # bd is not used
-  assert launch["grid0"] * 64 >= 4096 and (launch["DK1"], launch["DK2"]) == (256, 0)
+  assert launch["grid0"] * 64 >= 4096 and (launch["DK1"], launch["DK2"]) == (
+      (128, 64) if at.SPLIT_KEY_WIDTH else (256, 0))
   # UMoE-base's shape (B=32, T=1024, H=4, bf16): 2 x 268 MB, stored; 4x the length: not stored.
   assert ta.stores_probs(tiles, (32, 1024, 4, 192), 2) == (True, True)
   assert ta.stores_probs(tiles, (32, 4096, 4, 192), 2) == (False, False)
@@ -269,6 +274,7 @@ def _interpreter_check():
   split_cases = [(*c[:3], split_dk[c[3]], *c[4:]) for c in (cases[0], cases[1], cases[2], cases[5],
                                                             cases[8], cases[10])]
   runs = [(False, c) for c in cases] + [(True, c) for c in split_cases]
+  split_default = at.SPLIT_KEY_WIDTH
   for split, (b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds, *dx_read) in runs:
     at.SPLIT_KEY_WIDTH = split
     rng = np.random.default_rng(t * h)
@@ -310,7 +316,7 @@ def _interpreter_check():
       assert flags["_bwd_dk_kernel"] == {"STORE_DS": dq_ds is not None, "STORE_P": dx_p}, (case, flags)
     pieces = {(m["DK1"], m["DK2"]) for m in LAUNCH_META[n_launch:] if "DK1" in m}
     assert pieces == ({split_width(dk)} if split else {(at.key_width(dk), 0)}), (case, pieces)
-  at.SPLIT_KEY_WIDTH = False
+  at.SPLIT_KEY_WIDTH = split_default
 
   # Past STORED_BYTES_LIMIT the stored forms recompute (same values, the three recompute passes).
   limit, ta.STORED_BYTES_LIMIT = ta.STORED_BYTES_LIMIT, 0

@@ -66,8 +66,8 @@ def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str 
   fold_key_heads: with as many key heads as query heads (MHA, SwitchHead), run each head as a
   sequence of its own, one query head over its own key head: [B, T, H, .] -> [B*H, T, 1, .] (a
   transpose of q, k, v and of the output). Off by default (then such shapes return None and the
-  caller takes cuDNN; `causal_attention` passes TRITON_FOLDS_KEY_HEADS): not yet timed against
-  cuDNN on a GPU (`bench/attention_core.py --shapes=mha`).
+  caller takes cuDNN; `causal_attention` passes TRITON_FOLDS_KEY_HEADS): cuDNN is faster there
+  (`bench/attention_core.py --shapes=mha`, TRITON_FOLDS_KEY_HEADS' comment).
 
   Args: q [B, T, H, Dk], k [B, T, 1, Dk] (or [B, T, H, Dk] with fold_key_heads), v [B, T, 1, Dv]
   (or [B, T, H, Dv]). Returns [B, T, H, Dv] or None.
@@ -126,14 +126,16 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
 # The fused core "auto" takes on one GPU for values wider than the keys (pre-mixing): "triton"
 # measured UMoE-base 143.7 ms a step and 27.2 GB, "cudnn" 143.7 ms and 31.6 GB on an H200
 # (BENCHMARKS.md, runs 22-23). Values as wide as the keys (MHA, MoA, SwitchHead) take cuDNN's own
-# kernel: the Triton one is not measured against it there.
+# kernel: at MoA's shared key head (4 x 192 query heads) it took 0.77 ms forward + backward against
+# the Triton core's 0.96 (BENCHMARKS.md run 81).
 AUTO_GPU_WIDE_VALUE_CORE = "triton"
 # Whether "auto" takes those fused cores on several GPUs too (each device's own rows,
 # `on_local_shards`). Off until a multi-GPU step measures them (BENCHMARKS.md, rows F0-F1).
 AUTO_FUSED_ON_SEVERAL_GPUS = False
 # Whether core="triton" runs layouts with a key head per query head (MHA, SwitchHead) through the
 # Triton kernel, heads folded into the batch (`triton_attention(fold_key_heads=True)`), rather than
-# handing them to cuDNN. Off until timed on a GPU (`bench/attention_core.py --shapes=mha`).
+# handing them to cuDNN. Off: at 4 heads of 192 on one H200, cuDNN took 0.74 ms forward + backward
+# and the folded Triton core 1.19 (BENCHMARKS.md run 81, `bench/attention_core.py --shapes=mha`).
 TRITON_FOLDS_KEY_HEADS = False
 
 
