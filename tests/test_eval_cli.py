@@ -189,11 +189,12 @@ def test_module_entry_points_in_subprocesses(trained, tmp_path):
 
 def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
   """Truncated array files: the loader's one error line naming the step, not also one 'Event
-  loop is closed' traceback per array that TensorStore finishes reading after Orbax gave up."""
+  loop is closed' traceback per array that TensorStore finishes reading after Orbax gave up.
+  (Only the arrays' chunks: a step whose metadata is damaged too is incomplete, and skipped.)"""
   ckpt, _, _ = trained
   damaged = tmp_path / "damaged"
   shutil.copytree(ckpt, damaged)
-  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "**" / "d" / "*"), recursive=True)
+  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "ocdbt.process_*" / "d" / "*"))
   assert chunks
   for path in chunks:
     os.truncate(path, 10)
@@ -226,6 +227,54 @@ def test_damaged_array_chunks_name_the_array(trained, tmp_path):
                      + r"[A-Z_]+: .*Error reading \"params\.") as error:
     load_model_and_tokenizer(str(damaged))
   assert "TensorStore details" not in str(error.value), error.value
+
+
+def _with_partial_step(ckpt: str, tmp_path, step: int, what: str) -> str:
+  """A copy of the trained workdir with a newer numbered step `what` ("empty", or "no_state": its
+  state/ gone, as a crash mid-save on gs:// or a copy cut short leaves it); the copy's path."""
+  workdir = str(tmp_path / "crashed")
+  shutil.copytree(ckpt, workdir)
+  partial = os.path.join(workdir, "checkpoints", str(step))
+  if what == "empty":
+    os.makedirs(partial)
+  else:
+    shutil.copytree(os.path.join(workdir, "checkpoints", "3"), partial)
+    shutil.rmtree(os.path.join(partial, "state"))
+  return workdir
+
+
+@pytest.mark.parametrize("what,why", [("empty", "is empty"),
+                                      ("no_state", "has no state/ (the parameters)")])
+def test_an_incomplete_latest_step_falls_back_to_the_previous_one(trained, tmp_path, caplog, what,
+                                                                  why):
+  """A numbered step folder a crash left empty or without its parameters is skipped with a warning
+  naming it and why, and the newest complete step loads (was: "holds no parameters")."""
+  ckpt, model, _ = trained
+  workdir = _with_partial_step(ckpt, tmp_path, 300, what)
+  with caplog.at_level("WARNING"):
+    loaded, _, info = load_model_and_tokenizer(workdir)
+  assert info["step"] == 3
+  np.testing.assert_array_equal(np.asarray(loaded.embed.value), np.asarray(model.embed.value))
+  assert any(f"skipping checkpoint step 300: {workdir}/checkpoints/300 {why}" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_no_complete_step_or_an_incomplete_named_step_is_an_error(trained, tmp_path):
+  """No complete step left: one error naming the checkpoint directory and each step's problem. A
+  step asked for by its directory that is incomplete: an error naming it, no fallback."""
+  ckpt, _, _ = trained
+  workdir = _with_partial_step(ckpt, tmp_path, 300, "no_state")
+  with pytest.raises(LoadError, match=re.escape(
+      f"checkpoint step 300 cannot be loaded: {workdir}/checkpoints/300 has no state/ (the "
+      f"parameters): the step is incomplete; pass the workdir {workdir} for its latest complete "
+      "step")):
+    load_model_and_tokenizer(os.path.join(workdir, "checkpoints", "300"))
+  for step in (2, 3):
+    shutil.rmtree(os.path.join(workdir, "checkpoints", str(step), "state"))
+  with pytest.raises(LoadError, match=re.escape(
+      f"no complete checkpoint step in {workdir}/checkpoints (step 300: {workdir}/checkpoints/300 "
+      f"has no state/ (the parameters): the step is incomplete; step 3: ")):
+    load_model_and_tokenizer(workdir)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ routing analysis; training restores its own state in `umoe_jax.train.checkpoint`
 
 A checkpoint directory is
   * a training step, `<workdir>/checkpoints/<step>` (its model in `<workdir>/config.json`);
-  * a training workdir, or its `checkpoints/` directory: the latest complete step;
+  * a training workdir, or its `checkpoints/` directory: the latest complete step (a newer one a
+    crash left empty or without its parameters is skipped with a warning, as a resume does);
   * a converted checkpoint (`python -m umoe_jax.interop.official`): `<dir>/params` + `<dir>/config.json`.
 The architecture is the checkpoint's config.json, else `config` (an experiment ConfigDict, e.g.
 `--config=configs/umoe_base.py`); without a checkpoint the parameters are random (`seed`). The
@@ -104,7 +105,9 @@ def finetune_message(path: str, workdir: str) -> str:
 
 
 def resolve_checkpoint(path: str) -> CheckpointRef:
-  """The checkpoint a directory names (module docstring); LoadError when it names none."""
+  """The checkpoint a directory names (module docstring); LoadError when it names none. A
+  workdir's incomplete newer steps are skipped with a warning naming them (as a resume does); a
+  step named explicitly that is incomplete is an error."""
   from umoe_jax.train.checkpoint import CHECKPOINT_DIR, complete_steps
 
   path = storage.abspath(path)
@@ -119,8 +122,11 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   if storage.isdir(storage.join(path, "params")):
     return CheckpointRef(path, "converted", None, path, _read_config(path))
   name = storage.basename(path)
-  if name.isdigit() and storage.isdir(storage.join(path, "state")):
-    workdir = storage.dirname(storage.dirname(path))
+  parent = storage.dirname(path)
+  if name.isdigit() and (storage.isdir(storage.join(path, "state"))
+                         or storage.basename(parent) == CHECKPOINT_DIR):
+    _check_named_step_complete(parent, int(name))
+    workdir = storage.dirname(parent)
     return CheckpointRef(path, "step", int(name), workdir, _read_config(workdir))
   ckpt_dir = path if name == CHECKPOINT_DIR else storage.join(path, CHECKPOINT_DIR)
   steps = complete_steps(ckpt_dir)
@@ -128,7 +134,37 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
     raise LoadError(f"checkpoint {path!r} holds no parameters: expected params/ (a converted "
                     "checkpoint), checkpoints/<step>/ with a complete step (a training workdir), or "
                     "a <workdir>/checkpoints/<step> directory")
-  return resolve_checkpoint(storage.join(ckpt_dir, str(steps[-1])))
+  return resolve_checkpoint(storage.join(ckpt_dir, str(_latest_complete_step(ckpt_dir, steps))))
+
+
+def _check_named_step_complete(ckpt_dir: str, step: int) -> None:
+  """LoadError naming step `step` of `ckpt_dir`, asked for by its directory, when it is incomplete:
+  the step asked for, or none (no fallback to another step)."""
+  from umoe_jax.train.checkpoint import IncompleteStepError, step_state_shapes
+  try:
+    step_state_shapes(ckpt_dir, step)
+  except IncompleteStepError as e:
+    raise LoadError(f"checkpoint step {step} cannot be loaded: {e}; pass the workdir "
+                    f"{storage.dirname(ckpt_dir)} for its latest complete step") from None
+
+
+def _latest_complete_step(ckpt_dir: str, steps: list[int]) -> int:
+  """The newest of `steps` (numbered directories of `ckpt_dir`) whose files are complete
+  (`step_state_shapes`, the test a resume applies); a warning names each newer one skipped and
+  why. LoadError naming `ckpt_dir` when none is complete."""
+  from absl import logging
+
+  from umoe_jax.train.checkpoint import IncompleteStepError, step_state_shapes
+  skipped = []
+  for step in reversed(steps):
+    try:
+      step_state_shapes(ckpt_dir, step)
+    except IncompleteStepError as e:
+      logging.warning("skipping checkpoint step %d: %s; trying the previous step", step, e)
+      skipped.append(f"step {step}: {e}")
+      continue
+    return step
+  raise LoadError(f"no complete checkpoint step in {ckpt_dir} ({'; '.join(skipped)})")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -44,8 +44,9 @@ from umoe_jax import storage
 # The start point, workdir, metadata and Orbax-noise names, re-exported: the commands, finetune,
 # load.py and the tests import them from here (some are also used below).
 from umoe_jax.train.checkpoint_metadata import (  # noqa: F401
-    STEP_METADATA_FILE, CheckpointError, CheckpointMismatchError, CheckpointSaveError, complete_steps,
-    saved_shapes, shape_mismatches, step_metadata, tree_shapes)
+    STEP_METADATA_FILE, CheckpointError, CheckpointMismatchError, CheckpointSaveError,
+    IncompleteStepError, complete_steps, saved_shapes, shape_mismatches, step_metadata,
+    step_state_shapes, tree_shapes)
 from umoe_jax.train.orbax_noise import (  # noqa: F401
     orphaned_orbax_record, orphaned_orbax_work, quiet_orphaned_orbax_work)
 from umoe_jax.train.resume import (  # noqa: F401
@@ -193,11 +194,8 @@ class Checkpointer:
     """CheckpointMismatchError naming the first arrays whose paths or shapes differ between step
     `step`'s saved state and `target`, read from the metadata alone: a mismatch is a config change,
     not damage, and a restore attempt would only leave Orbax reads pending."""
-    state_dir = storage.join(self.directory, str(step), "state")
-    on_disk = saved_shapes(state_dir)
-    if on_disk is None:  # damage; Orbax's restore would say "pytree structure error" without it
-      raise CheckpointError(f"{state_dir}: no readable _METADATA (Orbax's index of the "
-                            "saved arrays: the step is incomplete or damaged)")
+    # Incomplete (IncompleteStepError): Orbax's restore would say "pytree structure error".
+    on_disk = step_state_shapes(self.directory, step)
     problems = shape_mismatches(on_disk, tree_shapes(target))
     if problems:
       raise CheckpointMismatchError(

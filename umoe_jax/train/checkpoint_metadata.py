@@ -35,6 +35,11 @@ class CheckpointSaveError(CheckpointError):
   """Writing a checkpoint failed (a full disk, permissions, ...); the earlier steps are intact."""
 
 
+class IncompleteStepError(CheckpointError):
+  """A numbered step directory whose files say it cannot be restored: empty, without state/, or
+  without a readable state/_METADATA (a crash mid-save on gs://, a copy cut short)."""
+
+
 
 def step_metadata(directory: str, step: int) -> dict:
   """The `custom_metadata` saved with `step` (Orbax's <step>/_CHECKPOINT_METADATA, read as JSON
@@ -44,6 +49,23 @@ def step_metadata(directory: str, step: int) -> dict:
     return dict(json.loads(text).get("custom_metadata") or {})
   except (OSError, ValueError, AttributeError):
     return {}
+
+
+def step_state_shapes(directory: str, step: int) -> dict[str, tuple]:
+  """`saved_shapes` of step `step`'s state/ in the checkpoint directory `directory`, from its
+  metadata alone; IncompleteStepError naming the step's directory and what it lacks when its files
+  cannot be restored. The one test of a step's completeness: a resume (checkpoint.py) and `load`
+  skip the steps it refuses."""
+  step_dir = storage.join(directory, str(step))
+  state_dir = storage.join(step_dir, "state")
+  if not storage.isdir(state_dir):
+    lacks = "is empty" if not storage.listdir(step_dir) else "has no state/ (the parameters)"
+    raise IncompleteStepError(f"{step_dir} {lacks}: the step is incomplete")
+  on_disk = saved_shapes(state_dir)
+  if on_disk is None:
+    raise IncompleteStepError(f"{state_dir}: no readable _METADATA (Orbax's index of the saved "
+                              "arrays: the step is incomplete or damaged)")
+  return on_disk
 
 
 def complete_steps(directory: str) -> list[int]:
