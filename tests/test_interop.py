@@ -369,3 +369,20 @@ def test_a_json_that_is_no_shard_index_is_named(tmp_path, capsys):
   # (its one line: json says line 2, after the file's last line end)
   with pytest.raises(official.StateDictError, match=r"index\.json: not a JSON shard index \(line 1:"):
     official.load_official_state_dict(str(broken))
+
+
+def test_loading_with_a_tokenizer_larger_than_the_checkpoint_names_the_flag(tmp_path, capsys):
+  """A converted checkpoint (vocab 128) loaded with the default byte tokenizer (257 ids): its
+  vocabulary is fixed by the checkpoint, so the error names --tokenizer and both sizes (it advised
+  `model.vocab_size >= 257`, which a checkpoint cannot take)."""
+  from umoe_jax.load import LoadError, load_model_and_tokenizer
+  out = tmp_path / "converted"
+  assert official.main([f"--checkpoint={fixture_dir('umoe')}", f"--output={out}"]) == 0
+  capsys.readouterr()
+  with pytest.raises(LoadError) as error:
+    load_model_and_tokenizer(str(out))
+  assert str(error.value) == (
+      f"tokenizer 'byte' has 257 tokens, but the model of checkpoint {out} has vocab_size 128 "
+      "(fixed by its parameters): pass --tokenizer=<the tokenizer.json of that model> (at most 128 "
+      "tokens)")
+  assert "model.vocab_size" not in str(error.value)

@@ -308,6 +308,18 @@ def tokenizer_spec(flag: Optional[str], saved: Optional[dict], config: Any = Non
   return "byte", ""
 
 
+def check_tokenizer_fits_checkpoint(tok: Any, spec: str, vocab_size: int,
+                                    ref: CheckpointRef) -> None:
+  """LoadError when the tokenizer's ids could index past the embedding table of the checkpoint's
+  model. Its vocabulary is fixed by the checkpoint, so the fix is the tokenizer it was trained
+  with (--tokenizer), not a larger model.vocab_size."""
+  if tok.vocab_size <= vocab_size:
+    return
+  raise LoadError(f"tokenizer {spec!r} has {tok.vocab_size} tokens, but the model of checkpoint "
+                  f"{ref.path} has vocab_size {vocab_size} (fixed by its parameters): pass "
+                  f"--tokenizer=<the tokenizer.json of that model> (at most {vocab_size} tokens)")
+
+
 def load_model_and_tokenizer(checkpoint: Optional[str] = None, config: Any = None, *,
                              tokenizer: Optional[str] = None, seed: int = 0,
                              compute_dtype: Optional[str] = "float32"):
@@ -319,8 +331,13 @@ def load_model_and_tokenizer(checkpoint: Optional[str] = None, config: Any = Non
   spec, eos_token = tokenizer_spec(tokenizer, ref.config if ref else None, config)
   try:
     tok = make_tokenizer(spec, eos_token)
-    check_vocab(tok, section.vocab_size)
   except (ValueError, OSError) as e:
+    raise LoadError(str(e)) from None
+  if ref is not None:
+    check_tokenizer_fits_checkpoint(tok, spec, section.vocab_size, ref)
+  try:
+    check_vocab(tok, section.vocab_size)  # random parameters: the config's vocab_size can change
+  except ValueError as e:
     raise LoadError(str(e)) from None
   info = {"checkpoint": checkpoint, "step": ref.step if ref else None, "tokenizer": spec,
           "model": {k: section.get(k) for k in ("vocab_size", "d_model", "n_layers", "max_seq_len",
