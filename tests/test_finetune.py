@@ -549,6 +549,60 @@ def test_train_batches_cover_each_epoch_once():
 
 
 # ----------------------------------------------------------------------------------------------
+# A backbone that does not restore (no pretraining: its config.json and a params/ Orbax cannot read).
+
+
+def _unrestorable_backbone(path, vocab_size=257) -> str:
+  """A converted-checkpoint layout whose config.json is a tiny dense model and whose params/ holds
+  no readable checkpoint (a conversion cut short)."""
+  model = common.experiment("dense", "tiny").model
+  model.update(vocab_size=vocab_size, d_model=32, n_layers=1, max_seq_len=64)
+  os.makedirs(os.path.join(path, "params"))
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({"model": model.to_dict(), "data": {"tokenizer": "byte"}}, f)
+  return str(path)
+
+
+def _small_task_config(tmp_path, init_from: str) -> ml_collections.ConfigDict:
+  train = _labelled(tmp_path / "train.jsonl", [{"text": f"{word} number {i}", "label": word}
+                                               for word in ("red", "blue") for i in range(10)])
+  c = default_config()
+  c.update(init_from=init_from)
+  c.data.update(train_path=train, max_len=32)
+  c.train.update(epochs=1, batch_size=4)
+  c.log.update(progress=False, tensorboard=True, jsonl=True)
+  return c
+
+
+def _files(directory) -> dict[str, bytes]:
+  """{relative path: contents} of every file under `directory` ({} when it does not exist)."""
+  out = {}
+  for root, _, names in os.walk(directory):
+    for name in names:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, directory)] = f.read()
+  return out
+
+
+def test_a_failed_restore_writes_no_log_file(tmp_path):
+  """init_from's parameters fail to restore: the error, and the workdir as it was (the TensorBoard
+  directory, metrics.jsonl, config.json and classifier.json were created before the restore)."""
+  config = _small_task_config(tmp_path, _unrestorable_backbone(tmp_path / "backbone"))
+  fresh = tmp_path / "fresh"
+  with pytest.raises(ConfigError, match=r"init_from=.*backbone.*its parameters do not restore"):
+    loop.run(config, str(fresh))
+  assert _files(fresh) == {}
+  earlier = tmp_path / "earlier"   # the logs of an earlier attempt stay as they were
+  earlier.mkdir()
+  (earlier / "metrics.jsonl").write_text('{"step": 1, "train/loss": 1.0}\n')
+  before = _files(earlier)
+  with pytest.raises(ConfigError, match=r"its parameters do not restore"):
+    loop.run(config, str(earlier))
+  assert _files(earlier) == before
+
+
+# ----------------------------------------------------------------------------------------------
 # The real set: pretraining, fine-tuning, resume, predict, bad input.
 
 

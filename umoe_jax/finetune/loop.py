@@ -3,7 +3,8 @@
   check the config -> the backbone's architecture and tokenizer (`backbone`, from init_from; on
   resume from the workdir's classifier.json) -> the splits (`data.load_splits`) -> the classifier
   and its compiled step (`step.programs`) -> the start point (the workdir's latest checkpoint, else
-  init_from's backbone and a fresh head) -> epochs of steps; at every epoch end the dev accuracy
+  init_from's backbone and a fresh head; nothing is written before it restores: then the log
+  files, config.json and classifier.json) -> epochs of steps; at every epoch end the dev accuracy
   and macro-F1, the best dev epoch saved to <workdir>/best, a training checkpoint
   -> the best checkpoint scored on dev and test: results.json, test_predictions.jsonl.
 
@@ -109,8 +110,16 @@ class Run:
                                               async_save=config.checkpoint.async_save)
     self.best = ckpt_lib.Checkpointer(os.path.join(workdir, predict_lib.BEST_DIR), keep=1,
                                       async_save=False)
-    self.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
-                                           jsonl=config.log.jsonl)
+    self.writer: Optional[metrics_lib.MetricWriter] = None  # `open_logs`, once the state restored
+
+  def open_logs(self) -> None:
+    """Creates the log files (TensorBoard, metrics.jsonl) and writes config.json and
+    classifier.json: after `initial_state`, so a run whose restore fails leaves the workdir's
+    files as they were."""
+    self.writer = metrics_lib.MetricWriter(self.workdir, tensorboard=self.config.log.tensorboard,
+                                           jsonl=self.config.log.jsonl)
+    ckpt_lib.write_config(self.workdir, self.config)
+    predict_lib.write_json(os.path.join(self.workdir, predict_lib.CLASSIFIER_FILE), self.meta())
 
   # Settings that change what the trained parameters read (the token rows, the pooled feature):
   # a run resumes only with those it was trained with.
@@ -296,7 +305,8 @@ class Run:
   def close(self) -> None:
     self.checkpointer.close()
     self.best.close()
-    self.writer.close()
+    if self.writer is not None:
+      self.writer.close()
 
 
 def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None) -> dict:
@@ -307,9 +317,8 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
   """
   r = Run(config, workdir, step_hook=step_hook)
   try:
-    state, start = r.initial_state()
-    ckpt_lib.write_config(workdir, config)
-    predict_lib.write_json(os.path.join(workdir, predict_lib.CLASSIFIER_FILE), r.meta())
+    state, start = r.initial_state()  # its errors before any file is written
+    r.open_logs()
     logging.info("fine-tuning %d classes: %d train / %d dev / %d test examples, %d steps of %d "
                  "(%d epochs) from step %d (%s)", r.label_map.num_classes, len(r.train_split.rows),
                  len(r.dev.rows), len(r.test.rows) if r.test else 0, r.total_steps,
