@@ -602,6 +602,31 @@ def test_a_failed_restore_writes_no_log_file(tmp_path):
   assert _files(earlier) == before
 
 
+def test_predict_errors_name_the_flags_typed(tmp_path):
+  """predict's settings are flags: its input errors name --format, --text_field, --label_field
+  (they named the fine-tuning config keys data.format, ...). Checked before any checkpoint is read,
+  so a classifier.json is enough of a workdir here."""
+  workdir = tmp_path / "ft"
+  workdir.mkdir()
+  (workdir / predict_lib.CLASSIFIER_FILE).write_text(json.dumps({
+      "model": {}, "labels": {"names": ["a", "b"], "kind": "str"}, "pooling": "last",
+      "tokenizer": "byte", "max_len": 32, "text_field": "text", "label_field": "label"}))
+  out = str(tmp_path / "p.jsonl")
+  labelled = _labelled(tmp_path / "in.jsonl", [{"text": "x", "label": "a"}, {"text": "y"}])
+  unnamed = tmp_path / "in.txt"
+  unnamed.write_text("x\n")
+  no_text = _labelled(tmp_path / "body.jsonl", [{"body": "x"}])
+  cases = [(dict(input_path=labelled, fmt="xml"), "--format='xml'; valid: auto, "),
+           (dict(input_path=str(unnamed)), "); set --format to one of "),
+           (dict(input_path=no_text), "no text field 'text' (fields: ['body']); set --text_field"),
+           (dict(input_path=labelled), "no label field 'label' (fields: ['text']); set "
+                                       "--label_field")]
+  for kwargs, message in cases:
+    with pytest.raises(DataError) as error:
+      predict_lib.predict_file(str(workdir), output_path=out, **kwargs)
+    assert message in str(error.value) and "data." not in str(error.value), error.value
+
+
 # ----------------------------------------------------------------------------------------------
 # The real set: pretraining, fine-tuning, resume, predict, bad input.
 

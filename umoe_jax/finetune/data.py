@@ -55,6 +55,20 @@ _MISSING_HINT = ("the record has fewer fields than the header: a line cut short,
 
 
 @dataclasses.dataclass(frozen=True)
+class SettingNames:
+  """How messages about a file read name its settings: the fine-tuning config's keys, or the flags
+  of `predict` (the names the user typed)."""
+  format: str = "data.format"
+  text_field: str = "data.text_field"
+  label_field: str = "data.label_field"
+
+
+CONFIG_KEYS = SettingNames()
+PREDICT_FLAGS = SettingNames(format="--format", text_field="--text_field",
+                             label_field="--label_field")
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
   text: str
   label: Optional[str]      # the canonical label string (see `canonical_label`); None: unlabelled
@@ -65,15 +79,15 @@ class Example:
 # Reading files.
 
 
-def file_format(path: str, fmt: str = "auto") -> str:
+def file_format(path: str, fmt: str = "auto", names: SettingNames = CONFIG_KEYS) -> str:
   if fmt not in FORMATS:
-    raise DataError(f"data.format={fmt!r}; valid: {', '.join(FORMATS)}")
+    raise DataError(f"{names.format}={fmt!r}; valid: {', '.join(FORMATS)}")
   if fmt != "auto":
     return fmt
   ext = os.path.splitext(path)[1].lower()
   if ext not in _EXTENSIONS:
     raise DataError(f"{path}: cannot tell the format from the extension {ext!r} (known: "
-                    f"{', '.join(sorted(_EXTENSIONS))}); set data.format to one of "
+                    f"{', '.join(sorted(_EXTENSIONS))}); set {names.format} to one of "
                     f"{', '.join(FORMATS[1:])}")
   return _EXTENSIONS[ext]
 
@@ -163,23 +177,23 @@ def _is_int(text: str) -> bool:
 
 
 def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt: str = "auto",
-                  key: str = "data.train_path") -> list[Example]:
+                  key: str = "data.train_path", names: SettingNames = CONFIG_KEYS) -> list[Example]:
   """Every example of a file. `label_field=None`: unlabelled (labels None).
 
   Raises DataError naming the file and line for a missing file, an empty file, a record without
   the text or label field, or a non-string text. `key` (the config key or flag that gave `path`)
-  is named in the messages about the whole file.
+  is named in the messages about the whole file, `names` where they say which setting to change.
   """
   if not os.path.isfile(os.path.expanduser(path)):
     raise DataError(f"{key}={path!r}: no such file")
   path = os.path.expanduser(path)
-  fmt = file_format(path, fmt)
+  fmt = file_format(path, fmt, names)
   out = []
   for where, record in _records(path, fmt):
     fields = sorted(map(str, record))
     if text_field not in record:
       raise DataError(f"{path} ({where}): no text field {text_field!r} (fields: {fields}); set "
-                      f"data.text_field")
+                      f"{names.text_field}")
     text = record[text_field]
     if text is MISSING_FIELD:
       raise DataError(f"{path} ({where}): no value of the text field {text_field!r}; "
@@ -191,7 +205,7 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
     if label_field is not None:
       if label_field not in record:
         raise DataError(f"{path} ({where}): no label field {label_field!r} (fields: {fields}); "
-                        f"set data.label_field")
+                        f"set {names.label_field}")
       if record[label_field] is MISSING_FIELD:
         raise DataError(f"{path} ({where}): no value of the label field {label_field!r}; "
                         f"{_MISSING_HINT}")
@@ -202,9 +216,9 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
   return out
 
 
-def has_field(path: str, field: str, fmt: str = "auto") -> bool:
+def has_field(path: str, field: str, fmt: str = "auto", names: SettingNames = CONFIG_KEYS) -> bool:
   """Whether the first record of the file has `field` (predict: score against labels if present)."""
-  for _, record in _records(os.path.expanduser(path), file_format(path, fmt)):
+  for _, record in _records(os.path.expanduser(path), file_format(path, fmt, names)):
     return field in record
   return False
 

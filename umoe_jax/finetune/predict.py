@@ -201,10 +201,12 @@ def predict_file(checkpoint: str, input_path: str, output_path: str, *, text_fie
   meta = read_meta(checkpoint)
   text_field = text_field or meta.get("text_field", "text")
   label_field = label_field or meta.get("label_field", "label")
-  labelled = data_lib.has_field(input_path, label_field, fmt) if os.path.isfile(input_path) else False
+  flags = data_lib.PREDICT_FLAGS  # the settings are flags here, not config keys
+  labelled = (data_lib.has_field(input_path, label_field, fmt, flags) if os.path.isfile(input_path)
+              else False)
   examples = data_lib.read_examples(input_path, text_field=text_field,
                                     label_field=label_field if labelled else None, fmt=fmt,
-                                    key="--input")
+                                    key="--input", names=flags)
   label_map = data_lib.LabelMap.from_json(meta["labels"])
   ids = (label_map.ids(examples, path=input_path, train_path=meta.get("train_path", "?"))
          if labelled else None)
