@@ -602,6 +602,19 @@ def test_a_failed_restore_writes_no_log_file(tmp_path):
   assert _files(earlier) == before
 
 
+def test_a_tokenizer_larger_than_the_backbone_names_data_tokenizer(tmp_path):
+  """A backbone of 128 ids (a converted official checkpoint) and its config's byte tokenizer (257):
+  the vocabulary is the backbone's, so the error says to set data.tokenizer (it advised
+  `set model.vocab_size >= 257`, which fine-tuning cannot change). Raised before any restore."""
+  config = _small_task_config(tmp_path, _unrestorable_backbone(tmp_path / "backbone", 128))
+  with pytest.raises(ConfigError) as error:
+    loop.run(config, str(tmp_path / "ft"))
+  assert str(error.value) == (
+      f"tokenizer 'byte' does not fit init_from={config.init_from!r}: it has 257 tokens but the "
+      "backbone's vocab_size is 128 (fixed by its parameters); set data.tokenizer to the "
+      "tokenizer.json the backbone was trained with (at most 128 tokens)")
+
+
 def test_predict_errors_name_the_flags_typed(tmp_path):
   """predict's settings are flags: its input errors name --format, --text_field, --label_field
   (they named the fine-tuning config keys data.format, ...). Checked before any checkpoint is read,
@@ -881,7 +894,7 @@ def test_bad_input_errors_name_file_line_and_value(real_run, tmp_path):
     run(init_from=str(no_config))
   gpt2 = os.path.join(SHARED, "tokenizers", "gpt2", "tokenizer.json")
   with pytest.raises(ConfigError, match=r"tokenizer .*gpt2.*does not fit init_from.*50257 tokens "
-                                        r"but the model's vocab_size is 257"):
+                                        r"but the backbone's vocab_size is 257"):
     run(**{"data.tokenizer": gpt2})
   with pytest.raises(ConfigError, match=r"model\.pooling='max'"):
     run(**{"model.pooling": "max"})

@@ -81,13 +81,13 @@ class Run:
     if d.max_len > self.model_cfg.max_seq_len:
       raise ConfigError(f"data.max_len={d.max_len} exceeds the backbone's model.max_seq_len="
                         f"{self.model_cfg.max_seq_len} (init_from={config.init_from!r})")
-    from umoe_jax.data.tokenizer import check_vocab, make_tokenizer
+    from umoe_jax.data.tokenizer import make_tokenizer
     try:
       self.tokenizer = make_tokenizer(self.tokenizer_spec, self.eos_token)
-      check_vocab(self.tokenizer, self.model_cfg.vocab_size)
     except (ValueError, OSError) as e:
       raise ConfigError(f"tokenizer {self.tokenizer_spec!r} does not fit init_from="
                         f"{config.init_from!r}: {e}") from None
+    self._check_tokenizer_fits_backbone()
     self.label_map, self.train_split, self.dev, self.test = data_lib.load_splits(config, self.tokenizer)
     if self.resume_meta is not None and self.resume_meta["labels"] != self.label_map.to_json():
       raise ConfigError(f"{os.path.join(workdir, predict_lib.CLASSIFIER_FILE)} holds the labels "
@@ -120,6 +120,18 @@ class Run:
                                            jsonl=self.config.log.jsonl)
     ckpt_lib.write_config(self.workdir, self.config)
     predict_lib.write_json(os.path.join(self.workdir, predict_lib.CLASSIFIER_FILE), self.meta())
+
+  def _check_tokenizer_fits_backbone(self) -> None:
+    """ConfigError when the tokenizer's ids could index past the backbone's embedding table: its
+    vocabulary is fixed by init_from's parameters, so the fix is data.tokenizer (the tokenizer the
+    backbone was trained with), not model.vocab_size."""
+    vocab_size = self.model_cfg.vocab_size
+    if self.tokenizer.vocab_size > vocab_size:
+      raise ConfigError(
+          f"tokenizer {self.tokenizer_spec!r} does not fit init_from={self.config.init_from!r}: "
+          f"it has {self.tokenizer.vocab_size} tokens but the backbone's vocab_size is "
+          f"{vocab_size} (fixed by its parameters); set data.tokenizer to the tokenizer.json the "
+          f"backbone was trained with (at most {vocab_size} tokens)")
 
   # Settings that change what the trained parameters read (the token rows, the pooled feature):
   # a run resumes only with those it was trained with.
