@@ -298,7 +298,7 @@ def _bad_inputs(tmp, ckpt):
       (["tasks", f"--checkpoint={no_config}", f"--data_dir={data_dir}", "--tasks=piqa"], 1,
        "has no config.json"),
       (["tasks", *common, "--tasks=piqa", f"--tokenizer={GPT2}"], 1,
-       "has 50257 tokens but the model's vocab_size is 512"),
+       "has 50257 tokens, but the model of checkpoint "),
       # A BOS id the model has no embedding for is named (it was "the tokenizer does not fit").
       (["tasks", *common, "--tasks=piqa", "--bos_id=512"], 1,
        "--bos_id=512 is outside the model's vocabulary [0, 512)"),
