@@ -81,9 +81,10 @@ def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERRO
 
 def _parse_flags(argv):
   """absl's flag parsing, with every failure as one line (exit 2) instead of a traceback."""
+  from umoe_jax import flag_errors
   debug = _debug(argv)
   try:
-    return flags.FLAGS(argv)
+    return flag_errors.parse_flags(argv)
   except Exception as e:  # pylint: disable=broad-except
     if debug:
       raise

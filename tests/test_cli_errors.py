@@ -872,6 +872,25 @@ def test_every_command_help_lists_its_flags():
     assert set(commands[cmd]) <= listed, (cmd, sorted(listed), out[-2000:])
 
 
+ENTRY_POINTS = ("train.py", "umoe_jax.eval", "umoe_jax.eval.harness", "umoe_jax.analysis",
+                "umoe_jax.generate", "umoe_jax.stats", "umoe_jax.plot", "umoe_jax.finetune",
+                "umoe_jax.finetune.linux_docs", "umoe_jax.data.prepare", "umoe_jax.interop.official")
+
+
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_help_exits_0_and_prints_usage(entry_point):
+  """`--help` prints the usage (the command line it documents) and exits 0: absl's help flags exit
+  1, which the absl commands (train.py, analysis, generate, stats, finetune, linux_docs) passed
+  on."""
+  command = [entry_point] if entry_point.endswith(".py") else ["-m", entry_point]
+  usage = f"python {entry_point}" if entry_point.endswith(".py") else f"python -m {entry_point}"
+  proc = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+  assert usage in proc.stdout and "Traceback" not in proc.stderr, (proc.stdout[-2000:],
+                                                                  proc.stderr[-2000:])
+
+
 def test_every_command_reports_bad_flags_and_inputs_in_one_error_line(tmp_path):
   """A flag absl cannot parse (an unknown name, a value of the wrong type, a config override of the
   wrong type) was absl's "FATAL Flags parsing error" and a second line; the fine-tuning command

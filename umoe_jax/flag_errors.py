@@ -7,7 +7,9 @@ this makes flags the same:
 
     app.run(main, flags_parser=flag_errors.parser(exit_code=2))
 
-(train.py has its own parser, with a hint line and --debug.)
+absl's --help, --helpshort, --helpfull and --helpxml print the help and exit with status 1;
+`parse_flags` (used by `parser` and train.py's own parser, which adds a hint line and --debug)
+exits 0 after the help, as argparse and the commands' own `--help` do.
 """
 from __future__ import annotations
 
@@ -23,9 +25,18 @@ def parser(exit_code: int = 1) -> Callable[[Sequence[str]], list[str]]:
 
   def parse(argv: Sequence[str]) -> list[str]:
     try:
-      return flags.FLAGS(list(argv))
+      return parse_flags(argv)
     except flags.Error as e:
       print(f"error: {e}", file=sys.stderr, flush=True)
       raise SystemExit(exit_code) from None
 
   return parse
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """flags.FLAGS(argv) (the arguments left over), with absl's help flags exiting 0, not 1: they
+  are the only flags that exit while parsing (--only_check_flags exits 0 already)."""
+  try:
+    return flags.FLAGS(list(argv))
+  except SystemExit:
+    raise SystemExit(0) from None
