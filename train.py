@@ -81,12 +81,12 @@ def _fail(kind: str, error: BaseException, hint: str, code: int = EXIT_USER_ERRO
 
 def _parse_flags(argv):
   """absl's flag parsing, with every failure as one line (exit 2) instead of a traceback."""
-  from umoe_jax import flag_errors
+  from umoe_jax import flag_errors, stdout_errors
   debug = _debug(argv)
   try:
     return flag_errors.parse_flags(argv)
   except Exception as e:  # pylint: disable=broad-except
-    if debug:
+    if debug or stdout_errors.is_stdout_error(e):  # --help into a full device: reported at exit
       raise
     from umoe_jax import config_file
     from umoe_jax.config import ConfigError
@@ -189,4 +189,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  from umoe_jax import stdout_errors
+  stdout_errors.run_and_exit(app.run, main, flags_parser=_parse_flags)

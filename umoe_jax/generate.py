@@ -83,10 +83,10 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  from umoe_jax import config_file, flag_errors
+  from umoe_jax import config_file, flag_errors, stdout_errors
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv)  # else a raw traceback of config_flags
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
-  app.run(main, flags_parser=flag_errors.parser(exit_code=1))
+  stdout_errors.run_and_exit(app.run, main, flags_parser=flag_errors.parser(exit_code=1))

@@ -280,4 +280,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from umoe_jax import stdout_errors
+  stdout_errors.run_and_exit(main)

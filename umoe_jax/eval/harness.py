@@ -228,5 +228,6 @@ def format_table(results: dict[str, dict]) -> str:
 if __name__ == "__main__":
   import sys
 
+  from umoe_jax import stdout_errors
   from umoe_jax.eval.cli import main
-  sys.exit(main(["tasks"] + sys.argv[1:], prog="python -m umoe_jax.eval.harness"))
+  stdout_errors.run_and_exit(main, ["tasks"] + sys.argv[1:], prog="python -m umoe_jax.eval.harness")

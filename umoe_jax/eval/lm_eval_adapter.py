@@ -192,4 +192,5 @@ def run_lm_eval_cli(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(run_lm_eval_cli(sys.argv[1:]))
+  from umoe_jax import stdout_errors
+  stdout_errors.run_and_exit(run_lm_eval_cli, sys.argv[1:])

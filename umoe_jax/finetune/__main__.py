@@ -99,11 +99,11 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from umoe_jax import config_file, flag_errors
+  from umoe_jax import config_file, flag_errors, stdout_errors
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv)  # else config_flags' traceback (or IOError at first use)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  app.run(main, flags_parser=flag_errors.parser(exit_code=2))
+  stdout_errors.run_and_exit(app.run, main, flags_parser=flag_errors.parser(exit_code=2))

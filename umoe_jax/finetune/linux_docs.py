@@ -113,5 +113,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("per_class", 200, "At most this many documents per class.")
   flags.DEFINE_float("test_fraction", 0.25, "Share of each class held out as test.")
   flags.DEFINE_integer("max_chars", 2000, "Characters kept of each text.")
-  from umoe_jax import flag_errors
-  app.run(main, flags_parser=flag_errors.parser(exit_code=1))
+  from umoe_jax import flag_errors, stdout_errors
+  stdout_errors.run_and_exit(app.run, main, flags_parser=flag_errors.parser(exit_code=1))

@@ -168,4 +168,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from umoe_jax import stdout_errors
+  stdout_errors.run_and_exit(main)
