@@ -192,12 +192,32 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
   broken = tmp_path / "zoo"
   broken.mkdir()
   (broken / "x_tiny.py").write_text("def get_config():\n  raise ValueError('bad scale')\n")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  (empty / "notes_tiny.txt").write_text("not a config")
+  a_file = tmp_path / "zoo.py"
+  a_file.write_text("")
   tiny = "--config=configs/umoe_tiny.py"
+  max_seq_len = load("umoe_tiny").model.max_seq_len
   cases = {
       (tiny, "--batch=0"): "error: --batch=0 must be >= 1",
       (tiny, "--seq_len=0"): "error: --seq_len=0 must be >= 1",
-      (tiny, "--kv_dtype=float13"): "error: --kv_dtype='float13' is not a dtype (e.g. bfloat16, "
-                                    "float16, float32, int8, float8_e4m3fn)",
+      # Longer than the model runs (LM refuses it for every attention kind): was counted silently.
+      (tiny, f"--seq_len={max_seq_len + 1}"): f"error: --seq_len={max_seq_len + 1} exceeds the "
+                                              f"model's max_seq_len={max_seq_len}; lower --seq_len "
+                                              "or raise --config.model.max_seq_len",
+      (tiny, "--kv_dtype=float13"): "error: --kv_dtype='float13' is not a numeric dtype (e.g. "
+                                    "bfloat16, float16, float32, int8, float8_e4m3fn)",
+      # A numpy dtype but no number (was 0 bytes per value, the KV cache 0 B).
+      (tiny, "--kv_dtype=str"): "error: --kv_dtype='str' is not a numeric dtype (e.g. bfloat16, "
+                                "float16, float32, int8, float8_e4m3fn)",
+      (tiny, "stray"): "error: unexpected arguments: stray",
+      # No zoo config there (was an empty table and exit status 0), a file (was "no such directory").
+      ("--zoo", f"--zoo_dir={empty}"): f"error: --zoo_dir='{empty}' holds no zoo config: expected "
+                                       "config files named *_tiny.py, *_base.py, *_large.py (like "
+                                       "configs/umoe_tiny.py)",
+      ("--zoo", f"--zoo_dir={a_file}"): f"error: --zoo_dir='{a_file}' is a file, not a directory "
+                                        "of zoo configs",
       (tiny, "--config.model.d_model=-3"): "error: model.d_model=-3 must be positive",
       ("--zoo", f"--zoo_dir={tmp_path / 'none'}"): f"error: --zoo_dir='{tmp_path / 'none'}': no "
                                                    "such directory",

@@ -12,7 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 from umoe_jax.stats.report import format_table
 from umoe_jax.stats.summary import model_stats
-from umoe_jax.stats.zoo import zoo_markdown
+from umoe_jax.stats.zoo import ZOO_PATTERNS, zoo_files, zoo_markdown
 
 
 def _define_flags():
@@ -39,7 +39,7 @@ def _main(argv):
   from absl import flags
   from ml_collections import config_flags
   if len(argv) > 1:
-    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+    raise SystemExit(f"error: unexpected arguments: {' '.join(argv[1:])}")
   from umoe_jax.config import ConfigError
   FLAGS = flags.FLAGS
   _check_flags(FLAGS)
@@ -53,6 +53,7 @@ def _main(argv):
     raise SystemExit("--config=configs/<model>.py is required (or --zoo)")
   name = config_flags.get_config_filename(FLAGS["config"])
   try:
+    _check_seq_len(FLAGS.config, FLAGS.seq_len)
     s = model_stats(FLAGS.config, batch=FLAGS.batch, seq_len=FLAGS.seq_len, causal=FLAGS.causal,
                     kv_dtype=FLAGS.kv_dtype, from_model=FLAGS.from_model, name=name)
   except ConfigError as e:  # an override the model refuses, e.g. --config.model.d_model=-3
@@ -80,10 +81,32 @@ def _check_flags(FLAGS) -> None:
   try:
     itemsize(FLAGS.kv_dtype)
   except TypeError:
-    raise SystemExit(f"error: --kv_dtype={FLAGS.kv_dtype!r} is not a dtype (e.g. bfloat16, "
+    raise SystemExit(f"error: --kv_dtype={FLAGS.kv_dtype!r} is not a numeric dtype (e.g. bfloat16, "
                      "float16, float32, int8, float8_e4m3fn)") from None
-  if FLAGS.zoo and not os.path.isdir(FLAGS.zoo_dir):
-    raise SystemExit(f"error: --zoo_dir={FLAGS.zoo_dir!r}: no such directory")
+  if FLAGS.zoo:
+    _check_zoo_dir(FLAGS.zoo_dir)
+
+
+def _check_zoo_dir(zoo_dir: str) -> None:
+  """--zoo_dir is a directory holding zoo configs (else an empty table, exit status 0)."""
+  if not os.path.exists(zoo_dir):
+    raise SystemExit(f"error: --zoo_dir={zoo_dir!r}: no such directory")
+  if not os.path.isdir(zoo_dir):
+    raise SystemExit(f"error: --zoo_dir={zoo_dir!r} is a file, not a directory of zoo configs")
+  if not zoo_files(zoo_dir):
+    raise SystemExit(f"error: --zoo_dir={zoo_dir!r} holds no zoo config: expected config files "
+                     f"named {', '.join(ZOO_PATTERNS)} (like configs/umoe_tiny.py)")
+
+
+def _check_seq_len(config, seq_len: Optional[int]) -> None:
+  """--seq_len within the model's max_seq_len: the model refuses longer sequences for every
+  attention kind (`LM._decoder`; the trainer's train.seq_len check), so their counts describe no
+  forward pass the model can run."""
+  from umoe_jax.stats.counting import as_model_config
+  max_seq_len = as_model_config(config).max_seq_len
+  if seq_len is not None and seq_len > max_seq_len:
+    raise SystemExit(f"error: --seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; "
+                     "lower --seq_len or raise --config.model.max_seq_len")
 
 
 def _flatten(d: Mapping, prefix: str = "") -> dict:

@@ -11,9 +11,13 @@ from umoe_jax.stats.real_model import model_cache_shapes
 
 
 def itemsize(dtype: Any) -> int:
-  """Bytes of one value of `dtype` ("bfloat16" -> 2)."""
+  """Bytes of one value of `dtype` ("bfloat16" -> 2); a TypeError for a dtype that is not a number
+  (str, object, bool: no cache holds them; numpy gives str 0 bytes)."""
   import jax.numpy as jnp  # late: importing the statistics does not load jax
-  return int(jnp.dtype(dtype).itemsize)
+  dt = jnp.dtype(dtype)
+  if not jnp.issubdtype(dt, jnp.number):
+    raise TypeError(f"dtype {dtype!r} is not a number type")
+  return int(dt.itemsize)
 
 
 def kv_cache_values_per_token(cfg: Any) -> dict[str, int]:
