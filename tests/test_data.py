@@ -249,8 +249,8 @@ def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeyp
   (out / "notes.txt").write_text("mine")
   capsys.readouterr()
   assert prepare.main(args + ["--overwrite"]) == 1  # one error line, no traceback
-  assert capsys.readouterr().err.startswith(f"error: output_dir '{out}' holds files that are not "
-                                            "a prepare output ('notes.txt')")
+  assert capsys.readouterr().err.startswith(f"error: --output_dir='{out}' holds files that are "
+                                            "not a prepare output ('notes.txt')")
   assert (out / "notes.txt").read_text() == "mine" and _prepared_docs(out) == sorted(DOCS)
   # A non-empty directory without metadata.json (e.g. an older interrupted run) needs --overwrite.
   partial = tmp_path / "partial"
@@ -264,10 +264,10 @@ def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeyp
   assert capsys.readouterr().err == f"error: --input='{tmp_path}/none.parquet': no such file or " \
                                     "directory\n"
   assert prepare.main([*args, "--num_shards=0"]) == 1
-  assert capsys.readouterr().err == "error: num_shards=0 must be >= 1\n"
+  assert capsys.readouterr().err == "error: --num_shards=0 must be >= 1\n"
   # An output_dir below a file: named as such (it was makedirs' "[Errno 17] File exists: ...").
   assert prepare.main([*args[:3], f"--output_dir={jsonl}/sub/out"]) == 1
-  assert capsys.readouterr().err == (f"error: output_dir '{jsonl}/sub/out' cannot be created: "
+  assert capsys.readouterr().err == (f"error: --output_dir='{jsonl}/sub/out' cannot be created: "
                                      f"'{jsonl}' is a file\n")
   prepare.main([*args[:3], f"--output_dir={partial}", "--overwrite"])
   assert _prepared_docs(partial) == sorted(DOCS)
@@ -362,11 +362,68 @@ def test_prepare_onto_a_full_disk_names_the_output(tmp_path, capsys):
     assert prepare.main(["--source=jsonl", f"--input={jsonl}", "--text_field=body",
                          f"--output_dir={disk}/out", "--num_shards=2"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (  # (after tqdm's progress line)
-        f"error: output_dir '{disk}/out': writing the shards failed (write() failed: No space left "
+        f"error: --output_dir='{disk}/out': writing the shards failed (write() failed: No space left "
         "on device); a previous output there is unchanged")
     assert not os.listdir(disk)  # the staging directory is removed
   finally:
     subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _refuse_directories_below(read_only: pathlib.Path, monkeypatch) -> None:
+  """os.mkdir below `read_only` fails as on a read-only file system (the tests may run as root,
+  whom chmod does not stop)."""
+  import errno
+  import os
+  mkdir = os.mkdir
+
+  def read_only_mkdir(path, *args, **kwargs):
+    if os.path.abspath(path).startswith(f"{read_only}{os.sep}"):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    return mkdir(path, *args, **kwargs)
+  monkeypatch.setattr(os, "mkdir", read_only_mkdir)
+
+
+def test_prepare_into_a_read_only_directory_names_the_output_dir(tmp_path, monkeypatch, capsys):
+  # The error named the hidden staging directory (".out.prepare-<id>"), not the --output_dir given.
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  read_only = tmp_path / "ro"
+  read_only.mkdir()
+  _refuse_directories_below(read_only, monkeypatch)
+  monkeypatch.chdir(tmp_path)
+  args = ["--source=jsonl", f"--input={jsonl}", "--text_field=body"]
+  for output_dir in ("ro/out", "ro/new/out"):  # named as given; the second needs ro/new made first
+    assert prepare.main([*args, f"--output_dir={output_dir}"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --output_dir='{output_dir}' cannot be written: making a directory in "
+        f"'{read_only}' failed (Read-only file system)")
+  assert not list(read_only.iterdir())
+
+
+def test_prepare_flags_that_would_be_ignored_or_exhaust_open_files(tmp_path, monkeypatch, capsys):
+  import resource
+  jsonl = _write_jsonl(tmp_path / "d.jsonl")
+  out = tmp_path / "out"
+  # --input with the builtin corpus, --eos_token with the byte tokenizer: were silently ignored.
+  for bad, message in (
+      (["--source=builtin", f"--input={jsonl}"],
+       f"--input='{jsonl}' is not read by --source=builtin (it writes the built-in corpus; --split "
+       "picks which split)"),
+      (["--source=jsonl", f"--input={jsonl}", "--eos_token=</s>"],
+       "--eos_token='</s>' is for a tokenizer.json --tokenizer; the byte tokenizer's EOS is id 256")):
+    with pytest.raises(SystemExit) as exit_info:
+      prepare.main([*bad, f"--output_dir={out}"])
+    assert exit_info.value.code == 2
+    usage_error = capsys.readouterr().err.splitlines()[-1]
+    assert usage_error == f"python -m umoe_jax.data.prepare: error: {message}"
+  # More shards than files may be open: the error blamed the input ("text file 'd.jsonl' cannot be
+  # read (OSError: [Errno 24] Too many open files") once the writers had used the limit up.
+  monkeypatch.setattr(resource, "getrlimit", lambda kind: (100, 100))
+  assert prepare.main(["--source=jsonl", f"--input={jsonl}", "--text_field=body",
+                       f"--output_dir={out}", "--num_shards=40"]) == 1
+  assert capsys.readouterr().err == (
+      "error: --num_shards=40: every shard is written at once, one open file each, and this "
+      "process may open 100 files (ulimit -n); use at most 36 shards\n")
+  assert not out.exists()
 
 
 @pytest.mark.parametrize("previous", [True, False])

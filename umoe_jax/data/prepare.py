@@ -42,6 +42,8 @@ import errno
 import itertools
 import json
 import os
+import re
+import resource
 import shutil
 import sys
 import uuid
@@ -57,6 +59,7 @@ from umoe_jax.data import default_data_config, sources
 from umoe_jax.data.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
 _DOCS_PER_GROUP = 256  # Documents handed to the tokenizer at once (Rust-parallel for tokenizer.json).
+_FILES_KEPT_OPEN = 64  # Open files besides the shard writers' (the input, grain's threads, ...).
 
 
 shard_name = sources.shard_name
@@ -113,31 +116,61 @@ def _publish_remote(staged: str, output_dir: str) -> None:
   storage.upload_file(os.path.join(staged, sources.METADATA_FILE), meta)
 
 
-def _check_output_dir(output_dir: str, overwrite: bool) -> None:
-  """Refuses to replace a previous output without `overwrite`, or a directory holding other files."""
+def _check_num_shards(num_shards: int) -> None:
+  """At least one shard, and no more than can be open at once (every shard's writer holds its file
+  open, and past the process's limit the next file opened fails: the input, named as unreadable)."""
+  if num_shards < 1:
+    raise ValueError(f"num_shards={num_shards} must be >= 1")
+  limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # open files (ulimit -n)
+  if limit != resource.RLIM_INFINITY and num_shards > limit - _FILES_KEPT_OPEN:
+    raise ValueError(f"num_shards={num_shards}: every shard is written at once, one open file "
+                     f"each, and this process may open {limit} files (ulimit -n); use at most "
+                     f"{max(1, limit - _FILES_KEPT_OPEN)} shards")
+
+
+def _make_staging_dir(output_dir: str, shown: str) -> str:
+  """Makes the hidden sibling of `output_dir` the output is written into (module docstring); an
+  OSError naming the output directory `shown` (as the caller spelled it), not the hidden one, where
+  it cannot be made (a read-only or full file system, no permission)."""
+  parent, name = os.path.split(output_dir)
+  staging = os.path.join(parent, f".{name}.prepare-{uuid.uuid4().hex[:12]}")
+  try:
+    os.makedirs(parent, exist_ok=True)
+    os.mkdir(staging)  # Mode from the umask, like a directory made by os.makedirs.
+  except OSError as e:
+    where = os.path.dirname(e.filename) if e.filename else parent
+    raise OSError(f"output_dir {shown!r} cannot be written: making a directory in {where!r} "
+                  f"failed ({e.strerror or e})") from e
+  return staging
+
+
+def _check_output_dir(output_dir: str, overwrite: bool, shown: str) -> None:
+  """Refuses to replace a previous output without `overwrite`, or a directory holding other files;
+  the errors name the output directory `shown` (as the caller spelled it)."""
   if not storage.exists(output_dir):
     existing = output_dir  # a local one is made below its nearest existing ancestor
     while not storage.is_url(existing) and existing != os.path.dirname(existing):
       existing = os.path.dirname(existing)
       if os.path.exists(existing):
         if not os.path.isdir(existing):  # (else makedirs' bare "[Errno 17] File exists")
-          raise NotADirectoryError(f"output_dir {output_dir!r} cannot be created: {existing!r} "
+          raise NotADirectoryError(f"output_dir {shown!r} cannot be created: {existing!r} "
                                    "is a file")
         break
     return
   if not storage.isdir(output_dir):
-    raise NotADirectoryError(f"output_dir {output_dir!r} exists and is not a directory")
+    raise NotADirectoryError(f"output_dir {shown!r} exists and is not a directory")
   entries = storage.listdir(output_dir)
   meta_path = storage.join(output_dir, sources.METADATA_FILE)
   if entries and not overwrite:
-    what = f"{meta_path!r} exists" if storage.exists(meta_path) else f"{output_dir!r} is not empty"
+    what = (f"{storage.join(shown, sources.METADATA_FILE)!r} exists" if storage.exists(meta_path)
+            else f"{shown!r} is not empty")
     raise FileExistsError(f"{what}; pass --overwrite to replace it")
   foreign = [e for e in entries if not (
       (e == sources.METADATA_FILE or e.endswith(sources.ARRAYRECORD_SUFFIX))
       and storage.isfile(storage.join(output_dir, e)))]
   if foreign:
     raise FileExistsError(
-        f"output_dir {output_dir!r} holds files that are not a prepare output "
+        f"output_dir {shown!r} holds files that are not a prepare output "
         f"({', '.join(map(repr, foreign[:8]))}{' ...' if len(foreign) > 8 else ''}); --overwrite "
         "replaces the whole directory, so move them away or pick another output_dir")
 
@@ -163,15 +196,15 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
 
   if data_config.source == "arrayrecord":
     raise ValueError("data.source='arrayrecord' is already tokenized; prepare reads raw text sources")
-  if num_shards < 1:
-    raise ValueError(f"num_shards={num_shards} must be >= 1")
+  _check_num_shards(num_shards)
+  shown = output_dir  # as the caller spelled it, for the error messages
   remote = storage.is_url(output_dir)
   # Resolve symlinks: the real directory is the one swapped, next to it (same file system).
   output_dir = (storage.expand(output_dir) if remote else
                 os.path.realpath(os.path.expanduser(output_dir)))
   if remote:
     storage.check_bucket(output_dir)  # before the tokenizing, not after
-  _check_output_dir(output_dir, overwrite)
+  _check_output_dir(output_dir, overwrite, shown)
   tok = make_tokenizer(data_config.tokenizer, data_config.get("eos_token", ""))
   dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32).newbyteorder("<")
 
@@ -184,16 +217,13 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
   if remote:  # staged locally (array_record writes local files), then published
     tmp_dir = storage.local_temp_dir("umoe-prepare-")
   else:
-    parent, name = os.path.split(output_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = os.path.join(parent, f".{name}.prepare-{uuid.uuid4().hex[:12]}")
-    os.mkdir(tmp_dir)  # Mode from the umask, like a directory made by os.makedirs.
+    tmp_dir = _make_staging_dir(output_dir, shown)
   try:
     try:
       writers = [ArrayRecordWriter(os.path.join(tmp_dir, shard_name(i, num_shards)), "group_size:1")
                  for i in range(num_shards)]
     except RuntimeError as e:
-      raise _write_failed(output_dir, e) from e
+      raise _write_failed(shown, e) from e
     num_docs = num_tokens = 0
     doc_iter = iter(docs)
     with tqdm(total=total, unit="doc", disable=not progress, desc=f"tokenizing {split}") as bar:
@@ -202,7 +232,7 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
           try:
             writers[num_docs % num_shards].write(np.asarray(ids, dtype=dtype).tobytes())
           except RuntimeError as e:  # (a full disk, ...; not a read error of the input)
-            raise _write_failed(output_dir, e) from e
+            raise _write_failed(shown, e) from e
           num_docs += 1
           num_tokens += len(ids)
         bar.update(len(group))
@@ -211,7 +241,7 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
       for w in writers:
         w.close()
     except RuntimeError as e:
-      raise _write_failed(output_dir, e) from e
+      raise _write_failed(shown, e) from e
 
     path, key = sources.split_path(data_config, split)
     if num_tokens == 0:  # (empty files / texts): shards nothing could train on
@@ -226,7 +256,7 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
         text_field=data_config.text_field)
     with open(os.path.join(tmp_dir, sources.METADATA_FILE), "w") as f:
       json.dump(meta, f, indent=2)
-    _check_output_dir(output_dir, overwrite)  # Still only a previous output (nothing added since).
+    _check_output_dir(output_dir, overwrite, shown)  # Still only a previous output (none added).
     if remote:
       _publish_remote(tmp_dir, output_dir)
     else:
@@ -262,6 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   cfg.eos_token = args.eos_token
   if cfg.source != "builtin" and not args.input:
     p.error(f"--input is required for --source={cfg.source}")
+  if cfg.source == "builtin" and args.input:
+    p.error(f"--input={args.input!r} is not read by --source=builtin (it writes the built-in "
+            "corpus; --split picks which split)")
+  if args.eos_token and args.tokenizer in ("", "byte"):
+    p.error(f"--eos_token={args.eos_token!r} is for a tokenizer.json --tokenizer; the byte "
+            "tokenizer's EOS is id 256")
   # `prepare` reads the split's path key; route --input there.
   split = "eval" if args.split == "validation" else "train"
   key = sources.split_path(cfg, split)[1]
@@ -270,13 +306,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = prepare(cfg, args.output_dir, split=split, num_shards=args.num_shards,
                    overwrite=args.overwrite)
   except (ValueError, OSError) as e:  # DataError, a missing file, StorageError, ...
-    message = " ".join(str(e).split()).replace(f"{key}=", "--input=")  # the flags the user gave
-    message = message.replace("(data.tokenizer)", "(--tokenizer)").replace(
-        "(data.text_field)", "(--text_field)")
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {_as_flags(str(e), key)}", file=sys.stderr)
     return 1
   print(json.dumps(meta, indent=2))
   return 0
+
+
+def _as_flags(message: str, input_key: str) -> str:
+  """`prepare`'s error message on one line, naming the command's flags where it names the
+  arguments or config keys they set (output_dir 'x' -> --output_dir='x', data.train_path= ->
+  --input=, ...)."""
+  message = " ".join(message.split()).replace(f"{input_key}=", "--input=")
+  message = message.replace("(data.tokenizer)", "(--tokenizer)").replace(
+      "(data.text_field)", "(--text_field)")
+  message = re.sub(r"(?<![-\w])output_dir '", "--output_dir='", message)
+  message = re.sub(r"(?<![-\w])output_dir\b", "--output_dir", message)
+  return re.sub(r"(?<![-\w])num_shards=", "--num_shards=", message)
 
 
 if __name__ == "__main__":
