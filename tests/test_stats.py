@@ -197,6 +197,9 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
   (empty / "notes_tiny.txt").write_text("not a config")
   a_file = tmp_path / "zoo.py"
   a_file.write_text("")
+  no_model = tmp_path / "data_only.py"  # e.g. another command's config
+  no_model.write_text("import ml_collections\n\ndef get_config():\n  return "
+                      "ml_collections.ConfigDict({'data': {'source': 'text'}})\n")
   tiny = "--config=configs/umoe_tiny.py"
   max_seq_len = load("umoe_tiny").model.max_seq_len
   cases = {
@@ -212,6 +215,9 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
       (tiny, "--kv_dtype=str"): "error: --kv_dtype='str' is not a numeric dtype (e.g. bfloat16, "
                                 "float16, float32, int8, float8_e4m3fn)",
       (tiny, "stray"): "error: unexpected arguments: stray",
+      # Was "unknown key model.data (={...}); valid keys of model: ..." (read as a model section).
+      (f"--config={no_model}",): f"error: --config={no_model} has no model section (config.model) "
+                                 "and no model key such as d_model; its keys: data",
       # No zoo config there (was an empty table and exit status 0), a file (was "no such directory").
       ("--zoo", f"--zoo_dir={empty}"): f"error: --zoo_dir='{empty}' holds no zoo config: expected "
                                        "config files named *_tiny.py, *_base.py, *_large.py (like "

@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Mapping, Optional, Sequence
 
+from umoe_jax.config import ModelConfig
+from umoe_jax.stats.counting import as_model_config
 from umoe_jax.stats.report import format_table
 from umoe_jax.stats.summary import model_stats
 from umoe_jax.stats.zoo import ZOO_PATTERNS, zoo_files, zoo_markdown
@@ -53,7 +55,7 @@ def _main(argv):
     raise SystemExit("--config=configs/<model>.py is required (or --zoo)")
   name = config_flags.get_config_filename(FLAGS["config"])
   try:
-    _check_seq_len(FLAGS.config, FLAGS.seq_len)
+    _check_seq_len(as_model_config(FLAGS.config, f"--config={name}"), FLAGS.seq_len)
     s = model_stats(FLAGS.config, batch=FLAGS.batch, seq_len=FLAGS.seq_len, causal=FLAGS.causal,
                     kv_dtype=FLAGS.kv_dtype, from_model=FLAGS.from_model, name=name)
   except ConfigError as e:  # an override the model refuses, e.g. --config.model.d_model=-3
@@ -98,12 +100,11 @@ def _check_zoo_dir(zoo_dir: str) -> None:
                      f"named {', '.join(ZOO_PATTERNS)} (like configs/umoe_tiny.py)")
 
 
-def _check_seq_len(config, seq_len: Optional[int]) -> None:
+def _check_seq_len(model: ModelConfig, seq_len: Optional[int]) -> None:
   """--seq_len within the model's max_seq_len: the model refuses longer sequences for every
   attention kind (`LM._decoder`; the trainer's train.seq_len check), so their counts describe no
   forward pass the model can run."""
-  from umoe_jax.stats.counting import as_model_config
-  max_seq_len = as_model_config(config).max_seq_len
+  max_seq_len = model.max_seq_len
   if seq_len is not None and seq_len > max_seq_len:
     raise SystemExit(f"error: --seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; "
                      "lower --seq_len or raise --config.model.max_seq_len")

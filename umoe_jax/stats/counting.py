@@ -84,11 +84,24 @@ def ordered(d: Mapping[str, Any], order: Sequence[str]) -> dict:
   return {n: d[n] for n in names if keep(d[n])}
 
 
-def as_model_config(cfg: Any) -> ModelConfig:
-  """ModelConfig | config.model ConfigDict | experiment ConfigDict (uses .model) -> ModelConfig."""
+def as_model_config(cfg: Any, name: str = "") -> ModelConfig:
+  """ModelConfig | config.model ConfigDict | experiment ConfigDict (uses .model) -> ModelConfig.
+  `name` (e.g. the config's file) is what the error for a config with no model in it calls it."""
   if isinstance(cfg, ModelConfig):
     return resolve(cfg)  # fill the derived defaults (router.aoe_dim, ...) like the model does
   if isinstance(cfg, Mapping) or hasattr(cfg, "keys"):
-    if "model" in cfg and "d_model" not in cfg:
-      cfg = cfg["model"]
+    cfg = _model_section(cfg, name or "the config")
   return model_config(cfg)
+
+
+def _model_section(cfg: Mapping, name: str) -> Mapping:
+  """The `model` section of an experiment config, or `cfg` itself when it is one; a ConfigError
+  for a config that is neither (were "unknown key model.<its first key>")."""
+  if "model" in cfg and "d_model" not in cfg:
+    return cfg["model"]
+  keys = set(cfg.keys())
+  if keys and not keys & {f.name for f in dataclasses.fields(ModelConfig)}:
+    from umoe_jax.config import ConfigError
+    raise ConfigError(f"{name} has no model section (config.model) and no model key such as "
+                      f"d_model; its keys: {', '.join(sorted(keys))}")
+  return cfg

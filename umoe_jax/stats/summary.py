@@ -15,7 +15,7 @@ from umoe_jax.stats.real_model import model_params
 def model_stats(cfg: Any, *, batch: int = 4, seq_len: Optional[int] = None, causal: bool = False,
                 kv_dtype: str = "bfloat16", from_model: bool = True, name: str = "") -> dict:
   """All statistics of a model as a JSON-ready dict. `seq_len` defaults to `model.max_seq_len`."""
-  cfg = as_model_config(cfg)
+  cfg = as_model_config(cfg, name)
   seq_len = cfg.max_seq_len if seq_len is None else int(seq_len)
   comps = analytic_params(cfg)
   real = model_params(cfg) if from_model else None
