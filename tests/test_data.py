@@ -257,7 +257,11 @@ def test_overwrite_with_fewer_shards_replaces_the_whole_output(tmp_path, monkeyp
   partial.mkdir()
   (partial / "data-00000-of-00009.array_record").write_bytes(b"")
   assert prepare.main([*args[:3], f"--output_dir={partial}"]) == 1
-  assert re.match(r"error: .*partial' is not empty; pass --overwrite", capsys.readouterr().err)
+  assert capsys.readouterr().err == (f"error: --output_dir='{partial}' is not empty; pass "
+                                     "--overwrite to replace it\n")  # (was the bare path)
+  # An empty --output_dir was the working directory ("error: '' is not empty; pass --overwrite").
+  assert prepare.main([*args[:3], "--output_dir="]) == 1
+  assert capsys.readouterr().err == "error: --output_dir='' names no directory\n"
   # Bad input is one line naming the flag's value (it was a traceback naming data.train_path).
   assert prepare.main(["--source=parquet", f"--input={tmp_path}/none.parquet",
                        f"--output_dir={tmp_path}/p"]) == 1

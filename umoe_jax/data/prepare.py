@@ -163,7 +163,7 @@ def _check_output_dir(output_dir: str, overwrite: bool, shown: str) -> None:
   meta_path = storage.join(output_dir, sources.METADATA_FILE)
   if entries and not overwrite:
     what = (f"{storage.join(shown, sources.METADATA_FILE)!r} exists" if storage.exists(meta_path)
-            else f"{shown!r} is not empty")
+            else f"output_dir {shown!r} is not empty")
     raise FileExistsError(f"{what}; pass --overwrite to replace it")
   foreign = [e for e in entries if not (
       (e == sources.METADATA_FILE or e.endswith(sources.ARRAYRECORD_SUFFIX))
@@ -197,6 +197,8 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
   if data_config.source == "arrayrecord":
     raise ValueError("data.source='arrayrecord' is already tokenized; prepare reads raw text sources")
   _check_num_shards(num_shards)
+  if not output_dir:  # (else the working directory, resolved)
+    raise ValueError("output_dir='' names no directory")
   shown = output_dir  # as the caller spelled it, for the error messages
   remote = storage.is_url(output_dir)
   # Resolve symlinks: the real directory is the one swapped, next to it (same file system).
