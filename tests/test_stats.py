@@ -200,6 +200,10 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
   no_model = tmp_path / "data_only.py"  # e.g. another command's config
   no_model.write_text("import ml_collections\n\ndef get_config():\n  return "
                       "ml_collections.ConfigDict({'data': {'source': 'text'}})\n")
+  bad_model = tmp_path / "bad_model"
+  bad_model.mkdir()
+  (bad_model / "y_tiny.py").write_text("import ml_collections\n\ndef get_config():\n  return "
+                                       "ml_collections.ConfigDict({'model': {'d_model': -3}})\n")
   tiny = "--config=configs/umoe_tiny.py"
   max_seq_len = load("umoe_tiny").model.max_seq_len
   cases = {
@@ -222,6 +226,9 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
       ("--zoo", f"--zoo_dir={empty}"): f"error: --zoo_dir='{empty}' holds no zoo config: expected "
                                        "config files named *_tiny.py, *_base.py, *_large.py (like "
                                        "configs/umoe_tiny.py)",
+      # An invalid model in a zoo config: the file is named (was "model.d_model=-3 must be ...").
+      ("--zoo", f"--zoo_dir={bad_model}"): f"error: zoo config {bad_model / 'y_tiny.py'}: "
+                                           "model.d_model=-3 must be positive",
       ("--zoo", f"--zoo_dir={a_file}"): f"error: --zoo_dir='{a_file}' is a file, not a directory "
                                         "of zoo configs",
       (tiny, "--config.model.d_model=-3"): "error: model.d_model=-3 must be positive",

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Sequence
 
+from umoe_jax.config import ConfigError, ModelConfig
+from umoe_jax.stats.counting import as_model_config
 from umoe_jax.stats.summary import model_stats
 
 ZOO_PATTERNS = ("*_tiny.py", "*_base.py", "*_large.py")
@@ -28,9 +30,18 @@ def load_config_file(path: str):
     spec.loader.exec_module(module)
     return module.get_config()
   except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
-    from umoe_jax.config import ConfigError
     raise ConfigError(f"zoo config {path} does not load ({type(e).__name__}: "
                       f"{' '.join(str(e).split())})") from e
+
+
+def zoo_model(path: str) -> ModelConfig:
+  """The model of the zoo config file `path`; a ConfigError naming the file where its model is not
+  valid (was the bare "model.d_model=-3 must be positive", no file named)."""
+  cfg = load_config_file(path)
+  try:
+    return as_model_config(cfg)
+  except ConfigError as e:
+    raise ConfigError(f"zoo config {path}: {e}") from e
 
 
 def zoo_files(config_dir: str = "configs", patterns: Sequence[str] = ZOO_PATTERNS) -> list[str]:
@@ -48,7 +59,7 @@ def zoo_rows(config_dir: str = "configs", patterns: Sequence[str] = ZOO_PATTERNS
   rows = []
   for path in zoo_files(config_dir, patterns):
     name = os.path.relpath(path, os.path.dirname(os.path.abspath(config_dir)))
-    rows.append(model_stats(load_config_file(path), batch=batch, kv_dtype=kv_dtype,
+    rows.append(model_stats(zoo_model(path), batch=batch, kv_dtype=kv_dtype,
                             from_model=from_model, name=name))
   return rows
 
