@@ -671,14 +671,14 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
            "no_return.py": "def get_config(arg):\n  arg = 1\n"}
   for name, text in files.items():
     (tmp_path / name).write_text(text)
-  cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError: invalid "
-           "syntax (syntax.py, line 1))", "raises.py": " does not load (RuntimeError at line 2: boom)",
-           "typo.py": " does not load (ValueError at line 2: bad scale)", "none.py": " does not load "
-           "(AttributeError: module 'config_config' has no attribute 'get_config')",
+  cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError at line 1: "
+           "invalid syntax)", "raises.py": " does not load (RuntimeError at line 2: boom)",
+           "typo.py": " does not load (ValueError at line 2: bad scale)", "none.py": " defines no "
+           "get_config() (a config file is Python whose get_config() returns its ConfigDict)",
            # raised in configs/common.py: the line of the config file that called it
            "deep.py": " does not load (ValueError at line 5: unknown scale 'huge'; valid: tiny, "
-           "base, large)", "no_return.py": " does not load (its get_config() returned None: a "
-           "missing return?)"}
+           "base, large)", "no_return.py": " does not load: its get_config() returned None, not a "
+           "ConfigDict (a missing return?)"}
   for name, message in cases.items():
     path = str(tmp_path / name)
     with pytest.raises(ConfigError, match=re.escape(f"--config={path}{message}") + "$"):
@@ -706,6 +706,91 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
                         "--data=x.txt"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: unknown key model.bogus (in --config.model.bogus)"), err
+
+
+def test_config_that_is_a_directory_is_named_with_its_config_files(tmp_path):
+  """--config=<a directory>: said to be a directory (it was "no such file"), with the .py files in
+  it that define a get_config (not a helper such as configs/common.py, nor a subdirectory)."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  (tmp_path / "b_tiny.py").write_text("def get_config():\n  return {}\n")
+  (tmp_path / "a_base.py").write_text("def get_config(arg):\n  return {}\n")
+  (tmp_path / "helpers.py").write_text("# no config here: get_config is elsewhere\n")
+  (tmp_path / "sub.py").mkdir()
+  with pytest.raises(ConfigError, match=re.escape(f"--config={tmp_path} is a directory, not a "
+                                                  "config file; its config files: a_base.py, "
+                                                  "b_tiny.py") + "$"):
+    config_file.load(str(tmp_path))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(ConfigError, match=re.escape(f"--config={empty} is a directory, not a config "
+                                                  "file; it holds no .py file with a get_config()")):
+    config_file.check_argv(["prog", f"--config={empty}"])
+  with pytest.raises(ConfigError, match="its config files: dense_base.py, dense_large.py, "):
+    config_file.load("configs")  # (common.py mentions get_config but defines none)
+
+
+@pytest.mark.parametrize("returns, described", [
+    ("5", "5 (an int)"), ("[1, 2]", "[1, 2] (a list)"), ("'umoe'", "'umoe' (a str)"),
+    ("None", "None")])
+def test_config_whose_get_config_returns_no_config_dict_is_named(tmp_path, returns, described):
+  """get_config() returning an int, a list, ...: one error naming the file and the value (it was
+  "AttributeError: 'int' object has no attribute 'keys'"); a dict is taken, as config_flags does."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  path = tmp_path / "returns.py"
+  path.write_text(f"def get_config():\n  return {returns}\n")
+  missing_return = " (a missing return?)" if returns == "None" else ""
+  with pytest.raises(ConfigError, match=re.escape(
+      f"--config={path} does not load: its get_config() returned {described}, not a ConfigDict"
+      f"{missing_return}") + "$"):
+    config_file.load(str(path))
+  path.write_text("def get_config():\n  return {'a': 1}\n")
+  assert config_file.load(str(path)) == {"a": 1}
+
+
+def test_config_arguments_that_get_config_cannot_take_are_named(tmp_path):
+  """big_vision's --config=FILE:arg passes "arg" to get_config: an argument get_config() does not
+  take, or a missing one of get_config(arg), is one error naming the file and the fix (it was a
+  TypeError from inside the call); an argument it takes reaches it."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  with pytest.raises(ConfigError, match=re.escape(
+      "--config=configs/dense_tiny.py:base passes 'base' to get_config(), but the get_config() of "
+      "configs/dense_tiny.py takes no argument: drop ':base'") + "$"):
+    config_file.load("configs/dense_tiny.py:base")
+  scaled = tmp_path / "scaled.py"
+  scaled.write_text("from configs import common\n\n\ndef get_config(scale):\n"
+                    "  return common.experiment('dense', scale)\n")
+  with pytest.raises(ConfigError, match=re.escape(
+      f"--config={scaled}: its get_config() needs an argument: pass it as --config={scaled}:ARG "
+      "(big_vision style)") + "$"):
+    config_file.load(str(scaled))
+  assert config_file.load(f"{scaled}:tiny").model.d_model == 128
+  assert config_file.load(f"{scaled}:base").model.d_model == 768
+  defaulted = tmp_path / "defaulted.py"
+  defaulted.write_text("def get_config(arg='x'):\n  return {'arg': arg}\n")
+  assert config_file.load(str(defaulted)) == {"arg": "x"}
+  assert config_file.load(f"{defaulted}:y") == {"arg": "y"}
+
+
+def test_config_flag_that_is_empty_or_not_python_is_named(tmp_path):
+  """--config= (empty) names no file (config_flags: an IOError traceback at first use of the
+  config); a file that is not .py and does not load says so (a YAML config, say)."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  for argv in (["prog", "--config="], ["prog", "--config", ""]):
+    with pytest.raises(ConfigError, match=re.escape("--config= names no file") + "$"):
+      config_file.check_argv(argv)
+  yaml = tmp_path / "model.yaml"
+  yaml.write_text("model: 1\n")  # (valid Python: an annotation)
+  with pytest.raises(ConfigError, match=re.escape(f"--config={yaml} defines no get_config() ") +
+                     ".*" + re.escape("; it is not a .py file: --config takes configs/*.py") + "$"):
+    config_file.load(str(yaml))
+  yaml.write_text("model:\n  d_model: 128\n")
+  with pytest.raises(ConfigError, match=re.escape(f"--config={yaml} does not load (SyntaxError at "
+                                                  "line 1: invalid syntax); it is not a .py file") + ":"):
+    config_file.load(str(yaml))
 
 
 def test_protected_step_survives_rotation(tmp_path):

@@ -1,12 +1,15 @@
 """`--config=FILE[:arg]` files and `--config.<key>` overrides of every command: one error each.
 
-config_flags reports such a file in three ways, none naming it plainly: a missing file only at the
-first use of the config (an object that raises IOError, after the flags are parsed), a syntax error
-or an exception of `get_config()` from inside the flag parser (a traceback), a TypeError /
-ValueError there with the whole traceback as its message; and an override of a key the config
-lacks (`--config.train.stepz=5`) as a bare AttributeError from inside the flag parser. `load(path)`
-turns each file error into one ConfigError, `check_override` each bad key, and `check_argv(argv)`
-does both for a command line before its flags are parsed:
+config_flags reports such a file in three ways, none naming it plainly: a missing file (or a
+directory, or an empty --config=) only at the first use of the config (an object that raises
+IOError, after the flags are parsed), a syntax error or an exception of `get_config()` from inside
+the flag parser (a traceback), a TypeError / ValueError there with the whole traceback as its
+message (get_config called with the wrong arguments: `--config=FILE:arg` passes one); a
+get_config() that returns no ConfigDict (5, None) not at all, until the first use; and an override
+of a key the config lacks (`--config.train.stepz=5`) as a bare AttributeError from inside the flag
+parser. `load(path)` turns each file error into one ConfigError naming the file (and the line),
+`check_override` each bad key, and `check_argv(argv)` does both for a command line before its flags
+are parsed:
 
     try:
       config_file.check_argv(argv)    # --config=configs/umoe_tiny.py (or --config PATH)
@@ -17,59 +20,163 @@ Loading the file twice (here and by the flag) is cheap: a config file only build
 """
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import inspect
 import os
+import re
 import sys
 import traceback
 from typing import Any, Sequence
 
+import ml_collections
+
 from umoe_jax.config import ConfigError
 
+MODULE_NAME = "config_config"  # config_flags' module of a --config file
 HINT = "pass a file of configs/, e.g. --config=configs/umoe_tiny.py"
 
 
-def config_path(argv: Sequence[str], name: str = "config") -> str:
-  """The value of `--<name>=PATH` / `--<name> PATH` in argv ("" if absent)."""
+def config_path(argv: Sequence[str], name: str = "config") -> str | None:
+  """The value of `--<name>=PATH` / `--<name> PATH` in argv (None if absent, "" if empty)."""
   for i, arg in enumerate(argv):
     for prefix in (f"--{name}=", f"-{name}="):
       if arg.startswith(prefix):
         return arg[len(prefix):]
     if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
       return argv[i + 1]
-  return ""
+  return None
 
 
 def load(path: str) -> Any:
-  """The ConfigDict of `FILE[:arg]` (unlocked), as config_flags loads it; ConfigError naming the
-  file when it is missing or does not load (a syntax error, no get_config, get_config raising)."""
-  from ml_collections.config_flags.config_flags import ConfigFileFlagParser
-  file = path.split(":", 1)[0]
+  """The ConfigDict of `FILE[:arg]` (unlocked), as config_flags loads it (the file's
+  `get_config()`, or `get_config(arg)`); a ConfigError naming the file when it is not a file (empty,
+  missing, a directory), does not load (a syntax error, an exception, no get_config), when
+  get_config takes other arguments than the command line passes, raises, or returns no ConfigDict."""
+  file, args = split_config_arg(path)
+  check_is_file(file)
+  module = _exec_config_file(file)
+  get_config = getattr(module, "get_config", None)
+  if get_config is None:
+    raise ConfigError(f"--config={file} defines no get_config() (a config file is Python whose "
+                      f"get_config() returns its ConfigDict){_not_python(file)}")
+  if not callable(get_config):
+    raise ConfigError(f"--config={file}: its get_config is {_describe(get_config)}, not a function")
+  _check_arguments(path, get_config, args)
+  config = _call_in(file, get_config, args)
+  _check_returned(file, config)
+  return config
+
+
+def split_config_arg(path: str) -> tuple[str, tuple[str, ...]]:
+  """"configs/x.py:arg" -> ("configs/x.py", ("arg",)); "configs/x.py" -> ("configs/x.py", ())."""
+  file, colon, arg = path.partition(":")
+  return file, (arg,) if colon else ()
+
+
+def check_is_file(file: str) -> None:
+  """ConfigError unless `file` names a file: empty, missing, or a directory (listing its configs)."""
+  if not file:
+    raise ConfigError("--config= names no file")
+  if os.path.isdir(file):
+    configs = config_files_in(file)
+    listing = (f"its config files: {', '.join(configs)}" if configs
+               else "it holds no .py file with a get_config()")
+    raise ConfigError(f"--config={file} is a directory, not a config file; {listing}")
   if not os.path.isfile(file):
     raise ConfigError(f"--config={file}: no such file")
+
+
+def config_files_in(directory: str) -> list[str]:
+  """The names of the .py files directly in `directory` that define a get_config (sorted)."""
+  return [name for name in sorted(os.listdir(directory))
+          if name.endswith(".py") and _defines_get_config(os.path.join(directory, name))]
+
+
+def _defines_get_config(path: str) -> bool:
+  try:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      return re.search(r"^def get_config\b", f.read(), re.MULTILINE) is not None
+  except OSError:  # (a directory named x.py, an unreadable file)
+    return False
+
+
+def _exec_config_file(file: str) -> Any:
+  """The module of `file`, run as config_flags runs it (module "config_config"); ConfigError
+  naming the file and line of a syntax error or of what raised while it ran."""
   # config_flags execs every file into the module "config_config", reusing it: a file without
   # get_config() would call the one of a file loaded before.
-  sys.modules.pop("config_config", None)
+  sys.modules.pop(MODULE_NAME, None)
+  loader = importlib.machinery.SourceFileLoader(MODULE_NAME, file)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(MODULE_NAME, loader))
+  sys.modules[MODULE_NAME] = module  # (as config_flags does: dataclasses of the file look it up)
   try:
-    config = ConfigFileFlagParser(name="config", lock_config=False).parse(path)
-    if config is not None:  # (None: get_config() without a return, named below)
-      config.keys()  # a file that failed to load is an object that raises on first use
+    loader.exec_module(module)
+  except SyntaxError as e:
+    raise ConfigError(f"--config={file} does not load (SyntaxError at line {e.lineno}: {e.msg})"
+                      f"{_not_python(file)}") from e
   except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
-    # config_flags re-raises a TypeError / ValueError of get_config() with its traceback as text.
-    cause = e.__context__ if str(e).startswith("Error whilst parsing") and e.__context__ else e
-    line = _line_in(file, cause)
-    at = f" at line {line}" if line else ""
-    raise ConfigError(f"--config={file} does not load ({type(cause).__name__}{at}: "
-                      f"{' '.join(str(cause).split())})") from e
-  if config is None:
-    raise ConfigError(f"--config={file} does not load (its get_config() returned None: a missing "
-                      "return?)")
-  return config
+    raise _does_not_load(file, e) from e
+  return module
+
+
+def _check_arguments(path: str, get_config: Any, args: tuple[str, ...]) -> None:
+  """ConfigError when get_config cannot take `args`: `--config=FILE:arg` passes one argument."""
+  try:
+    inspect.signature(get_config).bind(*args)
+  except TypeError:
+    file = split_config_arg(path)[0]
+    if args:
+      raise ConfigError(f"--config={path} passes {args[0]!r} to get_config(), but the get_config() "
+                        f"of {file} takes no argument: drop ':{args[0]}'") from None
+    raise ConfigError(f"--config={file}: its get_config() needs an argument: pass it as "
+                      f"--config={file}:ARG (big_vision style)") from None
+  except ValueError:  # no signature (a builtin): let the call tell
+    pass
+
+
+def _call_in(file: str, get_config: Any, args: tuple[str, ...]) -> Any:
+  try:
+    return get_config(*args)
+  except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
+    raise _does_not_load(file, e) from e
+
+
+def _check_returned(file: str, config: Any) -> None:
+  """ConfigError unless get_config() returned a ConfigDict (or a dict)."""
+  if isinstance(config, (ml_collections.ConfigDict, dict)):
+    return
+  missing_return = " (a missing return?)" if config is None else ""
+  raise ConfigError(f"--config={file} does not load: its get_config() returned "
+                    f"{_describe(config)}, not a ConfigDict{missing_return}")
+
+
+def _describe(value: Any) -> str:
+  """5 -> "5 (an int)"; None -> "None"; long reprs are cut."""
+  text = repr(value)
+  text = text if len(text) <= 60 else text[:57] + "..."
+  if value is None:
+    return text
+  name = type(value).__name__
+  article = "an" if name[0].lower() in "aeiou" else "a"
+  return f"{text} ({article} {name})"
+
+
+def _not_python(file: str) -> str:
+  """The note for a file that is not .py (a YAML or JSON config, say)."""
+  return "" if file.endswith(".py") else "; it is not a .py file: --config takes configs/*.py"
+
+
+def _does_not_load(file: str, error: BaseException) -> ConfigError:
+  line = _line_in(file, error)
+  at = f" at line {line}" if line else ""
+  return ConfigError(f"--config={file} does not load ({type(error).__name__}{at}: "
+                     f"{' '.join(str(error).split())}){_not_python(file)}")
 
 
 def _line_in(file: str, error: BaseException) -> int | None:
   """The line of `file` that raised `error` (its innermost frame there: the call into
-  configs/common.py of a bad scale, say); None for a SyntaxError (its message has the line)."""
-  if isinstance(error, SyntaxError):
-    return None
+  configs/common.py of a bad scale, say)."""
   target = os.path.abspath(file)
   lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
            if os.path.abspath(frame.filename) == target]
@@ -99,7 +206,7 @@ def check_argv(argv: Sequence[str], name: str = "config") -> None:
   """ConfigError when argv's `--<name>` file does not load (`load`) or a `--<name>.<key>=value`
   override names no key of it (`check_override`); nothing without a `--<name>`."""
   path = config_path(argv, name)
-  if not path:
+  if path is None:
     return
   config = load(path)
   for arg in argv:
