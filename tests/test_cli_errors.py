@@ -793,6 +793,36 @@ def test_config_flag_that_is_empty_or_not_python_is_named(tmp_path):
     config_file.load(str(yaml))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.num_steps=1.5", "train.num_steps takes an int (it is 300 in configs/umoe_tiny.py), not "
+     "'1.5'"),
+    ("train.learning_rate=fast", "train.learning_rate takes a float (it is 0.002 in "
+     "configs/umoe_tiny.py), not 'fast'"),
+    ("data.shuffle=maybe", "data.shuffle takes a bool (it is True in configs/umoe_tiny.py), not "
+     "'maybe'"),
+    ("model.attention.q_lora_rank=x", "model.attention.q_lora_rank takes an int or None (it is 8 in "
+     "configs/umoe_tiny.py), not 'x'"),
+    ("model=3", "model is a section, not a value: set its keys (--config.model.KEY=value)")])
+def test_config_override_of_the_wrong_type_names_the_key_and_its_type(override, message):
+  """--config.<key>=<value> that does not parse as the key's type: the key, its type and its value
+  in the file (config_flags: "invalid literal for int() with base 10: '1.5'", or "`3` is not a
+  dict" for a section)."""
+  from umoe_jax import config_file
+  from umoe_jax.config import ConfigError
+  with pytest.raises(ConfigError, match=re.escape(f"--config.{override}: {message}") + "$"):
+    config_file.check_argv(["prog", "--config=configs/umoe_tiny.py", f"--config.{override}"])
+
+
+def test_config_overrides_of_the_right_type_pass_the_check():
+  from umoe_jax import config_file
+  config_file.check_argv(["prog", "--config=configs/umoe_tiny.py", "--config.train.num_steps=5",
+                          "--config.train.learning_rate=1e-3", "--config.train.learning_rate=3",
+                          "--config.data.shuffle=false", "--config.data.shuffle",
+                          "--noconfig.data.shuffle", "--config.model.attention.q_lora_rank=None",
+                          "--config.model.attention.q_lora_rank=4", "--config.log={'every': 2}",
+                          "--config.data.source=parquet"])
+
+
 def test_protected_step_survives_rotation(tmp_path):
   import jax.numpy as jnp
   from umoe_jax.train import checkpoint as ckpt_lib
@@ -987,8 +1017,8 @@ def test_every_command_reports_bad_flags_and_inputs_in_one_error_line(tmp_path):
   a_file = str(not_parquet)
   cases = {
       ("-m", "umoe_jax.stats", "--config=configs/dense_tiny.py", "--config.model.n_layers=abc"):
-          (1, "error: flag --config.model.n_layers=abc: invalid literal for int() with base 10: "
-              "'abc'"),
+          (1, "error: --config.model.n_layers=abc: model.n_layers takes an int (it is 4 in "
+              "configs/dense_tiny.py), not 'abc'"),
       ("-m", "umoe_jax.analysis", "routing", "--checkpoints=x", "--tokens=abc"):
           (1, "error: flag --tokens=abc: invalid literal for int() with base 10: 'abc'"),
       ("-m", "umoe_jax.generate", "--prompt=x", "--max_new_tokenz=3"):

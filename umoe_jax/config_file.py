@@ -202,9 +202,63 @@ def check_override(config: Any, path: str, name: str = "config") -> None:
     done.append(part)
 
 
+def check_override_value(config: Any, key: str, value: str, name: str = "config",
+                         file: str = "") -> None:
+  """ConfigError when `--<name>.<key>=<value>` does not parse as the type of `key` (an int, a
+  float, a bool, or one of them or None): config_flags' message is Python's ("invalid literal for
+  int() with base 10: '1.5'"); this one names the key, the type, and the value the config has.
+  A key that is a section (`--config.model=3`) is named as one. Other types: config_flags' own."""
+  from ml_collections.config_flags import config_path as field_paths
+  try:
+    field_type = field_paths.get_type(key, config)
+  except Exception:  # pylint: disable=broad-except  (an unknown key: check_override names it)
+    return
+  parser = _value_parser(field_type)
+  if parser is None:
+    return
+  try:
+    parser.parse(value)
+  except ValueError:
+    if _is_section(field_type):
+      raise ConfigError(f"--{name}.{key}={value}: {key} is a section, not a value: set its keys "
+                        f"(--{name}.{key}.KEY=value)") from None
+    current = _value_at(config, key)
+    where = f" in {file}" if file else ""
+    raise ConfigError(f"--{name}.{key}={value}: {key} takes {_with_article(parser.flag_type())} "
+                      f"(it is {current!r}{where}), not {value!r}") from None
+
+
+def _value_parser(field_type: Any) -> Any:
+  """The flag parser config_flags uses for a field of `field_type`, where its message is Python's
+  (int, float, bool and their optional() types) or says little (a section: "`3` is not a dict");
+  None for the others."""
+  from ml_collections.config_flags.config_flags import _FIELD_TYPE_TO_PARSER  # (its type registry)
+  from umoe_jax.config_fields import OPTIONAL_TYPES
+  if _is_section(field_type):
+    return _FIELD_TYPE_TO_PARSER[ml_collections.ConfigDict]
+  scalar_types = (int, float, bool, *OPTIONAL_TYPES.values())
+  return _FIELD_TYPE_TO_PARSER.get(field_type) if field_type in scalar_types else None
+
+
+def _is_section(field_type: Any) -> bool:
+  return isinstance(field_type, type) and issubclass(field_type, ml_collections.ConfigDict)
+
+
+def _value_at(config: Any, key: str) -> Any:
+  node = config
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def _with_article(type_name: str) -> str:
+  return f"{'an' if type_name[0] in 'aeiou' else 'a'} {type_name}"
+
+
 def check_argv(argv: Sequence[str], name: str = "config") -> None:
-  """ConfigError when argv's `--<name>` file does not load (`load`) or a `--<name>.<key>=value`
-  override names no key of it (`check_override`); nothing without a `--<name>`."""
+  """ConfigError when argv's `--<name>` file does not load (`load`), a `--<name>.<key>=value`
+  override names no key of it (`check_override`) or has a value of another type
+  (`check_override_value`); nothing without a `--<name>`."""
   path = config_path(argv, name)
   if path is None:
     return
@@ -212,4 +266,7 @@ def check_argv(argv: Sequence[str], name: str = "config") -> None:
   for arg in argv:
     for prefix in (f"--{name}.", f"-{name}.", f"--no{name}.", f"-no{name}."):
       if arg.startswith(prefix):
-        check_override(config, arg.split("=", 1)[0][len(prefix):], name)
+        key, has_value, value = arg[len(prefix):].partition("=")
+        check_override(config, key, name)
+        if has_value:
+          check_override_value(config, key, value, name, split_config_arg(path)[0])
