@@ -659,8 +659,9 @@ def test_converter_refuses_an_output_it_cannot_write_before_converting(tmp_path,
 
 
 def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
-  """Every command's --config: a missing file, a syntax error, get_config() missing or raising is
-  one ConfigError naming the file (config_flags gave tracebacks, or an IOError at first use)."""
+  """Every command's --config: a missing file, a syntax error, get_config() missing, raising or not
+  a function is one ConfigError naming the file (config_flags gave tracebacks, or an IOError at
+  first use)."""
   from umoe_jax import config_file
   from umoe_jax.config import ConfigError
   from umoe_jax.eval import cli as eval_cli
@@ -668,7 +669,8 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
            "RuntimeError('boom')\n", "typo.py": "def get_config(arg):\n  raise ValueError('bad "
            "scale')\n", "none.py": "x = 1\n", "deep.py": "from configs import common\n\n\ndef "
            "get_config(arg):\n  return common.experiment('umoe', 'huge')\n",
-           "no_return.py": "def get_config(arg):\n  arg = 1\n"}
+           "no_return.py": "def get_config(arg):\n  arg = 1\n",
+           "not_callable.py": "get_config = 5\n"}
   for name, text in files.items():
     (tmp_path / name).write_text(text)
   cases = {"missing.py": ": no such file", "syntax.py": " does not load (SyntaxError at line 1: "
@@ -678,7 +680,8 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
            # raised in configs/common.py: the line of the config file that called it
            "deep.py": " does not load (ValueError at line 5: unknown scale 'huge'; valid: tiny, "
            "base, large)", "no_return.py": " does not load: its get_config() returned None, not a "
-           "ConfigDict (a missing return?)"}
+           "ConfigDict (a missing return?)", "not_callable.py": ": its get_config is 5 (an int), "
+           "not a function"}
   for name, message in cases.items():
     path = str(tmp_path / name)
     with pytest.raises(ConfigError, match=re.escape(f"--config={path}{message}") + "$"):
@@ -723,8 +726,9 @@ def test_config_that_is_a_directory_is_named_with_its_config_files(tmp_path):
     config_file.load(str(tmp_path))
   empty = tmp_path / "empty"
   empty.mkdir()
-  with pytest.raises(ConfigError, match=re.escape(f"--config={empty} is a directory, not a config "
-                                                  "file; it holds no .py file with a get_config()")):
+  with pytest.raises(ConfigError, match=re.escape(
+      f"--config={empty} is a directory, not a config file; it holds no .py file with a "
+      "get_config()")):
     config_file.check_argv(["prog", f"--config={empty}"])
   with pytest.raises(ConfigError, match="its config files: dense_base.py, dense_large.py, "):
     config_file.load("configs")  # (common.py mentions get_config but defines none)
@@ -788,8 +792,9 @@ def test_config_flag_that_is_empty_or_not_python_is_named(tmp_path):
                      ".*" + re.escape("; it is not a .py file: --config takes configs/*.py") + "$"):
     config_file.load(str(yaml))
   yaml.write_text("model:\n  d_model: 128\n")
-  with pytest.raises(ConfigError, match=re.escape(f"--config={yaml} does not load (SyntaxError at "
-                                                  "line 1: invalid syntax); it is not a .py file") + ":"):
+  with pytest.raises(ConfigError, match=re.escape(
+      f"--config={yaml} does not load (SyntaxError at line 1: invalid syntax); it is not a .py "
+      "file:")):
     config_file.load(str(yaml))
 
 
@@ -800,8 +805,8 @@ def test_config_flag_that_is_empty_or_not_python_is_named(tmp_path):
      "configs/umoe_tiny.py), not 'fast'"),
     ("data.shuffle=maybe", "data.shuffle takes a bool (it is True in configs/umoe_tiny.py), not "
      "'maybe'"),
-    ("model.attention.q_lora_rank=x", "model.attention.q_lora_rank takes an int or None (it is 8 in "
-     "configs/umoe_tiny.py), not 'x'"),
+    ("model.attention.q_lora_rank=x", "model.attention.q_lora_rank takes an int or None (it is 8 "
+     "in configs/umoe_tiny.py), not 'x'"),
     ("model=3", "model is a section, not a value: set its keys (--config.model.KEY=value)")])
 def test_config_override_of_the_wrong_type_names_the_key_and_its_type(override, message):
   """--config.<key>=<value> that does not parse as the key's type: the key, its type and its value

@@ -7,9 +7,10 @@ the flag parser (a traceback), a TypeError / ValueError there with the whole tra
 message (get_config called with the wrong arguments: `--config=FILE:arg` passes one); a
 get_config() that returns no ConfigDict (5, None) not at all, until the first use; and an override
 of a key the config lacks (`--config.train.stepz=5`) as a bare AttributeError from inside the flag
-parser. `load(path)` turns each file error into one ConfigError naming the file (and the line),
-`check_override` each bad key, and `check_argv(argv)` does both for a command line before its flags
-are parsed:
+parser, one of another type (`--config.train.num_steps=1.5`) in Python's words ("invalid literal
+for int()"). `load(path)` turns each file error into one ConfigError naming the file (and the
+line), `check_override` each bad key, `check_override_value` each value of another type, and
+`check_argv(argv)` does all three for a command line before its flags are parsed:
 
     try:
       config_file.check_argv(argv)    # --config=configs/umoe_tiny.py (or --config PATH)
@@ -52,7 +53,8 @@ def load(path: str) -> Any:
   """The ConfigDict of `FILE[:arg]` (unlocked), as config_flags loads it (the file's
   `get_config()`, or `get_config(arg)`); a ConfigError naming the file when it is not a file (empty,
   missing, a directory), does not load (a syntax error, an exception, no get_config), when
-  get_config takes other arguments than the command line passes, raises, or returns no ConfigDict."""
+  get_config takes other arguments than the command line passes, raises, or returns no
+  ConfigDict."""
   file, args = split_config_arg(path)
   check_is_file(file)
   module = _exec_config_file(file)
@@ -75,7 +77,7 @@ def split_config_arg(path: str) -> tuple[str, tuple[str, ...]]:
 
 
 def check_is_file(file: str) -> None:
-  """ConfigError unless `file` names a file: empty, missing, or a directory (listing its configs)."""
+  """ConfigError unless `file` names a file: empty, missing, a directory (listing its configs)."""
   if not file:
     raise ConfigError("--config= names no file")
   if os.path.isdir(file):
