@@ -181,8 +181,11 @@ def _fake_run(tmp_path, workdir, name, **model):
   (fake / "checkpoints").mkdir(parents=True)
   config = json.load(open(os.path.join(workdir, "config.json")))
   for key, value in model.items():
-    section, leaf = key.split(".")
-    config["model"][section][leaf] = value
+    *sections, leaf = key.split(".")
+    table = config["model"]
+    for section in sections:
+      table = table[section]
+    table[leaf] = value
   (fake / "config.json").write_text(json.dumps(config))
   os.symlink(os.path.join(workdir, "checkpoints", "8"), fake / "checkpoints" / "8")
   return str(fake / "checkpoints" / "8")
@@ -253,6 +256,18 @@ def test_unknown_router_and_missing_paths(run, tmp_path):
   missing = str(tmp_path / "tok.json")
   with pytest.raises(ValueError, match="^" + re.escape(f"tokenizer file not found: {missing!r}")):
     analysis_cli.analyze(f"{workdir}/checkpoints/8", tokens=64, tokenizer=missing)
+
+
+def test_tokenizer_larger_than_the_checkpoints_vocabulary(run, tmp_path):
+  """The checkpoint fixes vocab_size: the advice is another --tokenizer (load.py's check), not
+  "set model.vocab_size >= N" (a config change that cannot apply to trained parameters)."""
+  workdir, _ = run
+  small = _fake_run(tmp_path, workdir, "small_vocab", vocab_size=256)  # the byte tokenizer has 257
+  with pytest.raises(ValueError, match=r"tokenizer 'byte' has 257 tokens, but the model of "
+                                       r"checkpoint .*small_vocab.* has vocab_size 256 .*pass "
+                                       r"--tokenizer=") as e:
+    analysis_cli.analyze(small, tokens=64, tokenizer="byte")
+  assert "model.vocab_size >=" not in str(e.value)
 
 
 @pytest.mark.parametrize("key,value,match", [

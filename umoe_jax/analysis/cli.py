@@ -91,7 +91,7 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   from umoe_jax import data as data_lib
   from umoe_jax.analysis import checkpoints as ckpt
   from umoe_jax.analysis import probe, report
-  from umoe_jax.load import load_params
+  from umoe_jax.load import check_tokenizer_fits_checkpoint, load_params
   from umoe_jax.train import state as state_lib
 
   if batch_size < 1:  # else range(0, rows, 0) fails with a message that names no flag
@@ -108,10 +108,11 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
                                          text_field=text_field, run_config=refs[0].config)
   try:
     tok = data_lib.load_tokenizer(data_cfg)
-    data_lib.check_vocab(tok, cfgs[0].vocab_size)
   except (ValueError, OSError) as e:  # (their messages mostly name the tokenizer already)
     named = data_cfg.tokenizer in str(e)
     raise ValueError(str(e) if named else f"tokenizer {data_cfg.tokenizer!r}: {e}") from None
+  # The checkpoint fixes the vocabulary: the advice is another --tokenizer (a LoadError, a ValueError).
+  check_tokenizer_fits_checkpoint(tok, data_cfg.tokenizer, cfgs[0].vocab_size, refs[0])
   if seq_len is None:
     seq_len = min(int((refs[0].config.get("train") or {}).get("seq_len") or cfgs[0].max_seq_len),
                   cfgs[0].max_seq_len)
