@@ -413,7 +413,17 @@ def test_prepare_flags_that_would_be_ignored_or_exhaust_open_files(tmp_path, mon
        f"--input='{jsonl}' is not read by --source=builtin (it writes the built-in corpus; --split "
        "picks which split)"),
       (["--source=jsonl", f"--input={jsonl}", "--eos_token=</s>"],
-       "--eos_token='</s>' is for a tokenizer.json --tokenizer; the byte tokenizer's EOS is id 256")):
+       "--eos_token='</s>' is for a tokenizer.json --tokenizer; the byte tokenizer's EOS is id 256"),
+      # --text_field of text files or the built-in corpus, --split of a corpus given by --input.
+      (["--source=text", f"--input={jsonl}", "--text_field=body"],
+       "--text_field='body' is not read by --source=text (its documents are whole texts, without "
+       "fields); it names a parquet column or JSON key"),
+      (["--source=builtin", "--text_field=body"],
+       "--text_field='body' is not read by --source=builtin (its documents are whole texts, "
+       "without fields); it names a parquet column or JSON key"),
+      (["--source=jsonl", f"--input={jsonl}", "--split=validation"],
+       "--split=validation is not read by --source=jsonl (it picks a split of --source=builtin; "
+       "--input names the data to prepare)")):
     with pytest.raises(SystemExit) as exit_info:
       prepare.main([*bad, f"--output_dir={out}"])
     assert exit_info.value.code == 2

@@ -280,26 +280,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--tokenizer", default="byte", help='"byte" or a tokenizer.json path')
   p.add_argument("--output_dir", required=True)
   p.add_argument("--num_shards", type=int, default=1)
-  p.add_argument("--text_field", default="text", help="parquet column / JSON key of the text")
+  p.add_argument("--text_field", default=None,
+                 help="parquet column / JSON key of the text (default: text)")
   p.add_argument("--eos_token", default="", help="EOS token of a tokenizer.json (default: auto)")
-  p.add_argument("--split", default="train", choices=("train", "validation"),
-                 help="builtin source only: which split to write")
+  p.add_argument("--split", default=None, choices=("train", "validation"),
+                 help="builtin source only: which split to write (default: train)")
   p.add_argument("--overwrite", action="store_true")
   args = p.parse_args(argv)
 
+  if args.source != "builtin" and not args.input:
+    p.error(f"--input is required for --source={args.source}")
+  ignored = _ignored_flag(args)
+  if ignored:
+    p.error(ignored)
   cfg = default_data_config()
   cfg.source = args.source
   cfg.tokenizer = args.tokenizer
-  cfg.text_field = args.text_field
+  cfg.text_field = "text" if args.text_field is None else args.text_field
   cfg.eos_token = args.eos_token
-  if cfg.source != "builtin" and not args.input:
-    p.error(f"--input is required for --source={cfg.source}")
-  if cfg.source == "builtin" and args.input:
-    p.error(f"--input={args.input!r} is not read by --source=builtin (it writes the built-in "
-            "corpus; --split picks which split)")
-  if args.eos_token and args.tokenizer in ("", "byte"):
-    p.error(f"--eos_token={args.eos_token!r} is for a tokenizer.json --tokenizer; the byte "
-            "tokenizer's EOS is id 256")
   # `prepare` reads the split's path key; route --input there.
   split = "eval" if args.split == "validation" else "train"
   key = sources.split_path(cfg, split)[1]
@@ -312,6 +310,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   print(json.dumps(meta, indent=2))
   return 0
+
+
+def _ignored_flag(args: argparse.Namespace) -> str:
+  """Why a flag given would be silently ignored by this --source / --tokenizer ("" if none is): a
+  usage error rather than an output that is not what was asked for."""
+  if args.source == "builtin" and args.input:
+    return (f"--input={args.input!r} is not read by --source=builtin (it writes the built-in "
+            "corpus; --split picks which split)")
+  if args.source in ("builtin", "text") and args.text_field is not None:
+    return (f"--text_field={args.text_field!r} is not read by --source={args.source} (its "
+            "documents are whole texts, without fields); it names a parquet column or JSON key")
+  if args.source != "builtin" and args.split is not None:
+    return (f"--split={args.split} is not read by --source={args.source} (it picks a split of "
+            "--source=builtin; --input names the data to prepare)")
+  if args.eos_token and args.tokenizer in ("", "byte"):
+    return (f"--eos_token={args.eos_token!r} is for a tokenizer.json --tokenizer; the byte "
+            "tokenizer's EOS is id 256")
+  return ""
 
 
 def _as_flags(message: str, input_key: str) -> str:
