@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -299,3 +300,33 @@ def test_url_workdirs_are_checked_before_anything_runs(fake_gcs):
   for workdir, message in cases.items():
     with pytest.raises(ckpt_lib.WorkdirError, match=message):
       ckpt_lib.check_workdir(workdir)
+
+
+UNKNOWN_USER = "umoe_no_such_user_x7"
+
+
+def test_tilde_of_an_unknown_user_is_an_error_naming_the_flag(tmp_path, monkeypatch, capsys):
+  """os.path.expanduser leaves '~user/x' as it is when there is no such user: the commands made a
+  directory literally named '~user' in the working directory. Now each output flag is refused."""
+  from umoe_jax.output import check_output_path
+  from umoe_jax.train.workdir import WorkdirError, check_workdir
+  monkeypatch.chdir(tmp_path)
+  path = f"~{UNKNOWN_USER}/out"
+  unknown = f"{path!r}: unknown user {UNKNOWN_USER!r} (~{UNKNOWN_USER} is the home directory of user"
+  assert storage.expand_user("~/x", "--out") == os.path.expanduser("~/x")  # ~ and URLs: unchanged
+  assert storage.expand_user("gs://b/~x", "--out") == "gs://b/~x"
+  with pytest.raises(ValueError, match=re.escape(f"--json={unknown}")):
+    check_output_path(path, "--json")
+  with pytest.raises(ValueError, match=re.escape(f"--plots={unknown}")):
+    check_output_path(path, "--plots", directory=True)
+  with pytest.raises(WorkdirError, match=re.escape(f"--workdir={unknown}")):
+    check_workdir(path)
+  from umoe_jax.config import ConfigError
+  from umoe_jax.train.setup import use_compilation_cache
+  with pytest.raises(ConfigError, match=re.escape(f"train.compilation_cache_dir={unknown}")):
+    use_compilation_cache(path)
+  jsonl = tmp_path / "d.jsonl"
+  jsonl.write_text(json.dumps({"text": "a document"}) + "\n")
+  assert prepare_lib.main(["--source=jsonl", f"--input={jsonl}", f"--output_dir={path}"]) == 1
+  assert capsys.readouterr().err.startswith(f"error: --output_dir={unknown}")
+  assert os.listdir(tmp_path) == ["d.jsonl"]  # no directory named '~umoe_no_such_user_x7'

@@ -101,7 +101,7 @@ def check_output_path(path: str, flag: str, *, directory: bool = False) -> None:
     except OSError as e:
       raise ValueError(f"{flag}={path!r}: {e}") from None
     return
-  path = os.path.abspath(os.path.expanduser(path))
+  path = os.path.abspath(storage.expand_user(path, flag))  # ValueError for ~user of no user
   folder = path if directory else os.path.dirname(path)
   existing = folder
   while not os.path.exists(existing):

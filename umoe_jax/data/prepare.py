@@ -203,7 +203,7 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
   remote = storage.is_url(output_dir)
   # Resolve symlinks: the real directory is the one swapped, next to it (same file system).
   output_dir = (storage.expand(output_dir) if remote else
-                os.path.realpath(os.path.expanduser(output_dir)))
+                os.path.realpath(storage.expand_user(output_dir, "output_dir")))
   if remote:
     storage.check_bucket(output_dir)  # before the tokenizing, not after
   _check_output_dir(output_dir, overwrite, shown)

@@ -41,6 +41,21 @@ def expand(path: str) -> str:
   return os.path.expanduser(path)
 
 
+def expand_user(path: str, flag: str) -> str:
+  """`path` with a leading `~` / `~user` expanded (a URL as it is); ValueError naming `flag` when
+  `~user` names no user of this machine, which os.path.expanduser leaves as it is (a command would
+  make a directory literally named `~user`)."""
+  path = os.fspath(path)
+  if is_url(path):
+    return path
+  expanded = os.path.expanduser(path)
+  if expanded.startswith("~"):
+    user = expanded[1:].split(os.sep, 1)[0]
+    raise ValueError(f"{flag}={path!r}: unknown user {user!r} (~{user} is the home directory of "
+                     f"user {user!r}; ~/ is yours)")
+  return expanded
+
+
 def abspath(path: str) -> str:
   """The absolute form of a local path (`~` expanded); a URL as `expand` gives it."""
   return expand(path) if is_url(path) else os.path.abspath(os.path.expanduser(path))

@@ -95,7 +95,10 @@ def use_compilation_cache(path: str) -> None:
   programs compiled again (a resumed run, the same config elsewhere) load their executable. JAX
   keeps the first directory a process compiles with, so a later, different one is refused."""
   if "://" not in path:
-    path = os.path.abspath(os.path.expanduser(path))
+    try:
+      path = os.path.abspath(storage.expand_user(path, "train.compilation_cache_dir"))
+    except ValueError as e:  # ~user of no user
+      raise ConfigError(str(e)) from None
     try:
       os.makedirs(path, exist_ok=True)
     except OSError as e:

@@ -76,7 +76,10 @@ def check_workdir(workdir: str) -> None:
   if storage.is_url(workdir):
     _check_remote_workdir(workdir)
     return
-  path = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    path = os.path.abspath(storage.expand_user(workdir, "--workdir"))
+  except ValueError as e:  # ~user of no user
+    raise WorkdirError(str(e)) from None
   if os.path.exists(path) and not os.path.isdir(path):
     raise WorkdirError(f"--workdir={workdir!r} is a file, not a directory")
   existing = path
