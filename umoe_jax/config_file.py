@@ -234,10 +234,13 @@ def _value_parser(field_type: Any) -> Any:
   """The flag parser config_flags uses for a field of `field_type`, where its message is Python's
   (int, float, bool and their optional() types) or says little (a section: "`3` is not a dict");
   None for the others."""
-  from ml_collections.config_flags.config_flags import _FIELD_TYPE_TO_PARSER  # (its type registry)
+  try:  # config_flags' private type registry: another ml_collections may lack it (then its message)
+    from ml_collections.config_flags.config_flags import _FIELD_TYPE_TO_PARSER
+  except ImportError:
+    return None
   from umoe_jax.config_fields import OPTIONAL_TYPES
   if _is_section(field_type):
-    return _FIELD_TYPE_TO_PARSER[ml_collections.ConfigDict]
+    return _FIELD_TYPE_TO_PARSER.get(ml_collections.ConfigDict)
   scalar_types = (int, float, bool, *OPTIONAL_TYPES.values())
   return _FIELD_TYPE_TO_PARSER.get(field_type) if field_type in scalar_types else None
 
