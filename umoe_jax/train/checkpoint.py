@@ -33,7 +33,7 @@ import json
 import os
 import re
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import orbax.checkpoint as ocp
@@ -82,6 +82,36 @@ def _one_line(error: BaseException, limit: int) -> str:
   """'Type: message' on one line (Orbax errors carry multi-line TensorStore specs), cut to `limit`."""
   text = " ".join(str(error).split())
   return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def restore_newest(steps: list[int], restore: Callable[[int], Any], directory: str, *,
+                   stop: tuple[type, ...] = (CheckpointMismatchError,)
+                   ) -> tuple[Any, Optional[int], list[tuple[int, BaseException]]]:
+  """(restore(step), step, failures) for the newest of `steps` that `restore` restores, trying them
+  newest first: a step whose restore raises is damaged, a warning names it, the directory and the
+  cause, and the previous one is tried. An error of `stop` (CheckpointMismatchError) is raised at
+  once: a config change, not damage (the older steps were written with the same config).
+  `failures`: [(step, error)] of the newer steps that failed; (None, None, failures) when none
+  restores. Used by a resume (`Checkpointer.restore_latest`) and by `umoe_jax.load` for a
+  workdir's latest step."""
+  failures = []
+  for step in sorted(steps, reverse=True):
+    try:
+      result = restore(step)
+    except stop:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
+      logging.warning("checkpoint step %d in %s cannot be restored (%s); trying the previous one",
+                      step, directory, _one_line(e, 300))
+      failures.append((step, e))
+      continue
+    return result, step, failures
+  return None, None, failures
+
+
+def failures_text(failures: list[tuple[int, BaseException]], limit: int = 200) -> str:
+  """'step 3: Type: message; step 2: ...' of `restore_newest`'s failures (each cut to `limit`)."""
+  return "; ".join(f"step {s}: {_one_line(e, limit)}" for s, e in failures)
 
 
 def _save_problem(error: BaseException) -> str:
@@ -276,26 +306,18 @@ class Checkpointer:
     (ShapeDtypeStructs), so a checkpoint written on another mesh or device count is resharded on
     load. `data_iter` is restored in place.
     """
-    damaged = []
-    for step in reversed(self.steps()):
-      try:
-        state = self._restore_step(step, target, data_iter)
-      except CheckpointMismatchError:
-        raise  # a config change, not damage: the older steps were written with the same config
-      except Exception as e:  # pylint: disable=broad-except  (any unreadable file)
-        logging.warning("checkpoint step %d in %s cannot be restored (%s); trying the previous one",
-                        step, self.directory, _one_line(e, 300))
-        damaged.append((step, e))
-        continue
-      if damaged:
-        self._move_aside([s for s, _ in damaged], DAMAGED_DIR)
-        logging.warning("resumed from checkpoint step %d instead of the damaged step(s) %s (moved "
-                        "to %s)", step, [s for s, _ in damaged], self._aside_dir(DAMAGED_DIR))
-      return state, step
-    detail = "; ".join(f"step {s}: {_one_line(e, 200)}" for s, e in damaged)
-    raise CheckpointError(
-        f"no checkpoint in {self.directory} can be restored ({detail}). If the model or optimizer "
-        f"config changed, restore the old config; to start over, move {self.directory} away")
+    state, step, damaged = restore_newest(
+        self.steps(), lambda s: self._restore_step(s, target, data_iter), self.directory)
+    if step is None:
+      raise CheckpointError(
+          f"no checkpoint in {self.directory} can be restored ({failures_text(damaged)}). If the "
+          f"model or optimizer config changed, restore the old config; to start over, move "
+          f"{self.directory} away")
+    if damaged:
+      self._move_aside([s for s, _ in damaged], DAMAGED_DIR)
+      logging.warning("resumed from checkpoint step %d instead of the damaged step(s) %s (moved "
+                      "to %s)", step, [s for s, _ in damaged], self._aside_dir(DAMAGED_DIR))
+    return state, step
 
   def set_aside_newer(self, step: int) -> list[int]:
     """Moves the checkpoints after `step` to checkpoints_abandoned/ (a run resumed from `step`
