@@ -187,17 +187,27 @@ def test_module_entry_points_in_subprocesses(trained, tmp_path):
   assert "Traceback" not in res.stderr.decode()
 
 
-def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
-  """Truncated array files: the loader's one error line naming the step, not also one 'Event
-  loop is closed' traceback per array that TensorStore finishes reading after Orbax gave up.
-  (Only the arrays' chunks: a step whose metadata is damaged too is incomplete, and skipped.)"""
-  ckpt, _, _ = trained
+def _with_damaged_steps(ckpt: str, tmp_path, steps, size: int = 10) -> str:
+  """A copy of the trained workdir whose `steps` have their array chunks truncated to `size` bytes
+  (their metadata intact, so they look complete until read); the copy's path."""
   damaged = tmp_path / "damaged"
   shutil.copytree(ckpt, damaged)
-  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "ocdbt.process_*" / "d" / "*"))
-  assert chunks
-  for path in chunks:
-    os.truncate(path, 10)
+  for step in steps:
+    chunks = glob.glob(str(damaged / "checkpoints" / str(step) / "state" / "ocdbt.process_*" / "d"
+                           / "*"))
+    assert chunks
+    for path in chunks:
+      os.truncate(path, size)
+  return str(damaged)
+
+
+def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
+  """Every step's array files truncated: the loader's one error line naming the checkpoint
+  directory and each step's failure, not also one 'Event loop is closed' traceback per array that
+  TensorStore finishes reading after Orbax gave up; before it, one warning per step tried.
+  (Only the arrays' chunks: a step whose metadata is damaged too is incomplete, and skipped.)"""
+  ckpt, _, _ = trained
+  damaged = _with_damaged_steps(ckpt, tmp_path, (2, 3))
   doc = tmp_path / "doc.txt"
   doc.write_text("The quick brown fox jumps over the lazy dog.")
   env = {k: v for k, v in ENV.items() if k != "UMOE_DEBUG"}
@@ -206,26 +216,51 @@ def test_damaged_checkpoint_is_one_error_line(trained, tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert res.returncode == 1, res.stderr[-3000:]
   lines = [line for line in res.stderr.splitlines() if line.strip()]
-  assert len(lines) == 1 and lines[0].startswith(
-      f"error: cannot read the parameters of checkpoint {damaged}/checkpoints/3 (damaged files"), \
+  assert len(lines) == 3 and lines[-1].startswith(
+      f"error: no checkpoint step in {damaged}/checkpoints can be loaded (step 3: LoadError: "
+      f"cannot read the parameters of checkpoint {damaged}/checkpoints/3 (damaged files"), \
       res.stderr[-3000:]
+  assert f"; step 2: LoadError: cannot read the parameters of checkpoint {damaged}/checkpoints/2 " \
+         "(damaged files" in lines[-1], lines[-1]
+  for line, step in zip(lines, (3, 2)):  # the fallback's warnings, newest step first
+    assert (f"checkpoint step {step} in {damaged}/checkpoints cannot be restored (LoadError: "
+            in line and line.endswith("; trying the previous one")), res.stderr[-3000:]
 
 
-def test_damaged_array_chunks_name_the_array(trained, tmp_path):
-  """Array chunks cut short (their metadata intact): the error gives TensorStore's reason, which
-  names the array and the file, not Orbax's wrapper of it ("See full TensorStore details: <bound
-  method ... spec of TensorStore({...", cut at 300 characters before it said anything)."""
+def test_damaged_latest_step_falls_back_to_the_previous_one(trained, tmp_path, caplog):
+  """The newest step's array files truncated (its metadata sound, so it looks complete): the
+  workdir loads the previous step's parameters, as a resume does, with a warning naming the
+  damaged step and the cause (was: an error, though step 2 was intact)."""
+  import orbax.checkpoint as ocp
   ckpt, _, _ = trained
-  damaged = tmp_path / "damaged"
-  shutil.copytree(ckpt, damaged)
-  chunks = glob.glob(str(damaged / "checkpoints" / "3" / "state" / "ocdbt.process_*" / "d" / "*"))
-  assert chunks
-  for path in chunks:
-    os.truncate(path, 100)
+  damaged = _with_damaged_steps(ckpt, tmp_path, (3,))
+  saved2 = ocp.StandardCheckpointer().restore(os.path.join(ckpt, "checkpoints", "2", "state"))
+  for path in (damaged, os.path.join(damaged, "checkpoints")):
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+      loaded, _, info = load_model_and_tokenizer(path)
+    assert info["step"] == 2
+    np.testing.assert_array_equal(np.asarray(loaded.embed.value), saved2["params"]["embed"])
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"checkpoint step 3 in {damaged}/checkpoints cannot be restored "
+                            f"(LoadError: cannot read the parameters of checkpoint "
+                            f"{damaged}/checkpoints/3 (damaged files") and "Error reading" in m
+               for m in messages), messages
+    assert any("loaded checkpoint step 2 instead of the newer step(s) [3]" in m
+               for m in messages), messages
+
+
+def test_damaged_named_step_is_an_error_naming_it(trained, tmp_path):
+  """A damaged step asked for by its directory: an error naming it, no fallback to step 2. The
+  error gives TensorStore's reason, which names the array and the file, not Orbax's wrapper of it
+  ("See full TensorStore details: <bound method ... spec of TensorStore({...", cut at 300
+  characters before it said anything)."""
+  ckpt, _, _ = trained
+  damaged = _with_damaged_steps(ckpt, tmp_path, (3,), size=100)
   with pytest.raises(LoadError, match=re.escape(f"checkpoint {damaged}/checkpoints/3 (damaged files, "
                                                 "or not the model of its config): ValueError: ")
                      + r"[A-Z_]+: .*Error reading \"params\.") as error:
-    load_model_and_tokenizer(str(damaged))
+    load_model_and_tokenizer(os.path.join(damaged, "checkpoints", "3"))
   assert "TensorStore details" not in str(error.value), error.value
 
 

@@ -5,12 +5,14 @@ routing analysis; training restores its own state in `umoe_jax.train.checkpoint`
     model, tokenizer, info = load_model_and_tokenizer("runs/umoe_tiny")     # latest step
     model, tokenizer, info = load_model_and_tokenizer("runs/umoe_tiny/checkpoints/200")
     model, tokenizer, info = load_model_and_tokenizer(config=cfg)           # random parameters
-    ref = resolve_checkpoint(path); params = load_params(ref, abstract_params)
+    ref = resolve_checkpoint(path); ref, params = load_checkpoint_params(ref, abstract_params)
 
 A checkpoint directory is
   * a training step, `<workdir>/checkpoints/<step>` (its model in `<workdir>/config.json`);
-  * a training workdir, or its `checkpoints/` directory: the latest complete step (a newer one a
-    crash left empty or without its parameters is skipped with a warning, as a resume does);
+  * a training workdir, or its `checkpoints/` directory: the latest step that restores, as a resume
+    finds it (a newer one a crash left empty or without its parameters is skipped with a warning;
+    one whose array files are damaged is tried, named in a warning with the cause, and the
+    previous one is loaded);
   * a converted checkpoint (`python -m umoe_jax.interop.official`): `<dir>/params` + `<dir>/config.json`.
 The architecture is the checkpoint's config.json, else `config` (an experiment ConfigDict, e.g.
 `--config=configs/umoe_base.py`); without a checkpoint the parameters are random (`seed`). The
@@ -35,6 +37,11 @@ class LoadError(ValueError):
   """A checkpoint, config or tokenizer cannot be loaded; the message names it and why."""
 
 
+class ParamsMismatchError(LoadError):
+  """A checkpoint's saved parameters are not the model of its config (a config change, not damage:
+  no older step of the run is tried)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointRef:
   path: str                 # the directory as resolved (a step directory or a converted checkpoint)
@@ -42,6 +49,9 @@ class CheckpointRef:
   step: Optional[int]       # training step (None for a converted checkpoint)
   run: str                  # the workdir (or the converted directory)
   config: Optional[dict]    # the run's config.json (experiment config, or {"model": ...}); None: none
+  # The run's older steps, tried newest first when this one does not restore: set when the step was
+  # resolved as a workdir's latest (not for a step or a converted checkpoint named explicitly).
+  fallback: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
   @property
   def config_path(self) -> str:
@@ -134,7 +144,9 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
     raise LoadError(f"checkpoint {path!r} holds no parameters: expected params/ (a converted "
                     "checkpoint), checkpoints/<step>/ with a complete step (a training workdir), or "
                     "a <workdir>/checkpoints/<step> directory")
-  return resolve_checkpoint(storage.join(ckpt_dir, str(_latest_complete_step(ckpt_dir, steps))))
+  latest = _latest_complete_step(ckpt_dir, steps)
+  return dataclasses.replace(resolve_checkpoint(storage.join(ckpt_dir, str(latest))),
+                             fallback=tuple(s for s in reversed(steps) if s < latest))
 
 
 def _check_named_step_complete(ckpt_dir: str, step: int) -> None:
@@ -198,14 +210,47 @@ def _check_saved_shapes(ref: CheckpointRef, target: Any) -> None:
   want = {k: tuple(v.shape) for k, v in flatten(target).items()}
   for k in sorted(set(want) | set(saved)):
     if saved.get(k) != want.get(k):
-      raise LoadError(f"cannot read the parameters of checkpoint {ref.path} as the model of its "
-                      f"config: parameter {k} is {saved.get(k) or 'missing'} in the checkpoint, "
-                      f"{want.get(k) or 'absent'} in the model")
+      raise ParamsMismatchError(
+          f"cannot read the parameters of checkpoint {ref.path} as the model of its config: "
+          f"parameter {k} is {saved.get(k) or 'missing'} in the checkpoint, "
+          f"{want.get(k) or 'absent'} in the model")
+
+
+def load_checkpoint_params(ref: CheckpointRef, abstract_params: Any) -> tuple[CheckpointRef, Any]:
+  """(the step loaded, its parameters): `load_params` of `ref`, or, when it cannot be read and
+  `ref` is a workdir's latest step (`ref.fallback`), of the newest older step that can, as a resume
+  does (`checkpoint.restore_newest`: a warning names each step that fails and why). LoadError when
+  none can, listing each step's failure; a step named explicitly has no fallback (its own error).
+  ParamsMismatchError (a config that is not the checkpoint's model) stops at once."""
+  if not ref.fallback:
+    return ref, load_params(ref, abstract_params)
+  from absl import logging
+
+  from umoe_jax.train.checkpoint import failures_text, restore_newest
+
+  ckpt_dir = storage.dirname(ref.path)
+  refs = {ref.step: ref}
+
+  def restore(step: int) -> Any:
+    if step not in refs:  # an older step: complete (its metadata) before it is read
+      refs[step] = resolve_checkpoint(storage.join(ckpt_dir, str(step)))
+    return load_params(refs[step], abstract_params)
+
+  params, step, failures = restore_newest([ref.step, *ref.fallback], restore, ckpt_dir,
+                                          stop=(ParamsMismatchError,))
+  if step is None:
+    raise LoadError(f"no checkpoint step in {ckpt_dir} can be loaded "
+                    f"({failures_text(failures, 400)})")
+  if failures:
+    logging.warning("loaded checkpoint step %d instead of the newer step(s) %s, which cannot be "
+                    "read", step, [s for s, _ in failures])
+  return refs[step], params
 
 
 def load_params(ref: CheckpointRef, abstract_params: Any) -> Any:
   """The parameters of `ref` (pure dict on the first device) for the model whose abstract
-  parameters (nnx.State of ShapeDtypeStructs, `state.model_parts(cfg).abstract_params`) are given."""
+  parameters (nnx.State of ShapeDtypeStructs, `state.model_parts(cfg).abstract_params`) are given:
+  that checkpoint or a LoadError naming it (`load_checkpoint_params` falls back to older steps)."""
   import jax
   import orbax.checkpoint as ocp
   from flax import nnx
@@ -289,7 +334,7 @@ def load_model(checkpoint: Optional[str] = None, config: Any = None, *, seed: in
     check_seed(seed)
     return CausalLM(cfg, rngs=nnx.Rngs(params=seed)), section, None
   parts = state_lib.model_parts(cfg)
-  params = load_params(ref, parts.abstract_params)
+  ref, params = load_checkpoint_params(ref, parts.abstract_params)
   state = parts.abstract_params  # a fresh State: filled in place with the arrays
   nnx.replace_by_pure_dict(state, params)
   return nnx.merge(parts.graphdef, state), section, ref
