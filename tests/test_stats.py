@@ -192,6 +192,17 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
   broken = tmp_path / "zoo"
   broken.mkdir()
   (broken / "x_tiny.py").write_text("def get_config():\n  raise ValueError('bad scale')\n")
+  # The zoo loads its configs with config_file's loader (was its own, naming no line): the messages
+  # of --config= files, the file named as "zoo config PATH".
+  syntax = tmp_path / "syntax_zoo"
+  syntax.mkdir()
+  (syntax / "s_tiny.py").write_text("import ml_collections\n\ndef get_config(:\n  pass\n")
+  no_return = tmp_path / "no_return_zoo"
+  no_return.mkdir()
+  (no_return / "n_base.py").write_text("def get_config():\n  x = 1\n")
+  no_get_config = tmp_path / "no_get_config_zoo"
+  no_get_config.mkdir()
+  (no_get_config / "g_large.py").write_text("CONFIG = {}\n")
   empty = tmp_path / "empty"
   empty.mkdir()
   (empty / "notes_tiny.txt").write_text("not a config")
@@ -235,7 +246,15 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
       ("--zoo", f"--zoo_dir={tmp_path / 'none'}"): f"error: --zoo_dir='{tmp_path / 'none'}': no "
                                                    "such directory",
       ("--zoo", f"--zoo_dir={broken}"): f"error: zoo config {broken / 'x_tiny.py'} does not load "
-                                        "(ValueError: bad scale)",
+                                        "(ValueError at line 2: bad scale)",
+      ("--zoo", f"--zoo_dir={syntax}"): f"error: zoo config {syntax / 's_tiny.py'} does not load "
+                                        "(SyntaxError at line 3: invalid syntax)",
+      ("--zoo", f"--zoo_dir={no_return}"): f"error: zoo config {no_return / 'n_base.py'} does not "
+                                           "load: its get_config() returned None, not a ConfigDict "
+                                           "(a missing return?)",
+      ("--zoo", f"--zoo_dir={no_get_config}"): f"error: zoo config {no_get_config / 'g_large.py'} "
+                                               "defines no get_config() (a config file is Python "
+                                               "whose get_config() returns its ConfigDict)",
   }
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   procs = {args: subprocess.Popen([sys.executable, "-m", "umoe_jax.stats", *args], cwd=ROOT,

@@ -56,17 +56,26 @@ def load(path: str) -> Any:
   get_config takes other arguments than the command line passes, raises, or returns no
   ConfigDict."""
   file, args = split_config_arg(path)
-  check_is_file(file)
-  module = _exec_config_file(file)
+  return load_file(file, args, path=path)
+
+
+def load_file(file: str, args: tuple[str, ...] = (), *, label: str | None = None,
+              path: str | None = None) -> Any:
+  """`load` of `file` itself (no `:arg` split: a path may hold a colon), its `get_config(*args)`;
+  the errors name the file as `label` ("zoo config configs/x_tiny.py"; default "--config=FILE").
+  `path` is the `--config=` value (FILE:arg) that a get_config taking other arguments is told of."""
+  label = label or f"--config={file}"
+  check_is_file(file, label)
+  module = _exec_config_file(file, label)
   get_config = getattr(module, "get_config", None)
   if get_config is None:
-    raise ConfigError(f"--config={file} defines no get_config() (a config file is Python whose "
+    raise ConfigError(f"{label} defines no get_config() (a config file is Python whose "
                       f"get_config() returns its ConfigDict){_not_python(file)}")
   if not callable(get_config):
-    raise ConfigError(f"--config={file}: its get_config is {_describe(get_config)}, not a function")
-  _check_arguments(path, get_config, args)
-  config = _call_in(file, get_config, args)
-  _check_returned(file, config)
+    raise ConfigError(f"{label}: its get_config is {_describe(get_config)}, not a function")
+  _check_arguments(file, path or file, get_config, args, label)
+  config = _call_in(file, get_config, args, label)
+  _check_returned(config, label)
   return config
 
 
@@ -76,17 +85,19 @@ def split_config_arg(path: str) -> tuple[str, tuple[str, ...]]:
   return file, (arg,) if colon else ()
 
 
-def check_is_file(file: str) -> None:
-  """ConfigError unless `file` names a file: empty, missing, a directory (listing its configs)."""
+def check_is_file(file: str, label: str | None = None) -> None:
+  """ConfigError unless `file` names a file: empty, missing, a directory (listing its configs);
+  `label` names it (default "--config=FILE")."""
+  label = label or f"--config={file}"
   if not file:
-    raise ConfigError("--config= names no file")
+    raise ConfigError(f"{label} names no file")
   if os.path.isdir(file):
     configs = config_files_in(file)
     listing = (f"its config files: {', '.join(configs)}" if configs
                else "it holds no .py file with a get_config()")
-    raise ConfigError(f"--config={file} is a directory, not a config file; {listing}")
+    raise ConfigError(f"{label} is a directory, not a config file; {listing}")
   if not os.path.isfile(file):
-    raise ConfigError(f"--config={file}: no such file")
+    raise ConfigError(f"{label}: no such file")
 
 
 def config_files_in(directory: str) -> list[str]:
@@ -103,7 +114,7 @@ def _defines_get_config(path: str) -> bool:
     return False
 
 
-def _exec_config_file(file: str) -> Any:
+def _exec_config_file(file: str, label: str) -> Any:
   """The module of `file`, run as config_flags runs it (module "config_config"); ConfigError
   naming the file and line of a syntax error or of what raised while it ran."""
   # config_flags execs every file into the module "config_config", reusing it: a file without
@@ -115,41 +126,41 @@ def _exec_config_file(file: str) -> Any:
   try:
     loader.exec_module(module)
   except SyntaxError as e:
-    raise ConfigError(f"--config={file} does not load (SyntaxError at line {e.lineno}: {e.msg})"
+    raise ConfigError(f"{label} does not load (SyntaxError at line {e.lineno}: {e.msg})"
                       f"{_not_python(file)}") from e
   except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
-    raise _does_not_load(file, e) from e
+    raise _does_not_load(file, e, label) from e
   return module
 
 
-def _check_arguments(path: str, get_config: Any, args: tuple[str, ...]) -> None:
+def _check_arguments(file: str, path: str, get_config: Any, args: tuple[str, ...],
+                     label: str) -> None:
   """ConfigError when get_config cannot take `args`: `--config=FILE:arg` passes one argument."""
   try:
     inspect.signature(get_config).bind(*args)
   except TypeError:
-    file = split_config_arg(path)[0]
     if args:
       raise ConfigError(f"--config={path} passes {args[0]!r} to get_config(), but the get_config() "
                         f"of {file} takes no argument: drop ':{args[0]}'") from None
-    raise ConfigError(f"--config={file}: its get_config() needs an argument: pass it as "
+    raise ConfigError(f"{label}: its get_config() needs an argument: pass it as "
                       f"--config={file}:ARG (big_vision style)") from None
   except ValueError:  # no signature (a builtin): let the call tell
     pass
 
 
-def _call_in(file: str, get_config: Any, args: tuple[str, ...]) -> Any:
+def _call_in(file: str, get_config: Any, args: tuple[str, ...], label: str) -> Any:
   try:
     return get_config(*args)
   except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
-    raise _does_not_load(file, e) from e
+    raise _does_not_load(file, e, label) from e
 
 
-def _check_returned(file: str, config: Any) -> None:
+def _check_returned(config: Any, label: str) -> None:
   """ConfigError unless get_config() returned a ConfigDict (or a dict)."""
   if isinstance(config, (ml_collections.ConfigDict, dict)):
     return
   missing_return = " (a missing return?)" if config is None else ""
-  raise ConfigError(f"--config={file} does not load: its get_config() returned "
+  raise ConfigError(f"{label} does not load: its get_config() returned "
                     f"{_describe(config)}, not a ConfigDict{missing_return}")
 
 
@@ -169,10 +180,10 @@ def _not_python(file: str) -> str:
   return "" if file.endswith(".py") else "; it is not a .py file: --config takes configs/*.py"
 
 
-def _does_not_load(file: str, error: BaseException) -> ConfigError:
+def _does_not_load(file: str, error: BaseException, label: str) -> ConfigError:
   line = _line_in(file, error)
   at = f" at line {line}" if line else ""
-  return ConfigError(f"--config={file} does not load ({type(error).__name__}{at}: "
+  return ConfigError(f"{label} does not load ({type(error).__name__}{at}: "
                      f"{' '.join(str(error).split())}){_not_python(file)}")
 
 

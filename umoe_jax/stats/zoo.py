@@ -3,11 +3,11 @@ the markdown table of docs/model_zoo.md (`python -m umoe_jax.stats --zoo`)."""
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import os
 import sys
 from typing import Sequence
 
+from umoe_jax import config_file
 from umoe_jax.config import ConfigError, ModelConfig
 from umoe_jax.stats.counting import as_model_config
 from umoe_jax.stats.summary import model_stats
@@ -16,22 +16,14 @@ ZOO_PATTERNS = ("*_tiny.py", "*_base.py", "*_large.py")
 
 
 def load_config_file(path: str):
-  """`get_config()` of a config file; its parent directory's parent goes on sys.path (for
-  `from configs import common`)."""
-  path = os.path.abspath(path)
-  root = os.path.dirname(os.path.dirname(path))
+  """`get_config()` of a config file, loaded by `config_file.load_file` (one loader: a ConfigError
+  naming the file, "zoo config PATH", and the line of a syntax error or of what raised; no
+  get_config; a get_config returning no ConfigDict); its parent directory's parent goes on
+  sys.path (for `from configs import common`)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
   if root not in sys.path:
     sys.path.insert(0, root)
-  package = os.path.basename(os.path.dirname(path))
-  module_name = f"{package}.{os.path.splitext(os.path.basename(path))[0]}"
-  spec = importlib.util.spec_from_file_location(module_name, path)
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    return module.get_config()
-  except Exception as e:  # pylint: disable=broad-except  (whatever the config file raised)
-    raise ConfigError(f"zoo config {path} does not load ({type(e).__name__}: "
-                      f"{' '.join(str(e).split())})") from e
+  return config_file.load_file(path, label=f"zoo config {path}")
 
 
 def zoo_model(path: str) -> ModelConfig:
