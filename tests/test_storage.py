@@ -330,3 +330,46 @@ def test_tilde_of_an_unknown_user_is_an_error_naming_the_flag(tmp_path, monkeypa
   assert prepare_lib.main(["--source=jsonl", f"--input={jsonl}", f"--output_dir={path}"]) == 1
   assert capsys.readouterr().err.startswith(f"error: --output_dir={unknown}")
   assert os.listdir(tmp_path) == ["d.jsonl"]  # no directory named '~umoe_no_such_user_x7'
+
+
+NO_USER = "umoe_no_such_user"
+
+
+def test_expand_of_unknown_user_is_an_error():
+  """`~user/...` of no user of this machine: storage.expand / abspath raise UnknownUserError (a
+  FileNotFoundError and a ValueError) naming the user and the path, instead of leaving `~user` as a
+  relative directory name (then "no such file" naming `~user`, or a directory named so)."""
+  from umoe_jax.storage.files import UnknownUserError
+  for fn in (storage.expand, storage.abspath):
+    with pytest.raises(UnknownUserError, match=f"unknown user '{NO_USER}' in '~{NO_USER}/x'"):
+      fn(f"~{NO_USER}/x")
+    assert fn("~/x") == os.path.expanduser("~/x")  # ~ of this user, a URL: as they were
+    assert fn("gs://b/~x/") == "gs://b/~x"
+  assert issubclass(UnknownUserError, FileNotFoundError) and issubclass(UnknownUserError, ValueError)
+
+
+def test_input_path_of_unknown_user_is_one_error_line(tmp_path):
+  """An input path `~user/...` of no user: one "error:" line saying the user is unknown, no
+  traceback (was "no such file/directory" naming `~user`, as a path under the working directory)."""
+  import subprocess
+  import sys
+  bad = f"~{NO_USER}/x"
+  commands = [
+      [sys.executable, "-m", "umoe_jax.eval", "perplexity", f"--checkpoint={bad}",
+       "--data=README.md"],
+      [sys.executable, "-m", "umoe_jax.data.prepare", "--source=text", f"--input={bad}",
+       f"--output_dir={tmp_path / 'out'}"],
+      [sys.executable, "-m", "umoe_jax.stats", f"--config={bad}.py"],
+      [sys.executable, "-m", "umoe_jax.generate", f"--checkpoint={bad}", "--prompt=hi"],
+      [sys.executable, "train.py", "--config=configs/umoe_tiny.py", f"--workdir={tmp_path / 'w'}",
+       f"--config.checkpoint.init_from={bad}"],
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = [(cmd, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)) for cmd in commands]
+  for cmd, proc in procs:
+    _, stderr = proc.communicate(timeout=300)
+    lines = [line for line in stderr.strip().splitlines()
+             if not line.startswith("  ")]  # (train.py's indented hint lines)
+    assert proc.returncode != 0 and "Traceback" not in stderr, (cmd, stderr[-2000:])
+    assert len(lines) == 1 and f"unknown user '{NO_USER}' in '{bad}" in lines[0], (cmd, stderr)

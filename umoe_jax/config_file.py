@@ -97,6 +97,11 @@ def check_is_file(file: str, label: str | None = None) -> None:
                else "it holds no .py file with a get_config()")
     raise ConfigError(f"{label} is a directory, not a config file; {listing}")
   if not os.path.isfile(file):
+    from umoe_jax.storage.files import UnknownUserError, expand
+    try:
+      expand(file)
+    except UnknownUserError as e:  # ~user of no user (was "no such file", naming ~user)
+      raise ConfigError(f"{label}: no such file: {e}") from None
     raise ConfigError(f"{label}: no such file")
 
 

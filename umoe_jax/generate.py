@@ -63,7 +63,7 @@ def main(argv) -> int:
     model, tokenizer, info = load_model_and_tokenizer(
         _CHECKPOINT.value, _CONFIG.value, tokenizer=_TOKENIZER.value, seed=_SEED.value,
         compute_dtype=_COMPUTE_DTYPE.value or None)
-  except LoadError as e:
+  except (LoadError, FileNotFoundError) as e:  # (~user of no user: storage.UnknownUserError)
     raise SystemExit(f"error: {e}") from None
   if _CHECKPOINT.value is None:
     print("(no --checkpoint: random parameters)", file=sys.stderr)

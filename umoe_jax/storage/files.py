@@ -32,13 +32,31 @@ def scheme(path: str) -> str:
   return path.split("://", 1)[0].lower() if is_url(path) else ""
 
 
+class UnknownUserError(FileNotFoundError, ValueError):
+  """A local path `~user/...` of no user of this machine (os.path.expanduser leaves it as it is, and
+  the path is then looked up relative to the working directory: "no such file" naming `~user`).
+  A FileNotFoundError (what a missing input is) and a ValueError (what a bad flag value is), so
+  the commands' handlers of either print its one line."""
+
+
+def _expand_local(path: str) -> str:
+  """os.path.expanduser of a local path; UnknownUserError when `~user` names no user."""
+  expanded = os.path.expanduser(path)
+  if expanded.startswith("~"):
+    user = expanded[1:].split(os.sep, 1)[0]
+    raise UnknownUserError(f"unknown user {user!r} in {path!r} (~{user} is the home directory of "
+                           f"user {user!r}; ~/ is yours)")
+  return expanded
+
+
 def expand(path: str) -> str:
-  """A local path with `~` expanded; a URL without a trailing slash."""
+  """A local path with `~` expanded; a URL without a trailing slash. UnknownUserError (a
+  FileNotFoundError and a ValueError) when a `~user` path names no user of this machine."""
   path = os.fspath(path)
   if is_url(path):
     head, rest = path.split("://", 1)
     return f"{head}://{rest.rstrip('/')}"
-  return os.path.expanduser(path)
+  return _expand_local(path)
 
 
 def expand_user(path: str, flag: str) -> str:
@@ -57,8 +75,9 @@ def expand_user(path: str, flag: str) -> str:
 
 
 def abspath(path: str) -> str:
-  """The absolute form of a local path (`~` expanded); a URL as `expand` gives it."""
-  return expand(path) if is_url(path) else os.path.abspath(os.path.expanduser(path))
+  """The absolute form of a local path (`~` expanded); a URL as `expand` gives it.
+  UnknownUserError as `expand`."""
+  return expand(path) if is_url(path) else os.path.abspath(_expand_local(os.fspath(path)))
 
 
 def normpath(path: str) -> str:

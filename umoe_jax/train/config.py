@@ -198,8 +198,11 @@ def check_log_analysis(log: Any, train: Any) -> None:
 def check_checkpoint(ckpt: Any) -> None:
   _check(ckpt.every >= 1, f"checkpoint.every={ckpt.every!r} must be >= 1")
   _check(ckpt.keep >= 1, f"checkpoint.keep={ckpt.keep!r} must be >= 1")
-  _check(not ckpt.init_from or storage.isdir(storage.expand(ckpt.init_from)),
-         f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
+  try:
+    init_from_found = not ckpt.init_from or storage.isdir(storage.expand(ckpt.init_from))
+  except FileNotFoundError as e:  # ~user of no user (storage.UnknownUserError)
+    raise ConfigError(f"checkpoint.init_from={ckpt.init_from!r}: {e}") from None
+  _check(init_from_found, f"checkpoint.init_from={ckpt.init_from!r}: no such directory")
   _check(ckpt.restore_step is None or ckpt.restore_step >= 0,
          f"checkpoint.restore_step={ckpt.restore_step!r} must be a step >= 0 (or None: the latest)")
   for key in ("max_param_norm_ratio", "max_loss_ratio"):
