@@ -312,7 +312,8 @@ def test_tilde_of_an_unknown_user_is_an_error_naming_the_flag(tmp_path, monkeypa
   from umoe_jax.train.workdir import WorkdirError, check_workdir
   monkeypatch.chdir(tmp_path)
   path = f"~{UNKNOWN_USER}/out"
-  unknown = f"{path!r}: unknown user {UNKNOWN_USER!r} (~{UNKNOWN_USER} is the home directory of user"
+  unknown = (f"{path!r}: unknown user {UNKNOWN_USER!r} in {path!r} (~{UNKNOWN_USER} is the home "
+             f"directory of user")
   assert storage.expand_user("~/x", "--out") == os.path.expanduser("~/x")  # ~ and URLs: unchanged
   assert storage.expand_user("gs://b/~x", "--out") == "gs://b/~x"
   with pytest.raises(ValueError, match=re.escape(f"--json={unknown}")):

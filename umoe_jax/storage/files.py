@@ -66,12 +66,10 @@ def expand_user(path: str, flag: str) -> str:
   path = os.fspath(path)
   if is_url(path):
     return path
-  expanded = os.path.expanduser(path)
-  if expanded.startswith("~"):
-    user = expanded[1:].split(os.sep, 1)[0]
-    raise ValueError(f"{flag}={path!r}: unknown user {user!r} (~{user} is the home directory of "
-                     f"user {user!r}; ~/ is yours)")
-  return expanded
+  try:
+    return _expand_local(path)
+  except UnknownUserError as e:
+    raise ValueError(f"{flag}={path!r}: {e}") from None
 
 
 def abspath(path: str) -> str:
