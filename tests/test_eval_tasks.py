@@ -103,6 +103,9 @@ def test_task_list_entries_and_spec_files(tmp_path):
     ("- {name: 5, path: a.jsonl, kind: mc}", "task 0: 'name' must be a string, got 5"),
     ("- {path: a.jsonl, kind: mc, description: 3}", "task 0: 'description' must be a string, got 3"),
     ("- {path: data, kind: mmlu, split: 1}", "task 0: 'split' must be a string, got 1"),
+    # ~user of no user: was "no such file" once scoring began, naming ~user under the spec's folder.
+    ("- {path: ~umoe_no_such_user/a.jsonl, kind: mc}",
+     "task 0: 'path': unknown user 'umoe_no_such_user' in '~umoe_no_such_user/a.jsonl'"),
 ])
 def test_bad_spec_files(tmp_path, content, message):
   (tmp_path / "s.yaml").write_text(content)

@@ -467,6 +467,10 @@ def test_readers_labels_and_line_numbers(tmp_path):
   short = _write(tmp_path / "short.csv", 'label,text\na,ok\nb\n')
   with pytest.raises(DataError, match=re.escape("(short.csv:3): no value of the text field 'text'")):
     data_lib.read_examples(short, text_field="text", label_field="label")
+  # ~user of no user: was "no such file", naming ~user as a folder of the working directory.
+  with pytest.raises(DataError, match=re.escape(
+      "data.train_path='~umoe_no_such_user/a.csv': unknown user 'umoe_no_such_user'")):
+    data_lib.read_examples("~umoe_no_such_user/a.csv", text_field="text", label_field="label")
   wide = _write(tmp_path / "wide.csv", 'text,label\n"x\ny",a,extra\n')
   with pytest.raises(DataError, match=re.escape("wide.csv:2: more fields than the header")):
     data_lib.read_examples(wide, text_field="text", label_field="label")

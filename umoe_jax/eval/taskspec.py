@@ -94,7 +94,10 @@ def _spec_from_mapping(rec: Any, where: str, base_dir: str) -> TaskSpec:
     if rec.get(key) is not None:
       if not isinstance(rec[key], str):
         raise EvalError(f"{where}: {key!r} must be a string, got {rec[key]!r}")
-      rec[key] = os.path.join(base_dir, os.path.expanduser(rec[key]))
+      try:
+        rec[key] = os.path.join(base_dir, storage.expand(rec[key]))
+      except storage.UnknownUserError as e:
+        raise EvalError(f"{where}: {key!r}: {e}") from None
   # Else a number here fails only once scored (description) or in the table after every task
   # (name), the results lost.
   for key in ("name", "description", "split"):

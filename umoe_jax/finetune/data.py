@@ -37,6 +37,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from umoe_jax import storage
 from umoe_jax.finetune.config import FORMATS
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
@@ -184,9 +185,13 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
   the text or label field, or a non-string text. `key` (the config key or flag that gave `path`)
   is named in the messages about the whole file, `names` where they say which setting to change.
   """
-  if not os.path.isfile(os.path.expanduser(path)):
+  try:
+    local = storage.expand(path)
+  except storage.UnknownUserError as e:
+    raise DataError(f"{key}={path!r}: {e}") from None
+  if not os.path.isfile(local):
     raise DataError(f"{key}={path!r}: no such file")
-  path = os.path.expanduser(path)
+  path = local
   fmt = file_format(path, fmt, names)
   out = []
   for where, record in _records(path, fmt):

@@ -32,14 +32,14 @@ else raises StorageError (an OSError) naming the URL, with a hint on credentials
 """
 from umoe_jax.storage.append import AppendFile
 from umoe_jax.storage.files import (
-    abspath, arrow_filesystem, basename, bucket_url, check_bucket, dirname, exists, expand, expand_user, filesystem, find_files, glob,
-    has_magic, is_url, isdir, isfile, join, listdir, local_temp_dir, makedirs, move, normpath, open,
-    read_bytes, read_text, remove, rmtree, scheme, size, upload_file, upload_tree, write_bytes,
-    write_text)
+    UnknownUserError, abspath, arrow_filesystem, basename, bucket_url, check_bucket, dirname,
+    exists, expand, expand_user, filesystem, find_files, glob, has_magic, is_url, isdir, isfile,
+    join, listdir, local_temp_dir, makedirs, move, normpath, open, read_bytes, read_text, remove,
+    rmtree, scheme, size, upload_file, upload_tree, write_bytes, write_text)
 from umoe_jax.storage.retry import ObjectNotFoundError, StorageError, is_transient
 
 __all__ = [
-    "AppendFile", "ObjectNotFoundError", "StorageError", "abspath", "arrow_filesystem", "basename",
+    "AppendFile", "ObjectNotFoundError", "StorageError", "UnknownUserError", "abspath", "arrow_filesystem", "basename",
     "bucket_url", "check_bucket",
     "dirname", "exists", "expand", "expand_user", "filesystem", "find_files", "glob", "has_magic", "is_transient",
     "is_url", "isdir", "isfile", "join", "listdir", "local_temp_dir", "makedirs", "move", "normpath", "open",
