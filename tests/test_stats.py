@@ -189,32 +189,26 @@ def test_cli_bad_input_is_one_error_line(tmp_path):
   """Flags and configs the command cannot count: one "error:" line naming the flag or key and exit
   status 1, before any model is built (were a ZeroDivisionError, numpy's TypeError, a
   FileNotFoundError and a ConfigError traceback)."""
-  broken = tmp_path / "zoo"
-  broken.mkdir()
-  (broken / "x_tiny.py").write_text("def get_config():\n  raise ValueError('bad scale')\n")
+  def zoo_dir(name: str, file: str, text: str):
+    """tmp_path/name holding one file."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / file).write_text(text)
+    return tmp_path / name
+
+  broken = zoo_dir("zoo", "x_tiny.py", "def get_config():\n  raise ValueError('bad scale')\n")
   # The zoo loads its configs with config_file's loader (was its own, naming no line): the messages
   # of --config= files, the file named as "zoo config PATH".
-  syntax = tmp_path / "syntax_zoo"
-  syntax.mkdir()
-  (syntax / "s_tiny.py").write_text("import ml_collections\n\ndef get_config(:\n  pass\n")
-  no_return = tmp_path / "no_return_zoo"
-  no_return.mkdir()
-  (no_return / "n_base.py").write_text("def get_config():\n  x = 1\n")
-  no_get_config = tmp_path / "no_get_config_zoo"
-  no_get_config.mkdir()
-  (no_get_config / "g_large.py").write_text("CONFIG = {}\n")
-  empty = tmp_path / "empty"
-  empty.mkdir()
-  (empty / "notes_tiny.txt").write_text("not a config")
+  syntax = zoo_dir("syntax_zoo", "s_tiny.py", "import ml_collections\n\ndef get_config(:\n  pass\n")
+  no_return = zoo_dir("no_return_zoo", "n_base.py", "def get_config():\n  x = 1\n")
+  no_get_config = zoo_dir("no_get_config_zoo", "g_large.py", "CONFIG = {}\n")
+  empty = zoo_dir("empty", "notes_tiny.txt", "not a config")
   a_file = tmp_path / "zoo.py"
   a_file.write_text("")
   no_model = tmp_path / "data_only.py"  # e.g. another command's config
   no_model.write_text("import ml_collections\n\ndef get_config():\n  return "
                       "ml_collections.ConfigDict({'data': {'source': 'text'}})\n")
-  bad_model = tmp_path / "bad_model"
-  bad_model.mkdir()
-  (bad_model / "y_tiny.py").write_text("import ml_collections\n\ndef get_config():\n  return "
-                                       "ml_collections.ConfigDict({'model': {'d_model': -3}})\n")
+  bad_model = zoo_dir("bad_model", "y_tiny.py", "import ml_collections\n\ndef get_config():\n  "
+                      "return ml_collections.ConfigDict({'model': {'d_model': -3}})\n")
   tiny = "--config=configs/umoe_tiny.py"
   max_seq_len = load("umoe_tiny").model.max_seq_len
   cases = {

@@ -175,9 +175,7 @@ def _describe(value: Any) -> str:
   text = text if len(text) <= 60 else text[:57] + "..."
   if value is None:
     return text
-  name = type(value).__name__
-  article = "an" if name[0].lower() in "aeiou" else "a"
-  return f"{text} ({article} {name})"
+  return f"{text} ({_with_article(type(value).__name__)})"
 
 
 def _not_python(file: str) -> str:
@@ -273,7 +271,7 @@ def _value_at(config: Any, key: str) -> Any:
 
 
 def _with_article(type_name: str) -> str:
-  return f"{'an' if type_name[0] in 'aeiou' else 'a'} {type_name}"
+  return f"{'an' if type_name[0].lower() in 'aeiou' else 'a'} {type_name}"
 
 
 def check_argv(argv: Sequence[str], name: str = "config") -> None:
