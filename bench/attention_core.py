@@ -26,6 +26,10 @@ a time limit still leaves tiles to load.
 (`attention_tiles.SPLIT_KEY_WIDTH`; row keys "triton" and "triton_split"); one setting alone (0 or 1)
 runs everything with it, the sweep and the swept tiles' timing included. Without the flag every run
 takes the module's setting (on).
+
+Every core timed is also recorded as rows (`measurements`: fwd and fwd+bwd ms, against the XLA core of
+the same command) to --results (bench/results.py: default $OUT/rows.jsonl when $OUT is set, else
+bench/results/<device>.jsonl; none: no rows).
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 from gmm import jax_ms, log  # noqa: E402
 from checks import rel_err  # noqa: E402
 from layer_breakdown import time_fwd_bwd  # noqa: E402
+import results as results_lib  # noqa: E402  (bench/results.py)
 
 SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048),
           # MoA-base: 1 + 3 query heads over one shared key / value head, values as wide as the
@@ -370,6 +375,36 @@ def time_delta(name, shape):
   return rows
 
 
+def measurements(name: str, row: dict, default_split: bool, tuned: bool = False) -> list[dict]:
+  """The results rows of one shape's `time_cores` row: per core timed, fwd and fwd+bwd ms (TFLOP/s
+  beside them), each against the XLA core of the same row where it was timed. Overrides name the core,
+  a backward form other than auto, the key width where it is not `default_split`, and the swept tiles
+  (`tuned`)."""
+  splits = row.get("split_key_width", [default_split])
+  xla = row.get("xla")
+  out = []
+  for key, r in row.items():
+    if not (isinstance(r, dict) and "fwd_ms" in r):
+      continue
+    core, _, form = key.partition("_")
+    split = form.endswith("split") or (len(splits) == 1 and splits[0])
+    form = form.removesuffix("split").rstrip("_")
+    overrides = {"core": core}
+    if form:
+      overrides["core_backward"] = form
+    if core == "triton" and bool(split) != bool(default_split):
+      overrides["split_key_width"] = int(bool(split))
+    if tuned:
+      overrides["tiles"] = "swept"
+    for metric in ("fwd_ms", "fwd_bwd_ms"):
+      anchor = (results_lib.anchor("XLA core (scores materialised), same command", xla[metric], "ms",
+                                   "bench/attention_core.py") if xla and core != "xla" else None)
+      tflops = metric.replace("_ms", "_tflops")
+      out.append(dict(config=f"attention_core:{name}", metric=metric, value=r[metric],
+                      overrides=overrides, anchor=anchor, extra={tflops: r[tflops]}))
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default="base,large")
@@ -389,9 +424,11 @@ def main():
   ap.add_argument("--delta", action="store_true",
                   help="also time the backward's delta = <dO, out> reduction in each DELTA_FORMS form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  results_lib.add_flag(ap)
   args = ap.parse_args()
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
+  default_split = at.SPLIT_KEY_WIDTH
   if args.attention_tiles:
     at.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
@@ -432,6 +469,9 @@ def main():
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
       log(f"  {name}: chosen tiles {row['tiles']}")
       row["tuned"] = time_cores(name, shape, tiles=chosen, which=("triton",))
+    for m in measurements(name, row, default_split) + measurements(
+        name, row.get("tuned", {}), default_split, tuned=True):
+      results_lib.record(args.results, **m)
     with open(os.path.join(args.out, "attention_core.json"), "w") as f:
       json.dump(results, f, indent=1)
     if table:

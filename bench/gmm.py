@@ -6,7 +6,9 @@
 Prints, per shape, TFLOP/s of: a dense matmul of equal FLOPs, our kernels fwd and fwd+bwd (fwd + input
 grad + weight grad = 3x the forward FLOPs), JAX's shipped Mosaic GPU ragged_dot fwd, jax.lax.ragged_dot
 fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-dispatch cost against
-the expert matmuls; a short table last. Full results go to $OUT (or --out) as gmm_results.json.
+the expert matmuls; a short table last. Full results go to $OUT (or --out) as gmm_results.json; each
+backend's fwd and fwd+bwd TFLOP/s per shape also go as rows to --results (bench/results.py: default
+$OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no rows).
 --sweep times every candidate tile config of kernels/tuning.py's CANDIDATES and reports the best per
 (backend, op, shape): the rows to paste into tuning.TABLE. --sweep-gathered does the same for the
 calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.json, which
@@ -33,6 +35,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
 from gmm_common import ANCHORS, SHAPES, group_sizes, jax_ms, log, make_inputs  # noqa: E402
 from gmm_dispatch import dispatch_part  # noqa: E402
 from gmm_sweep import MAX_CANDS, sweep, sweep_gathered  # noqa: E402
+import results as results_lib  # noqa: E402  (bench/results.py)
 
 def torch_part(shapes):
   import torch
@@ -94,6 +97,34 @@ def quick_check(be, x, w, dy, gs, cfgs=None):
   return errs
 
 
+def measurements(name: str, row: dict, backends) -> list[dict]:
+  """The results rows of one shape's timings `row`: per backend timed, fwd and fwd+bwd TFLOP/s
+  (dgrad and wgrad beside the latter), each against torch._grouped_mm measured in this process, or
+  shared/anchors' figure where torch did not run."""
+  a = ANCHORS.get(name, {})
+  def torch_anchor(key, shared, what):
+    if row.get(key) == row.get(key) and row.get(key):  # (nan: torch's backward failed)
+      return results_lib.anchor(f"torch._grouped_mm {what}, same process", row[key], "TFLOP/s",
+                                "bench/gmm.py torch_part")
+    if shared in a:
+      return results_lib.anchor(f"torch._grouped_mm {what}, one H200", a[shared], "TFLOP/s",
+                                "shared/anchors/grouped_matmul_anchors.py")
+    return None
+  out = []
+  for b in backends:
+    fwd, fb = row.get(f"{b}_fwd"), row.get(f"{b}_fwd_bwd")
+    if fwd is None or fwd != fwd:
+      continue
+    err = row.get(f"{b}_err")
+    out.append(dict(config=f"gmm:{name}", metric="fwd_tflops", value=fwd, overrides={"backend": b},
+                    anchor=torch_anchor("torch_f", "torch_f", "fwd"), extra={"rel_err": err}))
+    out.append(dict(config=f"gmm:{name}", metric="fwd_bwd_tflops", value=fb, overrides={"backend": b},
+                    anchor=torch_anchor("torch_fb", "torch_fb", "fwd+bwd"),
+                    extra={"dgrad_tflops": row.get(f"{b}_dgrad"), "wgrad_tflops": row.get(f"{b}_wgrad"),
+                           "rel_err": err}))
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
@@ -119,6 +150,7 @@ def main():
                   help="--sweep-gathered: comma list of candidate positions to time instead of the "
                        "first --max-cands (the tabled tile, position 0, always comes first)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  results_lib.add_flag(ap)
   args = ap.parse_args()
   shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
   results = {"shapes": {}, "argv": sys.argv}
@@ -221,6 +253,8 @@ def main():
       except Exception:  # noqa: BLE001
         log(f"  {b} {name} FAILED:\n{traceback.format_exc()[-1500:]}")
     results["shapes"][name] = row
+    for m in measurements(name, row, backends):
+      results_lib.record(args.results, **m)
     del x, w, dy
     _save(args.out, results)
 

@@ -6,7 +6,9 @@ the hidden states and the head) at the trainer's shape, bf16, for each form aske
 (`train.loss_chunk_tokens`). First checks every form against the first (loss, dh, dw; relative
 error) on fresh random inputs (never zeros), then reports the median wall time of `--iters` calls
 after warm-ups. (Session 11 timed a one-pass log-sum-exp here too, the forms "*_online" of ecc739e;
-no faster on an H200: BENCHMARKS.md.)
+no faster on an H200: docs/history/benchmarks-2026.md.) Each checked form is also a row of --results
+(bench/results.py: default $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none:
+no rows), against the first form of the command.
 
   python bench/loss_head.py [--tokens=32768] [--d_model=768] [--vocab=32000] [--iters=20]
       [--forms=fused,chunked] [--chunk_tokens=4096] [--out=$OUT]
@@ -25,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import results  # noqa: E402  (bench/results.py)
 import timing  # noqa: E402  (bench/timing.py)
 from checks import rel_err  # noqa: E402
 from umoe_jax.ops.chunked_loss import chunked_token_nll  # noqa: E402
@@ -68,6 +71,7 @@ def main(argv=None) -> int:
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--out", default="")
+  results.add_flag(ap)
   args = ap.parse_args(argv)
   forms = [f for f in args.forms.split(",") if f]
   for f in forms:
@@ -90,6 +94,13 @@ def main(argv=None) -> int:
     print(f"{form:>16}: {rows[-1]['ms']:8.3f} ms  loss {float(loss):.6f}  rel. err vs {forms[0]}: "
           f"loss {errs['loss']:.1e} dh {errs['dh']:.1e} dw {errs['dw']:.1e}  {'ok' if ok else 'FAILED'}",
           flush=True)
+    if ok:
+      first = rows[0]
+      results.record(args.results, f"loss_head:{args.tokens}x{args.d_model}x{args.vocab}", "ms",
+                     rows[-1]["ms"], overrides={"form": form},
+                     anchor=None if form == first["form"] else results.anchor(
+                         f"{first['form']} head, same command", first["ms"], "ms", "bench/loss_head.py"),
+                     extra={"chunk_tokens": args.chunk_tokens} if form == "chunked" else None)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "loss_head.json"), "w") as f:

@@ -6,7 +6,9 @@ UMoE-base's four gathered weight-gradient calls (FFN pool K = 15 slots, attentio
 up projection dW1 = x[token].T @ dh, the down projection dW2 = hg.T @ dout[token]) on 32 x 1024
 tokens, routed top-K over 128 experts by random logits plus a log-Dirichlet bias (none: balanced).
 Checks first: every order gives bitwise the same output, within 1e-2 of a float32 reference; then
-CUPTI kernel times. Full rows go to --out as JSON; the table prints last.
+CUPTI kernel times. Full rows go to --out as JSON; the table prints last. Each (call, routing) at the
+default order is also a row of --results (bench/results.py: default $OUT/rows.jsonl when $OUT is set,
+else bench/results/<device>.jsonl; none: no rows).
 
   python bench/tgmm_order.py --out=$OUT/tgmm_order.json
 """
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_common import T, jax_ms, log
+import results  # noqa: E402  (bench/results.py; gmm_common put bench/ on the path)
 from kernels import triton_gmm
 from umoe_jax.ops import dispatch
 
@@ -54,9 +57,22 @@ def reference(lhs, rhs, gs):
   return np.stack([lhs[e - n:e].T @ rhs[e - n:e] for n, e in zip(gs, ends)])
 
 
+def measurements(row: dict) -> list[dict]:
+  """The results row of one (call, routing) row: ms at the module's default order, against group
+  order (skew 0) in the same command."""
+  skew = str(triton_gmm.TGMM_BIG_FIRST_SKEW)
+  return [dict(config=f"tgmm_order:{row['call']}", metric="ms", value=row["ms"][skew],
+               overrides={"routing": row["routing"]},
+               anchor=results.anchor("group order (TGMM_BIG_FIRST_SKEW=0), same command",
+                                     row["ms"]["0"], "ms", "bench/tgmm_order.py"),
+               extra=dict(tflops=row["tflops"][skew], max_over_mean=row["max_over_mean"],
+                          skew=int(skew)))]
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", default="", help="JSON file for the full rows")
+  results.add_flag(ap)
   ap.add_argument("--iterations", type=int, default=20)
   args = ap.parse_args()
   rows = []
@@ -99,6 +115,8 @@ def main():
       log(json.dumps(row))
       if not same or rel > 1e-2:
         raise SystemExit(f"FAILED: {name} {routing}: orders equal {same}, rel err {rel:.2e}")
+      for m in measurements(row):
+        results.record(args.results, **m)
   if args.out:
     with open(args.out, "w") as fh:
       json.dump(rows, fh, indent=1)

@@ -28,6 +28,8 @@ memory. Usage (GPU):
                     attention core's keys in two exact pieces, 192 = 128 + 64; 0 pads them to 256)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N; 0 = group order)
+      [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
+                    when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
@@ -62,6 +64,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
@@ -268,7 +271,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   flops_tok = stats.train_flops_per_token(model_cfg, t)
   peak = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind) or float("nan")
   mem = jax.devices()[0].memory_stats() or {}
-  row = dict(config=name, layout=layout, devices=n_dev, batch=b, seq_len=t, step_ms=1e3 * step_s,
+  row = dict(config=name, layout=layout, devices=n_dev, device_kind=jax.devices()[0].device_kind, batch=b, seq_len=t, step_ms=1e3 * step_s,
              tokens_per_s=tok_s, tokens_per_s_per_device=tok_s / n_dev,
              mfu=flops_tok * tok_s / (peak * n_dev), compile_s=compile_s, first_loss=first_loss,
              last_loss=last_loss, loss_check=ok, peak_mem_gb=mem.get("peak_bytes_in_use", 0) / 2**30,
@@ -336,7 +339,7 @@ def _bench_subprocess(row: dict) -> dict:
   """One row in a fresh process: its peak memory and compile time are its own."""
   import subprocess
   import tempfile
-  own = ("--runs", "--configs", "--layouts", "--out")  # set per row below
+  own = ("--runs", "--configs", "--layouts", "--out", "--results")  # set per row below
   argv, words = [], iter(sys.argv[1:])
   for a in words:
     if a in own:
@@ -345,7 +348,7 @@ def _bench_subprocess(row: dict) -> dict:
       argv.append(a)
   with tempfile.TemporaryDirectory() as tmp:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--runs={row_spec(row)}",
-                           f"--out={tmp}", *argv], check=False)
+                           f"--out={tmp}", "--results=none", *argv], check=False)
     path = os.path.join(tmp, "train_step.json")
     if not os.path.exists(path):
       raise RuntimeError(f"row {row_spec(row)} exited with {proc.returncode} and wrote no result")
@@ -356,7 +359,7 @@ def _bench_subprocess(row: dict) -> dict:
   return row
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser()
   ap.add_argument("--configs", default="dense_base,ffn_moe_base,umoe_base")
   ap.add_argument("--layouts", default="single")
@@ -442,6 +445,51 @@ def main():
                   help="train.compilation_cache_dir: JAX's persistent compilation cache (a row "
                        "compiled before, in this or an earlier command, loads its executable)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  results.add_flag(ap)
+  return ap
+
+
+# Flags that say how a command runs its rows, not what a row measures: never a row's overrides.
+BOOKKEEPING = ("configs", "layouts", "runs", "steps", "warmup", "out", "results", "time_limit_s",
+               "in_process", "compilation_cache_dir")
+
+
+def measurement(r: dict, args) -> dict | None:
+  """The results row of a measured row `r` (bench/results.py; None for a failed row or one whose
+  loss check failed): tokens/s, with step time, MFU and peak memory beside it; overrides = the
+  flags that differ from their defaults, and the layout of a row over several devices; anchor = the
+  official PyTorch code's tokens/s for a one-device row, linear scaling of this command's single row
+  for one over several."""
+  if "error" in r or not r["loss_check"]:
+    return None
+  defaults = vars(parser().parse_args([]))
+  overrides = {k: v for k, v in sorted(vars(args).items())
+               if k not in BOOKKEEPING and v != defaults.get(k)}
+  if r["devices"] > 1:
+    overrides.update(layout=r["layout"], exchange=r["exchange"], chunks=r["chunks"])
+    if r.get("capacity_factor") is not None:
+      overrides["capacity_factor"] = r["capacity_factor"]
+  anchor = None
+  if r["devices"] == 1 and r["config"] in ANCHORS:
+    anchor = results.anchor("official PyTorch code, one H200", ANCHORS[r["config"]], "tokens/s",
+                            "bench/train_step.py ANCHORS")
+  elif r.get("scaling_efficiency"):
+    linear = r["tokens_per_s"] / r["scaling_efficiency"]
+    anchor = results.anchor(f"linear scaling of this command's single row ({r['devices']} x)",
+                            linear, "tokens/s", "the same command")
+  extra = dict(step_ms=r["step_ms"], mfu=r["mfu"], peak_mem_gb=r["peak_mem_gb"],
+               step_ms_range=[min(r["step_times_ms"]), max(r["step_times_ms"])],
+               steps=len(r["step_times_ms"]), batch=r["batch"], seq_len=r["seq_len"],
+               scaling_efficiency=r.get("scaling_efficiency"),
+               xla_flags=r.get("xla_flags") or None,
+               mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+  return dict(config=r["config"], metric="tokens_per_s", value=r["tokens_per_s"],
+              overrides=overrides, anchor=anchor, extra=extra, device=r["device_kind"],
+              devices=r["devices"])
+
+
+def main():
+  ap = parser()
   args = ap.parse_args()
   if not 0 <= args.trace_step <= args.steps:
     ap.error(f"--trace_step={args.trace_step}: a timed step, 1 to --steps={args.steps} (0: none)")
@@ -496,6 +544,9 @@ def main():
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))
     slowest = max(slowest, time.perf_counter() - t0)
     add_efficiency(rows)
+    m = measurement(rows[-1], args)
+    if m is not None:
+      results.record(args.results, **m)
     os.makedirs(args.out, exist_ok=True)  # after every row: a run cut short keeps what it measured
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
       json.dump(rows, f, indent=1)

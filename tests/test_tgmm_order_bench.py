@@ -14,6 +14,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+import results  # noqa: E402  (bench/results.py)
 import tgmm_order  # noqa: E402  (bench/tgmm_order.py)
 from kernels import triton_gmm  # noqa: E402
 
@@ -73,9 +74,13 @@ def test_main_checks_then_writes_rows_and_table(monkeypatch, tmp_path, capsys):
   _small(monkeypatch)
   monkeypatch.setattr(triton_gmm, "triton_tgmm", _stand_in())
   out = tmp_path / "rows.json"
-  monkeypatch.setattr(sys, "argv", ["tgmm_order.py", f"--out={out}", "--iterations=2"])
+  monkeypatch.setattr(sys, "argv", ["tgmm_order.py", f"--out={out}", "--iterations=2",
+                                    f"--results={tmp_path / 'results.jsonl'}"])
   tgmm_order.main()
   rows = json.loads(out.read_text())
+  recorded = results.load_file(str(tmp_path / "results.jsonl"))   # a results row per (call, routing)
+  assert [(r["config"], r["overrides"]["routing"], r["value"], r["anchor"]["value"]) for r in recorded] == [
+      (f"tgmm_order:{c}", r, 1.2, 1.0) for c in ("ffn-up", "ffn-down") for r, _ in tgmm_order.ROUTINGS]
   assert [(r["call"], r["routing"]) for r in rows] == [
       (c, r) for c in ("ffn-up", "ffn-down") for r, _ in tgmm_order.ROUTINGS]
   for r in rows:
@@ -89,6 +94,6 @@ def test_main_checks_then_writes_rows_and_table(monkeypatch, tmp_path, capsys):
 def test_main_fails_when_an_order_changes_the_output(monkeypatch):
   _small(monkeypatch)
   monkeypatch.setattr(triton_gmm, "triton_tgmm", _stand_in(perturb_skew=2))
-  monkeypatch.setattr(sys, "argv", ["tgmm_order.py", "--iterations=2"])
+  monkeypatch.setattr(sys, "argv", ["tgmm_order.py", "--iterations=2", "--results=none"])
   with pytest.raises(SystemExit, match="FAILED: ffn-up balanced: orders equal False"):
     tgmm_order.main()

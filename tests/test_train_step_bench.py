@@ -12,6 +12,7 @@ import pytest
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
                      "train_step.py")
 sys.path.insert(0, os.path.dirname(BENCH))
+import results  # noqa: E402  (bench/results.py)
 import train_step as bench  # noqa: E402  (bench/train_step.py)
 
 
@@ -76,12 +77,18 @@ def test_a_tiny_row_reports_its_routing_load_and_zipf_tokens_skew_it(tmp_path):
     out_dir = tmp_path / zipf
     out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single", "--batch=4",
                           "--seq_len=64", "--steps=1", "--warmup=0", f"--zipf={zipf}",
-                          f"--out={out_dir}"], capture_output=True, text=True, timeout=600,
+                          f"--out={out_dir}", f"--results={out_dir}/rows.jsonl"],
+                         capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     row = json.loads((out_dir / "train_step.json").read_text())[0]
     assert "error" not in row, row["error"]
     assert row["zipf"] == float(zipf) and row["loss_check"], row
+    [result] = results.load_file(str(out_dir / "rows.jsonl"))   # its results row, validated
+    assert (result["config"], result["metric"], result["value"]) == (
+        "umoe_tiny", "tokens_per_s", row["tokens_per_s"])
+    assert result["overrides"] == {"batch": 4, "seq_len": 64, **({"zipf": 1.2} if zipf != "0" else {})}
+    assert "--runs=umoe_tiny:single" in result["command"]
     load = row["routing_load"]
     assert len(load["per_router"]) == 8, load                   # 4 layers x (attention, FFN)
     assert all(v >= 1.0 for v in load["per_router"].values()), load
@@ -97,7 +104,7 @@ def test_a_row_with_the_one_pass_routers_records_the_switches(tmp_path):
   import json
   out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single", "--batch=2", "--seq_len=32",
                         "--steps=1", "--warmup=0", "--router_one_pass=1", "--split_key_width=1",
-                        f"--out={tmp_path}"],
+                        f"--out={tmp_path}", "--results=none"],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   row = json.loads((tmp_path / "train_step.json").read_text())[0]
