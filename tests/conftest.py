@@ -24,6 +24,9 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     "XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
+# Several test processes share one GPU (`pytest -n 4 tests/gpu`): none may take most of its memory up
+# front, as JAX does by default; the tests' arrays are small.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,12 +37,18 @@ import configs.common  # noqa: E402
 from umoe_jax.config import ModelConfig, model_config  # noqa: E402
 
 import reference  # noqa: E402,F401
-from ci_checks import pytest_runtest_makereport  # noqa: E402,F401  (UMOE_CI=1: required tests run)
+from ci_checks import pytest_runtest_makereport, pytest_runtest_setup  # noqa: E402,F401  (extras)
 import gpu_report  # noqa: E402
+import gpu_tiers  # noqa: E402
+
+
+def pytest_addoption(parser):
+  gpu_tiers.add_options(parser)
 
 
 def pytest_configure(config):
   config.pluginmanager.register(gpu_report, "umoe_gpu_report")
+  config.pluginmanager.register(gpu_tiers, "umoe_gpu_tiers")
   # flax 0.12 deprecates `Variable.value`, which the model code still uses: one warning per call site
   # and trace would drown the report.
   config.addinivalue_line("filterwarnings",

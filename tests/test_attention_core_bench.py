@@ -87,8 +87,8 @@ def _sweep_check():
   print("ATTENTION_SWEEP_OK")
 
 
+@pytest.mark.extras("triton")
 def test_the_sweep_runs_every_form_and_picks_the_fastest():
-  pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_attention_core_bench", "_sweep_check", "ATTENTION_SWEEP_OK",
                             timeout=600)
 
@@ -129,8 +129,8 @@ def _mha_check():
   print("ATTENTION_MHA_OK")
 
 
+@pytest.mark.extras("triton")
 def test_the_core_on_a_key_head_per_query_head_is_checked_and_timed():
-  pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_attention_core_bench", "_mha_check", "ATTENTION_MHA_OK",
                             timeout=600)
 
@@ -160,8 +160,8 @@ def _split_check():
   print("ATTENTION_SPLIT_OK")
 
 
+@pytest.mark.extras("triton")
 def test_the_core_is_timed_with_and_without_the_split_key_width():
-  pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_attention_core_bench", "_split_check", "ATTENTION_SPLIT_OK",
                             timeout=600)
 

@@ -438,10 +438,8 @@ def _lm_eval_tasks(tmp, mc, wino, lam, docs, shots):
   return str(d)
 
 
-@pytest.mark.ci_required
+@pytest.mark.extras("lm_eval")
 def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, capsys):
-  pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
-                      "requirements-eval.txt); CI installs it")
   for var, value in (("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_OFFLINE", "1"),
                      ("HF_HOME", str(tmp_path / "hf")), ("TOKENIZERS_PARALLELISM", "false")):
     monkeypatch.setenv(var, value)
@@ -527,12 +525,11 @@ def test_lm_eval_adapter_matches_our_harness(trained, tmp_path, monkeypatch, cap
     assert o == full.split("e", 1)[0] and "e" not in o
 
 
+@pytest.mark.extras("lm_eval")
 def test_lm_eval_model_args_batch_size_wins(trained, tmp_path, monkeypatch, capsys):
   """batch_size in --model_args (documented there) beside lm-eval's own --batch_size, which always
   has a value: the model's wins (it was a TypeError traceback, 'multiple values for keyword');
   an unknown task name is one error line."""
-  pytest.importorskip("lm_eval", reason="lm-eval not installed (pip install -r "
-                                        "requirements-eval.txt)")
   from umoe_jax.eval import lm_eval_adapter
   ckpt, _, _ = trained
   lm = lm_eval_adapter.UMoELM.create_from_arg_string(

@@ -501,9 +501,10 @@ def test_readers_labels_and_line_numbers(tmp_path):
                                                   ensure_ascii=False) + "\n")
   assert [e.text for e in data_lib.read_examples(sep, text_field="text", label_field="label")] == [
       "a\u2028b"]
-  import pandas as pd
+  import pyarrow as pa
+  import pyarrow.parquet as pq
   pq_path = str(tmp_path / "p.parquet")
-  pd.DataFrame({"text": ["u", "v"], "label": [1, 0]}).to_parquet(pq_path)
+  pq.write_table(pa.table({"text": ["u", "v"], "label": [1, 0]}), pq_path)
   ex = data_lib.read_examples(pq_path, text_field="text", label_field="label")
   assert [(e.label, e.where) for e in ex] == [("1", "p.parquet:row 0"), ("0", "p.parquet:row 1")]
 

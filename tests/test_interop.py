@@ -201,10 +201,9 @@ def test_wrong_expert_layout_is_detected_by_logits():
 # Checkpoint formats
 
 
-@pytest.mark.ci_required
+@pytest.mark.extras("torch")
 def test_pytorch_bin_checkpoint(tmp_path):
-  torch = pytest.importorskip("torch", reason="torch is not installed: the pytorch_model.bin path "
-                              "needs it (CI installs it)")
+  import torch
   sd = official.load_official_state_dict(fixture_dir("ffn_moe"))
   d = copy_fixture("ffn_moe", tmp_path / "ckpt", weights=False)
   torch.save({k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, os.path.join(d, "pytorch_model.bin"))

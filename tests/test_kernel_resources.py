@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="Triton is not installed")
+pytestmark = pytest.mark.extras("triton")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import kernel_resources as kr  # noqa: E402
 

@@ -311,6 +311,7 @@ def _replace_triton_call(monkeypatch, fake):
                       raising=False)
 
 
+@pytest.mark.extras("triton")
 def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch):
   """The dgrad call with the silu epilogue launches the kernel with FAST_SIGMOID as
   `triton_gmm.FAST_SIGMOID` says (default on: tanh.approx, GPU only; the interpreter's launches in
@@ -336,6 +337,7 @@ def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch
   assert default is False     # what the interpreter's direct launches get
 
 
+@pytest.mark.extras("triton")
 def test_triton_gmm_with_the_xla_epilogue_runs_the_plain_kernel(monkeypatch):
   """With `TileConfig.xla_epilogue` the dgrad call (gathered rows, row scale, row dot with the silu
   epilogue, scaled rows) launches the kernel without any epilogue, on the same tile and gathered
@@ -752,7 +754,6 @@ def _check_fused_activations(T, m, k, n, gs, tile, rng, none):
                                  err_msg=f"{case} rows")
 
 
-@pytest.mark.ci_required
+@pytest.mark.extras("triton")
 def test_triton_kernels_in_interpreter():
-  pytest.importorskip("triton", reason="Triton is not installed (pip install triton; CI installs it)")
   run_in_triton_interpreter("test_kernels", "_triton_interpreter_check", "TRITON_INTERPRETER_OK")

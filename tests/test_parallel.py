@@ -364,12 +364,12 @@ def test_attention_variant_matches_single_device(multi_device_report, variant, l
   assert result["grad_diff"] < GRAD_TOL, result
 
 
+@pytest.mark.extras("triton")
 def test_fused_attention_cores_run_on_each_devices_rows(tmp_path, monkeypatch):
   """`attention.core="triton"` on 8 virtual devices (the kernels in the Triton interpreter): the
   custom calls run inside shard_map on one device's batch rows and query heads, and the loss and
   gradients match the XLA core on one device; `on_local_shards` itself with as many key heads as
   query heads and with replicated mesh axes (tests/parallel_scripts/fused_core_layouts.py)."""
-  pytest.importorskip("triton", reason="Triton is not installed")
   monkeypatch.setenv("TRITON_INTERPRET", "1")
   out = tmp_path / "fused_core_layouts.json"
   run_script("fused_core_layouts.py", str(out), timeout=600)

@@ -253,7 +253,6 @@ def _interpreter_check():
   print("TRITON_ROUTER_INTERPRETER_OK")
 
 
-@pytest.mark.ci_required
+@pytest.mark.extras("triton")
 def test_kernel_in_interpreter_matches_float64_and_the_separate_ops():
-  pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_router_pass", "_interpreter_check", "TRITON_ROUTER_INTERPRETER_OK")

@@ -433,7 +433,7 @@ def _interpreter_check():
   print("TRITON_ATTENTION_INTERPRETER_OK")
 
 
+@pytest.mark.extras("triton")
 def test_kernels_in_interpreter_match_float64():
-  pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_triton_attention", "_interpreter_check",
                             "TRITON_ATTENTION_INTERPRETER_OK", timeout=400)

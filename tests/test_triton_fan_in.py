@@ -144,6 +144,6 @@ def _interpreter_check():
   print("TRITON_FAN_IN_INTERPRETER_OK")
 
 
+@pytest.mark.extras("triton")
 def test_kernel_in_interpreter_matches_float64_loop():
-  pytest.importorskip("triton")
   run_in_triton_interpreter("test_triton_fan_in", "_interpreter_check", "TRITON_FAN_IN_INTERPRETER_OK")

@@ -40,9 +40,8 @@ def _probe_kernels_check():
   print("PROBES_INTERPRETER_OK")
 
 
+@pytest.mark.extras("triton", "torch")
 def test_probe_kernels_in_interpreter():
-  pytest.importorskip("triton", reason="Triton is not installed (pip install triton; CI installs it)")
-  pytest.importorskip("torch", reason="torch is not installed (CI installs the CPU wheel)")
   run_in_triton_interpreter("test_triton_probes", "_probe_kernels_check", "PROBES_INTERPRETER_OK")
 
 

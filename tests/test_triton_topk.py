@@ -251,7 +251,6 @@ def _renormalized(gates):
   return gates / jnp.sum(gates, axis=-1, keepdims=True)
 
 
-@pytest.mark.ci_required
+@pytest.mark.extras("triton")
 def test_kernel_in_interpreter_matches_lax_top_k():
-  pytest.importorskip("triton", reason="Triton is not installed")
   run_in_triton_interpreter("test_triton_topk", "_interpreter_check", "TRITON_TOPK_INTERPRETER_OK")

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 
 from umoe_jax.model.attention.common import causal_attention
 
+QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`
+
 pytestmark = pytest.mark.skipif(
     not any(d.platform == "gpu" for d in jax.devices()), reason="needs a GPU")
 
@@ -30,7 +32,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("h,hk,dk,dv", [(4, 1, 64, 768), (12, 12, 64, 64)], ids=["premix", "mha"])
-@pytest.mark.parametrize("offset", [0, 64])
+@pytest.mark.parametrize("offset", [pytest.param(0, marks=QUICK), 64])
 def test_cudnn_core_matches_xla(h, hk, dk, dv, offset):
   b, t = 2, 256
   s = t + offset
@@ -84,7 +86,7 @@ def _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos):
     assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
 
 
-@pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (1, 300, 4, 512, 2048),
+@pytest.mark.parametrize("b,t,h,dk,d", [pytest.param(2, 256, 4, 192, 768, marks=QUICK), (1, 300, 4, 512, 2048),
                                         (2, 203, 3, 64, 320), (3, 77, 1, 128, 256),
                                         (2, 77, 2, 8, 64)],
                          ids=["base", "large", "odd", "one-head", "small-head"])
@@ -108,7 +110,7 @@ def test_triton_core_matches_xla(b, t, h, dk, d):
 
 
 @pytest.mark.parametrize("backward", ["auto", "recompute", "stored"])
-@pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (2, 203, 3, 96, 320),
+@pytest.mark.parametrize("b,t,h,dk,d", [pytest.param(2, 256, 4, 192, 768, marks=QUICK), (2, 203, 3, 96, 320),
                                         (1, 300, 4, 320, 1024)], ids=["base", "odd", "wide"])
 def test_triton_core_with_split_key_width_matches_xla(b, t, h, dk, d, backward, monkeypatch):
   """`attention_tiles.SPLIT_KEY_WIDTH` (off by default; not yet run on a GPU): keys of two exact
@@ -150,7 +152,8 @@ def test_triton_core_with_a_key_head_per_query_head_matches_xla(b, t, h, dk, dv)
     assert _rel(a, b_) < 1e-2, (name, _rel(a, b_))
 
 
-@pytest.mark.parametrize("b,t,h,dk,d", [(2, 256, 4, 192, 768), (2, 203, 3, 64, 320)], ids=["base", "odd"])
+@pytest.mark.parametrize("b,t,h,dk,d", [pytest.param(2, 256, 4, 192, 768, marks=QUICK), (2, 203, 3, 64, 320)],
+                         ids=["base", "odd"])
 def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
   """The optional fused dX + dK pass (`FlashTiles.dxdk`, off by default) against the XLA core,
   dK on its own (a concatenation with dX would hide a dK error). It replaces the recomputing
@@ -167,7 +170,7 @@ def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
     (2, 203, 3, 64, 320, (32, 64, 16, 4, 2), True, None),
     (2, 203, 3, 64, 320, None, True, None),
     (3, 77, 1, 128, 256, (64, 32, 16, 4, 2), False, None),
-    (2, 256, 4, 192, 768, (64, 128, 16, 8, 2), True, (128, 64, 64, 8, 2)),
+    pytest.param(2, 256, 4, 192, 768, (64, 128, 16, 8, 2), True, (128, 64, 64, 8, 2), marks=QUICK),
     (2, 256, 4, 192, 768, (64, 64, 16, 4, 2), True, (128, 128, 64, 8, 3)),   # the narrow defaults
     (2, 193, 3, 64, 320, (32, 64, 16, 4, 2), True, (64, 64, 128, 4, 2)),
     (1, 300, 4, 512, 2048, (32, 64, 16, 8, 2), True, (64, 128, 64, 8, 2))],

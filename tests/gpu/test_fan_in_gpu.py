@@ -11,15 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gpu_tiers
+
 from kernels import triton_fan_in as fi
 from umoe_jax.ops import dispatch
+
+QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`
 
 pytestmark = pytest.mark.skipif(not fi.available(), reason="needs a GPU with Triton and jax-triton")
 
 
-@pytest.mark.parametrize("n,k,d", [(4099, 15, 768), (1000, 3, 300)])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_kernel_matches_float64_sum(n, k, d, weighted):
+@pytest.mark.parametrize("shape,weighted", gpu_tiers.product(((4099, 15, 768), True),
+                                                           [(4099, 15, 768), (1000, 3, 300)], [False, True]))
+def test_kernel_matches_float64_sum(shape, weighted):
+  n, k, d = shape
   rng = np.random.default_rng(n + k + d + weighted)
   ids = jnp.asarray(rng.integers(0, 64, (n, k)), jnp.int32)
   index = dispatch.make_plan(ids, 64).inverse.reshape(n, k)            # a permutation of n*k rows

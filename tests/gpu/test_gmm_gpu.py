@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import gpu_backends
+import gpu_tiers
 from umoe_jax.ops import gmm as G
 
 G.register_builtin_kernels()
@@ -26,6 +27,8 @@ G.register_builtin_kernels()
 pytestmark = pytest.mark.skipif(not gpu_backends.on_gpu(), reason="needs a GPU")
 
 # Without a GPU every backend is listed, so that the tests collect (and skip, saying why).
+QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`
+
 BACKENDS = (gpu_backends.expected_backends() if gpu_backends.on_gpu()
             else list(gpu_backends.KERNEL_BACKENDS))
 
@@ -122,7 +125,8 @@ def _sizes(spec, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=QUICK) if c == "ragged" else c
+                                  for c in sorted(CASES)])
 def test_raw_ops(backend, case):
   be = _require(backend)
   m, k, n, spec = CASES[case]
@@ -147,7 +151,8 @@ def test_raw_ops(backend, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["ragged", "padding_rows", "skewed_90pct", "empty_groups"])
+@pytest.mark.parametrize("case", [pytest.param("ragged", marks=QUICK), "padding_rows", "skewed_90pct",
+                                  "empty_groups"])
 def test_gradients_match_reference(backend, case):
   _require(backend)
   m, k, n, spec = CASES[case]
@@ -187,6 +192,7 @@ def test_transpose_rhs_api_gradients(backend):
     assert _rel(o, np.asarray(r)) < 1e-2
 
 
+@QUICK
 def test_auto_picks_the_fastest_expected_kernel_on_gpu():
   if not BACKENDS:
     pytest.skip("no kernel backend expected here (UMOE_GPU_BACKENDS is empty)")
@@ -197,9 +203,9 @@ def test_auto_picks_the_fastest_expected_kernel_on_gpu():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("per_slot", [False, True])
-@pytest.mark.parametrize("routing", ["random", "skewed_90pct", "masked", "fused_silu", "fused_relu",
-                                     "rows_fused_silu", "rows_masked"])
+@pytest.mark.parametrize("per_slot,routing", gpu_tiers.product(
+    (False, "fused_silu"), [False, True],
+    ["random", "skewed_90pct", "masked", "fused_silu", "fused_relu", "rows_fused_silu", "rows_masked"]))
 def test_fused_dispatch_matches_float32_reference(backend, per_slot, routing):
   """gather_gmm + gmm_combine (the dispatch fused into the kernels: row gathers, per-row gate
   scaling) against the unfused float32 XLA layer: values and the gradients of x, gates, w_up, w_down.

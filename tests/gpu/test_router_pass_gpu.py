@@ -11,17 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gpu_tiers
+
 from kernels import triton_router as tr
 from test_router_pass import _check_against_reference, _logits, _router_outputs, assert_routers_agree
 from umoe_jax.ops import router_pass
 
+QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`
+
 pytestmark = pytest.mark.skipif(not tr.available(), reason="needs a GPU with Triton and jax-triton")
 
 
-@pytest.mark.parametrize("b,t,e,k", [(2, 37, 20, 3), (1, 130, 128, 15), (3, 64, 100, 100),
-                                     (2, 1000, 128, 3), (1, 5, 3, 1)])
-@pytest.mark.parametrize("with_bias,renormalize", [(False, False), (True, True)])
-def test_kernel_matches_float64(b, t, e, k, with_bias, renormalize):
+@pytest.mark.parametrize("shape,options", gpu_tiers.product(
+    ((2, 37, 20, 3), (True, True)), [(2, 37, 20, 3), (1, 130, 128, 15), (3, 64, 100, 100),
+                                     (2, 1000, 128, 3), (1, 5, 3, 1)], [(False, False), (True, True)]))
+def test_kernel_matches_float64(shape, options):
+  (b, t, e, k), (with_bias, renormalize) = shape, options
   x = _logits(b * t + e + k, b, t, e)
   bias = np.random.default_rng(e).standard_normal(e).astype(np.float32) * 0.05 if with_bias else None
   for cfg in (None, tr.RouterPassConfig(8, 2), tr.RouterPassConfig(64, 8)):
@@ -31,6 +36,7 @@ def test_kernel_matches_float64(b, t, e, k, with_bias, renormalize):
                              x, k, bias, renormalize, case=f"{b}x{t}x{e} k={k} {cfg}")
 
 
+@QUICK
 def test_custom_vjp_matches_the_separate_ops_gradient():
   x = jnp.asarray(_logits(5, 4, 300, 128))
   rng = np.random.default_rng(7)
@@ -49,6 +55,7 @@ def test_custom_vjp_matches_the_separate_ops_gradient():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
+@QUICK
 def test_router_switch_on_and_off_agree():
   x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 64, 32)), jnp.float32)
   bias = np.random.default_rng(10).standard_normal(20).astype(np.float32) * 0.05

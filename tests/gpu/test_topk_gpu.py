@@ -14,8 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gpu_tiers
+
 from kernels import triton_topk as tk
 from umoe_jax.ops.topk import top_k_ids
+
+QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`
 
 pytestmark = pytest.mark.skipif(not tk.available(), reason="needs a GPU with Triton and jax-triton")
 
@@ -30,8 +34,8 @@ def _values(rng, n, e, kind):
   return x
 
 
-@pytest.mark.parametrize("e", [8, 20, 100, 128, 256])
-@pytest.mark.parametrize("kind", ["normal", "ties", "neginf"])
+@pytest.mark.parametrize("e,kind", gpu_tiers.product((128, "ties"), [8, 20, 100, 128, 256],
+                                                     ["normal", "ties", "neginf"]))
 def test_kernel_matches_lax_top_k(e, kind):
   rng = np.random.default_rng(e)
   x = jnp.asarray(_values(rng, 1000 + e, e, kind))
@@ -46,6 +50,7 @@ def test_kernel_matches_lax_top_k(e, kind):
                                 np.asarray(jax.lax.top_k(xb.reshape(2, -1, e), 3)[1]))
 
 
+@QUICK
 def test_router_switch_on_and_off_agree():
   from flax import nnx
   from configs import common as configs

@@ -17,7 +17,9 @@ from kernels import triton_gmm as tg
 from kernels import triton_launch
 from umoe_jax.ops import dispatch
 
-pytestmark = pytest.mark.skipif(not fi.available(), reason="needs a GPU with Triton and jax-triton")
+# Every test here is in the quick tier: each checks one launch route once.
+pytestmark = [pytest.mark.skipif(not fi.available(), reason="needs a GPU with Triton and jax-triton"),
+              pytest.mark.gpu_quick]
 
 
 def _both_routes(fn, *args):
