@@ -127,6 +127,23 @@ def test_same_seed_same_batches_different_seed_different():
   assert not _same(a, c)
 
 
+def test_streamed_chunk_order_follows_the_seed(tmp_path):
+  """Streamed sources with the window shuffle off: the row groups (chunks) come in an order set by
+  the seed, each row group's documents together and in file order, every document once."""
+  file_docs = DOCS[:40]                                          # 8 row groups of 5
+  path = _write_parquet(tmp_path / "d.parquet", docs=file_docs, row_group_size=5)
+  cfg = _cfg(source="parquet", train_path=str(path), shuffle_window=1)
+
+  def chunk_order(seed):
+    docs = list(sources.document_dataset(cfg, split="train", seed=seed, shuffle=True, num_epochs=1))
+    order = [file_docs.index(d) // 5 for d in docs[::5]]       # row group of each run's first doc
+    assert docs == [d for g in order for d in file_docs[5 * g:5 * g + 5]]
+    return order
+
+  assert chunk_order(3) == chunk_order(3)
+  assert len({tuple(chunk_order(seed)) for seed in (0, 1, 2)}) == 3
+
+
 @pytest.mark.parametrize("kind", ["builtin", "parquet"])
 def test_resume_from_json_state_matches_uninterrupted_run(tmp_path, kind):
   cfg = _cfg(prefetch_batches=2)
@@ -578,6 +595,22 @@ def test_errors_name_the_bad_value(tmp_path):
     data.make_train_iterator(_cfg(), seq_len=8, global_batch_size=3, seed=0, process_count=2)
   with pytest.raises(ValueError, match="data.eval_path"):
     data.make_eval_batches(_cfg(source="parquet"), seq_len=8, global_batch_size=2, num_batches=1)
+
+
+def test_added_tokens_count_in_the_tokenizer_vocabulary(tmp_path):
+  """An EOS added above a tokenizer's base vocabulary (ids 0..4, <|endoftext|> = 5) counts in
+  vocab_size, so check_vocab refuses a model whose embedding would end before that id."""
+  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+  hf = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2, "c": 3, "d": 4}, unk_token="<unk>"))
+  hf.pre_tokenizer = pre_tokenizers.Whitespace()
+  hf.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+  hf.save(str(tmp_path / "tokenizer.json"))
+  tok = data.load_tokenizer(_cfg(tokenizer=str(tmp_path / "tokenizer.json")))
+  assert (tok.vocab_size, tok.eos_id) == (6, 5)
+  assert tok.encode("a c <|endoftext|>") == [1, 3, 5]
+  data.check_vocab(tok, 6)
+  with pytest.raises(ValueError, match="has 6 tokens but the model's vocab_size is 5"):
+    data.check_vocab(tok, 5)
 
 
 def test_a_json_file_that_is_no_tokenizer_is_named_as_such(tmp_path):

@@ -187,6 +187,17 @@ def test_sample_logits_top_p_support_and_frequencies():
   assert np.abs(cold - probs ** 2 / (probs ** 2).sum()).max() < 0.04
 
 
+def test_nucleus_is_the_smallest_set_whose_mass_reaches_top_p():
+  """Four equally likely tokens (probabilities exactly 1/4 in float32): top_p = 0.5 is reached by
+  two of them, so only two are ever drawn, not a third whose preceding mass equals top_p; the
+  ties go to the lower ids, as the stable sort leaves them."""
+  logits = jnp.zeros((4000, 4), jnp.float32)
+  for top_p, support in ((0.5, {0, 1}), (0.75, {0, 1, 2}), (0.51, {0, 1, 2})):
+    drawn = np.asarray(sample_logits(logits, jax.random.key(0), jnp.float32(1.0),
+                                     jnp.float32(top_p)))
+    assert set(np.unique(drawn)) == support, top_p
+
+
 def test_cli_prints_a_continuation(tmp_path):
   from umoe_jax.data.tokenizer import ByteTokenizer
   from umoe_jax.interop.official import save_converted

@@ -89,6 +89,18 @@ def test_rolling_matches_naive_per_token_loop(model, context, stride):
   assert out["words"] == sum(words) and out["documents"] == 3
 
 
+def test_mean_document_ppl_averages_each_documents_own_perplexity(model):
+  """mean_document_ppl is the plain mean over documents of exp(document NLL / its tokens): the
+  short document counts as much as the long ones, unlike token_ppl."""
+  tok = ByteTokenizer()
+  out = corpus_ppl.corpus_perplexity(Scorer(model, batch_size=3), tok, TEXTS, context=16, stride=5)
+  per_doc = [naive_nll(model, tok.encode(t), tok.eos_id, 16, 5) for t in TEXTS]
+  want = np.mean([math.exp(nll.mean()) for nll in per_doc])
+  np.testing.assert_allclose(out["mean_document_ppl"], want, rtol=2e-5)
+  # The documents differ in perplexity, so a token-weighted mean would not match.
+  assert not math.isclose(want, math.exp(np.concatenate(per_doc).mean()), rel_tol=1e-3)
+
+
 def test_windows_cover_each_token_once_with_bounded_context():
   toks = list(range(100, 150))
   for context, stride in [(8, 8), (8, 3), (8, 1), (60, 7)]:
@@ -140,6 +152,33 @@ def test_max_tokens_cuts_the_stream(model):
                        (dict(context=8, stride=9), r"--stride=9 must be in \[1, --context=8\]$")):
     with pytest.raises(EvalError, match=message):
       corpus_ppl.corpus_perplexity(Scorer(model), tok, TEXTS, **bad)
+
+
+def test_validation_loss_is_token_weighted_over_batches():
+  """perplexity.evaluate: loss = all masked tokens' NLL / their count (float64 numpy reference),
+  over batches of unequal token counts, so it is not the mean of the batches' losses."""
+  from umoe_jax.eval import perplexity
+  rng = np.random.default_rng(0)
+  batches, nll_sum, count = [], 0.0, 0.0
+  for keep in (0.9, 0.2, 0.6):
+    logits = rng.normal(0, 2, (2, 6, 11)).astype(np.float32)
+    targets = rng.integers(0, 11, (2, 6)).astype(np.int32)
+    mask = (rng.random((2, 6)) < keep).astype(np.float32)
+    batches.append({"logits": logits, "targets": targets, "loss_mask": mask})
+    x = logits.astype(np.float64)
+    logp = x - x.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll_sum += -(np.take_along_axis(logp, targets[..., None], -1)[..., 0] * mask).sum()
+    count += mask.sum()
+  def step(params, b):
+    del params
+    return perplexity.token_nll(jnp.asarray(b["logits"]), jnp.asarray(b["targets"]),
+                                jnp.asarray(b["loss_mask"]))
+
+  out = perplexity.evaluate(step, None, batches)
+  assert out["tokens"] == count
+  np.testing.assert_allclose(out["loss"], nll_sum / count, rtol=1e-5)
+  np.testing.assert_allclose(out["perplexity"], math.exp(nll_sum / count), rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -57,10 +57,9 @@ def test_fewshot_prompts_hand_built():
     fewshot.fewshot_prefixes(docs, 3, pool=pool)
 
 
-@pytest.mark.ci_required
+@pytest.mark.extras("lm_eval.api.samplers")
 def test_fewshot_draw_equals_lm_eval_sampler():
-  samplers = pytest.importorskip("lm_eval.api.samplers", reason="lm-eval not installed "
-                                 "(pip install -r requirements-eval.txt; CI installs it)")
+  from lm_eval.api import samplers
   docs = [tasks_lib.MultipleChoice(f"q{i}", ("a", "b"), i % 2) for i in range(9)]
   ours = fewshot.draw_examples(docs, 3, seed=1234)
   theirs = samplers.ContextSampler(docs, rnd=1234)
@@ -161,6 +160,20 @@ def test_bad_task_entries(tmp_path):
   for limit in (0, -3):   # not "mc.jsonl: no records": the file is fine
     with pytest.raises(EvalError, match=f"task 'mc': limit={limit} must be >= 1"):
       harness.prepare(taskspec.TaskSpec("mc", "multiple_choice", mc), limit=limit)
+
+
+def test_fewshot_seed_of_the_spec_wins_over_the_commands(tmp_path):
+  """harness.prepare draws the examples with the spec's fewshot_seed when it has one, else with
+  the command's --fewshot_seed: the prompts equal fewshot_prefixes' with that seed."""
+  mc = _jsonl(tmp_path / "mc.jsonl", [{"query": f"Q{i}?", "choices": ["no", "yes"], "gold": i % 2}
+                                      for i in range(12)])
+  docs = tasks_lib.read_jsonl(mc, "multiple_choice")
+  by_seed = {seed: fewshot.fewshot_prefixes(docs, 2, seed=seed) for seed in (5, 9)}
+  assert by_seed[5] != by_seed[9]       # else the checks below could not tell the seeds apart
+  spec = taskspec.TaskSpec("mc", "multiple_choice", mc, num_fewshot=2)
+  assert harness.prepare(spec, fewshot_seed=9)[0].prefixes == by_seed[9]
+  seeded = taskspec.TaskSpec("mc", "multiple_choice", mc, num_fewshot=2, fewshot_seed=5)
+  assert harness.prepare(seeded, fewshot_seed=9)[0].prefixes == by_seed[5]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -267,6 +267,27 @@ def test_freeze_routers_keeps_routers_and_balance_loss_running():
                                rtol=1e-6)
 
 
+def test_step_cross_entropy_and_accuracy_count_the_real_rows_only():
+  """The step's ce_loss is the mean over the real rows (weight 1) of -log softmax(logits)[label],
+  float64 by hand from the classifier before the update; the filler row of the last batch (weight
+  0) counts in neither the loss, its denominator, nor correct / count."""
+  cfg, progs, state = _step_setup()
+  _, model = _classifier("ffn_moe", num_classes=3, seed=7)    # the parameters of `state`
+  rng = np.random.default_rng(4)
+  rows = [rng.integers(1, cfg.vocab_size, n).astype(np.int32) for n in (5, 9, 3)]
+  batch = data_lib.collate(rows, np.array([2, 0, 1]), batch_size=4, max_len=16)
+  logits = np.asarray(_classify(model, jnp.asarray(batch["tokens"]),
+                                jnp.asarray(batch["lengths"]))[0], np.float64)
+  _, m = progs.train_fn(state, jax.device_put(batch, predict_lib.device_sharding()))
+  nll, correct = [], 0
+  for i, label in enumerate(batch["labels"][:3]):
+    z = logits[i] - logits[i].max()
+    nll.append(np.log(np.exp(z).sum()) - z[label])
+    correct += int(np.argmax(logits[i]) == label)
+  assert float(m["ce_loss"]) == pytest.approx(np.mean(nll), rel=1e-5)
+  assert (float(m["correct"]), float(m["count"])) == (correct, 3.0)
+
+
 # Routers with Switch jitter and aux-loss-free selection biases (both FFN routers of the tiny model).
 BIAS_ROUTERS = {"router.jitter_eps": 0.5, "router.bias_update_rate": 1e-2}
 
@@ -532,6 +553,20 @@ def test_dev_carve_out_is_deterministic_stratified_and_order_free():
     assert not {e.text for e in train} & {e.text for e in dev}, seed
     assert sum(e.label == "a" for e in dev) <= 5 and sum(e.label == "b" for e in dev) == 2, seed
     assert len(train) + len(dev) == len(dup) and dev, seed
+
+
+def test_encode_keeps_the_first_tokens_within_max_len():
+  """encode: [bos] + the text's first tokens + [eos], at most max_len ids whatever of BOS / EOS is
+  added (each takes a text token's place), short texts whole."""
+  from umoe_jax.data.tokenizer import ByteTokenizer
+  tok = ByteTokenizer()
+  text = tok.encode("abcdefgh")
+  for bos, eos in ((None, True), (7, True), (7, False), (None, False)):
+    head = [7] if bos is not None else []
+    tail = [tok.eos_id] if eos else []
+    row, short = data_lib.encode(["abcdefgh", "ab"], tok, max_len=6, bos_id=bos, append_eos=eos)
+    assert row.tolist() == head + text[:6 - len(head) - len(tail)] + tail, (bos, eos)
+    assert short.tolist() == head + text[:2] + tail and row.dtype == np.int32
 
 
 def test_train_batches_cover_each_epoch_once():

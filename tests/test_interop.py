@@ -149,6 +149,18 @@ def test_config_mapping_umoe():
   assert cfg.router.balance_coef == pytest.approx(0.001)
 
 
+def test_config_scalar_fields_are_read_not_defaulted():
+  """Fields whose fixture values equal our defaults (so the logits cannot tell) are read from
+  config.json: RoPE base, norm epsilon, init std, context length, balance loss kind and weight."""
+  dense = official.load_official_config(fixture_dir("dense"))
+  cfg = official.config_from_official(dict(dense, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                           initializer_range=0.006, max_position_embeddings=96))
+  assert (cfg.rope_theta, cfg.norm_eps, cfg.init_std, cfg.max_seq_len) == (500000.0, 1e-5, 0.006, 96)
+  moe = official.load_official_config(fixture_dir("ffn_moe"))
+  cfg = official.config_from_official(dict(moe, seq_aux=False, aux_loss_alpha=0.02))
+  assert (cfg.router.balance_loss, cfg.router.balance_coef) == ("switch", 0.02)
+
+
 def test_released_configs_map():
   """The paper's released config.json files (sizes as in model_libs/configs) are all convertible."""
   base = official.load_official_config(fixture_dir("umoe"))

@@ -89,6 +89,27 @@ def test_hand_computed_loss_functions_directly():
   np.testing.assert_allclose(float(switch_balance_loss(*one, 4)), 16 / 15, rtol=1e-6)
 
 
+def test_seq_aux_loss_with_a_slot_mask_counts_the_active_slots_only():
+  """seq_aux with a slot mask (top-p, expert choice): per sequence, counts and the denominator
+  T K / E both come from the active slots only (float64 loop); the mean probabilities still cover
+  every position. Sequences have different numbers of active slots."""
+  b, t, e, k = 3, 7, 5, 3
+  rng = np.random.default_rng(6)
+  probs = rng.dirichlet(np.ones(e), (b, t))
+  ids = np.argsort(-probs, axis=-1)[..., :k]
+  mask = rng.random((b, t, k)) < np.array([0.9, 0.5, 0.3])[:, None, None]
+  mask[..., 0] = True
+  want = 0.0
+  for bi in range(b):
+    counts = np.zeros(e)
+    for ti, j in zip(*np.nonzero(mask[bi])):
+      counts[ids[bi, ti, j]] += 1
+    want += np.sum(counts / (mask[bi].sum() / e) * probs[bi].mean(0)) / b
+  got = seq_aux_balance_loss(jnp.asarray(probs, jnp.float32), jnp.asarray(ids), e,
+                             mask=jnp.asarray(mask))
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
 def test_uniform_routing_gives_unit_loss():
   """Perfectly balanced counts with uniform probabilities: both losses equal exactly 1."""
   e = 4
@@ -126,6 +147,27 @@ def test_random_against_loop_reference(renormalize, loss):
     np.testing.assert_allclose(np.asarray(out.gates).sum(-1), 1.0, rtol=1e-6)
   else:
     assert np.all(np.asarray(out.gates).sum(-1) < 1.0)  # raw probabilities, not renormalized
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_sigmoid_matches_float64_reference(renormalize):
+  """SwitchHead's gates: s = sigmoid(x W) per expert, the top-k of s with gates s (or s
+  renormalised over the k), and probs = s / sum_e s of each token (what the balance loss and the
+  entropy read)."""
+  b, t, d, e, k = 2, 5, 16, 8, 3
+  r = _router(d, e, k, seed=3, kind="topk_sigmoid", renormalize=renormalize, balance_loss="seq_aux",
+              balance_coef=1.0)
+  x = np.random.default_rng(4).standard_normal((b, t, d)).astype(np.float32)
+  out = _call(r, jnp.asarray(x))
+  s = 1 / (1 + np.exp(-(x.astype(np.float64) @ np.asarray(r.kernel[...], np.float64))))
+  ids = np.argsort(-s, axis=-1, kind="stable")[..., :k]
+  gates = np.take_along_axis(s, ids, -1)
+  if renormalize:
+    gates /= gates.sum(-1, keepdims=True)
+  probs = s / s.sum(-1, keepdims=True)
+  np.testing.assert_array_equal(np.asarray(out.expert_ids), ids)
+  assert rel_err(out.gates, gates) < 1e-6 and rel_err(out.probs, probs) < 1e-6
+  np.testing.assert_allclose(float(out.balance_loss), R.seq_aux_loss(probs, ids), rtol=1e-5)
 
 
 def test_bfloat16_input_routes_in_float32():

@@ -91,6 +91,23 @@ def test_active_params_by_hand():
   assert stats.active_params(umoe, non_embedding=True) == stats.active_params(umoe) - emb
 
 
+def test_pool_shared_across_layers_counted_once():
+  """moe.share_across_layers: the layers' routed experts are one pool, counted once in the total
+  (the real model agrees, component by component); a token's active experts are those its layers
+  can pick together, min(E, k * layers) of the pool."""
+  expert, e, k = 2 * 768 * 192, 128, 15
+  for layers in (4, 12):                       # 60 of 128 experts picked; then 180: all of them
+    own = load("ffn_moe_base")
+    own.model.n_layers = layers
+    shared = load("ffn_moe_base")
+    shared.model.n_layers = layers
+    shared.model.moe.share_across_layers = True
+    assert stats.param_mismatches(shared) == {}
+    total = stats.total_params(own) - (layers - 1) * e * expert
+    assert stats.total_params(shared) == stats.total_params(shared, from_model=False) == total
+    assert stats.active_params(shared) == total - (e - min(e, k * layers)) * expert, layers
+
+
 def test_kv_bytes_by_hand():
   umoe, dense = load("umoe_base"), load("dense_base")
   assert sum(stats.kv_cache_values_per_token(umoe).values()) == 192 + 768 == 960
