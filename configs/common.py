@@ -142,17 +142,24 @@ def experiment(family: str, scale: str) -> ml_collections.ConfigDict:
   config.checkpoint = train_config.default_checkpoint_config()
   config.checkpoint.update(CHECKPOINT_SCALES[scale])
   config.log = train_config.default_log_config()
-  # Parallelism (umoe_jax.parallel): mesh sizes per axis (-1 = the remaining devices) and the
-  # logical-axis -> mesh-axes table, as [name, axes] pairs (axes: a mesh axis, a list, or None).
-  config.mesh = dict(data=-1, fsdp=1, tensor=1, expert=1)
+  # Parallelism (umoe_jax.parallel): the device mesh, one size per axis.
+  config.mesh = dict(
+      data=-1,     # data-parallel ways: the batch is split; -1 = the devices the other axes leave
+      fsdp=1,      # FSDP ways: the batch and the parameters / optimizer state are split
+      tensor=1,    # tensor-parallel ways: attention heads and MLP / expert widths are split
+      expert=1,    # expert-parallel ways: the routed experts are split, tokens exchanged between them
+  )
+  # The logical-axis -> mesh-axes table as [name, axes] pairs (axes: a mesh axis, a list or None);
+  # change it to shard a kind of dimension differently (umoe_jax/parallel/rules.py names them).
   config.sharding_rules = [[name, list(axes) if isinstance(axes, tuple) else axes]
                            for name, axes in DEFAULT_RULES]
-  # Expert parallelism (umoe_jax/parallel/expert_parallel.py). capacity_factor: None = dropless
-  # (worst-case buffers); a float = buffers of c x the balanced load, overflow rows dropped and
-  # counted. exchange: "auto" (all_gather when top-k >= expert-axis size, else all_to_all),
-  # "all_to_all" (each (token, slot) row to its expert's shard) or "all_gather" (each token once to
-  # every shard, partial outputs reduce-scattered back) or "ragged" (exact-size ragged all-to-all).
-  # chunks: token chunks per device, exchanged separately so exchange and expert compute overlap.
-  config.expert_parallel = dict(capacity_factor=optional(float),
-                                exchange="auto", chunks=1)
+  # Expert parallelism (umoe_jax/parallel/expert_parallel.py).
+  config.expert_parallel = dict(
+      capacity_factor=optional(float),  # None = dropless, buffers for the worst case; c = buffers
+                                        # of c x the balanced load, overflow dropped and counted
+      exchange="auto",  # how tokens reach their experts: "all_to_all", "all_gather", "ragged" or
+                        # "auto" (all_gather when top-k >= the expert axis, else all_to_all)
+      chunks=1,         # token chunks per device exchanged separately, so that exchange and
+                        # expert compute can overlap
+  )
   return config

@@ -10,6 +10,8 @@ the value (`ConfigError`). One module per idea:
   parsing        ConfigDict -> dataclasses (`model_config`), defaults -> ConfigDict
   checks         `validate`: model values and combinations, the checks per attention kind
   router_checks  the routers' values, placements and `check_cached_decoding`
+  comments       the comment that documents each key, read from the source where it is declared
+  docs           docs/configuration.md from those comments (`python3 -m umoe_jax.config.docs`)
 
 Everything a caller needs is importable from here (`from umoe_jax.config import ModelConfig, ...`).
 """

@@ -34,48 +34,67 @@ def choices(table) -> str:
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
   """How tokens pick experts (see `umoe_jax.model.routers`)."""
-  kind: str = "topk_softmax"          # a name in ROUTERS
-  renormalize: bool = False           # divide top-k gates by their sum (official UMoE: False)
-  balance_loss: str = "seq_aux"       # "seq_aux" (DeepSeek, per sequence), "switch", or "none"
-  balance_coef: float = 0.001
-  share_att_ffn: bool = False         # the FFN reuses the attention router's weights (own top-k, own loss)
-  xmoe_dim: int = 16                  # xmoe: routing dimension d_r (token projection, expert embeddings)
-  xmoe_temperature: float = 0.3       # xmoe: tau_0 of the balance loss; the gating tau's (initial) value
-  xmoe_learn_temperature: bool = True  # xmoe: learn the gating tau (paper); False = fixed (torchscale/LibMoE)
-  hash_seed: int = 42                 # hash: seed of the fixed token-id -> experts map (ParlAI's 42)
-  smoe_dropout_k_start: int = 1       # smoe_dropout: active experts at step 0 (capped at the sub-layer's top_k)
-  smoe_dropout_steps: int = 10000     # smoe_dropout: steps over which k grows linearly to top_k (paper: all)
-  stablemoe_stage2_step: int = 6000   # stablemoe: first step of stage 2 (routing frozen; paper 6000 of 60000)
-  stablemoe_distill_dim: int = 50     # stablemoe: width of the distilled word-embedding router (paper 50)
-  stablemoe_distill_coef: float = 0.3  # stablemoe: weight of the stage-1 distillation loss (paper 0.3)
-  stablemoe_vocab_size: Optional[int] = None  # stablemoe: rows of its token table; None = model.vocab_size
-  similarity_temperature: Optional[float] = None  # similarity_aware: tau of softmax_j(u_i.u_j / tau); None = sqrt(D)
-  attention_temperature: float = 1.0  # attention_aware: sigma; the chosen head's A^(1/sigma), renormalised
-  aoe_dim: Optional[int] = None       # aoe: rank r of the experts' factorised first projection; None = D // 3
-  mixing: str = "none"                # Mutual-Inform SMoE over any router with a distribution: "similarity"
-                                      # (similar earlier tokens) or "attention" (the block's MHA), causal
-  selection: str = "top_k"            # "top_k", "top_p" (until the cumulative prob passes top_p, at most top_k
-                                      # slots), "expert_choice" (each expert takes its top tokens; FFN only,
-                                      # sees future tokens, no cached decoding)
-  top_p: float = 0.6                  # top_p: the cumulative probability P (HMoE / AoE: 0.6)
-  entropy_coef: float = 0.0           # weight of the routing-entropy loss mean_t H(probs); top_p needs it (AoE 1e-4)
-  expert_choice_capacity: Optional[float] = None  # expert_choice: capacity factor c (C = c N / E tokens per
-                                      # expert); None = the sub-layer's top_k (the AoE paper: 2)
-  expert_choice_slots: Optional[int] = None  # expert_choice: slots per token (its best picks); None = E (all)
-  z_loss_coef: float = 0.0            # ST-MoE router z-loss mean(logsumexp(logits)^2) weight (typical 1e-3)
-  jitter_eps: float = 0.0             # Switch jitter: router input x * U(1-eps, 1+eps), training only (HF 0.01)
-  bias_update_rate: float = 0.0       # DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved
-                                      # by rate * sign(mean load - load) after each step (paper 1e-3); 0 = off
-  logits_dtype: str = "float32"       # x W_r's operands: "float32" (official MoEGate) or "bfloat16" (bf16
-                                      # operands, float32 accumulation and softmax; umoe_jax.model.routers.matmul)
-  topk_backend: str = "auto"          # top-k / top-P ids (umoe_jax.ops.topk): "xla" (lax.top_k, a sort
-                                      # on GPU), "triton" (kernels/triton_topk.py on GPU; same ids) or
-                                      # "auto" (triton on one device, xla on several)
-  one_pass: bool = False              # softmax, top-k, gates and the balance statistics in one kernel pass over
-                                      # the logits (umoe_jax.ops.router_pass; Triton on one GPU, the separate
-                                      # ops elsewhere): softmax routers, top_k selection, no mixing. Off: it
-                                      # lost in the step on an H200 (BENCHMARKS.md runs 81-82)
-
+  # The router family: topk_softmax, topk_sigmoid, xmoe, hash, smoe_dropout, stablemoe,
+  # similarity_aware, attention_aware or aoe (`umoe_jax.kinds.ROUTER_KINDS`); change it to compare routers.
+  kind: str = "topk_softmax"
+  renormalize: bool = False           # divide the top-k gates by their sum, so they add up to 1
+                                      # (the official UMoE code does not)
+  balance_loss: str = "seq_aux"       # load-balancing loss: "seq_aux" (DeepSeek's, per sequence),
+                                      # "switch" (per batch) or "none"
+  balance_coef: float = 0.001         # weight of the balance loss in the objective; raise it when
+                                      # a few experts take most tokens
+  share_att_ffn: bool = False         # the FFN reuses the attention router's weights (with its own
+                                      # top-k and loss): fewer router parameters, an ablation
+  xmoe_dim: int = 16                  # routing dimension d_r of X-MoE's low-rank cosine scores
+  xmoe_temperature: float = 0.3       # X-MoE's temperature tau_0: of the balance loss, and the
+                                      # gating temperature's (initial) value
+  xmoe_learn_temperature: bool = True  # learn X-MoE's gating temperature (as its paper); False keeps
+                                      # it fixed (as torchscale and LibMoE)
+  hash_seed: int = 42                 # seed of the hash router's fixed token id -> experts map
+  smoe_dropout_k_start: int = 1       # SMoE-Dropout: active experts at step 0 (at most the
+                                      # sub-layer's top_k)
+  smoe_dropout_steps: int = 10000     # SMoE-Dropout: steps over which k grows linearly to the
+                                      # sub-layer's top_k; set it to the run's length as its paper
+  stablemoe_stage2_step: int = 6000   # StableMoE: the step where stage 2 starts and routing freezes
+                                      # to the distilled router (paper: 6000 of 60000)
+  stablemoe_distill_dim: int = 50     # StableMoE: width of the distilled token-embedding router
+  stablemoe_distill_coef: float = 0.3  # StableMoE: weight of the stage-1 distillation loss
+  stablemoe_vocab_size: Optional[int] = None  # StableMoE: rows of its token table; None =
+                                      # model.vocab_size
+  similarity_temperature: Optional[float] = None  # similarity mixing: tau of softmax_j(u_i . u_j / tau)
+                                      # over earlier tokens; None = sqrt(d_model)
+  attention_temperature: float = 1.0  # attention mixing: sigma, the mixing weights are the chosen
+                                      # head's attention A^(1/sigma), renormalised
+  aoe_dim: Optional[int] = None       # Autonomy-of-Experts: rank r of each expert's factorised
+                                      # first projection, whose norm is its score; None = d_model // 3
+  mixing: str = "none"                # mix a router's distributions before it picks (Mutual-Inform
+                                      # SMoE): "similarity" (similar earlier tokens), "attention" (the
+                                      # tokens the block's MHA attends to) or "none"; no cached decoding
+  selection: str = "top_k"            # how picks are made: "top_k"; "top_p" (experts until their
+                                      # probabilities pass top_p, at most top_k); "expert_choice" (each
+                                      # expert takes its best tokens; FFN only, sees future tokens, so a
+                                      # baseline that cannot decode)
+  top_p: float = 0.6                  # top_p selection: the probability mass P to cover
+  entropy_coef: float = 0.0           # weight of a routing-entropy loss; top_p needs it > 0 (AoE: 1e-4)
+                                      # so the distributions sharpen
+  expert_choice_capacity: Optional[float] = None  # expert_choice: capacity factor c, each expert takes
+                                      # c * tokens / E tokens; None = the sub-layer's top_k
+  expert_choice_slots: Optional[int] = None  # expert_choice: slots kept per token (its best picks);
+                                      # None = E, all of them
+  z_loss_coef: float = 0.0            # weight of ST-MoE's router z-loss mean(logsumexp(logits)^2),
+                                      # which keeps logits small and training stable (typical: 1e-3)
+  jitter_eps: float = 0.0             # Switch's multiplicative jitter: the router input times
+                                      # U(1 - eps, 1 + eps), in training only (typical: 0.01)
+  bias_update_rate: float = 0.0       # DeepSeek-V3's aux-loss-free balancing: a per-expert selection
+                                      # bias moved by rate * sign(mean load - load) each step (paper:
+                                      # 1e-3); 0 = off
+  logits_dtype: str = "float32"       # operands of the router matmul x W_r: "float32" as the official
+                                      # router, or "bfloat16" (float32 accumulation), a little faster
+  topk_backend: str = "auto"          # the top-k ids: "xla" (lax.top_k), "triton" (a one-pass GPU
+                                      # kernel, the same ids) or "auto" (triton on one GPU, else xla)
+  one_pass: bool = False              # softmax, top-k, gates and balance statistics in one GPU kernel
+                                      # pass (`umoe_jax.ops.router_pass`; softmax routers, top_k, no
+                                      # mixing); off because it is not faster in a whole step
 
 # The keys of a sub-layer's own router section (`model.attention.router`, `model.ffn.router`): every
 # RouterConfig key but the layer-level `share_att_ffn`, each None = take `model.router`'s.
@@ -94,73 +113,85 @@ RouterOverrides.__doc__ = (
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   """The routed expert pool of a layer: E two-matrix MLPs D -> F -> D."""
-  n_experts: int = 0                  # E; 0 = the layer has no routed experts
-  d_expert: int = 0                   # F = d_e
-  activation: str = "silu"
-  gated: bool = False                 # gated MLPs act(x W_gate) * (x W_up) W_down (SwiGLU with silu) for
-                                      # routed, always-on experts and the dense FFN
+  n_experts: int = 0                  # E, the routed experts per layer; 0 = no routed experts
+  d_expert: int = 0                   # F, each expert's hidden width (also the always-on experts'
+                                      # unit width)
+  activation: str = "silu"            # the experts' activation: silu, gelu, relu or none (the
+                                      # paper's ablation without one)
+  gated: bool = False                 # gated experts act(x W_gate) * (x W_up) W_down (SwiGLU with
+                                      # silu) for routed and always-on experts and the dense FFN
   share_pool: bool = True             # attention and FFN of a layer route into the same experts
-  share_across_layers: bool = False   # one routed pool for all layers (official share_layer)
+                                      # (UMoE); False gives each its own pool
+  share_across_layers: bool = False   # one routed pool for all layers (the official share_layer)
   share_always_on: bool = False       # the FFN reuses the attention's always-on expert
-  fuse_activation: bool = True        # routed experts with a silu / relu activation, not gated:
-                                      # its derivative taken in the last grouped matmul's backward
-                                      # epilogue (fused_dispatch.gmm_combine(activation=)), d act(z)
-                                      # never written (H200: -2.3 ms, -2.6 GB a UMoE-base step,
-                                      # BENCHMARKS.md run 27); other pools: the plain path
-  fuse_weight_rows: bool = False      # the last matmul's weight gradient reads gate * act(z) rows written by
-                                      # its input-gradient matmul's epilogue, not by an XLA pass (Triton;
-                                      # the same values; not yet timed on a GPU: off)
-
+  fuse_activation: bool = True        # non-gated silu / relu pools take their activation's derivative
+                                      # inside the last grouped matmul's backward, saving a pass and
+                                      # memory; False runs the plain path (for comparison)
+  fuse_weight_rows: bool = False      # the last matmul's weight gradient reads gate-scaled rows that
+                                      # its input-gradient kernel writes, not an XLA pass: less memory,
+                                      # the same values (Triton backend only)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Attention sub-layer. `kind` names an entry of `ATTENTIONS`."""
-  kind: str = "mha"
-  n_heads: int = 4                    # mha: heads
-  head_dim: int = 64                  # query/key head dim d_k (RoPE over all of it)
-  v_head_dim: int = 64                # mha: value head dim
-  top_k: int = 3                      # premix: routed experts (query heads) per token, k_att
-  n_shared_experts: int = 1           # premix: always-on expert of width n_shared * d_expert
-  q_lora_rank: Optional[int] = 16     # premix: rank r of routed queries; None = full per-expert W_q
-  q_lora_norm: bool = True            # premix: RMSNorm on the rank-r code (official code); False = Eq. 11
-  latent_dim: Optional[int] = None    # premix: MLA-style values X W_latent (cache the latent), latent -> D after mixing
-  n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (V and O each)
-  core: str = "auto"                  # scores/softmax/mix: "xla", "cudnn"/"triton" (fused causal GPU kernels, no cache), "splash" (TPU),
-                                      # "auto" (one GPU: the fused kernels; else xla; attention.common.auto_core)
-  core_backward: str = "auto"         # the "triton" core's backward: "recompute" P and dS per pass, "stored" (the dK pass
-                                      # stores them for dQ / dX), "stored_pairs" (a tile-pair pass stores them), "auto" (the tiles' own:
-                                      # stored_pairs for heads <= 256 wide, else recompute)
-  router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # its routers' keys over model.router
+  kind: str = "mha"                   # the attention variant: mha, premix (UMoE's pre-mixing),
+                                      # postmix (expert first, then mix), moa or switchhead
+  n_heads: int = 4                    # mha and switchhead: attention heads
+  head_dim: int = 64                  # query / key head width d_k (RoPE rotates all of it)
+  v_head_dim: int = 64                # mha and switchhead: value head width
+  top_k: int = 3                      # premix, postmix, moa, switchhead: routed experts (heads) per
+                                      # token, k_att; raise it to move compute into attention
+  n_shared_experts: int = 1           # premix, postmix, moa: always-on experts (premix: one expert of
+                                      # width n_shared_experts * d_expert); 0 = none (original MoA)
+  q_lora_rank: Optional[int] = 16     # premix: rank r of each routed expert's query; None = a full
+                                      # per-expert query matrix (an ablation)
+  q_lora_norm: bool = True            # premix: RMSNorm on the rank-r query code, as the official code;
+                                      # False is the paper's Eq. 11
+  latent_dim: Optional[int] = None    # premix: MLA-style values, a latent of this width is cached and
+                                      # mixed, then projected back to d_model; a smaller KV cache
+  n_experts: int = 0                  # moa: expert heads; switchhead: experts per head (for V and for O)
+  core: str = "auto"                  # the scores / causal softmax / mix: "xla", "cudnn" or "triton"
+                                      # (fused GPU kernels), "splash" (TPU) or "auto" (the fused kernel
+                                      # on one GPU, else xla)
+  core_backward: str = "auto"         # the triton core's backward: "recompute" (least memory),
+                                      # "stored" or "stored_pairs" (keep P and dS, less work), "auto"
+                                      # (the tile table's choice)
+  # The routers of this sub-layer: any `model.router` key but share_att_ffn; None inherits it.
+  router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)
 
 
 @dataclasses.dataclass(frozen=True)
 class FFNConfig:
   """FFN sub-layer: a dense MLP or a routed MoE (into the layer's pool)."""
-  kind: str = "dense"                 # "dense", "moe", or "none" (no FFN sub-layer)
-  d_ff: int = 0                       # dense hidden width
-  top_k: int = 2                      # moe: k_ffn
-  n_shared_experts: int = 1           # moe: always-on expert of width n_shared * d_expert
-  router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)  # moe: its router's keys over model.router
-
+  kind: str = "dense"                 # "dense" MLP, "moe" (routed into the layer's expert pool) or
+                                      # "none" (no FFN: all experts go to attention)
+  d_ff: int = 0                       # the dense MLP's hidden width
+  top_k: int = 2                      # moe: routed experts per token, k_ffn
+  n_shared_experts: int = 1           # moe: always-on experts, one expert of width
+                                      # n_shared_experts * d_expert; 0 = none
+  # moe: this sub-layer's router, any `model.router` key but share_att_ffn; None inherits it.
+  router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """A decoder-only LM."""
-  vocab_size: int = 32000
-  d_model: int = 768
-  n_layers: int = 12
-  max_seq_len: int = 1024
-  norm_eps: float = 1e-6
-  rope_theta: float = 10000.0
-  rope_layout: str = "interleaved"    # DeepSeek's interleaved pairs; "half" = GPT-NeoX/Llama split
-  init_std: float = 0.02
-  param_dtype: str = "float32"
-  compute_dtype: str = "bfloat16"
-  gmm_backend: str = "auto"           # a name in umoe_jax.ops.gmm.BACKENDS or "auto"
-  # Run the decoder blocks as one lax.scan over their stacked parameters (training and scoring; a
-  # decode with a KV cache loops): one block to compile instead of n_layers, for one copy of the
-  # blocks' parameters a step (a pool shared across layers: once per layer). The parameter layout
-  # (and checkpoints) stay the same either way.
+  vocab_size: int = 32000             # embedding and LM-head rows; at least the tokenizer's size
+  d_model: int = 768                  # hidden width D
+  n_layers: int = 12                  # decoder blocks
+  max_seq_len: int = 1024             # the longest sequence the model takes (train.seq_len and
+                                      # generation stay within it)
+  norm_eps: float = 1e-6              # RMSNorm epsilon
+  rope_theta: float = 10000.0         # RoPE base; raise it for longer contexts
+  rope_layout: str = "interleaved"    # RoPE pairs: "interleaved" (DeepSeek, the official code) or
+                                      # "half" (GPT-NeoX / Llama); checkpoints expect their own
+  init_std: float = 0.02              # standard deviation of the normal weight init
+  param_dtype: str = "float32"        # parameters and optimizer state
+  compute_dtype: str = "bfloat16"     # activations and matmuls; float32 for exact comparisons
+  gmm_backend: str = "auto"           # grouped-matmul backend of the experts: xla, masked, triton,
+                                      # mosaic, megablox, or "auto" (the fastest the platform has)
+  # Run the decoder blocks as one lax.scan over their stacked parameters: XLA compiles one block
+  # instead of n_layers, for a copy of the parameters each step. For deep models and quick CPU runs,
+  # where compile time dominates; checkpoints load either way.
   scan_layers: bool = False
   attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
   ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)

@@ -34,21 +34,23 @@ __all__ = [
 def default_data_config() -> ConfigDict:
   """Defaults: the built-in corpus with the byte tokenizer, so training runs with no downloads."""
   return ConfigDict(dict(
-      # builtin | parquet | jsonl | text | arrayrecord (sources.py says what each expects).
+      # The corpus: "builtin" (text that ships with Python, no download), "parquet", "jsonl",
+      # "text" (a document per file) or "arrayrecord" (shards of `python -m umoe_jax.data.prepare`).
       source="builtin",
-      # File, directory (walked recursively) or glob. Ignored by "builtin" (it has its own split).
-      train_path="",
-      eval_path="",
-      text_field="text",         # Column (parquet) / key (jsonl) holding the document text.
-      tokenizer="byte",          # "byte" (V=257, EOS=256) or a path to a Hugging Face tokenizer.json.
-      eos_token="",              # Override the EOS token of a tokenizer.json ("" = auto-detect).
-      shuffle=True,              # Global shuffle (indexed sources) / chunks + window (streamed ones).
-      shuffle_window=10_000,     # Documents per shuffle window for parquet / jsonl.
-      num_epochs=optional(int),  # None: repeat forever (reshuffled every epoch).
-      read_threads=4,            # Threads reading + tokenizing documents of indexed sources.
-      worker_count=0,            # >0: that many grain worker processes (mp_prefetch).
-      prefetch_batches=2,        # With worker_count=0: batches a background thread prepares ahead.
-      # A damaged file / row group or a bad JSON line: "error" (DataError naming the file and
-      # line / row group) or "skip" (dropped; each logged once and counted).
+      train_path="",             # training data: a file, a directory (walked) or a glob; a URL works
+      eval_path="",              # held-out data, read like train_path; "builtin" has its own split
+      text_field="text",         # the column (parquet) or key (jsonl) holding a document's text
+      tokenizer="byte",          # "byte" (257 ids) or a Hugging Face tokenizer.json path
+      eos_token="",              # the EOS token of a tokenizer.json; "" = detect it
+      shuffle=True,              # shuffle documents (globally for indexed sources, in windows for
+                                 # streamed ones); False reads them in order
+      shuffle_window=10_000,     # documents per shuffle window of parquet / jsonl streams
+      num_epochs=optional(int),  # passes over the corpus; None = repeat forever, reshuffled each epoch
+      read_threads=4,            # threads reading and tokenizing documents of indexed sources
+      worker_count=0,            # > 0: that many grain worker processes prepare batches (for slow
+                                 # tokenizers); 0 = in the training process
+      prefetch_batches=2,        # with worker_count=0: batches a background thread prepares ahead
+      # A damaged file / row group or a bad JSON line: "error" stops naming the file and line,
+      # "skip" drops it (each logged once and counted).
       on_bad_record="error",
   ))

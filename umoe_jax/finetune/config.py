@@ -28,59 +28,66 @@ SELECT_METRICS = ("accuracy", "macro_f1")
 
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.init_from = ""                 # training workdir or converted checkpoint (required)
+  c.init_from = ""                 # the pretrained model: a training workdir or a converted
+                                   # official checkpoint (required)
   c.data = ml_collections.ConfigDict(dict(
       train_path="",               # JSONL / CSV / TSV / parquet file with a text and a label field
-      dev_path="",                 # "" = carve data.dev_fraction of the training file
-      test_path="",                # "" = no test split (scored with the best dev checkpoint)
-      format="auto",               # auto (by extension) | jsonl | csv | tsv | parquet
-      text_field="text",
-      label_field="label",
-      label_names=(),              # class order; () = the sorted training labels
-      dev_fraction=0.1,            # per class, by sha256(seed, text): deterministic
-      tokenizer="",                # "" = the init_from run's data.tokenizer; "byte" or tokenizer.json
-      eos_token="",                # EOS of a tokenizer.json ("" = auto-detect)
-      bos_id=optional(int),  # token put first in every text (1 for Llama-2)
-      append_eos=True,             # EOS after every text (what "last" pooling reads)
-      max_len=128,                 # tokens per text, BOS / EOS included (<= model.max_seq_len)
+      dev_path="",                 # dev file; "" = carve data.dev_fraction out of the training file
+      test_path="",                # test file, scored with the best dev checkpoint; "" = none
+      format="auto",               # file format: "auto" (by extension), jsonl, csv, tsv or parquet
+      text_field="text",           # the field (column, key) holding the text
+      label_field="label",         # the field holding the label: a name or an integer
+      label_names=(),              # the class order; () = the sorted training labels
+      dev_fraction=0.1,            # share of each class carved out as dev, by a hash of (seed,
+                                   # text): the same split for any file order
+      tokenizer="",                # "" = the init_from run's tokenizer; else "byte" or a
+                                   # tokenizer.json
+      eos_token="",                # the EOS token of a tokenizer.json; "" = detect it
+      bos_id=optional(int),        # a token put first in every text (1 for Llama-2 checkpoints)
+      append_eos=True,             # EOS after every text: the token "last" pooling reads
+      max_len=128,                 # tokens per text, BOS / EOS included; longer texts are cut
   ))
   c.model = ml_collections.ConfigDict(dict(
-      pooling="last",              # last (last non-padding token) | mean (over non-padding tokens)
-      head_dropout=0.1,            # dropout on the pooled features (training only)
+      pooling="last",              # features for the head: "last" (the last real token) or "mean"
+                                   # (the mean over real tokens)
+      head_dropout=0.1,            # dropout on the pooled features, in training only
       compute_dtype="",            # "" = the checkpoint's (bfloat16 in the recipes); e.g. float32
-      # what each decoder block keeps for the backward pass: none | block | dots | dots_no_batch
-      # (umoe_jax/model/remat.py); a bool as in older configs (True = block)
+      # What each decoder block keeps for the backward pass, as train.remat: none, block, dots or
+      # dots_no_batch (True / False = block / none).
       remat=config_dict.FieldReference("none", field_type=object),
   ))
   c.train = ml_collections.ConfigDict(dict(
-      seed=0,                      # head init, data order, dropout, dev carve-out
-      epochs=3,
-      batch_size=32,
-      eval_batch_size=64,
-      head_learning_rate=1e-3,     # peak LR of the classification head
-      body_learning_rate=3e-5,     # peak LR of the pretrained decoder (not with freeze_body)
-      warmup_ratio=0.06,           # linear warmup over this share of the steps, then cosine
-      min_lr_ratio=0.0,            # cosine floor / peak
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      weight_decay=0.01,           # AdamW, not on norm scales and the head bias
-      grad_clip=1.0,               # global norm over the trained parameters; 0 disables
+      seed=0,                      # head init, data order, dropout and the dev carve-out
+      epochs=3,                    # passes over the training split
+      batch_size=32,               # texts per step
+      eval_batch_size=64,          # texts per dev / test forward pass
+      head_learning_rate=1e-3,     # peak learning rate of the new classification head
+      body_learning_rate=3e-5,     # peak learning rate of the pretrained decoder (unused with
+                                   # freeze_body)
+      warmup_ratio=0.06,           # linear warmup over this share of the steps, then cosine decay
+      min_lr_ratio=0.0,            # the cosine decay's floor, as a fraction of the peak
+      b1=0.9,                      # AdamW's first-moment decay
+      b2=0.999,                    # AdamW's second-moment decay
+      eps=1e-8,                    # AdamW's epsilon
+      weight_decay=0.01,           # AdamW's weight decay; not on norm scales and the head bias
+      grad_clip=1.0,               # global-norm clipping over the trained parameters; 0 disables
       freeze_body=False,           # train the head only (a linear probe)
-      freeze_routers=False,        # keep every router's parameters as pretrained
-      balance_loss_weight=1.0,     # x the routers' balance losses (their coefficients applied)
-      select_metric="accuracy",    # dev metric that picks the best checkpoint: accuracy | macro_f1
-      log_every=10,                # steps between TensorBoard / JSONL records
+      freeze_routers=False,        # keep every router's parameters as pretrained; routing still
+                                   # follows the adapting hidden states
+      balance_loss_weight=1.0,     # weight of the routers' balance losses in the objective
+      select_metric="accuracy",    # the dev metric that picks the best checkpoint: accuracy or
+                                   # macro_f1 (for unbalanced classes)
+      log_every=10,                # steps between TensorBoard / metrics.jsonl records
   ))
   c.checkpoint = ml_collections.ConfigDict(dict(
-      every=0,                     # extra saves every N steps (0: at the end of every epoch only)
+      every=0,                     # extra saves every N steps; 0 = at the end of every epoch only
       keep=2,                      # newest training checkpoints kept (the best one is kept apart)
-      async_save=True,
+      async_save=True,             # write in a background thread while training continues
   ))
   c.log = ml_collections.ConfigDict(dict(
-      tensorboard=True,            # <workdir>/tensorboard
-      jsonl=True,                  # <workdir>/metrics.jsonl
-      progress=True,               # a tqdm progress line (else one log line per log_every)
+      tensorboard=True,            # TensorBoard event files in `WORKDIR/tensorboard`
+      jsonl=True,                  # `WORKDIR/metrics.jsonl`, one JSON object per record
+      progress=True,               # a progress bar; False logs one line per log_every instead
   ))
   return c
 

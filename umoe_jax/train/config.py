@@ -39,65 +39,73 @@ def default_train_config() -> ml_collections.ConfigDict:
   """Optimisation and loop defaults: the official UMoE recipe (umoe.md §2.3) at base scale."""
   return ml_collections.ConfigDict(dict(
       seed=0,                      # parameter init, data order and the RNG carried in the state
-      global_batch_size=1024,      # sequences per optimizer step, over all processes
-      seq_len=1024,                # tokens per sequence (<= model.max_seq_len)
-      num_steps=50_000,            # optimizer steps (the cosine schedule ends here)
-      learning_rate=4e-4,          # peak LR (official README)
-      warmup_steps=optional(int),  # None: warmup_ratio * num_steps
-      warmup_ratio=0.05,           # official: 5% linear warmup (DeepSpeed's is log-shaped)
-      min_lr_ratio=1e-4,           # cosine floor / peak (DeepSpeed WarmupCosineLR cos_min_ratio)
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.01,           # AdamW, decoupled; never applied to norm scales
-      mu_dtype="float32",          # AdamW's first moment: "bfloat16" halves its memory (2 bytes
-                                   # a parameter: 7.4 GB at UMoE-large) and its optimizer-pass
-                                   # traffic; the second moment and the parameters stay float32
-      grad_clip=1.0,               # global-norm clipping; 0 disables
-      grad_accum_steps=1,          # micro-batches per step (scan inside the jitted step)
-      # decoder-block rematerialisation: none|block|dots|dots_no_batch, or (older configs) a bool
+      global_batch_size=1024,      # sequences per optimizer step, over all processes and
+                                   # micro-batches
+      seq_len=1024,                # tokens per training sequence (at most model.max_seq_len)
+      num_steps=50_000,            # optimizer steps; the cosine schedule ends here, and a larger
+                                   # value on resume extends the run
+      learning_rate=4e-4,          # peak learning rate (the official recipe's)
+      warmup_steps=optional(int),  # linear warmup steps; None = warmup_ratio * num_steps
+      warmup_ratio=0.05,           # warmup as a share of num_steps, when warmup_steps is None
+      min_lr_ratio=1e-4,           # the cosine decay's floor, as a fraction of the peak
+      b1=0.9,                      # AdamW's first-moment decay
+      b2=0.95,                     # AdamW's second-moment decay (0.95, as the official recipe)
+      eps=1e-8,                    # AdamW's epsilon
+      weight_decay=0.01,           # AdamW's decoupled weight decay; never applied to norm scales
+      mu_dtype="float32",          # AdamW's first moment: "bfloat16" halves its memory; the second
+                                   # moment and the parameters stay float32
+      grad_clip=1.0,               # global gradient-norm clipping; 0 disables it
+      grad_accum_steps=1,          # micro-batches per step, accumulated inside the compiled step:
+                                   # a large global batch in less device memory
+      # What each decoder block keeps for the backward pass: "none" (everything, fastest),
+      # "block" (recompute the block, least memory), "dots", "dots_no_batch"; True / False = block / none.
       remat=config_dict.FieldReference("none", field_type=object),
-      on_nonfinite="stop",         # "stop": raise naming the step; "skip": drop the update
-      loss_chunk_tokens=0,         # > 0: LM head + cross-entropy in chunks of this many tokens
-                                   # (no [tokens, V] logits; umoe_jax/ops/chunked_loss.py); 0: off
-      fused_loss_head=True,        # LM head + cross-entropy as one op, unchunked: the float32 logits
-                                   # kept, the logit cotangent formed and rounded to bf16 in one
-                                   # pass (no float32 [tokens, V] cotangent); the same values, less
-                                   # time and memory (BENCHMARKS.md); loss_chunk_tokens > 0 wins
-      max_consecutive_skips=10,    # "skip": stop (non-zero exit) past this many in a row; 0: no limit
-      compilation_cache_dir="",    # JAX's persistent compilation cache here (a restart or another
-                                   # run of the same program loads its executable); "": off
-      log_every=50,                # steps between console / TensorBoard / JSONL records
-      eval_every=1000,             # steps between validation passes; 0 disables
-      eval_batches=20,             # held-out batches per validation pass
-      eval_batch_size=optional(int),  # None: global_batch_size // grad_accum_steps
+      on_nonfinite="stop",         # a NaN / Inf loss or gradient: "stop" names the step and exits,
+                                   # "skip" drops that update and goes on
+      loss_chunk_tokens=0,         # > 0: the LM head and loss run in chunks of this many tokens, so
+                                   # the float32 [tokens, vocab] logits never exist; 0 = off
+      fused_loss_head=True,        # the LM head and cross-entropy as one op that forms the logit
+                                   # gradient in one pass: less memory, the same values
+      max_consecutive_skips=10,    # with on_nonfinite="skip": stop (non-zero exit) after this many
+                                   # skipped steps in a row; 0 = no limit
+      compilation_cache_dir="",    # JAX's persistent compilation cache (a local dir or gs://): a
+                                   # restart loads the compiled step instead of compiling it; "" = off
+      log_every=50,                # steps between console / TensorBoard / metrics.jsonl records
+      eval_every=1000,             # steps between held-out evaluations; 0 disables them
+      eval_batches=20,             # held-out batches per evaluation
+      eval_batch_size=optional(int),  # sequences per evaluation batch; None = global_batch_size //
+                                   # grad_accum_steps
   ))
 
 
 def default_checkpoint_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
-      every=1000,                  # steps between saves (a last one is always written at the end)
-      keep=3,                      # newest checkpoints kept
+      every=1000,                  # steps between saves; a last one is always written at the end
+      keep=3,                      # newest checkpoints kept on disk
       async_save=True,             # write in a background thread while training continues
-      init_from="",                # params of a converted checkpoint, used when the workdir has none
-      restore_step=optional(int),  # resume from this step (None: the latest)
-      # Save guard (umoe_jax/train/guard.py): a state is not saved if its parameter norm grew more
-      # than this x since the last checkpoint that passed, or its recent loss is more than this x
-      # the median of the steps before. 0 disables the check.
+      init_from="",                # a converted official checkpoint or another run whose parameters
+                                   # start this one, when the workdir has no checkpoint yet
+      restore_step=optional(int),  # resume from this step instead of the latest (newer steps are
+                                   # moved aside); None = the latest
+      # Save guard: a state whose parameter norm grew more than this many times since the last
+      # checkpoint that passed is not saved; 0 disables the check.
       max_param_norm_ratio=10.0,
+      # Save guard: a state whose recent mean loss is more than this many times the median of the
+      # steps before is not saved; 0 disables the check.
       max_loss_ratio=3.0,
   ))
 
 
 def default_log_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
-      tensorboard=True,            # event files in <workdir>/tensorboard
-      jsonl=True,                  # <workdir>/metrics.jsonl, one JSON object per record
-      peak_flops=optional(float),  # per device, for MFU; None: table by device kind
+      tensorboard=True,            # TensorBoard event files in `WORKDIR/tensorboard`
+      jsonl=True,                  # `WORKDIR/metrics.jsonl`, one JSON object per record
+      peak_flops=optional(float),  # a device's peak FLOP/s for MFU; None = looked up by device
+                                   # kind (set it for a chip the table lacks)
       routing_probe_batches=1,     # held-out batches whose routing change is logged at every
-                                   # evaluation (umoe_jax/analysis/training.py); 0 disables
-      profile_steps=(),            # steps to trace with jax.profiler into <workdir>/tensorboard,
-                                   # e.g. (10, 11, 12) or --config.log.profile_steps=10,11,12
+                                   # evaluation; 0 disables it
+      profile_steps=(),            # steps to trace with jax.profiler into `WORKDIR/tensorboard`,
+                                   # e.g. `--config.log.profile_steps=10,11,12` (not step 1: it compiles)
   ))
 
 
