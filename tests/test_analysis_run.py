@@ -171,6 +171,34 @@ def test_routing_command_end_to_end(run, tmp_path):
       assert png.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fluctuation_compares_each_checkpoint_with_the_previous(run, monkeypatch):
+  """Three checkpoints 4, 8, 8: each pair compares a checkpoint with the one just before it, so
+  the second pair (8 -> 8, the same routing) changes nothing while the first (4 -> 8) does, by
+  the figures of those two checkpoints' picks."""
+  workdir, _ = run
+  picks = []
+  collect = probe.collect
+  def recording(*args, **kwargs):
+    routes = collect(*args, **kwargs)
+    picks.append({name: r.expert_ids for name, r in routes.items()})
+    return routes
+  monkeypatch.setattr(probe, "collect", recording)
+  rep = analysis_cli.analyze([f"{workdir}/checkpoints/{s}" for s in (4, 8, 8)], tokens=256,
+                             batch_size=4)
+  assert len(picks) == 3
+  first, second = rep["fluctuation"]
+  assert [(f["from"], f["to"]) for f in rep["fluctuation"]] == [("4", "8"), ("8", "8")]
+  assert sorted(second["routers"]) == sorted(first["routers"]) == ROUTERS
+  for name in ROUTERS:
+    assert second["routers"][name] == {"top1_change": 0.0, "jaccard": 1.0}
+    a, b = picks[0][name], picks[1][name]
+    change = np.mean([x[0] != y[0] for x, y in zip(a, b)])
+    jac = np.mean([len(set(x) & set(y)) / len(set(x) | set(y)) for x, y in zip(a, b)])
+    assert first["routers"][name]["top1_change"] == pytest.approx(change, abs=1e-12)
+    assert first["routers"][name]["jaccard"] == pytest.approx(jac, abs=1e-12)
+  assert max(f["top1_change"] for f in first["routers"].values()) > 0  # the routing moved
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: clear errors naming the value
 

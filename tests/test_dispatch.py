@@ -156,6 +156,57 @@ def test_combine_accumulates_in_float32(path):
   assert np.all(np.abs(out - exact) <= np.abs(exact) * 2.0 ** -8)  # within one bf16 step
 
 
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, those of the jaxprs inside it (jit, custom_vjp, ...) included."""
+  from jax.extend import core as jcore
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (list, tuple)) else (value,)):
+        if isinstance(sub, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+          yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("gate_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("path", ["combine", "apply_experts", "gmm_combine"])
+def test_combine_multiplies_and_sums_in_float32(path, gate_dtype):
+  """For bf16 expert outputs (gates bf16 or float32), every gate product and every slot sum of the
+  combine is float32 in the program (jaxpr), through `combine`, the unfused `apply_experts` and the
+  fused `gmm_combine`, and the bf16 output lies within one bf16 rounding of the float64 sum. XLA on
+  CPU keeps excess precision through a bf16 multiply or sum, so the values alone do not tell; the
+  program is what other backends run as written."""
+  from umoe_jax.ops import fused_dispatch
+  n, k, e, d = 8, 4, 8, 16
+  rng = np.random.default_rng(31)
+  y = jnp.asarray(rng.standard_normal((n, k, d)), jnp.bfloat16)
+  g = jnp.asarray(rng.random((n, k)), gate_dtype)
+  ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+  if path == "combine":
+    fn, args = dispatch.combine, (y, g)
+  elif path == "apply_experts":  # identity experts on per-slot rows
+    fn = lambda y, g: dispatch.apply_experts(y, dispatch.make_plan(ids, e), g, lambda r, gs: r)
+    args = (y, g)
+  else:  # rows in expert order through identity expert matrices, un-sorted and combined
+    eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.bfloat16), (e, d, d))
+    plan = dispatch.make_plan(ids, e)
+    fn = lambda h, g: fused_dispatch.gmm_combine(h, eye, plan, g, backend="xla")
+    args = (dispatch.permute(y, plan, k), g)
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  arith = [eqn for eqn in _eqns(jaxpr) if eqn.primitive.name in ("mul", "add", "add_any",
+                                                                 "reduce_sum", "dot_general")
+           and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)]
+  names = {eqn.primitive.name for eqn in arith}
+  assert {"mul", "reduce_sum"} <= names or "dot_general" in names, names  # the combine is there
+  for eqn in arith:
+    assert eqn.outvars[0].aval.dtype == jnp.float32, eqn
+  assert jaxpr.out_avals[0].dtype == jnp.bfloat16
+  exact = np.einsum("nkd,nk->nd", np.asarray(y, np.float64),
+                    np.asarray(g.astype(jnp.bfloat16), np.float64))
+  out = np.asarray(jax.jit(fn)(*args), np.float64)
+  assert np.all(np.abs(out - exact) <= np.abs(exact) * 2.0 ** -8)
+
+
 def _expert_weights(seed):
   rng = np.random.default_rng(seed)
   return (rng.standard_normal((E, D, F)).astype(np.float32) / np.sqrt(D),

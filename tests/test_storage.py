@@ -86,6 +86,53 @@ def test_remote_files_round_trip_atomically(fake_gcs, tmp_path):
   no_scheme_directories(tmp_path)
 
 
+def test_failed_local_write_keeps_the_old_file(tmp_path, monkeypatch):
+  """A local write that fails after its temporary file is written (the rename fails) or while it
+  is written (the fsync fails) leaves the old content whole and no temporary file behind; the
+  rename it attempts moves a complete copy of the new content."""
+  from umoe_jax.storage import files
+  rng = np.random.default_rng(11)
+  old, new = rng.bytes(3000), rng.bytes(5000)
+  target = tmp_path / "out" / "state.bin"
+  source = tmp_path / "source.bin"
+  source.write_bytes(new)
+  real_replace = os.replace
+  renamed = []
+
+  def failing_replace(src, dst):
+    if os.path.abspath(dst) != str(target):
+      return real_replace(src, dst)
+    # The temporary sibling is complete when it is renamed, and it is not the target itself.
+    assert os.path.abspath(src) != str(target)
+    with open(src, "rb") as f:
+      renamed.append(f.read())
+    raise OSError(28, "No space left on device")
+
+  def failing_fsync(fd):
+    raise OSError(5, "Input/output error")
+
+  writes = [lambda: storage.write_bytes(str(target), new),
+            lambda: storage.write_text(str(target), new.hex()),
+            lambda: storage.upload_file(str(source), str(target))]
+  for write in writes:
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(old)
+    with monkeypatch.context() as m:
+      m.setattr(files.os, "replace", failing_replace)
+      with pytest.raises(OSError, match="No space left"):
+        write()
+    assert target.read_bytes() == old
+    assert os.listdir(target.parent) == ["state.bin"]  # the temporary file is removed
+  assert renamed == [new, new.hex().encode(), new]
+  with monkeypatch.context() as m:
+    m.setattr(files.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+      storage.write_bytes(str(target), new)
+  assert target.read_bytes() == old and os.listdir(target.parent) == ["state.bin"]
+  storage.write_bytes(str(target), new)  # and without a failure the new content lands whole
+  assert target.read_bytes() == new and os.listdir(target.parent) == ["state.bin"]
+
+
 def test_missing_bucket_and_object_name_the_url(fake_gcs):
   with pytest.raises(FileNotFoundError, match=r"gs://no-such-bucket/x\.json: no such file or "
                      r"object \(or its bucket does not exist"):

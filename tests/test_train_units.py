@@ -439,6 +439,84 @@ def test_train_step_passes_the_step_to_scheduled_routers():
   assert nll(0) != nll(10) and nll(10) == nll(20)
 
 
+def _trainer_steps(accum_steps, batches, **train):
+  """Runs the trainer's compiled step (loop.config_programs) from micro_umoe's parameters over
+  `batches` with train.grad_accum_steps=accum_steps, the optimizer of `train` (AdamW, warmup then
+  cosine) and on_nonfinite="skip": (the schedule, [(params, metrics)] on the host after each step)."""
+  from umoe_jax.parallel import mesh as mesh_lib, sharding
+  model_cfg, _, params = micro_umoe()
+  c = tiny()
+  c.train.update(dict(global_batch_size=4, seq_len=8, grad_accum_steps=accum_steps,
+                      on_nonfinite="skip", **train))
+  mesh = mesh_lib.make_mesh(c.get("mesh"), devices=jax.devices()[:1])
+  progs = loop.config_programs(c, model_cfg, mesh, sharding.normalize_rules(c.get("sharding_rules")))
+  state = progs.from_params_fn(params, 0)
+  out = []
+  for batch in batches:
+    state, metrics = progs.train_fn(state, batch)
+    out.append(jax.device_get((state.params, metrics)))
+  return opt_lib.learning_rate_schedule(c.train), out
+
+
+def _token_batches(seed, n, vocab):
+  batches = []
+  for i in range(n):
+    tokens = jax.random.randint(jax.random.key(seed + i), (4, 9), 0, vocab)
+    batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+  return batches
+
+
+def test_grad_accumulation_keeps_the_schedule_and_the_update():
+  """train.grad_accum_steps=2 takes the step of grad_accum_steps=1 on the same tokens: each step
+  logs the learning rate of the schedule at the updates applied so far (one per step, however many
+  micro-batches), and the parameters move alike (float32) through the warmup and into the cosine."""
+  vocab = micro_umoe()[0].vocab_size
+  batches = _token_batches(20, 5, vocab)
+  train = dict(num_steps=8, warmup_steps=3, learning_rate=1e-2, min_lr_ratio=0.1)
+  schedule, one = _trainer_steps(1, batches, **train)
+  _, two = _trainer_steps(2, batches, **train)
+  want = [float(schedule(t)) for t in range(len(batches))]
+  assert want[1] < want[2] < want[3] and want[4] < want[3]   # warmup, peak, cosine
+  np.testing.assert_allclose([float(m["learning_rate"]) for _, m in one], want, rtol=1e-6)
+  np.testing.assert_allclose([float(m["learning_rate"]) for _, m in two], want, rtol=1e-6)
+  params = micro_umoe()[2]
+  moved = lambda new: jax.tree.map(lambda a, b: np.float64(a) - np.float64(b), new, params)
+  for t, ((p1, m1), (p2, m2)) in enumerate(zip(one, two)):
+    assert int(m1["applied"]) == int(m2["applied"]) == 1
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-5)
+    d1, d2 = jax.tree.leaves(moved(p1)), jax.tree.leaves(moved(p2))
+    total = np.sqrt(sum(np.sum(x ** 2) for x in d1))
+    assert t == 0 or total > 1e-3                     # (the first step's learning rate is 0)
+    err = np.sqrt(sum(np.sum((x - y) ** 2) for x, y in zip(d1, d2)))
+    assert err <= 1e-5 * total, (t, err, total)
+
+
+def test_logged_learning_rate_counts_applied_updates():
+  """Steps dropped for a non-finite loss (on_nonfinite="skip"; out-of-vocabulary inputs make it
+  NaN) do not advance the schedule: every step logs the schedule at the updates applied before it,
+  not at the step number, and a dropped step leaves the parameters as they were."""
+  vocab = micro_umoe()[0].vocab_size
+  batches = _token_batches(40, 7, vocab)
+  poisoned = {1, 2, 5}
+  for i in poisoned:
+    batches[i] = dict(batches[i], inputs=jnp.full_like(batches[i]["inputs"], 10 * vocab))
+  schedule, out = _trainer_steps(2, batches, num_steps=8, warmup_steps=4, learning_rate=1e-2,
+                                 min_lr_ratio=0.1)
+  applied = 0
+  previous = micro_umoe()[2]
+  logged = [float(m["learning_rate"]) for _, m in out]
+  # past the first dropped step the schedule at the step number is another learning rate
+  assert logged != pytest.approx([float(schedule(i)) for i in range(len(batches))], rel=1e-3)
+  for i, (params, metrics) in enumerate(out):
+    assert int(metrics["nonfinite"]) == int(i in poisoned) == 1 - int(metrics["applied"])
+    assert logged[i] == pytest.approx(float(schedule(applied)), rel=1e-6)
+    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
+                                                    jax.tree.leaves(previous)))
+    assert same == (i in poisoned or applied == 0)   # (the first update's learning rate is 0)
+    applied += int(i not in poisoned)
+    previous = params
+
+
 # ----------------------------------------------------------------------------------------------
 # Resume order and checkpoints.
 
