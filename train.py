@@ -88,7 +88,7 @@ def _parse_flags(argv):
   except Exception as e:  # pylint: disable=broad-except
     if debug or stdout_errors.is_stdout_error(e):  # --help into a full device: reported at exit
       raise
-    from umoe_jax import config_file
+    from umoe_jax.config import files as config_file
     from umoe_jax.config import ConfigError
     try:
       config_file.check_argv(argv)
@@ -143,7 +143,7 @@ def _kind(error: BaseException) -> str:
 def _load_config():
   """The --config ConfigDict; a file that does not load is a one-line error (ml_collections defers
   it to the first use of the config)."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   config = _CONFIG.value
   try:

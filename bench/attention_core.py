@@ -2,8 +2,7 @@
 
 Shapes (one shared key head; pre-mixing's values = the hidden states): base B=32, T=1024, H=1+3, dk=192, D=768;
 large B=16, T=1024, H=4, dk=512, D=2048; moa (MoA-base's shared key / value head) B=32, T=1024,
-H=1+3, dk=192, D=192; mha (dense-base) B=32, T=1024, H=4 heads of 192 each over its own key / value
-head (the Triton core folds the heads into the batch). For each: the Triton core is checked against the XLA core
+H=1+3, dk=192, D=192. For each: the Triton core is checked against the XLA core
 (values and the gradients of q, k, x, relative error), then every core is timed forward and
 forward+backward (CUPTI kernel time, median of 10; gradients of all three inputs under a
 non-constant cotangent). TFLOP/s counts useful causal FLOPs: forward 2 * B*H * T(T+1)/2 * (dk + D),
@@ -18,14 +17,9 @@ loads it) and times the core again with them. The file is rewritten after every 
 sweep has measured so far (the starting form, its kernels' fastest tiles), so a sweep cut short by
 a time limit still leaves tiles to load.
 
-  python3 bench/attention_core.py [--shapes=base,large,moa,mha] [--cores=xla,cudnn,triton] [--sweep=base]
+  python3 bench/attention_core.py [--shapes=base,large,moa] [--cores=xla,cudnn,triton] [--sweep=base]
       [--sweep_budget_s=150] [--sweep_kernels=dq_ds,ds,...] [--backwards=auto,recompute,stored_pairs]
-      [--delta] [--split_key_width=0|1|0,1] [--out DIR]
-
---split_key_width=0,1 times the Triton core with dk padded to a power of two and as two exact pieces
-(`attention_tiles.SPLIT_KEY_WIDTH`; row keys "triton" and "triton_split"); one setting alone (0 or 1)
-runs everything with it, the sweep and the swept tiles' timing included. Without the flag every run
-takes the module's setting (on).
+      [--delta] [--out DIR]
 
 Every core timed is also recorded as rows (`measurements`: fwd and fwd+bwd ms, against the XLA core of
 the same command) to --results (bench/results.py: default $OUT/rows.jsonl when $OUT is set, else
@@ -54,47 +48,34 @@ import results as results_lib  # noqa: E402  (bench/results.py)
 
 SHAPES = {"base": (32, 1024, 4, 192, 768), "large": (16, 1024, 4, 512, 2048),
           # MoA-base: 1 + 3 query heads over one shared key / value head, values as wide as the
-          # keys (where `auto` takes cuDNN; whether the Triton core beats it there: issue 15, item 1)
-          "moa": (32, 1024, 4, 192, 192),
-          # dense-base's MHA: 4 heads of 192, each over its own key / value head (KEY_HEADS); the
-          # Triton core runs them folded into the batch (`common.triton_attention(fold_key_heads)`)
-          "mha": (32, 1024, 4, 192, 192)}
-KEY_HEADS = {"mha": 4}   # key / value heads of a shape (default 1: shared by every query head)
+          # keys (where `auto` takes cuDNN, which is faster there than the Triton core)
+          "moa": (32, 1024, 4, 192, 192)}
 
-# Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first.
-# Rounds 1-2 (BENCHMARKS.md) ranked the fwd / dx / dk ones; round 3: dQ's longer dO X^T step and
-# the fused dX + dK pass (replacing dx and dk when it beats their sum).
-# Round 6 adds tiles that ptxas compiles without register spills (bench/kernel_resources.py,
-# BENCHMARKS.md: the defaults of dk / dq / fwd spill 0.8-4 KB a thread), untimed as yet.
+# Candidate tiles per kernel, (bm, bn, bd, warps, stages); the default tiles are tried first. All
+# compile for sm_90a without register spills (bench/kernel_resources.py), and each fits the H200's
+# 227 KB of shared memory.
 CANDIDATES = {
-    # Round 7, for UMoE-large's wide heads (dk 512, D 2048; the default 64x32x256 took 2.65 ms, 65
-    # TFLOP/s: each 256-wide D chunk recomputes the 512-deep scores): wider D chunks and taller row
-    # tiles that fit the H200's 227 KB of shared memory and compile without spills for sm_90a
-    # (bench/kernel_resources.py); at dk 192 the tabled 128x64x256 stays first.
+    # Wider D chunks and taller row tiles for UMoE-large's wide heads (dk 512, D 2048: each 256-wide
+    # D chunk recomputes the 512-deep scores); D in two chunks of 384, not three of 256 (the scores
+    # recomputed twice, not three times); the tabled tile in three stages (216 KB with dk 192 held
+    # as 128 + 64).
     "fwd": [(64, 32, 512, 8, 2), (128, 32, 256, 8, 2), (64, 32, 384, 8, 2), (64, 64, 128, 4, 2),
             (64, 32, 256, 8, 3), (32, 32, 512, 4, 2),
-            # Round 9 (base): D in two chunks of 384, not three of 256 (the scores recomputed
-            # twice, not three times); and with `SPLIT_KEY_WIDTH` (dk 192 as 128 + 64) the tabled
-            # tile in three stages fits in shared memory (216 KB, 256 with dk padded); all
-            # spill-free for sm_90a either way (bench/kernel_resources.py).
             (128, 32, 384, 8, 2), (64, 64, 384, 8, 2), (128, 64, 256, 8, 3)],
     "dx": [],
     "dk": [(32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
     "dq": [(64, 64, 128, 8, 2), (64, 64, 256, 8, 2), (32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
+    # The fused dX + dK pass (replacing dx and dk when it beats their sum).
     "dxdk": [(64, 64, 256, 8, 2), (32, 64, 256, 8, 2), (64, 32, 256, 4, 2)],
-    # Round 4: the dK pass storing dS and P (`FlashTiles.dq_ds`, `dx_p`): dQ as the stored dS times
-    # the keys (bd unused), dX reading P (the dx tiles), and the dK pass with both stores.
-    "dk_store": [(32, 32, 128, 4, 2), (32, 32, 256, 4, 2)],
+    # The stored-scores form (`FlashTiles.ds`): dQ as the stored dS times the keys (bd unused), dX
+    # reading P (wider key tiles a program, 128-wide D chunks), dK from the stored dS (bd unused),
+    # and the pass over (row tile, key tile) pairs that stores dS and P (bd = the dO X^T step:
+    # deeper pipelines, 4-warp programs two or three an SM, taller row tiles).
     "dq_ds": [(64, 64, 16, 4, 2), (64, 64, 16, 8, 2), (64, 128, 16, 8, 2), (64, 32, 16, 4, 2)],
     "dx_p": [(64, 64, 256, 8, 2), (64, 64, 384, 8, 2),
-             # Round 8 (base, never swept there): wider key tiles a program, 128-wide D chunks.
              (64, 128, 256, 8, 2), (64, 128, 128, 8, 2), (32, 128, 128, 4, 2), (64, 64, 128, 4, 3)],
-    # Round 5: dS and P from the pass over (row tile, key tile) pairs (`FlashTiles.ds`, bd = the
-    # dO X^T step), dK from the stored dS (`dk_ds`; bd unused).
     "dk_ds": [(64, 64, 16, 4, 2), (64, 32, 16, 4, 2), (128, 64, 16, 8, 2)],
     "ds": [(128, 64, 64, 8, 2), (128, 128, 64, 8, 2), (64, 128, 64, 8, 2), (128, 64, 128, 8, 3),
-           # Round 8 (base: the pair pass took 7.0 ms of a 123 ms step at 177 TFLOP/s, never swept
-           # there): deeper pipelines, 4-warp programs (two or three an SM), taller row tiles.
            (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 2), (64, 64, 64, 4, 3),
            (256, 64, 32, 8, 2), (128, 64, 64, 8, 4)],
 }
@@ -104,26 +85,22 @@ def flops(b, t, h, dk, d):
   return 2.0 * b * h * t * (t + 1) / 2 * (dk + d)
 
 
-def inputs(shape, seed=0, key_heads=1):
+def inputs(shape, seed=0):
   b, t, h, dk, d = shape
   kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(kq, (b, t, h, dk), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, t, key_heads, dk), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(kv, (b, t, key_heads, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, t, 1, dk), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, t, 1, d), jnp.float32).astype(jnp.bfloat16)
   return q, k, v, jax.random.normal(kc, (b, t, h, d), jnp.float32)
 
 
-def cores(positions, tiles=None, key_heads=1, backward="auto"):
+def cores(positions, tiles=None):
   from kernels import triton_attention as ta
-  from umoe_jax.model.attention.common import causal_attention, triton_attention
-  if key_heads > 1:  # each head folded into the batch, on the default tiles of (dk, D)
-    triton = lambda q, k, v: triton_attention(q, k, v, backward=backward, fold_key_heads=True)
-  else:
-    triton = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
+  from umoe_jax.model.attention.common import causal_attention
   return {
       "xla": lambda q, k, v: causal_attention(q, k, v, positions, positions),
       "cudnn": lambda q, k, v: causal_attention(q, k, v, positions, positions, core="cudnn"),
-      "triton": triton,
+      "triton": lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles),
   }
 
 
@@ -135,35 +112,25 @@ def check(fn, ref, q, k, v, cot):
   return err, g_err
 
 
-def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwards=("auto",),
-               split_key_width=None):
+def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwards=("auto",)):
   """Times each core of `which`; the Triton core once per backward form of `backwards`
-  (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others)
-  and per `split_key_width` setting (`attention_tiles.SPLIT_KEY_WIDTH`, default: as it is now;
-  with two settings "_split" is appended to the key of the one that is on; the row's
-  "split_key_width" lists them), each first checked against the XLA core."""
+  (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others),
+  each first checked against the XLA core."""
   from kernels import attention_tiles as at
-  if split_key_width is None:
-    split_key_width = (at.SPLIT_KEY_WIDTH,)
   b, t, h, dk, d = shape
-  key_heads = KEY_HEADS.get(name, 1)
-  q, k, v, cot = inputs(shape, key_heads=key_heads)
+  q, k, v, cot = inputs(shape)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   start = tiles or at.default_tiles(dk, d)
-  fns = cores(positions, tiles, key_heads)
+  fns = cores(positions, tiles)
   fl = flops(*shape)
-  row = {"split_key_width": list(split_key_width)}
-  split_before = at.SPLIT_KEY_WIDTH
+  row = {}
   for core in which:
     if core == "cudnn" and dk > 256:
       continue  # cuDNN has no kernel for this head size (the call would be the XLA form)
-    suffix = lambda split: "_split" if split and len(split_key_width) > 1 else ""
-    variants = ({(f"triton_{bw}" if bw != "auto" else "triton") + suffix(split): (
-                    cores(positions, at.with_backward(start, bw, dk), key_heads, bw)["triton"], split)
-                 for bw in backwards for split in split_key_width}
-                if core == "triton" else {core: (fns[core], split_before)})
-    for key, (fn, split) in variants.items():
-      at.SPLIT_KEY_WIDTH = split   # read when the kernels are traced: in check() and the timing
+    variants = ({(f"triton_{bw}" if bw != "auto" else "triton"):
+                 cores(positions, at.with_backward(start, bw, dk))["triton"] for bw in backwards}
+                if core == "triton" else {core: fns[core]})
+    for key, fn in variants.items():
       if key.startswith("triton"):
         row[f"{key}_err"], row[f"{key}_grad_err"] = err, g_err = check(fn, fns["xla"], q, k, v, cot)
         log(f"  {name}: {key} vs xla: values {err:.2e}, grads {g_err:.2e}")
@@ -175,15 +142,13 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
                       fwd_bwd_tflops=3 * fl / fb / 1e9)
       log(f"  {name} {key:7s} fwd {fwd:7.3f} ms ({fl / fwd / 1e9:5.0f} TFLOP/s)  "
           f"fwd+bwd {fb:7.3f} ms ({3 * fl / fb / 1e9:5.0f} TFLOP/s)")
-  at.SPLIT_KEY_WIDTH = split_before
   return row
 
 
 # The kernels a backward form needs beside the one named (`--sweep_kernels` runs them on their own
 # tiles, so that the form's summed time is known).
 NEEDS = {"ds": ("dk_ds", "dq_ds", "dx_p"), "dk_ds": ("ds", "dq_ds", "dx_p"),
-         "dq_ds": ("dk_store", "dx_p"), "dx_p": ("dk_store", "dq_ds"),
-         "dk_store": ("dq_ds", "dx_p"), "dxdk": ()}
+         "dq_ds": ("ds", "dk_ds", "dx_p"), "dx_p": ("ds", "dk_ds", "dq_ds"), "dxdk": ()}
 
 
 def sweep_kernels(names: str) -> tuple[list[str] | None, list[str]]:
@@ -199,7 +164,7 @@ def sweep_kernels(names: str) -> tuple[list[str] | None, list[str]]:
 
 
 # The FlashTiles field each swept kernel's tiles go to when the starting tiles use that kernel.
-FIELD_OF = {"fwd": "fwd", "dx": "dx", "dk": "dk", "dq": "dq", "dxdk": "dxdk", "dk_store": "dk",
+FIELD_OF = {"fwd": "fwd", "dx": "dx", "dk": "dk", "dq": "dq", "dxdk": "dxdk",
             "dq_ds": "dq_ds", "dx_p": "dx_read", "dk_ds": "dk_ds", "ds": "ds"}
 
 
@@ -211,12 +176,8 @@ def partial_tiles(base, best: dict):
   # (the recomputing passes' dx / dk / dq tiles are updated whatever the form: `with_backward(..,
   # "recompute")` takes them)
   uses = {"fwd", "dx", "dk", "dq"} | ({"dxdk"} if base.dxdk is not None else set())
-  if base.dq_ds is not None or base.dx_p:
-    uses |= {"dq_ds", "dx_p"}
-    if base.ds is not None:
-      uses |= {"ds", "dk_ds"}
-    else:  # the dK pass storing dS / P is the form's dK pass
-      uses = (uses - {"dk"}) | {"dk_store"}
+  if base.ds is not None:
+    uses |= {"ds", "dk_ds", "dq_ds", "dx_p"}
   fields = {FIELD_OF[kn]: at.PassTiles(*tiles) for kn, (tiles, _) in best.items() if kn in uses}
   return dataclasses.replace(base, **fields)
 
@@ -244,10 +205,8 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
       "dq": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq(q, k, v, dout, lse, delta, tl)),
       "dxdk": lambda tl: jax.jit(lambda q, k, v: jnp.concatenate(
           [a.reshape(-1) for a in ta._bwd_dxdk(q, k, v, dout, lse, delta, tl)])),
-      "dk_store": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, tl,
-                                                                store_ds=True, store_p=True)[0]),
-      # (the first stored form: its pass is their largest, spared by a budget cut; checked through
-      # what the readers make of its stores: its unwritten entries are undefined)
+      # (the stored form's largest pass, first, so a budget cut spares it; checked through what
+      # the readers make of its stores: its unwritten entries are undefined)
       "ds": lambda tl: (jax.jit(lambda q, k, v: _from_stores(q, k, v, tl)),
                         jax.jit(lambda q, k, v: ta._bwd_ds(q, k, v, dout, lse, delta, tl))),
       "dq_ds": lambda tl: jax.jit(lambda q, k, v: ta._bwd_dq_ds(stored[0], q, k, tl)),
@@ -264,15 +223,14 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
     return (ta._bwd_dk_ds(ds_t, q, k, stored_default["dk_ds"]),
             ta._bwd_dq_ds(ds_t, q, k, stored_default["dq_ds"]),
             ta._bwd_dx(q, k, v, dout, lse, base.dx_tiles(reads_p=True), probs_t=p_t))
-  # dS^T and P^T as the dK pass stores them, for the dq_ds / dx_p / dk_ds candidates.
+  # dS^T and P^T as the pair pass stores them, for the dq_ds / dx_p / dk_ds candidates.
   readers = {"dq_ds", "dx_p", "dk_ds"}
-  stored = (jax.jit(lambda q, k, v: ta._bwd_dk(q, k, v, dout, lse, delta, base.dk, store_ds=True,
-                                               store_p=True)[1:])(q, k, v)
+  stored = (jax.jit(lambda q, k, v: ta._bwd_ds(q, k, v, dout, lse, delta,
+                                               base.ds or stored_default["ds"]))(q, k, v)
             if kernels is None or readers & set(kernels).union(partners) else None)
-  same_as = {"dxdk": None, "dk_store": "dk", "dq_ds": "dq", "dx_p": "dx", "dk_ds": "dk"}  # checked against
+  same_as = {"dxdk": None, "dq_ds": "dq", "dx_p": "dx", "dk_ds": "dk"}  # checked against
   def own_tiles(kernel):  # the starting tiles of a kernel (None: it has none)
-    own = ({"dk_store": base.dk, "dx_p": base.dx_tiles(reads_p=True)}.get(
-               kernel, getattr(base, kernel, None))
+    own = ({"dx_p": base.dx_tiles(reads_p=True)}.get(kernel, getattr(base, kernel, None))
            or stored_default.get(kernel))
     return own if isinstance(own, at.PassTiles) else None
   t0 = time.perf_counter()
@@ -320,11 +278,10 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
     if progress is not None:
       progress(partial_tiles(base, best))
   pick = lambda kn: at.PassTiles(*best[kn][0]) if kn in best else own_tiles(kn)
-  # The backward with the least summed kernel time: separate passes, the fused dX + dK pass, the
-  # dK pass storing dS / P for the readers, or the stored-scores pass with every reader.
+  # The backward with the least summed kernel time: separate passes, the fused dX + dK pass, or the
+  # stored-scores pass with every reader.
   ms = lambda kn: best[kn][1] if kn in best else float("inf")
   forms = {"dk+dq+dx": ms("dk") + ms("dq") + ms("dx"), "dxdk+dq": ms("dxdk") + ms("dq"),
-           "dk_store+dq_ds+dx_p": ms("dk_store") + ms("dq_ds") + ms("dx_p"),
            "ds+dk_ds+dq_ds+dx_p": ms("ds") + ms("dk_ds") + ms("dq_ds") + ms("dx_p")}
   form = min(forms, key=forms.get)
   common = dict(fwd=pick("fwd"), dq=pick("dq"))
@@ -333,9 +290,6 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
   if form == "ds+dk_ds+dq_ds+dx_p":
     chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk"), dq_ds=pick("dq_ds"),
                            dx_p=True, ds=pick("ds"), dk_ds=pick("dk_ds"), dx_read=pick("dx_p"))
-  elif form == "dk_store+dq_ds+dx_p":
-    chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk_store"), dq_ds=pick("dq_ds"),
-                           dx_p=True, dx_read=pick("dx_p"))
   else:
     chosen = at.FlashTiles(**common, dx=pick("dx"), dk=pick("dk"),
                            dxdk=pick("dxdk") if form == "dxdk+dq" else None)
@@ -375,25 +329,19 @@ def time_delta(name, shape):
   return rows
 
 
-def measurements(name: str, row: dict, default_split: bool, tuned: bool = False) -> list[dict]:
+def measurements(name: str, row: dict, tuned: bool = False) -> list[dict]:
   """The results rows of one shape's `time_cores` row: per core timed, fwd and fwd+bwd ms (TFLOP/s
   beside them), each against the XLA core of the same row where it was timed. Overrides name the core,
-  a backward form other than auto, the key width where it is not `default_split`, and the swept tiles
-  (`tuned`)."""
-  splits = row.get("split_key_width", [default_split])
+  a backward form other than auto, and the swept tiles (`tuned`)."""
   xla = row.get("xla")
   out = []
   for key, r in row.items():
     if not (isinstance(r, dict) and "fwd_ms" in r):
       continue
     core, _, form = key.partition("_")
-    split = form.endswith("split") or (len(splits) == 1 and splits[0])
-    form = form.removesuffix("split").rstrip("_")
     overrides = {"core": core}
     if form:
       overrides["core_backward"] = form
-    if core == "triton" and bool(split) != bool(default_split):
-      overrides["split_key_width"] = int(bool(split))
     if tuned:
       overrides["tiles"] = "swept"
     for metric in ("fwd_ms", "fwd_bwd_ms"):
@@ -417,10 +365,6 @@ def main():
   ap.add_argument("--attention_tiles", default=None, help="JSON of tiles to start from")
   ap.add_argument("--backwards", default="auto",
                   help="the Triton core's backward forms to time, e.g. auto,recompute,stored_pairs")
-  ap.add_argument("--split_key_width", default="",
-                  help="attention_tiles.SPLIT_KEY_WIDTH settings to time the Triton core at, e.g. "
-                       "0,1 (1: keys of two exact power-of-two pieces, 192 = 128 + 64); one alone "
-                       "also sweeps with it (default: the module's setting, on)")
   ap.add_argument("--delta", action="store_true",
                   help="also time the backward's delta = <dO, out> reduction in each DELTA_FORMS form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -428,7 +372,6 @@ def main():
   args = ap.parse_args()
   from kernels import attention_tiles as at
   from kernels import triton_attention as ta
-  default_split = at.SPLIT_KEY_WIDTH
   if args.attention_tiles:
     at.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
@@ -438,25 +381,17 @@ def main():
   if bad:
     raise SystemExit(f"--backwards: unknown {', '.join(bad)}; forms: {', '.join(at.BACKWARDS)}")
   kernels, partners = sweep_kernels(args.sweep_kernels)   # (names checked before any GPU work)
-  given = args.split_key_width or ("1" if at.SPLIT_KEY_WIDTH else "0")
-  splits = tuple(dict(zip("01", (False, True))).get(v, v) for v in given.split(","))
-  if not splits or any(not isinstance(v, bool) for v in splits):
-    raise SystemExit(f"--split_key_width={args.split_key_width!r}: 0, 1 or 0,1")
-  if len(splits) == 1:  # the sweep and the swept tiles' timing too (traced with the switch as is)
-    at.SPLIT_KEY_WIDTH = splits[0]
   results, table = {}, {}
   names = args.shapes.split(",")
-  bad = [n for n in names if n not in SHAPES] + [
-      f"{n} (--sweep: several key heads run the default tiles)" for n in args.sweep.split(",")
-      if KEY_HEADS.get(n, 1) > 1]
+  bad = [n for n in names if n not in SHAPES]
   if bad:
     raise SystemExit(f"--shapes / --sweep: {', '.join(bad)}; shapes: {', '.join(SHAPES)}")
   for name in names:
     shape = SHAPES[name]
     log(f"{name}: B, T, H, dk, D = {shape}, tiles {at.tiles_to_json(at.default_tiles(*shape[3:]))}")
     which = tuple(c for c in args.cores.split(",") if c)
-    results[name] = row = (time_cores(name, shape, which=which, backwards=backwards,
-                                      split_key_width=splits) if which else {})
+    results[name] = row = (time_cores(name, shape, which=which, backwards=backwards)
+                           if which else {})
     if args.delta:
       row["delta"] = time_delta(name, shape)
     if name in args.sweep.split(","):
@@ -469,8 +404,7 @@ def main():
       table[f"{shape[3]},{shape[4]}"] = row["tiles"]
       log(f"  {name}: chosen tiles {row['tiles']}")
       row["tuned"] = time_cores(name, shape, tiles=chosen, which=("triton",))
-    for m in measurements(name, row, default_split) + measurements(
-        name, row.get("tuned", {}), default_split, tuned=True):
+    for m in measurements(name, row) + measurements(name, row.get("tuned", {}), tuned=True):
       results_lib.record(args.results, **m)
     with open(os.path.join(args.out, "attention_core.json"), "w") as f:
       json.dump(results, f, indent=1)

@@ -147,9 +147,8 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=N
           continue
         log(f"  sweep {name} {op} {cfg}: {tf:.0f} TFLOP/s")
         results.setdefault("sweep_gathered", []).append(dict(shape=name, op=op, cfg=str(cfg), tflops=tf))
-        # The epilogue in XLA wins here and loses in the training step (runs 48, 55: the float32
-        # product's round trip competes with the step's other traffic): timed, never picked
-        # unless asked for.
+        # The epilogue in XLA wins here and loses in the training step (the float32 product's
+        # round trip competes with the step's other traffic): timed, never picked unless asked for.
         if tf > best[0] and (pick_xla_epilogue or not cfg.xla_epilogue):
           best = (tf, cfg)
       best_by_op[(name, op)] = best

@@ -7,8 +7,7 @@ shared memory the kernel asks for. A kernel that does not compile fails here the
 GPU, and one that spills is a tile candidate to avoid (spills go through local memory: L1 at best).
 No timing: speed comes from bench/attention_core.py and bench/gmm.py on a GPU.
 
-  python3 bench/kernel_resources.py [--kernels=attention,gmm,router] [--shape=base|large]
-      [--split_key_width=0|1] [--out DIR]
+  python3 bench/kernel_resources.py [--kernels=attention,gmm,router] [--shape=base|large] [--out DIR]
 
 Attention kernels (kernels/triton_attention.py) run at the shape's (T, H, dk, D) with the default
 tiles and bench/attention_core.py's CANDIDATES; grouped-matmul kernels (kernels/triton_gmm.py) with
@@ -51,15 +50,14 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
   registers; async_copies: the PTX's cp.async instructions, none when the operand loads are not
   pipelined; wgmma / mma_sync: its Hopper warpgroup MMAs and its Ampere-style warp MMAs, the latter
   where a dot did not lower to wgmma; tanh_approx: its tanh.approx.f32 instructions, the fast
-  sigmoid of the gmm epilogue, kernels/triton_gmm.FAST_SIGMOID). `pointer_types`: the
+  sigmoid of the gmm epilogue, kernels/triton_gmm._sigmoid). `pointer_types`: the
   pointer and scalar parameters' Triton types ("*bf16", "*fp32", "*i32", "i32"); `constexprs`: every
   other parameter's value (parameters left out take their defaults).
 
   `aligned_pointers` (default): every pointer parameter is declared 16-byte aligned, as jax-triton
   declares the buffers it passes (`triton_call` specialises each array argument to divisibility 16).
   Without it the compiler can prove no alignment, so it emits scalar 16-bit loads and no cp.async
-  pipeline: a different, spilling program from the one that runs (what this tool reported before
-  2026-12-01's session 7; BENCHMARKS.md says so)."""
+  pipeline: a different, spilling program from the one that runs."""
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
@@ -125,11 +123,9 @@ def attention_cases(shape: dict):
       yield (name, tl_, ta._bwd_dx_kernel, dict(qkv, do_ptr=bf, p_ptr=bf, dx_ptr=bf),
              {**common, **_meta(meta), "LOAD_P": load_p})
   grads = dict(qkv, x_ptr=bf, do_ptr=bf, delta_ptr=f32)
-  for name, store in (("dk", False), ("dk_store", True)):
-    for tl_ in tiles(name, base.dk):
-      meta = at.dk_launch(t, h, dk, d, tl_)
-      yield (name, tl_, ta._bwd_dk_kernel, dict(grads, dk_ptr=bf, ds_ptr=bf, p_ptr=bf),
-             {**common, **scale, **_meta(meta), "STORE_DS": store, "STORE_P": store})
+  for tl_ in tiles("dk", base.dk):
+    yield ("dk", tl_, ta._bwd_dk_kernel, dict(grads, dk_ptr=bf),
+           {**common, **scale, **_meta(at.dk_launch(t, h, dk, d, tl_))})
   for tl_ in tiles("dq", base.dq):
     yield ("dq", tl_, ta._bwd_dq_kernel, dict(grads, dq_ptr=bf),
            {**common, **scale, **_meta(at.dq_launch(t, h, dk, d, tl_))})
@@ -174,32 +170,28 @@ def gmm_cases(shape: dict):
       consts = dict(M=rows, KC=kc, NO=no, G=g, s_bg=k * n, s_bk=1 if transpose else n,
                     s_bn=n if transpose else 1, A_INDEX=gathered, ROW_SCALE=epi is not None,
                     ROW_DOT=epi is not None, EPI_ACT=1 if epi else 0,
-                    SCALED_D=epi == "act+rows", FAST_SIGMOID=tg.FAST_SIGMOID, **launch)
+                    SCALED_D=epi == "act+rows", FAST_SIGMOID=True, **launch)
       yield (f"{pool} {name}", cfg, tg._gmm_kernel, ptrs, dict(consts, num_warps=warps,
                                                                 num_stages=stages))
     for base_name, op, kk, nn, gathered in (("down wgrad (gathered dout)", "tgmm+gather", f, d, True),
                                             ("up wgrad (gathered x)", "tgmm+gather", d, f, True)):
-      for persistent in (0, 1):   # the tabled tile on its grid and on a persistent one
-        cfg = dataclasses.replace(tuning.lookup("triton", op, rows, kk, nn, g), persistent=persistent)
-        name = base_name + (", persistent" if persistent else "")
-        launch = tg.tgmm_launch(rows, kk, nn, g, cfg, ordered=tg.TGMM_BIG_FIRST_SKEW != 0)
-        launch.pop("grid")
-        warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
-        yield (f"{pool} {name}", cfg, tg._tgmm_kernel,
-               dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, b_idx_ptr=i32, a_scale_ptr=i32,
-                    order_ptr=i32, o_ptr=bf),
-               dict(M=rows, K=kk, N=nn, G=g, A_INDEX=gathered and "up" in base_name,
-                    B_INDEX=gathered and "down" in base_name, A_SCALE=False, **launch,
-                    num_warps=warps, num_stages=stages))
+      cfg = tuning.lookup("triton", op, rows, kk, nn, g)
+      launch = tg.tgmm_launch(rows, kk, nn, g, cfg)
+      launch.pop("grid")
+      warps, stages = launch.pop("num_warps"), launch.pop("num_stages")
+      yield (f"{pool} {base_name}", cfg, tg._tgmm_kernel,
+             dict(a_ptr=bf, b_ptr=bf, gs_ptr=i32, a_idx_ptr=i32, b_idx_ptr=i32, a_scale_ptr=i32,
+                  order_ptr=i32, o_ptr=bf),
+             dict(M=rows, K=kk, N=nn, G=g, A_INDEX=gathered and "up" in base_name,
+                  B_INDEX=gathered and "down" in base_name, A_SCALE=False, **launch,
+                  num_warps=warps, num_stages=stages))
 
 
 def router_cases(shape: dict):
-  """The routers' kernels at the shape's FFN and attention top-k: the top-k ids
-  (kernels/triton_topk.py) and the one-pass softmax + top-k + statistics (kernels/triton_router.py,
-  `router.one_pass`) with and without the selection bias and renormalisation."""
-  from kernels import triton_router as tr
+  """The routers' kernel at the shape's FFN and attention top-k: the top-k ids
+  (kernels/triton_topk.py)."""
   from kernels import triton_topk as tk
-  t, e = shape["t"], shape["e"]
+  e = shape["e"]
   for k in (shape["k"], shape["k_att"]):
     meta = tk.launch_params(shape["m"], e, k)
     meta.pop("grid")
@@ -207,16 +199,6 @@ def router_cases(shape: dict):
     yield (f"top-k ids, k={k}", tk.TopKConfig(meta["BLOCK_ROWS"], warps), tk._topk_kernel,
            dict(x_ptr="*fp32", ids_ptr="*i32"), dict(N=shape["m"], **meta, num_warps=warps,
                                                      num_stages=1))
-    for bias, renormalize in ((False, False), (True, True)):
-      meta = tr.launch_params(t, e, k)
-      warps = meta.pop("num_warps")
-      f32 = "*fp32"
-      yield (f"router pass, k={k}{', bias' if bias else ''}{', renormalized' if renormalize else ''}",
-             tr.RouterPassConfig(meta["BLOCK_ROWS"], warps), tr._softmax_top_k_kernel,
-             dict(logits_ptr=f32, bias_ptr=f32, probs_ptr=f32, ids_ptr="*i32", gates_ptr=f32,
-                  sums_ptr=f32, counts_ptr=f32),
-             dict(T=t, HAS_BIAS=bias, RENORMALIZE=renormalize, **meta, num_warps=warps,
-                  num_stages=1))
 
 
 def _meta(launch: dict) -> dict:
@@ -254,14 +236,9 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--kernels", default="attention,gmm")
   ap.add_argument("--shape", default="base", choices=sorted(SHAPES))
-  ap.add_argument("--split_key_width", type=int, choices=[0, 1], default=0,
-                  help="attention kernels with kernels/attention_tiles.SPLIT_KEY_WIDTH (keys in "
-                       "two exact power-of-two pieces)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   shape = SHAPES[args.shape]
-  from kernels import attention_tiles
-  attention_tiles.SPLIT_KEY_WIDTH = bool(args.split_key_width)
   results = {}
   for group in args.kernels.split(","):
     cases = {"attention": attention_cases, "gmm": gmm_cases, "router": router_cases}.get(group)
@@ -271,8 +248,7 @@ def main():
     results[group] = survey(cases(shape))
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "kernel_resources.json"), "w") as f:
-    json.dump(dict(shape=args.shape, arch=f"sm_{ARCH_CAPABILITY}a",
-                   split_key_width=bool(args.split_key_width), results=results), f, indent=1)
+    json.dump(dict(shape=args.shape, arch=f"sm_{ARCH_CAPABILITY}a", results=results), f, indent=1)
 
 
 if __name__ == "__main__":

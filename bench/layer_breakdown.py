@@ -163,7 +163,7 @@ def main():
   ap.add_argument("--attention_tiles", default=None,
                   help="JSON of Triton attention tiles (bench/attention_core.py --sweep)")
   ap.add_argument("--core_backward", default="auto",
-                  choices=["auto", "recompute", "stored", "stored_pairs"],
+                  choices=["auto", "recompute", "stored_pairs"],
                   help="model.attention.core_backward: the Triton core's backward form")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()

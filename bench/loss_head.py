@@ -5,8 +5,8 @@ the hidden states and the head) at the trainer's shape, bf16, for each form aske
 (one chunk, the logits kept: `train.fused_loss_head`, the default) and the chunked head
 (`train.loss_chunk_tokens`). First checks every form against the first (loss, dh, dw; relative
 error) on fresh random inputs (never zeros), then reports the median wall time of `--iters` calls
-after warm-ups. (Session 11 timed a one-pass log-sum-exp here too, the forms "*_online" of ecc739e;
-no faster on an H200: docs/history/benchmarks-2026.md.) Each checked form is also a row of --results
+after warm-ups. (A one-pass log-sum-exp, the forms "*_online" of ecc739e, is no faster on an H200:
+docs/history/benchmarks-2026.md.) Each checked form is also a row of --results
 (bench/results.py: default $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none:
 no rows), against the first form of the command.
 

@@ -7,7 +7,7 @@ Forms of the two global norms (the rest is the trainer's own `umoe_jax.train.opt
   rows_barrier  the same with the row sums behind `lax.optimization_barrier`
 XLA on GPU compiles `rows` to the same program as `optax` (its simplifier folds a sum of a
 concatenation of row sums back into one reduction a leaf); the barrier keeps the form, and adds
-kernels (BENCHMARKS.md run 62). The trainer keeps optax's norms.
+kernels on an H200. The trainer keeps optax's norms.
 First checks every form against the first on fresh random inputs (new parameters, both norms;
 relative error), then reports the median wall time of `--iters` calls and the number of kernels
 (the compiled program's top-level operations that launch work).

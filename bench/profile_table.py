@@ -158,7 +158,7 @@ def trace_calls(run_once: Callable[[], object], calls: int, trace_dir: str | Non
 
 
 # Kernels kept per scope in the rows (the console table prints the first two): enough to place the
-# small kernels of a scope like the queries' backward (22 kernels a layer in BENCHMARKS.md run 43).
+# small kernels of a scope like the queries' backward (22 kernels a layer in UMoE-base).
 TOP_OPS = 8
 
 

@@ -13,21 +13,18 @@ memory. Usage (GPU):
       [--mu_dtype=float32|bfloat16]   (train.mu_dtype: AdamW's first moment)
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
-      [--core_backward=recompute|stored|stored_pairs]   (model.attention.core_backward)
+      [--core_backward=recompute|stored_pairs]   (model.attention.core_backward)
       [--router_logits_dtype=float32|bfloat16]   (model.router.logits_dtype: x W_r's operands)
-      [--router_one_pass=0|1]   (model.router.one_pass: softmax, top-k and statistics in one kernel)
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
-      [--triton_launch=custom_call|ffi|graph]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
+      [--triton_launch=custom_call|ffi]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
       [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
       [--trace_step=N]   (a jax.profiler trace of timed step N as it runs, CUDA graphs kept)
       [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
       [--zipf=S]   (tokens drawn Zipf(S) over a shuffled vocabulary, as text's unigrams, instead of
                     uniformly: a fresh router's loads then skew as on real text; 0 = uniform)
-      [--split_key_width=0|1]   (kernels/attention_tiles.SPLIT_KEY_WIDTH, on by default: the Triton
-                    attention core's keys in two exact pieces, 192 = 128 + 64; 0 pads them to 256)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
-                    gradient's tiles largest groups first under skew >= N; 0 = group order)
+                    gradient's tiles largest groups first under skew >= N, N >= 1)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -180,8 +177,6 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       config.model.router.topk_backend = args.router_topk
     if args.router_logits_dtype is not None:
       config.model.router.logits_dtype = args.router_logits_dtype
-    if args.router_one_pass is not None:
-      config.model.router.one_pass = bool(args.router_one_pass)
     if args.fuse_activation is not None:
       config.model.moe.fuse_activation = bool(args.fuse_activation)
     if args.fuse_weight_rows is not None:
@@ -220,9 +215,6 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   if args.tgmm_big_first_skew is not None:
     from kernels import triton_gmm
     triton_gmm.TGMM_BIG_FIRST_SKEW = args.tgmm_big_first_skew
-  if args.split_key_width is not None:
-    from kernels import attention_tiles
-    attention_tiles.SPLIT_KEY_WIDTH = bool(args.split_key_width)
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
   tokens = bench_tokens(np.random.default_rng(0), v, (b, t + 1), args.zipf)
   batch_sharding = sharding_lib.batch_sharding(mesh, rules)
@@ -244,7 +236,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       state, m = step_fn(state, batch)
     jax.block_until_ready(state)
     # The trainer's own freeze (train/host_gc.py): without it a collection of the compile's objects
-    # can land in a timed step (run 65: 223 against 86 ms); --freeze_heap=0 shows it.
+    # can land in a timed step (223 against 86 ms on one H200); --freeze_heap=0 shows it.
     with host_gc.FrozenHeap() as heap:
       if args.freeze_heap:
         heap.freeze()
@@ -283,27 +275,18 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              attention_core=model_cfg.attention.core, core_backward=model_cfg.attention.core_backward,
              router_topk=model_cfg.router.topk_backend,
              router_logits_dtype=model_cfg.router.logits_dtype,
-             router_one_pass=model_cfg.router.one_pass, fuse_activation=model_cfg.moe.fuse_activation,
+             fuse_activation=model_cfg.moe.fuse_activation,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
              anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
-             tgmm_big_first_skew=_tgmm_skew(), split_key_width=_split_key_width())
+             tgmm_big_first_skew=_tgmm_skew())
   if profile is not None:
     row["profile"] = profile
   del state, m, batch
   gc.collect()
   jax.clear_caches()
   return row
-
-
-def _split_key_width():
-  """The Triton attention core's SPLIT_KEY_WIDTH the row ran with (None: no kernels package)."""
-  try:
-    from kernels import attention_tiles
-  except Exception:  # noqa: BLE001
-    return None
-  return attention_tiles.SPLIT_KEY_WIDTH
 
 
 def _tgmm_skew():
@@ -373,13 +356,10 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--zipf", type=float, default=0.0,
                   help="draw the tokens Zipf(S) over a shuffled vocabulary (text-like unigrams: a "
                        "fresh router's loads skew) instead of uniformly (0, the default)")
-  ap.add_argument("--split_key_width", type=int, choices=[0, 1], default=None,
-                  help="kernels/attention_tiles.SPLIT_KEY_WIDTH (default: the module's, on): "
-                       "the Triton attention core's keys in two exact power-of-two pieces; 0 pads "
-                       "them to one")
   ap.add_argument("--tgmm_big_first_skew", type=int, default=None,
                   help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
-                       "module's, 2; 0 = the weight gradient's tiles in group order)")
+                       "module's, 2): the weight gradient's tiles largest groups first where the "
+                       "largest group holds at least this many times the mean group's rows")
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")
@@ -393,12 +373,12 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--attention_core", default=None, choices=["auto", "xla", "cudnn", "triton"],
                   help="model.attention.core (default: the config's)")
   ap.add_argument("--core_backward", default=None,
-                  choices=["auto", "recompute", "stored", "stored_pairs"],
+                  choices=["auto", "recompute", "stored_pairs"],
                   help="model.attention.core_backward: the Triton core's backward form")
   ap.add_argument("--triton_launch", default=None, choices=list(triton_launch.ROUTES),
                   help="$UMOE_TRITON_LAUNCH for every row (default: as set, else custom_call): "
-                       "jax-triton's custom call, jaxlib's typed-FFI handler, or that handler declared "
-                       "command-buffer compatible (kernels/triton_launch.py)")
+                       "jax-triton's custom call or jaxlib's typed-FFI handler "
+                       "(kernels/triton_launch.py)")
   ap.add_argument("--fuse_weight_rows", type=int, choices=[0, 1], default=None,
                   help="model.moe.fuse_weight_rows (default: the config's, off): the weight "
                        "gradient's gate-scaled rows from the dgrad matmul's epilogue")
@@ -412,9 +392,6 @@ def parser() -> argparse.ArgumentParser:
                   help="model.router.topk_backend (default: the config's)")
   ap.add_argument("--router_logits_dtype", default=None, choices=["float32", "bfloat16"],
                   help="model.router.logits_dtype (default: the config's, float32)")
-  ap.add_argument("--router_one_pass", type=int, choices=[0, 1], default=None,
-                  help="model.router.one_pass (default: the config's, off): the routers' softmax, "
-                       "top-k and balance statistics in one Triton pass")
   ap.add_argument("--gmm_tiles", default=None,
                   help="JSON of grouped-matmul tile rows (bench/gmm.py --sweep-gathered's "
                        "gmm_tiles.json) added to kernels/tuning.TABLE first")
@@ -497,8 +474,8 @@ def main():
     check_zipf(args.zipf)
   except ValueError as e:
     ap.error(str(e))
-  if args.tgmm_big_first_skew is not None and args.tgmm_big_first_skew < 0:
-    ap.error(f"--tgmm_big_first_skew={args.tgmm_big_first_skew}: >= 0 (0 = group order)")
+  if args.tgmm_big_first_skew is not None and args.tgmm_big_first_skew < 1:
+    ap.error(f"--tgmm_big_first_skew={args.tgmm_big_first_skew}: >= 1 (largest group / mean)")
   if args.triton_launch is not None:  # (read when the kernels are traced, here or in a row's process)
     os.environ[triton_launch.ENV_VAR] = args.triton_launch
   if args.compilation_cache_dir:

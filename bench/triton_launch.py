@@ -1,9 +1,9 @@
 """What a Triton launch costs between XLA's fusions, through jax-triton's custom call and through the
-typed-FFI routes (kernels/triton_launch.py: ffi, graph): a route whose launches XLA records into its CUDA graphs
-runs the chain faster (host launches gone), one that it launches from the host does not.
+typed-FFI route (kernels/triton_launch.py: ffi): a route whose launches XLA records into its CUDA
+graphs runs the chain faster (host launches gone), one that it launches from the host does not.
 
 A chain of `--layers` small steps, each an XLA fusion and a fan-in kernel (kernels/triton_fan_in.py,
-`--tokens` x K=`--k` rows of width `--d`), is jitted once per route (custom_call, ffi, graph). For each: the median wall time
+`--tokens` x K=`--k` rows of width `--d`), is jitted once per route (custom_call, ffi). For each: the median wall time
 of `--iters` calls (after checking that both routes give bit-identical results on fresh random
 inputs) and the optimized HLO's Triton custom calls, those inside command-buffer computations and
 the calls of such computations (jax 0.11.2's optimized HLO shows none for either route: there
@@ -31,7 +31,7 @@ import timing  # noqa: E402  (bench/timing.py)
 from kernels import triton_fan_in as fi  # noqa: E402
 from kernels import triton_launch  # noqa: E402
 
-TRITON_TARGETS = ("triton_kernel_call", triton_launch.FFI_TARGET, triton_launch.GRAPHED_TARGET)
+TRITON_TARGETS = ("triton_kernel_call", triton_launch.FFI_TARGET)
 
 
 def hlo_launch_stats(text: str) -> dict:

@@ -1,7 +1,6 @@
 """Kernel-form probes for the grouped matmuls, in torch + Triton outside the library (GPU).
 
-Each probe asks what a kernel form would buy before the library takes it on
-(BENCHMARKS.md, runs 67-69):
+Each probe asks what a kernel form would buy before the library takes it on:
 
   gmm     out[rows of g] = a[rows of g] @ w[g]: operands loaded through TMA (Triton device-side tensor
           descriptors) or pointers, on a one-program-a-tile grid or a persistent flattened loop;

@@ -35,7 +35,7 @@ from __future__ import annotations
 import ml_collections
 
 from umoe_jax.config import default_config_dict
-from umoe_jax.config_fields import optional
+from umoe_jax.config.fields import optional
 from umoe_jax.parallel.rules import DEFAULT_RULES
 
 # Shape of each scale: width, depth, attention head dim, dense FFN width, MoE pool.

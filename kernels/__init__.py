@@ -22,8 +22,9 @@ from kernels import tuning  # noqa: F401  (pure Python)
 
 _log = logging.getLogger(__name__)
 
-# auto priority: higher wins. Set from the H200 measurements in BENCHMARKS.md.
-# megablox is the one TPU kernel (against XLA ragged_dot there); not yet measured on a TPU.
+# auto priority: higher wins. Set from the H200 measurements (2026-11-29-h200-fwd_tflops-97a81b91
+# and the gmm rows beside it in bench/results/h200.jsonl); megablox is the one TPU kernel (against
+# XLA ragged_dot there).
 AUTO_PRIORITY = {"triton": 20, "mosaic": 10, "megablox": 10}
 
 

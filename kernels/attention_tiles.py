@@ -3,11 +3,10 @@
 Pure Python (tested on CPU). A kernel's tiles (`PassTiles`): bm query rows, bn keys, bd value
 columns (the forward's and dX pass's D chunk, which may be two powers of two such as 256 + 128, or
 the dK / dQ passes' step of the dO X^T contraction, one power of two), warps and pipeline stages.
-`TABLE` holds the tiles a sweep measured best per (dk, D) (bench/attention_core.py, BENCHMARKS.md).
+`TABLE` holds the tiles a sweep measured best per (dk, D) (bench/attention_core.py --sweep).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 
@@ -28,16 +27,15 @@ class PassTiles:
 @dataclasses.dataclass(frozen=True)
 class FlashTiles:
   """Tiles of each kernel. With `dxdk` set, the fused dX + dK pass replaces the dx and dk ones.
-  With `dq_ds` set, the dK pass also stores dS (the score gradients, [B, T, T*H]) and dQ is the
-  product of the stored dS with the keys (kernel `_bwd_dq_ds`, tiles bm rows x bn keys; bd unused)
-  instead of the dq pass's recomputation of scores and dO X^T; with `dx_p` the dK pass also stores
-  P and the dX pass reads it instead of recomputing it. Both need the separate dK pass (no `dxdk`).
-  With `ds` set too (and `dk_ds`, `dq_ds`, `dx_p`), dS and P come from a pass over the causal (row
-  tile, key tile) pairs (tiles bm rows x bn keys, bd the D step of dO X^T) and dK is the product of
-  the stored dS with the queries (`dk_ds`: bm rows a step x bn keys): no pass accumulates across
-  tiles while contracting over D. The dk tiles are then unused. `dx_read`: the dX pass's tiles when
-  it reads P (None: dx's); reading P, it holds no scores and takes tiles the recomputing pass could
-  not (at dk 512, 64x64x256 needs 80 KB of shared memory reading P, 257 KB recomputing)."""
+  With `ds` set (and `dk_ds`, `dq_ds`, `dx_p`: the stored-scores form), dS (the score gradients)
+  and P come from a pass over the causal (row tile, key tile) pairs (tiles bm rows x bn keys, bd
+  the D step of dO X^T) stored as [B, T, T*H] arrays; dK and dQ are the products of the stored dS
+  with the queries (`dk_ds`: bm rows a step x bn keys) and the keys (`dq_ds`: bm rows x bn keys a
+  step; bd unused), and the dX pass reads P (`dx_p`): no pass accumulates across tiles while
+  contracting over D, and none recomputes the scores. The dk and dq tiles serve the recomputing
+  passes that run where the stores do not fit. `dx_read`: the dX pass's tiles when it reads P
+  (None: dx's); reading P, it holds no scores and takes tiles the recomputing pass could not (at
+  dk 512, 64x64x256 needs 80 KB of shared memory reading P, 257 KB recomputing)."""
   fwd: PassTiles
   dx: PassTiles
   dk: PassTiles
@@ -54,36 +52,35 @@ class FlashTiles:
     return self.dx_read if reads_p and self.dx_read is not None else self.dx
 
   def __post_init__(self):
-    if self.dxdk is not None and (self.dq_ds is not None or self.dx_p or self.ds is not None):
-      raise ValueError("attention tiles: dq_ds / dx_p / ds read or make stored scores; the fused "
-                       "dxdk pass does not store them (set one or the other)")
-    if self.ds is not None and (self.dk_ds is None or self.dq_ds is None or not self.dx_p):
-      raise ValueError("attention tiles: ds (the stored-scores pass) needs dk_ds, dq_ds and dx_p, "
-                       "the passes that read what it stores")
+    stored = (self.ds is not None, self.dk_ds is not None, self.dq_ds is not None, self.dx_p)
+    if self.dxdk is not None and any(stored):
+      raise ValueError("attention tiles: ds / dk_ds / dq_ds / dx_p make or read stored scores; the "
+                       "fused dxdk pass does not store them (set one or the other)")
+    if any(stored) and not all(stored):
+      raise ValueError("attention tiles: ds (the stored-scores pass) comes with dk_ds, dq_ds and "
+                       "dx_p, the passes that read what it stores (set all four or none)")
 
 
 PASSES = ("fwd", "dx", "dk", "dq", "dxdk", "dq_ds", "ds", "dk_ds", "dx_read")
 
 
-# (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep; BENCHMARKS.md).
+# (dk, D) -> tiles measured best on an H200 (bench/attention_core.py --sweep).
 TABLE: dict[tuple[int, int], FlashTiles] = {}
 
 
 # The backward forms `with_backward` names (`model.attention.core_backward`, umoe_jax.kinds).
-BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
-# Tiles the stored forms take where the tiles have none of their own, chosen among those ptxas
-# compiles for sm_90a without register spills (bench/kernel_resources.py): for heads <= 256 wide at
-# UMoE-base's shape (the pair pass and dQ from the stored dS swept on an H200, BENCHMARKS.md run 49:
-# 0.488 against 0.570 ms and 0.100 against 0.138 for the tiles before; dK from dS as timed in the
-# pair form, runs 30-33), for wider ones at UMoE-large's (dk 512, D 2048; GPU-tested and partly
-# swept in session 7). The readers keep [BM or BN, dk] float32 accumulators, so wide heads take
-# half the rows.
+BACKWARDS = ("auto", "recompute", "stored_pairs")
+# Tiles the stored form takes where the tiles have none of their own, chosen among those ptxas
+# compiles for sm_90a without register spills (bench/kernel_resources.py): for heads <= 256 wide
+# the fastest of an H200 sweep at UMoE-base's shape (the pair pass 0.488 against 0.570 ms, dQ from
+# the stored dS 0.100 against 0.138 for the tiles before), for wider ones at UMoE-large's (dk 512,
+# D 2048). The readers keep [BM or BN, dk] float32 accumulators, so wide heads take half the rows.
 NARROW_HEAD_MAX = 256   # the widest head (dk) the narrow heads' tiles, swept at dk 192, are for
 STORED_DQ_DS = PassTiles(64, 64, 16, 4, 2)
 STORED_PAIRS_DS = PassTiles(128, 128, 64, 8, 3)
 STORED_PAIRS_DK_DS = PassTiles(64, 64, 16, 4, 2)
-# Wide heads: dq_ds and the dX pass reading P as swept on an H200 at UMoE-large's shape (session 7:
-# 0.112 against 0.216 ms, 0.340 against 0.591); ds and dk_ds the spill-free picks, not swept.
+# Wide heads: dq_ds and the dX pass reading P as swept on an H200 at UMoE-large's shape (0.112
+# against 0.216 ms, 0.340 against 0.591); ds and dk_ds the spill-free picks.
 WIDE_STORED_DQ_DS = PassTiles(64, 64, 16, 8, 2)
 WIDE_STORED_PAIRS_DS = PassTiles(64, 128, 64, 8, 2)
 WIDE_STORED_PAIRS_DK_DS = PassTiles(64, 32, 16, 8, 2)
@@ -91,7 +88,7 @@ WIDE_STORED_DX_READ = PassTiles(64, 64, 256, 8, 2)
 
 
 def stored_tiles(dk: int) -> tuple[PassTiles, PassTiles, PassTiles]:
-  """The stored forms' (dq_ds, ds, dk_ds) tiles for keys dk wide."""
+  """The stored form's (dq_ds, ds, dk_ds) tiles for keys dk wide."""
   if dk <= NARROW_HEAD_MAX:
     return STORED_DQ_DS, STORED_PAIRS_DS, STORED_PAIRS_DK_DS
   return WIDE_STORED_DQ_DS, WIDE_STORED_PAIRS_DS, WIDE_STORED_PAIRS_DK_DS
@@ -105,37 +102,34 @@ def stored_dx_tiles(dk: int) -> PassTiles | None:
 def with_backward(tiles: FlashTiles, backward: str, dk: int) -> FlashTiles:
   """`tiles` (for keys dk wide) with the backward form `backward`: "auto" leaves them as they are
   (the default tiles store by the pair pass; a swept TABLE entry says its own); "recompute" drops
-  the stored forms; "stored" has the dK pass store dS and P for the dQ and dX passes;
-  "stored_pairs" makes them in the tile-pair pass (`FlashTiles` says what each reads). The stored
-  forms keep tiles of their own the tiles name, else `stored_tiles(dk)` / `stored_dx_tiles(dk)`."""
+  the stored form (least memory); "stored_pairs" stores dS and P in the tile-pair pass
+  (`FlashTiles` says what each reads), keeping tiles of its own the tiles name, else
+  `stored_tiles(dk)` / `stored_dx_tiles(dk)`."""
   if backward == "auto":
     return tiles
   if backward == "recompute":
     return dataclasses.replace(tiles, dq_ds=None, dx_p=False, ds=None, dk_ds=None, dx_read=None)
-  if backward in ("stored", "stored_pairs"):
-    pairs = backward == "stored_pairs"
+  if backward == "stored_pairs":
     dq_ds, ds, dk_ds = stored_tiles(dk)
     return dataclasses.replace(
-        tiles, dxdk=None, dq_ds=tiles.dq_ds or dq_ds, dx_p=True,
-        ds=(tiles.ds or ds) if pairs else None, dk_ds=(tiles.dk_ds or dk_ds) if pairs else None,
-        dx_read=tiles.dx_read or stored_dx_tiles(dk))
+        tiles, dxdk=None, dq_ds=tiles.dq_ds or dq_ds, dx_p=True, ds=tiles.ds or ds,
+        dk_ds=tiles.dk_ds or dk_ds, dx_read=tiles.dx_read or stored_dx_tiles(dk))
   raise ValueError(f"attention core backward {backward!r}; valid: {', '.join(BACKWARDS)}")
 
 
 def default_tiles(dk: int, d: int) -> FlashTiles:
   """TABLE's tiles for (dk, D), else a default by head size, both in the stored-scores pair form
-  (`with_backward(..., "stored_pairs")`). For dk <= 256 the fastest of the H200 sweeps at
-  UMoE-base's shape (dk 192, D 768; BENCHMARKS.md runs 15-17): 124.7 against 142.5 ms a UMoE-base
-  step when the passes recompute (BENCHMARKS.md run 30). For wider heads the forward, dQ and dX
-  tiles of a sweep at UMoE-large's shape (dk 512, D 2048), the rest tiles that fit: the core alone
-  there took 5.34 ms forward + backward in the pair form against 13.98 recomputing, before the
-  sweep (BENCHMARKS.md, session 7)."""
+  (`with_backward(..., "stored_pairs")`): on one H200 a UMoE-base step takes 124.7 ms with it
+  against 142.5 ms when the passes recompute. For dk <= 256 the fastest of the H200 sweeps at
+  UMoE-base's shape (dk 192, D 768). For wider heads the forward, dQ and dX tiles of a sweep at
+  UMoE-large's shape (dk 512, D 2048), the rest tiles that fit: the core alone there takes 5.34 ms
+  forward + backward in the pair form against 13.98 recomputing."""
   if (dk, d) in TABLE:
     return TABLE[(dk, d)]
   if dk <= NARROW_HEAD_MAX:
     recompute = FlashTiles(fwd=PassTiles(128, 64, 256, 8, 2), dx=PassTiles(32, 64, 256, 4, 3),
                            dk=PassTiles(64, 64, 256, 8, 2), dq=PassTiles(64, 64, 256, 8, 2))
-  else:  # fwd as swept at UMoE-large's shape (session 7: 1.189 against 2.646 ms for 64x32x256)
+  else:  # fwd as swept at UMoE-large's shape (1.189 against 2.646 ms for 64x32x256)
     recompute = FlashTiles(fwd=PassTiles(128, 32, 256, 8, 2), dx=PassTiles(64, 32, 256, 8, 2),
                            dk=PassTiles(64, 32, 64, 8, 2), dq=PassTiles(64, 32, 64, 8, 2))
   return with_backward(recompute, "stored_pairs", dk)
@@ -188,36 +182,18 @@ def key_width(dk: int) -> int:
   return max(MIN_DOT, _pow2_at_least(dk))
 
 
-# Keys dk wide held in two column pieces of powers of two that add up to dk exactly (192 = 128 +
-# 64), not one piece padded to the next power of two (256): a quarter less tensor-core work in
-# every product over dk at UMoE-base's dk 192 (the forward's scores are half its MMA work there).
-# On since timed on one H200 (BENCHMARKS.md runs 81-82: the core 3.8% faster forward + backward,
-# the UMoE-base step 1.2%); False pads dk to one power of two, as before.
-SPLIT_KEY_WIDTH = True
-
-
-@contextlib.contextmanager
-def split_key_width(on: bool):
-  """SPLIT_KEY_WIDTH = on while the block runs (the launches traced inside it read it)."""
-  global SPLIT_KEY_WIDTH
-  before, SPLIT_KEY_WIDTH = SPLIT_KEY_WIDTH, on
-  try:
-    yield
-  finally:
-    SPLIT_KEY_WIDTH = before
-
-
 def key_pieces(dk: int) -> dict:
   """The kernels' key-width constexprs {DK1, DK2, DK2S} (triton_attention_kernels' docstring): two
-  exact pieces (dk = DK1 + DK2, each >= MIN_DOT) when SPLIT_KEY_WIDTH and dk is such a sum, else
-  one padded piece (DK1 = key_width(dk), DK2 = 0, DK2S = 1)."""
-  if SPLIT_KEY_WIDTH:
-    try:
-      hi, lo = split_width(dk)
-    except ValueError:  # not a sum of two powers of two: padded
-      lo = 0
-    if lo >= MIN_DOT:
-      return dict(DK1=hi, DK2=lo, DK2S=lo)
+  exact pieces (dk = DK1 + DK2, each >= MIN_DOT) when dk is such a sum, else one padded piece
+  (DK1 = key_width(dk), DK2 = 0, DK2S = 1). Two exact pieces (192 = 128 + 64) put a quarter less
+  tensor-core work into every product over dk than one piece padded to 256: on one H200 the
+  UMoE-base core is 3.8% faster forward + backward, the step 1.2%."""
+  try:
+    hi, lo = split_width(dk)
+  except ValueError:  # not a sum of two powers of two: padded
+    lo = 0
+  if lo >= MIN_DOT:
+    return dict(DK1=hi, DK2=lo, DK2S=lo)
   return dict(DK1=key_width(dk), DK2=0, DK2S=1)
 
 

@@ -24,24 +24,24 @@ tile past T and the row tile past T*H are masked, the others are not):
             chunk c's share of dK from the same P and dO_c tiles (shares summed by XLA). It reads
             each dO tile once for both and keeps X_c in registers, where _bwd_dk re-reads X[keys]
             across all of D for every row block.
-  Stored scores (optional, `FlashTiles.dq_ds` / `dx_p` / `ds`): dQ and dX need the same P and
-  dS = P * (dO X^T - delta) that the dK pass builds, and recomputing them costs a D-deep dO X^T
-  contraction (dQ) or the scores once per D chunk (dX). So the dK pass may store dS^T and P^T as
-  key-major [B, T, T*H] arrays in the operands' dtype (the values the passes feed their tensor
-  cores anyway; only entries of keys at or before the row's position are written, readers mask the
-  rest), and then
+  Stored scores (`FlashTiles.ds` / `dk_ds` / `dq_ds` / `dx_p`, the default): dQ, dK and dX need the
+  same P and dS = P * (dO X^T - delta), and recomputing them costs a D-deep dO X^T contraction (dK,
+  dQ) or the scores once per D chunk (dX). So
+  _bwd_ds     program = one causal (row tile, key tile) pair, nothing accumulated across tiles:
+              stores dS^T and P^T as key-major [B, T, T*H] arrays in the operands' dtype (the
+              values the passes feed their tensor cores anyway; only entries of keys at or before
+              the row's position are written, readers mask the rest), and then
+  _bwd_dk_ds  program = key tile: dK[keys] = scale * dS^T q;
   _bwd_dq_ds  program = row tile: dQ[rows] = scale * dS[rows] k, a causal [BM, T] x [T, dk] product;
   _bwd_dx     with LOAD_P reads P^T instead of recomputing it.
-  With `ds`, _bwd_ds (program = one causal (row tile, key tile) pair, nothing accumulated across
-  tiles) makes the two arrays instead of the dK pass, and _bwd_dk_ds (program = key tile) forms
-  dK = scale * dS^T q from them. The arrays grow with T^2 (UMoE-base: 268 MB each in bf16), so they
-  are stored only within `STORED_BYTES_LIMIT`; past it the passes recompute.
+  The arrays grow with T^2 (UMoE-base: 268 MB each in bf16), so they are stored only within
+  `STORED_BYTES_LIMIT`; past it the passes recompute.
 delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward kernels.
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
 column tiles; the key width dk is held as two exact pieces when it is a sum of two powers of two
-(192 = 128 + 64; `attention_tiles.SPLIT_KEY_WIDTH`, on by default, read when `premix_attention` is
-called), else padded to a power of two >= 16 inside the kernels (masked loads).
+(192 = 128 + 64; `attention_tiles.key_pieces`), else padded to a power of two >= 16 inside the
+kernels (masked loads).
 
 The kernels themselves are in kernels/triton_attention_kernels.py; this module launches and composes
 them. `premix_attention` is the differentiable JAX entry (jax.custom_vjp); `supported` says whether
@@ -56,10 +56,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels import attention_tiles, triton_launch
+from kernels import triton_launch
 from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
                                      dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch,
-                                     split_key_width, with_backward)
+                                     with_backward)
 from kernels.triton_attention_kernels import LOG2E
 from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, default_backend_is_gpu
 
@@ -108,8 +108,8 @@ def _common(q, v) -> dict:
 
 
 def _bwd_dx(q, k, v, dout, lse, tiles: PassTiles, probs_t=None):
-  """dX [B, T, D] (v's dtype); with `probs_t` (the dK pass's P^T [B, T, T*H]) P is read, not
-  recomputed."""
+  """dX [B, T, D] (v's dtype); with `probs_t` (the stored P^T [B, T, T*H], `_bwd_ds`) P is read,
+  not recomputed."""
   b, t, h, dk = q.shape
   grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles), b)
   p = _placeholder() if probs_t is None else probs_t
@@ -117,24 +117,18 @@ def _bwd_dx(q, k, v, dout, lse, tiles: PassTiles, probs_t=None):
                  LOAD_P=probs_t is not None, **_common(q, v), **meta)
 
 
-def _bwd_dk(q, k, v, dout, lse, delta, tiles: PassTiles, *, store_ds=False, store_p=False):
-  """dK [B, T, dk] (k's dtype); with `store_ds` / `store_p` returns (dK, dS^T, P^T), the two
-  [B, T, T*H] in q's dtype (key-major; entries past the diagonal unwritten), else dK alone."""
+def _bwd_dk(q, k, v, dout, lse, delta, tiles: PassTiles):
+  """dK [B, T, dk] (k's dtype)."""
   b, t, h, dk = q.shape
   grid, meta = _meta(dk_launch(t, h, dk, v.shape[-1], tiles), b)
-  stored = lambda on: jax.ShapeDtypeStruct((b, t, t * h) if on else (1,), q.dtype)
-  dkey, ds_t, p_t = _launch(
-      _bwd_dk_kernel, grid, (q, k, v, dout, lse, delta),
-      [jax.ShapeDtypeStruct(k.shape, k.dtype), stored(store_ds), stored(store_p)],
-      sm_scale=1 / math.sqrt(dk), STORE_DS=store_ds, STORE_P=store_p, **_common(q, v), **meta)
-  if not (store_ds or store_p):
-    return dkey
-  return dkey, ds_t if store_ds else None, p_t if store_p else None
+  return _launch(_bwd_dk_kernel, grid, (q, k, v, dout, lse, delta),
+                 jax.ShapeDtypeStruct(k.shape, k.dtype), sm_scale=1 / math.sqrt(dk),
+                 **_common(q, v), **meta)
 
 
 def _bwd_ds(q, k, v, dout, lse, delta, tiles: PassTiles):
   """(dS^T, P^T) [B, T, T*H] in q's dtype from the pass over causal (row tile, key tile) pairs
-  (key-major, entries past the diagonal unwritten, as `_bwd_dk`'s stores)."""
+  (key-major, entries past the diagonal unwritten)."""
   b, t, h, dk = q.shape
   grid, meta = _meta(ds_launch(t, h, dk, v.shape[-1], tiles), b)
   stored = jax.ShapeDtypeStruct((b, t, t * h), q.dtype)
@@ -151,7 +145,7 @@ def _bwd_dk_ds(ds_t, q, k, tiles: PassTiles):
 
 
 def _bwd_dq_ds(ds_t, q, k, tiles: PassTiles):
-  """dQ [B, T, H, dk] (q's dtype) from the dK pass's dS^T [B, T, T*H]."""
+  """dQ [B, T, H, dk] (q's dtype) from the stored dS^T [B, T, T*H]."""
   b, t, h, dk = q.shape
   grid, meta = _meta(dq_ds_launch(t, h, dk, tiles), b)
   return _launch(_bwd_dq_ds_kernel, grid, (ds_t, k), jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -184,34 +178,25 @@ def _delta(out, dout):
   return jnp.einsum("bthd,bthd->bth", dout, out, preferred_element_type=jnp.float32).reshape(b, t * h)
 
 
-# The dK pass stores dS^T / P^T ([B, T, T*H] each, `FlashTiles.dq_ds` / `dx_p`) only while both fit in
-# this many bytes: they grow with T^2 (UMoE-base, B=32 T=1024 H=4 in bf16: 268 MB each).
+# dS^T and P^T ([B, T, T*H] each, `FlashTiles.ds`) are stored only while both fit in this many
+# bytes: they grow with T^2 (UMoE-base, B=32 T=1024 H=4 in bf16: 268 MB each).
 STORED_BYTES_LIMIT = 2 << 30
 
 
-def stores_probs(tiles: FlashTiles, q_shape, itemsize: int) -> tuple[bool, bool]:
-  """(store dS^T for the dQ pass, store P^T for the dX pass) for q [B, T, H, dk]: as `tiles` asks,
-  within STORED_BYTES_LIMIT."""
+def stores_scores(tiles: FlashTiles, q_shape, itemsize: int) -> bool:
+  """Whether the backward stores dS^T and P^T for q [B, T, H, dk]: as `tiles` asks (`ds`), within
+  STORED_BYTES_LIMIT."""
   b, t, h, _ = q_shape
-  want_ds, want_p = tiles.dq_ds is not None, tiles.dx_p
-  fits = (want_ds + want_p) * b * t * t * h * itemsize <= STORED_BYTES_LIMIT
-  return want_ds and fits, want_p and fits
+  return tiles.ds is not None and 2 * b * t * t * h * itemsize <= STORED_BYTES_LIMIT
 
 
 def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
   dout = dout.astype(q.dtype)
   delta = _delta(out, dout)
-  store_ds, store_p = stores_probs(tiles, q.shape, q.dtype.itemsize)
-  if tiles.ds is not None and store_ds and store_p:  # every gradient from the stored dS and P
+  if stores_scores(tiles, q.shape, q.dtype.itemsize):  # every gradient from the stored dS and P
     ds_t, p_t = _bwd_ds(q, k, v, dout, lse, delta, tiles.ds)
     return (_bwd_dq_ds(ds_t, q, k, tiles.dq_ds), _bwd_dk_ds(ds_t, q, k, tiles.dk_ds),
             _bwd_dx(q, k, v, dout, lse, tiles.dx_tiles(reads_p=True), probs_t=p_t))
-  if store_ds or store_p:  # the dK pass keeps dS / P for the dQ / dX passes (no recomputation)
-    dkey, ds_t, p_t = _bwd_dk(q, k, v, dout, lse, delta, tiles.dk, store_ds=store_ds,
-                              store_p=store_p)
-    dq = (_bwd_dq_ds(ds_t, q, k, tiles.dq_ds) if store_ds
-          else _bwd_dq(q, k, v, dout, lse, delta, tiles.dq))
-    return dq, dkey, _bwd_dx(q, k, v, dout, lse, tiles.dx_tiles(reads_p=store_p), probs_t=p_t)
   dq = _bwd_dq(q, k, v, dout, lse, delta, tiles.dq)
   if tiles.dxdk is not None:
     dx, dkey = _bwd_dxdk(q, k, v, dout, lse, delta, tiles.dxdk)
@@ -220,9 +205,8 @@ def _backward(q, k, v, out, lse, dout, tiles: FlashTiles):
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiable(tiles: FlashTiles, split: bool):
-  """The custom-VJP core on `tiles`, its kernels launched with `attention_tiles.SPLIT_KEY_WIDTH`
-  = split (a cache key too: jax may reuse a traced custom VJP of the same function)."""
+def _differentiable(tiles: FlashTiles):
+  """The custom-VJP core on `tiles`."""
   from umoe_jax.ops.varying import vary_like, varying_axes
 
   def typed_like(x, *refs):  # custom calls drop shard_map's varying-axes type: restore it
@@ -230,19 +214,16 @@ def _differentiable(tiles: FlashTiles, split: bool):
 
   @jax.custom_vjp
   def attend(q, k, v):
-    with split_key_width(split):
-      return typed_like(_forward(q, k, v, tiles)[0], q, k, v)
+    return typed_like(_forward(q, k, v, tiles)[0], q, k, v)
 
   def fwd(q, k, v):
-    with split_key_width(split):
-      out, lse = _forward(q, k, v, tiles)
+    out, lse = _forward(q, k, v, tiles)
     out = typed_like(out, q, k, v)
     return out, (q, k, v, out, lse)
 
   def bwd(res, dout):
     q, k, v, out, lse = res
-    with split_key_width(split):
-      dq, dk, dv = _backward(q, k, v, out, lse, dout, tiles)
+    dq, dk, dv = _backward(q, k, v, out, lse, dout, tiles)
     return typed_like(dq, q), typed_like(dk, k), typed_like(dv, v)
 
   attend.defvjp(fwd, bwd)
@@ -257,7 +238,7 @@ def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTi
     q [B, T, H, dk]; k [B, T, dk]; v [B, T, D] (query t sees keys s <= t), same dtype.
     tiles: kernel tiles (default: `default_tiles(dk, D)`).
     backward: the backward's form over those tiles (`attention_tiles.with_backward`): "auto" (the
-      tiles' own), "recompute", "stored", "stored_pairs".
+      tiles' own), "recompute", "stored_pairs".
   Returns:
     [B, T, H, D] in q's dtype; differentiable in q, k, v.
   """
@@ -266,8 +247,7 @@ def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTi
     raise ValueError(f"premix_attention wants q [B,T,H,dk], k [B,T,dk], v [B,T,D]; got "
                      f"{q.shape}, {k.shape}, {v.shape}")
   tiles = with_backward(tiles or default_tiles(dk, v.shape[-1]), backward, dk)
-  return _differentiable(tiles, attention_tiles.SPLIT_KEY_WIDTH)(q, k.astype(q.dtype),
-                                                                 v.astype(q.dtype))
+  return _differentiable(tiles)(q, k.astype(q.dtype), v.astype(q.dtype))
 
 
 # Operand dtypes the kernels run in (a float32 tl.dot would be tf32: callers use XLA instead).

@@ -301,11 +301,10 @@ if HAVE_TRITON:
     return acc
 
   @triton.jit
-  def _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base, r, offs_m,
-               keys, acc1, acc2, TH, T, H: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr,
-               DK2: tl.constexpr, DK2S: tl.constexpr, D: tl.constexpr, BDK: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, qk_scale, MASK: tl.constexpr,
-               STORE_DS: tl.constexpr, STORE_P: tl.constexpr):
+  def _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base, r, offs_m, keys, acc1, acc2,
+               TH, T, H: tl.constexpr, DK: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr,
+               DK2S: tl.constexpr, D: tl.constexpr, BDK: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, qk_scale, MASK: tl.constexpr):
     rows = r + offs_m
     row_ok = rows < TH
     pt, q1, q2 = _probs_t(k1, k2, q_base, lse_base, rows, keys, TH, T, H, DK, DK1, DK2, DK2S,
@@ -313,22 +312,15 @@ if HAVE_TRITON:
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     dpt = _dp(x_base, keys, keys < T, do_base, rows, row_ok, D, BDK, BN, BM)    # [BN, BM]
     dst = (pt * (dpt - delta[None, :])).to(q1.dtype)
-    # key-major [T, T*H] tiles for the dQ / dX passes (zeros past the diagonal)
-    if STORE_DS:
-      _store_t(ds_base, rows, keys, dst, TH, T)
-    if STORE_P:
-      _store_t(p_base, rows, keys, pt.to(q1.dtype), TH, T)
     return _dot_acc(dst, q1, q2, acc1, acc2, DK2)
 
   @triton.jit
-  def _bwd_dk_kernel(q_ptr, k_ptr, x_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, ds_ptr, p_ptr,
+  def _bwd_dk_kernel(q_ptr, k_ptr, x_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
                      T: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, D: tl.constexpr,
                      qk_scale: tl.constexpr, sm_scale: tl.constexpr, DK1: tl.constexpr,
                      DK2: tl.constexpr, DK2S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BDK: tl.constexpr, STORE_DS: tl.constexpr = False,
-                     STORE_P: tl.constexpr = False):
-    # dK [B, T, DK]; with STORE_DS / STORE_P also dS^T / P^T [B, T, T*H] (key-major; only the
-    # entries of keys s <= the row's position are written: readers mask the others).
+                     BDK: tl.constexpr):
+    # dK [B, T, DK].
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     TH: tl.constexpr = T * H
     s0 = pid * BN
@@ -338,22 +330,21 @@ if HAVE_TRITON:
     k1, k2 = _rows_load(k_ptr + b * (T * DK), keys, key_ok, DK, DK1, DK2, DK2S, True)
     q_base, lse_base, delta_base = q_ptr + b * (TH * DK), lse_ptr + b * TH, delta_ptr + b * TH
     do_base, x_base = do_ptr + b * (TH * D), x_ptr + b * (T * D)
-    ds_base, p_base = ds_ptr + b * (T * TH), p_ptr + b * (T * TH)
     acc1 = tl.zeros((BN, DK1), tl.float32)
     acc2 = tl.zeros((BN, DK2S), tl.float32)
     r_start, n_diag, r_full, n_full, r_tail = _row_blocks(s0, TH, H, BM, BN)
     for i in range(0, n_diag):
-      acc1, acc2 = _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base,
+      acc1, acc2 = _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base,
                             r_start + i * BM, offs_m, keys, acc1, acc2, TH, T, H, DK, DK1, DK2,
-                            DK2S, D, BDK, BM, BN, qk_scale, True, STORE_DS, STORE_P)
+                            DK2S, D, BDK, BM, BN, qk_scale, True)
     for i in range(0, n_full):
-      acc1, acc2 = _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base,
+      acc1, acc2 = _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base,
                             r_full + i * BM, offs_m, keys, acc1, acc2, TH, T, H, DK, DK1, DK2,
-                            DK2S, D, BDK, BM, BN, qk_scale, False, STORE_DS, STORE_P)
+                            DK2S, D, BDK, BM, BN, qk_scale, False)
     for r in range(r_tail, TH, BM):
-      acc1, acc2 = _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base, ds_base, p_base,
+      acc1, acc2 = _dk_step(k1, k2, q_base, lse_base, delta_base, do_base, x_base,
                             r, offs_m, keys, acc1, acc2, TH, T, H, DK, DK1, DK2, DK2S, D, BDK, BM,
-                            BN, qk_scale, True, STORE_DS, STORE_P)
+                            BN, qk_scale, True)
     out_ty = dk_ptr.dtype.element_ty
     _rows_store(dk_ptr + b * (T * DK), keys, key_ok, (acc1 * sm_scale).to(out_ty),
                 (acc2 * sm_scale).to(out_ty), DK, DK1, DK2, DK2S)
@@ -486,9 +477,10 @@ if HAVE_TRITON:
                      DK2S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BDK: tl.constexpr,
                      N_KEY_TILES: tl.constexpr):
     # Program = (row tile, key tile): dS^T and P^T [BN, BM] of one causal tile pair into the
-    # key-major [B, T, T*H] arrays (as the dK pass's STORE_DS / STORE_P), no accumulation across
-    # tiles: a wide output tile with a D-deep dO X^T contraction, where the dK pass's per-key-tile
-    # loop keeps its output tile small. Pairs wholly past the diagonal exit at once.
+    # key-major [B, T, T*H] arrays (only the entries of keys s <= the row's position are written:
+    # readers mask the others), no accumulation across tiles: a wide output tile with a D-deep
+    # dO X^T contraction, where the dK pass's per-key-tile loop keeps its output tile small. Pairs
+    # wholly past the diagonal exit at once.
     pid, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     TH: tl.constexpr = T * H
     r0 = (pid // N_KEY_TILES) * BM

@@ -15,11 +15,14 @@ run together and its rows are read from HBM once; programs past the real tile co
 Output column tiles may be two power-of-two pieces (BN + BN2, e.g. 128 + 64 = 192) because Triton blocks
 must be powers of two while the expert widths here (192, 768) are not.
 
-tgmm: one program per (group, K tile, N tile) accumulating over the group's rows in BM-row chunks; rows
-outside the group are masked to zero in both operands; empty groups write zeros. On a persistent grid
-(`TileConfig.persistent`) a fixed number of programs stride over those tiles instead. Its output tile's
-rows may be two pieces as well (BK + BK2): a 192 x 128 tile covers all of a 192-wide expert's rows,
-so each step's rows of the other operand are loaded once for the whole K side, not once a piece.
+gmm / gmm^T may also run on a persistent grid (`TileConfig.persistent`): a fixed number of programs
+stride over the tiles.
+
+tgmm: one program per (group, K tile, N tile) accumulating over the group's rows in BM-row chunks,
+the groups in `tile_order`; rows outside the group are masked to zero in both operands; empty groups
+write zeros. Its output tile's rows may be two pieces as well (BK + BK2): a 192 x 128 tile covers all
+of a 192-wide expert's rows, so each step's rows of the other operand are loaded once for the whole K
+side, not once a piece.
 """
 from __future__ import annotations
 
@@ -64,12 +67,11 @@ if HAVE_TRITON:
 
   @triton.jit
   def _sigmoid(x, FAST_SIGMOID: tl.constexpr):
-    """Sigmoid of float32 x. FAST_SIGMOID: 0.5 + 0.5 * tanh(x / 2) through the one-instruction
-    `tanh.approx.f32` (sm_75 and later; on an H200 within 7.8e-6 of tanh over [-12, 12], the
-    sigmoid within 3.9e-6: BENCHMARKS.md run 78), instead of `tl.sigmoid`'s
-    exponential and reciprocal: two special-function ops an element that a matmul epilogue cannot
-    hide (BENCHMARKS.md, runs 72-73). Inline PTX: not in Triton's interpreter, whose launches
-    keep it off."""
+    """Sigmoid of float32 x. FAST_SIGMOID (every GPU launch): 0.5 + 0.5 * tanh(x / 2) through the
+    one-instruction `tanh.approx.f32` (sm_75 and later; on an H200 within 7.8e-6 of tanh over
+    [-12, 12], the sigmoid within 3.9e-6), instead of `tl.sigmoid`'s exponential and reciprocal: two
+    special-function ops an element that a matmul epilogue cannot hide. False, `tl.sigmoid`: for
+    Triton's interpreter, which runs no inline PTX (the CPU tests' launches)."""
     if FAST_SIGMOID:
       t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5],
                                     dtype=tl.float32, is_pure=True, pack=1)
@@ -291,12 +293,11 @@ if HAVE_TRITON:
                  GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                  BN: tl.constexpr, BN2: tl.constexpr, K_TILES: tl.constexpr,
                  N_TILES: tl.constexpr, A_INDEX: tl.constexpr, B_INDEX: tl.constexpr,
-                 A_SCALE: tl.constexpr, ORDERED: tl.constexpr):
+                 A_SCALE: tl.constexpr):
     """Output tile `tile` = (group slot, K tile, N tile), slot slowest: out[g][k tile, n tile]
-    summed over the group's rows in BM-row steps, g = slot, or with ORDERED g = order[slot]
-    (`tile_order`). The tile's rows may be two pieces BK + BK2 (e.g. all 192 rows of a 192-wide
-    expert as 128 + 64, two accumulators sharing each step's b), or its columns BN + BN2, not
-    both."""
+    summed over the group's rows in BM-row steps, g = order[slot] (`tile_order`). The tile's rows
+    may be two pieces BK + BK2 (e.g. all 192 rows of a 192-wide expert as 128 + 64, two
+    accumulators sharing each step's b), or its columns BN + BN2, not both."""
     slot = tile // (K_TILES * N_TILES)
     rest = tile % (K_TILES * N_TILES)
     pid_k = rest // N_TILES
@@ -304,10 +305,7 @@ if HAVE_TRITON:
 
     offs_g = tl.arange(0, GP)
     sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
-    if ORDERED:
-      g = tl.load(order_ptr + slot)
-    else:
-      g = slot
+    g = tl.load(order_ptr + slot)
     cum = tl.cumsum(sizes, axis=0)
     sel = offs_g == g
     end = tl.minimum(tl.sum(tl.where(sel, cum, 0), axis=0), M)
@@ -387,32 +385,21 @@ if HAVE_TRITON:
                    GP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                    BN: tl.constexpr, BN2: tl.constexpr, K_TILES: tl.constexpr,
                    N_TILES: tl.constexpr, A_INDEX: tl.constexpr, B_INDEX: tl.constexpr,
-                   A_SCALE: tl.constexpr, NUM_PROGS: tl.constexpr = 0,
-                   ORDERED: tl.constexpr = False):
+                   A_SCALE: tl.constexpr):
     # out[g] = a[rows of g].T @ b[rows of g]; a [M, K], b [M, N], out [G, K, N]; with A_INDEX /
     # B_INDEX row r of a / b is read at a_idx[r] / b_idx[r]; with A_SCALE row r of a is multiplied
     # by a_scale[r] (float32, rounded back to a's dtype: the same values as a pre-scaled copy).
-    # With ORDERED the tiles of group order[slot] run in slot `slot` (`tile_order`).
-    # NUM_PROGS == 0: one program per output tile; else NUM_PROGS programs stride over the tiles
-    # in order (those running together share a group's rows in L2), the loop nest flattened so the
-    # next tile's first loads are issued while this tile's last steps and store run.
-    pid = tl.program_id(0)
-    if NUM_PROGS == 0:
-      _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr, pid,
-                 M, K, N, G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX, B_INDEX,
-                 A_SCALE, ORDERED)
-    else:
-      for tile in tl.range(pid, G * K_TILES * N_TILES, NUM_PROGS, flatten=True):
-        _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr,
-                   tile, M, K, N, G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX,
-                   B_INDEX, A_SCALE, ORDERED)
+    # One program per output tile; the tiles of group order[slot] run in slot `slot` (`tile_order`).
+    _tgmm_tile(a_ptr, b_ptr, gs_ptr, a_idx_ptr, b_idx_ptr, a_scale_ptr, order_ptr, o_ptr,
+               tl.program_id(0), M, K, N, G, GP, BM, BK, BK2, BN, BN2, K_TILES, N_TILES, A_INDEX,
+               B_INDEX, A_SCALE)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launch geometry (pure Python: tested on CPU).
 
 # The weight gradient's output tiles run largest groups first in a call whose largest group holds
-# at least this many times the mean group's rows (`tile_order`); 0: always in group order.
+# at least this many times the mean group's rows (`tile_order`), else in group order.
 TGMM_BIG_FIRST_SKEW = 2
 
 
@@ -428,12 +415,12 @@ def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig,
               PREFETCH_D=cfg.prefetch_row_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig,
-                num_sms: int = 132, ordered: bool = False) -> dict:
-  # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step;
-  # cfg.persistent: p programs an SM striding over the output tiles (0: one program a tile).
+def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
+  # cfg.bm: output tile rows (over K); cfg.bn: output tile cols (over N); cfg.bk: rows per step.
   # Either side may be two powers of two (192 = 128 + 64), not both (four accumulators).
-  # ordered: slot s runs group order[s]'s tiles (`tile_order`), else group s's.
+  if cfg.persistent:
+    raise ValueError(f"tgmm tile {cfg}: the weight gradient runs one program a tile (persistent "
+                     "grids are for gmm / gmm_t)")
   bk, bk2 = split_width(cfg.bm)
   bn, bn2 = split_width(cfg.bn)
   if bk2 and bn2:
@@ -441,11 +428,9 @@ def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig,
                      "of two")
   k_tiles = -(-k // cfg.bm)
   n_tiles = -(-n // cfg.bn)
-  tiles = g * k_tiles * n_tiles
-  num_progs = min(cfg.persistent * num_sms, tiles) if cfg.persistent else 0
-  return dict(grid=(num_progs or tiles,), BK=bk, BK2=bk2, BN=bn, BN2=bn2, BM=cfg.bk,
-              K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g), NUM_PROGS=num_progs,
-              ORDERED=bool(ordered), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  return dict(grid=(g * k_tiles * n_tiles,), BK=bk, BK2=bk2, BN=bn, BN2=bn2, BM=cfg.bk,
+              K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g), num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages)
 
 
 def tile_order(group_sizes: jax.Array, num_groups: int, skew: int) -> jax.Array:
@@ -490,11 +475,6 @@ def _act_code(name, what):
   if name not in FUSED_ACTIVATIONS:
     raise ValueError(f"{what}={name!r}: the Triton kernels fuse {', '.join(FUSED_ACTIVATIONS)}")
   return FUSED_ACTIVATIONS[name]
-
-
-# The epilogue's SiLU takes its sigmoid from tanh.approx (`_sigmoid`) in the launches below (GPU
-# only); False gives `tl.sigmoid`'s exponential-and-reciprocal form (to compare the two).
-FAST_SIGMOID = True
 
 
 def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None,
@@ -543,7 +523,7 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
                  scaled_shape],
       M=m, KC=kc, NO=no, G=g, s_bg=strides[0], s_bk=strides[1], s_bn=strides[2],
       A_INDEX=lhs_index is not None, ROW_SCALE=row_scale is not None, ROW_DOT=row_dot is not None,
-      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), FAST_SIGMOID=FAST_SIGMOID, **launch,
+      EPI_ACT=act_code, SCALED_D=bool(scaled_row_dot), FAST_SIGMOID=True, **launch,
       **triton_launch.launch_kwargs())
   if row_dot is None:
     return out
@@ -575,13 +555,12 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   gathered = lhs_index is not None or rhs_index is not None
   cfg = config or tuning.lookup("triton", "tgmm+gather" if gathered else "tgmm", m, k, n, g)
-  skew = TGMM_BIG_FIRST_SKEW
-  launch = tgmm_launch(m, k, n, g, cfg, _num_sms() if cfg.persistent else 132, ordered=skew != 0)
+  launch = tgmm_launch(m, k, n, g, cfg)
   grid = launch.pop("grid")
   a_index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
   b_index = _placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)
   a_scale = _placeholder() if lhs_scale is None else lhs_scale.astype(jnp.float32)
-  order = tile_order(group_sizes, g, skew) if skew != 0 else _placeholder()
+  order = tile_order(group_sizes, g, TGMM_BIG_FIRST_SKEW)
   return jt.triton_call(
       lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale, order,
       kernel=_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid,

@@ -2,29 +2,18 @@
 Triton handler.
 
 jax-triton (0.3.1) lowers `triton_call` to the legacy custom call "triton_kernel_call" (API version
-2, the launch proto in `backend_config`). XLA:GPU records fusions, cuBLAS and cuDNN calls into CUDA
-graphs (command buffers), but of the custom calls only typed-FFI handlers that declare themselves
-command-buffer compatible; so each Triton kernel of a step is launched on its own from the host.
-jaxlib registers the same launcher as the typed-FFI handler "triton_kernel_call_ffi" (the one
-Pallas' Triton lowering emits), which reads the same compressed launch proto from the attribute
-`opaque`. With the FFI route on, jax-triton lowers the launch as before (so it compiles and caches
-the kernel exactly as it did) and its custom call is then re-emitted as that FFI call: the same
-kernel, grid, aliases and zeroed outputs; only the calling convention changes.
+2, the launch proto in `backend_config`), a calling convention XLA is retiring in favour of the
+typed FFI. jaxlib registers the same launcher as the typed-FFI handler "triton_kernel_call_ffi"
+(the one Pallas' Triton lowering emits), which reads the same compressed launch proto from the
+attribute `opaque`. With the FFI route on, jax-triton lowers the launch as before (so it compiles
+and caches the kernel exactly as it did) and its custom call is then re-emitted as that FFI call:
+the same kernel, grid, aliases and zeroed outputs; only the calling convention changes.
 
-Measured on one H200 with jax 0.11.2 (BENCHMARKS.md, runs 54-55): bit-identical results, but the
-FFI route is slower, not faster as launches inside a CUDA graph would be (a chain of 48 fusion +
-fan-in pairs: 11.4-12.0 against 9.4-10.6 us a pair, also with `--xla_gpu_enable_command_buffer=
-+CUSTOM_CALL`; UMoE-base 122.7 against 119.2 ms a step): this XLA does not graph the FFI call, and
-the handler costs more per launch. So the route is off by default; it is here for the jaxlib / XLA
-versions that do graph it (bench/triton_launch.py times both).
+The default stays jax-triton's custom call: on one H200 with jax 0.11.2 the FFI route gives
+bit-identical results but costs ~1-2 us more a launch (UMoE-base 122.7 against 119.2 ms a step;
+bench/triton_launch.py times both).
 
-A third route, "graph", launches through the same handler registered once more under a name of our
-own, declared command-buffer compatible (jaxlib registers the Triton handler with no traits, and
-XLA goes by the registration's): the same chain 10.1 against 11.4 us a pair with the custom call
-(run 58), bit-identical; but slower in the training step (run 59: UMoE-base 120.9 against 118.0 ms,
-FFN-MoE-base 90.6 against 88.8 ms), so it is off by default too.
-
-The route is chosen when a kernel is traced: `UMOE_TRITON_LAUNCH=custom_call|ffi|graph` in the
+The route is chosen when a kernel is traced: `UMOE_TRITON_LAUNCH=custom_call|ffi` in the
 environment (default custom_call), or `set_route(...)`.
 """
 from __future__ import annotations
@@ -37,15 +26,12 @@ import jax
 _log = logging.getLogger(__name__)
 
 FFI_TARGET = "triton_kernel_call_ffi"
-# jaxlib's handler registered once more under this name, declared command-buffer compatible (its
-# launch is one cuLaunchKernel, plus a memset for zeroed outputs, on XLA's stream: capturable; our
-# launches are never autotuned at run time, the one thing a graph could not replay).
-GRAPHED_TARGET = "umoe_triton_kernel_call_graphed"
-ROUTES = ("custom_call", "ffi", "graph")
+# The FFI route keeps the kernels running where XLA takes no legacy (API version 2) custom calls.
+ROUTES = ("custom_call", "ffi")
 # The custom-call target a launch carries through jax-triton's primitive to take a route other than
 # jax-triton's own: jax-triton passes the name through untouched, the lowering below looks for it.
-ROUTE_MARKS = {"ffi": "umoe_triton_launch_via_ffi", "graph": "umoe_triton_launch_via_graphed_ffi"}
-_ROUTE_TARGETS = {"ffi": FFI_TARGET, "graph": GRAPHED_TARGET}
+ROUTE_MARKS = {"ffi": "umoe_triton_launch_via_ffi"}
+_ROUTE_TARGETS = {"ffi": FFI_TARGET}
 _LEGACY_TARGET = "triton_kernel_call"
 ENV_VAR = "UMOE_TRITON_LAUNCH"
 
@@ -114,8 +100,8 @@ def _ffi_handler():
 
 
 def install() -> bool:
-  """Registers the graphed target and the CUDA lowering of jax-triton's primitive that serves all
-  routes, on the first call (later calls return its outcome: no second registration, no repeated
+  """Registers the CUDA lowering of jax-triton's primitive that serves all routes, on the first
+  call (later calls return its outcome: no second registration, no repeated
   warning per launch). False where the routes cannot exist here (no jax-triton, no FFI handler)."""
   global _installed
   if _installed is None:
@@ -127,7 +113,6 @@ def _install() -> bool:
   try:
     from jax._src.interpreters import mlir
     from jax_triton import triton_lib
-    from jaxlib import xla_client
   except Exception as e:  # noqa: BLE001
     _log.debug("Triton FFI routes unavailable: %r", e)
     return False
@@ -136,8 +121,6 @@ def _install() -> bool:
     _log.warning("%s asks for an FFI route but this jaxlib registers no %s handler: Triton kernels "
                  "keep jax-triton's custom call", ENV_VAR, FFI_TARGET)
     return False
-  jax.ffi.register_ffi_target(GRAPHED_TARGET, handler, platform="CUDA", api_version=1,
-                              traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
   legacy_rule = lambda ctx, *a, **p: triton_lib.triton_kernel_call_lowering(  # noqa: E731
       triton_lib.get_cuda_backend, ctx, *a, **p)
   targets = {mark: _ROUTE_TARGETS[name] for name, mark in ROUTE_MARKS.items()}

@@ -101,7 +101,7 @@ if HAVE_TRITON:
 def row_tiles(e: int, k: int, config: TopKConfig | None = None, *, kernel: str = "top-k",
               row_elements: int = ROW_ELEMENTS) -> dict:
   """The constexprs E, E_PAD, K, K_PAD, BLOCK_ROWS and num_warps of a kernel that holds rows of e
-  values whole and picks k of them (this one; kernels/triton_router.py), checked: 1 <= k <= e <=
+  values whole and picks k of them (this one), checked: 1 <= k <= e <=
   MAX_E, block_rows a power of two (default: row_elements // E_PAD). `kernel` names it in the
   errors."""
   if not 1 <= k <= e:

@@ -15,9 +15,9 @@ no = N (output cols); bm/bn then give the output tile and bk the rows accumulate
 Pallas TPU (backend "megablox", kernels/megablox_gmm.py) rows are keyed by TPU generation: backend
 "megablox/<gen>" (`umoe_jax.ops.pallas_tpu.generation`: "v5e", "v5p", "v6e", ...), e.g.
 ("megablox/v6e", "gmm", 768, 192). bm / bk / bn are megablox's (tm, tk, tn) for gmm and gmm_t, and
-(tk, tn) output tile + tm rows per step for tgmm, as above. No TPU row is measured yet (none was
-reachable): `default_config` gives each generation a starting tile sized to its scoped-VMEM default,
-and `bench/gmm.py --sweep --sweep-backends=megablox` on a TPU prints the rows for this table.
+(tk, tn) output tile + tm rows per step for tgmm, as above. The table holds no TPU row:
+`default_config` gives each generation a starting tile sized to its scoped-VMEM default, and
+`bench/gmm.py --sweep --sweep-backends=megablox` on a TPU prints measured rows for this table.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class TileConfig:
   num_stages: int = 3
   # Mosaic GPU only: pipeline depth and column-block grouping of the persistent schedule.
   grid_block_n: int = 1
-  # Triton gmm and tgmm: 0 = one program per tile; p = a persistent grid of p programs per SM
+  # Triton gmm / gmm_t: 0 = one program per tile; p = a persistent grid of p programs per SM
   # looping over the tiles (flattened loop: the next tile's loads overlap this tile's stores).
   persistent: int = 0
   warp_specialize: bool = False
@@ -48,55 +48,50 @@ class TileConfig:
   xla_epilogue: bool = False
 
 
-# (backend, op, kc, no) or (backend, op, kc, no, m_bucket(M)) -> config. Filled from the H200
-# sweeps recorded in BENCHMARKS.md.
+# (backend, op, kc, no) or (backend, op, kc, no, m_bucket(M)) -> config: the fastest tiles of the
+# H200 sweeps (bench/gmm.py --sweep), TFLOP/s at the bench shape in the comments (the Triton rows'
+# figures at UMoE-base's FFN shape: 2026-11-29-h200-fwd_tflops-97a81b91 and the rows beside it).
 _C = TileConfig
 TABLE: dict[tuple, TileConfig] = {
-    # H200 sweeps 2026-11-29 (bench/gmm.py --sweep; BENCHMARKS.md), TFLOP/s at the bench shape.
     # (bm, bn, bk, num_warps, num_stages). Triton: bn may be two powers of two (192 = 128 + 64).
-    ("triton", "gmm", 768, 192): _C(128, 192, 32, 8, 8),     # base-up 421, base-att 341 (round 3)
-    # M-specific rows (key ends with tuning.m_bucket(M)); round 4 (persistent grids, 256-row tiles).
-    ("triton", "gmm", 768, 192, 1 << 19): _C(256, 192, 64, 8, 4),  # base-up 461 (round 5)
-    ("triton", "gmm", 768, 192, 1 << 17): _C(256, 192, 64, 8, 4),  # base-att 347 (round 5)
+    ("triton", "gmm", 768, 192): _C(128, 192, 32, 8, 8),     # base-up 421, base-att 341
+    # M-specific rows (key ends with tuning.m_bucket(M)): 256-row tiles halve the weight-tile
+    # reloads per output row.
+    ("triton", "gmm", 768, 192, 1 << 19): _C(256, 192, 64, 8, 4),  # base-up 461
+    ("triton", "gmm", 768, 192, 1 << 17): _C(256, 192, 64, 8, 4),  # base-att 347
     ("triton", "gmm_t", 192, 768): _C(128, 128, 64, 4, 3),   # base-up dgrad 275, base-att 246
-    # base-up dgrad as gather_gmm's backward calls it (rows in expert order, M ~ 2^19; session 9,
-    # run 45): the same tile on a persistent grid of 2 programs an SM, 401 against 269.
+    # base-up dgrad as gather_gmm's backward calls it (rows in expert order, M ~ 2^19): the same
+    # tile on a persistent grid of 2 programs an SM, 401 against 269.
     ("triton", "gmm_t", 192, 768, 1 << 19): _C(128, 128, 64, 4, 3, persistent=2),
     ("triton", "tgmm", 768, 192): _C(128, 192, 64, 8, 3),    # base-up wgrad 422
-    ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 3, persistent=2),  # base-down 395 (r4)
+    ("triton", "gmm", 192, 768): _C(128, 128, 64, 4, 3, persistent=2),  # base-down 395
     ("triton", "gmm_t", 768, 192): _C(128, 192, 64, 8, 5),   # base-down dgrad 428
     ("triton", "tgmm", 192, 768): _C(64, 128, 64, 4, 4),     # base-down wgrad 401
-    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 4, persistent=2),  # large-up 711 (r4)
+    ("triton", "gmm", 2048, 512): _C(128, 256, 64, 8, 4, persistent=2),  # large-up 711
     ("triton", "gmm_t", 512, 2048): _C(128, 128, 64, 4, 3),  # large-up dgrad 497
     ("triton", "tgmm", 2048, 512): _C(128, 256, 64, 8, 3),   # large-up wgrad 729
-    ("triton", "gmm", 512, 2048): _C(128, 256, 64, 8, 3, persistent=1),  # large-down 591 (r4)
+    ("triton", "gmm", 512, 2048): _C(128, 256, 64, 8, 3, persistent=1),  # large-down 591
     ("triton", "gmm_t", 2048, 512): _C(128, 256, 64, 8, 3),  # large-down dgrad 667
     ("triton", "tgmm", 512, 2048): _C(128, 256, 64, 8, 3),   # large-down wgrad 708
-    # The calls of umoe_jax.ops.fused_dispatch (rows gathered through the sort order), H200 sweep
-    # 2026-11-30 (bench/gmm.py --sweep-gathered): gathered vs the plain op's row at the same call.
-    # The tgmm rows were swept in group order; the largest-groups-first order under skewed routing
-    # (triton_gmm.tile_order, 2026-12-04 run 77) takes the two base rows to 433 and 389 TFLOP/s at
-    # Dirichlet-skewed sizes; a sweep with the order on may pick other tiles.
+    # The calls of umoe_jax.ops.fused_dispatch (rows gathered through the sort order; bench/gmm.py
+    # --sweep-gathered): gathered vs the plain op's row at the same call. The tgmm rows are swept
+    # in group order; the largest-groups-first order under skewed routing (triton_gmm.tile_order,
+    # 2026-12-04-h200-ms-df61abc1) takes the two base rows to 433 and 389 TFLOP/s at
+    # Dirichlet-skewed sizes, so a sweep with the order on may pick other tiles.
     ("triton", "tgmm+gather", 768, 192, 1 << 19): _C(128, 192, 64, 8, 5),   # base-up wgrad 342 (300)
     ("triton", "gmm+gather", 2048, 512, 1 << 18): _C(256, 128, 64, 8, 3),   # large-up 613 (478)
     ("triton", "gmm_t+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 4),  # large-down dgrad 552 (541)
     # base-down dgrad as gmm_combine's backward calls it (gathered dout, the silu epilogue: row dot
-    # with act(z), times act'(z), gate scale), session 8: 241 against 215 for the plain op's row;
-    # the epilogue's registers want narrow tiles (256-row tiles: 72). Timed with that epilogue only;
-    # the same call without an activation (moe.fuse_activation off) looks this row up too.
-    # Session 12 (run 55, round 9): 128x192x64 / 8 warps / 4 stages with z loaded before the
-    # contraction, spill-free since the per-piece epilogue order (fa315ec): 248 against 214 for the
-    # 64x64x64 / 4 / 3 tile tabled before (243 with z early). In the step (runs 56-57): FFN-MoE-base
-    # 87.4-88.8 against 90.7 ms; UMoE-base unchanged (119.8-120.6 against 119.2-120.5).
-    # Session 16 (run 73), with the epilogue's sigmoid from tanh.approx (triton_gmm.FAST_SIGMOID):
-    # 64x192x64 / 4 warps / 3 stages with z early, two programs an SM, 0.438 ms (331 TFLOP/s)
-    # against 0.456 for the 128x192 tile before (with tl.sigmoid: 0.550 against 0.588); at the
-    # attention pool's 2^17 rows 0.105 against 0.123 for the plain op's row it took before. With
-    # tanh.approx ptxas reports 108-128 B of spills a thread at these tiles (none before): timed
-    # faster regardless.
+    # with act(z), times act'(z), gate scale): the epilogue's registers want narrow tiles (256-row
+    # tiles: 72 TFLOP/s). Timed with that epilogue only; the same call without an activation
+    # (moe.fuse_activation off) looks this row up too. With the epilogue's sigmoid from tanh.approx
+    # (triton_gmm._sigmoid): 64x192x64 / 4 warps / 3 stages with z loaded before the contraction,
+    # two programs an SM, 0.438 ms (331 TFLOP/s) against 0.456 for the 128x192x64 / 8 / 4 tile; at
+    # the attention pool's 2^17 rows 0.105 against 0.123 for the plain op's row. ptxas reports
+    # 108-128 B of spills a thread at these tiles with tanh.approx: timed faster regardless.
     ("triton", "gmm_t+gather", 768, 192, 1 << 19): _C(64, 192, 64, 4, 3, prefetch_row_dot=True),
     ("triton", "gmm_t+gather", 768, 192, 1 << 17): _C(64, 192, 64, 4, 3, prefetch_row_dot=True),
-    # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient), run 26:
+    # base-down wgrad as gmm_combine calls it (gate-scaled rows, gathered output gradient):
     ("triton", "tgmm+gather", 192, 768, 1 << 19): _C(64, 128, 64, 4, 5),    # 302 (4 stages: 289)
     ("triton", "tgmm+gather", 2048, 512, 1 << 18): _C(128, 256, 64, 8, 5),  # large-up wgrad 671 (525)
     # Mosaic GPU: num_stages = pipeline depth (max_concurrent_steps); num_warps unused.
@@ -200,11 +195,7 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
   what `lookup` gives now."""
   plain = op.split("+")[0]
   out = [lookup(backend, op, m, kc, no, 0)]
-  # tgmm on a persistent grid (session 11; `TileConfig.persistent` still selects it) is not
-  # offered: at all four weight-gradient calls of UMoE-base it was slower than its tile on the
-  # one-program-a-tile grid (run 55: 259 / 325 against 342 TFLOP/s with 1 / 2 programs an SM at
-  # the FFN's first matmul, 189 / 231 against 296 at its last, 115-149 against 183-194 on the
-  # attention side).
+  # tgmm runs one program a tile (`triton_gmm.tgmm_launch`): no persistent candidates for it.
   tiled_grid_only = plain == "tgmm"
   if backend == "triton" and op.endswith("+gather"):
     # Gathered rows arrive with more latency (one index load, rows scattered over HBM): deeper
@@ -234,44 +225,40 @@ def candidates(backend: str, op: str, kc: int, no: int, m: int = 0) -> list[Tile
           out.append(TileConfig(bm, bn, bk, nw, ns))
       # All of a 192-row output side in one tile (128 + 64 rows, two accumulators sharing each
       # step's rows of the other operand): in a torch + Triton probe of UMoE-base's down-projection
-      # weight gradient (BENCHMARKS.md, run 69) 471 TFLOP/s against 382 for the tabled 64 x 128 tile
-      # in the same kernel (401 in the library's); at the gathered call the step makes, no gain (run
-      # 70), so not tabled. (N a multiple of the widest candidate's 128 columns.)
+      # weight gradient 471 TFLOP/s against 382 for the tabled 64 x 128 tile in the same kernel
+      # (401 in the library's); at the gathered call the step makes, no gain, so not tabled. (N a
+      # multiple of the widest candidate's 128 columns.)
       if kc % 192 == 0 and no % 128 == 0:
         for bn, bk, nw, ns in ((128, 64, 4, 4), (128, 64, 8, 4), (128, 64, 4, 5), (64, 64, 4, 4)):
           out.append(TileConfig(192, bn, bk, nw, ns))
     else:
-      # Round 4: the tabled tile as a persistent grid (1 or 2 programs per SM, flattened loop so the
-      # next tile's loads overlap this tile's stores; once with warp specialisation), and 256-row
-      # tiles, which halve the weight-tile reloads per output row.
       base = out[0]
-      # Round 7: 64-row tiles that fit two programs on an SM (255 registers x 4 warps; 96 KB), so
-      # one program's epilogue overlaps the other's matmul: what the short-contraction dgrad with
-      # the activation epilogue (768 -> 192, 12 K steps a tile) lacks at one 8-warp program per SM.
+      # 64-row tiles that fit two programs on an SM (255 registers x 4 warps; 96 KB), so one
+      # program's epilogue overlaps the other's matmul: what the short-contraction dgrad with the
+      # activation epilogue (768 -> 192, 12 K steps a tile) lacks at one 8-warp program per SM.
       for bm, bn, bk, nw, ns in ((64, 192, 64, 4, 3), (64, 192, 32, 4, 6)):
         if no % bn == 0:
           out.append(TileConfig(bm, bn, bk, nw, ns))
           if op == "gmm_t+gather":
             out.append(TileConfig(bm, bn, bk, nw, ns, prefetch_row_dot=True))
-      # Round 9 (session 11, not yet timed): with each column piece's epilogue stored before the
-      # next piece's, these compile for sm_90a without spills at 768 -> 192 with the silu epilogue
-      # (BENCHMARKS.md): the wide 8-warp tiles with z loaded early, and a 128-row 8-warp tile at
-      # 128 registers, which leaves room for two programs an SM.
+      # With each column piece's epilogue stored before the next piece's, these compile for sm_90a
+      # without spills at 768 -> 192 with the silu epilogue: the wide 8-warp tiles with z loaded
+      # early, and a 128-row 8-warp tile at 128 registers, which leaves room for two programs an SM.
       if op == "gmm_t+gather" and no == 192:   # UMoE-base's expert width, where they were surveyed
         out += [TileConfig(128, 192, 64, 8, 4, prefetch_row_dot=True), TileConfig(128, 64, 64, 8, 3),
                 TileConfig(128, 128, 64, 8, 4, prefetch_row_dot=True)]
-      # Round 6 (a capped sweep tries these early): narrower K steps and 64-row tiles, not yet
-      # timed. (They were first picked as "spill-free" by a survey that compiled without
-      # jax-triton's pointer-alignment hints; compiled as jax-triton compiles them, the tabled tiles
-      # do not spill either: BENCHMARKS.md, session 7.)
+      # Narrower K steps and 64-row tiles (a capped sweep tries these early).
       for bm, bn, bk, nw, ns in ((64, 192, 64, 8, 3), (128, 192, 32, 8, 4), (128, 128, 32, 8, 4),
                                  (64, 128, 32, 4, 4), (64, 64, 64, 4, 3)):
         if bn <= max(no, 64) and (no % bn == 0 or no < bn):
           out.append(TileConfig(bm, bn, bk, nw, ns))
-      # Round 5 (a capped sweep tries these early): deeper 256-row tiles for the 768 -> 192 shapes.
+      # Deeper 256-row tiles for the 768 -> 192 shapes (a capped sweep tries these early).
       for bm, bn, bk, nw, ns in ((256, 192, 64, 8, 4), (256, 192, 32, 8, 6)):
         if no % bn == 0:
           out.append(TileConfig(bm, bn, bk, nw, ns))
+      # The tabled tile as a persistent grid (1 or 2 programs per SM, flattened loop so the next
+      # tile's loads overlap this tile's stores; once with warp specialisation), and 256-row tiles,
+      # which halve the weight-tile reloads per output row.
       for p, ws in ((1, False), (2, False), (1, True)):
         out.append(dataclasses.replace(base, persistent=p, warp_specialize=ws))
       for bm, bn, bk, nw, ns, p in ((256, 128, 64, 8, 3, 0), (256, 128, 64, 8, 3, 1),

@@ -1,8 +1,8 @@
 """bench/attention_core.py's tile sweep, run on CPU: every kernel through the Triton interpreter
 (tests/test_triton_attention.py's launcher), the timer replaced by fixed per-kernel times, so that
-its plumbing (the stored forms' inputs, the per-gradient check of the tile-pair pass, the choice of
-the backward form and the tiles it writes, `--sweep_kernels`, the folded core of shapes with a key
-head per query head) is exercised before it costs GPU time."""
+its plumbing (the stored form's inputs, the per-gradient check of the tile-pair pass, the choice of
+the backward form and the tiles it writes, `--sweep_kernels`, the core on keys of two exact pieces)
+is exercised before it costs GPU time."""
 from __future__ import annotations
 
 import os
@@ -16,9 +16,8 @@ from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ms per kernel the fake timer reports: the tile-pair form (ds + dk_ds + dq_ds + dx_p = 1.0) beats
-# the dK pass storing for its readers (1.8), the fused dX + dK with dQ (2.2) and the separate
-# passes (2.4).
-FAKE_MS = {"fwd": 0.5, "dx": 0.6, "dk": 1.2, "dq": 0.6, "dxdk": 1.6, "dk_store": 1.3, "dq_ds": 0.2,
+# the fused dX + dK with dQ (2.2) and the separate passes (2.4).
+FAKE_MS = {"fwd": 0.5, "dx": 0.6, "dk": 1.2, "dq": 0.6, "dxdk": 1.6, "dq_ds": 0.2,
            "dx_p": 0.3, "dk_ds": 0.2, "ds": 0.3}
 
 
@@ -72,18 +71,20 @@ def _sweep_check():
   assert at.tiles_from_json(at.tiles_to_json(chosen)) == chosen
   # the recomputing dX pass's tiles kept beside the reader's (`with_backward(.., "recompute")`)
   assert chosen.dx == at.PassTiles(16, 16, 48) and chosen.dx_tiles(reads_p=True) == chosen.dx_read
-  # The dK pass storing for its readers wins once the pair pass is slow.
+  # The fused dX + dK pass with dQ wins once the pair pass is slow.
   FAKE_MS["ds"] = 5.0
   chosen, _ = ac.sweep("tiny", shape, budget_s=1e9, timer=timer)
-  assert chosen.ds is None and chosen.dq_ds is not None and chosen.dx_p, at.tiles_to_json(chosen)
-  # Restricted to dQ from the stored dS: its candidates are tried, the passes its form needs (the dK
-  # pass storing, dX reading P) run on their own tiles only, the references run, nothing else.
+  assert chosen.ds is None and chosen.dq_ds is None and chosen.dxdk is not None, chosen
+  # Restricted to dQ from the stored dS: its candidates are tried, the passes its form needs (the
+  # pair pass, dK from dS, dX reading P) run on their own tiles only, the references run, nothing
+  # else.
   timed.clear()
   kernels, partners = ac.sweep_kernels("dq_ds")
-  assert (kernels, partners) == (["dq_ds"], ["dk_store", "dx_p"])
+  assert (kernels, partners) == (["dq_ds"], ["dk_ds", "ds", "dx_p"])
   _, results = ac.sweep("tiny", shape, budget_s=1e9, kernels=kernels, partners=partners, timer=timer)
-  assert set(results) == {"fwd", "dx", "dk", "dq", "dk_store", "dq_ds", "dx_p"}, sorted(results)
-  assert len(results["dx_p"]) == len(results["dk_store"]) == 1  # dx_p has a candidate
+  assert set(results) == {"fwd", "dx", "dk", "dq", "ds", "dk_ds", "dq_ds", "dx_p"}, sorted(results)
+  assert len(results["dx_p"]) == len(results["ds"]) == len(results["dk_ds"]) == 1
+  assert timed.count("dq_ds") == len(results["dq_ds"])   # the kernel whose candidates are tried
   print("ATTENTION_SWEEP_OK")
 
 
@@ -106,70 +107,38 @@ def _time_cores_in_interpreter():
   interpreter_loop_bounds()
   ta._launch, ta.available, ta.DTYPES = tta._interpreter_launch, (lambda: True), (jax.numpy.float32,)
   real_inputs = ac.inputs
-  ac.inputs = lambda shape, seed=0, key_heads=1: tuple(
-      x.astype(jax.numpy.float32) for x in real_inputs(shape, seed, key_heads))
+  ac.inputs = lambda shape, seed=0: tuple(
+      x.astype(jax.numpy.float32) for x in real_inputs(shape, seed))
   ac.time_fwd_bwd = lambda fn, *args: (jax.block_until_ready(fn(*args)), 1.0, 3.0)[1:]
   return ac, tta
 
 
-def _mha_check():
-  """time_cores on a shape with a key head per query head ("mha"): the Triton core (folded into the
-  batch) is checked against XLA and timed, every backward form asked for."""
+def _split_check():
+  """time_cores at a head of two exact pieces (dk 48 = 32 + 16): the Triton core checked against
+  XLA and timed, every launch on the two pieces."""
   ac, tta = _time_cores_in_interpreter()
-  shape = (1, 21, 2, 16, 16)
-  ac.SHAPES["mha_tiny"], ac.KEY_HEADS["mha_tiny"] = shape, 2
-  q, k, v, _ = ac.inputs(shape, key_heads=2)
-  assert k.shape == (1, 21, 2, 16) and v.shape == (1, 21, 2, 16)
+  shape = (1, 21, 2, 48, 32)
+  ac.SHAPES["split_tiny"] = shape
   n_launch = len(tta.LAUNCHES)
-  row = ac.time_cores("mha_tiny", shape, which=("xla", "triton"), backwards=("auto", "recompute"))
+  row = ac.time_cores("split_tiny", shape, which=("xla", "triton"), backwards=("auto", "recompute"))
   assert {"xla", "triton", "triton_recompute"} <= set(row), row
   for key in ("triton", "triton_recompute"):
     assert row[f"{key}_err"] < 1e-5 and row[f"{key}_grad_err"] < 1e-5, row
-  assert len(tta.LAUNCHES) > n_launch                         # the kernels really ran
-  print("ATTENTION_MHA_OK")
-
-
-@pytest.mark.extras("triton")
-def test_the_core_on_a_key_head_per_query_head_is_checked_and_timed():
-  run_in_triton_interpreter("test_attention_core_bench", "_mha_check", "ATTENTION_MHA_OK",
-                            timeout=600)
-
-
-def _split_check():
-  """time_cores with `split_key_width=(False, True)`: the Triton core checked against XLA and timed
-  once with dk padded (one piece) and once in two exact pieces ("triton_split"), the launches of
-  each with their own pieces, and the switch back off after."""
-  from kernels import attention_tiles as at
-  ac, tta = _time_cores_in_interpreter()
-  shape = (1, 21, 2, 48, 32)            # dk 48 = 32 + 16
-  ac.SHAPES["split_tiny"] = shape
-  n_launch = len(tta.LAUNCHES)
-  default = at.SPLIT_KEY_WIDTH
-  row = ac.time_cores("split_tiny", shape, which=("xla", "triton"), split_key_width=(False, True))
-  assert {"xla", "triton", "triton_split"} <= set(row), row
-  for key in ("triton", "triton_split"):
-    assert row[f"{key}_err"] < 1e-5 and row[f"{key}_grad_err"] < 1e-5, row
-  pieces = [(m["DK1"], m["DK2"]) for m in tta.LAUNCH_META[n_launch:] if "DK1" in m]
-  assert set(pieces) == {(64, 0), (32, 16)}, pieces
-  assert at.SPLIT_KEY_WIDTH == default
-  n_launch = len(tta.LAUNCHES)    # by default the setting as it is (the swept tiles' timing)
-  with at.split_key_width(True):
-    row = ac.time_cores("split_tiny", shape, which=("triton",))
-  assert row["split_key_width"] == [True] and "triton" in row and "triton_split" not in row, row
-  assert {(m["DK1"], m["DK2"]) for m in tta.LAUNCH_META[n_launch:] if "DK1" in m} == {(32, 16)}
+  pieces = {(m["DK1"], m["DK2"]) for m in tta.LAUNCH_META[n_launch:] if "DK1" in m}
+  assert pieces == {(32, 16)}, pieces
   print("ATTENTION_SPLIT_OK")
 
 
 @pytest.mark.extras("triton")
-def test_the_core_is_timed_with_and_without_the_split_key_width():
+def test_the_core_is_checked_and_timed_on_keys_of_two_exact_pieces():
   run_in_triton_interpreter("test_attention_core_bench", "_split_check", "ATTENTION_SPLIT_OK",
                             timeout=600)
 
 
 def test_a_cut_sweep_keeps_its_starting_form_with_what_it_measured():
   """partial_tiles: the kernels timed so far replace the starting tiles' own, in the fields that
-  form launches (the dK pass storing dS / P goes to dk, the dX pass reading P to dx_read), and
-  kernels of other forms change nothing."""
+  form launches (the dX pass reading P goes to dx_read), and kernels of other forms change
+  nothing."""
   sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
   import attention_core as ac
   from kernels import attention_tiles as at
@@ -177,12 +146,9 @@ def test_a_cut_sweep_keeps_its_starting_form_with_what_it_measured():
   best = {kn: (new, 1.0) for kn in ac.FIELD_OF}
   pairs = at.default_tiles(192, 768)
   got = ac.partial_tiles(pairs, {"fwd": best["fwd"], "ds": best["ds"], "dx_p": best["dx_p"],
-                                 "dk_store": best["dk_store"], "dxdk": best["dxdk"]})
+                                 "dxdk": best["dxdk"]})
   assert (got.fwd, got.ds, got.dx_read) == (at.PassTiles(*new),) * 3
   assert (got.dk, got.dxdk, got.dq_ds, got.dk_ds) == (pairs.dk, None, pairs.dq_ds, pairs.dk_ds)
-  stored = at.with_backward(pairs, "stored", 192)
-  got = ac.partial_tiles(stored, {"dk_store": best["dk_store"], "ds": best["ds"]})
-  assert got.dk == at.PassTiles(*new) and got.ds is None and got.dx_p
   recompute = at.with_backward(pairs, "recompute", 192)
   got = ac.partial_tiles(recompute, best)
   assert got == at.FlashTiles(*(at.PassTiles(*new),) * 4)      # fwd, dx, dk, dq only

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import jaxpr_avals, rel_err
-from umoe_jax.eval.perplexity import token_nll
 from umoe_jax.model.layers import logits_dot
 from umoe_jax.ops.chunked_loss import chunked_token_nll
+from umoe_jax.ops.lm_loss import token_nll
 
 B, T, D, V = 3, 5, 16, 37   # N = 15 tokens
 G = 2.5                     # the cotangent of the nll sum (the step's is 1 / tokens)

@@ -662,7 +662,7 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
   """Every command's --config: a missing file, a syntax error, get_config() missing, raising or not
   a function is one ConfigError naming the file (config_flags gave tracebacks, or an IOError at
   first use)."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   from umoe_jax.eval import cli as eval_cli
   files = {"syntax.py": "def get_config(:\n", "raises.py": "def get_config(arg):\n  raise "
@@ -714,7 +714,7 @@ def test_config_files_that_do_not_load_are_named(tmp_path, capsys):
 def test_config_that_is_a_directory_is_named_with_its_config_files(tmp_path):
   """--config=<a directory>: said to be a directory (it was "no such file"), with the .py files in
   it that define a get_config (not a helper such as configs/common.py, nor a subdirectory)."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   (tmp_path / "b_tiny.py").write_text("def get_config():\n  return {}\n")
   (tmp_path / "a_base.py").write_text("def get_config(arg):\n  return {}\n")
@@ -740,7 +740,7 @@ def test_config_that_is_a_directory_is_named_with_its_config_files(tmp_path):
 def test_config_whose_get_config_returns_no_config_dict_is_named(tmp_path, returns, described):
   """get_config() returning an int, a list, ...: one error naming the file and the value (it was
   "AttributeError: 'int' object has no attribute 'keys'"); a dict is taken, as config_flags does."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   path = tmp_path / "returns.py"
   path.write_text(f"def get_config():\n  return {returns}\n")
@@ -757,7 +757,7 @@ def test_config_arguments_that_get_config_cannot_take_are_named(tmp_path):
   """big_vision's --config=FILE:arg passes "arg" to get_config: an argument get_config() does not
   take, or a missing one of get_config(arg), is one error naming the file and the fix (it was a
   TypeError from inside the call); an argument it takes reaches it."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   with pytest.raises(ConfigError, match=re.escape(
       "--config=configs/dense_tiny.py:base passes 'base' to get_config(), but the get_config() of "
@@ -781,7 +781,7 @@ def test_config_arguments_that_get_config_cannot_take_are_named(tmp_path):
 def test_config_flag_that_is_empty_or_not_python_is_named(tmp_path):
   """--config= (empty) names no file (config_flags: an IOError traceback at first use of the
   config); a file that is not .py and does not load says so (a YAML config, say)."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   for argv in (["prog", "--config="], ["prog", "--config", ""]):
     with pytest.raises(ConfigError, match=re.escape("--config= names no file") + "$"):
@@ -812,14 +812,14 @@ def test_config_override_of_the_wrong_type_names_the_key_and_its_type(override, 
   """--config.<key>=<value> that does not parse as the key's type: the key, its type and its value
   in the file (config_flags: "invalid literal for int() with base 10: '1.5'", or "`3` is not a
   dict" for a section)."""
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   with pytest.raises(ConfigError, match=re.escape(f"--config.{override}: {message}") + "$"):
     config_file.check_argv(["prog", "--config=configs/umoe_tiny.py", f"--config.{override}"])
 
 
 def test_config_overrides_of_the_right_type_pass_the_check():
-  from umoe_jax import config_file
+  from umoe_jax.config import files as config_file
   config_file.check_argv(["prog", "--config=configs/umoe_tiny.py", "--config.train.num_steps=5",
                           "--config.train.learning_rate=1e-3", "--config.train.learning_rate=3",
                           "--config.data.shuffle=false", "--config.data.shuffle",

@@ -199,7 +199,10 @@ def test_nucleus_is_the_smallest_set_whose_mass_reaches_top_p():
 
 
 def test_cli_prints_a_continuation(tmp_path):
+  # One labelled record per prompt (`generate.format_record`, whose layout tests/test_console.py
+  # pins), separated by blank lines.
   from umoe_jax.data.tokenizer import ByteTokenizer
+  from umoe_jax.generate import format_record
   from umoe_jax.interop.official import save_converted
   m = configs.common.model("umoe", "tiny")
   m.n_layers, m.compute_dtype, m.gmm_backend = 1, "float32", "xla"
@@ -209,7 +212,14 @@ def test_cli_prints_a_continuation(tmp_path):
   prompts = ["Hello", "ab"]
   tok = ByteTokenizer()
   out = generate(model, [tok.encode(p) for p in prompts], max_new_tokens=4, eos_id=tok.eos_id)
-  expected = "".join(tok.decode(ids) + "\n" for ids in out.sequences())
+  records = []
+  for i, (p, ids) in enumerate(zip(prompts, out.sequences())):
+    eos = bool(ids) and ids[-1] == tok.eos_id
+    ids = ids[:-1] if eos else ids
+    records.append(format_record(i, len(prompts), dict(
+        prompt=p, continuation=tok.decode(ids), prompt_tokens=len(p), new_tokens=len(ids),
+        stop="eos" if eos else "max_new_tokens", max_new_tokens=4)))
+  expected = "\n\n".join(records) + "\n"
   env = dict(os.environ, PYTHONIOENCODING="utf-8", JAX_PLATFORMS="cpu")
   res = subprocess.run([sys.executable, "-m", "umoe_jax.generate", f"--checkpoint={ckpt}",
                         "--prompt=Hello", "--prompt=ab", "--max_new_tokens=4"],

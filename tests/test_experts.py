@@ -230,3 +230,38 @@ def test_pool_under_a_mesh_keeps_fuse_activation(monkeypatch, fuse):
   w_up, w_down = captured["values"]
   captured["fused"](x, dispatch.make_plan(ids, 6), gates, w_up, w_down)
   assert seen == [("silu" if fuse else None, not fuse)]
+
+
+def _gated_mlp_vec(v, w_gate, w_up, w_down, act):
+  """SwiGLU-style expert of one vector: (act(v W_gate) * (v W_up)) W_down."""
+  return (R.ACT[act](v @ w_gate) * (v @ w_up)) @ w_down
+
+
+def test_gated_moe_ffn_and_dense_ffn_float32():
+  """moe.gated=True: every routed expert, the always-on expert and the dense MLP compute
+  (act(x W_gate) * (x W_up)) W_down, the activation on the gate branch only (a swap of gate and up
+  would still run, and the non-gated oracles above never build a w_gate)."""
+  cfg = tiny_config("ffn_moe", **{"moe.gated": True})
+  ffn, pool, x = _moe_ffn_case(cfg, 40)
+  y, routes = _ffn_call(ffn, pool, jnp.asarray(x))
+  p, pp = numpy_params(ffn), numpy_params(pool)
+  act, sh = cfg.moe.activation, p["shared_expert"]
+  ids, gates = np.asarray(routes["ffn"].expert_ids), np.asarray(routes["ffn"].gates, np.float64)
+  ref = np.zeros(x.shape)
+  for b in range(x.shape[0]):
+    for t in range(x.shape[1]):
+      v = x[b, t].astype(np.float64)
+      for j, e in enumerate(ids[b, t]):
+        ref[b, t] += gates[b, t, j] * _gated_mlp_vec(v, pp["w_gate"][e], pp["w_up"][e],
+                                                     pp["w_down"][e], act)
+      ref[b, t] += _gated_mlp_vec(v, sh["gate"]["kernel"], sh["up"]["kernel"], sh["down"]["kernel"],
+                                  act)
+  assert rel_err(y, ref) < F32_BOUND
+
+  dense_cfg = tiny_config("dense", **{"moe.gated": True})
+  dense = random_module(lambda: DenseFFN(dense_cfg, rngs=nnx.Rngs(params=0)), 41)
+  yd, _ = _ffn_call(dense, None, jnp.asarray(x))
+  m = numpy_params(dense)["mlp"]
+  refd = _gated_mlp_vec(x.astype(np.float64), m["gate"]["kernel"], m["up"]["kernel"],
+                        m["down"]["kernel"], act)
+  assert rel_err(yd, refd) < F32_BOUND

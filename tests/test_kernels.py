@@ -156,22 +156,17 @@ def test_tuning_gathered_ops_fall_back_to_plain_rows():
   assert any(c.num_stages > cands[0].num_stages for c in cands[1:])
 
 
-def test_tgmm_persistent_grid_geometry_and_candidates():
-  """tgmm on a persistent grid: p programs an SM (never more than the output tiles), NUM_PROGS 0
-  for one program a tile; the sweep tries the tabled tile on both grids right after it."""
+def test_tgmm_runs_one_program_a_tile():
+  """tgmm's grid is one program per output tile; a persistent tile is refused naming it, and the
+  sweep never offers one."""
   cfg = tuning.TileConfig(64, 128, 64, 4, 5)
-  one = triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg)
-  assert one["grid"] == (128 * 3 * 6,) and one["NUM_PROGS"] == 0
-  for p, sms, want in ((1, 132, 132), (2, 132, 264), (2, 2000, 128 * 3 * 6)):
-    launch = triton_gmm.tgmm_launch(4096, 192, 768, 128, dataclasses.replace(cfg, persistent=p),
-                                    num_sms=sms)
-    assert launch["grid"] == (want,) and launch["NUM_PROGS"] == want, (p, sms)
+  assert triton_gmm.tgmm_launch(4096, 192, 768, 128, cfg)["grid"] == (128 * 3 * 6,)
+  with pytest.raises(ValueError, match="one program a tile"):
+    triton_gmm.tgmm_launch(4096, 192, 768, 128, dataclasses.replace(cfg, persistent=1))
   for op, kc, no in (("tgmm+gather", 192, 768), ("tgmm+gather", 768, 192), ("tgmm", 2048, 512)):
     cands = tuning.candidates("triton", op, kc, no, 1 << 19)
     assert not any(c.persistent for c in cands), op
     assert len(cands) == len(set(cands))
-  assert one["ORDERED"] is False and triton_gmm.tgmm_launch(
-      4096, 192, 768, 128, cfg, ordered=True)["ORDERED"] is True
 
 
 def test_tgmm_tile_order_largest_groups_first_where_skewed():
@@ -208,17 +203,17 @@ def test_tgmm_tile_order_largest_groups_first_where_skewed():
       triton_gmm.tile_order(jnp.asarray([1, 2]), 2, bad)
 
 
-def test_round_9_dgrad_candidates_only_at_the_base_width():
-  """The spill-free fused-epilogue tiles surveyed at 768 -> 192 (session 11) are offered for that
+def test_spill_free_epilogue_dgrad_candidates_only_at_the_base_width():
+  """The fused-epilogue tiles that compile without spills at 768 -> 192 are offered for that
   dgrad, within Hopper's shared memory, and not for other widths or ops."""
-  round9 = [tuning.TileConfig(128, 192, 64, 8, 4, prefetch_row_dot=True),
+  spill_free = [tuning.TileConfig(128, 192, 64, 8, 4, prefetch_row_dot=True),
             tuning.TileConfig(128, 64, 64, 8, 3),
             tuning.TileConfig(128, 128, 64, 8, 4, prefetch_row_dot=True)]
   dgrad = tuning.candidates("triton", "gmm_t+gather", 768, 192, 1 << 19)
-  assert all(c in dgrad for c in round9)
-  assert all(tuning.triton_gmm_shared_bytes(c) <= tuning.HOPPER_SHARED_BYTES for c in round9)
+  assert all(c in dgrad for c in spill_free)
+  assert all(tuning.triton_gmm_shared_bytes(c) <= tuning.HOPPER_SHARED_BYTES for c in spill_free)
   for op, kc, no in (("gmm_t+gather", 2048, 512), ("gmm+gather", 768, 192)):
-    assert not any(c in tuning.candidates("triton", op, kc, no, 1 << 19) for c in round9), op
+    assert not any(c in tuning.candidates("triton", op, kc, no, 1 << 19) for c in spill_free), op
 
 
 def test_tuning_candidates_fit_hopper_shared_memory(monkeypatch):
@@ -313,9 +308,9 @@ def _replace_triton_call(monkeypatch, fake):
 
 @pytest.mark.extras("triton")
 def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch):
-  """The dgrad call with the silu epilogue launches the kernel with FAST_SIGMOID as
-  `triton_gmm.FAST_SIGMOID` says (default on: tanh.approx, GPU only; the interpreter's launches in
-  this file leave the kernel's default, off); the launch replaced by a recorder (no GPU)."""
+  """The dgrad call with the silu epilogue launches the kernel with FAST_SIGMOID on (tanh.approx,
+  GPU only; the interpreter's launches in this file leave the kernel's default, off); the launch
+  replaced by a recorder (no GPU)."""
   launches = []
 
   def fake_triton_call(*args, out_shape, **params):
@@ -328,11 +323,8 @@ def test_triton_gmm_launches_the_silu_epilogue_with_the_fast_sigmoid(monkeypatch
           jnp.asarray([20, 20], jnp.int32))
   z = jnp.ones((m, no), jnp.bfloat16)
   cfg = tuning.TileConfig(64, 16, 32, 4, 3)
-  assert triton_gmm.FAST_SIGMOID
-  for fast in (True, False):
-    monkeypatch.setattr(triton_gmm, "FAST_SIGMOID", fast)
-    triton_gmm.triton_gmm(*args, transpose_rhs=True, config=cfg, row_dot=z, epi_act="silu")
-    assert launches[-1]["FAST_SIGMOID"] is fast and launches[-1]["EPI_ACT"] == 1
+  triton_gmm.triton_gmm(*args, transpose_rhs=True, config=cfg, row_dot=z, epi_act="silu")
+  assert launches[-1]["FAST_SIGMOID"] is True and launches[-1]["EPI_ACT"] == 1
   default = inspect.signature(triton_gmm._gmm_kernel.fn).parameters["FAST_SIGMOID"].default
   assert default is False     # what the interpreter's direct launches get
 
@@ -642,22 +634,16 @@ def _triton_interpreter_check():
         if row_scale:
           want = want * scale[:, None]
         np.testing.assert_allclose(out.arr, want, rtol=1e-4, atol=1e-4, err_msg=case)
-    order = rng.permutation(g).astype(np.int32)
-    for persistent, a_index, b_index, a_scale, ordered in (
-        (0, False, False, False, False), (0, True, False, True, True), (0, False, True, True, False),
-        (0, True, True, False, True), (1, True, False, True, False), (2, False, True, False, True),
-        (1, False, True, True, True), (2, True, False, False, False)):
-      # a persistent grid of 2 or 4 programs (2 "SMs"): each strides over several output tiles;
-      # slot s runs group s's tiles, or (ordered) group order[s]'s, a random permutation
-      launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile, persistent=persistent), num_sms=2,
-                             ordered=ordered)
-      assert launch["NUM_PROGS"] == (2 * persistent if persistent else 0)
-      assert launch["ORDERED"] is ordered
+    for a_index, b_index, a_scale, permuted in (
+        (False, False, False, False), (True, False, True, True), (False, True, True, False),
+        (True, True, False, True)):
+      # slot s runs group order[s]'s tiles: the identity (group order) or a random permutation
+      order = rng.permutation(g) if permuted else np.arange(g)
+      launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile))
       _check_tgmm(T, none, launch, gs, (a, src_a, ia, a_index), (dy, src_dy, idy, b_index),
-                  scale if a_scale else None, f"persistent={persistent} ordered={ordered}",
-                  order=order if ordered else None)
+                  scale if a_scale else None, f"permuted={permuted}", order=order.astype(np.int32))
     # ...and does read it: group 1 named in every slot leaves the other groups unwritten (NaN)
-    launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile), ordered=True)
+    launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(*tile))
     with pytest.raises(AssertionError, match="nan location mismatch"):
       _check_tgmm(T, none, launch, gs, (a, src_a, ia, False), (dy, src_dy, idy, False), None,
                   "order [1] * G", order=np.ones(g, np.int32))
@@ -674,29 +660,29 @@ def _check_tgmm_split_rows(T, none):
   """tgmm with its output tile's rows in two pieces (48 = 32 + 16, as UMoE-base's 192 = 128 + 64
   down-projection weight gradient): all of K in one tile (K = 48), K ending inside the second piece
   (40, masked), two K tiles (96) with the second's pieces masked (88) or past K (64: K a multiple of
-  the first piece, not of the tile), with gathered and scaled rows and an empty group, both grids."""
+  the first piece, not of the tile), with gathered and scaled rows and an empty group."""
   rng = np.random.default_rng(48)
   gs = np.asarray([11, 0, 17, 6], np.int32)
   m, n, g = int(gs.sum()) + 3, 32, len(gs)  # 3 rows past the groups: never read
-  for k, (persistent, a_index, b_index, a_scale) in itertools.product(
-      (48, 40, 96, 88, 64), ((0, False, False, False), (0, True, True, True), (1, False, True, True))):
+  for k, (a_index, b_index, a_scale) in itertools.product(
+      (48, 40, 96, 88, 64), ((False, False, False), (True, True, True), (False, True, True))):
     src_a = rng.standard_normal((m + 5, k)).astype(np.float32)
     src_dy = rng.standard_normal((m + 2, n)).astype(np.float32)
     ia = rng.integers(0, src_a.shape[0], m).astype(np.int32)
     idy = rng.integers(0, src_dy.shape[0], m).astype(np.int32)
     scale = rng.standard_normal(m).astype(np.float32)
-    launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(48, 16, 16, persistent=persistent), num_sms=2)
+    launch = T.tgmm_launch(m, k, n, g, tuning.TileConfig(48, 16, 16))
     assert (launch["BK"], launch["BK2"], launch["K_TILES"]) == (32, 16, -(-k // 48))
     _check_tgmm(T, none, launch, gs, (src_a[:m], src_a, ia, a_index),
                 (src_dy[:m], src_dy, idy, b_index), scale if a_scale else None,
-                f"k={k} persistent={persistent}")
+                f"k={k}", order=np.arange(g, dtype=np.int32))
 
 
-def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what, order=None):
+def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what, order):
   """Runs the tgmm kernel at `launch` (tgmm_launch's dict) and compares it with numpy. lhs / rhs:
   (plain operand [M, K|N], gather source, row index [M], gathered?); scale: the lhs rows' scale [M]
-  or None; order: the tile order [G] of an ORDERED launch. Output starts as NaN, so a tile the
-  kernel never writes fails."""
+  or None; order: the tile order [G] (`tile_order`). Output starts as NaN, so a tile the kernel
+  never writes fails."""
   (a, src_a, ia, a_index), (dy, src_dy, idy, b_index) = lhs, rhs
   m, k, n, g = a.shape[0], a.shape[1], dy.shape[1], len(gs)
   launch = dict(launch)
@@ -706,7 +692,7 @@ def _check_tgmm(T, none, launch, gs, lhs, rhs, scale, what, order=None):
                        _NpTensor(gs), _NpTensor(ia) if a_index else none(),
                        _NpTensor(idy) if b_index else none(),
                        none() if scale is None else _NpTensor(scale),
-                       none() if order is None else _NpTensor(order), out, M=m, K=k, N=n, G=g,
+                       _NpTensor(order), out, M=m, K=k, N=n, G=g,
                        A_INDEX=a_index, B_INDEX=b_index, A_SCALE=scale is not None, **launch)
   lhs_rows = src_a[ia] if a_index else a
   want = _ref_tgmm(lhs_rows if scale is None else lhs_rows * scale[:, None],

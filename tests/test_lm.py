@@ -337,7 +337,7 @@ def test_fuse_activation_applies_only_where_it_can(monkeypatch):
   relu pools only: a gelu or gated pool validates and runs the plain path (gmm_combine without an
   activation), a silu pool passes it; the config dict holds booleans only (ml_collections' type)."""
   from configs import common as configs
-  from umoe_jax.model import experts
+  from umoe_jax.model import expert_mlp as experts  # the pools' forward on raw arrays
   seen = []
   real = experts.gmm_combine
   monkeypatch.setattr(experts, "gmm_combine", lambda *a, **kw: seen.append(kw.get("activation")) or real(*a, **kw))

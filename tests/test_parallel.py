@@ -75,6 +75,47 @@ def test_rules_round_trip_through_config():
   assert dict(cfg.mesh) == dict(data=-1, fsdp=1, tensor=1, expert=1)
 
 
+def test_every_umoe_parameter_maps_to_its_mesh_axes():
+  """Each UMoE parameter's logical names and the default rules give its mesh layout: experts over
+  `expert`, widths D over `fsdp`, hidden widths and the vocabulary over `tensor`, the key head, low-rank
+  codes, routers and norms unsplit. A wrong name or rule still runs on one device and passes the
+  numerics on 8, so the whole table is pinned here (in process: names only, no devices)."""
+  import jax
+  from flax import nnx
+  from jax.sharding import PartitionSpec as P
+  from conftest import tiny_config
+  from umoe_jax.model.lm import CausalLM
+  cfg = tiny_config("umoe", **{"moe.gated": True})
+  model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+  logical = sharding.param_logical_axes(nnx.state(model, nnx.Param))
+  specs = {jax.tree_util.keystr(p): rules.logical_to_mesh(tuple(v), rules.DEFAULT_RULES, mesh.MESH_AXES)
+           for p, v in jax.tree_util.tree_leaves_with_path(
+               logical, is_leaf=lambda x: isinstance(x, P))}
+  layer = "['layers'][0]"
+  head_dim = P("fsdp", None)    # k_proj, q_res_proj, shared_q_proj: one key head, not over tensor
+  expected = {
+      "['embed']": P("tensor", "fsdp"), "['lm_head']": P("fsdp", "tensor"),
+      "['final_norm']['scale']": P(None),
+      f"{layer}['attention_norm']['scale']": P(None), f"{layer}['ffn_norm']['scale']": P(None),
+      f"{layer}['attention']['q_a_norm']['scale']": P(None),
+      f"{layer}['attention']['k_proj']['kernel']": head_dim,
+      f"{layer}['attention']['q_res_proj']['kernel']": head_dim,
+      f"{layer}['attention']['shared_q_proj']['kernel']": head_dim,
+      f"{layer}['attention']['q_a']": P("expert", "fsdp", None),
+      f"{layer}['attention']['q_b']": P("expert", None, None),
+      f"{layer}['attention']['router']['kernel']": P("fsdp", None),
+      f"{layer}['ffn']['router']['kernel']": P("fsdp", None),
+      f"{layer}['experts']['w_up']": P("expert", "fsdp", "tensor"),
+      f"{layer}['experts']['w_gate']": P("expert", "fsdp", "tensor"),
+      f"{layer}['experts']['w_down']": P("expert", "tensor", "fsdp"),
+  }
+  for sub in ("attention", "ffn"):
+    for name in ("up", "gate"):
+      expected[f"{layer}['{sub}']['shared_expert']['{name}']['kernel']"] = P("fsdp", "tensor")
+    expected[f"{layer}['{sub}']['shared_expert']['down']['kernel']"] = P("tensor", "fsdp")
+  assert specs == expected
+
+
 def test_distributed_args_from_env():
   assert distributed.distributed_args({}) is None
   manual = distributed.distributed_args(dict(JAX_COORDINATOR_ADDRESS="10.0.0.1:1234",

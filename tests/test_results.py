@@ -221,15 +221,14 @@ def test_gmm_rows():
 def test_attention_core_rows():
   import attention_core
   t = lambda ms: dict(fwd_ms=ms, fwd_bwd_ms=4 * ms, fwd_tflops=100.0, fwd_bwd_tflops=80.0)
-  row = {"split_key_width": [False, True], "xla": t(1.0), "triton": t(0.5), "triton_split": t(0.45),
-         "triton_err": 1e-3, "delta": {"x": 1}}
-  rows = [_valid(m) for m in attention_core.measurements("base", row, default_split=True)]
+  row = {"xla": t(1.0), "triton": t(0.45), "triton_err": 1e-3, "delta": {"x": 1}}
+  rows = [_valid(m) for m in attention_core.measurements("base", row)]
   got = {(json.dumps(r["overrides"], sort_keys=True), r["metric"]): r for r in rows}
-  assert set(got) == {(o, m) for o in ('{"core": "xla"}', '{"core": "triton", "split_key_width": 0}',
-                                       '{"core": "triton"}') for m in ("fwd_ms", "fwd_bwd_ms")}
-  split = got['{"core": "triton"}', "fwd_bwd_ms"]
-  assert split["value"] == 1.8 and split["anchor"]["value"] == 4.0 and split["extra"] == {"fwd_bwd_tflops": 80.0}
+  assert set(got) == {(o, m) for o in ('{"core": "xla"}', '{"core": "triton"}')
+                      for m in ("fwd_ms", "fwd_bwd_ms")}
+  triton = got['{"core": "triton"}', "fwd_bwd_ms"]
+  assert triton["value"] == 1.8 and triton["anchor"]["value"] == 4.0
+  assert triton["extra"] == {"fwd_bwd_tflops": 80.0}
   assert got['{"core": "xla"}', "fwd_ms"]["anchor"] is None
-  tuned = attention_core.measurements("base", {"split_key_width": [True], "triton_recompute": t(0.6)},
-                                      default_split=True, tuned=True)
+  tuned = attention_core.measurements("base", {"triton_recompute": t(0.6)}, tuned=True)
   assert _valid(tuned[0])["overrides"] == {"core": "triton", "core_backward": "recompute", "tiles": "swept"}

@@ -504,3 +504,47 @@ def test_restore_onto_two_devices(straight_run):
   assert out["embed_sum"] == np.asarray(saved["params"]["embed"], np.float64).sum()
   assert np.isclose(out["opt_sum"], sum(x.astype(np.float64).sum()
                                         for x in jax_leaves(saved["opt_state"])))
+
+
+def test_optimizer_matches_a_numpy_adamw_with_global_clipping():
+  """Three updates of `make_optimizer` equal AdamW written out in numpy: the gradient clipped by its
+  global norm over every leaf (before Adam's moments), the configured b1 / b2 / eps, bias
+  correction, the warmup learning rate, and decoupled weight decay on all but the norm scale."""
+  import jax.numpy as jnp
+  from umoe_jax.train import optimizer as opt_lib
+
+  t = small_config().train
+  # b2 far from b1, eps near the second moment's root, small clip: a swap or a missed term shows.
+  t.update(dict(learning_rate=0.1, warmup_steps=4, num_steps=10, b1=0.8, b2=0.5, eps=0.3,
+                weight_decay=0.2, grad_clip=0.5, mu_dtype="float32"))
+  rng = np.random.default_rng(0)
+  params = {"w": rng.standard_normal((3, 2)), "norm": {"scale": rng.standard_normal(4)}}
+  mask = {"w": True, "norm": {"scale": False}}
+  tx = opt_lib.make_optimizer(t, mask)
+  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  state = tx.init(p)
+  ref = jax.tree.map(np.copy, params)
+  mu = jax.tree.map(np.zeros_like, params)
+  nu = jax.tree.map(np.zeros_like, params)
+  for count in range(1, 4):
+    grads = {"w": rng.standard_normal((3, 2)), "norm": {"scale": 3 * rng.standard_normal(4)}}
+    updates, state = tx.update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), grads), state, p)
+    p = jax.tree.map(lambda a, u: a + u, p, updates)
+    # numpy: one norm over both leaves (the scale's large gradient makes the clip bind)
+    norm = np.sqrt(sum(float(np.sum(g ** 2)) for g in jax.tree.leaves(grads)))
+    assert norm > t.grad_clip
+    lr = t.learning_rate * (count - 1) / t.warmup_steps   # optax counts from 0 at the first update
+    for path in (("w",), ("norm", "scale")):
+      get = lambda tree: tree[path[0]] if len(path) == 1 else tree[path[0]][path[1]]
+      g = get(grads) * t.grad_clip / norm
+      m = get(mu)
+      m[...] = t.b1 * m + (1 - t.b1) * g
+      v = get(nu)
+      v[...] = t.b2 * v + (1 - t.b2) * g ** 2
+      adam = (m / (1 - t.b1 ** count)) / (np.sqrt(v / (1 - t.b2 ** count)) + t.eps)
+      decay = t.weight_decay * get(ref) if path == ("w",) else 0.0
+      get(ref)[...] -= lr * (adam + decay)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(p):
+    key = jax.tree_util.keystr(path)
+    expected = ref["w"] if key == "['w']" else ref["norm"]["scale"]
+    np.testing.assert_allclose(np.asarray(leaf), expected, rtol=1e-5, atol=1e-6, err_msg=key)

@@ -58,7 +58,10 @@ def test_routing_load_is_each_routers_largest_load_over_the_mean():
 
 @pytest.mark.parametrize("flag,message", [("--zipf=-1", "--zipf=-1.0: an exponent >= 0"),
                                           ("--zipf=nan", "--zipf=nan: an exponent >= 0"),
-                                          ("--tgmm_big_first_skew=-2", "--tgmm_big_first_skew=-2: >= 0")])
+                                          ("--tgmm_big_first_skew=0", "--tgmm_big_first_skew=0: >= 1"),
+                                          # removed options: no flag
+                                          ("--router_one_pass=1", "unrecognized arguments"),
+                                          ("--split_key_width=0", "unrecognized arguments")])
 def test_bad_token_and_tile_order_flags_are_refused(tmp_path, flag, message):
   out = subprocess.run([sys.executable, BENCH, flag, f"--out={tmp_path}"],
                        capture_output=True, text=True, timeout=120)
@@ -97,16 +100,16 @@ def test_a_tiny_row_reports_its_routing_load_and_zipf_tokens_skew_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_row_with_the_one_pass_routers_records_the_switches(tmp_path):
-  """`--router_one_pass=1` reaches the model config (the routers take `router_pass.softmax_top_k`;
-  on CPU its separate-ops form) and `--split_key_width=1` the attention kernels' switch; the row
-  records both, loss check passed."""
+def test_a_row_records_the_kernel_switches_it_ran_with(tmp_path):
+  """`--core_backward=recompute` reaches the model config and `--tgmm_big_first_skew=1` the
+  weight gradient's tile order; the row records both, loss check passed."""
   import json
   out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single", "--batch=2", "--seq_len=32",
-                        "--steps=1", "--warmup=0", "--router_one_pass=1", "--split_key_width=1",
-                        f"--out={tmp_path}", "--results=none"],
+                        "--steps=1", "--warmup=0", "--core_backward=recompute",
+                        "--tgmm_big_first_skew=1", f"--out={tmp_path}", "--results=none"],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   row = json.loads((tmp_path / "train_step.json").read_text())[0]
   assert "error" not in row, row["error"]
-  assert row["router_one_pass"] is True and row["split_key_width"] is True and row["loss_check"], row
+  assert row["core_backward"] == "recompute" and row["tgmm_big_first_skew"] == 1, row
+  assert row["loss_check"], row

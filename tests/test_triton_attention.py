@@ -4,9 +4,9 @@ the core choice and its config validation, and the kernels themselves under the 
 custom VJP) with every launch routed through `jax.pure_callback` into the interpreter. Values and
 the gradients of q, k and x are compared with a float64 autodiff reference of the naive formula;
 sequence lengths are not multiples of the tiles, head counts and widths not powers of two, D-chunks
-of two pieces, a partial last chunk, the optional fused dX + dK pass, and as many key heads as query heads folded into the batch
-(`fold_key_heads`). The layer test runs the tiny
-UMoE pre-mixing attention (skewed routing) with core="triton" against core="xla". GPU runs: tests/gpu/test_attention_gpu.py.
+of two pieces, a partial last chunk, the optional fused dX + dK pass, keys padded to a power of
+two and keys in two exact pieces. The layer test runs the tiny UMoE pre-mixing attention (skewed
+routing) with core="triton" against core="xla". GPU runs: tests/gpu/test_attention_gpu.py.
 """
 from __future__ import annotations
 
@@ -28,17 +28,11 @@ CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, b
     # values as wide as the keys (MoA's shared key / value head)
     (1, 40, 4, 32, 32, ((32, 16, 32), (32, 16, 32), (16, 32, 32), (32, 16, 32))),
 ]
-# The dK pass storing dS / P for the dQ / dX passes (`FlashTiles.dq_ds`, `dx_p`): B, T, H, dk, D,
-# the four passes' tiles, dq_ds tiles or None, dx_p. The readers' key tiles differ from the dK
-# pass's (wider and narrower), so they meet entries it left unwritten (NaN-poisoned) and must mask.
-# With ds and dk_ds (the last two) dS and P come from the pass over (row tile, key tile) pairs.
+# The stored-scores form (`FlashTiles.ds`, `dk_ds`, `dq_ds`, `dx_p`): B, T, H, dk, D, the four
+# recomputing passes' tiles, dq_ds tiles, dx_p, ds tiles, dk_ds tiles: dS and P come from the pass
+# over (row tile, key tile) pairs. The readers' key tiles differ from the pair pass's (wider and
+# narrower), so they meet entries it left unwritten (NaN-poisoned) and must mask.
 STORED_CASES = [
-    (2, 37, 3, 24, 80, ((16, 16, 48), (16, 32, 48), (16, 16, 32), (16, 16, 16)), (16, 32, 16), True,
-     None, None),
-    (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), False,
-     None, None),
-    (1, 21, 1, 16, 40, ((16, 32, 32), (16, 16, 24), (32, 32, 16), (16, 16, 32)), None, True,
-     None, None),
     (2, 33, 3, 24, 80, ((16, 16, 48), (16, 32, 48), (16, 16, 32), (16, 16, 16)), (16, 32, 16), True,
      (32, 16, 32), (16, 32, 16)),   # T = 2 * 16 + 1: a key tile of the last position alone
     (1, 50, 4, 32, 64, ((32, 16, 32), (32, 16, 64), (16, 32, 64), (32, 16, 64)), (32, 16, 16), True,
@@ -60,10 +54,8 @@ def test_launch_geometry_covers_every_row_key_and_column():
     assert f["N_ROW_TILES"] * f["BM"] >= t * h > (f["N_ROW_TILES"] - 1) * f["BM"]
     assert f["N_CHUNKS"] * (f["BD1"] + f["BD2"]) >= d > (f["N_CHUNKS"] - 1) * (f["BD1"] + f["BD2"])
     assert f["grid0"] == f["N_ROW_TILES"] * f["N_CHUNKS"] and f["DK1"] + f["DK2"] >= dk
-    with at.split_key_width(False):
-      assert at.fwd_launch(t, h, dk, d, tiles.fwd)["DK2"] == 0
-    with at.split_key_width(True):   # 192 = 128 + 64 exactly; 24 = 16 + 8 and 512 stay one piece
-      assert at.fwd_launch(t, h, dk, d, tiles.fwd)["DK2"] == (64 if dk == 192 else 0)
+    # 192 = 128 + 64 exactly; 24 = 16 + 8 (a piece under 16) and 512 stay one padded piece
+    assert at.fwd_launch(t, h, dk, d, tiles.fwd)["DK2"] == (64 if dk == 192 else 0)
     x = at.dx_launch(t, h, dk, d, tiles.dx)
     assert x["grid0"] // x["N_CHUNKS"] * x["BN"] >= t
     assert at.dk_launch(t, h, dk, d, tiles.dk)["grid0"] * tiles.dk.bn >= t
@@ -89,25 +81,23 @@ def test_launch_geometry_covers_every_row_key_and_column():
     at.dx_launch(64, 4, 64, 80, at.PassTiles(16, 16, 24), fused_dk=True)
 
 
-def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
-  """`dq_ds` / `dx_p` survive the tiles JSON, are refused beside the fused dxdk pass (which stores
-  nothing), bad values name themselves, and the stores stop past STORED_BYTES_LIMIT (they grow
-  with T^2)."""
+def test_stored_scores_tiles_round_trip_and_respect_the_memory_limit():
+  """The stored-scores form's tiles (`ds`, `dk_ds`, `dq_ds`, `dx_p`) survive the tiles JSON, come
+  all four or none, are refused beside the fused dxdk pass (which stores nothing), bad values name
+  themselves, and the stores stop past STORED_BYTES_LIMIT (they grow with T^2)."""
   import dataclasses
   base = at.with_backward(at.default_tiles(192, 768), "recompute", 192)
-  tiles = dataclasses.replace(base, dq_ds=at.PassTiles(64, 64, 16, 4, 2), dx_p=True)
+  tiles = dataclasses.replace(base, dq_ds=at.PassTiles(64, 64, 16, 4, 2), dx_p=True,
+                              ds=at.PassTiles(128, 64, 128, 8, 2), dk_ds=at.PassTiles(64, 64, 16))
   assert at.tiles_from_json(at.tiles_to_json(tiles)) == tiles
   assert at.tiles_from_json(at.tiles_to_json(base)) == base and "dx_p" not in at.tiles_to_json(base)
   with pytest.raises(ValueError, match="dxdk"):
     dataclasses.replace(tiles, dxdk=at.PassTiles(64, 32, 256, 4, 2))
-  full = dataclasses.replace(tiles, ds=at.PassTiles(128, 64, 128, 8, 2), dk_ds=at.PassTiles(64, 64, 16))
-  assert at.tiles_from_json(at.tiles_to_json(full)) == full
-  with pytest.raises(ValueError, match="needs dk_ds"):
-    dataclasses.replace(full, dk_ds=None)
-  with pytest.raises(ValueError, match="needs dk_ds"):
-    dataclasses.replace(full, dx_p=False)
-  assert at.ds_launch(1024, 4, 192, 768, full.ds)["grid0"] == 32 * 16
-  assert at.dk_ds_launch(1024, 4, 192, full.dk_ds)["grid0"] == 16
+  for missing in (dict(dk_ds=None), dict(dx_p=False), dict(dq_ds=None), dict(ds=None)):
+    with pytest.raises(ValueError, match="comes with dk_ds, dq_ds and dx_p"):
+      dataclasses.replace(tiles, **missing)
+  assert at.ds_launch(1024, 4, 192, 768, tiles.ds)["grid0"] == 32 * 16
+  assert at.dk_ds_launch(1024, 4, 192, tiles.dk_ds)["grid0"] == 16
   with pytest.raises(ValueError, match="dx_p='yes'"):
     at.tiles_from_json({**at.tiles_to_json(base), "dx_p": "yes"})
   with pytest.raises(ValueError, match="dq_s"):
@@ -115,13 +105,11 @@ def test_stored_scores_switches_round_trip_and_respect_the_memory_limit():
   with pytest.raises(ValueError, match="powers of two"):
     at.dq_ds_launch(1024, 4, 192, at.PassTiles(48, 64, 16))
   launch = at.dq_ds_launch(1024, 4, 192, at.PassTiles(64, 32, 7))   # bd is not used
-  assert launch["grid0"] * 64 >= 4096 and (launch["DK1"], launch["DK2"]) == (
-      (128, 64) if at.SPLIT_KEY_WIDTH else (256, 0))
+  assert launch["grid0"] * 64 >= 4096 and (launch["DK1"], launch["DK2"]) == (128, 64)
   # UMoE-base's shape (B=32, T=1024, H=4, bf16): 2 x 268 MB, stored; 4x the length: not stored.
-  assert ta.stores_probs(tiles, (32, 1024, 4, 192), 2) == (True, True)
-  assert ta.stores_probs(tiles, (32, 4096, 4, 192), 2) == (False, False)
-  assert ta.stores_probs(dataclasses.replace(tiles, dx_p=False), (32, 1024, 4, 192), 2) == (True, False)
-  assert ta.stores_probs(base, (32, 1024, 4, 192), 2) == (False, False)
+  assert ta.stores_scores(tiles, (32, 1024, 4, 192), 2)
+  assert not ta.stores_scores(tiles, (32, 4096, 4, 192), 2)
+  assert not ta.stores_scores(base, (32, 1024, 4, 192), 2)
 
 
 def test_core_backward_forms():
@@ -136,8 +124,6 @@ def test_core_backward_forms():
   assert at.default_tiles(512, 2048).ds == at.WIDE_STORED_PAIRS_DS != at.default_tiles(192, 768).ds
   base = at.with_backward(at.default_tiles(192, 768), "recompute", 192)
   assert base.ds is None and at.with_backward(base, "auto", 192) == base
-  stored = at.with_backward(base, "stored", 192)
-  assert stored == dataclasses.replace(base, dq_ds=at.STORED_DQ_DS, dx_p=True)
   pairs = at.with_backward(base, "stored_pairs", 192)
   assert (pairs.ds, pairs.dk_ds, pairs.dq_ds, pairs.dx_p) == (at.STORED_PAIRS_DS,
                                                               at.STORED_PAIRS_DK_DS,
@@ -155,12 +141,13 @@ def test_core_backward_forms():
   assert at.with_backward(wide_recompute, "stored_pairs", 512) == wide
   assert at.tiles_from_json(at.tiles_to_json(wide)) == wide
   assert at.stored_dx_tiles(192) is None and pairs.dx_read is None
-  own = dataclasses.replace(stored, dq_ds=at.PassTiles(128, 64, 16, 8, 2))
+  own = dataclasses.replace(pairs, dq_ds=at.PassTiles(128, 64, 16, 8, 2))
   assert at.with_backward(own, "stored_pairs", 192).dq_ds == own.dq_ds        # a swept tile is kept
   fused = dataclasses.replace(base, dxdk=at.PassTiles(64, 32, 256, 4, 2))
-  assert at.with_backward(fused, "stored", 192).dxdk is None
-  with pytest.raises(ValueError, match="'stash'"):
-    at.with_backward(base, "stash", 192)
+  assert at.with_backward(fused, "stored_pairs", 192).dxdk is None
+  for bad in ("stash", "stored"):   # ("stored", the dK pass storing: removed, a config maps it)
+    with pytest.raises(ValueError, match=f"'{bad}'"):
+      at.with_backward(base, bad, 192)
 
 
 def test_triton_core_declines_where_it_cannot_run():
@@ -215,7 +202,7 @@ def test_config_accepts_triton_core_and_names_a_bad_one(key, good, bad):
 
 
 LAUNCHES = []       # the kernels launched, in order
-LAUNCH_FLAGS = []   # their STORE_DS / STORE_P / LOAD_P meta-parameters, where given
+LAUNCH_FLAGS = []   # their LOAD_P meta-parameter, where given
 LAUNCH_META = []    # their meta-parameters and warps (the tiles each ran on)
 
 
@@ -238,7 +225,7 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
     return tuple(r.arr for r in res)
 
   LAUNCHES.append(kernel)
-  LAUNCH_FLAGS.append({k: meta[k] for k in ("STORE_DS", "STORE_P", "LOAD_P") if k in meta})
+  LAUNCH_FLAGS.append({k: meta[k] for k in ("LOAD_P",) if k in meta})
   LAUNCH_META.append(dict(meta, num_warps=num_warps))
   got = jax.pure_callback(host, tuple(outs), *args)
   return list(got) if isinstance(out_shape, (list, tuple)) else got[0]
@@ -268,15 +255,14 @@ def _interpreter_check():
 
   cases = [(*c, None, False, None, None) for c in CASES] + STORED_CASES
   opt = lambda x: None if x is None else at.PassTiles(*x)
-  # With `SPLIT_KEY_WIDTH` every pass again, on heads of two exact pieces (48 = 32 + 16, 320 = 256
-  # + 64): the recomputing passes, the fused dX + dK pass, the stored forms, the wide head.
+  # The cases' heads are padded to a power of two (24, 300: not two powers of two >= 16 each); every
+  # pass again on heads of two exact pieces (48 = 32 + 16, 320 = 256 + 64): the recomputing
+  # passes, the fused dX + dK pass, the stored form, the wide head.
   split_dk = {24: 48, 32: 48, 16: 48, 300: 320}
   split_cases = [(*c[:3], split_dk[c[3]], *c[4:]) for c in (cases[0], cases[1], cases[2], cases[5],
-                                                            cases[8], cases[10])]
-  runs = [(False, c) for c in cases] + [(True, c) for c in split_cases]
-  split_default = at.SPLIT_KEY_WIDTH
-  for split, (b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds, *dx_read) in runs:
-    at.SPLIT_KEY_WIDTH = split
+                                                            cases[7])]
+  for b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds, *dx_read in cases + split_cases:
+    split = dk in (48, 320)
     rng = np.random.default_rng(t * h)
     q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, dk), (b, t, d)))
     cot = rng.standard_normal((b, t, h, d))
@@ -312,15 +298,12 @@ def _interpreter_check():
       want_tiles = flash.dx_tiles(reads_p=dx_p)
       assert (meta["BM"], meta["BN"], meta["num_warps"]) == (
           want_tiles.bm, want_tiles.bn, want_tiles.num_warps), (case, meta, want_tiles)
-    if "_bwd_dk_kernel" in flags:
-      assert flags["_bwd_dk_kernel"] == {"STORE_DS": dq_ds is not None, "STORE_P": dx_p}, (case, flags)
     pieces = {(m["DK1"], m["DK2"]) for m in LAUNCH_META[n_launch:] if "DK1" in m}
     assert pieces == ({split_width(dk)} if split else {(at.key_width(dk), 0)}), (case, pieces)
-  at.SPLIT_KEY_WIDTH = split_default
 
-  # Past STORED_BYTES_LIMIT the stored forms recompute (same values, the three recompute passes).
+  # Past STORED_BYTES_LIMIT the stored form recomputes (same values, the three recompute passes).
   limit, ta.STORED_BYTES_LIMIT = ta.STORED_BYTES_LIMIT, 0
-  b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds = STORED_CASES[3][:10]
+  b, t, h, dk, d, tiles, dq_ds, dx_p, ds, dk_ds = STORED_CASES[0][:10]
   flash = at.FlashTiles(*(at.PassTiles(*x) for x in tiles), dx_p=dx_p, dq_ds=opt(dq_ds),
                         ds=opt(ds), dk_ds=opt(dk_ds))
   rng = np.random.default_rng(1)
@@ -339,14 +322,13 @@ def _interpreter_check():
   assert not any(any(f.values()) for f in LAUNCH_FLAGS[n_launch:]), LAUNCH_FLAGS[n_launch:]
   ta.STORED_BYTES_LIMIT = limit
 
-  # As many key heads as query heads (MHA, SwitchHead), each head folded into the batch as a
-  # sequence of its own (`common.triton_attention(fold_key_heads=True)`), on the default tiles.
-  from umoe_jax.model.attention.common import triton_attention as core_entry
+  # As many key heads as query heads (MHA, SwitchHead): the Triton core declines them, and
+  # core="triton" runs cuDNN's (here, off GPU, XLA's) core, launching no kernel.
+  from umoe_jax.model.attention import common as att_common
   ta.available, ta.DTYPES = (lambda: True), (jnp.float32,)
   b, t, h, dk, dv = 2, 37, 3, 24, 40
   rng = np.random.default_rng(7)
   q, k, v = (rng.standard_normal(s) for s in ((b, t, h, dk), (b, t, h, dk), (b, t, h, dv)))
-  cot = rng.standard_normal((b, t, h, dv))
 
   def mha_reference(q, k, v):  # float64, every head over its own key head
     s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(dk)
@@ -354,28 +336,12 @@ def _interpreter_check():
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1), v)
 
   f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
-  assert core_entry(*f32) is None                  # without folding: several key heads decline
-  n_launch = len(LAUNCHES)
-  folded = lambda *a: core_entry(*a, fold_key_heads=True)
-  got = jax.jit(folded)(*f32)
+  assert att_common.triton_attention(*f32) is None
   want = mha_reference(*map(jnp.asarray, (q, k, v)))
-  assert got.shape == (b, t, h, dv) and _rel(got, want) < 1e-5, ("mha", _rel(got, want))
-  grads = jax.jit(jax.grad(lambda *a: jnp.sum(folded(*a) * cot), argnums=(0, 1, 2)))(*f32)
-  want_g = jax.grad(lambda *a: jnp.sum(mha_reference(*a) * cot), argnums=(0, 1, 2))(
-      *map(jnp.asarray, (q, k, v)))
-  for name, g, w in zip(("dq", "dk", "dv"), grads, want_g):
-    assert _rel(g, w) < 1e-5, ("mha", name, _rel(g, w))
-  assert "_fwd_kernel" in {kn.fn.__name__ for kn in LAUNCHES[n_launch:]}
-  # causal_attention(core="triton") folds only with TRITON_FOLDS_KEY_HEADS (else cuDNN's, here XLA's).
-  from umoe_jax.model.attention import common as att_common
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  for fold in (False, True):
-    att_common.TRITON_FOLDS_KEY_HEADS = fold
-    n_launch = len(LAUNCHES)
-    out = jax.jit(lambda *a: att_common.causal_attention(*a, pos, pos, core="triton"))(*f32)
-    assert (len(LAUNCHES) > n_launch) == fold, fold
-    assert _rel(out, want) < 1e-5, ("mha via causal_attention", fold, _rel(out, want))
-  att_common.TRITON_FOLDS_KEY_HEADS = False
+  n_launch = len(LAUNCHES)
+  out = jax.jit(lambda *a: att_common.causal_attention(*a, pos, pos, core="triton"))(*f32)
+  assert len(LAUNCHES) == n_launch and _rel(out, want) < 1e-5, ("mha", _rel(out, want))
 
   # The layer: tiny UMoE pre-mixing attention with skewed routing (nearly every token's slots on
   # experts 0-2), core="triton" (the kernel, via the interpreter) against core="xla".
@@ -394,7 +360,7 @@ def _interpreter_check():
   pos = jnp.broadcast_to(jnp.arange(bt[1], dtype=jnp.int32), bt)
   outs = {}
   for core, backward in (("xla", "auto"), ("triton", "auto"), ("triton", "recompute"),
-                         ("triton", "stored"), ("triton", "stored_pairs")):
+                         ("triton", "stored_pairs")):
     m.attention.core, m.attention.core_backward = core, backward
     block = DecoderBlock(model_config(m), rngs=nnx.Rngs(params=0))
     for p in jax.tree.leaves(nnx.state(block.attention.router, nnx.Param),
@@ -410,12 +376,11 @@ def _interpreter_check():
     n = len(LAUNCHES)
     (val, route), (g_state, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         state, x)
-    # fwd + three backward passes: dx, dk, dq / dk storing, dq_ds, dx / ds, dk_ds, dq_ds, dx
+    # fwd + the backward passes: dx, dk, dq / ds, dk_ds, dq_ds, dx
     launched = {kn.fn.__name__ for kn in LAUNCHES[n:]}
     pairs = {"_fwd_kernel", "_bwd_ds_kernel", "_bwd_dk_ds_kernel", "_bwd_dq_ds_kernel", "_bwd_dx_kernel"}
     want_launches = {"xla": set(), "auto": pairs,  # (the default tiles' form for heads <= 256)
                      "recompute": {"_fwd_kernel", "_bwd_dx_kernel", "_bwd_dk_kernel", "_bwd_dq_kernel"},
-                     "stored": {"_fwd_kernel", "_bwd_dk_kernel", "_bwd_dq_ds_kernel", "_bwd_dx_kernel"},
                      "stored_pairs": pairs}
     assert launched == want_launches["xla" if core == "xla" else backward], (core, backward, launched)
     assert float(jnp.mean(route.expert_ids < 3)) > 0.9, np.asarray(route.expert_ids)  # skewed

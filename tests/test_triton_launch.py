@@ -40,8 +40,7 @@ def _stand_in(blob: bytes):
                                 operand_output_aliases=dict(input_output_aliases))(ctx, *args)
 
   def rule(ctx, *args, custom_call_target_name, **params):
-    targets = {"umoe_mark_ffi": triton_launch.FFI_TARGET,
-               "umoe_mark_graph": triton_launch.GRAPHED_TARGET}
+    targets = {"umoe_mark_ffi": triton_launch.FFI_TARGET}
     if custom_call_target_name not in targets:
       return legacy(ctx, *args, custom_call_target_name=custom_call_target_name, **params)
     return triton_launch.lower_as_ffi(legacy, ctx, *args, target=targets[custom_call_target_name],
@@ -78,8 +77,7 @@ def _bytes(attr) -> bytes:
   return ir.StringAttr(attr).value_bytes
 
 
-@pytest.mark.parametrize("mark,target", [("umoe_mark_ffi", triton_launch.FFI_TARGET),
-                                         ("umoe_mark_graph", triton_launch.GRAPHED_TARGET)])
+@pytest.mark.parametrize("mark,target", [("umoe_mark_ffi", triton_launch.FFI_TARGET)])
 def test_ffi_route_reemits_the_launch_as_one_typed_ffi_call(mark, target):
   blob = _blob(11 + len(target))
   prim = _stand_in(blob)
@@ -109,23 +107,23 @@ def test_legacy_route_is_left_as_jax_triton_emits_it():
 
 
 def test_route_switch_without_a_gpu_jaxlib(monkeypatch):
-  # Here (no jax-triton, no CUDA jaxlib) the FFI routes cannot be installed: launches keep
+  # Here (no jax-triton, no CUDA jaxlib) the FFI route cannot be installed: launches keep
   # jax-triton's custom call whatever is asked for, and nothing fails; a bad name fails naming it.
   assert not triton_launch.install()
-  for value in ("", "custom_call", "ffi", "graph", " GRAPH "):
+  for value in ("", "custom_call", "ffi", " FFI "):
     monkeypatch.setenv(triton_launch.ENV_VAR, value)
     assert triton_launch.requested_route() == (value.strip().lower() or "custom_call")
     assert triton_launch.route() == "custom_call"
     assert triton_launch.launch_kwargs() == {}
-  monkeypatch.setenv(triton_launch.ENV_VAR, "graphs")
-  with pytest.raises(ValueError, match="UMOE_TRITON_LAUNCH='graphs'"):
+  monkeypatch.setenv(triton_launch.ENV_VAR, "graph")
+  with pytest.raises(ValueError, match="UMOE_TRITON_LAUNCH='graph'"):
     triton_launch.route()
   triton_launch.set_route("ffi")
   try:
     assert triton_launch.requested_route() == "ffi"  # the override wins over the environment
   finally:
     triton_launch.set_route(None)
-  with pytest.raises(ValueError, match="valid: custom_call, ffi, graph"):
+  with pytest.raises(ValueError, match="valid: custom_call, ffi$"):
     triton_launch.set_route("fast")
 
 

@@ -155,7 +155,7 @@ def _router_outputs(cfg, sublayer, backend, x, bias=None):
   """(ids, gates, total loss, gradients of the router weights, probs, sequence counts) of a tiny
   config's `sublayer` router with router.topk_backend=backend, the loss reaching every
   differentiable output (gates, probs, the router's losses); `bias` [E]: its aux-loss-free
-  selection bias. (tests/test_router_pass.py uses it too.)"""
+  selection bias."""
   from flax import nnx
   from umoe_jax.model.routers import make_router
   rcfg = dataclasses.replace(cfg.router_for(sublayer), topk_backend=backend)

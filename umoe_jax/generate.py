@@ -13,12 +13,28 @@ The architecture comes from the checkpoint's config.json; --config is needed onl
 without a checkpoint: random parameters, `--seed`). The tokenizer is --tokenizer, else the config's
 `data.tokenizer` (the experiment config of a workdir or of --config), else the byte tokenizer; a
 converted official checkpoint needs --tokenizer=<the Llama-2 tokenizer.json> (and --bos_id=1: the
-official tokenizer adds BOS). Each prompt's continuation is printed on its own line (several --prompt
-flags run as one left-padded batch). See `umoe_jax.model.decode` for the decoding itself.
+official tokenizer adds BOS). Several --prompt flags run as one left-padded batch. See
+`umoe_jax.model.decode` for the decoding itself.
+
+Each prompt prints as one record, the records separated by a blank line:
+
+    === prompt 1 of 2 ===
+    prompt       | Once upon a time
+    continuation | , there was a
+                 | small village.
+    (16 prompt tokens, 28 new tokens; stopped at --max_new_tokens=28)
+
+Every line of the texts starts after "| " (a text's newlines never end its record; control
+characters such as a carriage return or ESC are shown escaped, as \\r and \\x1b). With --jsonl,
+each prompt is instead one JSON object on one line, for scripts: {"prompt", "continuation",
+"prompt_tokens", "new_tokens" (without the EOS), "stop" ("eos" | "max_new_tokens"), and the
+settings: "checkpoint", "step", "tokenizer", "max_new_tokens", "temperature", "top_p", "seed"}.
 """
 from __future__ import annotations
 
+import json
 import sys
+import unicodedata
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -38,6 +54,37 @@ _BOS = flags.DEFINE_integer("bos_id", None, "Token id put before every prompt (e
 _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "Stop a prompt at the tokenizer's EOS.")
 _COMPUTE_DTYPE = flags.DEFINE_string("compute_dtype", "float32", "Compute dtype for generation "
                                      '("" = keep the config\'s).')
+_JSONL = flags.DEFINE_bool("jsonl", False, "Print one JSON object per prompt (for scripts) instead "
+                           "of the labelled records.")
+
+
+def _shown(line: str) -> str:
+  """`line` with control characters (but tab) escaped as repr does: a model's stray \\r or ESC
+  would otherwise overwrite the line or restyle the terminal."""
+  return "".join(repr(c)[1:-1] if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                 else c for c in line)
+
+
+def _field(label: str, text: str) -> list[str]:
+  """`text` under `label`, one "| " line per line of the text (so a newline never ends a record);
+  its spaces are kept, trailing ones too (a continuation may be nothing else)."""
+  return [f"{label if i == 0 else '':<12} |" + (f" {_shown(line)}" if line else "")
+          for i, line in enumerate(text.split("\n"))]
+
+
+def _plural(n: int, word: str) -> str:
+  return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def format_record(index: int, count: int, record: dict) -> str:
+  """The labelled record of one prompt (module docstring); `record` is its --jsonl object."""
+  stop = ("then EOS" if record["stop"] == "eos"
+          else f"stopped at --max_new_tokens={record['max_new_tokens']}")
+  return "\n".join([f"=== prompt {index + 1} of {count} ===",
+                    *_field("prompt", record["prompt"]),
+                    *_field("continuation", record["continuation"]),
+                    f"({_plural(record['prompt_tokens'], 'prompt token')}, "
+                    f"{_plural(record['new_tokens'], 'new token')}; {stop})"])
 
 
 def main(argv) -> int:
@@ -75,15 +122,25 @@ def main(argv) -> int:
                    eos_id=tokenizer.eos_id if _STOP_AT_EOS.value else None)
   except ValueError as e:  # prompt + max_new_tokens over max_seq_len, an empty prompt, top_p
     raise SystemExit(f"error: {e}") from None
-  for ids in out.sequences():
-    if _STOP_AT_EOS.value and ids and ids[-1] == tokenizer.eos_id:
-      ids = ids[:-1]
-    print(tokenizer.decode(ids))
+  settings = dict(checkpoint=_CHECKPOINT.value, step=info["step"], tokenizer=info["tokenizer"],
+                  max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
+                  top_p=_TOP_P.value, seed=_SEED.value)
+  sequences = out.sequences()
+  for i, (prompt, ids) in enumerate(zip(_PROMPT.value, sequences)):
+    eos = _STOP_AT_EOS.value and bool(ids) and ids[-1] == tokenizer.eos_id
+    ids = ids[:-1] if eos else ids
+    record = dict(prompt=prompt, continuation=tokenizer.decode(ids), prompt_tokens=len(prompts[i]),
+                  new_tokens=len(ids), stop="eos" if eos else "max_new_tokens", **settings)
+    if _JSONL.value:
+      print(json.dumps(record))
+    else:
+      print(("\n" if i else "") + format_record(i, len(sequences), record))
   return 0
 
 
 if __name__ == "__main__":
-  from umoe_jax import config_file, flag_errors, stdout_errors
+  from umoe_jax import flag_errors, stdout_errors
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv)  # else a raw traceback of config_flags

@@ -29,7 +29,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
 }
 ATTENTION_CORES = ("auto", "xla", "cudnn", "triton", "splash")   # model.attention.core
 # model.attention.core_backward: the Triton core's backward (kernels/attention_tiles.BACKWARDS).
-ATTENTION_BACKWARDS = ("auto", "recompute", "stored", "stored_pairs")
+ATTENTION_BACKWARDS = ("auto", "recompute", "stored_pairs")
 
 FFN_KINDS = ("dense", "moe", "none")
 
@@ -57,9 +57,7 @@ class RouterKind:
   selection_bias: takes the aux-loss-free balancing bias (`router.bias_update_rate`);
   selections:   the `router.selection` values it accepts;
   masks_slots:  can leave slots without a pick by itself (`RouterOutput.slot_mask`; the selections
-                of `SLOT_MASKING_SELECTIONS` do so for any kind);
-  one_pass:     its forward is `ScoreRouter`'s softmax of the logits, top-k and balance statistics,
-                which `router.one_pass` runs as one kernel (`umoe_jax.ops.router_pass`).
+                of `SLOT_MASKING_SELECTIONS` do so for any kind).
   """
   scores: bool = True
   distribution: bool = True
@@ -70,11 +68,10 @@ class RouterKind:
   selection_bias: bool = True
   selections: tuple[str, ...] = ("top_k", "top_p", "expert_choice")
   masks_slots: bool = False
-  one_pass: bool = False
 
 
 ROUTER_KINDS: dict[str, RouterKind] = {
-    "topk_softmax": RouterKind(one_pass=True),
+    "topk_softmax": RouterKind(),
     # gates are sigmoid scores, not a distribution; `probs` is only their normalisation
     "topk_sigmoid": RouterKind(distribution=False, selections=("top_k",)),
     "xmoe": RouterKind(),
@@ -88,7 +85,7 @@ ROUTER_KINDS: dict[str, RouterKind] = {
     "similarity_aware": RouterKind(mixing="similarity", decodes=False),
     "attention_aware": RouterKind(mixing="attention", decodes=False, sublayers=("ffn",)),
     # the experts score themselves: an MoE FFN's pool of factorised experts
-    "aoe": RouterKind(weights=False, sublayers=("ffn",), one_pass=True),
+    "aoe": RouterKind(weights=False, sublayers=("ffn",)),
 }
 
 MIXINGS = ("none", "similarity", "attention")             # router.mixing

@@ -27,10 +27,10 @@ import json
 from typing import Any, Optional
 
 from umoe_jax import json_errors, storage
-
-CONFIG_FILE = "config.json"
-# What marks a fine-tuning workdir (`umoe_jax.finetune.predict`): a text classifier, not an LM.
-CLASSIFIER_FILE = "classifier.json"
+# The workdir's file names and the fine-tuning workdir check live with the workdir layout, which
+# the trainer's resume reads too (the trainer never imports this module).
+from umoe_jax.train.workdir import (CLASSIFIER_FILE, CONFIG_FILE,  # noqa: F401  (re-exported)
+                                    finetune_message, finetune_workdir)
 
 
 class LoadError(ValueError):
@@ -86,32 +86,6 @@ def read_checkpoint_config(checkpoint: str) -> Optional[dict]:
     if config is not None:
       return config
   return None
-
-
-def finetune_workdir(path: str) -> Optional[str]:
-  """The fine-tuning workdir that `path` is (or whose checkpoints/, best/ or a step of them it is),
-  or None."""
-  path = storage.normpath(storage.abspath(path))
-  parent = storage.dirname(path)
-  name = storage.basename(path)
-  candidates = [path] + ([parent] if name in ("checkpoints", "best") else []) + (
-      [storage.dirname(parent)] if name.isdigit() else [])
-  return next((d for d in candidates if storage.isfile(storage.join(d, CLASSIFIER_FILE))), None)
-
-
-def finetune_message(path: str, workdir: str) -> str:
-  """Why a fine-tuning workdir is not a language-model checkpoint, and what to do instead."""
-  try:
-    config = _read_json(storage.join(workdir, CONFIG_FILE)) or {}
-  except LoadError:  # not JSON: the advice stands without the backbone's name
-    config = {}
-  backbone = config.get("init_from") if isinstance(config, dict) else None
-  where = ("is a fine-tuning workdir" if storage.normpath(storage.abspath(path)) == workdir
-           else f"is in the fine-tuning workdir {workdir}")
-  return (f"{path!r} {where} ({CLASSIFIER_FILE}): a text "
-          f"classifier, not a language model; score texts with `python -m umoe_jax.finetune "
-          f"predict --checkpoint={workdir} --input=FILE --output=FILE`"
-          + (f", or use its backbone, {backbone}" if backbone else ""))
 
 
 def resolve_checkpoint(path: str) -> CheckpointRef:

@@ -16,6 +16,9 @@ interpreter's flush has nothing left to fail on.
 
 A command that turns every error of a step into its own message (train.py's flag parsing) lets
 stdout's errors pass: `is_stdout_error(e)`.
+
+Being every command's start, `run_and_exit` also keeps JAX's platform probe quiet
+(`console.quiet_platform_probe`: no "Unable to initialize backend 'tpu'" line without a TPU).
 """
 from __future__ import annotations
 
@@ -80,6 +83,8 @@ def _discard_stdout(stream) -> None:
 def run_and_exit(main: Callable[..., Any], *args: Any, **kwargs: Any) -> NoReturn:
   """sys.exit(main(*args, **kwargs)), with standard output's write errors handled as the module
   docstring says (a SystemExit of `main`, absl.app.run's way to end, keeps its status)."""
+  from umoe_jax import console
+  console.quiet_platform_probe()  # every command starts here: no "libtpu" line on a CPU machine
   original = sys.stdout
   stdout = sys.stdout = _TrackedStdout(original)
   try:

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(not fi.available(), reason="needs a GPU with Tr
 
 def _both_routes(fn, *args):
   """fn(*args) compiled with each route (a fresh jit each: the route is read at trace time) ->
-  [(outputs, compiled HLO text)] for custom_call, ffi, graph."""
+  [(outputs, compiled HLO text)] for custom_call, ffi."""
   out = []
   for route in triton_launch.ROUTES:
     triton_launch.set_route(route)
@@ -37,10 +37,10 @@ def _both_routes(fn, *args):
   return out
 
 
-def _assert_same(legacy, ffi, graphed):
+def _assert_same(legacy, ffi):
   (got_legacy, text_legacy) = legacy
   assert 'custom_call_target="triton_kernel_call"' in text_legacy
-  for (got, text), target in ((ffi, triton_launch.FFI_TARGET), (graphed, triton_launch.GRAPHED_TARGET)):
+  for (got, text), target in ((ffi, triton_launch.FFI_TARGET),):
     assert f'custom_call_target="{target}"' in text
     assert 'custom_call_target="triton_kernel_call"' not in text
     for a, b in zip(jax.tree.leaves(got_legacy), jax.tree.leaves(got)):

@@ -1,4 +1,5 @@
-"""What the experts do: routing statistics, the probe, reports, plots and the in-training hook.
+"""What the experts do: routing statistics, the probe, reports and plots (the trainer's routing probe,
+`umoe_jax.train.routing_probe`, builds on them; nothing here imports the trainer).
 
   routing.py     the statistics (pure numpy): fluctuation, Jaccard, entropy, load, consistency,
                  attention / FFN overlap of a shared pool
@@ -6,7 +7,6 @@
   checkpoints.py which checkpoints, their model configs (same shapes; reading: umoe_jax/load.py)
   report.py      the report dict (JSON) and its text tables
   plots.py       matplotlib figures (load heatmap, fluctuation, loss curves)
-  training.py    the trainer's probe: fluctuation at every evaluation (TensorBoard, metrics.jsonl)
   cli.py         `analyze` (the whole analysis) and the command python -m umoe_jax.analysis routing
                  --checkpoints=A,B,... (see there)
 """

@@ -23,7 +23,6 @@ from umoe_jax.load import CheckpointRef, LoadError, flatten, resolve_checkpoint
 # Model keys that change numerics or kernels, not what is computed: ignored when comparing models.
 NUMERICS_KEYS = ("compute_dtype", "param_dtype", "gmm_backend", "attention.core",
                  "router.topk_backend", "attention.router.topk_backend", "ffn.router.topk_backend",
-                 "router.one_pass", "attention.router.one_pass", "ffn.router.one_pass",
                  "moe.fuse_activation", "moe.fuse_weight_rows", "attention.core_backward")
 
 

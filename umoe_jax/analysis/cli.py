@@ -26,7 +26,7 @@ import functools
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from umoe_jax import storage
+from umoe_jax import console, storage
 
 COMMANDS = ("routing",)
 
@@ -128,32 +128,35 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
   fns: dict[Any, tuple] = {}
   previous = None
   selected = None
-  for ref, cfg, label in zip(refs, cfgs, labels):
-    if cfg not in fns:  # one compile per distinct model config
-      parts = state_lib.model_parts(cfg)
-      fns[cfg] = (parts, jax.jit(functools.partial(probe.route_outputs, graphdef=parts.graphdef)))
-    parts, fn = fns[cfg]
-    params = load_params(ref, parts.abstract_params)
-    if selected is None:
-      names = list(jax.eval_shape(fn, params, rows[:1]))
-      if not names:
-        raise ValueError(f"checkpoint {ref.path}: the model has no routers to analyse")
-      selected = probe.select_routers(names, routers)
-      pairs = probe.shared_pool_pairs(cfg, selected)
-    routes = probe.collect(fn, params, rows, n_tokens=tokens, batch_size=batch_size,
-                           routers=selected)
-    del params
-    if not result["routers"]:
-      result["routers"] = report.router_info(routes)
-    entry = report.checkpoint_entry(label, ref, routes, token_ids, pairs)
-    result["checkpoints"].append(entry)
-    ids = {name: r.expert_ids for name, r in routes.items()}
-    if previous is not None:
-      result["fluctuation"].append(report.fluctuation_entry(previous[0], label, previous[1], ids))
-    previous = (label, ids)
-    log(f"checkpoint {label}: {ref.path}")
-    if plots_dir:
-      _plot_checkpoint(plots_dir, entry, tokens)
+  # One bar over every checkpoint's probe windows (a terminal's stderr only: `console.progress`).
+  bar = console.progress(total=len(refs) * len(rows), desc="routing", unit="window")
+  with bar:
+    for ref, cfg, label in zip(refs, cfgs, labels):
+      if cfg not in fns:  # one compile per distinct model config
+        parts = state_lib.model_parts(cfg)
+        fns[cfg] = (parts, jax.jit(functools.partial(probe.route_outputs, graphdef=parts.graphdef)))
+      parts, fn = fns[cfg]
+      params = load_params(ref, parts.abstract_params)
+      if selected is None:
+        names = list(jax.eval_shape(fn, params, rows[:1]))
+        if not names:
+          raise ValueError(f"checkpoint {ref.path}: the model has no routers to analyse")
+        selected = probe.select_routers(names, routers)
+        pairs = probe.shared_pool_pairs(cfg, selected)
+      routes = probe.collect(fn, params, rows, n_tokens=tokens, batch_size=batch_size,
+                             routers=selected, progress=bar.update)
+      del params
+      if not result["routers"]:
+        result["routers"] = report.router_info(routes)
+      entry = report.checkpoint_entry(label, ref, routes, token_ids, pairs)
+      result["checkpoints"].append(entry)
+      ids = {name: r.expert_ids for name, r in routes.items()}
+      if previous is not None:
+        result["fluctuation"].append(report.fluctuation_entry(previous[0], label, previous[1], ids))
+      previous = (label, ids)
+      log(f"checkpoint {label}: {ref.path}")
+      if plots_dir:
+        _plot_checkpoint(plots_dir, entry, tokens)
   if plots_dir and result["fluctuation"]:
     _plot_fluctuation(plots_dir, result)
   return result
@@ -259,7 +262,7 @@ def main(argv) -> int:
     logging.set_verbosity(logging.WARNING)
   if not f.checkpoints:
     raise SystemExit("--checkpoints=A,B,... is required")
-  log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+  log = console.note  # (stderr, above the progress bar on a terminal)
   from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
   quiet_orphaned_orbax_work()  # a damaged checkpoint: its error line, not TensorStore's echoes
   try:

@@ -111,13 +111,15 @@ def route_outputs(params: Any, tokens: Any, *, graphdef: Any,
 
 
 def collect(fn: Callable, params: Any, rows: np.ndarray, *, n_tokens: int,
-            batch_size: int = 8, routers: Optional[Sequence[str]] = None) -> dict[str, Routes]:
+            batch_size: int = 8, routers: Optional[Sequence[str]] = None,
+            progress: Optional[Callable[[int], None]] = None) -> dict[str, Routes]:
   """Every router's picks on the probe rows [R, T] (the first n_tokens, row by row).
 
   `fn(params, tokens [b, T]) -> route_outputs(..., with_probs=True)`; a batch holds batch_size
   rows, or the power of two that holds every row when that is fewer; the last batch is padded with
   copies of the first row (causal routing: padding rows never change the real ones) so that one
-  compile serves. `routers`: names to keep (default all).
+  compile serves. `routers`: names to keep (default all). `progress(n)` is told the rows of each
+  batch once routed.
   """
   import jax
 
@@ -136,6 +138,8 @@ def collect(fn: Callable, params: Any, rows: np.ndarray, *, n_tokens: int,
       if routers is not None and name not in routers:
         continue
       parts.setdefault(name, []).append((np.asarray(ids)[:real], np.asarray(probs)[:real]))
+    if progress:
+      progress(real)
   flat = lambda chunks: np.concatenate(chunks).reshape(n_rows * t, -1)[:n_tokens]
   return {name: Routes(expert_ids=flat([c[0] for c in chunks]).astype(np.int32),
                        probs=flat([c[1] for c in chunks]).astype(np.float32))

@@ -35,9 +35,16 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from umoe_jax.train.metrics import load_balance
-
 NO_PICK = -1   # an expert_ids slot that holds no pick
+
+
+def load_balance(counts: np.ndarray) -> tuple[float, float]:
+  """(max / mean, std / mean) of per-expert counts [E]; (nan, nan) if no token was routed."""
+  counts = np.asarray(counts, np.float64)
+  mean = counts.mean()
+  if mean <= 0:
+    return float("nan"), float("nan")
+  return float(counts.max() / mean), float(counts.std() / mean)
 
 
 def _check_ids(a: np.ndarray, b: np.ndarray) -> None:

@@ -47,7 +47,7 @@ _ROUTER_SELECTION = tuple(f"model.router.{k}" for k in (
     "selection", "top_p", "expert_choice_", "mixing", "similarity_temperature",
     "attention_temperature"))
 _KERNELS = ("model.gmm_backend", "model.attention.core", "model.moe.fuse_", "model.router.logits_dtype",
-            "model.router.topk_backend", "model.router.one_pass")
+            "model.router.topk_backend")
 _MEMORY = ("model.scan_layers", "train.remat", "train.loss_chunk_tokens", "train.fused_loss_head",
            "train.grad_accum_steps", "train.mu_dtype", "train.compilation_cache_dir")
 _OPTIMIZER = tuple(f"train.{k}" for k in (

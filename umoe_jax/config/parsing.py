@@ -8,6 +8,7 @@ import typing
 from typing import Any, Mapping
 
 from umoe_jax.config.checks import validate
+from umoe_jax.config.removed import drop_removed
 from umoe_jax.config.schema import ConfigError, ModelConfig, resolve_router
 
 
@@ -67,10 +68,11 @@ def resolve(cfg: ModelConfig) -> ModelConfig:
 
 
 def model_config(cfg: Any) -> ModelConfig:
-  """Builds, resolves and validates a `ModelConfig` from a ConfigDict / mapping (`config.model`)."""
+  """Builds, resolves and validates a `ModelConfig` from a ConfigDict / mapping (`config.model`);
+  removed keys (a config.json of an older run) are dropped with a warning (`drop_removed`)."""
   if isinstance(cfg, ModelConfig):
     return validate(resolve(cfg))
-  return validate(resolve(_build(ModelConfig, cfg, "model")))
+  return validate(resolve(_build(ModelConfig, drop_removed(_to_plain(cfg)), "model")))
 
 
 def to_dict(cfg: ModelConfig) -> dict:
@@ -80,12 +82,12 @@ def to_dict(cfg: ModelConfig) -> dict:
 def default_config_dict(cls=ModelConfig):
   """The dataclass defaults as an ml_collections ConfigDict (the one source of the model defaults).
 
-  Optional fields (`Optional[int]` ...) become `config_fields.optional` fields, so that the command
+  Optional fields (`Optional[int]` ...) become `config.fields.optional` fields, so that the command
   line can set them to a value or to None (`--config.model.attention.q_lora_rank=None`,
   `--config.model.attention.latent_dim=192`).
   """
   import ml_collections
-  from umoe_jax.config_fields import optional
+  from umoe_jax.config.fields import optional
 
   hints = typing.get_type_hints(cls)
   out = {}

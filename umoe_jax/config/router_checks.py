@@ -35,7 +35,7 @@ def validate_routers(cfg: ModelConfig) -> None:
     rate_key = cfg.router_key("attention", "bias_update_rate")
     require(att.bias_update_rate == 0, f"model.router.share_att_ffn={cfg.router.share_att_ffn!r} with "
             f"{rate_key}={att.bias_update_rate!r}: one selection bias cannot follow two routers' loads")
-    how = ("topk_backend", "one_pass")  # how the router computes, not what: may differ
+    how = ("topk_backend",)  # how the router computes, not what: may differ
     diff = sorted(k for k in overrides(cfg.attention.router).keys() | overrides(cfg.ffn.router).keys()
                   if getattr(att, k) != getattr(ffn, k) and k not in how)
     if diff:
@@ -127,13 +127,6 @@ def _check_router_values(router: RouterConfig, cfg: ModelConfig, key) -> None:
           f"; valid for {key('kind')}={router.kind!r}: {', '.join(kind.selections)}")
     check("entropy_coef", kind.distribution or router.entropy_coef == 0,
           f"needs a router with a distribution; {key('kind')}={router.kind!r} has none")
-    check("one_pass", not router.one_pass or kind.one_pass,
-          f"needs a router that routes by a softmax of its logits; {key('kind')}={router.kind!r} "
-          f"does not (valid: {', '.join(k for k, v in kinds.ROUTER_KINDS.items() if v.one_pass)})")
-    check("one_pass", not router.one_pass or router.selection == "top_k",
-          f"needs {key('selection')}='top_k' (got {router.selection!r})")
-    check("one_pass", not router.one_pass or router.mixing == "none",
-          f"needs {key('mixing')}='none' (got {router.mixing!r})")
     check("bias_update_rate", router.bias_update_rate == 0 or router.selection == "top_k",
           f"moves the top-k choice; {key('selection')}={router.selection!r} picks otherwise "
           "(expert choice is balanced by construction)")

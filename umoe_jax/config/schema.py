@@ -92,9 +92,6 @@ class RouterConfig:
                                       # router, or "bfloat16" (float32 accumulation), a little faster
   topk_backend: str = "auto"          # the top-k ids: "xla" (lax.top_k), "triton" (a one-pass GPU
                                       # kernel, the same ids) or "auto" (triton on one GPU, else xla)
-  one_pass: bool = False              # softmax, top-k, gates and balance statistics in one GPU kernel
-                                      # pass (`umoe_jax.ops.router_pass`; softmax routers, top_k, no
-                                      # mixing); off because it is not faster in a whole step
 
 # The keys of a sub-layer's own router section (`model.attention.router`, `model.ffn.router`): every
 # RouterConfig key but the layer-level `share_att_ffn`, each None = take `model.router`'s.
@@ -127,9 +124,9 @@ class MoEConfig:
   fuse_activation: bool = True        # non-gated silu / relu pools take their activation's derivative
                                       # inside the last grouped matmul's backward, saving a pass and
                                       # memory; False runs the plain path (for comparison)
-  fuse_weight_rows: bool = False      # the last matmul's weight gradient reads gate-scaled rows that
-                                      # its input-gradient kernel writes, not an XLA pass: less memory,
-                                      # the same values (Triton backend only)
+  fuse_weight_rows: bool = False      # for memory (a lower peak), not speed: the last
+                                      # matmul's weight gradient reads gate-scaled rows that the input
+                                      # gradient's kernel writes, not an XLA pass (Triton backend only)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
@@ -154,7 +151,7 @@ class AttentionConfig:
                                       # (fused GPU kernels), "splash" (TPU) or "auto" (the fused kernel
                                       # on one GPU, else xla)
   core_backward: str = "auto"         # the triton core's backward: "recompute" (least memory),
-                                      # "stored" or "stored_pairs" (keep P and dS, less work), "auto"
+                                      # "stored_pairs" (keep P and dS, less work), "auto"
                                       # (the tile table's choice)
   # The routers of this sub-layer: any `model.router` key but share_att_ffn; None inherits it.
   router: RouterOverrides = dataclasses.field(default_factory=RouterOverrides)

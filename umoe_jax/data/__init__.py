@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ml_collections import ConfigDict
 
-from umoe_jax.config_fields import optional
+from umoe_jax.config.fields import optional
 from umoe_jax.data.checkpoint import restore_args, save_args
 from umoe_jax.data.pipeline import load_tokenizer, make_eval_batches, make_train_iterator
 from umoe_jax.data.sources import SOURCES, DataError

@@ -52,9 +52,8 @@ from typing import Sequence
 import grain
 import numpy as np
 from absl import logging
-from tqdm import tqdm
 
-from umoe_jax import storage
+from umoe_jax import console, storage
 from umoe_jax.data import default_data_config, sources
 from umoe_jax.data.tokenizer import HFTokenizer, Tokenizer, make_tokenizer
 
@@ -191,7 +190,8 @@ def _encode_group(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
 
 def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: int = 1,
             overwrite: bool = False, progress: bool = True) -> dict:
-  """Writes `data_config`'s `split` ("train" / "eval") as ArrayRecord shards; returns the metadata."""
+  """Writes `data_config`'s `split` ("train" / "eval") as ArrayRecord shards; returns the metadata.
+  `progress`: a progress bar on stderr when it is a terminal (`console.progress`)."""
   from array_record.python.array_record_module import ArrayRecordWriter
 
   if data_config.source == "arrayrecord":
@@ -228,7 +228,8 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
       raise _write_failed(shown, e) from e
     num_docs = num_tokens = 0
     doc_iter = iter(docs)
-    with tqdm(total=total, unit="doc", disable=not progress, desc=f"tokenizing {split}") as bar:
+    with console.progress(total=total, unit="doc", desc=f"tokenizing {split}",
+                          show=progress) as bar:
       while group := list(itertools.islice(doc_iter, _DOCS_PER_GROUP)):
         for ids in _encode_group(tok, group):
           try:
@@ -237,8 +238,8 @@ def prepare(data_config, output_dir: str, *, split: str = "train", num_shards: i
             raise _write_failed(shown, e) from e
           num_docs += 1
           num_tokens += len(ids)
+        bar.set_postfix(tokens=f"{num_tokens:,}", refresh=False)  # (drawn by the update: once)
         bar.update(len(group))
-        bar.set_postfix(tokens=f"{num_tokens:,}")
     try:
       for w in writers:
         w.close()

@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
-from umoe_jax import config_file
+from umoe_jax import console
+from umoe_jax.config import files as config_file
 from umoe_jax.config import ConfigError
 from umoe_jax.eval import harness
 from umoe_jax.eval import tasks as tasks_lib
@@ -40,7 +41,7 @@ from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
 
 
 def _log(msg: str) -> None:
-  print(msg, file=sys.stderr, flush=True)
+  console.note(msg)  # (above the progress bar, on a terminal)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def cmd_perplexity(f):
                           words=corpus.words, context=f.context, stride=f.stride, bos_id=f.bos_id,
                           max_tokens=f.max_tokens, originals=corpus.originals)
   out["seconds"] = round(time.perf_counter() - t0, 2)
-  _log(f"{corpus.name}: {out['tokens']} tokens in {out['seconds']:.1f} s "
+  _log(f"{corpus.name}: {out['tokens']:,} tokens in {out['seconds']:.1f} s "
        f"(context {out['context']}, stride {out['stride']})")
   rows = [("metric", corpus.name)] + [(k, fmt(out[k])) for k in _PPL_ROWS if k in out]
   return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, results=out)
@@ -190,8 +191,8 @@ def cmd_attack(f):
   attacked, stats = attack_documents(clean_docs, rate=f.rate, seed=f.attack_seed)
   scorer = Scorer(model, f.batch_size)
   clean, hit = (corpus_perplexity(scorer, tokenizer, docs, words=words, context=f.context,
-                                  stride=f.stride, bos_id=f.bos_id)
-                for docs in (clean_docs, attacked))
+                                  stride=f.stride, bos_id=f.bos_id, label=label)
+                for docs, label in ((clean_docs, "clean"), (attacked, "attacked")))
   _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} whitespace-separated words "
        f"scored substituted (rate {f.rate}, seed {f.attack_seed})")
   rows = [("metric", "clean", "attacked")] + [(k, fmt(clean[k]), fmt(hit[k])) for k in _PPL_ROWS

@@ -35,10 +35,11 @@ the original lines (detokenizing merges words: "1 @,@ 000" is three, "1,000" one
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from umoe_jax import console
 from umoe_jax.eval.corpora import wikitext_words
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.scoring import Scorer, Window
@@ -70,10 +71,10 @@ def _safe_exp(x: float) -> float:
 
 
 def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]], prefix: int, *,
-                            context: Optional[int] = None, stride: Optional[int] = None
-                            ) -> np.ndarray:
+                            context: Optional[int] = None, stride: Optional[int] = None,
+                            progress: Optional[Callable[[int], None]] = None) -> np.ndarray:
   """Sum of log p(token) over each document's tokens (float64 [D]); defaults: context =
-  max_seq_len, stride = context."""
+  max_seq_len, stride = context. `progress(n)` is told the tokens scored, batch by batch."""
   given = context
   context, stride = window_sizes(scorer, context, stride)
   if context > scorer.max_seq_len:
@@ -88,7 +89,8 @@ def document_loglikelihoods(scorer: Scorer, token_lists: Sequence[Sequence[int]]
     for w in rolling_windows(toks, prefix, context, stride):
       owner.append(i)
       wins.append(w)
-  ll, _ = scorer.score_windows(wins)
+  ll, _ = scorer.score_windows(
+      wins, progress and (lambda idx: progress(sum(wins[j][2] for j in idx))))
   out = np.zeros(len(token_lists))
   np.add.at(out, np.asarray(owner, np.int64), ll)
   return out
@@ -155,11 +157,15 @@ def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
                       words: Optional[Sequence[int]] = None, context: Optional[int] = None,
                       stride: Optional[int] = None, bos_id: Optional[int] = None,
                       max_tokens: Optional[int] = None,
-                      originals: Optional[Sequence[str]] = None) -> dict:
-  """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes", "words")."""
+                      originals: Optional[Sequence[str]] = None, label: str = "perplexity") -> dict:
+  """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes", "words").
+  A terminal's stderr shows a progress bar named `label` over the tokens (`console.progress`)."""
   texts, counts, token_lists = truncate(tokenizer, documents, words, max_tokens, originals)
   prefix = bos_id if bos_id is not None else tokenizer.eos_id
-  ll = document_loglikelihoods(scorer, token_lists, prefix, context=context, stride=stride)
+  total = sum(len(t) for t in token_lists)
+  with console.progress(total=total, desc=label, unit="token", unit_scale=True) as bar:
+    ll = document_loglikelihoods(scorer, token_lists, prefix, context=context, stride=stride,
+                                 progress=bar.update)
   lengths = np.array([len(t) for t in token_lists])
   nll, n_tokens = -float(ll.sum()), int(lengths.sum())
   n_bytes = sum(len(t.encode("utf-8")) for t in texts)

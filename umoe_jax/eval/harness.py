@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 from flax import nnx
 
+from umoe_jax import console
 from umoe_jax.eval import fewshot, mmlu, race
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
@@ -67,13 +68,15 @@ def choice_metrics(ll: Sequence[np.ndarray], gold: Sequence[int],
 
 
 def evaluate_docs(scorer: Scorer, tokenizer, kind: str, docs: Sequence[tasks_lib.Doc],
-                  bos_id: Optional[int] = None, prefixes: Optional[Sequence[str]] = None) -> dict:
+                  bos_id: Optional[int] = None, prefixes: Optional[Sequence[str]] = None,
+                  progress=None) -> dict:
   """Metrics of one task's documents (kind: "multiple_choice", "schema" or "lm"); `prefixes[i]`
-  (few-shot examples, `umoe_jax.eval.fewshot`) goes before every context of docs[i]."""
+  (few-shot examples, `umoe_jax.eval.fewshot`) goes before every context of docs[i];
+  `progress(n)` counts the requests scored (`Scorer.loglikelihood`)."""
   prefixes = prefixes if prefixes is not None else [""] * len(docs)
   per_doc_requests = [d.requests(p) for d, p in zip(docs, prefixes)]
   pairs = [r for reqs in per_doc_requests for r in reqs]
-  ll, greedy = scorer.loglikelihood(encode_requests(tokenizer, pairs, bos_id))
+  ll, greedy = scorer.loglikelihood(encode_requests(tokenizer, pairs, bos_id), progress)
   if kind == "lm":
     acc, acc_err = _mean_stderr(greedy)
     return {"acc": acc, "acc_stderr": acc_err, "ppl": math.exp(min(-float(np.mean(ll)), 700.0)),
@@ -153,11 +156,12 @@ def prepare(spec: TaskSpec, *, num_fewshot: int = 0, limit: Optional[int] = None
 
 
 def score(scorer: Scorer, tokenizer, spec: TaskSpec, prepared: Sequence[PreparedTask],
-          bos_id: Optional[int] = None) -> dict[str, dict]:
-  """{result name: metrics} of one prepared task (mmlu: subjects, categories, overall)."""
+          bos_id: Optional[int] = None, progress=None) -> dict[str, dict]:
+  """{result name: metrics} of one prepared task (mmlu: subjects, categories, overall);
+  `progress(n)` counts the requests scored."""
   out = {}
   for p in prepared:
-    m = evaluate_docs(scorer, tokenizer, p.kind, p.docs, bos_id, p.prefixes)
+    m = evaluate_docs(scorer, tokenizer, p.kind, p.docs, bos_id, p.prefixes, progress)
     if p.mmlu_subject is not None:
       m = {"acc": m["acc"], "acc_stderr": m["acc_stderr"], "n": m["n"],
            "category": mmlu.SUBJECTS.get(p.mmlu_subject, "other")}
@@ -185,17 +189,21 @@ def prepare_all(specs: Sequence[TaskSpec], **kw) -> list[list[PreparedTask]]:
 def score_all(scorer: Scorer, tokenizer, specs: Sequence[TaskSpec],
               prepared: Sequence[Sequence[PreparedTask]], bos_id: Optional[int] = None,
               log=None) -> dict[str, dict]:
-  """{result name: metrics} of every prepared task, with its "seconds"; `log(str)` per task."""
+  """{result name: metrics} of every prepared task, with its "seconds"; `log(str)` per task.
+  A terminal's stderr shows one progress bar over all the tasks' requests (`console.progress`)."""
   results = {}
-  for spec, prep in zip(specs, prepared):
-    t0 = time.perf_counter()
-    out = score(scorer, tokenizer, spec, prep, bos_id)
-    seconds = round(time.perf_counter() - t0, 2)
-    for m in out.values():
-      m["seconds"] = seconds
-    results.update(out)
-    if log:
-      log(f"{spec.name}: {out[spec.name]['n']} items in {seconds:.1f} s")
+  total = sum(len(d.requests()) for prep in prepared for p in prep for d in p.docs)
+  with console.progress(total=total, desc=specs[0].name if specs else "", unit="request") as bar:
+    for spec, prep in zip(specs, prepared):
+      bar.set_description(spec.name, refresh=False)
+      t0 = time.perf_counter()
+      out = score(scorer, tokenizer, spec, prep, bos_id, bar.update)
+      seconds = round(time.perf_counter() - t0, 2)
+      for m in out.values():
+        m["seconds"] = seconds
+      results.update(out)
+      if log:
+        log(f"{spec.name}: {out[spec.name]['n']} items in {seconds:.1f} s")
   return results
 
 

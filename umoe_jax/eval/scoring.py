@@ -27,7 +27,7 @@ Memory: a batch materialises float32 logits [batch_size, bucket, V]; lower batch
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -172,8 +172,11 @@ class Scorer:
       raise EvalError(f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size}): "
                       "the tokenizer does not fit this model")
 
-  def score_windows(self, wins: Sequence[Window]) -> tuple[np.ndarray, np.ndarray]:
-    """(ll float64 [N], greedy bool [N]) of every window, in window order."""
+  def score_windows(self, wins: Sequence[Window],
+                    progress: Optional[Callable[[list[int]], None]] = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(ll float64 [N], greedy bool [N]) of every window, in window order; `progress(indices)` is
+    told each batch's windows once the device has scored them (a progress bar's updates)."""
     for inputs, targets, k in wins:
       if (not 1 <= len(inputs) <= self.max_seq_len or len(targets) != len(inputs)
           or not 0 <= k <= len(inputs)):
@@ -182,6 +185,14 @@ class Scorer:
     order = sorted(range(len(wins)), key=lambda j: -len(wins[j][0]))
     rows = rows_per_forward(self.batch_size, len(wins))
     pending = []
+    reported = 0  # batches told to `progress`, in order
+
+    def report(upto: int, wait: bool) -> None:  # (wait: batches before `upto` are known done)
+      nonlocal reported
+      while progress and reported < upto and (wait or pending[reported][1][0].is_ready()):
+        progress(pending[reported][0])
+        reported += 1
+
     for start in range(0, len(order), rows):
       idx = order[start:start + rows]
       tokens, targets, mask = pack([wins[j] for j in idx], self.bucket(len(wins[idx[0]][0])), rows)
@@ -189,14 +200,19 @@ class Scorer:
       self._check_ids(targets)
       pending.append((idx, self._score(self.state, jnp.asarray(tokens), jnp.asarray(targets),
                                        jnp.asarray(mask))))
+      report(len(pending), wait=False)  # dispatch runs ahead of the device: count what it did
     ll, greedy = np.zeros(len(wins)), np.ones(len(wins), bool)
-    for idx, (out_ll, out_greedy) in pending:
+    for k, (idx, (out_ll, out_greedy)) in enumerate(pending):
       ll[idx] = np.asarray(out_ll, np.float64)[:len(idx)]
       greedy[idx] = np.asarray(out_greedy)[:len(idx)]
+      report(k + 1, wait=True)
     return ll, greedy
 
-  def loglikelihood(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
-    """(ll float64 [N], greedy bool [N]) of every request's continuation, in request order."""
+  def loglikelihood(self, requests: Sequence[Request],
+                    progress: Optional[Callable[[int], None]] = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(ll float64 [N], greedy bool [N]) of every request's continuation, in request order;
+    `progress(n)` is told how many more requests are fully scored, batch by batch."""
     owner, wins = [], []
     for i, (ctx, cont) in enumerate(requests):
       if not ctx or not cont:
@@ -204,7 +220,16 @@ class Scorer:
       for w in windows(ctx, cont, self.max_seq_len):
         owner.append(i)
         wins.append(w)
-    win_ll, win_greedy = self.score_windows(wins)
+    left = np.bincount(np.asarray(owner, np.int64), minlength=len(requests))  # windows to go
+
+    def windows_done(idx: list[int]) -> None:
+      finished = 0
+      for j in idx:
+        left[owner[j]] -= 1
+        finished += int(left[owner[j]] == 0)
+      progress(finished)
+
+    win_ll, win_greedy = self.score_windows(wins, windows_done if progress else None)
     ll, greedy = np.zeros(len(requests)), np.ones(len(requests), bool)
     np.add.at(ll, np.asarray(owner, np.int64), win_ll)
     np.logical_and.at(greedy, np.asarray(owner, np.int64), win_greedy)

@@ -99,7 +99,8 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  from umoe_jax import config_file, flag_errors, stdout_errors
+  from umoe_jax import flag_errors, stdout_errors
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv)  # else config_flags' traceback (or IOError at first use)

@@ -18,7 +18,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from umoe_jax.config import ConfigError
-from umoe_jax.config_fields import optional
+from umoe_jax.config.fields import optional
 
 FORMATS = ("auto", "jsonl", "csv", "tsv", "parquet")   # data.format
 POOLINGS = ("last", "mean")                             # model.pooling
@@ -87,7 +87,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.log = ml_collections.ConfigDict(dict(
       tensorboard=True,            # TensorBoard event files in `WORKDIR/tensorboard`
       jsonl=True,                  # `WORKDIR/metrics.jsonl`, one JSON object per record
-      progress=True,               # a progress bar; False logs one line per log_every instead
+      progress=True,               # a bar on a terminal; else (or False) one line per log_every
   ))
   return c
 

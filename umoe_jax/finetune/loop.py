@@ -27,6 +27,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from umoe_jax import console
 from umoe_jax.config import ConfigError, model_config
 from umoe_jax.finetune import backbone as backbone_lib
 from umoe_jax.finetune import config as config_lib
@@ -202,9 +203,9 @@ class Run:
     interval: list = []
     bar = None
     if self.config.log.progress:
-      from tqdm import tqdm
-      bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True,
-                 desc="fine-tune", mininterval=1.0)
+      bar = console.progress(total=self.total_steps, initial=step, unit="step", desc="fine-tune")
+      if bar.disable:  # stderr is no terminal (a pipe, a CI log): the log lines, not a bar
+        bar = None
 
     def fetch():
       host = jax.device_get([m for _, m in pending])

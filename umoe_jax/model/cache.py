@@ -24,6 +24,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from umoe_jax.config import check_cached_decoding
+# The registry, not the attention package: the attention classes import this module (for EMPTY). They
+# are registered by the time a cache is sized, since importing this module runs `umoe_jax.model`'s
+# `__init__`, which builds on every attention kind.
+from umoe_jax.kinds import ATTENTIONS
 
 EMPTY = -1  # key position of an unwritten or padding slot
 
@@ -75,7 +79,6 @@ class DecodeCache:
 
 def cache_shapes(cfg) -> dict[str, tuple[int, ...]]:
   """Per-token, per-layer cached tensors of the model's attention kind: {name: shape}."""
-  from umoe_jax.model.attention import ATTENTIONS
   return dict(ATTENTIONS.get(cfg.attention.kind).cache_shapes(cfg))
 
 

@@ -88,7 +88,7 @@ def logits_dot(h: jax.Array, w: jax.Array) -> jax.Array:
   The backward rounds the float32 logit cotangent to the inputs' dtype before its two matmuls
   (dh = g w^T, dw = h^T g, float32 accumulation), as every other layer's backward runs: autodiff of
   the plain dot would contract a float32 [N, V] cotangent with float32 / TF32 matmuls, which on an
-  H200 took 10 ms of the UMoE-base step against 2.1 ms for the forward (BENCHMARKS.md, run 21).
+  H200 takes 10 ms of the UMoE-base step against 2.1 ms for the forward.
   """
   return jnp.dot(h, w, preferred_element_type=jnp.float32)
 

@@ -25,7 +25,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float, layout: str)
   Each pair (a, b) becomes (a cos - b sin, b cos + a sin), written as x * cos + swap(x) * sin with
   swap(a, b) = (-b, a): a reverse on the pair axis and a sign, elementwise ops XLA can fuse into
   one pass each way (the strided slices and the stack of the form before ran as separate slice
-  and concatenate passes, ~1.6 ms of the UMoE-base step's forward on an H200: BENCHMARKS.md run 43).
+  and concatenate passes, ~1.6 ms of the UMoE-base step's forward on an H200).
   """
   if layout not in ("interleaved", "half"):
     raise ValueError(f"rope layout {layout!r}; valid: interleaved, half")

@@ -2,7 +2,7 @@
 
     nll_sum, count = chunked_token_nll(h, w, targets, loss_mask, chunk_tokens=4096)
 
-is `token_nll(logits_dot(h, w), targets, loss_mask)` (umoe_jax.eval.perplexity, model.layers)
+is `token_nll(logits_dot(h, w), targets, loss_mask)` (umoe_jax.ops.lm_loss, model.layers)
 without ever holding the float32 logits [N, V] of all N = B * T tokens: for UMoE-base's step
 (32 x 1024 tokens, V = 32000) those are 4.2 GB, written by the head, read twice by the softmax
 (max, then sum-exp), read again and a cotangent of the same size written by its backward. Here a
@@ -15,8 +15,8 @@ and dW accumulated over chunks in float32 (the scan carry).
 
 Chunk k holds rows k, k + K, k + 2K, ... of the flattened tokens (K chunks), not a contiguous slab,
 as the step's micro-batches take rows: with the batch split over devices (and C a multiple of
-their count) every chunk is split over all of them, where a contiguous chunk would lie on few
-(not yet run on several devices). N is padded to K * C with weight-0 rows; C = ceil(N / K) <=
+their count) every chunk is split over all of them, where a contiguous chunk would lie on few.
+N is padded to K * C with weight-0 rows; C = ceil(N / K) <=
 chunk_tokens keeps the padding below K rows.
 """
 from __future__ import annotations

@@ -68,7 +68,7 @@ def _make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
   sorted_ids, order = jax.lax.sort((flat, iota), num_keys=1, is_stable=True)  # [M], [M]
   # Group sizes by binary search in the sorted ids (E + 1 lookups) rather than a bincount, whose
   # scatter-add into E bins serialises on GPU atomics (0.097 ms). The unrolled search is one kernel
-  # instead of a loop of launches: 0.007 vs 0.037 ms on an H200 (BENCHMARKS.md). Ids E (masked
+  # instead of a loop of launches: 0.007 vs 0.037 ms on an H200. Ids E (masked
   # slots) lie past bounds[E]: in no group.
   bounds = jnp.searchsorted(sorted_ids, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left",
                             method="scan_unrolled")
@@ -79,7 +79,7 @@ def _make_plan(expert_ids: jax.Array, num_experts: int) -> DispatchPlan:
 
 
 # Row movement is all gathers, forward and backward. Autodiff of a gather is a scatter-add, and on GPU
-# the scatters cost more than the expert matmuls they feed (BENCHMARKS.md, "Token dispatch"); since
+# the scatters cost more than the expert matmuls they feed (measured on an H200); since
 # the index maps here are permutations (or a K-fold fan-out of one), every backward is again a gather
 # through the inverse map.
 

@@ -57,7 +57,7 @@ def row_dot_epilogue(u: jax.Array, row_scale: Optional[jax.Array], row_dot: Opti
     # The barrier keeps the row dots a pass of their own: left free, XLA on GPU fuses this
     # F-wide reduction into its consumer, the router backward's scatter-add, which then reduces
     # F elements per scattered value (UMoE-base with the XLA-epilogue tiles: 123.5 ms a step
-    # without the barrier, 120.1 ms with it; BENCHMARKS.md runs 55 and 59).
+    # without the barrier, 120.1 ms with it on an H200).
     dots = jax.lax.optimization_barrier(jnp.sum(out * (z if act is None else act(z)), axis=-1))
     if dact is not None:
       out = out * dact(z)

@@ -3,7 +3,7 @@
 `dispatch.apply_experts` moves rows with separate gathers: it writes the permuted copy of the tokens
 [M, D] before the first matmul and the per-slot outputs [M, D] before the combine, and autodiff adds
 two more [M, D] round trips backward. With M = N*K rows of width D (K = 15, D = 768 for UMoE-base) that
-traffic cost as much as the expert matmuls themselves on an H200 (BENCHMARKS.md, "Token dispatch").
+traffic costs as much as the expert matmuls themselves on an H200.
 The two ops here give the same values and gradients while reading token rows straight from their
 source inside the kernels (on backends with `GmmBackend.row_index`; elsewhere XLA does the gathers):
 
@@ -206,8 +206,8 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
     gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
     # With the activation: dz = gate * u * act'(z) and dgate = <u, act(z)> in the same epilogue.
     # The weight gradient reads pre-scaled rows hg = gate * act(z): scaling or activating tiles
-    # inside its kernel, between their load and the tensor cores, cost it a quarter of its speed
-    # (BENCHMARKS.md run 26: 224 vs 302 TFLOP/s). They are written by this matmul's epilogue
+    # inside its kernel, between their load and the tensor cores, costs it a quarter of its speed
+    # (224 vs 302 TFLOP/s on an H200). They are written by this matmul's epilogue
     # (fuse_weight_rows) or by one XLA pass.
     grads = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
                      lhs_index=token, row_scale=gate_sorted, row_dot=h, epi_act=activation,
@@ -237,7 +237,7 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   `fuse_weight_rows` (`moe.fuse_weight_rows`) that operand, gate * act(z), is written by the
   input-gradient matmul's epilogue instead (backends with `GmmBackend.scaled_row_dot`; act(z)
   rounded to h's dtype first, as the XLA pass has it; the Triton epilogue's sigmoid comes from
-  tanh.approx, within 3.9e-6 of the exact sigmoid on an H200: `kernels.triton_gmm.FAST_SIGMOID`).
+  tanh.approx, within 3.9e-6 of the exact sigmoid on an H200: `kernels.triton_gmm._sigmoid`).
 
   Args:
     h: [M, F] rows in expert order (pre-activations with `activation`).

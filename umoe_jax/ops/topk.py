@@ -7,8 +7,8 @@ ids. Backends:
   "xla"     `jax.lax.top_k` (XLA lowers it to a full sort of every row on GPU);
   "triton"  kernels/triton_topk.py, one pass over x, where it runs (a GPU with Triton and
             jax-triton, a float dtype, E <= 1024); `jax.lax.top_k` elsewhere (the same ids);
-  "auto"    "triton" on one device (measured 4x / 17x faster than the sort at k = 15 / 3 on an
-            H200, BENCHMARKS.md run 22), "xla" on several: XLA does not partition the kernel's
+  "auto"    "triton" on one device (4x / 17x faster than the sort at k = 15 / 3 on an H200),
+            "xla" on several: XLA does not partition the kernel's
             custom call, so in a program sharded over devices it would gather x whole to every
             device (inside shard_map, where each device holds its own rows, "triton" is fine).
 The ids carry no gradient; callers gather the values they need (`jnp.take_along_axis(x, ids, -1)`),

@@ -38,9 +38,9 @@ all_to_all on CPU, where XLA has no ragged all-to-all.
 exchange="auto" (default) takes "all_gather" when K >= EP (then nearly every token has a slot on
 every shard, and all_to_all would send each token's row ~K/EP times to each shard, padded to the
 worst case), else "all_to_all" -- or "ragged" on the platforms in `AUTO_RAGGED_PLATFORMS`, where
-ragged replaces all_to_all (it sends a subset of all_to_all's rows). That tuple is empty until the
-ragged collective is measured on GPUs (BENCHMARKS.md, "to run"): XLA's GPU ragged all-to-all has
-known slow paths, so auto stays with the dense exchanges. `use_mesh(..., expert_exchange=...)` /
+ragged replaces all_to_all (it sends a subset of all_to_all's rows). That tuple is empty: XLA's GPU
+ragged all-to-all has known slow paths, so auto stays with the dense exchanges (docs/performance.md
+lists the measurement that would change it). `use_mesh(..., expert_exchange=...)` /
 `config.expert_parallel.exchange` pick one.
 
 Overlap (`chunks=C`, `use_mesh(..., expert_chunks=C)`, `config.expert_parallel.chunks`): each device's
@@ -119,8 +119,8 @@ def _warn_once(message: str) -> None:
     logging.warning(message)
 
 
-# Platforms on which "auto" takes "ragged" where it would take "all_to_all". Empty until measured on
-# GPUs (BENCHMARKS.md, "Multi-GPU scaling ... to run"); add "gpu" / "tpu" once ragged is faster there.
+# Platforms on which "auto" takes "ragged" where it would take "all_to_all": none, as no measurement
+# shows ragged faster (docs/performance.md); add "gpu" / "tpu" where one does.
 AUTO_RAGGED_PLATFORMS: tuple[str, ...] = ()
 
 

@@ -73,29 +73,31 @@ cross-check against the real model confirms each. All layers are assumed identic
 schedule such as "first k layers dense" needs `layer_params` per layer).
 
 Adding an attention kind: the recipe is in `umoe_jax.stats.kinds` (one `AttentionStats` class,
-registered in `ATTENTION_STATS` or carried by the model class as `stats`).
+carried by the model class as `stats` or registered in `ATTENTION_STATS`).
 
 Modules
 -------
-  counting        `Count`, the building blocks' counts (linear, mlp, routed / low-rank experts)
-  real_model      what the real model holds, read lazily (the only importer of `umoe_jax.model`)
+  umoe_jax.counting   (a leaf, outside the package) `Count`, the building blocks' counts (linear,
+                  mlp, routed / low-rank experts), the `AttentionStats` / `FFNStats` contracts;
+                  the model imports it, so the model never imports this package
+  real_model      what the real model holds, read lazily (building the abstract model on demand)
   router_counts   routers' parameters and MACs, read off the router classes
-  kinds           the `AttentionStats` / `FFNStats` contracts, `ATTENTION_STATS`, `FFN_STATS`
-  attention_kinds, ffn_kinds   the statistics of the built-in kinds
+  kinds           the registries `ATTENTION_STATS`, `FFN_STATS` and the lookup by kind
+  ffn_kinds       the statistics of the FFN kinds (the attention kinds' are on their model classes)
   params, macs, kv_cache       parameters (+ the cross-check), MACs and FLOPs, KV-cache sizes
   summary         `model_stats`: all of it as one JSON-ready dict
   report, zoo     the readable table, the markdown model zoo
   cli             `python -m umoe_jax.stats`
 """
-# The model's attention / router modules import this package for AttentionStats, Count, linear:
-# nothing here imports `umoe_jax.model` at import time (see `real_model`).
-from umoe_jax.stats.counting import (COMPONENTS, MAC_COMPONENTS, Count, as_model_config,  # noqa: F401
-                                     linear, low_rank_expert_count, mlp, routed_expert)
+# Imports run one way: this package imports the model, the model imports only the leaf
+# `umoe_jax.counting` (re-exported here, so `stats.Count`, `stats.linear` keep working).
+from umoe_jax.counting import (COMPONENTS, MAC_COMPONENTS, Count, as_model_config,  # noqa: F401
+                               linear, low_rank_expert_count, mlp, routed_expert)
 from umoe_jax.stats.real_model import _layer_routers, model_params  # noqa: F401
 from umoe_jax.stats.router_counts import router_macs, router_pair_macs, router_params  # noqa: F401
 from umoe_jax.stats.kinds import (ATTENTION_STATS, FFN_STATS, AttentionStats, FFNStats,  # noqa: F401
                                   attention_stats, ffn_stats)
-from umoe_jax.stats.attention_kinds import MHAStats, PreMixStats  # noqa: F401
+from umoe_jax.model.attention.stats import MHAStats, PreMixStats  # noqa: F401
 from umoe_jax.stats.ffn_kinds import DenseFFNStats, MoEFFNStats, NoFFNStats  # noqa: F401
 from umoe_jax.stats.params import (active_params, analytic_params, layer_params,  # noqa: F401
                                    param_mismatches, total_params)

@@ -11,7 +11,7 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.stats.counting import as_model_config
+from umoe_jax.counting import as_model_config
 from umoe_jax.stats.report import format_table
 from umoe_jax.stats.summary import model_stats
 from umoe_jax.stats.zoo import ZOO_PATTERNS, zoo_files, zoo_markdown
@@ -125,7 +125,8 @@ def run_cli(argv: Optional[Sequence[str]] = None) -> None:
   """Runs the command on `argv` (default: sys.argv); exits 1 when a cross-check finds a mismatch."""
   from absl import app
 
-  from umoe_jax import config_file, flag_errors
+  from umoe_jax import flag_errors
+  from umoe_jax.config import files as config_file
   from umoe_jax.config import ConfigError
   try:
     config_file.check_argv(sys.argv if argv is None else argv)  # else config_flags' traceback

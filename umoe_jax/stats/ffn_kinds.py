@@ -2,7 +2,7 @@
 no FFN sub-layer ("none"). Per layer; MACs per token."""
 from __future__ import annotations
 
-from umoe_jax.stats.counting import Count, mlp
+from umoe_jax.counting import Count, mlp
 from umoe_jax.stats.kinds import FFN_STATS, FFNStats
 from umoe_jax.stats.router_counts import router_macs, router_params
 

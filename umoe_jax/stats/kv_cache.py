@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from umoe_jax.stats.counting import as_model_config
+from umoe_jax.counting import as_model_config
 from umoe_jax.stats.kinds import attention_stats
 from umoe_jax.stats.real_model import model_cache_shapes
 
@@ -23,7 +23,15 @@ def itemsize(dtype: Any) -> int:
 def kv_cache_values_per_token(cfg: Any) -> dict[str, int]:
   """Values cached per token per layer, by name (e.g. {"key": d_k, "value": d} for pre-mixing)."""
   cfg = as_model_config(cfg)
-  return dict(attention_stats(cfg.attention.kind).kv_cache(cfg))
+  stats_cls = attention_stats(cfg.attention.kind)
+  values = stats_cls.kv_cache(cfg)
+  if values is None:  # the contract's default: the model class's own cache layout
+    shapes = model_cache_shapes(cfg)
+    if shapes is None:
+      raise NotImplementedError(f"{stats_cls.__name__}.kv_cache: the model class of attention kind "
+                                f"{cfg.attention.kind!r} declares no cache_shapes")
+    values = {name: math.prod(shape) for name, shape in shapes.items()}
+  return dict(values)
 
 
 def model_kv_cache_values_per_token(cfg: Any) -> Optional[int]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from umoe_jax.stats.counting import (MAC_COMPONENTS, as_model_config, linear, merge, ordered,
-                                     routed_expert)
+from umoe_jax.counting import (MAC_COMPONENTS, as_model_config, linear, merge, ordered,
+                               routed_expert)
 from umoe_jax.stats.kinds import attention_stats, ffn_stats
 from umoe_jax.stats.params import layer_pools
 from umoe_jax.stats.router_counts import router_pair_macs

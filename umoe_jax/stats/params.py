@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.stats.counting import (COMPONENTS, Count, as_model_config, linear, merge, ordered,
-                                     routed_expert)
+from umoe_jax.counting import (COMPONENTS, Count, as_model_config, linear, merge, ordered,
+                               routed_expert)
 from umoe_jax.stats.kinds import attention_stats, ffn_stats
 from umoe_jax.stats.real_model import model_params
 

@@ -1,10 +1,10 @@
-"""What the real model holds, for the cross-checks and the counts its classes carry: the router and
-attention classes by kind, the decoding cache's layout, the abstract model's parameters and routers.
+"""What the real model holds, for the cross-checks and the counts its classes carry: the attention
+classes by kind, the decoding cache's layout, the abstract model's parameters and routers.
 
-The only module of the package that imports `umoe_jax.model`, and only inside functions: the model's
-attention and router modules import `umoe_jax.stats` (for `AttentionStats`, `Count`, `linear`), so
-an import at the top would be circular, and the trainer imports the statistics without the model.
-The abstract model has shapes only (no memory); its counts are cached by (hashable) ModelConfig.
+The model imports its counting primitives from the leaf `umoe_jax.counting`, never `umoe_jax.stats`,
+so the statistics may import the model; this module does so inside its functions, which builds the
+abstract model only when a count needs it. The abstract model has shapes only (no memory); its
+counts are cached by (hashable) ModelConfig.
 """
 from __future__ import annotations
 
@@ -12,13 +12,7 @@ import functools
 from typing import Any, Optional, Sequence
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.stats.counting import COMPONENTS, as_model_config, ordered
-
-
-def router_class(kind: str) -> type:
-  """The router class of `router.kind` (it carries its parameter / MAC counts)."""
-  from umoe_jax.model.routers import ROUTERS
-  return ROUTERS.get(kind)
+from umoe_jax.counting import COMPONENTS, as_model_config, ordered
 
 
 def attention_classes():

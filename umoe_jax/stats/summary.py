@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from umoe_jax.stats.counting import Count, as_model_config
+from umoe_jax.counting import Count, as_model_config
 from umoe_jax.stats.kv_cache import (itemsize, kv_cache_bytes_per_token, kv_cache_values_per_token,
                                      model_kv_cache_values_per_token)
 from umoe_jax.stats.macs import forward_mac_breakdown, train_flops_per_token

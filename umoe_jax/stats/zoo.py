@@ -7,9 +7,9 @@ import os
 import sys
 from typing import Sequence
 
-from umoe_jax import config_file
+from umoe_jax.config import files as config_file
 from umoe_jax.config import ConfigError, ModelConfig
-from umoe_jax.stats.counting import as_model_config
+from umoe_jax.counting import as_model_config
 from umoe_jax.stats.summary import model_stats
 
 ZOO_PATTERNS = ("*_tiny.py", "*_base.py", "*_large.py")

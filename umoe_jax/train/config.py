@@ -23,7 +23,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from umoe_jax import storage
-from umoe_jax.config_fields import optional
+from umoe_jax.config.fields import optional
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES

@@ -3,8 +3,8 @@
 Tracing and compiling a step leaves millions of long-lived Python objects (jaxprs, HLO modules, the
 model's pytrees). CPython's oldest-generation collection walks all of them: on one H200 a collection
 that fell inside FFN-MoE-base's fifth call stretched that step from 86 to 223 ms with the GPU idle
-for the difference (BENCHMARKS.md, run 65: `PythonRefManager::CollectGarbage` then a 205 ms gap on
-the host). Once the step is compiled, `FrozenHeap.freeze()` collects once and moves every live object
+for the difference (a trace shows `PythonRefManager::CollectGarbage` then a 205 ms gap on the
+host). Once the step is compiled, `FrozenHeap.freeze()` collects once and moves every live object
 into the permanent generation (`gc.freeze`), so later collections walk only what the loop itself
 allocates; leaving the `with` block gives them back to the collector (`gc.unfreeze`), so nothing
 frozen outlives the loop (a test process that trains many times does not pile them up).

@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 
 from umoe_jax import storage
-from umoe_jax.analysis import training as routing_probe_lib
+from umoe_jax.train import routing_probe as routing_probe_lib
 from umoe_jax.config import ConfigError
 from umoe_jax.data.sources import DataError
 from umoe_jax.eval import perplexity

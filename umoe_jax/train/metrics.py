@@ -19,7 +19,7 @@ Names (TensorBoard tags = JSONL keys):
   moe/<layer>/<router>/expert_load: histogram over expert ids weighted by routed tokens (interval);
   eval/loss, eval/perplexity;
   routing/... (routing fluctuation on a probe batch at every evaluation, images of its expert load:
-      `umoe_jax.analysis.training`).
+      `umoe_jax.train.routing_probe`).
 Every run starts with a session mark at the first step it logs (`MetricWriter.start_session`): a
 `SessionLog.START` event, upon which TensorBoard drops the points of earlier runs at that step or
 later, and the JSONL record {"step": <that step>, "session_start": true}, read the same way by
@@ -44,6 +44,7 @@ import numpy as np
 from absl import logging
 
 from umoe_jax import storage
+from umoe_jax.analysis.routing import load_balance  # noqa: F401  (also metrics_lib.load_balance)
 from umoe_jax.train.workdir import WorkdirError, write_failed
 
 # bf16 dense peak FLOP/s per device, matched by substring of `jax.Device.device_kind` (first match).
@@ -83,15 +84,6 @@ def train_flops_per_token(model_cfg: Any, seq_len: int) -> float:
 def router_tag(name: str, metric: str) -> str:
   """'layer_3/attention' -> 'moe/layer_3/attention/<metric>'."""
   return f"moe/{name}/{metric}"
-
-
-def load_balance(counts: np.ndarray) -> tuple[float, float]:
-  """(max / mean, std / mean) of per-expert counts [E]; (nan, nan) if no token was routed."""
-  counts = np.asarray(counts, np.float64)
-  mean = counts.mean()
-  if mean <= 0:
-    return float("nan"), float("nan")
-  return float(counts.max() / mean), float(counts.std() / mean)
 
 
 def summarize(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float], dict[str, np.ndarray]]:

@@ -26,11 +26,10 @@ from absl import logging
 
 from umoe_jax import storage
 from umoe_jax.config import ConfigError
-from umoe_jax.load import finetune_message, finetune_workdir
 from umoe_jax.train.checkpoint_metadata import (CheckpointError, CheckpointMismatchError,
                                                 complete_steps, saved_shapes, shape_mismatches,
                                                 step_metadata, tree_shapes)
-from umoe_jax.train.workdir import CHECKPOINT_DIR
+from umoe_jax.train.workdir import CHECKPOINT_DIR, finetune_message, finetune_workdir
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from umoe_jax.eval.perplexity import token_nll
 from umoe_jax.model.routers.bias_balance import update_selection_biases
 from umoe_jax.ops.chunked_loss import chunked_token_nll
+from umoe_jax.ops.lm_loss import token_nll
 from umoe_jax.train.state import TrainState
 
 
@@ -84,7 +84,7 @@ def _forward(params: Any, micro: dict, *, graphdef: Any, remat: bool | str, tota
 def _dropped_rows(model: nnx.Module) -> Optional[jax.Array]:
   """The (token, slot) rows the forward's expert-parallel exchanges dropped for lack of buffer
   room, summed over pools and calls ([] int32), or None when none counted them (no capacity factor:
-  dropless). The pools sow the counts (`parallel.expert_routes`); they live in the forward only."""
+  dropless). The pools sow the counts (`model.expert_routes`); they live in the forward only."""
   counts = nnx.All(nnx.Intermediate, nnx.PathContains("ep_dropped_rows"))
   sown = jax.tree.leaves(nnx.pop(model, counts))
   if not sown:

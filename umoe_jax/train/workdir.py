@@ -15,9 +15,10 @@ s3:// ..., are refused with WorkdirError). config.json goes through umoe_jax/sto
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
@@ -27,6 +28,8 @@ CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
 ABANDONED_DIR = "checkpoints_abandoned"
 CONFIG_FILE = "config.json"
+# What marks a fine-tuning workdir (`umoe_jax.finetune.predict`): a text classifier, not an LM.
+CLASSIFIER_FILE = "classifier.json"
 
 
 class WorkdirError(ValueError):
@@ -110,3 +113,30 @@ def write_config(workdir: str, config: Any) -> None:
     raise  # (remote: names the URL already)
   except OSError as e:
     raise write_failed(path, e) from e
+
+
+def finetune_workdir(path: str) -> Optional[str]:
+  """The fine-tuning workdir that `path` is (or whose checkpoints/, best/ or a step of them it is),
+  or None."""
+  path = storage.normpath(storage.abspath(path))
+  parent = storage.dirname(path)
+  name = storage.basename(path)
+  candidates = [path] + ([parent] if name in ("checkpoints", "best") else []) + (
+      [storage.dirname(parent)] if name.isdigit() else [])
+  return next((d for d in candidates if storage.isfile(storage.join(d, CLASSIFIER_FILE))), None)
+
+
+def finetune_message(path: str, workdir: str) -> str:
+  """Why a fine-tuning workdir is not a language-model checkpoint, and what to do instead."""
+  path_config = storage.join(workdir, CONFIG_FILE)
+  try:
+    config = json.loads(storage.read_text(path_config)) if storage.isfile(path_config) else {}
+  except ValueError:  # not JSON: the advice stands without the backbone's name
+    config = {}
+  backbone = config.get("init_from") if isinstance(config, dict) else None
+  where = ("is a fine-tuning workdir" if storage.normpath(storage.abspath(path)) == workdir
+           else f"is in the fine-tuning workdir {workdir}")
+  return (f"{path!r} {where} ({CLASSIFIER_FILE}): a text "
+          f"classifier, not a language model; score texts with `python -m umoe_jax.finetune "
+          f"predict --checkpoint={workdir} --input=FILE --output=FILE`"
+          + (f", or use its backbone, {backbone}" if backbone else ""))

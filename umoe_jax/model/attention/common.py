@@ -56,27 +56,16 @@ def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: st
   return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
 
 
-def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str = "auto",
-                     fold_key_heads: bool = False):
+def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str = "auto"):
   """Causal attention through the Triton kernel of one shared key head (kernels/triton_attention.py:
   pre-mixing's D-wide values in one pass, no per-chunk cuDNN calls), or None where it cannot run
-  (no GPU / Triton, float32, several key heads, S != T, head dim > 512). `backward`:
+  (no GPU / Triton, float32, several key heads, S != T, head dim > 512: the caller takes cuDNN,
+  which is faster than the Triton core for a key head per query head: 0.74 against 1.19 ms forward
+  + backward at dense-base's 4 heads of 192, 2026-12-05-h200-fwd_bwd_ms-1df5865b). `backward`:
   `model.attention.core_backward` (kernels/attention_tiles.with_backward).
 
-  fold_key_heads: with as many key heads as query heads (MHA, SwitchHead), run each head as a
-  sequence of its own, one query head over its own key head: [B, T, H, .] -> [B*H, T, 1, .] (a
-  transpose of q, k, v and of the output). Off by default (then such shapes return None and the
-  caller takes cuDNN; `causal_attention` passes TRITON_FOLDS_KEY_HEADS): cuDNN is faster there
-  (`bench/attention_core.py --shapes=mha`, TRITON_FOLDS_KEY_HEADS' comment).
-
-  Args: q [B, T, H, Dk], k [B, T, 1, Dk] (or [B, T, H, Dk] with fold_key_heads), v [B, T, 1, Dv]
-  (or [B, T, H, Dv]). Returns [B, T, H, Dv] or None.
+  Args: q [B, T, H, Dk], k [B, T, 1, Dk], v [B, T, 1, Dv]. Returns [B, T, H, Dv] or None.
   """
-  b, t, h = q.shape[:3]
-  if fold_key_heads and h > 1 and k.shape[2] == h and v.shape[2] == h:
-    fold = lambda x: x.transpose(0, 2, 1, 3).reshape(b * h, x.shape[1], 1, x.shape[3])
-    out = triton_attention(fold(q), fold(k), fold(v), backward=backward)
-    return None if out is None else out.reshape(b, h, t, -1).transpose(0, 2, 1, 3)
   try:
     from kernels import triton_attention as kernel
   except Exception:  # noqa: BLE001  (no kernels package on the path: the caller falls back)
@@ -95,7 +84,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
   head c, and the chunks are put back together after. The scores are recomputed per chunk (Dk / Dv
   more FLOPs), which the fused kernel still beats materialising [B, H, T, S] float32 scores.
   (A general visibility mask is not passed: cuDNN then reads a [B, 1, T, S] bias and skips no
-  masked tiles, which measured slower than the XLA form; see BENCHMARKS.md.)
+  masked tiles, which measures slower than the XLA form.)
 
   Args:
     q [B, T, H, Dk], k [B, T, Hk, Dk], v [B, T, Hk, Dv].
@@ -123,28 +112,24 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
   return out.reshape(b, t, c, h, dk).transpose(0, 1, 3, 2, 4).reshape(b, t, h, dv)
 
 
-# The fused core "auto" takes on one GPU for values wider than the keys (pre-mixing): "triton"
-# measured UMoE-base 143.7 ms a step and 27.2 GB, "cudnn" 143.7 ms and 31.6 GB on an H200
-# (BENCHMARKS.md, runs 22-23). Values as wide as the keys (MHA, MoA, SwitchHead) take cuDNN's own
-# kernel: at MoA's shared key head (4 x 192 query heads) it took 0.77 ms forward + backward against
-# the Triton core's 0.96 (BENCHMARKS.md run 81).
+# The fused core "auto" takes on one GPU for values wider than the keys (pre-mixing): on an H200
+# "triton" takes UMoE-base 143.7 ms a step and 27.2 GB, "cudnn" 143.7 ms and 31.6 GB (the same
+# time, less memory). Values as wide as the keys (MHA, MoA, SwitchHead) take cuDNN's own kernel:
+# at MoA's shared key head (4 x 192 query heads) it takes 0.77 ms forward + backward against the
+# Triton core's 0.96 (2026-12-05-h200-fwd_bwd_ms-fb25e6a1, 2026-12-05-h200-fwd_bwd_ms-b0730824).
 AUTO_GPU_WIDE_VALUE_CORE = "triton"
 # Whether "auto" takes those fused cores on several GPUs too (each device's own rows,
-# `on_local_shards`). Off until a multi-GPU step measures them (BENCHMARKS.md, rows F0-F1).
+# `on_local_shards`). Off: `auto` takes a fused core only where a measurement shows it faster,
+# and none covers several GPUs.
 AUTO_FUSED_ON_SEVERAL_GPUS = False
-# Whether core="triton" runs layouts with a key head per query head (MHA, SwitchHead) through the
-# Triton kernel, heads folded into the batch (`triton_attention(fold_key_heads=True)`), rather than
-# handing them to cuDNN. Off: at 4 heads of 192 on one H200, cuDNN took 0.74 ms forward + backward
-# and the folded Triton core 1.19 (BENCHMARKS.md run 81, `bench/attention_core.py --shapes=mha`).
-TRITON_FOLDS_KEY_HEADS = False
 
 
 def auto_core(head_dim: int, value_dim: int) -> str:
   """What `core="auto"` (the default) runs for keys of head_dim and values of value_dim: on one
   GPU AUTO_GPU_WIDE_VALUE_CORE when value_dim > head_dim, else "cudnn"; "xla" on several GPUs
-  (unless AUTO_FUSED_ON_SEVERAL_GPUS) and off GPU (TPU: "splash" is not validated on a TPU yet).
-  On several GPUs the fused cores run when asked for by name ("triton", "cudnn": each device's own
-  rows, `on_local_shards`), but no multi-GPU step has measured them yet."""
+  (unless AUTO_FUSED_ON_SEVERAL_GPUS) and off GPU (TPU: "splash" runs when asked for by name). On
+  several GPUs the fused cores run when asked for by name ("triton", "cudnn": each device's own
+  rows, `on_local_shards`)."""
   if jax.default_backend() == "gpu" and (jax.device_count() == 1 or AUTO_FUSED_ON_SEVERAL_GPUS):
     return AUTO_GPU_WIDE_VALUE_CORE if value_dim > head_dim else "cudnn"
   return "xla"
@@ -233,8 +218,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
   if core in ("cudnn", "triton") and not return_probs and k_positions is q_positions:
     out = None
     if core == "triton":
-      out = on_local_shards(lambda q, k, v: triton_attention(
-          q, k, v, backward=core_backward, fold_key_heads=TRITON_FOLDS_KEY_HEADS), q, k, v)
+      out = on_local_shards(lambda q, k, v: triton_attention(q, k, v, backward=core_backward),
+                            q, k, v)
     if out is None and jax.default_backend() == "gpu":
       try:
         out = on_local_shards(fused_attention, q, k, v)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.stats import MHAStats
 from umoe_jax.model.layers import Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.parallel import rules as ax
@@ -48,6 +49,7 @@ class HeadsQK(nnx.Module):
 class MultiHeadAttention(HeadsQK):
   """H heads; q, k [.., H, Dk] with RoPE over all of Dk; v [.., H, Dv]; output projection H*Dv -> D."""
 
+  stats = MHAStats
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     super().__init__(cfg, rngs=rngs)

@@ -23,14 +23,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
+from umoe_jax.counting import AttentionStats, Count, linear
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
-from umoe_jax.model.routers import call_router, make_router
+from umoe_jax.model.routers import call_router, make_router, router_macs, router_params
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import AttentionStats, Count, linear, router_macs, router_params
 
 
 class MoAStats(AttentionStats):

@@ -40,13 +40,13 @@ from umoe_jax.config import ModelConfig
 from umoe_jax.kinds import router_masks_slots
 from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
                                              low_rank_expert_params)
+from umoe_jax.model.attention.stats import PreMixStats
 from umoe_jax.model.cache import EMPTY
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import PreMixStats
 
 
 class PostMixStats(PreMixStats):

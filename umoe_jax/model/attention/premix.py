@@ -26,19 +26,23 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
+from umoe_jax.model import expert_routes
 from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
                                              low_rank_expert_params)
+from umoe_jax.model.attention.stats import PreMixStats
 from umoe_jax.model.layers import MLP, Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router
 from umoe_jax.ops import dispatch
-from umoe_jax.parallel import expert_parallel, expert_routes
+from umoe_jax.parallel import expert_parallel
 from umoe_jax.parallel import rules as ax
 
 
 @ATTENTIONS.register("premix")
 class PreMixAttention(nnx.Module):
   """UMoE attention: routed low-rank expert queries, one key head, values = hidden states."""
+
+  stats = PreMixStats
 
 
   @classmethod

@@ -27,14 +27,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
+from umoe_jax.counting import Count, linear
 from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
 from umoe_jax.model.attention.mha import HeadsQK
+from umoe_jax.model.attention.stats import MHAStats
 from umoe_jax.model.layers import make_param, normal_init
-from umoe_jax.model.routers import RouterOutput, call_router, fold_rng, make_router
+from umoe_jax.model.routers import (RouterOutput, call_router, fold_rng, make_router, router_macs,
+                                    router_params)
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import Count, MHAStats, linear, router_macs, router_params
 
 
 class SwitchHeadStats(MHAStats):

@@ -55,17 +55,17 @@ from umoe_jax.kinds import ROUTERS  # noqa: F401
 from umoe_jax.model.routers.base import (ParameterFreeRouter, Router, RouterOutput, RouterStats,  # noqa: F401
                                          call_router, fold_rng, jitter, make_router,
                                          need_token_ids, pick_counts, route_context,
-                                         routing_stats)
+                                         router_macs, router_params, routing_stats)
 from umoe_jax.model.routers.losses import (BALANCE_LOSSES, router_z_loss,  # noqa: F401
                                            seq_aux_balance_loss, switch_balance_loss)
 from umoe_jax.model.routers.scoring import ScoreRouter  # noqa: F401
 from umoe_jax.model.routers.selection import biased_top_k, entropy_loss, top_p_select  # noqa: F401
 from umoe_jax.model.routers.expert_choice import expert_choice_select  # noqa: F401
-from umoe_jax.model.routers.topk import TopKSigmoidRouter, TopKSoftmaxRouter  # noqa: F401
+from umoe_jax.model.routers.topk import (AttentionAwareRouter, SimilarityAwareRouter,  # noqa: F401
+                                         TopKSigmoidRouter, TopKSoftmaxRouter)
 from umoe_jax.model.routers.xmoe import XMoERouter, l2_normalize, orthogonal_init  # noqa: F401
 from umoe_jax.model.routers.hashing import HashRouter, hash_expert_ids  # noqa: F401
 from umoe_jax.model.routers.smoe_dropout import SMoEDropoutRouter, linear_k_schedule  # noqa: F401
 from umoe_jax.model.routers.stablemoe import StableMoERouter, stablemoe_balance_loss  # noqa: F401
-from umoe_jax.model.routers.mutual_inform import (AttentionAwareRouter, SimilarityAwareRouter,  # noqa: F401
-                                                  causal_softmax)
+from umoe_jax.model.routers.mutual_inform import causal_softmax  # noqa: F401
 from umoe_jax.model.routers.aoe import AoERouter  # noqa: F401

@@ -10,7 +10,7 @@ from flax import nnx
 
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.routers.scoring import ScoreRouter
-from umoe_jax.stats import linear
+from umoe_jax.counting import linear
 
 
 @ROUTERS.register("aoe")

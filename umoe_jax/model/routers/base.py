@@ -12,7 +12,7 @@ from flax import nnx, struct
 from umoe_jax.config import RouterConfig, router_mixing
 from umoe_jax.kinds import ROUTERS
 from umoe_jax.model.routers.losses import sequence_pick_counts
-from umoe_jax.stats import linear
+from umoe_jax.counting import linear
 
 
 @struct.dataclass
@@ -142,6 +142,23 @@ class RouterStats:
     (`router.mixing`; `mutual_inform.pair_macs`), 0 without."""
     from umoe_jax.model.routers.mutual_inform import pair_macs
     return pair_macs(router_mixing(router), cfg.d_model, n_experts)
+
+
+def router_params(cfg, n_experts: int, sublayer: str) -> int:
+  """Parameters of one router of `sublayer` ("attention" / "ffn") over `n_experts` experts: its
+  class's `param_count` (a D x E map unless the family says otherwise), for the sub-layer's router
+  config (`ModelConfig.router_for`), plus the aux-loss-free balancing's selection bias [E] when
+  `router.bias_update_rate` > 0."""
+  router = cfg.router_for(sublayer)
+  bias = n_experts if router.bias_update_rate > 0 else 0
+  return ROUTERS.get(router.kind).param_count(cfg, router, n_experts) + bias
+
+
+def router_macs(cfg, n_experts: int, sublayer: str) -> int:
+  """Forward MACs per token of one router of `sublayer` (`token_mac_count` of its class). The
+  mixing over earlier tokens of similarity_aware / attention_aware depends on T: `pair_mac_count`."""
+  router = cfg.router_for(sublayer)
+  return ROUTERS.get(router.kind).token_mac_count(cfg, router, n_experts)
 
 
 class Router(RouterStats, nnx.Module):

@@ -21,44 +21,41 @@ def sequence_pick_counts(expert_ids: jax.Array, n_experts: int, mask=None) -> ja
 
 
 def seq_aux_balance_loss(probs: jax.Array, expert_ids: jax.Array, n_experts: int,
-                         mask=None, counts=None, prob_means=None) -> jax.Array:
+                         mask=None, counts=None) -> jax.Array:
   """DeepSeek-V2's sequence-wise balance loss (unscaled).
 
     ce[b, e] = count[b, e] / (picks[b] / E)        picks[b] = T * K (the active slots with a mask)
     loss     = mean_b sum_e ce[b, e] * mean_t probs[b, t, e]
 
   Args: probs [B, T, E] float32; expert_ids [B, T, K]; mask [B, T, K] (active slots) or None;
-    counts: `sequence_pick_counts(expert_ids, n_experts, mask)` [B, E] if the caller has them;
-    prob_means: `mean(probs, axis=1)` [B, E] if the caller has them (`router.one_pass`).
+    counts: `sequence_pick_counts(expert_ids, n_experts, mask)` [B, E] if the caller has them.
   """
   if counts is None:
     counts = sequence_pick_counts(expert_ids, n_experts, mask)                         # [B, E]
   picks = jnp.sum(counts, axis=-1, keepdims=True)                                      # [B, 1]
   ce = counts / (jnp.maximum(picks, 1.0) / n_experts)
-  means = jnp.mean(probs, axis=1) if prob_means is None else prob_means                # [B, E]
-  return jnp.mean(jnp.sum(ce * means, axis=-1))
+  return jnp.mean(jnp.sum(ce * jnp.mean(probs, axis=1), axis=-1))
 
 
 def switch_balance_loss(probs: jax.Array, expert_ids: jax.Array, n_experts: int,
-                        mask=None, counts=None, prob_means=None) -> jax.Array:
+                        mask=None, counts=None) -> jax.Array:
   """Switch Transformer's balance loss over all tokens (unscaled): sum_e (E * f_e) * P_e.
 
   f_e = fraction of the picks (the N*K slots, or the active ones of `mask`) that went to e;
-  P_e = mean routing probability of e (from the per-sequence `prob_means` [B, E] if given: every
-  sequence has T positions, so their mean is the mean over all tokens).
+  P_e = mean routing probability of e.
   """
   e = n_experts
   counts = (_picks(expert_ids, e, mask).reshape(-1, e).sum(axis=0) if counts is None
             else counts.sum(axis=0))                                                   # [E]
   f = counts / jnp.maximum(jnp.sum(counts), 1.0)
-  p = probs.reshape(-1, e).mean(axis=0) if prob_means is None else prob_means.mean(axis=0)  # [E]
+  p = probs.reshape(-1, e).mean(axis=0)                                                # [E]
   return jnp.sum(e * f * p)
 
 
 BALANCE_LOSSES = {
     "seq_aux": seq_aux_balance_loss,
     "switch": switch_balance_loss,
-    "none": lambda probs, ids, e, mask=None, counts=None, prob_means=None: jnp.zeros((), jnp.float32),
+    "none": lambda probs, ids, e, mask=None, counts=None: jnp.zeros((), jnp.float32),
 }
 
 

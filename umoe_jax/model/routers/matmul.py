@@ -2,7 +2,7 @@
 
 "float32" (default): float32 operands, as the official MoEGate computes its logits. XLA on an H200
 runs these dots at ~130 TFLOP/s (TF32 at best), about a third of UMoE-base's router time
-(BENCHMARKS.md run 60: six such dots a layer, forward and backward, 3.6 ms a step).
+(six such dots a layer, forward and backward, 3.6 ms a step).
 "bfloat16": bf16 operands with float32 accumulation, in the forward and in both backward dots (the
 scores' cotangent rounded to bf16 for them, as every other matmul of a bf16 step). The scores, the
 softmax and the weight gradient stay float32.

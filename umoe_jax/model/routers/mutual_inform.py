@@ -7,7 +7,8 @@ tokens (mixing later ones would leak the future into next-token prediction).
 Any router with a distribution mixes (`router.mixing = "similarity" | "attention"`; the seed's
 "Similarity-inform X-MoE", "Attention-inform SMoE-Dropout", ... are `router.kind=xmoe,
 router.mixing=similarity` and so on): `ScoreRouter.mix` calls `mix_distribution` below. The kinds
-"similarity_aware" / "attention_aware" are shorthands of `topk_softmax` with that mixing.
+"similarity_aware" / "attention_aware" are shorthands of `topk_softmax` with that mixing (their
+classes are in `topk`: this module holds only the mixing, so the scoring base class can use it).
 Row i of S needs every token j <= i of the sequence in one call: cached decoding (one new token per
 call) is refused, because the cache keeps no routing inputs of earlier tokens.
 """
@@ -20,8 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.config import RouterConfig
-from umoe_jax.kinds import ROUTERS
-from umoe_jax.model.routers.topk import TopKSoftmaxRouter
 
 
 def causal_softmax(scores: jax.Array) -> jax.Array:
@@ -89,14 +88,3 @@ def pair_macs(mixing: str, d_model: int, n_experts: int) -> int:
   """Forward MACs of the mixing per (token, earlier token) pair: u_i . u_j (D) and the mix of G
   (E) for "similarity", the mix for "attention" (the probabilities are the attention's), 0 else."""
   return {"similarity": d_model + n_experts, "attention": n_experts}.get(mixing, 0)
-
-
-@ROUTERS.register("similarity_aware")
-class SimilarityAwareRouter(TopKSoftmaxRouter):
-  """kind="similarity_aware": topk_softmax with router.mixing="similarity" (`similarity_mix`)."""
-
-
-@ROUTERS.register("attention_aware")
-class AttentionAwareRouter(TopKSoftmaxRouter):
-  """kind="attention_aware": topk_softmax with router.mixing="attention" (`attention_mix`): the FFN
-  router of an MHA block."""

@@ -29,8 +29,8 @@ from umoe_jax.config import RouterConfig, router_mixing
 from umoe_jax.model.routers.base import Router, RouterOutput, jitter
 from umoe_jax.model.routers.expert_choice import expert_choice_select
 from umoe_jax.model.routers.losses import BALANCE_LOSSES, router_z_loss, sequence_pick_counts
+from umoe_jax.model.routers.mutual_inform import mix_distribution
 from umoe_jax.model.routers.selection import biased_top_k, entropy_loss, top_p_select
-from umoe_jax.ops.router_pass import softmax_top_k
 from umoe_jax.parallel import rules as ax
 
 
@@ -105,43 +105,27 @@ class ScoreRouter(Router):
           f"router.kind={self.cfg.kind!r} with mixing {mixing!r} mixes the routing of earlier "
           "tokens, which the KV cache does not keep: cached decoding is not supported (run full "
           "forward passes instead)")
-    from umoe_jax.model.routers.mutual_inform import mix_distribution  # late: it subclasses topk
     return mix_distribution(mixing, probs, x, self.cfg, attention_probs=attention_probs)
 
   def __call__(self, x: jax.Array, *, rng: Optional[jax.Array] = None, **context) -> RouterOutput:
     x = jitter(x, self.cfg.jitter_eps, rng)
     logits = self.logits(x, **context)                                                # [B, T, E]
-    if self.cfg.one_pass:  # (the config allows it only where the steps below are these)
-      return self.one_pass(logits)
     probs = self.mix(self.distribution(logits), x, **context)
     ids, gates, mask = self.select(probs, **context)
     return self.output(logits, probs, ids, gates, balance_probs=self.balance_probs(probs, x),
                        mask=mask)
 
-  def one_pass(self, logits: jax.Array) -> RouterOutput:
-    """`router.one_pass`: softmax, top-k (+ the selection bias), gates and the balance statistics of
-    logits [B, T, E] from one `router_pass.softmax_top_k` call (a kernel on one GPU), for the kinds
-    whose `__call__` is exactly those steps (`kinds.RouterKind.one_pass`)."""
-    cfg = self.cfg
-    out = softmax_top_k(logits, self.top_k, bias=self.bias(), renormalize=cfg.renormalize,
-                        topk_backend=cfg.topk_backend)
-    return self.output(logits, out.probs, out.ids, out.gates, balance_probs=out.probs,
-                       counts=out.counts, prob_means=out.prob_means)
-
-  def output(self, logits, probs, ids, gates, *, balance_probs, mask=None, counts=None,
-             prob_means=None) -> RouterOutput:
+  def output(self, logits, probs, ids, gates, *, balance_probs, mask=None) -> RouterOutput:
     """The RouterOutput with the balance loss on `balance_probs` (over the active slots `mask`),
-    the z-loss of `logits` and the entropy loss of `probs`. counts [B, E] (the picks per sequence)
-    and prob_means [B, E] (balance_probs' mean over T): the one pass's, else computed here."""
+    the z-loss of `logits` and the entropy loss of `probs`."""
     cfg = self.cfg
     # The picks per sequence, once: the balance loss and the logged loads (`pick_counts`) share them.
-    if counts is None and ids.ndim == 3:
-      counts = sequence_pick_counts(ids, self.n_experts, mask)                        # [B, E]
-    counts = None if counts is None else jax.lax.stop_gradient(counts)
+    counts = None
+    if ids.ndim == 3:
+      counts = jax.lax.stop_gradient(sequence_pick_counts(ids, self.n_experts, mask))  # [B, E]
     if self.balance_loss_applies:
       loss = cfg.balance_coef * BALANCE_LOSSES[cfg.balance_loss](
-          balance_probs, jax.lax.stop_gradient(ids), self.n_experts, mask=mask, counts=counts,
-          prob_means=prob_means)
+          balance_probs, jax.lax.stop_gradient(ids), self.n_experts, mask=mask, counts=counts)
     else:
       loss = jnp.zeros((), jnp.float32)
     aux = z_loss_terms(logits, cfg)

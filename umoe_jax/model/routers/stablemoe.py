@@ -16,7 +16,7 @@ from umoe_jax.model.routers.matmul import router_matmul
 from umoe_jax.model.routers.scoring import z_loss_terms
 from umoe_jax.model.routers.xmoe import orthogonal_init
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import linear
+from umoe_jax.counting import linear
 
 
 def stablemoe_balance_loss(scores: jax.Array, expert_ids: jax.Array, n_experts: int) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Top-k routers over x W_r: softmax (UMoE / DeepSeekMoE) and sigmoid (SwitchHead) gates."""
+"""Top-k routers over x W_r: softmax (UMoE / DeepSeekMoE) and sigmoid (SwitchHead) gates, and the
+shorthand kinds of top-k softmax with `router.mixing` (similarity_aware, attention_aware)."""
 from __future__ import annotations
 
 import jax
@@ -51,3 +52,14 @@ class TopKSigmoidRouter(TopKSoftmaxRouter):
                               topk_backend=self.cfg.topk_backend)                # [B, T, K]
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     return self.output(logits, probs, ids, gates, balance_probs=probs)
+
+
+@ROUTERS.register("similarity_aware")
+class SimilarityAwareRouter(TopKSoftmaxRouter):
+  """kind="similarity_aware": topk_softmax with router.mixing="similarity" (`mutual_inform.similarity_mix`)."""
+
+
+@ROUTERS.register("attention_aware")
+class AttentionAwareRouter(TopKSoftmaxRouter):
+  """kind="attention_aware": topk_softmax with router.mixing="attention" (`mutual_inform.attention_mix`): the FFN
+  router of an MHA block."""

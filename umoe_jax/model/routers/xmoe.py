@@ -14,7 +14,7 @@ from umoe_jax.model.layers import kaiming_uniform_init, make_param
 from umoe_jax.model.routers.matmul import router_matmul
 from umoe_jax.model.routers.scoring import ScoreRouter
 from umoe_jax.parallel import rules as ax
-from umoe_jax.stats import linear
+from umoe_jax.counting import linear
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-12) -> jax.Array:

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import ml_collections
 
-from umoe_jax.config import ConfigError
+from umoe_jax.config.schema import ConfigError
 
 MODULE_NAME = "config_config"  # config_flags' module of a --config file
 HINT = "pass a file of configs/, e.g. --config=configs/umoe_tiny.py"
@@ -202,7 +202,10 @@ def _line_in(file: str, error: BaseException) -> int | None:
 def check_override(config: Any, path: str, name: str = "config") -> None:
   """ConfigError unless `path` ("train.num_steps") names a key of `config`: what a
   `--<name>.<path>=value` override may set (config_flags raises a bare AttributeError / KeyError
-  from inside the flag parser)."""
+  from inside the flag parser); a removed key's error says what runs now."""
+  from umoe_jax.config.removed import REMOVED_KEYS
+  if path in REMOVED_KEYS and not _has_key(config, path):
+    raise ConfigError(f"--{name}.{path} was removed: {REMOVED_KEYS[path]}; drop the flag")
   node, done = config, []
   for part in path.split("."):
     if not hasattr(node, "keys"):
@@ -216,6 +219,15 @@ def check_override(config: Any, path: str, name: str = "config") -> None:
                         f"{section}: {', '.join(sorted(node.keys()))}")
     node = node[part]
     done.append(part)
+
+
+def _has_key(config: Any, path: str) -> bool:
+  node = config
+  for part in path.split("."):
+    if not hasattr(node, "keys") or part not in node:
+      return False
+    node = node[part]
+  return True
 
 
 def check_override_value(config: Any, key: str, value: str, name: str = "config",
@@ -252,7 +264,7 @@ def _value_parser(field_type: Any) -> Any:
     from ml_collections.config_flags.config_flags import _FIELD_TYPE_TO_PARSER
   except ImportError:
     return None
-  from umoe_jax.config_fields import OPTIONAL_TYPES
+  from umoe_jax.config.fields import OPTIONAL_TYPES
   if _is_section(field_type):
     return _FIELD_TYPE_TO_PARSER.get(ml_collections.ConfigDict)
   scalar_types = (int, float, bool, *OPTIONAL_TYPES.values())

@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.model.expert_mlp import aoe_expert_rows, aoe_routed_mlp, expert_hidden, routed_mlp
+from umoe_jax.model.layers import rms_norm
 from umoe_jax.ops.gmm import gmm
 from umoe_jax.ops.varying import match_varying
 from umoe_jax.parallel.exchange import axis_arg
@@ -26,7 +28,6 @@ def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, ac
   rows, w_up, w_down, *rest = match_varying(rows.astype(dtype), w_up, w_down,
                                             *([] if w_gate is None else [w_gate]))
   w_gate = rest[0] if rest else None
-  from umoe_jax.model.experts import expert_hidden
   up = gmm(rows, w_up.astype(dtype), group_sizes, backend=backend)                       # [R, F_l]
   gate = None if w_gate is None else gmm(rows, w_gate.astype(dtype), group_sizes, backend=backend)
   h = expert_hidden(up, gate, activation)
@@ -39,7 +40,6 @@ def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, ac
 
 def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend,
                 fuse_activation=False, fuse_weight_rows=False):
-  from umoe_jax.model.experts import routed_mlp
   x, gates, w_up, w_down, *rest = match_varying(
       x.astype(dtype), gates, w_up.astype(dtype), w_down.astype(dtype),
       *([] if w_gate is None else [w_gate.astype(dtype)]))
@@ -81,7 +81,6 @@ def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, activation, dtype,
                backend):
   """One device's AoE experts (w_b / w_up / w_down's hidden width may be split over tensor)."""
-  from umoe_jax.model.experts import aoe_expert_rows
   rows, w_a, w_b, w_down, *rest = match_varying(rows.astype(dtype), w_a, w_b, w_down,
                                                 *([] if w_up is None else [w_up]))
   ws = [w.astype(dtype) for w in (w_a, w_b)] + [rest[0].astype(dtype) if rest else None,
@@ -94,7 +93,6 @@ def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, a
 
 
 def _aoe_fused(x, plan, gates, w_a, w_b, w_down, w_up=None, *, activation, dtype, backend):
-  from umoe_jax.model.experts import aoe_routed_mlp
   x, gates, w_a, w_b, w_down, *rest = match_varying(
       x.astype(dtype), gates, w_a.astype(dtype), w_b.astype(dtype), w_down.astype(dtype),
       *([] if w_up is None else [w_up.astype(dtype)]))
@@ -112,7 +110,6 @@ def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low_rank, norm):
   del tensor_axes  # query weights have no EXPERT_MLP dim
-  from umoe_jax.model.layers import rms_norm
   rows, *ws = match_varying(rows.astype(dtype), *ws)
   if not low_rank:
     return gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                  # [R, Dk]

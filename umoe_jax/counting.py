@@ -1,5 +1,10 @@
-"""Counting primitives: the `Count` of a component, the counts of the building blocks (a linear
-map, an MLP, a routed expert, a low-rank expert query), the component names and the config input.
+"""Counting primitives for parameters and MACs: the `Count` of a component, the counts of the
+building blocks (a linear map, an MLP, a routed expert, a low-rank expert query), the component names,
+the config input, and the statistics contract each attention / FFN kind fills in.
+
+A leaf: it imports only the config, so the model's classes can carry their own counts (`stats` of an
+attention class, `RouterStats` of a router) and `umoe_jax.stats`, which sums them up and reads the
+model, imports this and the model, never the reverse.
 
 Each building block's weights equal its forward MACs per token (bias-free matrices), so one
 function serves both counts.
@@ -105,3 +110,54 @@ def _model_section(cfg: Mapping, name: str) -> Mapping:
     raise ConfigError(f"{name} has no model section (config.model) and no model key such as "
                       f"d_model; its keys: {', '.join(sorted(keys))}")
   return cfg
+
+
+class SublayerStats:
+  """What every sub-layer kind (attention or FFN) states, per layer; class methods of a
+  `ModelConfig`. How to add a kind: the docstring of `umoe_jax.stats.kinds`."""
+
+  @classmethod
+  def params(cls, cfg: ModelConfig) -> dict[str, Count]:
+    """Parameters the sub-layer owns, by component (not the layer's routed expert pool)."""
+    raise NotImplementedError
+
+  @classmethod
+  def pool_picks(cls, cfg: ModelConfig) -> int:
+    """Experts of the layer's routed pool one token's sub-layer runs through (0: no pool)."""
+    return 0
+
+  @classmethod
+  def token_macs(cls, cfg: ModelConfig) -> dict[str, int]:
+    """Forward MACs per token that do not depend on the context (projections, routers, ...),
+    excluding the pool experts (counted at the layer from `pool_picks`)."""
+    raise NotImplementedError
+
+
+class AttentionStats(SublayerStats):
+  """Statistics of one attention kind, per layer; all class methods of a `ModelConfig`.
+
+  Subclass, set it as the model class's `stats` (or register it in `umoe_jax.stats.ATTENTION_STATS`),
+  and fill in `params`, `token_macs`, `pair_macs`, `kv_cache`.
+  """
+
+  @classmethod
+  def pair_macs(cls, cfg: ModelConfig) -> dict[str, int]:
+    """Forward MACs per (query token, attended key) pair: q.k^T and a.V over all query heads."""
+    raise NotImplementedError
+
+  @classmethod
+  def pairs(cls, cfg: ModelConfig, seq_len: int, causal: bool) -> int:
+    """(query, key) pairs of one sequence: T*T like the paper, or T(T+1)/2 visible ones."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+  @classmethod
+  def kv_cache(cls, cfg: ModelConfig) -> Optional[dict[str, int]]:
+    """Values cached per token per layer for decoding, by name. Default None: `umoe_jax.stats`
+    then takes the sizes of the model class's `cache_shapes(cfg)` (the decoding cache's layout,
+    `umoe_jax.model.cache`), which this leaf cannot read."""
+    return None
+
+
+class FFNStats(SublayerStats):
+  """Statistics of one FFN kind, per layer (same conventions as `AttentionStats`): `params`,
+  `token_macs` and, for a routed pool, `pool_picks`."""

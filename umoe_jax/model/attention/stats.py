@@ -1,15 +1,14 @@
-"""Statistics of the built-in attention kinds: dense multi-head attention ("mha") and UMoE's
-pre-mixing attention ("premix"). Per layer; MACs per token or per (query, key) pair."""
+"""Statistics of dense multi-head attention ("mha") and UMoE's pre-mixing attention ("premix"),
+which their model classes carry as `stats` (SwitchHead's and post-mixing's extend them). Per layer;
+MACs per token or per (query, key) pair; `umoe_jax.stats` sums them up."""
 from __future__ import annotations
 
 from typing import Optional
 
-from umoe_jax.stats.counting import Count, linear, low_rank_expert_count, mlp
-from umoe_jax.stats.kinds import ATTENTION_STATS, AttentionStats
-from umoe_jax.stats.router_counts import router_macs, router_params
+from umoe_jax.counting import AttentionStats, Count, linear, low_rank_expert_count, mlp
+from umoe_jax.model.routers.base import router_macs, router_params
 
 
-@ATTENTION_STATS.register("mha")
 class MHAStats(AttentionStats):
   """Dense multi-head attention: q, k [H, d_k], v [H, d_v], o [H d_v -> d]."""
 
@@ -34,7 +33,6 @@ class MHAStats(AttentionStats):
     return {"key": a.n_heads * a.head_dim, "value": a.n_heads * a.v_head_dim}
 
 
-@ATTENTION_STATS.register("premix")
 class PreMixStats(AttentionStats):
   """UMoE pre-mixing attention: router, one key head, shared + residual queries, k_att routed
   low-rank queries, 1 + k_att query heads mixing the hidden states (width d), the always-on expert;
