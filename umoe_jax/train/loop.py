@@ -290,7 +290,7 @@ class Trainer:
                         f"train.num_steps={t.num_steps}",
                         hint="set data.num_epochs=None (repeat) or lower train.num_steps") from None
       batch = sharding_lib.global_batch(host_batch, self.s.mesh, self.s.rules)
-      self.profiler.before(self.step + 1)
+      self.profiler.before(self.step + 1, self.state)
       try:
         self.state, m = self.s.programs.train_fn(self.state, batch)
       except Exception:  # pylint: disable=broad-except
@@ -302,7 +302,7 @@ class Trainer:
           return True
         raise
       self.step += 1
-      self.profiler.after(self.step, m)
+      self.profiler.after(self.step, (self.state, m))
       self.pending.append((self.step, m))
       if first:  # compile + first step: excluded from throughput
         first = False

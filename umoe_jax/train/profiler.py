@@ -1,8 +1,10 @@
 """`log.profile_steps`: jax.profiler traces of chosen training steps, for TensorBoard's profile tab.
 
 Step s is the update that takes the state from step s - 1 to s (the step numbers of the logs).
-Each run of consecutive chosen steps is one trace: it starts before the first of them is dispatched
-and stops once the last one has finished on the device, and is written to
+Each run of consecutive chosen steps is one trace holding exactly those steps: the host runs ahead of
+the device (it dispatches steps before earlier ones have finished), so the trace starts only once
+the state before its first step is ready on the device (no earlier step still queued or running),
+and stops only once the outputs of its last step are ready. It is written to
 `<workdir>/tensorboard/plugins/profile/<timestamp>/` (`*.xplane.pb`), where
 `tensorboard --logdir <workdir>` shows it with the profile plugin (`pip install
 tensorboard-plugin-profile`). Every step inside a trace is marked with a StepTraceAnnotation.
@@ -21,7 +23,8 @@ from umoe_jax import storage
 
 
 class StepProfiler:
-  """before(step) / after(step, outputs) around each training step; close() ends an open trace."""
+  """before(step, state) / after(step, outputs) around each training step; close() ends an open
+  trace."""
 
   def __init__(self, steps: Sequence[int] = (), logdir: str = ""):
     self.steps = frozenset(int(s) for s in steps)
@@ -35,12 +38,14 @@ class StepProfiler:
     steps = config.log.get("profile_steps") or ()
     return cls(steps, storage.join(workdir, "tensorboard"))
 
-  def before(self, step: int) -> None:
-    """Called before step `step` is dispatched."""
+  def before(self, step: int, state: Any = None) -> None:
+    """Called before step `step` is dispatched, with its input state (to wait for the device)."""
     if step not in self.steps:
       return
     import jax
     if not self.tracing:
+      # Steps dispatched earlier may still be queued or running: they stay out of the trace.
+      jax.block_until_ready(state)
       if storage.is_url(self.logdir):
         self._trace_dir = storage.local_temp_dir("umoe-profile-")
       else:
