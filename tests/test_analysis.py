@@ -53,7 +53,7 @@ def test_jaccard_and_overlap_match_set_loops():
   assert got["overlap"] == pytest.approx(np.mean([len(set(x) & set(y)) / 3 for x, y in zip(a, f)]),
                                          rel=1e-12)
   assert got["top1_same"] == pytest.approx(np.mean([x[0] == y[0] for x, y in zip(a, f)]))
-  assert got["overlap_chance"] == 5 / 9 and got["top1_same_chance"] == 1 / 9
+  assert got["overlap_chance_uniform"] == 5 / 9 and got["top1_same_chance_uniform"] == 1 / 9
   # Independent uniform picks land near the chance values.
   assert abs(got["overlap"] - 5 / 9) < 0.1
 
@@ -151,9 +151,12 @@ def test_shared_pool_overlap_and_split_by_hand():
   att = np.array([[0], [1], [2]])
   ffn = np.array([[0, 1], [2, 3], [1, 2]])
   got = routing.pick_overlap(att, ffn, 4)
-  # same top-1: 0=0, 1!=2, 2!=1 -> 1/3; |A & F| / min(1, 2): 1, 0, 1 -> 2/3; chance max(1, 2)/4.
+  # same top-1: 0=0, 1!=2, 2!=1 -> 1/3; |A & F| / min(1, 2): 1, 0, 1 -> 2/3; chance max(1, 2)/4 at
+  # equal loads; at the measured ones (attention 1/3 each of 0..2, FFN 1/3, 2/3, 2/3, 1/3):
+  # 1/9 + 2/9 + 2/9 = 5/9.
   assert got["top1_same"] == pytest.approx(1 / 3) and got["overlap"] == pytest.approx(2 / 3)
-  assert got["overlap_chance"] == 0.5
+  assert got["overlap_chance_uniform"] == 0.5
+  assert got["overlap_chance"] == pytest.approx(5 / 9, rel=1e-12)
   share = routing.attention_share([2, 0, 1, 0], [2, 1, 3, 0])
   assert share[:3].tolist() == [0.5, 0.0, 0.25] and math.isnan(share[3])
   summary = report.shared_pool_summary(probe.Routes(att, np.full((3, 4), 0.25)),

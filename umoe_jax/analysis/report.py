@@ -120,10 +120,14 @@ def format_report(report: Mapping[str, Any]) -> str:
     for label, layer, s in shared:
       share = np.asarray([np.nan if v is None else v for v in s["attention_share"]], np.float64)
       lo, hi = (np.nanmin(share), np.nanmax(share)) if np.isfinite(share).any() else (None, None)
-      rows.append([layer, label, f"{_fmt(s['top1_same'])} ({_fmt(s['top1_same_chance'])})",
-                   f"{_fmt(s['overlap'])} ({_fmt(s['overlap_chance'])})",
+      rows.append([layer, label, f"{_fmt(s['top1_same'])} ({_fmt(s['top1_same_chance'])} / "
+                                 f"{_fmt(s['top1_same_chance_uniform'])})",
+                   f"{_fmt(s['overlap'])} ({_fmt(s['overlap_chance'])} / "
+                   f"{_fmt(s['overlap_chance_uniform'])})",
                    f"{_fmt(lo, '.2f')}..{_fmt(hi, '.2f')} ({_fmt(s['attention_share_balanced'], '.2f')})"])
-    out += ["", "Shared expert pool: attention vs FFN picks of each token (chance in brackets) and "
+    out += ["", "Shared expert pool: attention vs FFN picks of each token (in brackets: chance, "
+            "the value if attention and FFN picked independently, at the measured expert loads / "
+            "at equal loads) and "
             "each expert's attention share of its picks (min..max over experts; proportional in "
             "brackets)", table(["layer", "ckpt", "same top-1", "top-k overlap", "attention share"],
                                rows)]

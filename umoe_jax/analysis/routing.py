@@ -22,10 +22,12 @@ One checkpoint:
                        (1 = routing is a function of the token id; ids seen once say nothing)
 A pool shared by the attention and the FFN sub-layer of a layer (UMoE), with picks A [N, K_a] of
 the attention router and F [N, K_f] of the FFN router:
-  pick_overlap         top1_same: fraction of tokens with the same top-1 expert (chance 1/E);
-                       overlap: mean |A & F| / min(|A|, |F|) over tokens with picks on both sides
-                       (chance for independent uniform picks of K_a and K_f: E|A & F| = K_a K_f / E,
-                       i.e. max(K_a, K_f) / E)
+  pick_overlap         top1_same: fraction of tokens with the same top-1 expert;
+                       overlap: mean |A & F| / min(|A|, |F|) over tokens with picks on both sides;
+                       each with its chance level under the measured expert loads (`chance_overlap`:
+                       the value if each token's attention and FFN picks were drawn independently,
+                       each as that router picks, e.g. sum_e p_a(e) p_f(e) for top-1) and under
+                       equal loads (1/E; max(K_a, K_f) / E for independent uniform picks)
   attention_share      per expert, attention picks / (attention + FFN picks); K_a / (K_a + K_f)
                        when the expert serves both sub-layers in proportion to their picks
 """
@@ -130,17 +132,59 @@ def token_consistency(token_ids: np.ndarray, top1: np.ndarray) -> tuple[float, i
   return float(per_id_max[repeated].sum() / per_id_total[repeated].sum()), int(repeated.sum())
 
 
+def chance_overlap(att_ids: np.ndarray, ffn_ids: np.ndarray, n_experts: int) -> dict:
+  """{"top1_same", "overlap"} expected if each token's attention picks and FFN picks were
+  independent, each router keeping its measured expert loads: the two figures of `pick_overlap`
+  for a token whose attention picks are those of a random probe token and whose FFN picks are those
+  of another, independently drawn one.
+
+  Top-1, with p_a(e), p_f(e) the fractions of tokens whose top-1 expert is e:
+      P(same top-1) = sum_e p_a(e) p_f(e)                    (1/E at equal loads)
+  Top-k: E|A & F| = sum_e P(e in A) P(e in F) by linearity of expectation, whatever the joint law of
+  a router's K picks, so with pi_a(e), pi_f(e) the fractions of tokens that picked e (the loads,
+  summing to K_a and K_f):
+      E[|A & F| / min(K_a, K_f)] = sum_e pi_a(e) pi_f(e) / min(K_a, K_f)
+  (max(K_a, K_f) / E at equal loads pi = K / E). Where tokens have different numbers of picks
+  (NO_PICK slots), tokens are grouped by their number of picks s, with w(s) the fraction of tokens
+  having s picks and pi^s(e) the fraction of those that picked e:
+      sum_{s_a, s_f > 0} w_a(s_a) w_f(s_f) sum_e pi_a^s_a(e) pi_f^s_f(e) / min(s_a, s_f)
+      / (sum_{s_a > 0} w_a(s_a) sum_{s_f > 0} w_f(s_f))
+  (the mean over token pairs with picks on both sides), NaN if no token has picks on both sides.
+  """
+  att_ids, ffn_ids = np.asarray(att_ids), np.asarray(ffn_ids)
+  n = len(att_ids)
+  top1 = lambda ids: expert_counts(ids[:, :1], n_experts) / n
+  same = float(np.dot(top1(att_ids), top1(ffn_ids)))
+
+  def by_size(ids):  # {s: (w(s), pi^s [E])} over the token sizes s > 0
+    sizes = pick_sizes(ids)
+    return {int(s): (float(np.mean(sizes == s)),
+                     expert_counts(ids[sizes == s], n_experts) / np.sum(sizes == s))
+            for s in np.unique(sizes) if s > 0}
+
+  att, ffn = by_size(att_ids), by_size(ffn_ids)
+  both = sum(w for w, _ in att.values()) * sum(w for w, _ in ffn.values())
+  total = sum(w_a * w_f * float(np.dot(pi_a, pi_f)) / min(s_a, s_f)
+              for s_a, (w_a, pi_a) in att.items() for s_f, (w_f, pi_f) in ffn.items())
+  return {"top1_same": same, "overlap": total / both if both > 0 else float("nan")}
+
+
 def pick_overlap(att_ids: np.ndarray, ffn_ids: np.ndarray, n_experts: int) -> dict:
-  """Attention vs FFN picks [N, K_a], [N, K_f] of one shared pool of E experts (module docstring)."""
+  """Attention vs FFN picks [N, K_a], [N, K_f] of one shared pool of E experts (module docstring):
+  {"top1_same", "overlap"}, their chance levels under the measured loads ("top1_same_chance",
+  "overlap_chance": `chance_overlap`) and under equal loads ("..._chance_uniform")."""
   att_ids, ffn_ids = np.asarray(att_ids), np.asarray(ffn_ids)
   k_a, k_f = att_ids.shape[1], ffn_ids.shape[1]
   inter = pick_intersection(att_ids, ffn_ids)
   smaller = np.minimum(pick_sizes(att_ids), pick_sizes(ffn_ids))
   both = smaller > 0
+  chance = chance_overlap(att_ids, ffn_ids, n_experts)
   return {"top1_same": float(np.mean((att_ids[:, 0] == ffn_ids[:, 0]) & (att_ids[:, 0] != NO_PICK))),
-          "top1_same_chance": 1.0 / n_experts,
+          "top1_same_chance": chance["top1_same"],
+          "top1_same_chance_uniform": 1.0 / n_experts,
           "overlap": (float(np.mean(inter[both] / smaller[both])) if both.any() else float("nan")),
-          "overlap_chance": max(k_a, k_f) / n_experts}
+          "overlap_chance": chance["overlap"],
+          "overlap_chance_uniform": max(k_a, k_f) / n_experts}
 
 
 def attention_share(att_counts: np.ndarray, ffn_counts: np.ndarray) -> np.ndarray:
