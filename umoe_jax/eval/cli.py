@@ -5,6 +5,7 @@
   race        RACE from its public release (lm-eval's scoring)
   perplexity  token / word (WikiText) perplexity and bits per byte of a corpus, sliding windows
   attack      clean vs word-swap-attacked perplexity of a corpus, side by side
+  speed       prefill latency, decoding tokens/s, KV-cache bytes, peak memory (`speed`)
   lm-eval     lm-evaluation-harness's own CLI with this library's model registered (`umoe_jax`)
 
 Common flags: --checkpoint (a training workdir, one of its checkpoints/<step>, or a converted
@@ -27,7 +28,7 @@ from ml_collections import config_flags
 from umoe_jax import console
 from umoe_jax.config import files as config_file
 from umoe_jax.config import ConfigError
-from umoe_jax.eval import harness
+from umoe_jax.eval import harness, speed
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.attack import attack_documents
 from umoe_jax.eval.corpora import read_corpus
@@ -35,7 +36,7 @@ from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
-from umoe_jax.load import LoadError, load_model_and_tokenizer
+from umoe_jax.load import LoadError, load_model, load_model_and_tokenizer
 from umoe_jax.output import check_output_path, fmt, markdown_table, write_json
 from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
 
@@ -201,6 +202,89 @@ def cmd_attack(f):
                                     results={"clean": clean, "attacked": hit})
 
 
+def _int_list(text: str, flag: str) -> list[int]:
+  try:
+    values = sorted({int(v) for v in text.split(",") if v.strip()})
+  except ValueError:
+    values = []
+  if not values or values[0] < 1:
+    raise EvalError(f"{flag}={text!r} must be comma-separated integers >= 1")
+  return values
+
+
+def cmd_speed(f):
+  if f["batch_size"].present:  # (a common flag: silently unused would mislead)
+    raise EvalError("speed measures the batch sizes of --batches (e.g. --batches=1,32), not "
+                    "--batch_size")
+  batches = _int_list(f.batches, "--batches")
+  for name in ("prompt_len", "new_tokens", "repeats"):
+    if f[name].value is not None and f[name].value < (2 if name == "new_tokens" else 1):
+      raise EvalError(f"--{name}={f[name].value} must be >= {2 if name == 'new_tokens' else 1}")
+  if f.warmup < 0:
+    raise EvalError(f"--warmup={f.warmup} must be >= 0")
+  if f.cache_dtype:
+    import jax.numpy as jnp
+    try:
+      ok = jnp.issubdtype(jnp.dtype(f.cache_dtype), jnp.floating)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise EvalError(f"--cache_dtype={f.cache_dtype!r} is not a floating-point dtype "
+                      "(e.g. bfloat16, float32)")
+  model, section, _ = load_model(f.checkpoint, f.config, seed=f.seed,
+                                 compute_dtype=f.compute_dtype or None)
+  cfg = model.cfg
+  new = f.new_tokens if f.new_tokens is not None else min(128, cfg.max_seq_len // 2)
+  prompt = f.prompt_len if f.prompt_len is not None else min(1024, cfg.max_seq_len - new)
+  if prompt < 1 or prompt + new > cfg.max_seq_len:
+    raise EvalError(f"--prompt_len={prompt} + --new_tokens={new} must fit the model's "
+                    f"max_seq_len={cfg.max_seq_len} (prompt at least 1 token)")
+  _log(f"model: {f.checkpoint or '(random parameters)'}; {_device_kind()}; prompt {prompt} tokens, "
+       f"{new} new tokens, median of {f.repeats}")
+  rows = []
+  for b in batches:
+    try:
+      row = speed.measure(model, b, prompt_len=prompt, new_tokens=new, warmup=f.warmup,
+                          repeats=f.repeats, cache_dtype=f.cache_dtype or None, seed=f.seed)
+    except (ValueError, ConfigError) as e:  # a router that cannot decode with a cache, ...
+      raise EvalError(str(e)) from None
+    row.pop("tokens")
+    _log(f"batch {b}: prefill {row['prefill_ms']:.2f} ms, decode {row['decode_tokens_per_s']:,.1f} "
+         f"tokens/s (compile {row['compile_prefill_s']:.1f} + {row['compile_decode_s']:.1f} s)")
+    rows.append(row)
+  settings = dict(prompt_len=prompt, new_tokens=new, warmup=f.warmup, repeats=f.repeats,
+                  device=_device_kind(), param_dtype=cfg.param_dtype,
+                  compute_dtype=cfg.compute_dtype, cache_dtype=rows[0]["cache_dtype"],
+                  param_bytes=speed.param_bytes(model))
+  head = (f"{cfg.n_layers} layers, d_model {cfg.d_model}, parameters "
+          f"{settings['param_bytes'] / 2**20:,.1f} MiB ({cfg.param_dtype}), compute "
+          f"{cfg.compute_dtype}, KV cache {settings['cache_dtype']}; prompt {prompt} tokens, "
+          f"{new} new tokens; median of {f.repeats} runs on {settings['device']}\n"
+          "decode tok/s = batch / ms per cached step; peak = the device's peak bytes in use so far "
+          "(n/a: the backend reports none, e.g. CPU)\n\n")
+  info = {"checkpoint": f.checkpoint, "model": {k: section.get(k) for k in (
+      "vocab_size", "d_model", "n_layers", "max_seq_len", "compute_dtype")}}
+  return head + speed.format_table(rows), dict(info, settings=settings, results=rows)
+
+
+def _device_kind() -> str:
+  import jax
+  return jax.devices()[0].device_kind
+
+
+def _flags_speed(fv):
+  fv.set_default("compute_dtype", "")  # the config's, as the model would be served
+  flags.DEFINE_string("batches", "1,32", "Batch sizes to measure, comma-separated.", flag_values=fv)
+  flags.DEFINE_integer("prompt_len", None, "Prompt tokens (default: min(1024, max_seq_len - "
+                       "new_tokens)).", flag_values=fv)
+  flags.DEFINE_integer("new_tokens", None, "Tokens decoded after the prompt (default: min(128, "
+                       "max_seq_len / 2)).", flag_values=fv)
+  flags.DEFINE_integer("warmup", 1, "Untimed runs before the timed ones.", flag_values=fv)
+  flags.DEFINE_integer("repeats", 5, "Timed runs (the median is reported).", flag_values=fv)
+  flags.DEFINE_string("cache_dtype", None, "KV-cache dtype (default: the compute dtype).",
+                      flag_values=fv)
+
+
 def _flags_tasks(fv):
   _task_flags(fv, tasks_default=",".join(tasks_lib.TASKS), fewshot_default=0)
 
@@ -233,6 +317,7 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
     "race": (_flags_race, cmd_race, "RACE (lm-eval's scoring)"),
     "perplexity": (_corpus_flags, cmd_perplexity, "corpus perplexity, sliding windows"),
     "attack": (_flags_attack, cmd_attack, "clean vs attacked perplexity"),
+    "speed": (_flags_speed, cmd_speed, "prefill, decoding tokens/s, KV bytes, peak memory"),
 }
 
 
