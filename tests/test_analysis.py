@@ -390,6 +390,33 @@ def test_plot_command_reads_runs(tmp_path, capsys):
     _png_ok(p)
 
 
+def test_plot_command_names_probe_size_and_interval(tmp_path, monkeypatch):
+  """routing_fluctuation.png says the probe's size and the steps each point is compared with, as
+  the run logged them (routing/probe_tokens, routing/previous_step)."""
+  from umoe_jax import plot
+  rec = lambda step, prev, tokens: {"step": step, "routing/layer_0/ffn/top1_change": 0.2,
+                                    "routing/layer_0/ffn/jaccard": 0.7, "routing/top1_change": 0.2,
+                                    "routing/jaccard": 0.7, "routing/previous_step": prev,
+                                    "routing/probe_tokens": tokens}
+  loss = lambda step: {"step": step, "train/lm_loss": 4.0, "train/perplexity": 54.6}
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  _write_metrics(a, [loss(10), rec(500, 250, 4096), rec(750, 500, 4096)])
+  _write_metrics(b, [loss(10), rec(500, 400, 1024), rec(900, 500, 1024)])
+  assert plot.probe_context(plot.read_metrics(a)) == ([4096], [250])
+  assert plot.probe_context(plot.read_metrics(b)) == ([1024], [100, 400])
+  figs = {}
+  monkeypatch.setattr(plots, "save_png", lambda fig, path: figs.setdefault(os.path.basename(path), fig))
+  plot.plot_runs([a], str(tmp_path / "one"))
+  fig = figs.pop("routing_fluctuation.png")
+  assert fig._suptitle.get_text() == "Routing fluctuation on the routing probe (4,096 tokens): a"
+  assert fig.axes[0].get_title().endswith("since the evaluation 250 steps before")
+  plot.plot_runs([a, b], str(tmp_path / "two"))
+  fig = figs.pop("routing_fluctuation.png")
+  assert fig.axes[0].get_title().endswith("since the previous evaluation (100-400 steps before)")
+  assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == [
+      "a (4,096 tokens)", "b (1,024 tokens)"]
+
+
 def test_loss_figure_of_one_step():
   """A run with one record so far (the evaluation at step 0): the step axis shows that step, not
   fractional steps -0.045 .. 0.045 around it."""

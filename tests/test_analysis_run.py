@@ -67,6 +67,9 @@ def test_training_logs_routing_fluctuation(run):
   workdir, cfg = run
   recs = [r for r in _records(workdir) if "routing/top1_change" in r]
   assert [r["step"] for r in recs] == [4, 8]  # every evaluation after the first (the baseline)
+  # Each compared with the previous evaluation, on one held-out batch of 4 x 32 tokens.
+  assert [(r["routing/previous_step"], r["routing/probe_tokens"]) for r in recs] == [(0, 128),
+                                                                                     (4, 128)]
   for r in recs:
     for name in ROUTERS:
       assert 0 <= r[f"routing/{name}/top1_change"] <= 1 and 0 <= r[f"routing/{name}/jaccard"] <= 1
@@ -303,6 +306,7 @@ def test_tokenizer_larger_than_the_checkpoints_vocabulary(run, tmp_path):
                             r"train.num_steps=8\]"),
     ("profile_steps", (3, 9), r"step 9 is not an integer in \[1, train.num_steps=8\]"),
     ("routing_probe_batches", -1, r"log.routing_probe_batches=-1 must be an integer >= 0"),
+    ("routing_probe_batches", 3, r"log.routing_probe_batches=3 exceeds train.eval_batches=2"),
 ])
 def test_log_analysis_keys_are_validated(key, value, match):
   from umoe_jax.train import config as config_lib

@@ -7,7 +7,9 @@ Writes into --out (created):
                              interval means as lines, held-out evaluations as dashed markers);
   routing_fluctuation.png    if a run logged the routing probe (routing/... keys, every evaluation):
                              the top-1 change and top-k Jaccard against the step: one run = one line
-                             per router and their mean, several runs = the mean of each run.
+                             per router and their mean, several runs = the mean of each run;
+                             the titles say the probe's size and the steps each point is compared
+                             with (routing/probe_tokens, routing/previous_step).
 Each argument is a run's workdir (or its metrics.jsonl), named in the legends by its directory name
 (with parent directories where two names are the same). A step logged twice (a resumed run) keeps
 its last record, and the steps after a run's resume point that an earlier run logged and the resumed
@@ -111,6 +113,28 @@ def fluctuation_series(metrics: dict[str, tuple[list, list]]) -> dict[str, tuple
   return out
 
 
+def probe_context(metrics: dict[str, tuple[list, list]]) -> tuple[list[int], list[int]]:
+  """(the probe sizes in tokens, the step distances between compared evaluations) a run logged,
+  each sorted without repeats; empty where the run did not log them."""
+  tokens = sorted({int(v) for v in metrics.get("routing/probe_tokens", ([], []))[1]})
+  steps, previous = metrics.get("routing/previous_step", ([], []))
+  return tokens, sorted({int(s - p) for s, p in zip(steps, previous)})
+
+
+def _probe_words(tokens: Sequence[int]) -> str:
+  return (f"{tokens[0]:,} tokens" if len(tokens) == 1 else
+          f"{tokens[0]:,}-{tokens[-1]:,} tokens" if tokens else "")
+
+
+def _reference(gaps: Sequence[int]) -> str:
+  """'the evaluation 500 steps before' (one distance), else 'the previous evaluation (...)'."""
+  if len(gaps) == 1:
+    return f"the evaluation {gaps[0]:,} step{'s' if gaps[0] != 1 else ''} before"
+  if gaps:
+    return f"the previous evaluation ({gaps[0]:,}-{gaps[-1]:,} steps before)"
+  return "the previous evaluation"
+
+
 def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
   """Writes the figures of the module docstring; returns their paths."""
   from umoe_jax.analysis import plots
@@ -128,15 +152,24 @@ def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
   fluct = {label: fluctuation_series(m) for label, m in metrics.items()}
   fluct = {label: f for label, f in fluct.items() if f}
   if fluct:
+    context = {label: probe_context(metrics[label]) for label in fluct}
+    gaps = sorted({g for _, run_gaps in context.values() for g in run_gaps})
     if len(fluct) == 1:
       (label, series), = fluct.items()
-      fig = plots.fluctuation_figure(series, f"Routing fluctuation on the probe batch: {label}",
-                                     highlight="mean over routers")
+      size = _probe_words(context[label][0])
+      fig = plots.fluctuation_figure(
+          series, f"Routing fluctuation on the routing probe{f' ({size})' if size else ''}: {label}",
+          highlight="mean over routers", reference=_reference(gaps))
     else:
-      series = {label: f["mean over routers"] for label, f in fluct.items()
+      sizes = {label: _probe_words(c[0]) for label, c in context.items()}
+      same = len(set(sizes.values())) == 1
+      name = lambda label: label if same or not sizes[label] else f"{label} ({sizes[label]})"
+      series = {name(label): f["mean over routers"] for label, f in fluct.items()
                 if "mean over routers" in f}
-      fig = plots.fluctuation_figure(series, "Routing fluctuation on the probe batch (mean over "
-                                             "routers)")
+      size = next(iter(sizes.values())) if same else ""
+      fig = plots.fluctuation_figure(
+          series, f"Routing fluctuation on the routing probe{f' ({size})' if size else ''}, mean "
+                  "over routers", reference=_reference(gaps))
     written.append(plots.save_png(fig, storage.join(out_dir, "routing_fluctuation.png")))
   return written
 

@@ -108,6 +108,8 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
                                          text_field=text_field, run_config=refs[0].config)
   try:
     tok = data_lib.load_tokenizer(data_cfg)
+  except storage.StorageError:
+    raise  # the store failed, not the tokenizer: its line and hint (stdout_errors)
   except (ValueError, OSError) as e:  # (their messages mostly name the tokenizer already)
     named = data_cfg.tokenizer in str(e)
     raise ValueError(str(e) if named else f"tokenizer {data_cfg.tokenizer!r}: {e}") from None
@@ -212,11 +214,14 @@ def fluctuation_plot(result: dict):
                    [f["routers"][name]["jaccard"] for f in flucts]) for name in names}
   means = [mean_over_routers(f) for f in flucts]
   series["mean over routers"] = (x, [m["top1_change"] for m in means], [m["jaccard"] for m in means])
+  gaps = {b - a for a, b in zip(steps, steps[1:])} if by_step else set()
+  reference = (f"the checkpoint {gaps.pop():,} steps before" if len(gaps) == 1 else
+               "the previous checkpoint")
   return plots.fluctuation_figure(
       series, f"Routing change between consecutive checkpoints ({result['probe']['tokens']:,} "
               f"probe tokens)",
       xlabel="training step of the later checkpoint" if by_step else "checkpoints compared",
-      highlight="mean over routers", reference="the previous checkpoint",
+      highlight="mean over routers", reference=reference,
       xticklabels=None if by_step else {i: f"{f['from']} -> {f['to']}"
                                         for i, f in zip(x, flucts)})
 

@@ -102,8 +102,9 @@ def default_log_config() -> ml_collections.ConfigDict:
       jsonl=True,                  # `WORKDIR/metrics.jsonl`, one JSON object per record
       peak_flops=optional(float),  # a device's peak FLOP/s for MFU; None = looked up by device
                                    # kind (set it for a chip the table lacks)
-      routing_probe_batches=1,     # held-out batches whose routing change is logged at every
-                                   # evaluation; 0 disables it
+      routing_probe_batches=1,     # size of the routing probe: the first this many held-out batches
+                                   # (at most train.eval_batches), whose routing change is logged
+                                   # at every evaluation; 0 disables it
       profile_steps=(),            # steps to trace with jax.profiler into `WORKDIR/tensorboard`,
                                    # e.g. `--config.log.profile_steps=10,11,12` (not step 1: it compiles)
   ))
@@ -194,6 +195,9 @@ def check_log_analysis(log: Any, train: Any) -> None:
   n = log.routing_probe_batches
   _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
          f"log.routing_probe_batches={n!r} must be an integer >= 0 (0 disables)")
+  _check(not n or not train.eval_every or n <= train.eval_batches,
+         f"log.routing_probe_batches={n!r} exceeds train.eval_batches={train.eval_batches!r}: the "
+         f"probe is taken from the held-out batches (raise train.eval_batches)")
   steps = log.profile_steps
   _check(isinstance(steps, (tuple, list)), f"log.profile_steps={steps!r} must be a tuple of steps, "
          "e.g. (10, 11) or --config.log.profile_steps=10,11")

@@ -8,9 +8,14 @@ baseline) and logged to TensorBoard and metrics.jsonl:
   routing/<layer>/<router>/top1_change   fraction of probe tokens whose top-1 expert changed
   routing/<layer>/<router>/jaccard       mean Jaccard overlap of their top-k sets
   routing/top1_change, routing/jaccard   the means over routers
+  routing/previous_step                  the step compared with (the previous evaluation)
+  routing/probe_tokens                   the probe's size in tokens
   routing/load_heatmap                   TensorBoard image: the probe's expert load, layers x experts
 
-Definitions: `umoe_jax.analysis.routing`. Routing is read as in evaluation (no training step).
+Definitions: `umoe_jax.analysis.routing`. Routing is read as in evaluation (no training step), in the
+model's compute dtype (`model.compute_dtype`, as training; `python -m umoe_jax.analysis routing`
+measures checkpoints in float32 on a probe of any size). The console line, the heatmap's title and
+`python -m umoe_jax.plot` say the probe's size and the steps compared.
 """
 from __future__ import annotations
 
@@ -52,12 +57,13 @@ def probe_fn(graphdef: Any, mesh: Any, rules: Any, capacity_factor: Any, exchang
 class RoutingProbe:
   """Every router's picks on fixed probe batches, and their change since the previous call.
 
-  `batches`: host batches {"inputs": [B, T]} of the training's batch layout on `mesh`.
+  `batches`: host batches {"inputs": [B, T]} of the training's batch layout on `mesh`; `dtype`
+  names the compute dtype in the descriptions.
   """
 
   def __init__(self, graphdef: Any, batches: Sequence[dict], mesh: Any, rules: Any,
-               capacity_factor: Optional[float] = None, exchange: str = "auto"):
-    self.mesh, self.rules = mesh, rules
+               capacity_factor: Optional[float] = None, exchange: str = "auto", dtype: str = ""):
+    self.mesh, self.rules, self.dtype = mesh, rules, dtype
     self.batches = [{"inputs": np.asarray(b["inputs"])} for b in batches]
     self.fn = probe_fn(graphdef, mesh, rules, capacity_factor, exchange)
     self.previous: Optional[tuple[int, dict[str, np.ndarray]]] = None
@@ -75,6 +81,21 @@ class RoutingProbe:
     return ({name: np.concatenate([p.reshape(-1, p.shape[-1]) for p in chunks])
              for name, chunks in ids.items()}, counts)
 
+  @property
+  def n_tokens(self) -> int:
+    """The probe's tokens over all processes."""
+    import jax
+    return sum(b["inputs"].size for b in self.batches) * jax.process_count()
+
+  def describe(self) -> str:
+    """'8,192 tokens: 2 held-out batches of 8 x 512, bfloat16'."""
+    import jax
+    rows = sum(len(b["inputs"]) for b in self.batches) * jax.process_count()
+    n = len(self.batches)
+    seq = self.batches[0]["inputs"].shape[-1] if self.batches else 0
+    return (f"{self.n_tokens:,} tokens: {n} held-out batch{'es' if n != 1 else ''} of "
+            f"{rows // max(n, 1)} x {seq}" + (f", {self.dtype}" if self.dtype else ""))
+
   def measure(self, step: int, params: Any) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """(the change since the previous call as scalars (none at the first call), picks per
     expert {router: [E]} on the probe now)."""
@@ -87,6 +108,8 @@ class RoutingProbe:
         scalars[f"routing/{name}/jaccard"] = f["jaccard"]
       scalars["routing/top1_change"] = float(np.mean([f["top1_change"] for f in fluct.values()]))
       scalars["routing/jaccard"] = float(np.mean([f["jaccard"] for f in fluct.values()]))
+      scalars["routing/previous_step"] = float(self.previous[0])
+      scalars["routing/probe_tokens"] = float(self.n_tokens)
     self.previous = (step, ids)
     return scalars, counts
 
@@ -102,11 +125,10 @@ class RoutingProbe:
     if scalars:
       writer.scalars(step, scalars)
     if jax.process_index() == 0:
-      n_tokens = sum(b["inputs"].size for b in self.batches) * jax.process_count()
       try:  # a picture is not worth stopping a training run for
         from umoe_jax.analysis import plots
-        fig = plots.load_heatmap(counts, f"Expert load on the routing probe ({n_tokens:,} tokens), "
-                                         f"step {step}")
+        fig = plots.load_heatmap(counts, f"Expert load on the routing probe at step {step}\n"
+                                         f"({self.describe()})")
         writer.image(step, "routing/load_heatmap", plots.png_bytes(fig))
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("routing probe: no load heatmap image at step %d (%s: %s)", step,
@@ -114,7 +136,7 @@ class RoutingProbe:
       if scalars:
         metrics_lib.log_line(
             f"routing step {step} vs step {previous}: top-1 changed "
-            f"{100 * scalars['routing/top1_change']:.1f}% of {n_tokens:,} probe tokens | "
+            f"{100 * scalars['routing/top1_change']:.1f}% of {self.n_tokens:,} probe tokens | "
             f"top-k Jaccard {scalars['routing/jaccard']:.3f} (means of {len(counts)} routers)")
     return scalars
 
@@ -126,4 +148,4 @@ def make_routing_probe(s: Any) -> Optional[RoutingProbe]:
   if not n or not s.eval_batches:
     return None
   return RoutingProbe(s.programs.parts.graphdef, s.eval_batches[:n], s.mesh, s.rules,
-                      s.capacity_factor, s.exchange)
+                      s.capacity_factor, s.exchange, dtype=s.model_cfg.compute_dtype)
