@@ -3,11 +3,12 @@
     print(text_table([["router", "entropy"], ["layer_0/ffn", "1.234"]]))
     print(markdown_table([("metric", "value"), ("token_ppl", fmt(12.3456))]))
     write_json("results/eval.json", {"acc": 0.25, "ppl": float("nan")})    # NaN -> null
+    write_jsonl("results/samples.jsonl", [{"doc_id": 0}, {"doc_id": 1}])    # one object a line
     check_output_path(path, "--json")     # before the work: ValueError if it cannot be written
 
-`write_json` writes a temporary file beside the target and renames it over the target (a URL:
-one whole upload, umoe_jax/storage), so an error (or Ctrl-C) never leaves a half-written file: a
-reader sees the old file or the complete new one.
+`write_json` (as `write_jsonl` and `write_text`) writes a temporary file beside the target and
+renames it over the target (a URL: one whole upload, umoe_jax/storage), so an error (or Ctrl-C)
+never leaves a half-written file: a reader sees the old file or the complete new one.
 Non-finite floats become null (strict JSON, readable by every parser), numpy scalars plain numbers.
 """
 from __future__ import annotations
@@ -72,8 +73,19 @@ def jsonable(x: Any) -> Any:
 
 def write_json(path: str, obj: Any, indent: int = 2) -> None:
   """json.dump(jsonable(obj)) to `path` atomically (module docstring); creates the directory."""
+  write_text(path, json.dumps(jsonable(obj), indent=indent, allow_nan=False) + "\n")
+
+
+def write_jsonl(path: str, records: Sequence[Any]) -> None:
+  """One JSON object per line (`jsonable`, characters as they are) to `path`, as `write_json`."""
+  write_text(path, "".join(json.dumps(jsonable(r), allow_nan=False, ensure_ascii=False) + "\n"
+                           for r in records))
+
+
+def write_text(path: str, text: str) -> None:
+  """`text` to `path` (UTF-8) atomically (module docstring); creates the directory."""
   if storage.is_url(path):
-    storage.write_text(path, json.dumps(jsonable(obj), indent=indent, allow_nan=False) + "\n")
+    storage.write_text(path, text)
     return
   path = os.path.abspath(os.path.expanduser(path))  # the path check_output_path checked
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -81,8 +93,7 @@ def write_json(path: str, obj: Any, indent: int = 2) -> None:
                              dir=os.path.dirname(path))
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(jsonable(obj), f, indent=indent, allow_nan=False)
-      f.write("\n")
+      f.write(text)
     os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the result unreadable to others
     os.replace(tmp, path)
   except BaseException:

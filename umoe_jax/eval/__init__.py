@@ -7,6 +7,7 @@ speed, lm-eval. Modules, one idea each:
   fewshot      k-shot prompts with lm-evaluation-harness's draw and delimiters
   taskspec     which tasks: names, PATH:KIND, YAML / JSON spec files
   harness      task metrics (acc, acc_norm, ppl) and `evaluate`
+  samples      per-item records of task scoring (`--log_samples`)
   mmlu, race   readers of their public releases, lm-eval's prompts
   corpora      perplexity corpora (parquet, jsonl, text, WikiText) and WikiText word counts
   corpus_ppl   sliding-window perplexity: token, word, bits per byte

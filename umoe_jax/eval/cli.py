@@ -19,6 +19,7 @@ a bad flag exits 2.
 from __future__ import annotations
 
 import sys
+import textwrap
 import time
 from typing import Callable, Optional, Sequence
 
@@ -31,13 +32,13 @@ from umoe_jax.config import ConfigError
 from umoe_jax.eval import harness, speed
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.attack import attack_documents
-from umoe_jax.eval.corpora import read_corpus
-from umoe_jax.eval.corpus_ppl import corpus_perplexity, truncate
+from umoe_jax.eval.corpora import read_corpus, words_counted
+from umoe_jax.eval.corpus_ppl import corpus_perplexity, rates, truncate
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.scoring import Scorer
 from umoe_jax.eval.taskspec import TaskSpec, parse_task_list
 from umoe_jax.load import LoadError, load_model, load_model_and_tokenizer
-from umoe_jax.output import check_output_path, fmt, markdown_table, write_json
+from umoe_jax.output import check_output_path, fmt, markdown_table, write_json, write_jsonl
 from umoe_jax.train.checkpoint import quiet_orphaned_orbax_work
 
 
@@ -80,6 +81,9 @@ def _task_flags(fv, *, tasks_default: Optional[str], fewshot_default: int) -> No
                        "without their own num_fewshot).", flag_values=fv)
   flags.DEFINE_integer("fewshot_seed", 1234, "Seed of the few-shot draw (lm-eval's default).",
                        flag_values=fv)
+  flags.DEFINE_string("log_samples", None, "Also write every item (its requests as scored, "
+                      "log-likelihoods, prediction, gold, correctness) to this JSON-lines file "
+                      "(umoe_jax/eval/samples.py).", flag_values=fv)
 
 
 def _corpus_flags(fv) -> None:
@@ -117,13 +121,26 @@ def _load(f):
 
 
 def _run_tasks(f, task_entries) -> tuple[str, dict]:
+  if f.log_samples is not None:  # fail before any scoring when the items could not be written
+    try:
+      check_output_path(f.log_samples, "--log_samples")
+    except ValueError as e:
+      raise EvalError(str(e)) from None
   specs = parse_task_list(task_entries, getattr(f, "data_dir", tasks_lib.DEFAULT_DATA_DIR))
   prepared = harness.prepare_all(specs, num_fewshot=f.num_fewshot, limit=f.limit,   # before the
                                  fewshot_seed=f.fewshot_seed)                       # model loads
   model, tokenizer, info = _load(f)
+  samples = [] if f.log_samples is not None else None
   results = harness.score_all(Scorer(model, f.batch_size), tokenizer, specs, prepared, f.bos_id,
-                              log=_log)
-  return harness.format_table(results), dict(info, limit=f.limit, results=results)
+                              log=_log, samples=samples)
+  if samples is not None:
+    try:
+      write_jsonl(f.log_samples, samples)
+    except OSError as e:  # checked before the scoring, but a disk can fill up since
+      raise EvalError(f"cannot write --log_samples={f.log_samples!r} ({e.strerror or e})") from None
+    _log(f"wrote {len(samples)} items to {f.log_samples}")
+  return harness.format_table(results), dict(info, limit=f.limit, results=results,
+                                             log_samples=f.log_samples)
 
 
 def cmd_tasks(f):
@@ -180,7 +197,11 @@ def cmd_perplexity(f):
   _log(f"{corpus.name}: {out['tokens']:,} tokens in {out['seconds']:.1f} s "
        f"(context {out['context']}, stride {out['stride']})")
   rows = [("metric", corpus.name)] + [(k, fmt(out[k])) for k in _PPL_ROWS if k in out]
-  return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, results=out)
+  table = markdown_table(rows)
+  if "words" in out:
+    out["words_counted"] = words_counted(corpus.name, out["words"], out["line_ends"])
+    table += "\n" + textwrap.fill(out["words_counted"], 100)
+  return table, dict(info, data=f.data, detokenize=f.detokenize, results=out)
 
 
 def cmd_attack(f):
@@ -196,10 +217,26 @@ def cmd_attack(f):
                 for docs, label in ((clean_docs, "clean"), (attacked, "attacked")))
   _log(f"{corpus.name}: {stats['substituted']} of the {stats['words']} whitespace-separated words "
        f"scored substituted (rate {f.rate}, seed {f.attack_seed})")
-  rows = [("metric", "clean", "attacked")] + [(k, fmt(clean[k]), fmt(hit[k])) for k in _PPL_ROWS
-                                              if k in clean]
-  return markdown_table(rows), dict(info, data=f.data, detokenize=f.detokenize, attack=stats,
-                                    results={"clean": clean, "attacked": hit})
+  # The attacked text has its own token and byte counts: dividing its NLL by them can make it look
+  # better per byte than the clean text; the third column divides by the clean text's counts.
+  counts = {k: clean[k] for k in ("documents", "tokens", "bytes", "words") if k in clean}
+  on_clean = dict(counts, **rates(hit["nll"], clean["tokens"], clean["bytes"], clean.get("words")))
+  rows = [("metric", "clean", "attacked (own counts)", "attacked (clean counts)")]
+  rows += [(k, fmt(clean[k]), fmt(hit[k]), fmt(on_clean.get(k))) for k in _PPL_ROWS if k in clean]
+  diff = lambda k: f"{hit[k] - clean[k]:+,}"
+  table = markdown_table(rows) + "\n" + textwrap.fill(
+      f"token_ppl and bits_per_byte divide each column's NLL by the tokens and bytes in that "
+      f"column: 'own counts' by the attacked text's ({diff('tokens')} tokens, {diff('bytes')} "
+      "bytes against the clean text), 'clean counts' by the clean text's, the denominators of "
+      "'clean'"
+      + (" (word_ppl: the clean text's words in every column; the attack keeps the word count)"
+         if "words" in clean else ""), 100)
+  if "words" in clean:
+    note = words_counted(corpus.name, clean["words"], clean["line_ends"])
+    table += "\n" + textwrap.fill(note, 100)
+  return table, dict(info, data=f.data, detokenize=f.detokenize, attack=stats,
+                     results={"clean": clean, "attacked": hit,
+                              "attacked_on_clean_counts": on_clean})
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -231,16 +268,18 @@ def cmd_speed(f):
     if not ok:
       raise EvalError(f"--cache_dtype={f.cache_dtype!r} is not a floating-point dtype "
                       "(e.g. bfloat16, float32)")
-  model, section, _ = load_model(f.checkpoint, f.config, seed=f.seed,
-                                 compute_dtype=f.compute_dtype or None)
+  model, section, ref = load_model(f.checkpoint, f.config, seed=f.seed,
+                                   compute_dtype=f.compute_dtype or None)
+  step = ref.step if ref is not None else None
   cfg = model.cfg
   new = f.new_tokens if f.new_tokens is not None else min(128, cfg.max_seq_len // 2)
   prompt = f.prompt_len if f.prompt_len is not None else min(1024, cfg.max_seq_len - new)
   if prompt < 1 or prompt + new > cfg.max_seq_len:
     raise EvalError(f"--prompt_len={prompt} + --new_tokens={new} must fit the model's "
                     f"max_seq_len={cfg.max_seq_len} (prompt at least 1 token)")
-  _log(f"model: {f.checkpoint or '(random parameters)'}; {_device_kind()}; prompt {prompt} tokens, "
-       f"{new} new tokens, median of {f.repeats}")
+  _log(f"model: {f.checkpoint or '(random parameters)'}"
+       f"{f' (step {step})' if step is not None else ''}; {_device_kind()}; prompt {prompt} "
+       f"tokens, {new} new tokens, median of {f.repeats}")
   rows = []
   for b in batches:
     try:
@@ -256,13 +295,14 @@ def cmd_speed(f):
                   device=_device_kind(), param_dtype=cfg.param_dtype,
                   compute_dtype=cfg.compute_dtype, cache_dtype=rows[0]["cache_dtype"],
                   param_bytes=speed.param_bytes(model))
-  head = (f"{cfg.n_layers} layers, d_model {cfg.d_model}, parameters "
+  head = (f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, parameters "
           f"{settings['param_bytes'] / 2**20:,.1f} MiB ({cfg.param_dtype}), compute "
-          f"{cfg.compute_dtype}, KV cache {settings['cache_dtype']}; prompt {prompt} tokens, "
-          f"{new} new tokens; median of {f.repeats} runs on {settings['device']}\n"
-          "decode tok/s = batch / ms per cached step; peak = the device's peak bytes in use so far "
-          "(n/a: the backend reports none, e.g. CPU)\n\n")
-  info = {"checkpoint": f.checkpoint, "model": {k: section.get(k) for k in (
+          f"{cfg.compute_dtype}, KV cache {settings['cache_dtype']}\n"
+          f"run: prompt {prompt} tokens, {new} new tokens, median of {f.repeats} runs on "
+          f"{settings['device']}\n"
+          "decode tok/s = batch / ms per cached step; peak: the device's peak bytes in use so far\n"
+          "(n/a: the backend reports none, as on CPU)\n\n")
+  info = {"checkpoint": f.checkpoint, "step": step, "model": {k: section.get(k) for k in (
       "vocab_size", "d_model", "n_layers", "max_seq_len", "compute_dtype")}}
   return head + speed.format_table(rows), dict(info, settings=settings, results=rows)
 

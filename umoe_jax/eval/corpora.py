@@ -50,6 +50,18 @@ def wikitext_words(text: str) -> int:
   return len(text.split()) + text.count("\n")
 
 
+def words_counted(name: str, words: int, line_ends: int) -> str:
+  """What a word count of corpus `name` holds, for the output: its words and line ends, and for a
+  .raw file that it is that file's own (the papers count the word-level .tokens files)."""
+  text = (f"words = {words - line_ends:,} whitespace-separated words + {line_ends:,} line ends "
+          "(one <eos> per line, blank lines included)")
+  if name.endswith(".raw"):
+    text += (f"; counted on the raw file {name}, its own words and lines: the papers count the "
+             "word-level .tokens file (245,569 for the WikiText test split, 217,646 for "
+             "validation), so this word_ppl is not comparable to theirs")
+  return text
+
+
 # (pattern, replacement) applied in order; WikiText puts spaces around every token.
 _DETOK_RULES = [
     (r" @([-,.])@ ", r"\1"),            # number separators: 1 @,@ 000 -> 1,000

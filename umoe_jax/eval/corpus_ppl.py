@@ -153,13 +153,25 @@ def truncate(tokenizer, documents: Sequence[str], words: Optional[Sequence[int]]
   return texts, (counts if words is not None else None), token_lists
 
 
+def rates(nll: float, tokens: int, n_bytes: int, words: Optional[int] = None) -> dict:
+  """token_ppl, bits_per_byte (and word_ppl when `words` is given; None for 0 words) of a summed
+  NLL over these counts (module docstring)."""
+  out = {"token_ppl": _safe_exp(nll / tokens),
+         "bits_per_byte": nll / (math.log(2) * max(n_bytes, 1))}
+  if words is not None:
+    # No word scored (--max_tokens inside the leading whitespace of a line): no word perplexity.
+    out["word_ppl"] = _safe_exp(nll / words) if words else None
+  return out
+
+
 def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
                       words: Optional[Sequence[int]] = None, context: Optional[int] = None,
                       stride: Optional[int] = None, bos_id: Optional[int] = None,
                       max_tokens: Optional[int] = None,
                       originals: Optional[Sequence[str]] = None, label: str = "perplexity") -> dict:
-  """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes", "words").
-  A terminal's stderr shows a progress bar named `label` over the tokens (`console.progress`)."""
+  """Metrics of the module docstring, plus the counts ("documents", "tokens", "bytes"; with `words`
+  also "words" and "line_ends", the line ends among them). A terminal's stderr shows a progress
+  bar named `label` over the tokens (`console.progress`)."""
   texts, counts, token_lists = truncate(tokenizer, documents, words, max_tokens, originals)
   prefix = bos_id if bos_id is not None else tokenizer.eos_id
   total = sum(len(t) for t in token_lists)
@@ -170,12 +182,11 @@ def corpus_perplexity(scorer: Scorer, tokenizer, documents: Sequence[str], *,
   nll, n_tokens = -float(ll.sum()), int(lengths.sum())
   n_bytes = sum(len(t.encode("utf-8")) for t in texts)
   out = {"documents": len(token_lists), "tokens": n_tokens, "bytes": n_bytes, "nll": nll,
-         "token_ppl": _safe_exp(nll / n_tokens),
-         "bits_per_byte": nll / (math.log(2) * max(n_bytes, 1)),
          "mean_document_ppl": float(np.mean([_safe_exp(x) for x in -ll / lengths])),
          **dict(zip(("context", "stride"), window_sizes(scorer, context, stride)))}
   if counts is not None:
     out["words"] = sum(counts)
-    # No word scored (--max_tokens inside the leading whitespace of a line): no word perplexity.
-    out["word_ppl"] = _safe_exp(nll / out["words"]) if out["words"] else None
+    # (detokenizing keeps the lines: the scored text has the original's line ends)
+    out["line_ends"] = sum(t.count("\n") for t in texts)
+  out.update(rates(nll, n_tokens, n_bytes, out.get("words")))
   return out

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from umoe_jax import console
-from umoe_jax.eval import fewshot, mmlu, race
+from umoe_jax.eval import fewshot, mmlu, race, samples as samples_lib
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.scoring import (Request, Scorer, Window, bucket_lengths,  # noqa: F401 (re-exported)
@@ -69,14 +69,19 @@ def choice_metrics(ll: Sequence[np.ndarray], gold: Sequence[int],
 
 def evaluate_docs(scorer: Scorer, tokenizer, kind: str, docs: Sequence[tasks_lib.Doc],
                   bos_id: Optional[int] = None, prefixes: Optional[Sequence[str]] = None,
-                  progress=None) -> dict:
+                  progress=None, samples: Optional[list] = None) -> dict:
   """Metrics of one task's documents (kind: "multiple_choice", "schema" or "lm"); `prefixes[i]`
   (few-shot examples, `umoe_jax.eval.fewshot`) goes before every context of docs[i];
-  `progress(n)` counts the requests scored (`Scorer.loglikelihood`)."""
+  `progress(n)` counts the requests scored (`Scorer.loglikelihood`); `samples`, a list, gets one
+  record per document (`umoe_jax.eval.samples`)."""
   prefixes = prefixes if prefixes is not None else [""] * len(docs)
   per_doc_requests = [d.requests(p) for d, p in zip(docs, prefixes)]
   pairs = [r for reqs in per_doc_requests for r in reqs]
   ll, greedy = scorer.loglikelihood(encode_requests(tokenizer, pairs, bos_id), progress)
+  if samples is not None:
+    cuts = np.cumsum([len(r) for r in per_doc_requests])[:-1]
+    samples += samples_lib.item_records(kind, docs, per_doc_requests, np.split(ll, cuts),
+                                        np.split(np.asarray(greedy), cuts))
   if kind == "lm":
     acc, acc_err = _mean_stderr(greedy)
     return {"acc": acc, "acc_stderr": acc_err, "ppl": math.exp(min(-float(np.mean(ll)), 700.0)),
@@ -156,12 +161,19 @@ def prepare(spec: TaskSpec, *, num_fewshot: int = 0, limit: Optional[int] = None
 
 
 def score(scorer: Scorer, tokenizer, spec: TaskSpec, prepared: Sequence[PreparedTask],
-          bos_id: Optional[int] = None, progress=None) -> dict[str, dict]:
+          bos_id: Optional[int] = None, progress=None,
+          samples: Optional[list] = None) -> dict[str, dict]:
   """{result name: metrics} of one prepared task (mmlu: subjects, categories, overall);
-  `progress(n)` counts the requests scored."""
+  `progress(n)` counts the requests scored; `samples`, a list, gets every item's record
+  (`umoe_jax.eval.samples`)."""
   out = {}
   for p in prepared:
-    m = evaluate_docs(scorer, tokenizer, p.kind, p.docs, bos_id, p.prefixes, progress)
+    records = [] if samples is not None else None
+    m = evaluate_docs(scorer, tokenizer, p.kind, p.docs, bos_id, p.prefixes, progress, records)
+    if records is not None:
+      extra = ({"subject": p.mmlu_subject, "category": mmlu.SUBJECTS.get(p.mmlu_subject, "other")}
+               if p.mmlu_subject is not None else {})
+      samples += [dict(task=p.name, **extra, **r) for r in records]
     if p.mmlu_subject is not None:
       m = {"acc": m["acc"], "acc_stderr": m["acc_stderr"], "n": m["n"],
            "category": mmlu.SUBJECTS.get(p.mmlu_subject, "other")}
@@ -188,8 +200,9 @@ def prepare_all(specs: Sequence[TaskSpec], **kw) -> list[list[PreparedTask]]:
 
 def score_all(scorer: Scorer, tokenizer, specs: Sequence[TaskSpec],
               prepared: Sequence[Sequence[PreparedTask]], bos_id: Optional[int] = None,
-              log=None) -> dict[str, dict]:
-  """{result name: metrics} of every prepared task, with its "seconds"; `log(str)` per task.
+              log=None, samples: Optional[list] = None) -> dict[str, dict]:
+  """{result name: metrics} of every prepared task, with its "seconds"; `log(str)` per task;
+  `samples`, a list, gets every item's record (`umoe_jax.eval.samples`).
   A terminal's stderr shows one progress bar over all the tasks' requests (`console.progress`)."""
   results = {}
   total = sum(len(d.requests()) for prep in prepared for p in prep for d in p.docs)
@@ -197,7 +210,7 @@ def score_all(scorer: Scorer, tokenizer, specs: Sequence[TaskSpec],
     for spec, prep in zip(specs, prepared):
       bar.set_description(spec.name, refresh=False)
       t0 = time.perf_counter()
-      out = score(scorer, tokenizer, spec, prep, bos_id, bar.update)
+      out = score(scorer, tokenizer, spec, prep, bos_id, bar.update, samples)
       seconds = round(time.perf_counter() - t0, 2)
       for m in out.values():
         m["seconds"] = seconds
