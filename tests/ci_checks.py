@@ -20,6 +20,7 @@ INSTALLED_BY = {
     "triton": "requirements-extras.txt",
     "torch": "requirements-extras.txt",
     "lm_eval": "requirements-eval.txt",
+    "wandb": "requirements-wandb.txt",
     "transformers": "requirements-extras.txt",
 }
 

@@ -27,6 +27,7 @@ from umoe_jax.config.fields import optional
 
 from umoe_jax.config import ConfigError, ModelConfig, model_config
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES
+from umoe_jax.train import wandb_writer
 
 # Top-level sections an experiment config may have. `mesh`, `sharding_rules` belong to
 # umoe_jax.parallel and are checked there; `expert_parallel` is checked here (check_expert_parallel).
@@ -107,6 +108,15 @@ def default_log_config() -> ml_collections.ConfigDict:
                                    # at every evaluation; 0 disables it
       profile_steps=(),            # steps to trace with jax.profiler into `WORKDIR/tensorboard`,
                                    # e.g. `--config.log.profile_steps=10,11,12` (not step 1: it compiles)
+      dead_expert_window=100,      # steps over which an expert that received no token counts as
+                                   # dead (moe/<router>/dead_experts, logged once that many steps
+                                   # ran); 0 disables it
+      wandb=False,                 # also log to Weights & Biases: the same scalars, histograms and
+                                   # images as TensorBoard (pip install -r requirements-wandb.txt)
+      wandb_project="umoe-jax",    # the W&B project of the run
+      wandb_name="",               # the W&B run name; "" = the workdir's directory name
+      wandb_mode="online",         # "online", "offline" (the run under WORKDIR/wandb, for `wandb
+                                   # sync` later) or "disabled"
   ))
 
 
@@ -191,13 +201,19 @@ def check_train(train: Any, model: ModelConfig) -> None:
 
 
 def check_log_analysis(log: Any, train: Any) -> None:
-  """log.routing_probe_batches (int >= 0) and log.profile_steps (steps in [1, train.num_steps])."""
+  """log.routing_probe_batches (int >= 0, at most train.eval_batches), log.dead_expert_window
+  (int >= 0), log.wandb_* (`wandb_writer.check`) and log.profile_steps (steps in [1,
+  train.num_steps])."""
   n = log.routing_probe_batches
   _check(isinstance(n, int) and not isinstance(n, bool) and n >= 0,
          f"log.routing_probe_batches={n!r} must be an integer >= 0 (0 disables)")
   _check(not n or not train.eval_every or n <= train.eval_batches,
          f"log.routing_probe_batches={n!r} exceeds train.eval_batches={train.eval_batches!r}: the "
          f"probe is taken from the held-out batches (raise train.eval_batches)")
+  w = log.dead_expert_window
+  _check(isinstance(w, int) and not isinstance(w, bool) and w >= 0,
+         f"log.dead_expert_window={w!r} must be an integer >= 0 (0 disables)")
+  wandb_writer.check(log)
   steps = log.profile_steps
   _check(isinstance(steps, (tuple, list)), f"log.profile_steps={steps!r} must be a tuple of steps, "
          "e.g. (10, 11) or --config.log.profile_steps=10,11")

@@ -36,11 +36,13 @@ from umoe_jax.eval import perplexity
 from umoe_jax.parallel import sharding as sharding_lib
 from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import guard as guard_lib
+from umoe_jax.train import expert_load
 from umoe_jax.train import host_gc
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train import optimizer as opt_lib
 from umoe_jax.train import profiler as profiler_lib
 from umoe_jax.train import state as state_lib
+from umoe_jax.train import wandb_writer
 # The compiled programs and the run's setup live in their own modules; these names stay importable
 # from here (train.py, bench/ and the tests use them as `loop.<name>`).
 from umoe_jax.train.programs import (OPTIMIZER_KEYS, STEP_KEYS, Programs,  # noqa: F401
@@ -142,6 +144,7 @@ class Trainer:
     except Exception as e:  # pylint: disable=broad-except  (MFU is optional)
       logging.warning("no FLOPs count for MFU (%s)", e)
       self.flops_per_token = None
+    self.dead_window = expert_load.DeadExpertWindow(s.config.log.get("dead_expert_window", 0))
     self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                                         s.config.log.peak_flops)
     self._timer_start = None
@@ -200,6 +203,8 @@ class Trainer:
     else:
       scalars["perf/step_time_s"] = float("nan")
     scalars["train/skipped_steps"] = float(self.skipped_total)
+    self.dead_window.observe(self.fetched)
+    scalars.update(self.dead_window.scalars())
     self.s.writer.scalars(self.step, scalars)
     self.s.writer.expert_histograms(self.step, counts)
     if jax.process_index() == 0:
@@ -360,8 +365,11 @@ def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]]
       warn_schedule_change(workdir, config, step, step - int(jax.device_get(state.skipped)))
     # Only now is anything written: the config fits the start state.
     ckpt_lib.write_config(workdir, config)
+    is_main = jax.process_index() == 0
+    sink = wandb_writer.WandbWriter.from_config(config, workdir) if is_main else None
     s.writer = metrics_lib.MetricWriter(workdir, tensorboard=config.log.tensorboard,
-                                        jsonl=config.log.jsonl, is_main=jax.process_index() == 0)
+                                        jsonl=config.log.jsonl, is_main=is_main,
+                                        sinks=[sink] if sink is not None else [])
     stack.push(s.writer.__exit__)  # (quiet while another error is reported)
     # What earlier runs logged after `step` is an abandoned branch when this one resumes from an
     # older step: TensorBoard and plot drop it. A run from step 0 logs step 0 again (its evaluation).

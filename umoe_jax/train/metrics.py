@@ -12,10 +12,14 @@ Names (TensorBoard tags = JSONL keys):
   dropped in this log interval; the interval means above and below are over its finite steps only,
   so one NaN step does not blank the interval),
   perf/tokens_per_sec, perf/tokens_per_sec_per_device, perf/step_time_s, perf/mfu (if peak known),
-  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_cv} per router (and its other
-      losses, z_loss ..., and bias_spread under aux-loss-free balancing), e.g.
-      moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e / mean_e count_e and
-      load_cv = std_e / mean_e of the per-step expert counts, averaged over the interval;
+  moe/<layer>/<router>/{balance_loss, entropy, load_max_mean, load_p50_mean, load_p90_mean,
+      load_cv} per router (and its other losses, z_loss ..., and bias_spread under aux-loss-free
+      balancing), e.g. moe/layer_0/attention/balance_loss; load_max_mean = max_e count_e /
+      mean_e count_e, load_p50_mean and load_p90_mean the median and 90th percentile over experts
+      over the mean (`umoe_jax.train.expert_load`), and load_cv = std_e / mean_e of the per-step
+      expert counts, averaged over the interval;
+  moe/<layer>/<router>/dead_experts, moe/dead_experts: experts that received no token over the last
+      log.dead_expert_window steps (`umoe_jax.train.expert_load`);
   moe/<layer>/<router>/expert_load: histogram over expert ids weighted by routed tokens (interval);
   eval/loss, eval/perplexity;
   routing/... (routing fluctuation on a probe batch at every evaluation, images of its expert load:
@@ -26,7 +30,8 @@ later, and the JSONL record {"step": <that step>, "session_start": true}, read t
 `umoe_jax.plot.read_metrics`. So a run resumed from an older step than the last one logged (a
 damaged latest checkpoint, checkpoint.restore_step, a kill after the last save) shows the re-run
 steps once, with the new values.
-Every writer acts on process 0 only.
+Every writer acts on process 0 only. Other writers (`umoe_jax.train.wandb_writer`) take the same
+records from `MetricWriter` (its `sinks`).
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ from absl import logging
 
 from umoe_jax import storage
 from umoe_jax.analysis.routing import load_balance  # noqa: F401  (also metrics_lib.load_balance)
+from umoe_jax.train.expert_load import load_percentiles
 from umoe_jax.train.workdir import WorkdirError, write_failed
 
 # bf16 dense peak FLOP/s per device, matched by substring of `jax.Device.device_kind` (first match).
@@ -133,6 +139,9 @@ def router_summary(steps: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float]
       loads = [load_balance(r["expert_counts"]) for r in per_step]
       scalars[router_tag(name, "load_max_mean")] = float(np.mean([x[0] for x in loads]))
       scalars[router_tag(name, "load_cv")] = float(np.mean([x[1] for x in loads]))
+      percentiles = [load_percentiles(r["expert_counts"]) for r in per_step]
+      scalars[router_tag(name, "load_p50_mean")] = float(np.mean([x[0] for x in percentiles]))
+      scalars[router_tag(name, "load_p90_mean")] = float(np.mean([x[1] for x in percentiles]))
       counts[name] = np.sum([np.asarray(r["expert_counts"], np.float64) for r in per_step], axis=0)
   return scalars, counts
 
@@ -183,6 +192,8 @@ def console_line(step: int, num_steps: int, s: Mapping[str, float], *,
   loads = [v for k, v in s.items() if k.endswith("/load_max_mean")]
   if loads:
     parts.append(f"load max/mean {max(loads):.2f}")
+  if s.get("moe/dead_experts"):   # no token over log.dead_expert_window steps
+    parts.append(f"dead experts {int(s['moe/dead_experts'])}")
   if s.get("train/ep_dropped_rows"):   # expert buffers full (expert_parallel.capacity_factor)
     parts.append(f"dropped {s['train/ep_dropped_rows']:,.0f} rows/step")
   if s.get("train/skipped_steps"):
@@ -272,10 +283,14 @@ class MetricWriter:
   Use as a context manager (or call `close`): on an exception it closes without raising again."""
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, jsonl: bool = True,
-               is_main: bool = True):
+               is_main: bool = True, sinks: Sequence[Any] = ()):
+    """`sinks`: other writers with scalars(step, values), histogram(step, tag, counts),
+    image(step, tag, png) and close() (`umoe_jax.train.wandb_writer`), given every record the
+    TensorBoard file gets; closed with this writer."""
     self.is_main = is_main
     self._tb = None
     self._jsonl = None
+    self._sinks = list(sinks) if is_main else []
     if not is_main:
       return
     with _writing(workdir):
@@ -310,6 +325,8 @@ class MetricWriter:
       with _writing(self._tb.path):
         self._tb.scalars(step, finite)
         self._tb.flush()
+    for sink in self._sinks:
+      sink.scalars(step, finite)
     if self._jsonl is not None:
       record = {"step": int(step), **{k: finite.get(k) for k in values}}
       with _writing(self._jsonl.path):
@@ -318,13 +335,17 @@ class MetricWriter:
 
   def expert_histograms(self, step: int, counts: Mapping[str, np.ndarray]) -> None:
     """One histogram per router: bucket e = expert e, height = tokens routed to it."""
-    if not self.is_main or self._tb is None:
+    if not self.is_main:
       return
     for name, c in counts.items():
       c = np.asarray(c, np.float64)
       ids = np.arange(len(c), dtype=np.float64)
       total = float(c.sum())
       if total <= 0:
+        continue
+      for sink in self._sinks:
+        sink.histogram(step, router_tag(name, "expert_load"), c)
+      if self._tb is None:
         continue
       with _writing(self._tb.path):
         self._tb.histogram(
@@ -337,6 +358,8 @@ class MetricWriter:
     if self.is_main and self._tb is not None:
       with _writing(self._tb.path):
         self._tb.image(step, tag, png)
+    for sink in self._sinks:
+      sink.image(step, tag, png)
 
   def flush(self) -> None:
     if self._tb is not None:
@@ -350,6 +373,7 @@ class MetricWriter:
     """Closes both files. A write that fails here raises WorkdirError, or (quiet=True, while
     another error is being reported) is logged."""
     tb, jsonl, self._tb, self._jsonl = self._tb, self._jsonl, None, None
+    sinks, self._sinks = self._sinks, []
     error = None
     for f in (tb, jsonl):
       if f is None:
@@ -359,6 +383,11 @@ class MetricWriter:
           f.close()
       except (WorkdirError, storage.StorageError) as e:
         error = error or e
+    for sink in sinks:
+      try:
+        sink.close()
+      except Exception as e:  # pylint: disable=broad-except  (the run's own files are closed)
+        logging.warning("closing %s failed: %s: %s", type(sink).__name__, type(e).__name__, e)
     if error is not None:
       if not quiet:
         raise error
