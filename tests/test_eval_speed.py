@@ -122,3 +122,19 @@ def test_bad_flags_are_one_error_line(flags, message, tmp_path, capsys, monkeypa
   lines = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(lines) == 1 and message in lines[0], err
   assert "Traceback" not in err and not (tmp_path / "s.json").exists()
+
+
+def test_out_of_device_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+  import jax
+
+  def oom(model, batch, **kw):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                                     "8.00GiB.\nBufferAssignment OOM Debugging ...")
+
+  monkeypatch.setattr(speed, "measure", oom)
+  code, out, err = run_cli(capsys, monkeypatch, "speed", f"--config={TINY_CONFIG}",
+                           "--config.model.n_layers=1", "--batches=64")
+  assert code == 1 and out == "" and "Traceback" not in err, err
+  assert ("error: batch 64 does not fit in device memory (prompt 128 + 128 tokens): "
+          "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB.; try smaller "
+          "--batches") in err

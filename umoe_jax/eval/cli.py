@@ -268,6 +268,7 @@ def cmd_speed(f):
     if not ok:
       raise EvalError(f"--cache_dtype={f.cache_dtype!r} is not a floating-point dtype "
                       "(e.g. bfloat16, float32)")
+  import jax
   model, section, ref = load_model(f.checkpoint, f.config, seed=f.seed,
                                    compute_dtype=f.compute_dtype or None)
   step = ref.step if ref is not None else None
@@ -287,6 +288,11 @@ def cmd_speed(f):
                           repeats=f.repeats, cache_dtype=f.cache_dtype or None, seed=f.seed)
     except (ValueError, ConfigError) as e:  # a router that cannot decode with a cache, ...
       raise EvalError(str(e)) from None
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      raise EvalError(f"batch {b} does not fit in device memory (prompt {prompt} + {new} tokens): "
+                      f"{str(e).splitlines()[0][:300]}; try smaller --batches") from None
     row.pop("tokens")
     _log(f"batch {b}: prefill {row['prefill_ms']:.2f} ms, decode {row['decode_tokens_per_s']:,.1f} "
          f"tokens/s (compile {row['compile_prefill_s']:.1f} + {row['compile_decode_s']:.1f} s)")
