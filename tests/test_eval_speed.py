@@ -138,3 +138,14 @@ def test_out_of_device_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
   assert ("error: batch 64 does not fit in device memory (prompt 128 + 128 tokens): "
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB.; try smaller "
           "--batches") in err
+
+
+def test_a_stats_prediction_off_by_one_value_is_a_mismatch(monkeypatch):
+  cfg, model = _model("dense")
+  true = speed.stats.kv_cache_bytes_per_token
+  monkeypatch.setattr(speed.stats, "kv_cache_bytes_per_token",
+                      lambda c, dtype: {"total": true(c, dtype=dtype)["total"] + 2})
+  row = speed.measure(model, 2, prompt_len=3, new_tokens=2, warmup=0, repeats=1)
+  assert row["kv_match"] is False
+  assert row["kv_bytes_per_token_stats"] == row["kv_bytes_per_token_measured"] + 2
+  assert "MISMATCH" in speed.format_table([row])
