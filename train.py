@@ -14,8 +14,10 @@ Examples:
 umoe_jax/storage.
 
 Running it again with the same --workdir resumes from the latest checkpoint
-(--config.checkpoint.restore_step=N: from step N). SIGTERM / Ctrl-C save a checkpoint and exit; a
-second Ctrl-C aborts at once. Config keys: configs/common.py and umoe_jax/train/config.py.
+(--config.checkpoint.restore_step=N: from step N). One run at a time per workdir: a second one is
+refused, naming the first (--force_unlock takes the lock of a run that is no longer running).
+SIGTERM / Ctrl-C save a checkpoint and exit; a second Ctrl-C aborts at once. Config keys:
+configs/common.py and umoe_jax/train/config.py.
 
 An error a user can fix (config, data, checkpoint, workdir, mesh, divergence) prints one line naming
 the bad value or file, plus a hint, and exits with status 1 (2 for a bad command line); `--debug`
@@ -32,6 +34,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and metrics.")
 _DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of errors (also: UMOE_DEBUG=1).")
+_FORCE_UNLOCK = flags.DEFINE_bool("force_unlock", False, "Take the workdir's lock even if another "
+                                  "run holds it (one that is no longer running; docs/training.md).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 EXIT_USER_ERROR = 1
@@ -47,8 +51,9 @@ def _debug(argv=None) -> bool:
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops the INFO chatter of Orbax and grain (one line per file written); warnings pass, and
-  errors pass without the tracebacks Orbax attaches (the loop reports the error itself)."""
+  """Drops the INFO chatter of Orbax and grain (one line per file written) and Orbax's own error
+  lines (a failed save logs four `E...` lines from its threads; the loop reports the error itself,
+  in one line); warnings pass. With --debug, errors pass with their tracebacks."""
 
   def __init__(self, debug: bool):
     super().__init__()
@@ -62,6 +67,8 @@ class _QuietLibraries(std_logging.Filter):
     if not library:
       return True
     if record.levelno < std_logging.WARNING:
+      return False
+    if not self.debug and record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname:
       return False
     if not self.debug and record.exc_info:
       record.exc_info, record.exc_text = None, None
@@ -174,7 +181,7 @@ def main(argv):
   from umoe_jax.train import loop
   config = _load_config()
   try:
-    result = loop.run(config, _WORKDIR.value)
+    result = loop.run(config, _WORKDIR.value, force_unlock=_FORCE_UNLOCK.value)
   except loop.USER_ERRORS as e:
     if debug:
       raise

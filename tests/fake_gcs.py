@@ -7,10 +7,11 @@ Each client the project uses on gs:// is pointed at the same directory ROOT (`RO
   object-store behaviours the code must not rely on away: no directories (makedirs is a no-op, a
   prefix exists while an object is below it), no appending, objects appear whole when a write is
   closed, writes into a bucket that does not exist fail.
-* C++ (TensorStore under Orbax, array_record's reader): `FakeGCSServer`, a small HTTP server with
+* C++ (TensorStore under Orbax, array_record's reader), google-cloud-storage and the storage layer's
+  conditional writes (the workdir lock; `HTTPConditional`): `FakeGCSServer`, a small HTTP server with
   the subset of the GCS JSON API they use (media / multipart uploads, ranged downloads, listing,
   deletion, generation preconditions), reached through their test endpoints
-  (TENSORSTORE_GCS_HTTP_URL, CLOUD_STORAGE_EMULATOR_ENDPOINT).
+  (TENSORSTORE_GCS_HTTP_URL, CLOUD_STORAGE_EMULATOR_ENDPOINT, STORAGE_EMULATOR_HOST).
 
 Orbax asks the GCS API (google-cloud-storage) whether a bucket has a hierarchical namespace; the
 fake answers "flat" (as a default bucket is). `install()` sets all this up in this process;
@@ -265,6 +266,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
   root = ""
   requests: collections.Counter = collections.Counter()
+  writing = threading.Lock()  # uploads and deletions with their preconditions
 
   def log_message(self, *args):  # quiet
     pass
@@ -321,6 +323,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def do_GET(self):  # noqa: N802
     path, query = self._parse()
     _Handler.requests["GET"] += 1
+    if path.startswith("/download/"):  # google-cloud-storage's media downloads
+      path = path[len("/download"):]
     parts = path.split("/")
     # /storage/v1/b/{bucket}[/o[/{object}]]
     if len(parts) < 5 or parts[1:4] != ["storage", "v1", "b"]:
@@ -413,10 +417,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     else:
       return self._error(400, f"uploadType={kind} not supported by the fake")
     local = self._local(bucket, name)
-    if not self._precondition(query, local):
-      return self._error(412, "precondition failed")
-    _atomic_write(local, data)
-    self._send(200, json.dumps(self._resource(bucket, name, local)).encode())
+    with _Handler.writing:  # the check and the write, atomically (as the store does)
+      if not self._precondition(query, local):
+        return self._error(412, "precondition failed")
+      _atomic_write(local, data)
+      resource = self._resource(bucket, name, local)
+    self._send(200, json.dumps(resource).encode())
 
   def do_DELETE(self):  # noqa: N802
     path, query = self._parse()
@@ -427,13 +433,59 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     bucket = urllib.parse.unquote(parts[4])
     name = urllib.parse.unquote("/".join(parts[6:]))
     local = self._local(bucket, name)
-    if not os.path.isfile(local):
-      return self._error(404, f"object {bucket}/{name} not found")
-    if not self._precondition(query, local):
-      return self._error(412, "precondition failed")
-    os.remove(local)
-    _prune_empty_parents(local, os.path.join(self.root, bucket))
+    with _Handler.writing:
+      if not os.path.isfile(local):
+        return self._error(404, f"object {bucket}/{name} not found")
+      if not self._precondition(query, local):
+        return self._error(412, "precondition failed")
+      os.remove(local)
+      _prune_empty_parents(local, os.path.join(self.root, bucket))
     self._send(204)
+
+
+class HTTPConditional:
+  """The storage layer's conditional writes on gs:// (umoe_jax/storage/conditional.py, the workdir
+  lock's object) as plain JSON API requests to the fake server, so that processes racing on one
+  object meet its atomic precondition checks; google-cloud-storage, which the storage layer uses,
+  is an optional package (tests/test_workdir_lock.py runs it against the server where present)."""
+
+  def __init__(self, server_url: str):
+    self.server_url = server_url
+
+  def _request(self, method: str, path: str, query: dict, data: bytes | None = None) -> bytes:
+    import urllib.request
+    url = f"{self.server_url}{path}?{urllib.parse.urlencode(query)}"
+    req = urllib.request.Request(url, data=data, method=method)
+    with urllib.request.urlopen(req, timeout=30) as r:  # HTTPError (.code 412, 404) on failure
+      return r.read()
+
+  @staticmethod
+  def _split(url: str) -> tuple[str, str]:
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    return urllib.parse.quote(bucket, safe=""), key
+
+  def _upload(self, url: str, data: bytes, generation: int) -> int:
+    bucket, key = self._split(url)
+    out = self._request("POST", f"/upload/storage/v1/b/{bucket}/o",
+                        {"uploadType": "media", "name": key, "ifGenerationMatch": generation}, data)
+    return int(json.loads(out)["generation"])
+
+  def create(self, url: str, data: bytes) -> int:
+    return self._upload(url, data, 0)
+
+  def read(self, url: str) -> tuple[bytes, int]:
+    bucket, key = self._split(url)
+    path = f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}"
+    generation = int(json.loads(self._request("GET", path, {}))["generation"])
+    return self._request("GET", path, {"alt": "media", "ifGenerationMatch": generation}), generation
+
+  def replace(self, url: str, data: bytes, generation: int) -> int:
+    return self._upload(url, data, generation)
+
+  def delete(self, url: str, generation: int) -> None:
+    bucket, key = self._split(url)
+    self._request("DELETE", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(key, safe='')}",
+                  {"ifGenerationMatch": generation})
 
 
 class FakeGCSServer:
@@ -459,7 +511,8 @@ class FakeGCSServer:
 def environment(root: str, url: str) -> dict:
   """Environment variables that point every client of a (sub)process at the fake."""
   return {ROOT_ENV: root, URL_ENV: url, "TENSORSTORE_GCS_HTTP_URL": url,
-          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token", "CLOUD_STORAGE_EMULATOR_ENDPOINT": url}
+          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "fake-token", "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
+          "STORAGE_EMULATOR_HOST": url}  # google-cloud-storage (storage/conditional.py)
 
 
 def subprocess_env(root: str, url: str, base: dict | None = None) -> dict:
@@ -486,6 +539,11 @@ def install(root: str, url: str) -> None:
   backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
   from orbax.checkpoint._src.path import gcs_utils
   gcs_utils.get_bucket = lambda name: _FlatBucket()
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if repo not in sys.path:  # (a subprocess's sitecustomize runs before its script's path is set)
+    sys.path.append(repo)
+  from umoe_jax.storage import conditional
+  conditional.BACKENDS["gs"] = conditional.BACKENDS["gcs"] = HTTPConditional(url)
   faults = os.environ.get(FAULTS_ENV, "")
   for item in filter(None, faults.split(",")):
     op, times = item.split("=")

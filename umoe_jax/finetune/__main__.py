@@ -22,6 +22,8 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Fine-tuning config (configs/finetune/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Fine-tuning directory: checkpoints, logs, results.")
+_FORCE_UNLOCK = flags.DEFINE_bool("force_unlock", False, "Take the workdir's lock even if another "
+                                  "run holds it (one that is no longer running).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "predict: a fine-tuning workdir.")
 _INPUT = flags.DEFINE_string("input", None, "predict: JSONL / CSV / TSV / parquet file to score.")
 _OUTPUT = flags.DEFINE_string("output", None, "predict: predictions file (.jsonl or .csv).")
@@ -35,23 +37,27 @@ _COMPUTE_DTYPE = flags.DEFINE_string("compute_dtype", "", "predict: compute dtyp
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops the INFO chatter of Orbax (one line per file written); warnings pass, and errors pass
-  without the tracebacks Orbax attaches (a failed save: the run names it in one line), unless
-  UMOE_DEBUG=1."""
+  """Drops the INFO chatter of Orbax (one line per file written) and its own error lines (a
+  failed save: the run names it in one line); warnings pass. With UMOE_DEBUG=1 errors pass, with
+  their tracebacks."""
 
   def filter(self, record):
     if "/orbax/" not in record.pathname:
       return True
     if record.levelno < std_logging.WARNING:
       return False
-    if record.exc_info and os.environ.get("UMOE_DEBUG", "") in ("", "0"):
+    debug = os.environ.get("UMOE_DEBUG", "") not in ("", "0")
+    if record.levelno >= std_logging.ERROR and not debug:
+      return False
+    if record.exc_info and not debug:
       record.exc_info, record.exc_text = None, None
     return True
 
 
 def _fail(e: Exception) -> None:
   # Printed once: absl's handler writes logging.error to the same stderr, which doubled the line.
-  print(f"error: {e}", file=sys.stderr)
+  hint = getattr(e, "hint", "")  # (a busy workdir: how to go on)
+  print(f"error: {e}" + (f"\n  hint: {hint}" if hint else ""), file=sys.stderr)
   raise SystemExit(2)
 
 
@@ -59,7 +65,7 @@ def _train() -> dict:
   if _CONFIG.value is None or not _WORKDIR.value:
     raise app.UsageError("fine-tuning needs --config=configs/finetune/<task>.py and --workdir=DIR")
   from umoe_jax.finetune import loop
-  return loop.run(_CONFIG.value, _WORKDIR.value)
+  return loop.run(_CONFIG.value, _WORKDIR.value, force_unlock=_FORCE_UNLOCK.value)
 
 
 def _predict() -> dict:

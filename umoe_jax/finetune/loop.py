@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from umoe_jax import console
+from umoe_jax import console, storage
 from umoe_jax.config import ConfigError, model_config
 from umoe_jax.finetune import backbone as backbone_lib
 from umoe_jax.finetune import config as config_lib
@@ -39,6 +39,7 @@ from umoe_jax.finetune.optimizer import check_freeze_routers
 from umoe_jax.finetune.predict import device_sharding
 from umoe_jax.finetune.step import programs
 from umoe_jax.train import checkpoint as ckpt_lib
+from umoe_jax.train import lock as lock_lib
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train.loop import NonFiniteError, StopRequest
 
@@ -65,6 +66,7 @@ class Run:
     config_lib.validate(config)
     ckpt_lib.check_workdir(workdir)  # a file, or not writable: before any work (writes nothing)
     self.config, self.workdir, self.step_hook = config, workdir, step_hook
+    self.lock = None  # the workdir's lock.WorkdirLock, set by `run`
     t, d = config.train, config.data
     # A run with checkpoints resumes with the architecture and tokenizer it started with.
     self.resume_meta = (predict_lib.read_meta(workdir) if ckpt_lib.complete_steps(
@@ -85,6 +87,8 @@ class Run:
     from umoe_jax.data.tokenizer import make_tokenizer
     try:
       self.tokenizer = make_tokenizer(self.tokenizer_spec, self.eos_token)
+    except storage.StorageError:
+      raise  # the store failed, not the tokenizer: its line and hint (stdout_errors)
     except (ValueError, OSError) as e:
       raise ConfigError(f"tokenizer {self.tokenizer_spec!r} does not fit init_from="
                         f"{config.init_from!r}: {e}") from None
@@ -234,6 +238,8 @@ class Run:
 
     def save():
       fetch()
+      if self.lock is not None:
+        self.lock.check()  # another run took the workdir over: never save over its checkpoints
       self.checkpointer.save(step, state)
 
     try:
@@ -322,13 +328,22 @@ class Run:
       self.writer.close()
 
 
-def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None) -> dict:
+def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None,
+        force_unlock: bool = False) -> dict:
   """Fine-tunes in `workdir` (resuming if it holds checkpoints). Returns {"step", "stopped",
   "start" (workdir | init_from), "dev", "test", "best_step", ...} (results.json, when not stopped).
 
-  `step_hook(step)` runs after each step is dispatched (tests use it to send signals).
+  The run holds the workdir's lock (umoe_jax/train/lock.py) throughout; `force_unlock` takes it from
+  whichever run holds it. `step_hook(step)` runs after each step is dispatched (tests use it to
+  send signals).
   """
-  r = Run(config, workdir, step_hook=step_hook)
+  with lock_lib.hold(workdir, command="finetune", force=force_unlock) as workdir_lock:
+    r = Run(config, workdir, step_hook=step_hook)
+    r.lock = workdir_lock
+    return _run(r, config)
+
+
+def _run(r: Run, config: Any) -> dict:
   try:
     state, start = r.initial_state()  # its errors before any file is written
     r.open_logs()

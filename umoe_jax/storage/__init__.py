@@ -26,6 +26,10 @@ the old one or the new one). Directory-level commits on object stores use a mark
 last (Orbax's commit_success.txt in a step; prepare's metadata.json). Moves of directories on object
 stores copy then delete (not atomic). `AppendFile` emulates appending by re-uploading (append.py).
 
+Conditional writes (conditional.py, gs:// only): create an object unless it exists, replace or
+delete it only at the generation last read; what the workdir lock (umoe_jax/train/lock.py) needs so
+that of two runs starting at once one wins.
+
 Errors: remote operations are retried with exponential backoff on transient errors, each retry
 logged (retry.py); a missing object or bucket raises FileNotFoundError naming the URL; anything
 else raises StorageError (an OSError) naming the URL, with a hint on credentials where it applies.

@@ -8,8 +8,9 @@
   save the current step and return.
 
 Nothing is written to the workdir before the start state exists: a run that fails a check, fails to
-resume, or has nothing to do leaves the workdir as it was. Every resource (data iterator, checkpoint
-manager, writers) is closed on every exit path, so an error is the last thing a run prints.
+resume, or has nothing to do leaves the workdir as it was (its lock, lock.py, is held from the
+start and removed at exit). Every resource (data iterator, checkpoint manager, writers) is closed
+on every exit path, so an error is the last thing a run prints.
 Errors a user can fix are the classes in USER_ERRORS; their messages name the bad value or file.
 
 The loop keeps a host-side step counter and reads device metrics only at log, eval and save
@@ -38,6 +39,7 @@ from umoe_jax.train import checkpoint as ckpt_lib
 from umoe_jax.train import guard as guard_lib
 from umoe_jax.train import expert_load
 from umoe_jax.train import host_gc
+from umoe_jax.train import lock as lock_lib
 from umoe_jax.train import metrics as metrics_lib
 from umoe_jax.train import optimizer as opt_lib
 from umoe_jax.train import profiler as profiler_lib
@@ -177,7 +179,16 @@ class Trainer:
         logging.warning("%s: update skipped (train.on_nonfinite='skip')", msg)
       self.guard.observe(step, m)
       self.fetched.append(m)
-      self.skips.observe(step, not dropped)  # DivergenceError past train.max_consecutive_skips
+      with self._naming_last_checkpoint():
+        self.skips.observe(step, not dropped)  # DivergenceError past train.max_consecutive_skips
+
+  @contextlib.contextmanager
+  def _naming_last_checkpoint(self):
+    """A DivergenceError of the skip limit ends with where to resume from, as the stop policy's."""
+    try:
+      yield
+    except DivergenceError as e:
+      raise DivergenceError(f"{e}; {self._last_checkpoint_advice()}") from None
 
   def _last_checkpoint_advice(self) -> str:
     if self.last_checkpoint is None:
@@ -260,6 +271,8 @@ class Trainer:
       return False
     metadata = {"guard": self.guard.metadata(), "protected_step": ckpt.protected,
                 "restored_from": self.s.restored_from}
+    if self.s.lock is not None:
+      self.s.lock.check()  # another run took the workdir over: never save over its checkpoints
     ckpt.save(self.step, state_lib.checkpoint_tree(self.state), self.s.train_iter, metadata)
     self.last_saved = self.last_checkpoint = self.step
     self.refused = None
@@ -329,7 +342,8 @@ class Trainer:
           self._timer_start += time.perf_counter() - paused
       if self.step == t.num_steps:  # a run that applied nothing must not end with a checkpoint
         self._fetch()
-        self.skips.check_some_applied(self.first_step, self.step)
+        with self._naming_last_checkpoint():
+          self.skips.check_some_applied(self.first_step, self.step)
       if self.step % ck.every == 0 or self.step == t.num_steps:
         paused = time.perf_counter()
         self.save()
@@ -340,17 +354,23 @@ class Trainer:
     return False
 
 
-def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None) -> dict:
+def run(config: Any, workdir: str, *, step_hook: Optional[Callable[[int], None]] = None,
+        force_unlock: bool = False) -> dict:
   """Trains `config` in `workdir` (resuming if it holds checkpoints). Returns a summary dict:
   {"step", "stopped" (by a signal), "start" (workdir | init_from | scratch), "eval" (last
   validation result or None), "train" (last logged scalars), "workdir", "checkpoints" (complete
   steps), "elapsed_s"}. Raises one of USER_ERRORS for what a user can fix.
 
-  `step_hook(step)` is called after each step is dispatched (tests use it to send signals).
+  The run holds the workdir's lock (lock.py) from before setup to its end; `force_unlock` takes it
+  from whichever run holds it. `step_hook(step)` is called after each step is dispatched (tests use
+  it to send signals).
   """
   t0 = time.perf_counter()
   with contextlib.ExitStack() as stack:
+    workdir_lock = stack.enter_context(lock_lib.hold(workdir, command="train.py",
+                                                     force=force_unlock))
     s = setup(config, workdir, stack)
+    s.lock = workdir_lock
     state, step, start = initial_state(s)
     result = {"step": step, "stopped": False, "start": start, "eval": None, "train": {},
               "workdir": workdir}

@@ -51,6 +51,7 @@ class Setup:
   resume_metadata: dict = dataclasses.field(default_factory=dict)  # of the restored checkpoint
   chunks: int = 1                      # expert_parallel.chunks
   restored_from: Optional[int] = None  # checkpoint.restore_step this run's branch started from
+  lock: Any = None                     # the workdir's lock.WorkdirLock (process 0), set by `run`
 
 
 def _check_batch_layout(config: Any, mesh: Any, rules: Any) -> None:
