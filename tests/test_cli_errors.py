@@ -248,6 +248,9 @@ def test_full_disk_names_the_step_and_the_last_checkpoint(cli, tmp_path, small_d
     workdir = os.path.join(small_disk, "run")
     proc = cli(workdir, f"--config.checkpoint.async_save={async_save}")
   message = assert_fails(proc, 1, "checkpoint save error", r"\(no space left on device\)")
+  # Orbax's own error lines (absl's "E1205 12:00:00.000 ...", four per failed save) are not shown:
+  # the one line above says it all (--debug shows them).
+  assert not re.search(r"^E\d{4} \d\d:\d\d:\d\d", proc.stderr, re.M), proc.stderr[-3000:]
   failed, last = map(int, re.search(r"saving checkpoint step (\d+) to .* failed .*the last complete "
                                     r"checkpoint is step (\d+) \(a restart resumes from it\)",
                                     message).groups())
@@ -472,7 +475,9 @@ def test_skipped_steps_stop_the_run(cli, trained, tmp_path, limit, expected):
   before = tree_digest(os.path.join(workdir, "checkpoints"))
   proc = cli(workdir, "--config.train.on_nonfinite=skip", "--config.train.num_steps=12",
              f"--config.train.max_consecutive_skips={limit}")
-  assert_fails(proc, 1, "training stopped", expected)
+  # Names where to resume from, as train.on_nonfinite='stop' does.
+  assert_fails(proc, 1, "training stopped", expected, re.escape(
+      f"; the last good checkpoint is step {STEPS} in {workdir}/checkpoints: resume from it"))
   assert tree_digest(os.path.join(workdir, "checkpoints")) == before  # no NaN state saved
 
 
@@ -920,6 +925,31 @@ def test_orphaned_orbax_futures_are_not_printed():
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split() == ["False", "True", "True"]
+
+
+_ORBAX_ERROR_LINE_CHECK = """
+import logging, sys
+sys.argv = ["train.py"]
+import train
+
+def record(pathname, level=logging.ERROR):
+  return logging.LogRecord("absl", level, pathname, 264, "Failed to run 3 Handler Commit operations",
+                           None, None)
+
+orbax = "/site-packages/orbax/checkpoint/_src/checkpointers/async_checkpointer.py"
+quiet, debug = train._QuietLibraries(debug=False), train._QuietLibraries(debug=True)
+print(quiet.filter(record(orbax)), quiet.filter(record(orbax, logging.WARNING)),
+      quiet.filter(record("/home/me/x.py")), debug.filter(record(orbax)))
+"""
+
+
+def test_orbax_error_lines_are_dropped_but_kept_under_debug():
+  """Orbax's own error lines (a failed save: four, from its threads) are dropped before the run's
+  one error line; its warnings, other code's errors and --debug keep theirs."""
+  proc = subprocess.run([sys.executable, "-c", _ORBAX_ERROR_LINE_CHECK], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ["False", "True", "True", "True"]
 
 
 _TASK_FILTER_CHECK = """

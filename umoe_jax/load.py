@@ -350,6 +350,8 @@ def load_model_and_tokenizer(checkpoint: Optional[str] = None, config: Any = Non
   spec, eos_token = tokenizer_spec(tokenizer, ref.config if ref else None, config)
   try:
     tok = make_tokenizer(spec, eos_token)
+  except storage.StorageError:
+    raise  # the store failed, not the tokenizer: its line and hint (stdout_errors)
   except (ValueError, OSError) as e:
     raise LoadError(str(e)) from None
   if ref is not None:

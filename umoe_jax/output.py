@@ -109,6 +109,8 @@ def check_output_path(path: str, flag: str, *, directory: bool = False) -> None:
   if storage.is_url(path):
     try:
       storage.check_bucket(path)
+    except storage.StorageError:
+      raise  # the store failed (no client library, credentials): its line and hint (stdout_errors)
     except OSError as e:
       raise ValueError(f"{flag}={path!r}: {e}") from None
     return

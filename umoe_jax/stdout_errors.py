@@ -18,7 +18,15 @@ A command that turns every error of a step into its own message (train.py's flag
 stdout's errors pass: `is_stdout_error(e)`.
 
 Being every command's start, `run_and_exit` also keeps JAX's platform probe quiet
-(`console.quiet_platform_probe`: no "Unable to initialize backend 'tpu'" line without a TPU).
+(`console.quiet_platform_probe`: no "Unable to initialize backend 'tpu'" line without a TPU), and
+is every command's one handler of a failing store (umoe_jax/storage): a StorageError (a missing
+client library, no credentials, a failed request) or a missing object or bucket escaping `main`,
+itself or as the cause of another error, is
+
+    storage error: <what failed, naming the URL>
+      hint: <what to install or check>
+
+on stderr and exit status 1, not a traceback (UMOE_DEBUG=1 shows the traceback).
 """
 from __future__ import annotations
 
@@ -70,6 +78,32 @@ def is_stdout_error(error: BaseException) -> bool:
   return isinstance(sys.stdout, _TrackedStdout) and sys.stdout.caused(error)
 
 
+def storage_failure(error: BaseException):
+  """The storage layer's StorageError or ObjectNotFoundError that is `error` or caused it (its
+  __cause__ / __context__ chain), or None."""
+  from umoe_jax.storage.retry import ObjectNotFoundError, StorageError
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (StorageError, ObjectNotFoundError)):
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def storage_error_lines(error: BaseException) -> list[str]:
+  """"storage error: <message>" and its hint line, of a `storage_failure`."""
+  hint = getattr(error, "hint", "") or (
+      "check the URL: the bucket's name, the object's path, and your access to them"
+      if isinstance(error, FileNotFoundError) else "")
+  lines = [f"storage error: {' '.join(str(error).split())}"]
+  return lines + ([f"  hint: {hint}"] if hint else [])
+
+
+def _debug() -> bool:
+  return os.environ.get("UMOE_DEBUG", "") not in ("", "0")
+
+
 def _discard_stdout(stream) -> None:
   """Points stdout's file descriptor at os.devnull: what is still buffered goes nowhere."""
   try:
@@ -93,7 +127,10 @@ def run_and_exit(main: Callable[..., Any], *args: Any, **kwargs: Any) -> NoRetur
     except SystemExit as e:
       status = e.code
     except Exception as e:  # pylint: disable=broad-except  (stdout's error, or one raised from it)
-      if not stdout.caused(e):
+      failure = None if stdout.caused(e) or _debug() else storage_failure(e)
+      if failure is not None:
+        print("\n".join(storage_error_lines(failure)), file=sys.stderr, flush=True)
+      elif not stdout.caused(e):
         raise
       status = 1
     try:

@@ -55,6 +55,9 @@ def load(path: str) -> Any:
   missing, a directory), does not load (a syntax error, an exception, no get_config), when
   get_config takes other arguments than the command line passes, raises, or returns no
   ConfigDict."""
+  if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+://", path):  # (else "--config=gs: no such file")
+    raise ConfigError(f"--config={path}: a config file is Python, imported from a local path, not "
+                      "a URL: copy it here first")
   file, args = split_config_arg(path)
   return load_file(file, args, path=path)
 

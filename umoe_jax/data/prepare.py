@@ -306,7 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     meta = prepare(cfg, args.output_dir, split=split, num_shards=args.num_shards,
                    overwrite=args.overwrite)
-  except (ValueError, OSError) as e:  # DataError, a missing file, StorageError, ...
+  except storage.StorageError:
+    raise  # its line and hint: stdout_errors, every command's handler of a failing store
+  except (ValueError, OSError) as e:  # DataError, a missing file, ...
     print(f"error: {_as_flags(str(e), key)}", file=sys.stderr)
     return 1
   print(json.dumps(meta, indent=2))

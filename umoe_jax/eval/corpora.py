@@ -118,8 +118,8 @@ def _read_parquet(path: str, text_field: str) -> list[str]:
   try:
     arrow_fs, arrow_path = storage.arrow_filesystem(path)  # remote files: by byte range
     pf = pq.ParquetFile(arrow_path, filesystem=arrow_fs) if arrow_fs else pq.ParquetFile(path)
-  except storage.StorageError as e:  # the store failed (after retries), not the file
-    raise EvalError(str(e)) from None
+  except storage.StorageError:  # the store failed (after retries), not the file: stdout_errors
+    raise                       # reports it with its hint
   except Exception as e:   # pyarrow.ArrowInvalid and friends
     raise EvalError(f"{path}: not a readable parquet file ({e})") from None
   if text_field not in pf.schema_arrow.names:

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Optional, Sequence
 
 import numpy as np
 from flax import nnx
 
-from umoe_jax import console
+from umoe_jax import console, storage
 from umoe_jax.eval import fewshot, mmlu, race, samples as samples_lib
 from umoe_jax.eval import tasks as tasks_lib
 from umoe_jax.eval.errors import EvalError
@@ -112,7 +111,7 @@ class PreparedTask:
 
 
 def _read(spec: TaskSpec, path: str, limit: Optional[int]) -> list[tasks_lib.Doc]:
-  if not os.path.exists(path):
+  if not storage.exists(path):
     raise FileNotFoundError(f"task {spec.name!r}: data not found: {path!r}")
   if spec.kind == "race":
     return race.load_race(path, limit)

@@ -22,6 +22,7 @@ import math
 import os
 from typing import Optional, Sequence
 
+from umoe_jax import storage
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.tasks import MultipleChoice, TaskFormatError
 
@@ -60,10 +61,10 @@ def format_question(question: str, options: Sequence[str]) -> str:
 
 def read_csv(path: str, limit: Optional[int] = None) -> list[MultipleChoice]:
   """Rows of one MMLU CSV as items with choices ("A", "B", "C", "D"); errors name file:line."""
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise FileNotFoundError(f"MMLU file not found: {path!r}")
   docs = []
-  with open(path, encoding="utf-8", newline="") as f:
+  with storage.open(path, encoding="utf-8", newline="") as f:
     reader = csv.reader(f)
     while limit is None or len(docs) < limit:
       start = reader.line_num + 1
@@ -88,14 +89,14 @@ def read_csv(path: str, limit: Optional[int] = None) -> list[MultipleChoice]:
 
 
 def subject_file(data_dir: str, split: str, subject: str) -> str:
-  return os.path.join(data_dir, split, f"{subject}_{split}.csv")
+  return storage.join(data_dir, split, f"{subject}_{split}.csv")
 
 
 def find_subjects(data_dir: str, split: str = "test",
                   subjects: Optional[Sequence[str]] = None) -> list[str]:
   """The subjects to evaluate: `subjects` (validated), else every <subject>_<split>.csv found."""
-  split_dir = os.path.join(data_dir, split)
-  if not os.path.isdir(split_dir):
+  split_dir = storage.join(data_dir, split)
+  if not storage.isdir(split_dir):
     raise FileNotFoundError(f"MMLU split directory not found: {split_dir!r} (expected the release's "
                             "data/ directory holding dev/, val/, test/)")
   if subjects:
@@ -104,7 +105,7 @@ def find_subjects(data_dir: str, split: str = "test",
       raise EvalError(f"unknown MMLU subject(s) {unknown}; valid: {', '.join(sorted(SUBJECTS))}")
     return list(subjects)
   suffix = f"_{split}.csv"
-  found = sorted(n[:-len(suffix)] for n in os.listdir(split_dir) if n.endswith(suffix))
+  found = sorted(n[:-len(suffix)] for n in storage.listdir(split_dir) if n.endswith(suffix))
   if not found:
     raise EvalError(f"no *{suffix} files in {split_dir!r}")
   return found

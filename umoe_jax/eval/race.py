@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any, Optional
 
-from umoe_jax import json_errors
+from umoe_jax import json_errors, storage
 from umoe_jax.eval.jsonl import read_records
 from umoe_jax.eval.tasks import MultipleChoice, TaskFormatError
 
@@ -75,7 +75,7 @@ def to_item(rec: dict) -> MultipleChoice:
 
 def _read_json_file(path: str) -> Any:
   try:
-    with open(path, encoding="utf-8") as f:
+    with storage.open(path, encoding="utf-8") as f:
       return json.load(f)
   except json.JSONDecodeError as e:
     line, column = json_errors.position(e)  # (json's of a file cut short: the line after its last)
@@ -86,14 +86,13 @@ def _read_json_file(path: str) -> Any:
 
 def read_articles(path: str, limit: Optional[int] = None) -> list[dict]:
   """The article records under `path` (file, directory or .jsonl), validated."""
-  if os.path.isdir(path):
-    files = sorted((os.path.join(r, n) for r, _, names in os.walk(path) for n in names
-                    if n.endswith((".txt", ".json")) and not n.startswith(".")), key=_natural_key)
+  if storage.isdir(path):
+    files = sorted(storage.find_files(path, (".txt", ".json")), key=_natural_key)
     if not files:
       raise TaskFormatError(f"{path}: no RACE .txt / .json files")
     files = files[:limit] if limit is not None else files
     return [_check_article(_read_json_file(f), f) for f in files]
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise FileNotFoundError(f"RACE data not found: {path!r}")
   if not path.endswith(".jsonl"):
     return [_check_article(_read_json_file(path), path)]

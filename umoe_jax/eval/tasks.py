@@ -27,6 +27,7 @@ import dataclasses
 import os
 from typing import Any, Optional, Union
 
+from umoe_jax import storage
 from umoe_jax.eval.errors import EvalError
 from umoe_jax.eval.jsonl import read_records
 
@@ -174,10 +175,10 @@ def parse_record(kind: str, rec: Any, where: str) -> Doc:
 def read_jsonl(path: str, kind: str, limit: Optional[int] = None) -> list[Doc]:
   """The first `limit` (None: all) records of a JSONL file of `kind`; blank lines are skipped."""
   kind = resolve_kind(kind)
-  if os.path.isdir(path):  # (not "not found": it is there)
+  if storage.isdir(path):  # (not "not found": it is there)
     raise EvalError(f"eval file {path!r} is a directory: a {kind} task reads one JSON-lines file "
                     "(the kinds race and mmlu read directories)")
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise FileNotFoundError(f"eval file not found: {path!r}")
   docs = [parse_record(kind, rec, where)
           for where, rec in read_records(path, limit, TaskFormatError)]
@@ -190,4 +191,4 @@ def load_task(name: str, data_dir: str = DEFAULT_DATA_DIR, limit: Optional[int] 
   """The documents of task `name` (see TASKS) from `data_dir`, the first `limit` of them."""
   name = resolve_task(name)
   filename, kind = TASKS[name]
-  return read_jsonl(os.path.join(data_dir, filename), kind, limit)
+  return read_jsonl(storage.join(data_dir, filename), kind, limit)

@@ -95,7 +95,8 @@ def _spec_from_mapping(rec: Any, where: str, base_dir: str) -> TaskSpec:
       if not isinstance(rec[key], str):
         raise EvalError(f"{where}: {key!r} must be a string, got {rec[key]!r}")
       try:
-        rec[key] = os.path.join(base_dir, storage.expand(rec[key]))
+        rec[key] = (rec[key] if storage.is_url(rec[key]) else
+                    storage.join(base_dir, storage.expand(rec[key])))
       except storage.UnknownUserError as e:
         raise EvalError(f"{where}: {key!r}: {e}") from None
   # Else a number here fails only once scored (description) or in the table after every task
@@ -120,11 +121,11 @@ def _spec_from_mapping(rec: Any, where: str, base_dir: str) -> TaskSpec:
 
 def load_spec_file(path: str) -> list[TaskSpec]:
   """The tasks of a YAML / JSON spec file (see the module docstring); errors name the file."""
-  if os.path.isdir(path):  # (not "not found": it is there)
+  if storage.isdir(path):  # (not "not found": it is there)
     raise EvalError(f"task spec file {path!r} is a directory, not a YAML / JSON file")
-  if not os.path.isfile(path):
+  if not storage.isfile(path):
     raise FileNotFoundError(f"task spec file not found: {path!r}")
-  with open(path, encoding="utf-8") as f:
+  with storage.open(path, encoding="utf-8") as f:
     text = f.read()
   try:
     if path.endswith(".json"):
@@ -140,7 +141,7 @@ def load_spec_file(path: str) -> list[TaskSpec]:
   entries = data if isinstance(data, list) else [data]
   if not entries:
     raise EvalError(f"{path}: no tasks")
-  base = os.path.dirname(os.path.abspath(path))
+  base = storage.dirname(storage.abspath(path))
   return [_spec_from_mapping(e, f"{path}: task {i}", base) for i, e in enumerate(entries)]
 
 
@@ -159,7 +160,7 @@ def parse_task_list(entries: str | Sequence[str | TaskSpec],
       continue
     if entry.endswith(SPEC_SUFFIXES):
       specs += load_spec_file(entry)
-    elif ":" in entry:
+    elif ":" in entry and "/" not in entry.rsplit(":", 1)[1]:  # (not a URL's "s3://")
       named, kind = entry.rsplit(":", 1)
       name, path = named.split("=", 1) if "=" in named else (_stem(named), named)
       specs.append(TaskSpec(name=name, kind=resolve_file_kind(kind, f"--tasks entry {entry!r}"),

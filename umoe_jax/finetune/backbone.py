@@ -26,6 +26,9 @@ def read_backbone(config: Any) -> tuple[ml_collections.ConfigDict, dict]:
   from umoe_jax.load import finetune_message, finetune_workdir, read_checkpoint_config
   path = storage.expand(config.init_from)
   if not storage.isdir(path):
+    if storage.isfile(path):
+      raise ConfigError(f"init_from={config.init_from!r} is a file, not a checkpoint directory (a "
+                        "training workdir, or a converted checkpoint's directory)")
     raise ConfigError(f"init_from={config.init_from!r}: no such directory")
   workdir = finetune_workdir(path)
   if workdir is not None:  # else "does not name its tokenizer (a converted checkpoint)"

@@ -96,8 +96,7 @@ def file_format(path: str, fmt: str = "auto", names: SettingNames = CONFIG_KEYS)
 def _read_text(path: str) -> str:
   """The file as text: UTF-8, a leading byte-order mark dropped; other bytes are an error naming
   the line."""
-  with open(path, "rb") as f:
-    raw = f.read()
+  raw = storage.read_bytes(path)
   try:
     return raw.decode("utf-8-sig")
   except UnicodeDecodeError as e:
@@ -108,7 +107,7 @@ def _read_text(path: str) -> str:
 
 def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
   """(where, record) for every record of the file."""
-  name = os.path.basename(path)
+  name = storage.basename(path)
   if fmt == "jsonl":
     # split on "\n" only: str.splitlines would also cut at U+2028 etc. inside JSON strings
     for lineno, line in enumerate(_read_text(path).split("\n"), 1):
@@ -144,8 +143,11 @@ def _records(path: str, fmt: str) -> Iterator[tuple[str, dict]]:
       raise DataError(f"{path}:{start}: {e}") from None
   elif fmt == "parquet":
     import pyarrow.parquet as pq
+    arrow_fs, arrow_path = storage.arrow_filesystem(path)  # (a URL: read through umoe_jax/storage)
     try:
-      table = pq.read_table(path)
+      table = pq.read_table(arrow_path, filesystem=arrow_fs)
+    except storage.StorageError:
+      raise
     except Exception as e:  # pylint: disable=broad-except  (pyarrow raises several types)
       raise DataError(f"{path}: cannot read as parquet ({type(e).__name__}: {e})") from None
     for i, record in enumerate(table.to_pylist()):
@@ -189,7 +191,7 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
     local = storage.expand(path)
   except storage.UnknownUserError as e:
     raise DataError(f"{key}={path!r}: {e}") from None
-  if not os.path.isfile(local):
+  if not storage.isfile(local):
     raise DataError(f"{key}={path!r}: no such file")
   path = local
   fmt = file_format(path, fmt, names)
@@ -223,7 +225,7 @@ def read_examples(path: str, *, text_field: str, label_field: Optional[str], fmt
 
 def has_field(path: str, field: str, fmt: str = "auto", names: SettingNames = CONFIG_KEYS) -> bool:
   """Whether the first record of the file has `field` (predict: score against labels if present)."""
-  for _, record in _records(os.path.expanduser(path), file_format(path, fmt, names)):
+  for _, record in _records(storage.expand(path), file_format(path, fmt, names)):
     return field in record
   return False
 

@@ -60,6 +60,8 @@ def load_source(checkpoint: str, step: Optional[int] = None):
   spec, eos = load.tokenizer_spec(None, ref.config)
   try:
     tok = make_tokenizer(spec, eos)
+  except storage.StorageError:
+    raise  # the store failed, not the tokenizer: its line and hint (stdout_errors)
   except (ValueError, OSError) as e:
     raise load.LoadError(f"the tokenizer of checkpoint {ref.path} ({spec!r}): {e}") from None
   load.check_tokenizer_fits_checkpoint(tok, spec, section.vocab_size, ref)
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
   try:
     line = export(args.checkpoint, args.out, args.format, step=args.step, dtype=args.dtype,
                   overwrite=args.overwrite)
+  except storage.StorageError:
+    raise  # its line and hint: stdout_errors, every command's handler of a failing store
   except (ExportError, LoadError, ConfigError, FileNotFoundError, ImportError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

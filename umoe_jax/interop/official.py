@@ -37,11 +37,13 @@ Saved layout (what `--output` / `save_converted` writes; `load_converted` reads 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -134,29 +136,57 @@ def _check_output(output: str) -> None:
     raise OutputError(str(e)) from None
 
 
+@contextlib.contextmanager
+def _local_copy(path: str) -> Iterator[str]:
+  """`path` when local; a URL's checkpoint directory (or config .json) downloaded through
+  umoe_jax/storage into a temporary directory (safetensors and torch read local files), removed
+  afterwards."""
+  if not storage.is_url(path):
+    yield path
+    return
+  tmp = storage.local_temp_dir("umoe-official-")
+  try:
+    base = storage.expand(path)
+    files = [base] if storage.isfile(base) else storage.find_files(base)
+    if not files:
+      raise FileNotFoundError(f"{path}: no such checkpoint directory or config .json file")
+    for url in files:
+      rel = storage.basename(url) if url == base else url[len(base) + 1:]
+      local = os.path.join(tmp, *rel.split("/"))
+      os.makedirs(os.path.dirname(local), exist_ok=True)
+      with storage.open(url, "rb") as src, open(local, "wb") as dst:
+        shutil.copyfileobj(src, dst, 8 << 20)
+    yield os.path.join(tmp, storage.basename(base)) if files == [base] else tmp
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m umoe_jax.interop.official",
       description="Convert an official UMoE (PyTorch, Hugging Face style) checkpoint into this project's "
                   "parameters: OUTPUT/config.json + OUTPUT/params (Orbax).")
   parser.add_argument("--checkpoint", required=True, help="official checkpoint directory (config.json + "
-                      "model.safetensors / shards / pytorch_model.bin)")
+                      "model.safetensors / shards / pytorch_model.bin; a URL is downloaded first)")
   parser.add_argument("--output", required=True, help="output directory (created; params/ must not exist)")
   parser.add_argument("--compute_dtype", default="float32", help="model.compute_dtype of the saved config")
   parser.add_argument("--gmm_backend", default="auto", help="model.gmm_backend of the saved config")
   args = parser.parse_args(argv)
   try:
-    config_json = load_official_config(args.checkpoint)
-    layout = expert_weight_layout(config_json)
-    if storage.exists(storage.join(args.output, "params")):
-      raise FileExistsError(f"{storage.join(args.output, 'params')} exists; choose an empty --output")
-    _check_output(args.output)
-    model, cfg = import_official(args.checkpoint, compute_dtype=args.compute_dtype,
-                                 gmm_backend=args.gmm_backend)
+    with _local_copy(args.checkpoint) as checkpoint:
+      config_json = load_official_config(checkpoint)
+      layout = expert_weight_layout(config_json)
+      if storage.exists(storage.join(args.output, "params")):
+        raise FileExistsError(f"{storage.join(args.output, 'params')} exists; choose an empty "
+                              "--output")
+      _check_output(args.output)
+      model, cfg = import_official(checkpoint, compute_dtype=args.compute_dtype,
+                                   gmm_backend=args.gmm_backend)
     out = save_converted(model, cfg, args.output, source=dict(
-        checkpoint=os.path.abspath(args.checkpoint), expert_layout=layout, official_config=config_json))
+        checkpoint=storage.abspath(args.checkpoint), expert_layout=layout,
+        official_config=config_json))
   except (ConfigError, StateDictError, FileNotFoundError, FileExistsError, ImportError,
-          OutputError, storage.StorageError) as e:
+          OutputError) as e:  # (a StorageError: stdout_errors, every command's handler of it)
     print(f"error: {e}", file=sys.stderr)
     return 2
   import jax

@@ -91,6 +91,9 @@ def _check_flags(FLAGS) -> None:
 
 def _check_zoo_dir(zoo_dir: str) -> None:
   """--zoo_dir is a directory holding zoo configs (else an empty table, exit status 0)."""
+  if "://" in zoo_dir:
+    raise SystemExit(f"error: --zoo_dir={zoo_dir!r}: zoo configs are Python files, imported from a "
+                     "local directory (copy them here first)")
   if not os.path.exists(zoo_dir):
     raise SystemExit(f"error: --zoo_dir={zoo_dir!r}: no such directory")
   if not os.path.isdir(zoo_dir):

@@ -44,6 +44,10 @@ def init_from_checkpoints(path: str) -> tuple[str, list[int]]:
   """("params", []) for a converted checkpoint, else (checkpoint directory, its complete steps) of
   a training workdir or its `checkpoints/`; ConfigError naming `path` when it holds neither."""
   if not storage.isdir(path):
+    if storage.isfile(path):
+      raise ConfigError(f"checkpoint.init_from={path!r} is a file, not a checkpoint directory (a "
+                        "training workdir or its checkpoints/, or a converted checkpoint's "
+                        "directory)")
     raise ConfigError(f"checkpoint.init_from={path!r}: no such directory")
   if storage.isdir(storage.join(path, "params")):
     return "params", []
