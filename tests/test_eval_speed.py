@@ -59,6 +59,26 @@ def test_measured_kv_bytes_equal_the_hand_count_and_stats(family, over, per_toke
   assert row["kv_match"] is True
 
 
+def test_params_cast_to_bfloat16_decode_as_generate_does(tmp_path, capsys, monkeypatch):
+  cfg, model = _model("umoe", seed=5)
+  cast = speed.cast_params(model, "bfloat16")
+  assert speed.param_dtypes(model) == "float32" and speed.param_dtypes(cast) == "bfloat16"
+  assert speed.param_bytes(cast) * 2 == speed.param_bytes(model)
+  row = speed.measure(cast, 2, prompt_len=4, new_tokens=5, warmup=0, repeats=1)
+  want = generate(cast, speed.random_prompts(cfg.vocab_size, 2, 4).tolist(), max_new_tokens=5)
+  np.testing.assert_array_equal(row["tokens"], want.tokens)
+  saved = {}
+  for dtype in ("", "bfloat16"):
+    code, _, err = run_cli(capsys, monkeypatch, "speed", f"--config={TINY_CONFIG}",
+                           "--config.model.n_layers=1", "--batches=1", "--prompt_len=4",
+                           "--new_tokens=2", "--warmup=0", "--repeats=1", f"--param_dtype={dtype}",
+                           f"--json={tmp_path}/{dtype}.json")
+    assert code == 0, err
+    saved[dtype] = json.loads((tmp_path / f"{dtype}.json").read_text())["settings"]
+  assert (saved[""]["param_dtype"], saved["bfloat16"]["param_dtype"]) == ("float32", "bfloat16")
+  assert saved[""]["param_bytes"] == 2 * saved["bfloat16"]["param_bytes"]
+
+
 def test_rates_are_the_arithmetic_of_the_medians():
   cfg, model = _model("dense")
   b, p, n = 4, 6, 5
@@ -111,6 +131,7 @@ def test_speed_command_batch_1_and_32_on_cpu(tmp_path, capsys, monkeypatch):
     (["--repeats=0"], "--repeats=0 must be >= 1"),
     (["--cache_dtype=int8"], "--cache_dtype='int8' is not a floating-point dtype"),
     (["--cache_dtype=nonsense"], "--cache_dtype='nonsense' is not a floating-point dtype"),
+    (["--param_dtype=int32"], "--param_dtype='int32' is not a floating-point dtype"),
     (["--prompt_len=250", "--new_tokens=10"], "--prompt_len=250 + --new_tokens=10 must fit the "
      "model's max_seq_len=256"),
     (["--config.model.ffn.router.selection=expert_choice"], "cannot decode token by token"),

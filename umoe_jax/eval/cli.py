@@ -259,19 +259,22 @@ def cmd_speed(f):
       raise EvalError(f"--{name}={f[name].value} must be >= {2 if name == 'new_tokens' else 1}")
   if f.warmup < 0:
     raise EvalError(f"--warmup={f.warmup} must be >= 0")
-  if f.cache_dtype:
-    import jax.numpy as jnp
-    try:
-      ok = jnp.issubdtype(jnp.dtype(f.cache_dtype), jnp.floating)
-    except TypeError:
-      ok = False
-    if not ok:
-      raise EvalError(f"--cache_dtype={f.cache_dtype!r} is not a floating-point dtype "
-                      "(e.g. bfloat16, float32)")
+  for name in ("cache_dtype", "param_dtype"):
+    if f[name].value:
+      import jax.numpy as jnp
+      try:
+        ok = jnp.issubdtype(jnp.dtype(f[name].value), jnp.floating)
+      except TypeError:
+        ok = False
+      if not ok:
+        raise EvalError(f"--{name}={f[name].value!r} is not a floating-point dtype "
+                        "(e.g. bfloat16, float32)")
   import jax
   model, section, ref = load_model(f.checkpoint, f.config, seed=f.seed,
                                    compute_dtype=f.compute_dtype or None)
   step = ref.step if ref is not None else None
+  if f.param_dtype:
+    model = speed.cast_params(model, f.param_dtype)
   cfg = model.cfg
   new = f.new_tokens if f.new_tokens is not None else min(128, cfg.max_seq_len // 2)
   prompt = f.prompt_len if f.prompt_len is not None else min(1024, cfg.max_seq_len - new)
@@ -298,11 +301,11 @@ def cmd_speed(f):
          f"tokens/s (compile {row['compile_prefill_s']:.1f} + {row['compile_decode_s']:.1f} s)")
     rows.append(row)
   settings = dict(prompt_len=prompt, new_tokens=new, warmup=f.warmup, repeats=f.repeats,
-                  device=_device_kind(), param_dtype=cfg.param_dtype,
+                  device=_device_kind(), param_dtype=speed.param_dtypes(model),
                   compute_dtype=cfg.compute_dtype, cache_dtype=rows[0]["cache_dtype"],
                   param_bytes=speed.param_bytes(model))
   head = (f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, parameters "
-          f"{settings['param_bytes'] / 2**20:,.1f} MiB ({cfg.param_dtype}), compute "
+          f"{settings['param_bytes'] / 2**20:,.1f} MiB ({settings['param_dtype']}), compute "
           f"{cfg.compute_dtype}, KV cache {settings['cache_dtype']}\n"
           f"run: prompt {prompt} tokens, {new} new tokens, median of {f.repeats} runs on "
           f"{settings['device']}\n"
@@ -329,6 +332,8 @@ def _flags_speed(fv):
   flags.DEFINE_integer("repeats", 5, "Timed runs (the median is reported).", flag_values=fv)
   flags.DEFINE_string("cache_dtype", None, "KV-cache dtype (default: the compute dtype).",
                       flag_values=fv)
+  flags.DEFINE_string("param_dtype", None, "Cast the parameters to this dtype (e.g. bfloat16, as "
+                      "served; default: as loaded).", flag_values=fv)
 
 
 def _flags_tasks(fv):

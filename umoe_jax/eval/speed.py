@@ -123,6 +123,18 @@ def param_bytes(model: nnx.Module) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def param_dtypes(model: nnx.Module) -> str:
+  """The dtypes of the model's parameters, e.g. "float32" or "bfloat16, float32"."""
+  return ", ".join(sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))}))
+
+
+def cast_params(model: nnx.Module, dtype: str) -> nnx.Module:
+  """The model with every parameter cast to `dtype` (a checkpoint stores float32; a model is
+  often served in bfloat16)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(dtype), params), rest)
+
+
 def _mib(b: Optional[float]) -> str:
   return "n/a" if b is None else f"{b / 2**20:,.2f}"
 
