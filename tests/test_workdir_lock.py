@@ -317,3 +317,30 @@ def test_gs_conditional_writes_through_google_cloud_storage(fake_gcs, monkeypatc
   winners = [r for r in results if isinstance(r, lock.WorkdirLock)]
   assert len(winners) == 1, results
   winners[0].release()
+
+
+def test_gs_heartbeat_whose_reply_was_lost_keeps_the_lock(gs_workdir, monkeypatch):
+  """A heartbeat write that landed but whose reply was lost is retried and fails its precondition
+  (the generation is its own now): the run still holds the lock, it did not lose it."""
+  url, local = gs_workdir
+  monkeypatch.setenv("UMOE_STORAGE_RETRY_DELAY", "0.01")
+  real = conditional.BACKENDS["gs"]
+
+  class ReplyLost:
+    def __getattr__(self, name):
+      return getattr(real, name)
+
+    def replace(self, *args):
+      monkeypatch.setitem(conditional.BACKENDS, "gs", real)  # once
+      real.replace(*args)
+      raise ConnectionResetError(104, "Connection reset by peer")
+
+  held = lock.WorkdirLock(url, "t", heartbeat_secs=3600)
+  held.acquire()
+  monkeypatch.setitem(conditional.BACKENDS, "gs", ReplyLost())
+  held.refresh()
+  assert held.lost is None
+  held.refresh()  # at the generation it adopted
+  assert held.lost is None
+  held.release()
+  assert not os.path.exists(local)

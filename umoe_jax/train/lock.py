@@ -235,7 +235,14 @@ class WorkdirLock:
         try:
           self._generation = conditional.replace_if(self.path, self._data(), self._generation)
         except (conditional.PreconditionFailed, FileNotFoundError):
-          self._lost()
+          try:  # a retried write of ours whose first try landed: the object is still this run's
+            data, generation = conditional.read_versioned(self.path)
+          except FileNotFoundError:
+            data, generation = b"", None
+          if _parse(data).get("token") == self.info["token"]:
+            self._generation = generation
+          else:
+            self._lost()
       else:
         if not _same_file(self.path, self._fd):
           self._lost()
