@@ -19,7 +19,8 @@ from flax import nnx
 from matplotlib import colors as mcolors
 
 from conftest import random_module, tiny_config
-from umoe_jax.analysis import plots, probe, report, routing
+from umoe_jax.analysis import probe, report, routing
+from umoe_jax.plot import figures as plots
 from umoe_jax.model.lm import CausalLM
 from umoe_jax.output import write_json
 
@@ -352,7 +353,7 @@ def _write_metrics(path, records):
 
 
 def test_plot_command_reads_runs(tmp_path, capsys):
-  from umoe_jax import plot
+  from umoe_jax.plot import runs as plot
   a, b = str(tmp_path / "run_a"), str(tmp_path / "run_b")
   _write_metrics(a, [{"step": 10, "train/lm_loss": 5.0, "train/perplexity": 148.4},
                      {"step": 10, "eval/loss": 5.2, "eval/perplexity": 181.3},
@@ -393,7 +394,7 @@ def test_plot_command_reads_runs(tmp_path, capsys):
 def test_plot_command_names_probe_size_and_interval(tmp_path, monkeypatch):
   """routing_fluctuation.png says the probe's size and the steps each point is compared with, as
   the run logged them (routing/probe_tokens, routing/previous_step)."""
-  from umoe_jax import plot
+  from umoe_jax.plot import runs as plot
   rec = lambda step, prev, tokens: {"step": step, "routing/layer_0/ffn/top1_change": 0.2,
                                     "routing/layer_0/ffn/jaccard": 0.7, "routing/top1_change": 0.2,
                                     "routing/jaccard": 0.7, "routing/previous_step": prev,
@@ -427,7 +428,7 @@ def test_loss_figure_of_one_step():
 
 
 def test_plot_command_bad_input(tmp_path, capsys):
-  from umoe_jax import plot
+  from umoe_jax.plot import runs as plot
   assert plot.main([str(tmp_path / "nowhere")]) == 2
   assert "no metrics.jsonl" in capsys.readouterr().err
   bad = tmp_path / "bad"
@@ -463,7 +464,7 @@ def test_plot_command_bad_input(tmp_path, capsys):
 
 
 def test_plot_command_labels_runs_apart(tmp_path, capsys):
-  from umoe_jax import plot
+  from umoe_jax.plot import runs as plot
   assert plot.run_labels(["runs/a/seed0", "runs/b/seed0/"]) == ["a/seed0", "b/seed0"]
   assert plot.run_labels(["runs/x", "other/y/metrics.jsonl"]) == ["x", "y"]
   assert plot.run_labels(["runs/x", "runs/x"]) == ["runs/x", "runs/x'"]

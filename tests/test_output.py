@@ -65,7 +65,7 @@ def test_output_paths_are_checked_before_the_work(tmp_path):
 def test_tilde_paths_are_written_where_they_were_checked(tmp_path, monkeypatch):
   """`--json=~/r.json` / `--out=~/plots` (no shell expansion after "="): check_output_path made
   $HOME/... but the results went to a directory named "~" below the working directory."""
-  from umoe_jax import plot
+  from umoe_jax.plot import runs as plot
   home, cwd = tmp_path / "home", tmp_path / "cwd"
   home.mkdir()
   cwd.mkdir()

@@ -227,7 +227,7 @@ def test_resume_from_an_older_step_replaces_the_later_points(straight_run, tmp_p
   and `plot.read_metrics` show steps 5-8 once, with the new run's values. Before, TensorBoard showed
   both branches (a zigzag) and plot kept the abandoned branch's steps 5 and 7."""
   from tensorboard.backend.event_processing import event_accumulator
-  from umoe_jax import plot
+  from umoe_jax.plot import runs as plot
   straight_dir, _ = straight_run
   workdir = str(tmp_path / "run")
   shutil.copytree(straight_dir, workdir)

@@ -159,7 +159,7 @@ class RecordingSink:
 def test_metric_writer_gives_its_sinks_every_record(tmp_path):
   from matplotlib.figure import Figure
 
-  from umoe_jax.analysis import plots
+  from umoe_jax.plot import figures as plots
   png = plots.png_bytes(Figure(figsize=(1, 1)))
   sink = RecordingSink()
   with metrics_lib.MetricWriter(str(tmp_path), sinks=[sink]) as w:

@@ -167,7 +167,7 @@ def analyze(checkpoints: str | Sequence[str], *, data: str = "", source: str = "
 def _save_plot(plots_dir: str, fig: Any, name: str) -> None:
   """plots.save_png into --plots; a write that fails (checked before the analysis, but a disk can
   fill up since) raises ValueError naming the file: one error line, not a traceback."""
-  from umoe_jax.analysis import plots
+  from umoe_jax.plot import figures as plots
   path = storage.join(plots_dir, name)
   try:
     storage.makedirs(plots_dir)
@@ -179,7 +179,7 @@ def _save_plot(plots_dir: str, fig: Any, name: str) -> None:
 def _plot_checkpoint(plots_dir: str, entry: dict, tokens: int) -> None:
   import numpy as np
 
-  from umoe_jax.analysis import plots
+  from umoe_jax.plot import figures as plots
   label = entry["label"]
   safe = label.replace("/", "_").replace("@", "_")
   counts = {name: np.asarray(s["expert_counts"]) for name, s in entry["routers"].items()}
@@ -202,7 +202,7 @@ def fluctuation_plot(result: dict):
   """The report's fluctuation between consecutive checkpoints as a figure: against the training
   step when the checkpoints are increasing steps of one run (their labels are the steps), else one
   position per compared pair, named "A -> B" (checkpoints of different runs, converted ones)."""
-  from umoe_jax.analysis import plots
+  from umoe_jax.plot import figures as plots
   from umoe_jax.analysis.report import mean_over_routers
   flucts, cks = result["fluctuation"], result["checkpoints"]
   steps = [ck["step"] for ck in cks]

@@ -354,7 +354,7 @@ class MetricWriter:
             sum=float((ids * c).sum()), sum_squares=float((ids * ids * c).sum()))
 
   def image(self, step: int, tag: str, png: bytes) -> None:
-    """A PNG image (e.g. `umoe_jax.analysis.plots.png_bytes(fig)`) in TensorBoard's images tab."""
+    """A PNG image (e.g. `umoe_jax.plot.figures.png_bytes(fig)`) in TensorBoard's images tab."""
     if self.is_main and self._tb is not None:
       with _writing(self._tb.path):
         self._tb.image(step, tag, png)

@@ -126,7 +126,7 @@ class RoutingProbe:
       writer.scalars(step, scalars)
     if jax.process_index() == 0:
       try:  # a picture is not worth stopping a training run for
-        from umoe_jax.analysis import plots
+        from umoe_jax.plot import figures as plots
         fig = plots.load_heatmap(counts, f"Expert load on the routing probe at step {step}\n"
                                          f"({self.describe()})")
         writer.image(step, "routing/load_heatmap", plots.png_bytes(fig))

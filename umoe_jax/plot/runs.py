@@ -137,7 +137,7 @@ def _reference(gaps: Sequence[int]) -> str:
 
 def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
   """Writes the figures of the module docstring; returns their paths."""
-  from umoe_jax.analysis import plots
+  from umoe_jax.plot import figures as plots
   from umoe_jax.output import check_output_path
 
   if not runs:
@@ -189,8 +189,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   for path in written:
     print(path)
   return 0
-
-
-if __name__ == "__main__":
-  from umoe_jax import stdout_errors
-  stdout_errors.run_and_exit(main)
