@@ -95,7 +95,7 @@ def inputs(shape, seed=0):
 
 
 def cores(positions, tiles=None):
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   from umoe_jax.model.attention.cores import causal_attention
   return {
       "xla": lambda q, k, v: causal_attention(q, k, v, positions, positions),
@@ -190,7 +190,7 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
   writes them out, so a sweep cut by a time limit keeps what it measured)."""
   timer = timer or (lambda kernel, fn, *args: jax_ms(fn, *args))
   from kernels.attention import tiles as at
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   b, t, h, dk, d = shape
   q, k, v, cot = inputs(shape, seed=1)
   k, v = k[:, :, 0], v[:, :, 0]
@@ -312,7 +312,7 @@ DELTA_FORMS = {
 def time_delta(name, shape):
   """Each DELTA_FORMS form and the library's `_delta` at the shape: ms (CUPTI), GB/s of the two
   bf16 inputs read, and the relative error against a float32 reference."""
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   b, t, h, _, d = shape
   ko, kd = jax.random.split(jax.random.key(3))
   out = jax.random.normal(ko, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
@@ -371,7 +371,7 @@ def main():
   results_lib.add_flag(ap)
   args = ap.parse_args()
   from kernels.attention import tiles as at
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   if args.attention_tiles:
     at.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)

@@ -17,8 +17,8 @@ def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm"), max_cands
   import jax
   import jax.numpy as jnp
   from kernels.gmm import tuning
-  mod = {"triton": "kernels.gmm.triton", "mosaic": "kernels.gmm.mosaic",
-         "megablox": "kernels.gmm.megablox"}[backend_name]
+  mod = {"triton": "kernels.gmm.triton_gmm", "mosaic": "kernels.gmm.mosaic_gmm",
+         "megablox": "kernels.gmm.megablox_gmm"}[backend_name]
   import importlib
   kmod = importlib.import_module(mod)
   table_backend = getattr(kmod, "tuning_key", lambda: backend_name)()  # megablox: "megablox/<gen>"
@@ -78,7 +78,7 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=N
   max_cands. pick_xla_epilogue: let a tile with the epilogue in XLA be the best row."""
   import jax
   import jax.numpy as jnp
-  from kernels.gmm import tuning, triton as TG
+  from kernels.gmm import tuning, triton_gmm as TG
   from umoe_jax.ops import dispatch as D
   best_rows, best_by_op = {}, {}
   for name, d, h, E, K in DISPATCH_CONFIGS + ATTENTION_CONFIGS:

@@ -9,7 +9,7 @@ And the attention core (scores, causal softmax, mix) at the config's shapes:
   xla        `causal_attention` (what the models run: scores materialised in float32);
   cudnn      the same call with `core="cudnn"` (`fused_attention`: cuDNN's fused kernel; pre-mixing's
              D-wide values cut into key-width chunks that share the key head);
-  triton     `core="triton"` (kernels/attention/triton.py; one shared key head: pre-mixing only).
+  triton     `core="triton"` (kernels/attention/triton_attention.py; one shared key head: pre-mixing only).
 The fused cores are checked against the XLA one (values and input gradients) before they are timed.
 The block and sub-layers run the trainer's default core (`auto`) unless `--attention_core` names one.
 

@@ -213,7 +213,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   progs = loop.config_programs(config, model_cfg, mesh, rules)
 
   if args.tgmm_big_first_skew is not None:
-    from kernels.gmm import triton as triton_gmm
+    from kernels.gmm import triton_gmm
     triton_gmm.TGMM_BIG_FIRST_SKEW = args.tgmm_big_first_skew
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
   tokens = bench_tokens(np.random.default_rng(0), v, (b, t + 1), args.zipf)
@@ -292,7 +292,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 def _tgmm_skew():
   """The Triton weight gradient's TGMM_BIG_FIRST_SKEW the row ran with (None: no Triton here)."""
   try:
-    from kernels.gmm import triton as triton_gmm
+    from kernels.gmm import triton_gmm
   except Exception:  # noqa: BLE001
     return None
   return triton_gmm.TGMM_BIG_FIRST_SKEW

@@ -45,7 +45,7 @@ def expected_backends() -> list[str]:
 def missing_reason(name: str) -> str | None:
   """None when backend `name` is registered and available here, else why not."""
   G.register_builtin_kernels()
-  module = {"triton": "kernels.gmm.triton", "mosaic": "kernels.gmm.mosaic"}[name]
+  module = {"triton": "kernels.gmm.triton_gmm", "mosaic": "kernels.gmm.mosaic_gmm"}[name]
   try:
     mod = __import__(module, fromlist=["_"])
   except Exception as e:  # noqa: BLE001

@@ -15,7 +15,7 @@ import kernel_resources as kr  # noqa: E402
 
 
 def _dq_ds(bn, bm=32):
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   t, h, dk = 64, 2, 32
   consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DK1=32, DK2=0, DK2S=1, BM=bm, BN=bn,
                 N_ROW_TILES=t * h // bm)
@@ -42,7 +42,7 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
   assert min(res["spill_stores"], res["spill_loads"], res["stack"]) >= 0
   with pytest.raises(Exception, match="power of 2"):   # BN = 24: no tl.arange of it, on any GPU
     _dq_ds(24)
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   with pytest.raises(KeyError, match="'dq_ptr'"):      # a parameter without type or value
     kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16"), {},
                          num_warps=4, num_stages=2)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.gmm import megablox as megablox_gmm, tuning
+from kernels.gmm import megablox_gmm, tuning
 from test_kernels import _ref_gmm, _ref_tgmm
 from conftest import ROOT
 from test_parallel import run_script

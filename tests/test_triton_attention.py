@@ -1,4 +1,4 @@
-"""CPU tests of the fused pre-mixing attention core (kernels/attention/triton.py): launch geometry,
+"""CPU tests of the fused pre-mixing attention core (kernels/attention/triton_attention.py): launch geometry,
 the core choice and its config validation, and the kernels themselves under the Triton interpreter
 (TRITON_INTERPRET=1, in a subprocess), run through the real JAX entry (`premix_attention`, its
 custom VJP) with every launch routed through `jax.pure_callback` into the interpreter. Values and
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 from kernels.attention import tiles as at
-from kernels.attention import triton as ta
+from kernels.attention import triton_attention as ta
 from kernels.triton_base import split_width
 
 CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, bd)

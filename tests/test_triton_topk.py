@@ -1,4 +1,4 @@
-"""CPU tests of the routers' top-k ids (umoe_jax/ops/topk.py, kernels/router/topk.py): the backend
+"""CPU tests of the routers' top-k ids (umoe_jax/ops/topk.py, kernels/router/triton_topk.py): the backend
 choice and its fallback, `router.topk_backend` in the config, the launch geometry, and the Triton
 kernel under the interpreter (TRITON_INTERPRET=1, in a subprocess), every launch routed through
 `jax.pure_callback` into the interpreter: against `jax.lax.top_k` and a numpy stable argsort on
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import run_in_triton_interpreter
-from kernels.router import topk as tk
+from kernels.router import triton_topk as tk
 from umoe_jax.kinds import TOPK_BACKENDS
 from umoe_jax.ops import topk as topk_api
 
@@ -72,7 +72,7 @@ def test_auto_takes_the_kernel_on_one_device_only(monkeypatch):
   from umoe_jax.ops import topk as T
   calls = []
 
-  def ids(flat, k):  # stands in for kernels/router/topk.py on this CPU: marks its ids
+  def ids(flat, k):  # stands in for kernels/router/triton_topk.py on this CPU: marks its ids
     calls.append(flat.shape)
     return None if flat.shape[-1] > 20 else jax.lax.top_k(flat, k)[1][:, ::-1]
 
@@ -130,7 +130,7 @@ KERNEL_CASES = [  # rows, E, k, block rows, values
 
 
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, **meta):
-  """`router.topk._launch` through the interpreter; the output poisoned with -7 first."""
+  """`triton_topk._launch` through the interpreter; the output poisoned with -7 first."""
   from test_kernels import _NpTensor
 
   def host(*arrays):

@@ -1,4 +1,4 @@
-"""Tiles and launch geometry of the Triton pre-mixing attention kernels (kernels/attention/triton.py).
+"""Tiles and launch geometry of the Triton pre-mixing attention kernels (kernels/attention/triton_attention.py).
 
 Pure Python (tested on CPU). A kernel's tiles (`PassTiles`): bm query rows, bn keys, bd value
 columns (the forward's and dX pass's D chunk, which may be two powers of two such as 256 + 128, or

@@ -1,4 +1,4 @@
-"""The Triton kernels of the pre-mixing attention core (kernels/attention/triton.py, whose docstring
+"""The Triton kernels of the pre-mixing attention core (kernels/attention/triton_attention.py, whose docstring
 says what each computes and how the JAX side launches and composes them).
 
 Grid axis 1 = batch in every kernel; q is [B, T*H, dk] (the H heads of a position are consecutive

@@ -76,7 +76,7 @@ def _core_inputs(b, t, h, dk, d, seed, key_heads=1):
 def _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos):
   """The Triton core with `tiles` against the XLA core: finite gradients of q, k and x, each
   within 1e-2 (relative) on its own."""
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   triton = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
   xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
   grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
@@ -91,7 +91,7 @@ def _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos):
                                         (2, 77, 2, 8, 64)],
                          ids=["base", "large", "odd", "one-head", "small-head"])
 def test_triton_core_matches_xla(b, t, h, dk, d):
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=t * 7 + dk)
   assert ta.supported(q, k, v)  # the kernel runs, not a fallback
 
@@ -117,7 +117,7 @@ def test_triton_core_with_split_key_width_matches_xla(b, t, h, dk, d, backward):
   every pass of each backward form, the values and the gradients of q, k and x against the XLA
   core within 1e-2."""
   from kernels.attention import tiles as at
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   assert at.key_pieces(dk)["DK2"] > 0
   q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=5 * t + dk)
   tiles = at.with_backward(at.default_tiles(dk, d), backward, dk)
@@ -151,7 +151,7 @@ def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, ds):
   `dk_ds`, `dq_ds`, `dx_p`) against the XLA core: gradients of q, k and x."""
   import dataclasses
   from kernels.attention import tiles as at
-  from kernels.attention import triton as ta
+  from kernels.attention import triton_attention as ta
   q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=3 * t + dk)
   tiles = dataclasses.replace(at.default_tiles(dk, d), dx_p=True, dq_ds=at.PassTiles(*dq_ds),
                               ds=at.PassTiles(*ds), dk_ds=at.stored_tiles(dk)[2])

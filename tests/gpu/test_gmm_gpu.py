@@ -274,7 +274,7 @@ def test_triton_persistent_grid(persistent):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels.gmm import triton as triton_gmm, tuning
+  from kernels.gmm import triton_gmm, tuning
   m, k, n = 3001, 256, 192
   gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)  # 2834 rows used, 167 padding
   x, w, _, gsj = _inputs(m, k, n, gs, ("persistent", persistent))
@@ -294,7 +294,7 @@ def test_triton_tgmm_split_row_tiles(cfg):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels.gmm import triton as triton_gmm, tuning
+  from kernels.gmm import triton_gmm, tuning
   cfg = tuning.TileConfig(*cfg)
   m, k, n = 3001, 192, 768
   gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)   # 2834 rows used
@@ -343,7 +343,7 @@ def test_tabled_dgrad_epilogue_tiles(shape_cfg, epilogue):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels.gmm import triton as triton_gmm
+  from kernels.gmm import triton_gmm
   kc, no, cfg = shape_cfg          # out [M, no] = dout[idx] [M, kc] @ w[g].T, w[g]: [no, kc]
   cfg = dataclasses.replace(cfg, prefetch_row_dot=epilogue == "z_early",
                             xla_epilogue=epilogue == "xla")
@@ -379,7 +379,7 @@ def test_silu_epilogue_sigmoid_error_bound():
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels.gmm import triton as triton_gmm
+  from kernels.gmm import triton_gmm
   m, width, g = 2048, 64, 2
   gs = jnp.asarray([1000, m - 1000], jnp.int32)
   z = jnp.linspace(-16.0, 16.0, m * width, dtype=jnp.float32).reshape(m, width)
@@ -424,7 +424,7 @@ def test_tabled_tiles(row):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels.gmm import triton as triton_gmm
+  from kernels.gmm import triton_gmm
   op, kc, no, cfg = row
   plain, gathered = op.split("+")[0], op.endswith("+gather")
   m, g = 5000, 16

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(common.ROOT, "tests"))
 import test_triton_attention as tta  # noqa: E402  (the interpreter launch)
 
 import configs.common  # noqa: E402
-from kernels.attention import triton as ta  # noqa: E402
+from kernels.attention import triton_attention as ta  # noqa: E402
 from umoe_jax.config import model_config  # noqa: E402
 from umoe_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
 

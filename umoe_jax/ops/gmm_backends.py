@@ -3,9 +3,9 @@
 
   xla       jax.lax.ragged_dot_general, anywhere (umoe_jax/ops/ragged.py)
   masked    one dense product per group, masked: an independent cross-check, never picked by auto
-  triton    kernels/gmm/triton.py (NVIDIA sm90 through jax-triton; fan-ins kernels/gmm/fan_in.py)
-  mosaic    kernels/gmm/mosaic.py (Pallas Mosaic GPU)
-  megablox  kernels/gmm/megablox.py (Pallas TPU; on CPU too under UMOE_PALLAS_TPU_INTERPRET=1)
+  triton    kernels/gmm/triton_gmm.py (NVIDIA sm90 through jax-triton; fan-ins kernels/gmm/triton_fan_in.py)
+  mosaic    kernels/gmm/mosaic_gmm.py (Pallas Mosaic GPU)
+  megablox  kernels/gmm/megablox_gmm.py (Pallas TPU; on CPU too under UMOE_PALLAS_TPU_INTERPRET=1)
 
 The kernel backends are registered the first time a backend is resolved, each only where its module
 imports (a machine without Triton, jax_triton or Pallas Mosaic GPU simply lacks it, and a library-only
@@ -109,10 +109,10 @@ BACKENDS.register("masked")(GmmBackend(
 # auto priority, higher wins: set from the H200 measurements (2026-11-29-h200-fwd_tflops-97a81b91
 # and the gmm rows beside it in bench/results/h200.jsonl); megablox is the one TPU kernel.
 KERNELS = {
-    "triton": dict(module="kernels.gmm.triton", gmm="triton_gmm", tgmm="triton_tgmm", priority=20,
-                   fan_in="kernels.gmm.fan_in", row_index=True, activations=True, scaled_row_dot=True),
-    "mosaic": dict(module="kernels.gmm.mosaic", gmm="mgpu_gmm", tgmm="mgpu_tgmm", priority=10),
-    "megablox": dict(module="kernels.gmm.megablox", gmm="megablox_gmm", tgmm="megablox_tgmm",
+    "triton": dict(module="kernels.gmm.triton_gmm", gmm="triton_gmm", tgmm="triton_tgmm", priority=20,
+                   fan_in="kernels.gmm.triton_fan_in", row_index=True, activations=True, scaled_row_dot=True),
+    "mosaic": dict(module="kernels.gmm.mosaic_gmm", gmm="mgpu_gmm", tgmm="mgpu_tgmm", priority=10),
+    "megablox": dict(module="kernels.gmm.megablox_gmm", gmm="megablox_gmm", tgmm="megablox_tgmm",
                      priority=10),
 }
 AUTO_PRIORITY = {name: spec["priority"] for name, spec in KERNELS.items()}

@@ -5,7 +5,7 @@
 the columns of the k largest values, descending, ties toward the lower index: `jax.lax.top_k`'s
 ids. Backends (`BACKENDS`, `model.router.topk_backend`):
   "xla"     `jax.lax.top_k` (XLA lowers it to a full sort of every row on GPU), anywhere;
-  "triton"  kernels/router/topk.py, one pass over x, where it runs (a GPU with Triton and
+  "triton"  kernels/router/triton_topk.py, one pass over x, where it runs (a GPU with Triton and
             jax-triton, a float dtype, E <= 1024); `jax.lax.top_k` for what it does not take
             (the same ids);
   "auto"    the best-ranked backend of the default platform (`Registry.ranked`), among those that
@@ -51,9 +51,9 @@ BACKENDS.register("xla")(TopKBackend(ids=_lax_ids, platforms=("cpu", "gpu", "tpu
 
 @functools.cache
 def register_builtin_kernels() -> None:
-  """Registers the Triton kernel (kernels/router/topk.py) where its module imports (once)."""
+  """Registers the Triton kernel (kernels/router/triton_topk.py) where its module imports (once)."""
   try:
-    from kernels.router import topk as kernel
+    from kernels.router import triton_topk as kernel
   except Exception:  # noqa: BLE001  (no kernels package or toolchain: "xla" answers)
     return
 
@@ -78,7 +78,7 @@ def resolve_backend(name: str) -> str:
 
 def top_k_ids(x: jax.Array, k: int, *, backend: str = "auto") -> jax.Array:
   """ids [..., k] int32 of the k largest entries of x [..., E] along the last axis (module
-  docstring); `backend` "auto" or a name of BACKENDS. NaN entries: see kernels/router/topk.py."""
+  docstring); `backend` "auto" or a name of BACKENDS. NaN entries: see kernels/router/triton_topk.py."""
   if backend not in TOPK_BACKENDS:
     raise ValueError(f"top_k_ids backend={backend!r}; valid: {', '.join(TOPK_BACKENDS)}")
   if x.ndim < 1 or not 1 <= k <= x.shape[-1]:

@@ -6,7 +6,7 @@
   cudnn   cuDNN's fused causal kernel through `jax.nn.dot_product_attention` (`fused_attention`);
           pre-mixing's wide values in key-width chunks
   triton  the Triton kernel of one shared key head, pre-mixing's D-wide values in one pass
-          (kernels/attention/triton.py); other head layouts fall back to cudnn
+          (kernels/attention/triton_attention.py); other head layouts fall back to cudnn
   splash  the Pallas TPU splash kernel (attention/splash.py); never taken by auto
   auto    the best-ranked core of the default platform (`Registry.ranked`) that takes the shapes:
           on one GPU triton for values wider than the keys and cudnn otherwise, XLA on several
@@ -57,16 +57,16 @@ CORES: Registry[AttentionCore] = Registry("attention core", names=ATTENTION_CORE
 
 @functools.cache
 def _triton_kernel():
-  """kernels.attention.triton, or None without the kernels package (a library-only install)."""
+  """kernels.attention.triton_attention, or None without the kernels package (a library-only install)."""
   try:
-    from kernels.attention import triton as kernel
+    from kernels.attention import triton_attention as kernel
   except Exception:  # noqa: BLE001  (the caller falls back)
     return None
   return kernel
 
 
 def triton_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, backward: str = "auto"):
-  """Causal attention through the Triton kernel of one shared key head (kernels/attention/triton.py:
+  """Causal attention through the Triton kernel of one shared key head (kernels/attention/triton_attention.py:
   pre-mixing's D-wide values in one pass, no per-chunk cuDNN calls), or None where it cannot run
   (no GPU / Triton, float32, several key heads, S != T, head dim > 512: the caller takes cuDNN,
   which is faster than the Triton core for a key head per query head: 0.74 against 1.19 ms forward

@@ -209,7 +209,7 @@ def tgmm_supported(m, k, n, dtype, cfg) -> bool:
 
 def _fallback():
   """What runs a shape these kernels do not take: the Triton kernels where they run, else XLA."""
-  from kernels.gmm import triton as triton_gmm
+  from kernels.gmm import triton_gmm
   if triton_gmm.available():
     return triton_gmm.triton_gmm, triton_gmm.triton_tgmm
   return ragged.xla_gmm, ragged.xla_tgmm
