@@ -95,8 +95,8 @@ def inputs(shape, seed=0):
 
 
 def cores(positions, tiles=None):
-  from kernels import triton_attention as ta
-  from umoe_jax.model.attention.common import causal_attention
+  from kernels.attention import triton_attention as ta
+  from umoe_jax.model.attention.cores import causal_attention
   return {
       "xla": lambda q, k, v: causal_attention(q, k, v, positions, positions),
       "cudnn": lambda q, k, v: causal_attention(q, k, v, positions, positions, core="cudnn"),
@@ -116,7 +116,7 @@ def time_cores(name, shape, tiles=None, which=("xla", "cudnn", "triton"), backwa
   """Times each core of `which`; the Triton core once per backward form of `backwards`
   (`attention_tiles.with_backward`: row key "triton" for "auto", "triton_<form>" for the others),
   each first checked against the XLA core."""
-  from kernels import attention_tiles as at
+  from kernels.attention import tiles as at
   b, t, h, dk, d = shape
   q, k, v, cot = inputs(shape)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -172,7 +172,7 @@ def partial_tiles(base, best: dict):
   """The starting tiles `base` with the fastest tiles found so far (`best`: {kernel: (tiles, ms)})
   for the kernels base's own backward form launches: what a sweep cut short has improved, its
   form unchanged (comparing forms needs every kernel timed)."""
-  from kernels import attention_tiles as at
+  from kernels.attention import tiles as at
   # (the recomputing passes' dx / dk / dq tiles are updated whatever the form: `with_backward(..,
   # "recompute")` takes them)
   uses = {"fwd", "dx", "dk", "dq"} | ({"dxdk"} if base.dxdk is not None else set())
@@ -189,8 +189,8 @@ def sweep(name, shape, budget_s, kernels=None, timer=None, progress=None, partne
   CUPTI kernel time of fn). `progress(tiles)`, after each kernel: `partial_tiles` so far (a caller
   writes them out, so a sweep cut by a time limit keeps what it measured)."""
   timer = timer or (lambda kernel, fn, *args: jax_ms(fn, *args))
-  from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
+  from kernels.attention import tiles as at
+  from kernels.attention import triton_attention as ta
   b, t, h, dk, d = shape
   q, k, v, cot = inputs(shape, seed=1)
   k, v = k[:, :, 0], v[:, :, 0]
@@ -312,7 +312,7 @@ DELTA_FORMS = {
 def time_delta(name, shape):
   """Each DELTA_FORMS form and the library's `_delta` at the shape: ms (CUPTI), GB/s of the two
   bf16 inputs read, and the relative error against a float32 reference."""
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   b, t, h, _, d = shape
   ko, kd = jax.random.split(jax.random.key(3))
   out = jax.random.normal(ko, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
@@ -370,8 +370,8 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   results_lib.add_flag(ap)
   args = ap.parse_args()
-  from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
+  from kernels.attention import tiles as at
+  from kernels.attention import triton_attention as ta
   if args.attention_tiles:
     at.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)

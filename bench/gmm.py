@@ -9,7 +9,7 @@ fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-d
 the expert matmuls; a short table last. Full results go to $OUT (or --out) as gmm_results.json; each
 backend's fwd and fwd+bwd TFLOP/s per shape also go as rows to --results (bench/results.py: default
 $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no rows).
---sweep times every candidate tile config of kernels/tuning.py's CANDIDATES and reports the best per
+--sweep times every candidate tile config of kernels/gmm/tuning.py's CANDIDATES and reports the best per
 (backend, op, shape): the rows to paste into tuning.TABLE. --sweep-gathered does the same for the
 calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.json, which
 bench/train_step.py --gmm_tiles loads (the step timed with them before they go into the table).
@@ -76,7 +76,7 @@ def torch_part(shapes):
 def quick_check(be, x, w, dy, gs, cfgs=None):
   """Relative error of fwd/dgrad/wgrad on a slice of the real inputs vs float32 XLA ragged_dot."""
   import jax.numpy as jnp
-  from umoe_jax.ops import gmm as G
+  from umoe_jax.ops import ragged
   m = 8192
   g = gs.shape[0]
   gs_s = jnp.asarray(np.diff(np.minimum(np.concatenate([[0], np.cumsum(np.asarray(gs))]), m - 100)),
@@ -86,13 +86,13 @@ def quick_check(be, x, w, dy, gs, cfgs=None):
   errs = {}
   cfgs = cfgs or {}
   out = be.gmm(xs, w, gs_s, transpose_rhs=False, out_dtype=jnp.bfloat16, **cfgs.get("gmm", {}))
-  ref = G._xla_gmm(f32(xs), f32(w), gs_s, transpose_rhs=False, out_dtype=jnp.float32)
+  ref = ragged.xla_gmm(f32(xs), f32(w), gs_s, transpose_rhs=False, out_dtype=jnp.float32)
   errs["fwd"] = float(jnp.linalg.norm(f32(out) - ref) / jnp.linalg.norm(ref))
   out = be.gmm(dys, w, gs_s, transpose_rhs=True, out_dtype=jnp.bfloat16, **cfgs.get("gmm_t", {}))
-  ref = G._xla_gmm(f32(dys), f32(w), gs_s, transpose_rhs=True, out_dtype=jnp.float32)
+  ref = ragged.xla_gmm(f32(dys), f32(w), gs_s, transpose_rhs=True, out_dtype=jnp.float32)
   errs["dgrad"] = float(jnp.linalg.norm(f32(out) - ref) / jnp.linalg.norm(ref))
   out = be.tgmm(xs, dys, gs_s, num_groups=g, out_dtype=jnp.float32, **cfgs.get("tgmm", {}))
-  ref = G._xla_tgmm(f32(xs), f32(dys), gs_s, num_groups=g, out_dtype=jnp.float32)
+  ref = ragged.xla_tgmm(f32(xs), f32(dys), gs_s, num_groups=g, out_dtype=jnp.float32)
   errs["wgrad"] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
   return errs
 

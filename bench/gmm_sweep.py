@@ -1,4 +1,4 @@
-"""The tile sweeps of bench/gmm.py: `sweep` times kernels/tuning.py's candidates for the plain
+"""The tile sweeps of bench/gmm.py: `sweep` times kernels/gmm/tuning.py's candidates for the plain
 grouped matmuls at the bench shapes, `sweep_gathered` for the calls as umoe_jax.ops.fused_dispatch
 makes them (rows through the sort order, epilogues as the trainer runs them) and writes the best rows
 as the file bench/train_step.py --gmm_tiles loads."""
@@ -16,9 +16,9 @@ MAX_CANDS = 12
 def sweep(backend_name, shapes, results, ops=("gmm", "gmm_t", "tgmm"), max_cands=MAX_CANDS):
   import jax
   import jax.numpy as jnp
-  from kernels import tuning
-  mod = {"triton": "kernels.triton_gmm", "mosaic": "kernels.mgpu_gmm",
-         "megablox": "kernels.megablox_gmm"}[backend_name]
+  from kernels.gmm import tuning
+  mod = {"triton": "kernels.gmm.triton_gmm", "mosaic": "kernels.gmm.mosaic_gmm",
+         "megablox": "kernels.gmm.megablox_gmm"}[backend_name]
   import importlib
   kmod = importlib.import_module(mod)
   table_backend = getattr(kmod, "tuning_key", lambda: backend_name)()  # megablox: "megablox/<gen>"
@@ -68,7 +68,7 @@ COMPARISON_ONLY = ("gmm_t+gather", "tgmm+gather+scale (down)")
 def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=None, cand_indices=None,
                    pick_xla_epilogue=False):
   """Tiles of the Triton kernels as fused_dispatch calls them (operand rows through the sort order,
-  from a token array that may not fit in L2): the "+gather" rows of kernels/tuning.py, and the
+  from a token array that may not fit in L2): the "+gather" rows of kernels/gmm/tuning.py, and the
   M-specific rows of the two calls whose rows are already in expert order ("gmm (down)",
   "gmm_t (up)": the plain ops at the trainer's M and routing). configs / only_ops: names of
   DISPATCH_CONFIGS + ATTENTION_CONFIGS / op names to run (None: all). Returns the best rows; with
@@ -78,7 +78,7 @@ def sweep_gathered(results, max_cands=8, configs=None, only_ops=None, out_path=N
   max_cands. pick_xla_epilogue: let a tile with the epilogue in XLA be the best row."""
   import jax
   import jax.numpy as jnp
-  from kernels import tuning, triton_gmm as TG
+  from kernels.gmm import tuning, triton_gmm as TG
   from umoe_jax.ops import dispatch as D
   best_rows, best_by_op = {}, {}
   for name, d, h, E, K in DISPATCH_CONFIGS + ATTENTION_CONFIGS:

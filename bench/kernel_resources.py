@@ -9,9 +9,9 @@ No timing: speed comes from bench/attention_core.py and bench/gmm.py on a GPU.
 
   python3 bench/kernel_resources.py [--kernels=attention,gmm,router] [--shape=base|large] [--out DIR]
 
-Attention kernels (kernels/triton_attention.py) run at the shape's (T, H, dk, D) with the default
-tiles and bench/attention_core.py's CANDIDATES; grouped-matmul kernels (kernels/triton_gmm.py) with
-the tuned tiles kernels/tuning.py looks up for the UMoE expert calls (the epilogue variants that
+Attention kernels (kernels/attention/triton_attention.py) run at the shape's (T, H, dk, D) with the default
+tiles and bench/attention_core.py's CANDIDATES; grouped-matmul kernels (kernels/gmm/triton_gmm.py) with
+the tuned tiles kernels/gmm/tuning.py looks up for the UMoE expert calls (the epilogue variants that
 gmm_combine's backward uses included). The table goes to stdout and to $OUT/kernel_resources.json.
 """
 from __future__ import annotations
@@ -103,8 +103,8 @@ def compile_resources(kernel, pointer_types: dict, constexprs: dict, *, num_warp
 
 def attention_cases(shape: dict):
   from attention_core import CANDIDATES
-  from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
+  from kernels.attention import tiles as at
+  from kernels.attention import triton_attention as ta
   t, h, dk, d = shape["t"], shape["h"], shape["dk"], shape["d"]
   bf, f32 = "*bf16", "*fp32"
   common = dict(T=t, H=h, DK=dk, D=d, qk_scale=ta.LOG2E / math.sqrt(dk))
@@ -143,8 +143,8 @@ def attention_cases(shape: dict):
 
 def gmm_cases(shape: dict):
   """The expert calls of a UMoE layer at the shape (FFN: m*k rows; attention: m*k_att rows)."""
-  from kernels import triton_gmm as tg
-  from kernels import tuning
+  from kernels.gmm import triton_gmm as tg
+  from kernels.gmm import tuning
   bf, f32, i32 = "*bf16", "*fp32", "*i32"
   d, f, g = shape["d"], shape["f"], shape["e"]
   for pool, rows in (("ffn", shape["m"] * shape["k"]), ("att", shape["m"] * shape["k_att"])):
@@ -189,8 +189,8 @@ def gmm_cases(shape: dict):
 
 def router_cases(shape: dict):
   """The routers' kernel at the shape's FFN and attention top-k: the top-k ids
-  (kernels/triton_topk.py)."""
-  from kernels import triton_topk as tk
+  (kernels/router/triton_topk.py)."""
+  from kernels.router import triton_topk as tk
   e = shape["e"]
   for k in (shape["k"], shape["k_att"]):
     meta = tk.launch_params(shape["m"], e, k)

@@ -9,7 +9,7 @@ And the attention core (scores, causal softmax, mix) at the config's shapes:
   xla        `causal_attention` (what the models run: scores materialised in float32);
   cudnn      the same call with `core="cudnn"` (`fused_attention`: cuDNN's fused kernel; pre-mixing's
              D-wide values cut into key-width chunks that share the key head);
-  triton     `core="triton"` (kernels/triton_attention.py; one shared key head: pre-mixing only).
+  triton     `core="triton"` (kernels/attention/triton_attention.py; one shared key head: pre-mixing only).
 The fused cores are checked against the XLA one (values and input gradients) before they are timed.
 The block and sub-layers run the trainer's default core (`auto`) unless `--attention_core` names one.
 
@@ -84,7 +84,7 @@ def time_fwd_bwd(fn, *args):
 def breakdown(name, batch, seq_len, attention_core, core_backward="auto"):
   from umoe_jax import stats
   from umoe_jax.config import model_config
-  from umoe_jax.model.attention.common import causal_attention
+  from umoe_jax.model.attention.cores import causal_attention
   from umoe_jax.model.block import DecoderBlock
   from umoe_jax.model.routers import route_context
 
@@ -170,7 +170,7 @@ def main():
   from umoe_jax.ops import gmm as G
   G.register_builtin_kernels()
   if args.attention_tiles:
-    from kernels import attention_tiles
+    from kernels.attention import tiles as attention_tiles
     attention_tiles.load_table(args.attention_tiles)
   log("device:", jax.devices()[0].device_kind)
   results = {}

@@ -1,4 +1,4 @@
-"""The Triton weight gradient's tile order (`kernels.triton_gmm.tile_order`) under balanced and
+"""The Triton weight gradient's tile order (`kernels.gmm.triton_gmm.tile_order`) under balanced and
 skewed routing: largest groups first in every call (TGMM_BIG_FIRST_SKEW 1), and largest first only
 where the largest group holds at least twice the mean group's rows (2, the default; other calls
 run in group order).
@@ -24,7 +24,7 @@ import numpy as np
 
 from gmm_common import T, jax_ms, log
 import results  # noqa: E402  (bench/results.py; gmm_common put bench/ on the path)
-from kernels import triton_gmm
+from kernels.gmm import triton_gmm
 from umoe_jax.ops import dispatch
 
 EXPERTS = 128

@@ -1,5 +1,5 @@
 """The routers' top-k on one GPU: `jax.lax.top_k` (XLA: a sort of every row) against the Triton
-kernel (kernels/triton_topk.py) at the UMoE-base router shapes, probs [32768, 128] float32.
+kernel (kernels/router/triton_topk.py) at the UMoE-base router shapes, probs [32768, 128] float32.
 
 First the check, for k = 3 and 15 on fresh inputs (softmax of random logits; a skewed one, most
 mass on a few experts; one with many exact ties, logits from {0, 1, 2}): the kernel's ids (default
@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from gmm import jax_ms, log  # noqa: E402  (CUPTI kernel time)
-from kernels import triton_topk as tk  # noqa: E402
+from kernels.router import triton_topk as tk  # noqa: E402
 from umoe_jax.model.routers.selection import biased_top_k  # noqa: E402
 
 SWEEP = [tk.TopKConfig(8, 2), tk.TopKConfig(16, 4), tk.TopKConfig(32, 4), tk.TopKConfig(64, 8)]
@@ -59,7 +59,7 @@ def main():
   args = ap.parse_args()
   ks = [int(k) for k in args.ks.split(",")]
   if not tk.available():
-    sys.exit("bench/topk.py needs a GPU with Triton and jax-triton (kernels.triton_topk.available())")
+    sys.exit("bench/topk.py needs a GPU with Triton and jax-triton (kernels.router.triton_topk.available())")
   log(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, x [{args.rows}, {args.experts}] f32")
   xs = inputs(args.rows, args.experts)
   results = {"rows": args.rows, "experts": args.experts, "check": [], "time": [], "sweep": []}

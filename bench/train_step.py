@@ -161,10 +161,10 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 
   config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
   if args.attention_tiles:
-    from kernels import attention_tiles
+    from kernels.attention import tiles as attention_tiles
     attention_tiles.load_table(args.attention_tiles)
   if args.gmm_tiles:
-    from kernels import tuning
+    from kernels.gmm import tuning
     log(f"gmm tiles from {args.gmm_tiles}: {tuning.load_table(args.gmm_tiles)}")
   layout_kind, n_dev = parse_layout(layout, jax.device_count())
   with config.unlocked():
@@ -213,7 +213,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   progs = loop.config_programs(config, model_cfg, mesh, rules)
 
   if args.tgmm_big_first_skew is not None:
-    from kernels import triton_gmm
+    from kernels.gmm import triton_gmm
     triton_gmm.TGMM_BIG_FIRST_SKEW = args.tgmm_big_first_skew
   b, t, v = config.train.global_batch_size, args.seq_len, model_cfg.vocab_size
   tokens = bench_tokens(np.random.default_rng(0), v, (b, t + 1), args.zipf)
@@ -292,7 +292,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 def _tgmm_skew():
   """The Triton weight gradient's TGMM_BIG_FIRST_SKEW the row ran with (None: no Triton here)."""
   try:
-    from kernels import triton_gmm
+    from kernels.gmm import triton_gmm
   except Exception:  # noqa: BLE001
     return None
   return triton_gmm.TGMM_BIG_FIRST_SKEW

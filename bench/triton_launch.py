@@ -2,7 +2,7 @@
 typed-FFI route (kernels/triton_launch.py: ffi): a route whose launches XLA records into its CUDA
 graphs runs the chain faster (host launches gone), one that it launches from the host does not.
 
-A chain of `--layers` small steps, each an XLA fusion and a fan-in kernel (kernels/triton_fan_in.py,
+A chain of `--layers` small steps, each an XLA fusion and a fan-in kernel (kernels/gmm/triton_fan_in.py,
 `--tokens` x K=`--k` rows of width `--d`), is jitted once per route (custom_call, ffi). For each: the median wall time
 of `--iters` calls (after checking that both routes give bit-identical results on fresh random
 inputs) and the optimized HLO's Triton custom calls, those inside command-buffer computations and
@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import timing  # noqa: E402  (bench/timing.py)
-from kernels import triton_fan_in as fi  # noqa: E402
+from kernels.gmm import triton_fan_in as fi  # noqa: E402
 from kernels import triton_launch  # noqa: E402
 
 TRITON_TARGETS = ("triton_kernel_call", triton_launch.FFI_TARGET)

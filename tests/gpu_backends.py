@@ -45,13 +45,13 @@ def expected_backends() -> list[str]:
 def missing_reason(name: str) -> str | None:
   """None when backend `name` is registered and available here, else why not."""
   G.register_builtin_kernels()
-  module = {"triton": "kernels.triton_gmm", "mosaic": "kernels.mgpu_gmm"}[name]
+  module = {"triton": "kernels.gmm.triton_gmm", "mosaic": "kernels.gmm.mosaic_gmm"}[name]
   try:
     mod = __import__(module, fromlist=["_"])
   except Exception as e:  # noqa: BLE001
     return f"{module} does not import: {e!r}"
   if name not in G.BACKENDS:
-    return f"{module} imports but the backend is not registered (kernels/__init__.py)"
+    return f"{module} imports but the backend is not registered (umoe_jax/ops/gmm_backends.py)"
   if G.BACKENDS.get(name).available():
     return None
   if name == "triton":

@@ -61,7 +61,7 @@ def test_fused_attention_layout_matches_causal_attention(n_k, dk, dv):
   """The cuDNN layout of `fused_attention` (wide values cut into key-width chunks sharing the key
   head, grouped-query heads) gives causal_attention's values and gradients; run through
   jax.nn.dot_product_attention's XLA implementation, which takes the same layout on CPU."""
-  from umoe_jax.model.attention.common import fused_attention
+  from umoe_jax.model.attention.cores import fused_attention
   rng = np.random.default_rng(n_k * 100 + dv)
   h = 3
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -81,7 +81,7 @@ def test_attention_core_choice():
   wide values, values not a multiple of the key width, more keys than queries; for cuDNN also
   float32 operands and head sizes it has no kernel for) return None; an unknown core is refused
   by name."""
-  from umoe_jax.model.attention.common import fused_attention
+  from umoe_jax.model.attention.cores import fused_attention
   rng = np.random.default_rng(3)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
              for shape in ((B, T, 2, 8), (B, T, 1, 8), (B, T, 1, 20)))
@@ -102,44 +102,45 @@ def test_attention_core_choice():
     causal_attention(q, k, v, pos, pos, core="flash")
 
 
-def test_auto_core_is_the_fused_kernel_on_one_gpu_only(monkeypatch):
-  """core="auto" (the config default): on one GPU the Triton core for values wider than the keys
-  (AUTO_GPU_WIDE_VALUE_CORE) and cuDNN for the rest; XLA on several GPUs (the fused cores there
-  once AUTO_FUSED_ON_SEVERAL_GPUS is on) and off GPU;
-  here on CPU it computes the XLA form; a fused kernel that raises under "auto" falls back to XLA
-  (an explicit "cudnn" lets the error through)."""
+def test_auto_core_ranks_the_fused_cores_on_one_gpu_only(monkeypatch):
+  """core="auto" (the config default) tries, before XLA: on one GPU the Triton core for values wider
+  than the keys then cuDNN, and cuDNN alone for the rest; nothing on several GPUs and off GPU (TPU:
+  splash only by name). A named core tries itself and its fallbacks. Here on CPU it computes the
+  XLA form; a fused kernel that raises under "auto" falls back to XLA (an explicit "cudnn" lets the
+  error through)."""
+  import dataclasses
   from configs import common as configs
   from umoe_jax.config import model_config
-  from umoe_jax.model.attention import common
+  from umoe_jax.model.attention import cores
   assert model_config(configs.model("umoe", "tiny")).attention.core == "auto"
+  monkeypatch.setitem(cores.CORES._entries, "triton",
+                      dataclasses.replace(cores.CORES.get("triton"), available=lambda: True))
+  shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  q, k = shape(B, T, 4, 192), shape(B, T, 1, 192)
+  for backend, devices, dv, want in (("gpu", 1, 768, ["triton", "cudnn"]), ("gpu", 1, 192, ["cudnn"]),
+                                     ("gpu", 2, 768, []), ("gpu", 8, 192, []),
+                                     ("cpu", 1, 768, []), ("tpu", 1, 192, [])):
+    monkeypatch.setattr(cores.jax, "default_backend", lambda b=backend: b)
+    monkeypatch.setattr(cores.jax, "device_count", lambda d=devices: d)
+    assert cores._candidates("auto", q, k, shape(B, T, 1, dv)) == want, (backend, devices, dv)
+    for named, chain in (("triton", ["triton", "cudnn"]), ("cudnn", ["cudnn"]),
+                         ("splash", ["splash"]), ("xla", [])):
+      assert cores._candidates(named, q, k, shape(B, T, 1, dv)) == chain, named
   rng = np.random.default_rng(4)
   q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
              for shape in ((B, T, 2, 8), (B, T, 1, 8), (B, T, 1, 16)))
   pos = positions_for(B, T)
   want = causal_attention(q, k, v, pos, pos, core="xla")
-  wide = common.AUTO_GPU_WIDE_VALUE_CORE
-  for backend, devices, dv, core in (("gpu", 1, 768, wide), ("gpu", 1, 192, "cudnn"),
-                                     ("gpu", 2, 768, "xla"), ("gpu", 8, 192, "xla"),
-                                     ("cpu", 1, 768, "xla"), ("tpu", 1, 192, "xla")):
-    monkeypatch.setattr(common.jax, "default_backend", lambda b=backend: b)
-    monkeypatch.setattr(common.jax, "device_count", lambda d=devices: d)
-    assert common.auto_core(192, dv) == core, (backend, devices, dv)
-  monkeypatch.setattr(common, "AUTO_FUSED_ON_SEVERAL_GPUS", True)   # the switch, once measured
-  for backend, devices, dv, core in (("gpu", 8, 768, wide), ("gpu", 2, 192, "cudnn"),
-                                     ("cpu", 8, 768, "xla")):
-    monkeypatch.setattr(common.jax, "default_backend", lambda b=backend: b)
-    monkeypatch.setattr(common.jax, "device_count", lambda d=devices: d)
-    assert common.auto_core(192, dv) == core, ("several GPUs on", backend, devices, dv)
-  monkeypatch.setattr(common, "AUTO_FUSED_ON_SEVERAL_GPUS", False)
   # a GPU whose fused kernel refuses the call: "auto" answers with XLA, "cudnn" raises
-  monkeypatch.setattr(common.jax, "device_count", lambda: 1)
-  monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(common, "AUTO_GPU_WIDE_VALUE_CORE", "cudnn")
+  monkeypatch.setattr(cores.jax, "device_count", lambda: 1)
+  monkeypatch.setattr(cores.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setitem(cores.CORES._entries, "triton",
+                      dataclasses.replace(cores.CORES.get("triton"), available=lambda: False))
 
   def refuse(*a, **kw):
     raise RuntimeError("no cuDNN here")
 
-  monkeypatch.setattr(common, "fused_attention", refuse)
+  monkeypatch.setattr(cores, "fused_attention", refuse)
   assert rel_err(causal_attention(q, k, v, pos, pos, core="auto"), want) < 1e-6
   with pytest.raises(RuntimeError, match="no cuDNN"):
     causal_attention(q, k, v, pos, pos, core="cudnn")

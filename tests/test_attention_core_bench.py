@@ -26,8 +26,8 @@ def _sweep_check():
   import jax
   import attention_core as ac
   import test_triton_attention as tta
-  from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
+  from kernels.attention import tiles as at
+  from kernels.attention import triton_attention as ta
   interpreter_loop_bounds()
   ta._launch = tta._interpreter_launch
 
@@ -103,7 +103,7 @@ def _time_cores_in_interpreter():
   import jax
   import attention_core as ac
   import test_triton_attention as tta
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   interpreter_loop_bounds()
   ta._launch, ta.available, ta.DTYPES = tta._interpreter_launch, (lambda: True), (jax.numpy.float32,)
   real_inputs = ac.inputs
@@ -141,7 +141,7 @@ def test_a_cut_sweep_keeps_its_starting_form_with_what_it_measured():
   nothing."""
   sys.path[:0] = [os.path.join(os.path.dirname(HERE), "bench")]
   import attention_core as ac
-  from kernels import attention_tiles as at
+  from kernels.attention import tiles as at
   new = (16, 16, 16, 4, 2)
   best = {kn: (new, 1.0) for kn in ac.FIELD_OF}
   pairs = at.default_tiles(192, 768)
@@ -170,7 +170,7 @@ def test_the_delta_forms_agree_with_a_float64_row_dot():
   out = np.asarray(jax.random.normal(ko, (b, t, h, d), jnp.float32).astype(jnp.bfloat16), np.float64)
   dout = np.asarray(jax.random.normal(kd, (b, t, h, d), jnp.float32).astype(jnp.bfloat16), np.float64)
   want = (out * dout).sum(-1)
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   for form, fn in {**ac.DELTA_FORMS, "library": lambda o, g: ta._delta(o, g).reshape(b, t, h)}.items():
     got = np.asarray(fn(jnp.asarray(out, jnp.bfloat16), jnp.asarray(dout, jnp.bfloat16)), np.float64)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), form

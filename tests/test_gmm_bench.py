@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
 import gmm_common  # noqa: E402
 import gmm_sweep as bench_gmm  # noqa: E402  (bench/gmm_sweep.py: the sweeps of bench/gmm.py)
-from kernels import triton_gmm, tuning  # noqa: E402
+from kernels.gmm import triton_gmm, tuning  # noqa: E402
 
 
 def _fake_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, lhs_index=None, row_dot=None,

@@ -25,16 +25,11 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("umoe_jax", "kernels")
 
-# Edges of cycles that are still in the tree and tolerated, each waiting on the kernels/
-# reorganisation. The test removes exactly these edges before looking for cycles, and fails when one
-# of them is gone from the code, so the set only shrinks: empty it as the circles are broken.
-KNOWN = {
-    # kernels/__init__ registers its backends into umoe_jax.ops.gmm, and gmm imports kernels back
-    # to trigger that registration.
-    ("umoe_jax.ops.gmm", "kernels"),
-    # splash attention builds on attention/common's helpers, and common dispatches to splash.
-    ("umoe_jax.model.attention.common", "umoe_jax.model.attention.splash"),
-}
+# What kernels/ may import from umoe_jax: leaf helpers only (the epilogue's activation forms, XLA's
+# grouped matmuls, shard_map's varying types, the Pallas TPU probe), so the kernels stay below the
+# library that chooses among them.
+KERNEL_IMPORTS_FROM_UMOE = {"umoe_jax", "umoe_jax.ops", "umoe_jax.ops.epilogue", "umoe_jax.ops.ragged",
+                            "umoe_jax.ops.varying", "umoe_jax.ops.pallas_tpu"}
 
 
 def module_files(root: str = ROOT, packages=PACKAGES) -> dict[str, str]:
@@ -238,10 +233,16 @@ def test_import_graph_resolves_relative_and_submodule_imports(tmp_path):
 
 
 def test_no_import_cycles():
-  graph = import_graph()
-  gone = sorted(e for e in KNOWN if e[1] not in graph.get(e[0], ()))
-  assert not gone, f"KNOWN edges no longer in the code, remove them from KNOWN: {gone}"
-  for a, b in KNOWN:
-    graph[a] = graph[a] - {b}
-  cycles = find_cycles(graph)
+  cycles = find_cycles(import_graph())
   assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_kernels_import_only_leaf_helpers_of_umoe_jax():
+  graph = import_graph()
+  for module, deps in graph.items():
+    if module.split(".")[0] == "kernels":
+      wrong = sorted(d for d in deps if d.split(".")[0] == "umoe_jax" and d not in KERNEL_IMPORTS_FROM_UMOE)
+      assert not wrong, f"{module} imports {wrong}: kernels/ may use only {sorted(KERNEL_IMPORTS_FROM_UMOE)}"
+  for helper in KERNEL_IMPORTS_FROM_UMOE:
+    inside = sorted(d for d in graph[helper] if d not in ("umoe_jax", "umoe_jax.ops"))
+    assert not inside, f"{helper} is no leaf: it imports {inside}"

@@ -15,7 +15,7 @@ import kernel_resources as kr  # noqa: E402
 
 
 def _dq_ds(bn, bm=32):
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   t, h, dk = 64, 2, 32
   consts = dict(T=t, H=h, DK=dk, sm_scale=1 / math.sqrt(dk), DK1=32, DK2=0, DK2S=1, BM=bm, BN=bn,
                 N_ROW_TILES=t * h // bm)
@@ -42,7 +42,7 @@ def test_a_kernel_compiles_for_hopper_and_reports_its_resources():
   assert min(res["spill_stores"], res["spill_loads"], res["stack"]) >= 0
   with pytest.raises(Exception, match="power of 2"):   # BN = 24: no tl.arange of it, on any GPU
     _dq_ds(24)
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   with pytest.raises(KeyError, match="'dq_ptr'"):      # a parameter without type or value
     kr.compile_resources(ta._bwd_dq_ds_kernel, dict(ds_ptr="*bf16", k_ptr="*bf16"), {},
                          num_warps=4, num_stages=2)
@@ -68,8 +68,8 @@ def test_pointers_are_declared_aligned_as_jax_triton_declares_them():
   assert aligned["async_copies"] > 0 and aligned["spill_stores"] == 0, (name, aligned)
   assert unaligned["async_copies"] == 0 and unaligned["spill_stores"] > 0, (name, unaligned)
   # The pipelined program holds num_stages copies of both operand tiles: the estimate the tile
-  # sweep uses to skip candidates that would not launch (kernels/tuning.py).
-  from kernels import tuning
+  # sweep uses to skip candidates that would not launch (kernels/gmm/tuning.py).
+  from kernels.gmm import tuning
   assert not tiles.persistent
   assert aligned["shared"] == tuning.triton_gmm_shared_bytes(tiles), (tiles, aligned)
 
@@ -96,14 +96,14 @@ def test_the_survey_cases_match_the_kernels_signatures(group):
 
 @pytest.mark.parametrize("shape", ["base", "large"])
 def test_the_stored_forms_default_tiles_do_not_spill(shape):
-  """The tiles the stored-scores backward takes by default (attention_tiles.stored_tiles: the
+  """The tiles the stored-scores backward takes by default (attention/tiles.stored_tiles: the
   readers of dS / P and the tile-pair pass) were chosen spill-free for sm_90a at each head width;
   a kernel change that makes them spill shows here before a GPU times it."""
   try:
     kr._ptxas()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  from kernels import attention_tiles as at
+  from kernels.attention import tiles as at
   dims = kr.SHAPES[shape]
   defaults = dict(zip(("dq_ds", "ds", "dk_ds"), at.stored_tiles(dims["dk"])))
   cases = [c for c in kr.attention_cases(dims) if c[0] in defaults and c[1] == defaults[c[0]]]
@@ -113,14 +113,14 @@ def test_the_stored_forms_default_tiles_do_not_spill(shape):
 
 
 def test_the_key_width_in_two_pieces_compiles_without_spills():
-  """Keys in two exact pieces at UMoE-base's dk 192 (128 + 64, `attention_tiles.key_pieces`): the
+  """Keys in two exact pieces at UMoE-base's dk 192 (128 + 64, `attention/tiles.key_pieces`): the
   default tiles' kernels of the stored-pairs backward and the forward compile for sm_90a without
   spills."""
   try:
     kr._ptxas()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  from kernels import attention_tiles as at
+  from kernels.attention import tiles as at
   dims = kr.SHAPES["base"]
   base = at.default_tiles(dims["dk"], dims["d"])
   defaults = {"fwd": base.fwd, "dq_ds": base.dq_ds, "ds": base.ds, "dk_ds": base.dk_ds}
@@ -135,7 +135,7 @@ def test_a_tile_with_the_xla_epilogue_is_surveyed_as_it_launches(monkeypatch):
   """A tabled dgrad tile with `TileConfig.xla_epilogue` is compiled as `triton_gmm` launches it:
   no row dot, scale or activation in the kernel, a float32 output (pure Python: no compiler)."""
   import dataclasses
-  from kernels import tuning
+  from kernels.gmm import tuning
   key = ("triton", "gmm_t+gather", 768, 192, 1 << 19)
   monkeypatch.setitem(tuning.TABLE, key, dataclasses.replace(tuning.TABLE[key], xla_epilogue=True))
   cases = {name: (ptrs, consts) for name, _, _, ptrs, consts in kr.gmm_cases(kr.SHAPES["base"])}

@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from conftest import interpreter_loop_bounds, run_in_triton_interpreter
-import kernels
-from kernels import schedule, triton_gmm, tuning
+from umoe_jax.ops import gmm_backends as GB
+from umoe_jax.ops import ragged
+from kernels.gmm import schedule, tuning
+from kernels.gmm import triton_gmm
 from umoe_jax.ops import gmm as G
 
 BENCH_SHAPES = [(768, 192), (192, 768), (2048, 512), (512, 2048)]
@@ -66,7 +68,7 @@ def test_import_registers_gpu_backends_only_for_gpu():
     if name in G.BACKENDS:
       be = G.BACKENDS.get(name)
       assert be.platforms == ("gpu",)
-      assert be.auto_priority == kernels.AUTO_PRIORITY[name] >= 0
+      assert be.auto_priority == GB.AUTO_PRIORITY[name] >= 0
   # On the CPU, auto never picks a GPU kernel, and asking for one by name is a clear error.
   assert G.resolve_backend("auto", "cpu") == "xla"
   if "triton" in G.BACKENDS:
@@ -81,11 +83,11 @@ def test_auto_on_gpu_prefers_the_fastest_available_kernel(monkeypatch):
     if name in entries:
       monkeypatch.setitem(entries, name, dataclasses.replace(entries[name], available=lambda: False))
   assert G.resolve_backend("auto", "gpu") == "xla"  # nothing available: portable fallback
-  fake = lambda name: G.GmmBackend(gmm=G._xla_gmm, tgmm=G._xla_tgmm, platforms=("gpu",),
-                                   auto_priority=kernels.AUTO_PRIORITY[name], available=lambda: True)
+  fake = lambda name: G.GmmBackend(gmm=ragged.xla_gmm, tgmm=ragged.xla_tgmm, platforms=("gpu",),
+                                   auto_priority=GB.AUTO_PRIORITY[name], available=lambda: True)
   monkeypatch.setitem(entries, "triton", fake("triton"))
   monkeypatch.setitem(entries, "mosaic", fake("mosaic"))
-  best = max(kernels.AUTO_PRIORITY, key=kernels.AUTO_PRIORITY.get)
+  best = max(GB.AUTO_PRIORITY, key=GB.AUTO_PRIORITY.get)
   assert G.resolve_backend("auto", "gpu") == best
   monkeypatch.setitem(entries, best, dataclasses.replace(entries[best], available=lambda: False))
   assert G.resolve_backend("auto", "gpu") != best
@@ -93,7 +95,7 @@ def test_auto_on_gpu_prefers_the_fastest_available_kernel(monkeypatch):
 
 def test_kernel_modules_import_without_gpu_toolchain():
   # Re-importing must not raise on this machine whatever is missing (Triton, jax_triton, Hopper).
-  for mod in ("kernels.triton_gmm", "kernels.mgpu_gmm", "kernels.schedule", "kernels.tuning"):
+  for mod in ("kernels.gmm.triton_gmm", "kernels.gmm.mosaic_gmm", "kernels.gmm.schedule", "kernels.gmm.tuning"):
     importlib.reload(importlib.import_module(mod))
   assert not triton_gmm.available() or any(d.platform == "gpu" for d in jax.devices())
 
@@ -114,7 +116,7 @@ def test_tuning_table_covers_bench_shapes_and_is_valid(backend, op):
       hi, rest = triton_gmm.split_width(cfg.bn)
       assert hi + rest == cfg.bn and hi & (hi - 1) == 0 and (rest & (rest - 1)) == 0
     else:
-      from kernels import mgpu_gmm
+      from kernels.gmm import mosaic_gmm as mgpu_gmm
       if op == "tgmm":
         assert kc % cfg.bm == 0 and no % cfg.bn == 0
       else:
@@ -476,9 +478,9 @@ def _mgpu_interpreter(monkeypatch):
     from jax.experimental.pallas import mosaic_gpu as plgpu
   except Exception as e:  # noqa: BLE001
     pytest.skip(f"no Mosaic GPU interpreter in this jax: {e!r}")
-  from kernels import mgpu_gmm
+  from kernels.gmm import mosaic_gmm as mgpu_gmm
   if not mgpu_gmm.HAVE_MGPU:
-    pytest.skip("this jax lacks the Pallas Mosaic GPU API the kernels use (kernels/mgpu_gmm.py)")
+    pytest.skip("this jax lacks the Pallas Mosaic GPU API the kernels use (kernels/gmm/mosaic_gmm.py)")
   params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
   kernel, wgmma, launched = plgpu.kernel, plgpu.wgmma, []
 
@@ -527,7 +529,7 @@ MOSAIC_CASES = {  # op: (M, K, N, group sizes, TileConfig(bm, bn, bk))
 def test_mosaic_kernels_in_interpreter(monkeypatch, op):
   """Every Mosaic GPU op (gmm, gmm with a transposed rhs, tgmm) under the interpreter against numpy."""
   launched = _mgpu_interpreter(monkeypatch)
-  from kernels import mgpu_gmm
+  from kernels.gmm import mosaic_gmm as mgpu_gmm
   m, k, n, gs, cfg = MOSAIC_CASES[op]
   gs = np.asarray(gs, np.int32)
   keys = jax.random.split(jax.random.key(3), 3)

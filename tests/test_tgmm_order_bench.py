@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
 import results  # noqa: E402  (bench/results.py)
 import tgmm_order  # noqa: E402  (bench/tgmm_order.py)
-from kernels import triton_gmm  # noqa: E402
+from kernels.gmm import triton_gmm  # noqa: E402
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import megablox_gmm, tuning
+from kernels.gmm import megablox_gmm, tuning
 from test_kernels import _ref_gmm, _ref_tgmm
 from conftest import ROOT
 from test_parallel import run_script
-from umoe_jax.model.attention.common import causal_attention
+from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.ops import gmm as G
 from umoe_jax.ops import pallas_tpu
 from umoe_jax.parallel import mesh as mesh_lib

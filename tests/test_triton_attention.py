@@ -1,4 +1,4 @@
-"""CPU tests of the fused pre-mixing attention core (kernels/triton_attention.py): launch geometry,
+"""CPU tests of the fused pre-mixing attention core (kernels/attention/triton_attention.py): launch geometry,
 the core choice and its config validation, and the kernels themselves under the Triton interpreter
 (TRITON_INTERPRET=1, in a subprocess), run through the real JAX entry (`premix_attention`, its
 custom VJP) with every launch routed through `jax.pure_callback` into the interpreter. Values and
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import interpreter_loop_bounds, run_in_triton_interpreter
-from kernels import attention_tiles as at
-from kernels import triton_attention as ta
-from kernels.triton_gmm import split_width
+from kernels.attention import tiles as at
+from kernels.attention import triton_attention as ta
+from kernels.triton_base import split_width
 
 CASES = [  # B, T, H, dk, D, (fwd, dx, dk, dq[, fused dxdk]) tiles as (bm, bn, bd)
     (2, 37, 3, 24, 80, ((16, 16, 48), (16, 16, 48), (16, 16, 32), (16, 16, 16))),
@@ -154,7 +154,7 @@ def test_triton_core_declines_where_it_cannot_run():
   """Off GPU (this machine), in float32 or with several key heads the kernel is not used, and
   core="triton" gives the XLA values exactly; an unknown core is refused."""
   import jax.numpy as jnp
-  from umoe_jax.model.attention.common import causal_attention, triton_attention
+  from umoe_jax.model.attention.cores import causal_attention, triton_attention
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
              for s in ((2, 9, 3, 16), (2, 9, 1, 16), (2, 9, 1, 40)))
@@ -324,7 +324,7 @@ def _interpreter_check():
 
   # As many key heads as query heads (MHA, SwitchHead): the Triton core declines them, and
   # core="triton" runs cuDNN's (here, off GPU, XLA's) core, launching no kernel.
-  from umoe_jax.model.attention import common as att_common
+  from umoe_jax.model.attention import cores as att_common
   ta.available, ta.DTYPES = (lambda: True), (jnp.float32,)
   b, t, h, dk, dv = 2, 37, 3, 24, 40
   rng = np.random.default_rng(7)

@@ -1,4 +1,4 @@
-"""CPU tests of the fan-in kernel (kernels/triton_fan_in.py) and of the fused dispatch's use of a
+"""CPU tests of the fan-in kernel (kernels/gmm/triton_fan_in.py) and of the fused dispatch's use of a
 backend's `gather_sum` (umoe_jax/ops/fused_dispatch.py): the launch geometry, and under the Triton
 interpreter (TRITON_INTERPRET=1, in a subprocess; launches through `jax.pure_callback`): the kernel
 against a float64 numpy loop on fresh random rows (tokens and widths not multiples of the block,
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import run_in_triton_interpreter
-from kernels import triton_fan_in as fi
+from kernels.gmm import triton_fan_in as fi
 
 
 def test_launch_params_cover_every_token_and_column():

@@ -1,4 +1,4 @@
-"""CPU tests of the routers' top-k ids (umoe_jax/ops/topk.py, kernels/triton_topk.py): the backend
+"""CPU tests of the routers' top-k ids (umoe_jax/ops/topk.py, kernels/router/triton_topk.py): the backend
 choice and its fallback, `router.topk_backend` in the config, the launch geometry, and the Triton
 kernel under the interpreter (TRITON_INTERPRET=1, in a subprocess), every launch routed through
 `jax.pure_callback` into the interpreter: against `jax.lax.top_k` and a numpy stable argsort on
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import run_in_triton_interpreter
-from kernels import triton_topk as tk
+from kernels.router import triton_topk as tk
+from umoe_jax.kinds import TOPK_BACKENDS
 from umoe_jax.ops import topk as topk_api
 
 
@@ -34,7 +35,7 @@ def test_top_k_ids_off_gpu_is_lax_top_k_for_every_backend():
   assert not tk.available() and not tk.supported(x.reshape(-1, 20), 3)
   want = _argsort_ids(x, 3)
   np.testing.assert_array_equal(np.asarray(jax.lax.top_k(x, 3)[1]), want)
-  for backend in topk_api.BACKENDS:
+  for backend in TOPK_BACKENDS:
     ids = jax.jit(lambda v, b=backend: topk_api.top_k_ids(v, 3, backend=b))(x)
     assert ids.shape == (2, 3, 3) and ids.dtype == jnp.int32, backend
     np.testing.assert_array_equal(np.asarray(ids), want, err_msg=backend)
@@ -64,22 +65,20 @@ def test_launch_params_cover_every_row_and_column():
 
 
 def test_auto_takes_the_kernel_on_one_device_only(monkeypatch):
-  """backend="auto": the kernel where it runs and the program spans one device; lax.top_k over
-  several (XLA would gather the rows whole to every device for the kernel's call)."""
+  """backend="auto": the best-ranked backend where it runs and the program spans one device;
+  lax.top_k over several (XLA would gather the rows whole to every device for the kernel's call).
+  A kernel that declines a shape hands it to lax.top_k."""
+  import dataclasses
   from umoe_jax.ops import topk as T
   calls = []
 
-  class FakeKernel:  # stands in for kernels.triton_topk on this CPU: marks its ids
-    @staticmethod
-    def supported(flat, k):
-      return True
+  def ids(flat, k):  # stands in for kernels/router/triton_topk.py on this CPU: marks its ids
+    calls.append(flat.shape)
+    return None if flat.shape[-1] > 20 else jax.lax.top_k(flat, k)[1][:, ::-1]
 
-    @staticmethod
-    def top_k_ids(flat, k):
-      calls.append(flat.shape)
-      return jax.lax.top_k(flat, k)[1][:, ::-1]
-
-  monkeypatch.setattr(T, "_kernel", lambda: FakeKernel)
+  T.register_builtin_kernels()
+  monkeypatch.setitem(T.BACKENDS._entries, "triton", T.TopKBackend(
+      ids=ids, platforms=(jax.default_backend(),), auto_priority=20, single_device=True))
   x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, 20)), jnp.float32)
   want = np.asarray(jax.lax.top_k(x, 4)[1])
   for count, kernel in ((1, True), (2, False), (8, False)):
@@ -89,6 +88,14 @@ def test_auto_takes_the_kernel_on_one_device_only(monkeypatch):
     np.testing.assert_array_equal(got, want[..., ::-1] if kernel else want)
     assert bool(calls) == kernel and (not calls or calls[0] == (10, 20))
   np.testing.assert_array_equal(np.asarray(T.top_k_ids(x, 4, backend="xla")), want)
+  monkeypatch.setattr(T.jax, "device_count", lambda: 8)  # by name it runs on several devices too
+  np.testing.assert_array_equal(np.asarray(T.top_k_ids(x, 4, backend="triton")), want[..., ::-1])
+  wide = jnp.concatenate([x, x[..., :1] - 9.0], axis=-1)     # E = 21: declined, lax.top_k answers
+  np.testing.assert_array_equal(np.asarray(T.top_k_ids(wide, 4, backend="triton")), want)
+  monkeypatch.setitem(T.BACKENDS._entries, "triton",
+                      dataclasses.replace(T.BACKENDS.get("triton"), available=lambda: False))
+  monkeypatch.setattr(T.jax, "device_count", lambda: 1)
+  np.testing.assert_array_equal(np.asarray(T.top_k_ids(x, 4, backend="auto")), want)
 
 
 def test_config_topk_backend_is_checked_and_per_sublayer():

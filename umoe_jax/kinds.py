@@ -27,14 +27,14 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
     "moa": AttentionKind(has_routers=True),
     "switchhead": AttentionKind(has_routers=True),
 }
-ATTENTION_CORES = ("auto", "xla", "cudnn", "triton", "splash")   # model.attention.core
-# model.attention.core_backward: the Triton core's backward (kernels/attention_tiles.BACKWARDS).
+ATTENTION_CORES = ("auto", "xla", "cudnn", "triton", "splash")   # model.attention.core (attention/cores.py)
+# model.attention.core_backward: the Triton core's backward (kernels/attention/tiles.BACKWARDS).
 ATTENTION_BACKWARDS = ("auto", "recompute", "stored_pairs")
 
 FFN_KINDS = ("dense", "moe", "none")
 
-# Names of the grouped-matmul backends (`umoe_jax.ops.gmm.BACKENDS`); the GPU kernels register
-# theirs when kernels/ is imported. "auto" picks one at run time.
+# Names of the grouped-matmul backends (`umoe_jax.ops.gmm_backends.BACKENDS`); the kernel backends
+# register when a backend is first resolved. "auto" picks one at run time.
 GMM_BACKENDS = ("xla", "masked", "triton", "mosaic", "megablox")
 
 # `router.topk_backend`: how routers with scores take their top-k / top-P ids (`umoe_jax.ops.topk`).

@@ -10,6 +10,10 @@ A new variant is one class (or function) plus one decorator line::
 The registries of model classes live in the leaf module `umoe_jax.kinds` beside the tables of their
 names, which config validation reads (so validating a config never imports the model); `get` of an
 unknown name fails with an error that lists the registered ones.
+
+Backend registries (gmm, attention cores, top-k) hold entries with `platforms`, `auto_priority` and
+`available()`; `ranked(platform)` is what their "auto" takes, best first, so every such choice
+follows one rule.
 """
 from __future__ import annotations
 
@@ -47,6 +51,14 @@ class Registry(Generic[T]):
       raise ValueError(
           f"unknown {self.kind} {name!r}; valid choices: {', '.join(sorted(self._entries))}"
       ) from None
+
+  def ranked(self, platform: str) -> list[str]:
+    """Names of the entries "auto" may take on `platform`, best first: those that run there
+    (`entry.platforms`), take part in the choice (`entry.auto_priority >= 0`) and whose
+    `entry.available()` probe says yes, by descending `auto_priority` (ties: by name)."""
+    names = [n for n, e in self._entries.items()
+             if platform in e.platforms and e.auto_priority >= 0 and e.available()]
+    return sorted(names, key=lambda n: (-self._entries[n].auto_priority, n))
 
   def names(self) -> list[str]:
     return sorted(self._entries)

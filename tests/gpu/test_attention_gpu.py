@@ -18,7 +18,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.model.attention.common import causal_attention
+from umoe_jax.model.attention.cores import causal_attention
 
 QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`
 
@@ -76,7 +76,7 @@ def _core_inputs(b, t, h, dk, d, seed, key_heads=1):
 def _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos):
   """The Triton core with `tiles` against the XLA core: finite gradients of q, k and x, each
   within 1e-2 (relative) on its own."""
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   triton = lambda q, k, v: ta.premix_attention(q, k[:, :, 0], v[:, :, 0], tiles=tiles)
   xla = lambda q, k, v: causal_attention(q, k, v, pos, pos)
   grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cot),
@@ -91,7 +91,7 @@ def _assert_triton_grads_match_xla(tiles, q, k, v, cot, pos):
                                         (2, 77, 2, 8, 64)],
                          ids=["base", "large", "odd", "one-head", "small-head"])
 def test_triton_core_matches_xla(b, t, h, dk, d):
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=t * 7 + dk)
   assert ta.supported(q, k, v)  # the kernel runs, not a fallback
 
@@ -116,8 +116,8 @@ def test_triton_core_with_split_key_width_matches_xla(b, t, h, dk, d, backward):
   """Keys of two exact pieces (192 = 128 + 64, 96 = 64 + 32, 320 = 256 + 64; `key_pieces`) in
   every pass of each backward form, the values and the gradients of q, k and x against the XLA
   core within 1e-2."""
-  from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
+  from kernels.attention import tiles as at
+  from kernels.attention import triton_attention as ta
   assert at.key_pieces(dk)["DK2"] > 0
   q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=5 * t + dk)
   tiles = at.with_backward(at.default_tiles(dk, d), backward, dk)
@@ -134,7 +134,7 @@ def test_triton_fused_dx_dk_pass_matches_xla(b, t, h, dk, d):
   dK on its own (a concatenation with dX would hide a dK error). It replaces the recomputing
   backward's dX and dK passes, so it goes on the tiles without the stored form (the default)."""
   import dataclasses
-  from kernels import attention_tiles as at
+  from kernels.attention import tiles as at
   tiles = dataclasses.replace(at.with_backward(at.default_tiles(dk, d), "recompute", dk),
                               dxdk=at.PassTiles(64, 32, 256, 4, 2))
   _assert_triton_grads_match_xla(tiles, *_core_inputs(b, t, h, dk, d, seed=t + dk))
@@ -150,8 +150,8 @@ def test_triton_stored_scores_match_xla(b, t, h, dk, d, dq_ds, ds):
   """The pass over tile pairs storing dS / P for the dK, dQ and dX passes (`FlashTiles.ds`,
   `dk_ds`, `dq_ds`, `dx_p`) against the XLA core: gradients of q, k and x."""
   import dataclasses
-  from kernels import attention_tiles as at
-  from kernels import triton_attention as ta
+  from kernels.attention import tiles as at
+  from kernels.attention import triton_attention as ta
   q, k, v, cot, pos = _core_inputs(b, t, h, dk, d, seed=3 * t + dk)
   tiles = dataclasses.replace(at.default_tiles(dk, d), dx_p=True, dq_ds=at.PassTiles(*dq_ds),
                               ds=at.PassTiles(*ds), dk_ds=at.stored_tiles(dk)[2])
@@ -168,7 +168,7 @@ GPUS = [d for d in jax.devices() if d.platform == "gpu"]
                          ids=["triton_premix", "cudnn_premix", "cudnn_mha"])
 def test_fused_cores_on_each_devices_rows(core, h, hk, dk, dv):
   """Under a mesh of every GPU (batch over "data"; with 4 or more, an even count, heads over
-  "tensor=2" as well), the fused cores run inside shard_map (`attention.common.on_local_shards`):
+  "tensor=2" as well), the fused cores run inside shard_map (`attention.local_shards.on_local_shards`):
   values and gradients within 1e-2 of the same core on one device and within 2e-2 of the XLA form;
   the compiled step holds the core's kernel and no all-gather. (The Triton case is the one XLA
   could not partition before; jax partitions cuDNN's call by batch and heads itself, so the cuDNN

@@ -1,4 +1,4 @@
-"""GPU check of the fan-in kernel (kernels/triton_fan_in.py) against a float64 numpy sum: bf16 rows
+"""GPU check of the fan-in kernel (kernels/gmm/triton_fan_in.py) against a float64 numpy sum: bf16 rows
 at the UMoE-base fan-in's width (768) and a width not a multiple of the block, tokens not a
 multiple of the block, K = 15 and 3, plain and gate-weighted, the inverse permutation of a real
 dispatch plan as the index. The fused dispatch with the kernel is checked by
@@ -13,7 +13,7 @@ import pytest
 
 import gpu_tiers
 
-from kernels import triton_fan_in as fi
+from kernels.gmm import triton_fan_in as fi
 from umoe_jax.ops import dispatch
 
 QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`

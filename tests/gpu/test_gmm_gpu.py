@@ -198,8 +198,8 @@ def test_auto_picks_the_fastest_expected_kernel_on_gpu():
     pytest.skip("no kernel backend expected here (UMOE_GPU_BACKENDS is empty)")
   for backend in BACKENDS:
     _require(backend)
-  import kernels
-  assert G.resolve_backend("auto", "gpu") == max(BACKENDS, key=kernels.AUTO_PRIORITY.get)
+  from umoe_jax.ops import gmm_backends as GB
+  assert G.resolve_backend("auto", "gpu") == max(BACKENDS, key=GB.AUTO_PRIORITY.get)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -274,7 +274,7 @@ def test_triton_persistent_grid(persistent):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels import triton_gmm, tuning
+  from kernels.gmm import triton_gmm, tuning
   m, k, n = 3001, 256, 192
   gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)  # 2834 rows used, 167 padding
   x, w, _, gsj = _inputs(m, k, n, gs, ("persistent", persistent))
@@ -294,7 +294,7 @@ def test_triton_tgmm_split_row_tiles(cfg):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels import triton_gmm, tuning
+  from kernels.gmm import triton_gmm, tuning
   cfg = tuning.TileConfig(*cfg)
   m, k, n = 3001, 192, 768
   gs = np.array([0, 700, 1, 0, 1200, 333, 0, 600], np.int32)   # 2834 rows used
@@ -318,7 +318,7 @@ def test_triton_tgmm_split_row_tiles(cfg):
 def _epilogue_tiles():
   """The tiles the Triton backend's tuning table gives the input-gradient call with the row dot
   (gmm_combine's backward: gmm_t, gathered or not), each (kc, no, cfg) once."""
-  from kernels import tuning
+  from kernels.gmm import tuning
   seen = {}
   for key, cfg in tuning.TABLE.items():
     if key[0] == "triton" and key[1].split("+")[0] == "gmm_t":
@@ -343,7 +343,7 @@ def test_tabled_dgrad_epilogue_tiles(shape_cfg, epilogue):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels import triton_gmm
+  from kernels.gmm import triton_gmm
   kc, no, cfg = shape_cfg          # out [M, no] = dout[idx] [M, kc] @ w[g].T, w[g]: [no, kc]
   cfg = dataclasses.replace(cfg, prefetch_row_dot=epilogue == "z_early",
                             xla_epilogue=epilogue == "xla")
@@ -379,7 +379,7 @@ def test_silu_epilogue_sigmoid_error_bound():
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels import triton_gmm
+  from kernels.gmm import triton_gmm
   m, width, g = 2048, 64, 2
   gs = jnp.asarray([1000, m - 1000], jnp.int32)
   z = jnp.linspace(-16.0, 16.0, m * width, dtype=jnp.float32).reshape(m, width)
@@ -403,7 +403,7 @@ def test_silu_epilogue_sigmoid_error_bound():
 
 def _tabled_tiles():
   """Every distinct (op, kc, no, tile) of the Triton backend's tuning table, gathered or not."""
-  from kernels import tuning
+  from kernels.gmm import tuning
   seen = {}
   for key, cfg in tuning.TABLE.items():
     if key[0] == "triton":
@@ -424,7 +424,7 @@ def test_tabled_tiles(row):
   if "triton" not in BACKENDS:
     pytest.skip("triton is not expected here (UMOE_GPU_BACKENDS)")
   _require("triton")
-  from kernels import triton_gmm
+  from kernels.gmm import triton_gmm
   op, kc, no, cfg = row
   plain, gathered = op.split("+")[0], op.endswith("+gather")
   m, g = 5000, 16

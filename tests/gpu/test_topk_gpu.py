@@ -1,4 +1,4 @@
-"""GPU check of the routers' Triton top-k (kernels/triton_topk.py, `router.topk_backend="triton"`)
+"""GPU check of the routers' Triton top-k (kernels/router/triton_topk.py, `router.topk_backend="triton"`)
 against `jax.lax.top_k` and a numpy stable argsort. Skipped without a GPU (or without jax-triton).
 
 Fresh random inputs: E not a power of two, k from 1 to E, rows not a multiple of the block, heavy
@@ -16,7 +16,7 @@ import pytest
 
 import gpu_tiers
 
-from kernels import triton_topk as tk
+from kernels.router import triton_topk as tk
 from umoe_jax.ops.topk import top_k_ids
 
 QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu`

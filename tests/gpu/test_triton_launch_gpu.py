@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import triton_fan_in as fi
-from kernels import triton_gmm as tg
+from kernels.gmm import triton_fan_in as fi
+from kernels.gmm import triton_gmm as tg
 from kernels import triton_launch
 from umoe_jax.ops import dispatch
 
@@ -87,7 +87,7 @@ def test_gmm_with_epilogue_and_tgmm_both_routes():
 
 
 def test_attention_core_forward_backward_both_routes():
-  from kernels import triton_attention as ta
+  from kernels.attention import triton_attention as ta
   rng = np.random.default_rng(3)
   b, t, h, dk, d = 2, 320, 4, 64, 192
   q = jnp.asarray(rng.standard_normal((b, t, h, dk)), jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""The fused attention cores on 8 virtual CPU devices (`attention.common.on_local_shards`), run by
+"""The fused attention cores on 8 virtual CPU devices (`attention.local_shards.on_local_shards`), run by
 test_parallel.py with TRITON_INTERPRET=1:
 
   * "single", "layouts": the Triton pre-mixing core inside a model, every kernel launch through the
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(common.ROOT, "tests"))
 import test_triton_attention as tta  # noqa: E402  (the interpreter launch)
 
 import configs.common  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
+from kernels.attention import triton_attention as ta  # noqa: E402
 from umoe_jax.config import model_config  # noqa: E402
 from umoe_jax.parallel import mesh as mesh_lib, sharding  # noqa: E402
 
@@ -116,7 +116,8 @@ WRAPPER_CASES = [("mha_heads_split", "data=2,tensor=4", 4, 4, 4, [2, 1]),
 
 
 def wrapper_cases() -> dict:
-  from umoe_jax.model.attention.common import fused_attention, on_local_shards
+  from umoe_jax.model.attention.cores import fused_attention
+  from umoe_jax.model.attention.local_shards import on_local_shards
   out = {}
   for name, layout, b, h, hk, want_local in WRAPPER_CASES:
     rng = np.random.default_rng(len(name))

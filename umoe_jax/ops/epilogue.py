@@ -7,9 +7,9 @@ gmm_combine's backward multiplies the output cotangent rows by the last expert m
     out[r]  = u[r] * act'(z[r]) * scale[r]        -> dz, rounded to the output dtype once
     rows[r] = act(z[r]) rounded to z's dtype, * scale[r]    the weight gradient's operand rows
 
-Kernels with the epilogue fused (kernels/triton_gmm.py `_gmm_tile`) compute the same from their
+Kernels with the epilogue fused (kernels/gmm/triton_gmm.py `_gmm_tile`) compute the same from their
 float32 accumulator; this module is the form for backends without it and for Triton tiles that
-leave it to XLA (`kernels.tuning.TileConfig.xla_epilogue`).
+leave it to XLA (`kernels.gmm.tuning.TileConfig.xla_epilogue`).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ outputs y [M, D] are neither kept for the backward nor read again; dw = tgmm(gat
 with the gather in the kernel and the gate-scaled rows written by XLA (scaling the tiles inside the
 kernel cost its tensor-core pipeline more than the extra pass). The two K-way fan-ins, combine's
 gate-weighted sum and gather_gmm's input gradient, run as the backend's `gather_sum` kernel where
-it has one (kernels/triton_fan_in.py), else as XLA's take + sum.
+it has one (kernels/gmm/triton_fan_in.py), else as XLA's take + sum.
 """
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   `fuse_weight_rows` (`moe.fuse_weight_rows`) that operand, gate * act(z), is written by the
   input-gradient matmul's epilogue instead (backends with `GmmBackend.scaled_row_dot`; act(z)
   rounded to h's dtype first, as the XLA pass has it; the Triton epilogue's sigmoid comes from
-  tanh.approx, within 3.9e-6 of the exact sigmoid on an H200: `kernels.triton_gmm._sigmoid`).
+  tanh.approx, within 3.9e-6 of the exact sigmoid on an H200: `kernels.gmm.triton_gmm._sigmoid`).
 
   Args:
     h: [M, F] rows in expert order (pre-activations with `activation`).

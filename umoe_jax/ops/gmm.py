@@ -13,161 +13,21 @@ Rows past `sum(group_sizes)` (padding) produce zero output rows and contribute n
 
 A *backend* supplies the three raw operations; `gmm` wraps them in one `jax.custom_vjp` so that every
 backend shares the same backward rule (dlhs = gmm(dout, rhs, transpose), drhs = tgmm(lhs, dout)).
-Backends register in `BACKENDS`; GPU kernels live in `kernels/` and register themselves when imported
-(`register_builtin_kernels`). `backend="auto"` takes the best available backend for the platform of
-the default device, falling back to the portable XLA one.
+Backends register in `umoe_jax.ops.gmm_backends.BACKENDS` (the kernels of `kernels/gmm/` among
+them); `backend="auto"` takes the best available backend for the platform of the default device,
+falling back to the portable XLA one.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.ops.gmm_backends import (BACKENDS, GmmBackend, register_builtin_kernels,  # noqa: F401  (API)
+                                       resolve_backend)
 from umoe_jax.ops.varying import vary_like, varying_axes
-from umoe_jax.registry import Registry
-
-GmmFn = Callable[..., jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class GmmBackend:
-  """The raw (non-differentiable) operations of one backend.
-
-  Attributes:
-    gmm: `(lhs [M,K], rhs [G,K,N], group_sizes [G] int32, *, transpose_rhs: bool, out_dtype) -> [M,N]`
-      (with transpose_rhs: lhs [M,N] -> [M,K]).
-    tgmm: `(lhs [M,K], rhs [M,N], group_sizes [G] int32, *, num_groups: int, out_dtype) -> [G,K,N]`.
-    platforms: platforms ("cpu", "gpu", "tpu") on which the backend runs.
-    auto_priority: higher wins when `backend="auto"`; negative never picked automatically.
-    available: optional probe (e.g. "is jax_triton importable") checked before `auto` picks it.
-    row_index: the ops also take `lhs_index` [M] / `row_scale` [M] / `row_dot` [M, N] (gmm; with
-      `row_dot` they return (out, dots [M] float32), dots[r] = <unscaled out[r], row_dot[r]>) and
-      `lhs_index` / `rhs_index` / `lhs_scale` [M] (tgmm): operand rows read through an index, rows
-      scaled and row dots taken inside the kernel, which lets `umoe_jax.ops.fused_dispatch` skip
-      the permuted copies. Others get these done by XLA around the kernel.
-    fused_activations: activation names the row-index gmm also takes into its epilogue as
-      `epi_act` (with `row_dot`: the dot is taken with act(row_dot) and the output multiplied by
-      act'(row_dot)); XLA does this for other names.
-    scaled_row_dot: the row-index gmm with `row_dot` and `row_scale` also takes
-      `scaled_row_dot=True` and returns (out, dots, scaled [M, N] in row_dot's dtype), scaled[r] =
-      act(row_dot[r]) (rounded to its dtype; row_dot[r] without `epi_act`) * row_scale[r], written
-      by the epilogue (gmm_combine's weight-gradient rows, `moe.fuse_weight_rows`).
-    gather_sum: optional `(rows [M, D], index [N, K] int32, weights [N, K] or None) -> [N, D]`,
-      out[n] = sum_k weights[n, k] * rows[index[n, k]] accumulated in float32 (no gradient): the
-      fused dispatch's K-way fan-ins (`fused_dispatch._fan_in`); None: XLA's take + sum.
-  """
-  gmm: GmmFn
-  tgmm: GmmFn
-  platforms: tuple[str, ...]
-  auto_priority: int = 0
-  available: Callable[[], bool] = lambda: True
-  row_index: bool = False
-  fused_activations: tuple[str, ...] = ()
-  scaled_row_dot: bool = False
-  gather_sum: Optional[GmmFn] = None
-
-
-BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
-
-
-# ----------------------------------------------------------------------------------------------
-# Portable backends.
-
-
-def _xla_gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
-  contract_rhs = 2 if transpose_rhs else 1
-  dims = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(([1], [contract_rhs]), ([], [])),
-      lhs_ragged_dimensions=[0],
-      rhs_group_dimensions=[0])
-  return jax.lax.ragged_dot_general(
-      lhs, rhs, group_sizes, dims, preferred_element_type=out_dtype)
-
-
-def _xla_tgmm(lhs, rhs, group_sizes, *, num_groups, out_dtype):
-  del num_groups  # implied by group_sizes
-  dims = jax.lax.RaggedDotDimensionNumbers(
-      dot_dimension_numbers=(([0], [0]), ([], [])),
-      lhs_ragged_dimensions=[0],
-      rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(
-      lhs, rhs, group_sizes, dims, preferred_element_type=out_dtype)
-
-
-BACKENDS.register("xla")(GmmBackend(
-    gmm=_xla_gmm, tgmm=_xla_tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=0))
-
-
-def _group_ids(group_sizes, num_rows):
-  """Group index of every row [M] (rows past the last group get `G`, i.e. no group)."""
-  ends = jnp.cumsum(group_sizes)
-  return jnp.searchsorted(ends, jnp.arange(num_rows), side="right")
-
-
-def _masked_gmm(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
-  # One dense product per group over all rows, masked: G times the FLOPs, but only O(M*N) memory and
-  # nothing but dot + select, so it lowers anywhere. Useful as an independent cross-check.
-  ids = _group_ids(group_sizes, lhs.shape[0])
-  out_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-
-  def body(g, acc):
-    w = rhs[g].T if transpose_rhs else rhs[g]
-    part = jnp.dot(lhs, w, preferred_element_type=jnp.float32)
-    return acc + jnp.where((ids == g)[:, None], part, 0.0)
-
-  acc = jax.lax.fori_loop(0, rhs.shape[0], body, jnp.zeros((lhs.shape[0], out_dim), jnp.float32))
-  return acc.astype(out_dtype)
-
-
-def _masked_tgmm(lhs, rhs, group_sizes, *, num_groups, out_dtype):
-  ids = _group_ids(group_sizes, lhs.shape[0])
-  one_hot = (ids[:, None] == jnp.arange(num_groups)[None, :]).astype(lhs.dtype)  # [M, G]
-  out = jnp.einsum("mg,mk,mn->gkn", one_hot, lhs, rhs, preferred_element_type=jnp.float32)
-  return out.astype(out_dtype)
-
-
-BACKENDS.register("masked")(GmmBackend(
-    gmm=_masked_gmm, tgmm=_masked_tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=-1))
-
-
-# ----------------------------------------------------------------------------------------------
-# Backend choice.
-
-_BUILTIN_KERNELS_LOADED = False
-
-
-def register_builtin_kernels() -> None:
-  """Imports `kernels/` so that GPU/TPU kernel backends register themselves (once, lazily)."""
-  global _BUILTIN_KERNELS_LOADED
-  if _BUILTIN_KERNELS_LOADED:
-    return
-  _BUILTIN_KERNELS_LOADED = True
-  try:
-    import kernels  # noqa: F401  (registers backends on import; absent in a library-only install)
-  except ImportError:
-    pass
-
-
-def resolve_backend(name: str, platform: Optional[str] = None) -> str:
-  """Maps `name` (a backend or "auto") to a concrete backend name for `platform`.
-
-  Raises ValueError naming the backend when it is unknown or cannot run on the platform.
-  """
-  register_builtin_kernels()
-  platform = platform or jax.devices()[0].platform
-  if name != "auto":
-    backend = BACKENDS.get(name)
-    if platform not in backend.platforms:
-      raise ValueError(f"gmm backend {name!r} does not run on platform {platform!r} "
-                       f"(it runs on {', '.join(backend.platforms)})")
-    return name
-  candidates = [(BACKENDS.get(n).auto_priority, n) for n in BACKENDS.names()
-                if platform in BACKENDS.get(n).platforms and BACKENDS.get(n).auto_priority >= 0
-                and BACKENDS.get(n).available()]
-  return max(candidates)[1]
 
 
 # ----------------------------------------------------------------------------------------------

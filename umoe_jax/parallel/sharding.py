@@ -133,7 +133,7 @@ def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs, *, check_vma: bool =
   """`jax.shard_map(f, ...)`, or `jax.experimental.shard_map` (jax < 0.7, where the check of
   replicated / varying values is called `check_rep`). check_vma=False for bodies whose custom calls
   drop the varying-axes type: then the transpose sums each input's cotangent over the mesh axes its
-  in_spec leaves out, whatever the body's types say (`attention.common.on_local_shards` needs that)."""
+  in_spec leaves out, whatever the body's types say (`attention.local_shards.on_local_shards` needs that)."""
   if hasattr(jax, "shard_map"):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
   from jax.experimental.shard_map import shard_map as legacy_shard_map  # jax < 0.7

@@ -14,5 +14,6 @@ reads, e.g. whether it routes into the layer's expert pool, are one row of
       with cache (a `LayerCache`): -> (y, routes, cache.append(<this pass's entries>)), attending
       over every cached slot with key positions `cache.key_positions` (negative = never attend)
 """
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention  # noqa: F401
+from umoe_jax.model.attention.common import ATTENTIONS  # noqa: F401
+from umoe_jax.model.attention.cores import causal_attention  # noqa: F401
 from umoe_jax.model.attention import mha, moa, postmix, premix, switchhead  # noqa: F401  (register)

@@ -5,7 +5,8 @@ import jax
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.common import ATTENTIONS
+from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.attention.stats import MHAStats
 from umoe_jax.model.layers import Linear
 from umoe_jax.model.rope import apply_rope

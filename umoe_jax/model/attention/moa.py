@@ -24,7 +24,8 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.counting import AttentionStats, Count, linear
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.common import ATTENTIONS
+from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.model.routers import call_router, make_router, router_macs, router_params

@@ -38,8 +38,9 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.kinds import router_masks_slots
-from umoe_jax.model.attention.common import (ATTENTIONS, causal_attention, low_rank_expert_apply,
+from umoe_jax.model.attention.common import (ATTENTIONS, low_rank_expert_apply,
                                              low_rank_expert_params)
+from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.attention.stats import PreMixStats
 from umoe_jax.model.cache import EMPTY
 from umoe_jax.model.layers import MLP, Linear

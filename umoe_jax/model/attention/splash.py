@@ -12,7 +12,7 @@ The causal mask is splash's `CausalMask` (fully masked blocks are skipped, not c
 scaled by 1/sqrt(Dk) before the kernel (splash applies no scale). Sequence lengths must be a multiple
 of 128 (the block sizes below), else the XLA form runs.
 
-Under `parallel.use_mesh` the kernel runs inside `shard_map` (`common.on_local_shards`): batch split
+Under `parallel.use_mesh` the kernel runs inside `shard_map` (`local_shards.on_local_shards`): batch split
 like the activations (BATCH), query heads over HEADS' mesh axes when they divide them (MQA keys and
 values whole on every head shard), sequence whole.
 """
@@ -25,6 +25,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.model.attention.local_shards import on_local_shards
 from umoe_jax.ops import pallas_tpu
 
 BLOCKS = (512, 256, 128)  # q / kv block sizes tried, largest first (must divide the length)
@@ -74,8 +75,6 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     [B, T, H, Dv] in q's dtype, or None (keys not the queries' own length, a length no block
     divides, unsupported dtype).
   """
-  from umoe_jax.model.attention.common import on_local_shards
-
   interpret = pallas_tpu.interpret() if interpret is None else interpret
   t, h = q.shape[1], q.shape[2]
   hk = k.shape[2]

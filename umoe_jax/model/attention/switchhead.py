@@ -28,7 +28,8 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.counting import Count, linear
-from umoe_jax.model.attention.common import ATTENTIONS, causal_attention
+from umoe_jax.model.attention.common import ATTENTIONS
+from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.attention.mha import HeadsQK
 from umoe_jax.model.attention.stats import MHAStats
 from umoe_jax.model.layers import make_param, normal_init

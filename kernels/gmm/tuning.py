@@ -12,7 +12,7 @@ larger than L2 can want other tiles).
 For gmm/gmm_t: kc = contraction dim, no = output dim. For tgmm: kc = K (rows of the output tile),
 no = N (output cols); bm/bn then give the output tile and bk the rows accumulated per step.
 
-Pallas TPU (backend "megablox", kernels/megablox_gmm.py) rows are keyed by TPU generation: backend
+Pallas TPU (backend "megablox", kernels/gmm/megablox_gmm.py) rows are keyed by TPU generation: backend
 "megablox/<gen>" (`umoe_jax.ops.pallas_tpu.generation`: "v5e", "v5p", "v6e", ...), e.g.
 ("megablox/v6e", "gmm", 768, 192). bm / bk / bn are megablox's (tm, tk, tn) for gmm and gmm_t, and
 (tk, tn) output tile + tm rows per step for tgmm, as above. The table holds no TPU row:

@@ -40,10 +40,10 @@ delta[r] = <dO[r], out[r]> (float32) is one XLA reduction before the backward ke
 
 Chunk widths (D chunk, `bd`) may be two powers of two (256 + 128 = 384), like the grouped matmul's
 column tiles; the key width dk is held as two exact pieces when it is a sum of two powers of two
-(192 = 128 + 64; `attention_tiles.key_pieces`), else padded to a power of two >= 16 inside the
+(192 = 128 + 64; `tiles.key_pieces`), else padded to a power of two >= 16 inside the
 kernels (masked loads).
 
-The kernels themselves are in kernels/triton_attention_kernels.py; this module launches and composes
+The kernels themselves are in kernels/attention/triton_kernels.py; this module launches and composes
 them. `premix_attention` is the differentiable JAX entry (jax.custom_vjp); `supported` says whether
 the kernels take given arrays (callers fall back to XLA otherwise). Kernel launches go through
 `_launch`, which tests replace by the Triton interpreter.
@@ -57,11 +57,11 @@ import jax
 import jax.numpy as jnp
 
 from kernels import triton_launch
-from kernels.attention_tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
+from kernels.attention.tiles import (FlashTiles, PassTiles, default_tiles, dk_ds_launch, dk_launch,
                                      dq_ds_launch, dq_launch, ds_launch, dx_launch, fwd_launch,
                                      with_backward)
-from kernels.triton_attention_kernels import LOG2E
-from kernels.triton_gmm import HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, default_backend_is_gpu
+from kernels.attention.triton_kernels import LOG2E
+from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu, placeholder
 
 if HAVE_JAX_TRITON:
   import jax_triton as jt
@@ -70,9 +70,9 @@ MAX_HEAD_DIM = 512  # a [BN, dk] key tile and [BM, dk] query tile must fit in sh
 
 
 if HAVE_TRITON:
-  from kernels.triton_attention_kernels import (_bwd_dk_ds_kernel, _bwd_dk_kernel, _bwd_dq_ds_kernel,
-                                                _bwd_dq_kernel, _bwd_ds_kernel, _bwd_dx_kernel,
-                                                _bwd_dxdk_kernel, _fwd_kernel)
+  from kernels.attention.triton_kernels import (_bwd_dk_ds_kernel, _bwd_dk_kernel, _bwd_dq_ds_kernel,
+                                                         _bwd_dq_kernel, _bwd_ds_kernel, _bwd_dx_kernel,
+                                                         _bwd_dxdk_kernel, _fwd_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def _bwd_dx(q, k, v, dout, lse, tiles: PassTiles, probs_t=None):
   not recomputed."""
   b, t, h, dk = q.shape
   grid, meta = _meta(dx_launch(t, h, dk, v.shape[-1], tiles), b)
-  p = _placeholder() if probs_t is None else probs_t
+  p = placeholder() if probs_t is None else probs_t
   return _launch(_bwd_dx_kernel, grid, (q, k, dout, lse, p), jax.ShapeDtypeStruct(v.shape, v.dtype),
                  LOAD_P=probs_t is not None, **_common(q, v), **meta)
 
@@ -237,7 +237,7 @@ def premix_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, tiles: FlashTi
   Args:
     q [B, T, H, dk]; k [B, T, dk]; v [B, T, D] (query t sees keys s <= t), same dtype.
     tiles: kernel tiles (default: `default_tiles(dk, D)`).
-    backward: the backward's form over those tiles (`attention_tiles.with_backward`): "auto" (the
+    backward: the backward's form over those tiles (`tiles.with_backward`): "auto" (the
       tiles' own), "recompute", "stored_pairs".
   Returns:
     [B, T, H, D] in q's dtype; differentiable in q, k, v.

@@ -1,4 +1,4 @@
-"""Tiles and launch geometry of the Triton pre-mixing attention kernels (kernels/triton_attention.py).
+"""Tiles and launch geometry of the Triton pre-mixing attention kernels (kernels/attention/triton_attention.py).
 
 Pure Python (tested on CPU). A kernel's tiles (`PassTiles`): bm query rows, bn keys, bd value
 columns (the forward's and dX pass's D chunk, which may be two powers of two such as 256 + 128, or
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from kernels.triton_gmm import _pow2_at_least, split_width
+from kernels.triton_base import pow2_at_least, split_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,11 +179,11 @@ MIN_DOT = 16
 
 def key_width(dk: int) -> int:
   """dk padded to a power of two >= MIN_DOT: the kernels' one-piece key width (masked loads)."""
-  return max(MIN_DOT, _pow2_at_least(dk))
+  return max(MIN_DOT, pow2_at_least(dk))
 
 
 def key_pieces(dk: int) -> dict:
-  """The kernels' key-width constexprs {DK1, DK2, DK2S} (triton_attention_kernels' docstring): two
+  """The kernels' key-width constexprs {DK1, DK2, DK2S} (attention.triton_kernels' docstring): two
   exact pieces (dk = DK1 + DK2, each >= MIN_DOT) when dk is such a sum, else one padded piece
   (DK1 = key_width(dk), DK2 = 0, DK2S = 1). Two exact pieces (192 = 128 + 64) put a quarter less
   tensor-core work into every product over dk than one piece padded to 256: on one H200 the

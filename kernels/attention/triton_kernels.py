@@ -1,4 +1,4 @@
-"""The Triton kernels of the pre-mixing attention core (kernels/triton_attention.py, whose docstring
+"""The Triton kernels of the pre-mixing attention core (kernels/attention/triton_attention.py, whose docstring
 says what each computes and how the JAX side launches and composes them).
 
 Grid axis 1 = batch in every kernel; q is [B, T*H, dk] (the H heads of a position are consecutive
@@ -10,12 +10,12 @@ Key width: every [rows, dk] tile (q, k, dQ, dK) is held as two column pieces, [r
 [rows, DK2S] from column DK1 (`_rows_load`), and every product over dk is the sum of the pieces'
 products (`_dot_t`, `_dot_acc`). DK2 = 0 is the one-piece layout: DK1 = dk padded to a power of two
 (masked loads; the second piece is a unused [rows, 1] zero tile). DK1 + DK2 = dk splits a width of two
-powers of two exactly (192 = 128 + 64; attention_tiles.key_pieces), so no tensor-core work goes to
+powers of two exactly (192 = 128 + 64; tiles.key_pieces), so no tensor-core work goes to
 padding columns.
 """
 from __future__ import annotations
 
-from kernels.triton_gmm import HAVE_TRITON
+from kernels.triton_base import HAVE_TRITON
 
 if HAVE_TRITON:
   import triton

@@ -13,7 +13,7 @@ What this wrapper adds to make them honour the `umoe_jax.ops.gmm` contract:
   * rows past sum(group_sizes) are zeroed in the gmm output (the kernel never writes them);
   * tiles are clamped to the operand (a width below the tile becomes one full-width block, which
     Mosaic accepts whatever its size; a wider one keeps the 128-multiple tile, last block partial).
-Tiles come from `kernels.tuning` under the backend key "megablox/<TPU generation>" (see there).
+Tiles come from `kernels.gmm.tuning` under the backend key "megablox/<TPU generation>" (see there).
 Operands must be bfloat16 or float32 (the kernels' dtypes). No row-index (gather / scale) variants:
 `umoe_jax.ops.fused_dispatch` does the gathers in XLA around these calls. Inside expert parallelism's
 `shard_map(check_vma=True)` the calls run with the check off (`pallas_tpu.outside_vma_check`: the
@@ -30,7 +30,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kernels import tuning
+from kernels.gmm import tuning
 from umoe_jax.ops import pallas_tpu
 
 # The package's __init__ rebinds `megablox.gmm` to the custom-VJP op; the raw kernels live in the
@@ -43,7 +43,7 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def tuning_key(device_kind: Optional[str] = None) -> str:
-  """The backend key of this TPU's rows in `kernels.tuning.TABLE`: "megablox/v5e", ..."""
+  """The backend key of this TPU's rows in `kernels.gmm.tuning.TABLE`: "megablox/v5e", ..."""
   return f"megablox/{pallas_tpu.generation(device_kind) or 'v5e'}"
 
 

@@ -14,7 +14,7 @@ the memory floor.
 
 `gather_sum` is the JAX entry (no gradient: callers differentiate around it, the fan-in's
 transpose being a gather again). It runs where the triton gmm backend runs, as that backend's
-`gather_sum` (kernels/__init__.py). Launches go through `_launch`, which the CPU tests replace by
+`gather_sum` (umoe_jax/ops/gmm_backends.py). Launches go through `_launch`, which the CPU tests replace by
 the Triton interpreter.
 """
 from __future__ import annotations
@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import triton_launch
-from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _placeholder, _pow2_at_least,
-                                default_backend_is_gpu)
+from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu, placeholder, pow2_at_least
 
 if HAVE_TRITON:
   import triton
@@ -73,7 +72,7 @@ def launch_params(n: int, k: int, d: int, config: FanInConfig | None = None) -> 
   for name, v in (("block_n", cfg.block_n), ("block_d", cfg.block_d)):
     if v < 1 or v & (v - 1):
       raise ValueError(f"fan-in kernel: {name}={v} must be a power of two")
-  block_d = min(cfg.block_d, _pow2_at_least(max(d, 16)))  # no wider than the rows need
+  block_d = min(cfg.block_d, pow2_at_least(max(d, 16)))  # no wider than the rows need
   return dict(grid=(max(1, -(-n // cfg.block_n)), -(-d // block_d)), N=n, K=k, D=d,
               BLOCK_N=cfg.block_n, BLOCK_D=block_d, num_warps=cfg.num_warps)
 
@@ -97,7 +96,7 @@ def gather_sum(rows: jax.Array, index: jax.Array, weights: jax.Array | None = No
   meta = launch_params(n, k, rows.shape[1], config)
   grid = meta.pop("grid")
   args = (jax.lax.stop_gradient(rows), index.astype(jnp.int32),
-          _placeholder() if weights is None else jax.lax.stop_gradient(weights))
+          placeholder() if weights is None else jax.lax.stop_gradient(weights))
   return _launch(_gather_sum_kernel, grid, args, jax.ShapeDtypeStruct((n, rows.shape[1]), rows.dtype),
                  WEIGHTED=weights is not None, **meta)
 

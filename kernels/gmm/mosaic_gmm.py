@@ -18,7 +18,7 @@ both operands) before the wgmma; an empty group writes zeros.
 
 Rows are padded to a multiple of 8 when M is not (the TMA tiling needs it; measured on the H200:
 M = 97, 700, 1337 were refused without it). Requirements (else the call falls back to the Triton backend when available, or to XLA): contraction
-and output widths divisible by the tile sizes chosen in kernels/tuning.py, 16-bit inputs.
+and output widths divisible by the tile sizes chosen in kernels/gmm/tuning.py, 16-bit inputs.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import schedule
-from kernels import tuning
+from kernels.gmm import schedule, tuning
+from umoe_jax.ops import ragged
 
 try:
   from jax.experimental import pallas as pl
@@ -208,11 +208,11 @@ def tgmm_supported(m, k, n, dtype, cfg) -> bool:
 
 
 def _fallback():
-  from umoe_jax.ops import gmm as G
-  for name in ("triton", "xla"):
-    if name in G.BACKENDS and G.BACKENDS.get(name).available():
-      return G.BACKENDS.get(name)
-  return G.BACKENDS.get("xla")
+  """What runs a shape these kernels do not take: the Triton kernels where they run, else XLA."""
+  from kernels.gmm import triton_gmm
+  if triton_gmm.available():
+    return triton_gmm.triton_gmm, triton_gmm.triton_tgmm
+  return ragged.xla_gmm, ragged.xla_tgmm
 
 
 _ROW_ALIGN = 8
@@ -229,7 +229,7 @@ def mgpu_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, conf
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   cfg = config or tuning.lookup("mosaic", "gmm_t" if transpose_rhs else "gmm", m, kc, no, g)
   if not gmm_supported(m + (-m) % _ROW_ALIGN, kc, no, lhs.dtype, cfg):
-    return _fallback().gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    return _fallback()[0](lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
   # TMA's (8, swizzle) tiling wants the row count a multiple of 8: pad (rows past sum(group_sizes)
   # are the zero tail anyway) and cut the padding off the result. Free when M % 8 == 0.
   pad = (-m) % _ROW_ALIGN
@@ -245,7 +245,7 @@ def mgpu_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, config=
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   cfg = config or tuning.lookup("mosaic", "tgmm", m, k, n, g)
   if not tgmm_supported(m + (-m) % _ROW_ALIGN, k, n, lhs.dtype, cfg):
-    return _fallback().tgmm(lhs, rhs, group_sizes, num_groups=g, out_dtype=out_dtype)
+    return _fallback()[1](lhs, rhs, group_sizes, num_groups=g, out_dtype=out_dtype)
   pad = (-m) % _ROW_ALIGN  # padded rows lie outside every group: never accumulated
   return _tgmm_kernel_call(_pad_rows(lhs, pad), _pad_rows(rhs.astype(lhs.dtype), pad),
                            group_sizes.astype(jnp.int32), g, out_dtype, cfg)

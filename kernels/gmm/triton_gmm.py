@@ -31,36 +31,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels import triton_launch, tuning
+from kernels import triton_launch
+from kernels.gmm import tuning
+from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, gpu_available, placeholder, pow2_at_least, split_width
 from umoe_jax.ops import epilogue
 
-try:  # Triton is only on GPU machines; this module must still import elsewhere.
+if HAVE_TRITON:
   import triton
   import triton.language as tl
-  HAVE_TRITON = True
-except Exception:  # noqa: BLE001
-  HAVE_TRITON = False
-
-try:
+if HAVE_JAX_TRITON:
   import jax_triton as jt
-  HAVE_JAX_TRITON = True
-except Exception:  # noqa: BLE001
-  HAVE_JAX_TRITON = False
-
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def split_width(width: int) -> tuple[int, int]:
-  """A tile width as (power of two, power of two or 0): 192 -> (128, 64), 256 -> (256, 0)."""
-  hi = 1 << (int(width).bit_length() - 1)
-  rest = width - hi
-  if rest == 0:
-    return hi, 0
-  if rest & (rest - 1):
-    raise ValueError(f"tile width {width} is not a power of two or a sum of two powers of two")
-  return hi, rest
 
 
 if HAVE_TRITON:
@@ -411,7 +391,7 @@ def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig,
   programs = m_tiles * n_tiles
   num_progs = min(cfg.persistent * num_sms, programs) if cfg.persistent else 0
   return dict(grid=(num_progs or programs,), BM=cfg.bm, BN=bn, BN2=bn2, BK=cfg.bk, N_TILES=n_tiles,
-              GP=_pow2_at_least(g + 1), NUM_PROGS=num_progs, WARP_SPECIALIZE=cfg.warp_specialize,
+              GP=pow2_at_least(g + 1), NUM_PROGS=num_progs, WARP_SPECIALIZE=cfg.warp_specialize,
               PREFETCH_D=cfg.prefetch_row_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -429,7 +409,7 @@ def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
   k_tiles = -(-k // cfg.bm)
   n_tiles = -(-n // cfg.bn)
   return dict(grid=(g * k_tiles * n_tiles,), BK=bk, BK2=bk2, BN=bn, BN2=bn2, BM=cfg.bk,
-              K_TILES=k_tiles, N_TILES=n_tiles, GP=_pow2_at_least(g), num_warps=cfg.num_warps,
+              K_TILES=k_tiles, N_TILES=n_tiles, GP=pow2_at_least(g), num_warps=cfg.num_warps,
               num_stages=cfg.num_stages)
 
 
@@ -455,10 +435,6 @@ def _num_sms() -> int:
   return int(getattr(dev, "core_count", 0) or 132)  # H100/H200: 132
 
 
-
-def _placeholder():
-  """A one-element int32 array standing in for an unused optional kernel operand."""
-  return jnp.zeros((1,), jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,7 +464,7 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
   `scaled_row_dot` (with `row_dot` and `row_scale`): return (out, dots, scaled) with scaled [M, N_out]
   in row_dot's dtype, scaled[r] = act(z[r]) (rounded to that dtype; z[r] itself without `epi_act`)
   * row_scale[r]: written from the tiles the epilogue loaded anyway. A tile with `xla_epilogue`
-  (`kernels.tuning.TileConfig`) runs the kernel without the row-dot epilogue and XLA's after it
+  (`kernels.gmm.tuning.TileConfig`) runs the kernel without the row-dot epilogue and XLA's after it
   (`_with_xla_epilogue`)."""
   if epi_act is not None and row_dot is None:
     raise ValueError("triton_gmm: epi_act needs row_dot (the pre-activations)")
@@ -509,9 +485,9 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None, co
                               row_scale, row_dot, epi_act, scaled_row_dot)
   launch = gmm_launch(m, kc, no, g, cfg, _num_sms() if cfg.persistent else 132)
   grid = launch.pop("grid")
-  index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
-  scale = _placeholder() if row_scale is None else row_scale.astype(jnp.float32)
-  other = _placeholder() if row_dot is None else row_dot
+  index = placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
+  scale = placeholder() if row_scale is None else row_scale.astype(jnp.float32)
+  other = placeholder() if row_dot is None else row_dot
   # Column tiles write partial dots [N_TILES, M], summed here (deterministic, no atomics).
   dots_shape = (launch["N_TILES"], m) if row_dot is not None else (1,)
   scaled_shape = jax.ShapeDtypeStruct((m, no) if scaled_row_dot else (1,),
@@ -557,9 +533,9 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
   cfg = config or tuning.lookup("triton", "tgmm+gather" if gathered else "tgmm", m, k, n, g)
   launch = tgmm_launch(m, k, n, g, cfg)
   grid = launch.pop("grid")
-  a_index = _placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
-  b_index = _placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)
-  a_scale = _placeholder() if lhs_scale is None else lhs_scale.astype(jnp.float32)
+  a_index = placeholder() if lhs_index is None else lhs_index.astype(jnp.int32)
+  b_index = placeholder() if rhs_index is None else rhs_index.astype(jnp.int32)
+  a_scale = placeholder() if lhs_scale is None else lhs_scale.astype(jnp.float32)
   order = tile_order(group_sizes, g, TGMM_BIG_FIRST_SKEW)
   return jt.triton_call(
       lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32), a_index, b_index, a_scale, order,
@@ -568,24 +544,7 @@ def triton_tgmm(lhs, rhs, group_sizes, *, num_groups=None, out_dtype=None, confi
       A_SCALE=lhs_scale is not None, **launch, **triton_launch.launch_kwargs())
 
 
-def available() -> bool:
-  if not (HAVE_TRITON and HAVE_JAX_TRITON):
-    return False
-  try:
-    return any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    return False
-
-
-def default_backend_is_gpu() -> bool:
-  """Triton and jax-triton import and JAX's default backend is a GPU: where the other Triton kernels
-  (attention core, top-k) launch (their modules' `available`)."""
-  if not (HAVE_TRITON and HAVE_JAX_TRITON):
-    return False
-  try:
-    return jax.default_backend() == "gpu"
-  except RuntimeError:
-    return False
+available = gpu_available
 
 
 GMM = triton_gmm

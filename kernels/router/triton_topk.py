@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import triton_launch
-from kernels.triton_gmm import (HAVE_JAX_TRITON, HAVE_TRITON, _pow2_at_least,
-                                default_backend_is_gpu)
+from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, default_backend_is_gpu, pow2_at_least
 
 if HAVE_TRITON:
   import triton
@@ -109,11 +108,11 @@ def row_tiles(e: int, k: int, config: TopKConfig | None = None, *, kernel: str =
   if e > MAX_E:
     raise ValueError(f"{kernel} kernel: E={e} exceeds MAX_E={MAX_E}")
   cfg = config or TopKConfig()
-  e_pad = _pow2_at_least(max(e, 2))  # no 1-wide aranges
+  e_pad = pow2_at_least(max(e, 2))  # no 1-wide aranges
   block_rows = cfg.block_rows or max(1, row_elements // e_pad)
   if block_rows & (block_rows - 1):
     raise ValueError(f"{kernel} kernel: block_rows={block_rows} must be a power of two")
-  return dict(E=e, E_PAD=e_pad, K=k, K_PAD=_pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows,
+  return dict(E=e, E_PAD=e_pad, K=k, K_PAD=pow2_at_least(max(k, 2)), BLOCK_ROWS=block_rows,
               num_warps=cfg.num_warps)
 
 
