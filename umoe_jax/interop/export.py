@@ -27,6 +27,7 @@ import tempfile
 from typing import Optional
 
 from umoe_jax import storage
+from umoe_jax.interop.tokenizer_files import copy_tokenizer
 
 FORMATS = ("official", "hf")
 WEIGHT_DTYPES = ("float32", "bfloat16")
@@ -77,26 +78,6 @@ def flat_params(model, dtype: str = "float32") -> dict[tuple, "np.ndarray"]:
   want = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
   return {tuple(p): np.asarray(v.get_value()).astype(want)
           for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def copy_tokenizer(spec: str, out_dir: str) -> list[str]:
-  """Copies the tokenizer.json `spec` names (and the tokenizer_config.json / special_tokens_map.json
-  beside it, if any) into out_dir; the names copied ([] for the byte tokenizer)."""
-  if spec in ("", "byte"):
-    return []
-  path = storage.expand(spec)
-  if storage.isdir(path):
-    path = storage.join(path, "tokenizer.json")
-  copied = []
-  folder = storage.dirname(path)
-  for name, src in (("tokenizer.json", path),
-                    ("tokenizer_config.json", storage.join(folder, "tokenizer_config.json")),
-                    ("special_tokens_map.json", storage.join(folder, "special_tokens_map.json"))):
-    if storage.isfile(src):
-      with open(os.path.join(out_dir, name), "wb") as f:
-        f.write(storage.read_bytes(src))
-      copied.append(name)
-  return copied
 
 
 def write_official(model, section, spec: str, out_dir: str, *, dtype: str) -> str:
