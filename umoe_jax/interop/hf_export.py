@@ -116,8 +116,7 @@ def write_hf(model, section, spec: str, tok, out_dir: str, *, dtype: str) -> str
             "num_hidden_layers": umoe["n_layers"], "max_position_embeddings": umoe["max_seq_len"],
             "bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos,
             "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype}
-  generation = {"eos_token_id": eos, "pad_token_id": eos, "do_sample": False,
-                "max_length": umoe["max_seq_len"]}
+  generation = {"eos_token_id": eos, "pad_token_id": eos, "do_sample": False}
   for name, data in (("config.json", config), ("generation_config.json", generation)):
     with open(os.path.join(out_dir, name), "w") as f:
       json.dump(data, f, indent=2, sort_keys=True)
