@@ -209,7 +209,7 @@ def test_pool_under_a_mesh_keeps_fuse_activation(monkeypatch, fuse):
   import jax
   from umoe_jax.model import experts
   from umoe_jax.ops import dispatch
-  from umoe_jax.parallel import expert_routes
+  from umoe_jax.model import expert_routes
   seen, captured = [], {}
   real = experts.gmm_combine
   monkeypatch.setattr(experts, "gmm_combine", lambda *a, **kw: seen.append(

@@ -26,7 +26,8 @@ SOURCES = ("umoe_jax", "kernels", "configs", "bench", "tests", "tools", "train.p
 # packages_distributions() cannot say).
 DISTRIBUTION = {"absl": "absl-py", "yaml": "pyyaml", "orbax": "orbax-checkpoint",
                 "ml_collections": "ml-collections", "array_record": "array-record",
-                "jax_triton": "jax-triton", "lm_eval": "lm-eval", "ml_dtypes": "ml-dtypes"}
+                "jax_triton": "jax-triton", "lm_eval": "lm-eval", "ml_dtypes": "ml-dtypes",
+                "google": "google-cloud-storage"}
 
 
 def _norm(name: str) -> str:
