@@ -8,6 +8,10 @@ TFLOP/s, the lowest time), one table for the models' training steps, one for the
 metrics, one per kernel (configs `BENCH:SHAPE`), each figure with its anchor and result id. Then the
 "to measure" list, bench/results/to_measure.md as written. README.md is touched only between
 `README_BEGIN` and `README_END`, and only where both markers are there.
+
+The zoo's config files (`configs/<family>_<scale>.py`) state in their docstring the command that
+trains them and the training step they give (each device's best default-settings row, with its own
+command), or that none is measured yet: everything after the docstring's first line is written here.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import argparse
 import difflib
 import json
 import os
+import re
+import shlex
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,6 +31,7 @@ import results  # noqa: E402  (bench/results.py)
 
 PAGE = os.path.join(ROOT, "docs", "performance.md")
 README = os.path.join(ROOT, "README.md")
+CONFIGS = os.path.join(ROOT, "configs")
 TO_MEASURE = os.path.join(results.RESULTS_DIR, "to_measure.md")
 README_BEGIN, README_END = "<!-- performance:begin -->", "<!-- performance:end -->"
 COMMAND = "python3 -m bench.report"
@@ -144,6 +151,65 @@ def readme_block(rows: list[dict]) -> str:
                     "More, with kernels and settings: [docs/performance.md](docs/performance.md)."])
 
 
+# A zoo config: its docstring, then `get_config` returning `common.experiment(family, scale)`.
+_ZOO_CONFIG = re.compile(r'\A"""([^\n]*?)(?:\n.*?)?"""\n(from configs import common\n\n\ndef get_config\(\):\n'
+                         r'  return common\.experiment\("\w+", "\w+"\))\n?\Z', re.S)
+
+
+def _row_command(row: dict) -> str:
+  """The row's command as someone reruns it for this config alone: other configs of a `--runs` list
+  and the output flags (where a GPU call wrote its files) left out."""
+  words = []
+  for w in shlex.split(row["command"]):
+    if w.startswith(("--results=", "--out=")):
+      continue
+    if w.startswith("--runs="):
+      w = "--runs=" + ",".join(r for r in w[len("--runs="):].split(",")
+                               if r.split(":")[0] == row["config"])
+    words.append(w)
+  return shlex.join(words)
+
+
+def config_docstring(name: str, first_line: str, rows: list[dict]) -> str:
+  """The docstring of `configs/<name>.py`: its first line kept, then the command and the result."""
+  lines = [first_line, "", "Train (checkpoints and TensorBoard logs in the workdir):",
+           f"  python3 train.py --config=configs/{name}.py --workdir=runs/{name}"]
+  mine = sorted((r for r in rows if r["config"] == name and r["metric"] == TRAINING
+                 and not r["overrides"]), key=lambda r: r["device"])
+  if not mine and not name.endswith("_tiny"):   # tiny models are for CPUs; nobody times their steps
+    lines += ["Training step: not measured yet (docs/performance.md, \"To measure\"; the command for",
+              f"  a row: python3 bench/train_step.py --runs={name}:single --steps=10)."]
+  for r in mine:
+    x = r.get("extra", {})
+    shape = f"{x['batch']} x {x['seq_len']} tokens, " if "batch" in x and "seq_len" in x else ""
+    figures = [f"{x['step_ms']:.1f} ms a step" if "step_ms" in x else None,
+               f"{fmt(r['value'], r['unit'])} tokens/s",
+               f"{100 * x['mfu']:.1f}% MFU" if "mfu" in x else None]
+    lines += [f"Training step on {r['device']} (bench/train_step.py, random tokens):",
+              f"  {_row_command(r)}",
+              f"  {', '.join(f for f in figures if f)} ({shape}{r['date']}), result {r['id']}"]
+  if len(lines) > 4:
+    lines += [f"Written by `{COMMAND}` from bench/results/ (every figure with its anchor:",
+              "docs/performance.md); do not edit below the first line."]
+  return "\n".join(lines)
+
+
+def config_files(rows: list[dict], configs_dir: str) -> dict[str, str]:
+  """{path: text with its docstring as the rows give it} for every zoo config in `configs_dir`."""
+  best = [r for r in best_rows(rows).values() if ":" not in r["config"]]
+  out = {}
+  for f in sorted(os.listdir(configs_dir)):
+    path = os.path.join(configs_dir, f)
+    if not f.endswith(".py"):
+      continue
+    with open(path) as fh:
+      text = fh.read()
+    m = _ZOO_CONFIG.match(text)
+    if m:
+      out[path] = f'"""{config_docstring(f[:-3], m.group(1), best)}\n"""\n{m.group(2)}\n'
+  return out
+
+
 def with_readme_block(text: str, block: str) -> str:
   """`text` with what lies between the markers replaced by `block` (unchanged without both)."""
   begin, end = text.find(README_BEGIN), text.find(README_END)
@@ -153,8 +219,9 @@ def with_readme_block(text: str, block: str) -> str:
 
 
 def outputs(directory: str = results.RESULTS_DIR, page_path: str = PAGE,
-            readme_path: str = README) -> dict[str, str]:
-  """{path: the text the rows give} for the page and, where it has the markers, README.md."""
+            readme_path: str = README, configs_dir: str | None = CONFIGS) -> dict[str, str]:
+  """{path: the text the rows give} for the page and, where they differ from what is there,
+  README.md (with the markers) and the zoo configs of `configs_dir` (None: none)."""
   rows = results.load(directory)
   with open(os.path.join(directory, "to_measure.md")) as f:
     want = {page_path: page(rows, f.read())}
@@ -164,6 +231,11 @@ def outputs(directory: str = results.RESULTS_DIR, page_path: str = PAGE,
     new = with_readme_block(text, readme_block(rows))
     if new != text:
       want[readme_path] = new
+  if configs_dir:
+    for path, new in config_files(rows, configs_dir).items():
+      with open(path) as f:
+        if f.read() != new:
+          want[path] = new
   return want
 
 

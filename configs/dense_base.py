@@ -1,9 +1,12 @@
 """dense model at base scale (see configs/common.py for the family and scale definitions).
 
-Training throughput (bench/train_step.py, the trainer's own jitted step on random tokens):
-  python3 bench/train_step.py --runs=dense_base:single --steps=10
-Measured: 58.7 ms a step, 558.1k tokens/s, 43.5% MFU (32 x 1024 tokens, one NVIDIA H200), result 2026-12-02-h200-tokens_per_s-a1f4200d
-(bench/results/; every current figure, with its anchor: docs/performance.md).
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/dense_base.py --workdir=runs/dense_base
+Training step on NVIDIA H200 (bench/train_step.py, random tokens):
+  python3 bench/train_step.py --runs=dense_base:single --steps=10 --time_limit_s=250
+  58.3 ms a step, 562.0k tokens/s, 43.8% MFU (32 x 1024 tokens, 2026-12-05), result 2026-12-05-h200-tokens_per_s-1a2fc4ee
+Written by `python3 -m bench.report` from bench/results/ (every figure with its anchor:
+docs/performance.md); do not edit below the first line.
 """
 from configs import common
 

@@ -1,4 +1,8 @@
-"""dense model at tiny scale (see configs/common.py for the family and scale definitions)."""
+"""dense model at tiny scale (see configs/common.py for the family and scale definitions).
+
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/dense_tiny.py --workdir=runs/dense_tiny
+"""
 from configs import common
 
 

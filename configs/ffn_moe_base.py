@@ -1,9 +1,12 @@
 """ffn_moe model at base scale (see configs/common.py for the family and scale definitions).
 
-Training throughput (bench/train_step.py, the trainer's own jitted step on random tokens):
-  python3 bench/train_step.py --runs=ffn_moe_base:single --steps=10
-Measured: 86.4 ms a step, 379.3k tokens/s, 29.8% MFU (32 x 1024 tokens, one NVIDIA H200), result 2026-12-04-h200-tokens_per_s-ae354880
-(bench/results/; every current figure, with its anchor: docs/performance.md).
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/ffn_moe_base.py --workdir=runs/ffn_moe_base
+Training step on NVIDIA H200 (bench/train_step.py, random tokens):
+  python3 bench/train_step.py --runs=ffn_moe_base:single --steps=10 --time_limit_s=250
+  85.8 ms a step, 382.1k tokens/s, 30.0% MFU (32 x 1024 tokens, 2026-12-05), result 2026-12-05-h200-tokens_per_s-21782a13
+Written by `python3 -m bench.report` from bench/results/ (every figure with its anchor:
+docs/performance.md); do not edit below the first line.
 """
 from configs import common
 

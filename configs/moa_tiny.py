@@ -1,4 +1,8 @@
-"""moa model at tiny scale (see configs/common.py for the family and scale definitions)."""
+"""moa model at tiny scale (see configs/common.py for the family and scale definitions).
+
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/moa_tiny.py --workdir=runs/moa_tiny
+"""
 from configs import common
 
 

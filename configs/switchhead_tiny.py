@@ -1,4 +1,8 @@
-"""switchhead model at tiny scale (see configs/common.py for the family and scale definitions)."""
+"""switchhead model at tiny scale (see configs/common.py for the family and scale definitions).
+
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/switchhead_tiny.py --workdir=runs/switchhead_tiny
+"""
 from configs import common
 
 

@@ -1,4 +1,12 @@
-"""umoe_att model at large scale (see configs/common.py for the family and scale definitions)."""
+"""umoe_att model at large scale (see configs/common.py for the family and scale definitions).
+
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/umoe_att_large.py --workdir=runs/umoe_att_large
+Training step: not measured yet (docs/performance.md, "To measure"; the command for
+  a row: python3 bench/train_step.py --runs=umoe_att_large:single --steps=10).
+Written by `python3 -m bench.report` from bench/results/ (every figure with its anchor:
+docs/performance.md); do not edit below the first line.
+"""
 from configs import common
 
 

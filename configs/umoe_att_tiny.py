@@ -1,4 +1,8 @@
-"""umoe_att model at tiny scale (see configs/common.py for the family and scale definitions)."""
+"""umoe_att model at tiny scale (see configs/common.py for the family and scale definitions).
+
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/umoe_att_tiny.py --workdir=runs/umoe_att_tiny
+"""
 from configs import common
 
 

@@ -1,4 +1,8 @@
-"""umoe model at tiny scale (see configs/common.py for the family and scale definitions)."""
+"""umoe model at tiny scale (see configs/common.py for the family and scale definitions).
+
+Train (checkpoints and TensorBoard logs in the workdir):
+  python3 train.py --config=configs/umoe_tiny.py --workdir=runs/umoe_tiny
+"""
 from configs import common
 
 

@@ -131,7 +131,8 @@ def test_performance_page_is_what_the_rows_give():
   assert report.outputs()[report.PAGE] == have, (
       "docs/performance.md is stale: regenerate it with `python3 -m bench.report`")
   # README.md's block between the markers, where it has them, is current too
-  assert report.README not in report.outputs(), "README.md's performance block is stale: `python3 -m bench.report`"
+  stale = sorted(os.path.relpath(p, ROOT) for p in report.outputs() if p != report.PAGE)
+  assert not stale, f"stale (README's performance block, zoo config docstrings): {stale}; `python3 -m bench.report`"
 
 
 def test_check_fails_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
@@ -141,9 +142,23 @@ def test_check_fails_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
   results.append(str(rows_dir / "h200.jsonl"), _row())
   page, readme = tmp_path / "performance.md", tmp_path / "README.md"
   readme.write_text(f"# x\nbefore\n{report.README_BEGIN}\nold\n{report.README_END}\nafter\n")
-  paths = dict(directory=str(rows_dir), page_path=str(page), readme_path=str(readme))
+  configs = tmp_path / "configs"
+  configs.mkdir()
+  zoo = 'from configs import common\n\n\ndef get_config():\n  return common.experiment("{}", "{}")\n'
+  (configs / "umoe_base.py").write_text('"""umoe, base.\n\nMeasured: 1 ms (old).\n"""\n' + zoo.format("umoe", "base"))
+  (configs / "moa_base.py").write_text('"""moa, base."""\n' + zoo.format("moa", "base"))
+  other = '"""A hand-made config."""\nfrom configs import common\n\n\ndef get_config():\n  return 1\n'
+  (configs / "special.py").write_text(other)
+  paths = dict(directory=str(rows_dir), page_path=str(page), readme_path=str(readme),
+               configs_dir=str(configs))
   assert report.main(["--check"], **paths) == 1                       # no page yet
   assert report.main([], **paths) == 0 and report.main(["--check"], **paths) == 0
+  umoe = (configs / "umoe_base.py").read_text()
+  assert umoe.startswith('"""umoe, base.\n\nTrain') and "(old)" not in umoe
+  assert "python3 train.py --config=configs/umoe_base.py --workdir=runs/umoe_base" in umoe
+  assert "293.8k tokens/s" in umoe and _row()["id"] in umoe and umoe.endswith(zoo.format("umoe", "base"))
+  assert "not measured yet" in (configs / "moa_base.py").read_text()
+  assert (configs / "special.py").read_text() == other                 # not a zoo config: untouched
   text = readme.read_text()
   assert text.startswith("# x\nbefore\n" + report.README_BEGIN + "\n<!-- generated")
   assert text.endswith(report.README_END + "\nafter\n") and "293.8k" in text and "old" not in text
@@ -232,3 +247,10 @@ def test_attention_core_rows():
   assert got['{"core": "xla"}', "fwd_ms"]["anchor"] is None
   tuned = attention_core.measurements("base", {"triton_recompute": t(0.6)}, tuned=True)
   assert _valid(tuned[0])["overrides"] == {"core": "triton", "core_backward": "recompute", "tiles": "swept"}
+
+
+def test_a_config_docstring_shows_its_rows_command_for_that_config_alone():
+  row = _row(command="python3 bench/train_step.py --runs=dense_base:single,umoe_base:single,"
+                     "umoe_base:expert@2 --steps=10 --results=/root/out/rows.jsonl --out=/root/out")
+  assert report._row_command(row) == (
+      "python3 bench/train_step.py --runs=umoe_base:single,umoe_base:expert@2 --steps=10")
