@@ -1,7 +1,8 @@
 """The grouped-matmul backends: `BACKENDS`, one `GmmBackend` per name, and `resolve_backend`, the choice
 `backend="auto"` makes.
 
-  xla       jax.lax.ragged_dot_general, anywhere (umoe_jax/ops/ragged.py)
+  xla       jax.lax.ragged_dot_general, anywhere (umoe_jax/ops/ragged.py); its FP8 forms are the
+            emulation of umoe_jax/ops/fp8.py
   masked    one dense product per group, masked: an independent cross-check, never picked by auto
   triton    kernels/gmm/triton_gmm.py (NVIDIA sm90 through jax-triton; fan-ins kernels/gmm/triton_fan_in.py)
   mosaic    kernels/gmm/mosaic_gmm.py (Pallas Mosaic GPU)
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.ops import fp8
 from umoe_jax.ops.ragged import xla_gmm, xla_tgmm
 from umoe_jax.registry import Registry
 
@@ -55,6 +57,12 @@ class GmmBackend:
     gather_sum: optional `(rows [M, D], index [N, K] int32, weights [N, K] or None) -> [N, D]`,
       out[n] = sum_k weights[n, k] * rows[index[n, k]] accumulated in float32 (no gradient): the
       fused dispatch's K-way fan-ins (`fused_dispatch._fan_in`); None: XLA's take + sum.
+    fp8_gmm: optional `(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs, out_dtype)`,
+      the gmm on FP8 operands quantised by `umoe_jax.ops.fp8` (lhs in 1 x 128 tiles along its
+      contraction, rhs in 128 x 128 blocks), float32 accumulation; None: no FP8 form (refused under
+      train.precision=fp8). `umoe_jax.ops.fp8.emulated_gmm` is the reference and xla's form.
+    fp8_tgmm: `(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, out_dtype)`, both
+      operands in 128-row tiles of one column (`umoe_jax.ops.fp8.emulated_tgmm`); set with fp8_gmm.
   """
   gmm: GmmFn
   tgmm: GmmFn
@@ -65,12 +73,15 @@ class GmmBackend:
   fused_activations: tuple[str, ...] = ()
   scaled_row_dot: bool = False
   gather_sum: Optional[GmmFn] = None
+  fp8_gmm: Optional[GmmFn] = None
+  fp8_tgmm: Optional[GmmFn] = None
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
 
 BACKENDS.register("xla")(GmmBackend(
-    gmm=xla_gmm, tgmm=xla_tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=0))
+    gmm=xla_gmm, tgmm=xla_tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=0,
+    fp8_gmm=fp8.emulated_gmm, fp8_tgmm=fp8.emulated_tgmm))
 
 
 def _group_ids(group_sizes, num_rows):

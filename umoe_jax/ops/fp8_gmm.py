@@ -1,0 +1,79 @@
+"""The experts' grouped matmul with FP8 operands: `fp8_gmm`, differentiable like `umoe_jax.ops.gmm.gmm`.
+
+The operands are quantised here (`umoe_jax.ops.fp8`: the tokens in 1 x 128 tiles along each product's
+contraction, the expert weights in 128 x 128 blocks) and handed to the backend's raw FP8 forms
+(`GmmBackend.fp8_gmm` / `fp8_tgmm`); the three products of a training step are
+
+  forward   out  = gmm(tiles(lhs, along K), blocks(rhs))
+  backward  dlhs = gmm(tiles(dout, along N), blocks(rhs), transposed)
+            drhs = tgmm(row tiles(lhs), row tiles(dout))        (contraction over tokens)
+
+each accumulating in float32. A backend without FP8 forms is refused (`fp8_backend`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from umoe_jax.ops import fp8
+from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend, register_builtin_kernels, resolve_backend
+
+
+def fp8_backends() -> list[str]:
+  """The registered gmm backends that have FP8 forms."""
+  return [n for n in BACKENDS.names() if BACKENDS.get(n).fp8_gmm is not None]
+
+
+def fp8_backend(name: str) -> str:
+  """`name` resolved ("auto": the best with FP8 forms for this platform), or ValueError naming
+  the alternatives when it has no FP8 forms."""
+  register_builtin_kernels()
+  if name == "auto":
+    platform = jax.devices()[0].platform
+    for candidate in BACKENDS.ranked(platform):
+      if BACKENDS.get(candidate).fp8_gmm is not None:
+        return candidate
+    return "xla"
+  name = resolve_backend(name)
+  if BACKENDS.get(name).fp8_gmm is None:
+    raise ValueError(f"gmm backend {name!r} has no FP8 form; with train.precision=fp8 use one of "
+                     f"{fp8_backends()} (or 'auto')")
+  return name
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
+  backend: GmmBackend = BACKENDS.get(backend_name)
+
+  def forward(lhs, rhs, group_sizes, transpose, dtype):
+    return backend.fp8_gmm(*fp8.quantize_tiles(lhs, axis=1), *fp8.quantize_blocks(rhs), group_sizes,
+                           transpose_rhs=transpose, out_dtype=dtype)
+
+  @jax.custom_vjp
+  def fn(lhs, rhs, group_sizes):
+    return forward(lhs, rhs, group_sizes, transpose_rhs, out_dtype or lhs.dtype)
+
+  def fwd(lhs, rhs, group_sizes):
+    return fn(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+  def bwd(res, dout):
+    lhs, rhs, group_sizes = res
+    dlhs = forward(dout, rhs, group_sizes, not transpose_rhs, lhs.dtype)
+    a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
+    drhs = backend.fp8_tgmm(*fp8.quantize_tiles(a, axis=0), *fp8.quantize_tiles(b, axis=0),
+                            group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
+    return dlhs, drhs, None
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+def fp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
+            transpose_rhs: bool = False, preferred_element_type=None) -> jax.Array:
+  """`gmm(lhs, rhs, group_sizes)` (same shapes and arguments) with FP8 operands in all three
+  products; float32 accumulation; output in `preferred_element_type` (default lhs.dtype)."""
+  name = fp8_backend(backend)
+  out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else None
+  return _differentiable(name, transpose_rhs, out_dtype)(lhs, rhs, group_sizes.astype(jnp.int32))
