@@ -287,3 +287,57 @@ def test_failed_write_keeps_the_old_export(tmp_path, monkeypatch, capsys):
   assert code == 2 and "No space left on device" in err
   assert os.listdir(out) == ["old"] and (out / "old").read_text() == "previous export"
   assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def finetuned_workdir(tmp_path) -> tuple[str, dict]:
+  """A fine-tuning workdir (1 epoch of 5 steps on a 2-class task) over a converted UMoE backbone
+  with the byte tokenizer; and the backbone's {name: parameter} before fine-tuning."""
+  from umoe_jax.finetune import loop as ft_loop
+  from umoe_jax.finetune.config import default_config
+  start = converted_checkpoint(tmp_path, "umoe_tiny", data={"tokenizer": "byte"})
+  train = tmp_path / "train.jsonl"
+  train.write_text("".join(json.dumps({"text": f"{w} number {i}", "label": w}) + "\n"
+                           for w in ("red", "blue") for i in range(10)))
+  c = default_config()
+  c.init_from = start
+  c.data.update(train_path=str(train), max_len=32)
+  c.train.update(epochs=1, batch_size=4)
+  c.checkpoint.async_save = False
+  c.log.update(progress=False, tensorboard=False)
+  workdir = str(tmp_path / "ft")
+  ft_loop.run(c, workdir)
+  return workdir, flat(official.load_converted(start)[0])
+
+
+def test_finetuned_workdir_exports_its_backbone(tmp_path, capsys):
+  """A fine-tuning workdir exports its language-model backbone: the fine-tuned decoder (the
+  parameters `finetune predict` scores with, best/<step>) and the pretrained LM head; the summary
+  names the classification head left out. A step of checkpoints/ (training state) gives its parameters."""
+  from umoe_jax.finetune.predict import load_finetuned
+  workdir, pretrained = finetuned_workdir(tmp_path)
+  classifier, _ = load_finetuned(workdir)
+  tuned = flat(classifier.backbone)
+  assert tuned.keys() == pretrained.keys()
+  for k in ("embed", "layers/0/experts/w_up", "layers/1/attention/q_b"):   # fine-tuning moved them
+    assert not np.array_equal(tuned[k], pretrained[k]), k
+  assert np.array_equal(tuned["lm_head"], pretrained["lm_head"])          # frozen
+  out = tmp_path / "official"
+  assert interop_main(["export", f"--checkpoint={workdir}", f"--out={out}", "--format=official"]) == 0
+  line = capsys.readouterr().out
+  assert f"{workdir}/best/" in line and "the fine-tuned backbone" in line
+  assert f"left out: the classification head (bias [2], kernel [{classifier.backbone.cfg.d_model}, 2])" in line
+  back = flat(official.import_official(str(out))[0])
+  assert back.keys() == tuned.keys()
+  assert all(np.array_equal(back[k], tuned[k]) for k in tuned)
+  # a training checkpoint (params + optimizer state) by --step, and a step directory as --checkpoint
+  from umoe_jax.train.checkpoint_metadata import complete_steps
+  [step] = complete_steps(os.path.join(workdir, "checkpoints"))[-1:]
+  for args, where in (([f"--checkpoint={workdir}", f"--step={step}"], "best"),
+                      ([f"--checkpoint={workdir}/checkpoints/{step}"], "checkpoints")):
+    assert interop_main(["export", *args, f"--out={out}", "--format=official", "--overwrite"]) == 0
+    assert f"{workdir}/{where}/{step} (step {step};" in capsys.readouterr().out
+    back = flat(official.import_official(str(out))[0])
+    assert all(np.array_equal(back[k], tuned[k]) for k in tuned)   # 1 epoch: best is the last step
+  code, err = run_cli([f"--checkpoint={workdir}", "--step=99", f"--out={tmp_path / 'o'}",
+                       "--format=official"], capsys)
+  assert code == 2 and "--step=99" in err and f"best: [{step}]" in err and err.count("\n") == 0

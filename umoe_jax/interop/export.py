@@ -4,8 +4,9 @@
       [--dtype=float32|bfloat16] [--overwrite]
 
 --checkpoint is what `umoe_jax.load` reads: a training workdir (its latest complete step, or
---step=N), one of its checkpoints/<step> directories, or a converted checkpoint. Sharded and
-expert-parallel checkpoints are gathered on the host (they restore onto one device).
+--step=N), one of its checkpoints/<step> directories, or a converted checkpoint; or a fine-tuning
+workdir, whose language-model backbone is exported (`finetuned`: the classification head is left
+out). Sharded and expert-parallel checkpoints are gathered on the host (they restore onto one device).
 
   official   config.json + model.safetensors in the layout of the official UMoE code
              (`official_export`; importing it gives back the same parameters bit for bit)
@@ -51,14 +52,21 @@ def _step_dir(checkpoint: str, step: Optional[int]) -> str:
 
 
 def load_source(checkpoint: str, step: Optional[int] = None):
-  """(CausalLM in float32, model ConfigDict, CheckpointRef, tokenizer spec, tokenizer) of a checkpoint;
-  `umoe_jax.load.LoadError` (a ValueError) naming what is wrong: no config.json, an incomplete step,
-  a tokenizer whose ids do not fit the model's vocabulary."""
+  """(CausalLM in float32, model ConfigDict, CheckpointRef, tokenizer spec, tokenizer, note) of a
+  checkpoint (note: what a fine-tuning workdir's export leaves out, else ""); `umoe_jax.load.LoadError`
+  (a ValueError) naming what is wrong: no config.json, an incomplete step, a tokenizer whose ids do
+  not fit the model's vocabulary."""
   from umoe_jax import load
   from umoe_jax.data.tokenizer import make_tokenizer
 
-  model, section, ref = load.load_model(_step_dir(checkpoint, step), compute_dtype="float32")
-  spec, eos = load.tokenizer_spec(None, ref.config)
+  workdir = None if storage.is_url(checkpoint) else load.finetune_workdir(checkpoint)
+  if workdir is not None:   # a classifier: its backbone (`finetuned`)
+    from umoe_jax.interop.finetuned import load_backbone
+    model, section, ref, spec, eos, note = load_backbone(checkpoint, workdir, step)
+  else:
+    model, section, ref = load.load_model(_step_dir(checkpoint, step), compute_dtype="float32")
+    spec, eos = load.tokenizer_spec(None, ref.config)
+    note = ""
   try:
     tok = make_tokenizer(spec, eos)
   except storage.StorageError:
@@ -66,7 +74,7 @@ def load_source(checkpoint: str, step: Optional[int] = None):
   except (ValueError, OSError) as e:
     raise load.LoadError(f"the tokenizer of checkpoint {ref.path} ({spec!r}): {e}") from None
   load.check_tokenizer_fits_checkpoint(tok, spec, section.vocab_size, ref)
-  return model, section, ref, spec, tok
+  return model, section, ref, spec, tok, note
 
 
 def flat_params(model, dtype: str = "float32") -> dict[tuple, "np.ndarray"]:
@@ -135,7 +143,7 @@ def export(checkpoint: str, out: str, fmt: str, *, step: Optional[int] = None,
   if dtype not in WEIGHT_DTYPES:
     raise ExportError(f"--dtype={dtype!r}; valid: {', '.join(WEIGHT_DTYPES)}")
   out = _check_out(out, overwrite)
-  model, section, ref, spec, tok = load_source(checkpoint, step)
+  model, section, ref, spec, tok, note = load_source(checkpoint, step)
   if fmt == "official":   # refuse before any file is written
     from umoe_jax.interop.official_export import official_config_json
     official_config_json(section)
@@ -151,6 +159,7 @@ def export(checkpoint: str, out: str, fmt: str, *, step: Optional[int] = None,
     if os.path.exists(tmp):
       shutil.rmtree(tmp, ignore_errors=True)
   where = f"step {ref.step}" if ref.step is not None else "converted checkpoint"
+  where += f"; {note}" if note else ""
   return f"exported {ref.path} ({where}) as {fmt} ({dtype}; {what}) -> {out}"
 
 
@@ -160,9 +169,9 @@ def main(argv=None) -> int:
       description="Export a checkpoint of this project as the official UMoE format or as a Hugging "
                   "Face transformers directory.")
   parser.add_argument("--checkpoint", required=True, help="training workdir, checkpoints/<step> "
-                      "directory or converted checkpoint")
+                      "directory, converted checkpoint, or fine-tuning workdir (its backbone)")
   parser.add_argument("--step", type=int, default=None, help="the workdir's step to export "
-                      "(default: its latest complete step)")
+                      "(default: its latest complete step; a fine-tuning workdir's best)")
   parser.add_argument("--out", required=True, help="output directory (absent or empty, or --overwrite)")
   parser.add_argument("--format", required=True, choices=FORMATS, help="official | hf")
   parser.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES, help="weight dtype")
