@@ -341,3 +341,37 @@ def test_finetuned_workdir_exports_its_backbone(tmp_path, capsys):
   code, err = run_cli([f"--checkpoint={workdir}", "--step=99", f"--out={tmp_path / 'o'}",
                        "--format=official"], capsys)
   assert code == 2 and "--step=99" in err and f"best: [{step}]" in err and err.count("\n") == 0
+
+
+def test_expert_parallel_checkpoint_is_gathered(tmp_path):
+  """A run trained 2 steps on 8 devices with the experts split over them (expert=8: each device
+  writes its own expert's rows) exports whole: from a process with the same 8 devices and from
+  this one-device process alike, every expert in the file, the same bytes, and the parameters
+  importing back bit for bit."""
+  import subprocess
+  import sys
+  from umoe_jax import load
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
+             XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+  run = str(tmp_path / "run")
+  for args in ([os.path.join(root, "tests", "parallel_scripts", "train_worker.py"), run, "2", "expert=8"],
+               ["-m", "umoe_jax.interop", "export", f"--checkpoint={run}", f"--out={tmp_path / 'ep8'}",
+                "--format=official"]):
+    done = subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+  assert "step 2" in done.stdout
+  with open(os.path.join(run, "checkpoints", "2", "state", "_METADATA")) as f:
+    saved = json.load(f)["tree_metadata"]
+  [w_up] = [v for k, v in saved.items() if "'params'" in k and "'0', 'experts', 'w_up'" in k]
+  assert w_up["value_metadata"]["write_shape"][0] == 1   # one expert of 8 per device's write
+  assert interop_main(["export", f"--checkpoint={run}", f"--out={tmp_path / 'ep1'}",
+                       "--format=official"]) == 0
+  with open(tmp_path / "ep8" / "model.safetensors", "rb") as f, \
+       open(tmp_path / "ep1" / "model.safetensors", "rb") as g:
+    assert f.read() == g.read()
+  ours = flat(load.load_model(run)[0])
+  back = flat(official.import_official(str(tmp_path / "ep8"))[0])
+  assert back["layers/0/experts/w_up"].shape[0] == 8
+  assert back.keys() == ours.keys() and all(np.array_equal(back[k], ours[k]) for k in ours)
