@@ -4,7 +4,8 @@
   xla       jax.lax.ragged_dot_general, anywhere (umoe_jax/ops/ragged.py); its FP8 forms are the
             emulation of umoe_jax/ops/fp8.py
   masked    one dense product per group, masked: an independent cross-check, never picked by auto
-  triton    kernels/gmm/triton_gmm.py (NVIDIA sm90 through jax-triton; fan-ins kernels/gmm/triton_fan_in.py)
+  triton    kernels/gmm/triton_gmm.py (NVIDIA sm90 through jax-triton; fan-ins kernels/gmm/triton_fan_in.py;
+            FP8 forms kernels/gmm/triton_fp8_gmm.py)
   mosaic    kernels/gmm/mosaic_gmm.py (Pallas Mosaic GPU)
   megablox  kernels/gmm/megablox_gmm.py (Pallas TPU; on CPU too under UMOE_PALLAS_TPU_INTERPRET=1)
 
@@ -116,12 +117,14 @@ BACKENDS.register("masked")(GmmBackend(
     gmm=_masked_gmm, tgmm=_masked_tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=-1))
 
 
-# The kernel backends: (module, gmm, tgmm, fan-in module or None, row-index and epilogue extras).
+# The kernel backends: (module, gmm, tgmm, fan-in module or None, row-index and epilogue extras, FP8
+# module or None: its FP8_GMM / FP8_TGMM are the backend's fp8_gmm / fp8_tgmm).
 # auto priority, higher wins: set from the H200 measurements (2026-11-29-h200-fwd_tflops-97a81b91
 # and the gmm rows beside it in bench/results/h200.jsonl); megablox is the one TPU kernel.
 KERNELS = {
     "triton": dict(module="kernels.gmm.triton_gmm", gmm="triton_gmm", tgmm="triton_tgmm", priority=20,
-                   fan_in="kernels.gmm.triton_fan_in", row_index=True, activations=True, scaled_row_dot=True),
+                   fan_in="kernels.gmm.triton_fan_in", row_index=True, activations=True, scaled_row_dot=True,
+                   fp8="kernels.gmm.triton_fp8_gmm"),
     "mosaic": dict(module="kernels.gmm.mosaic_gmm", gmm="mgpu_gmm", tgmm="mgpu_tgmm", priority=10),
     "megablox": dict(module="kernels.gmm.megablox_gmm", gmm="megablox_gmm", tgmm="megablox_tgmm",
                      priority=10),
@@ -130,7 +133,7 @@ AUTO_PRIORITY = {name: spec["priority"] for name, spec in KERNELS.items()}
 
 
 def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int, fan_in=None,
-                     row_index=False, activations=False, scaled_row_dot=False) -> None:
+                     row_index=False, activations=False, scaled_row_dot=False, fp8=None) -> None:
   try:
     mod = importlib.import_module(module)
   except Exception as e:  # noqa: BLE001  (never fail on machines without the toolchain)
@@ -142,12 +145,19 @@ def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int,
       gather_sum = importlib.import_module(fan_in).gather_sum
     except Exception as e:  # noqa: BLE001  (the backend still registers; XLA does the fan-ins)
       _log.debug("fan-in kernel %s not loaded: %r", fan_in, e)
+  fp8_forms = (None, None)
+  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_tgmm`)
+    try:
+      fp8_mod = importlib.import_module(fp8)
+      fp8_forms = (fp8_mod.FP8_GMM, fp8_mod.FP8_TGMM)
+    except Exception as e:  # noqa: BLE001  (the backend still registers, without FP8 forms)
+      _log.debug("FP8 kernel %s not loaded: %r", fp8, e)
   BACKENDS.register(name)(GmmBackend(
       gmm=getattr(mod, gmm), tgmm=getattr(mod, tgmm),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))), auto_priority=priority,
       available=mod.available, row_index=row_index,
       fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
-      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum))
+      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_forms[0], fp8_tgmm=fp8_forms[1]))
 
 
 _KERNELS_LOADED = False

@@ -1,0 +1,299 @@
+"""FP8 grouped matmuls in Triton (NVIDIA sm90, through jax-triton): the triton backend's `fp8_gmm` /
+`fp8_tgmm` forms (`umoe_jax.ops.gmm_backends.GmmBackend`), on float8_e4m3fn operands with float32
+scales as `umoe_jax.ops.fp8` makes them (`umoe_jax.ops.fp8_gmm` quantises and differentiates):
+
+  gmm    out[rows of g] = (a * sa)[rows of g] @ (b * sb)[g]      a [M, C] in 1 x 128 tiles along C,
+         b [G, K, N] in 128 x 128 blocks; C = K -> [M, N], or with transpose_rhs C = N and b[g].T -> [M, K]
+  tgmm   out[g] = (a * sa)[rows of g].T @ (b * sb)[rows of g]    a [M, K], b [M, N], both in 128-row
+         tiles of one column (scales [ceil(M/128), K] and [ceil(M/128), N]) -> [G, K, N]
+
+Both contract in chunks of 128, one scale piece each: a chunk is one FP8 `tl.dot` into a fresh float32
+partial product, which is multiplied by its two scales and added to the float32 accumulator
+(DeepSeek-V3's promotion every 128 elements of the contraction), so no product is ever summed across
+two scales. A piece holding inf or NaN has a non-finite scale, which multiplies every partial product
+it enters: such outputs are inf or NaN, never finite.
+
+gmm: the bf16 kernel's schedule (`triton_gmm._row_schedule` / `_locate`: group-aligned row tiles, one
+zero tail for the rows past sum(group_sizes), column tile fastest); the output column tile may be two
+powers of two (BN + BN2, 192 = 128 + 64), each column's weight scale read per 128-wide block.
+tgmm: one program per (group, K tile, N tile) in `triton_gmm.tile_order`; its steps are the aligned
+128-row scale tiles that overlap the group (a tile may span two groups: the other group's rows are
+masked to zero, the tile's scales are the rows' own), so each step has one scale row per column;
+empty groups write zeros.
+
+Launches go through `_launch`, which the CPU tests replace by the Triton interpreter.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels import triton_launch
+from kernels.gmm import triton_gmm, tuning
+from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, gpu_available, pow2_at_least, split_width
+
+if HAVE_TRITON:
+  import triton
+  import triton.language as tl
+if HAVE_JAX_TRITON:
+  import jax_triton as jt
+
+# The scale piece (umoe_jax.ops.fp8.TILE): the contraction chunk of one tl.dot, the rows of one
+# weight-gradient step.
+TILE = 128
+DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+
+
+if HAVE_TRITON:
+
+  @triton.jit
+  def _fp8_gmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, o_ptr,
+                      M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
+                      G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
+                      s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
+                      s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
+                      BK: tl.constexpr, N_TILES: tl.constexpr):
+    # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB];
+    # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
+    # o // BK at sb_ptr + g*s_sg + (c // BK)*s_sk + (o // BK)*s_sn. BK = TILE (one chunk a scale).
+    pid = tl.program_id(0)
+    offs_g, sizes, tiles, cum_tiles, cum_sizes = triton_gmm._row_schedule(gs_ptr, M, G, GP, BM)
+    pid_m = pid // N_TILES
+    if pid_m < tl.sum(tiles, axis=0):
+      g, row0, row_end = triton_gmm._locate(pid_m, offs_g, sizes, tiles, cum_tiles, cum_sizes, BM)
+      compute = g < G  # the zero tail's tiles write zeros
+      g = tl.minimum(g, G - 1).to(tl.int64)
+      offs_m = row0 + tl.arange(0, BM)
+      rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the tile's end are never stored
+      offs_k = tl.arange(0, BK)
+      offs_n = (pid % N_TILES) * (BN + BN2) + tl.arange(0, BN)
+      a_ptrs = a_ptr + rows[:, None] * KC + offs_k[None, :]
+      sa_ptrs = sa_ptr + rows * KB
+      b_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
+      sb_ptrs = sb_ptr + g * s_sg + (offs_n // BK) * s_sn
+      acc = tl.zeros((BM, BN), dtype=tl.float32)
+      if BN2 > 0:
+        offs_n2 = (pid % N_TILES) * (BN + BN2) + BN + tl.arange(0, BN2)
+        b2_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
+        sb2_ptrs = sb_ptr + g * s_sg + (offs_n2 // BK) * s_sn
+        acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+      if compute:
+        for ks in range(0, KB):
+          k_ok = offs_k < KC - ks * BK
+          if KC % BK == 0:
+            a = tl.load(a_ptrs)
+          else:
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+          sa = tl.load(sa_ptrs + ks)
+          b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < NO), other=0.0)
+          sb = tl.load(sb_ptrs + ks * s_sk, mask=offs_n < NO, other=0.0)
+          acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+          if BN2 > 0:
+            b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (offs_n2[None, :] < NO), other=0.0)
+            sb2 = tl.load(sb2_ptrs + ks * s_sk, mask=offs_n2 < NO, other=0.0)
+            acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+            b2_ptrs += BK * s_bk
+          a_ptrs += BK
+          b_ptrs += BK * s_bk
+      row_ok = (offs_m < row_end)[:, None]
+      o_rows = o_ptr + offs_m.to(tl.int64)[:, None] * NO
+      tl.store(o_rows + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
+               mask=row_ok & (offs_n[None, :] < NO))
+      if BN2 > 0:
+        tl.store(o_rows + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
+                 mask=row_ok & (offs_n2[None, :] < NO))
+
+  @triton.jit
+  def _fp8_tgmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, order_ptr, o_ptr,
+                       M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                       GP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                       BN2: tl.constexpr, K_TILES: tl.constexpr, N_TILES: tl.constexpr):
+    # out[g] = (a * sa)[rows of g].T @ (b * sb)[rows of g]; a [M, K], b [M, N] row-major, sa
+    # [cdiv(M, BR), K], sb [cdiv(M, BR), N]; BR = TILE rows a step, aligned to the scale tiles.
+    tile = tl.program_id(0)
+    slot = tile // (K_TILES * N_TILES)
+    pid_k = (tile % (K_TILES * N_TILES)) // N_TILES
+    pid_n = tile % N_TILES
+    offs_g = tl.arange(0, GP)
+    sizes = tl.load(gs_ptr + offs_g, mask=offs_g < G, other=0)
+    g = tl.load(order_ptr + slot)
+    sel = offs_g == g
+    end = tl.minimum(tl.sum(tl.where(sel, tl.cumsum(sizes, axis=0), 0), axis=0), M)
+    start = tl.minimum(end - tl.sum(tl.where(sel, sizes, 0), axis=0), end)
+
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
+    offs_r = tl.arange(0, BR)
+    k_ok = offs_k < K
+    n_ok = offs_n < N
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    if BN2 > 0:
+      offs_n2 = pid_n * (BN + BN2) + BN + tl.arange(0, BN2)
+      n2_ok = offs_n2 < N
+      acc2 = tl.zeros((BK, BN2), dtype=tl.float32)
+    first = start // BR
+    steps = tl.where(end > start, (end - 1) // BR - first + 1, 0)  # an empty group reads nothing
+    for s in range(0, steps):
+      t = (first + s).to(tl.int64)
+      rows = t * BR + offs_r
+      r_ok = ((rows >= start) & (rows < end))[:, None]  # the tile's rows of other groups: zeros
+      a = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=r_ok & k_ok[None, :], other=0.0)
+      b = tl.load(b_ptr + rows[:, None] * N + offs_n[None, :], mask=r_ok & n_ok[None, :], other=0.0)
+      sa = tl.load(sa_ptr + t * K + offs_k, mask=k_ok, other=0.0)
+      sb = tl.load(sb_ptr + t * N + offs_n, mask=n_ok, other=0.0)
+      at = tl.trans(a)
+      acc += tl.dot(at, b) * (sa[:, None] * sb[None, :])
+      if BN2 > 0:
+        b2 = tl.load(b_ptr + rows[:, None] * N + offs_n2[None, :], mask=r_ok & n2_ok[None, :],
+                     other=0.0)
+        sb2 = tl.load(sb_ptr + t * N + offs_n2, mask=n2_ok, other=0.0)
+        acc2 += tl.dot(at, b2) * (sa[:, None] * sb2[None, :])
+
+    o_base = o_ptr + g.to(tl.int64) * (K * N) + offs_k.to(tl.int64)[:, None] * N
+    tl.store(o_base + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=k_ok[:, None] & n_ok[None, :])
+    if BN2 > 0:
+      tl.store(o_base + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
+               mask=k_ok[:, None] & n2_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiles and launch geometry (pure Python: tested on CPU).
+
+
+def _tile_width(n: int) -> int:
+  """An output tile width for n columns: n itself where it is at most 256 and a power of two or two
+  of them each >= 16 (tl.dot's least width; 192 = 128 + 64), else a power of two <= 128."""
+  if 16 <= n <= 256:
+    try:
+      hi, lo = split_width(n)
+    except ValueError:
+      hi, lo = 0, 0
+    if hi and (lo == 0 or lo >= 16):
+      return n
+  return min(128, pow2_at_least(max(n, 16)))
+
+
+def default_config(op: str, kc: int, no: int) -> tuning.TileConfig:
+  """The FP8 kernels' tiles, not yet measured: gmm / gmm_t 128 rows x the output's width (up to
+  256), tgmm a 128 x width output tile; the contraction chunk (gmm: bk) and the rows a step
+  (tgmm: bk) are the scale piece, TILE. Shared memory a stage: (bm + bn) x 128 bytes."""
+  if op == "tgmm":
+    return tuning.TileConfig(bm=min(128, pow2_at_least(max(kc, 16))), bn=_tile_width(no),
+                             bk=TILE, num_warps=8, num_stages=3)
+  bn = _tile_width(no)
+  return tuning.TileConfig(bm=128, bn=bn, bk=TILE, num_warps=8, num_stages=4 if bn <= 128 else 3)
+
+
+def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict:
+  """The gmm kernel's grid and meta-parameters: the bf16 kernel's one program per (row tile,
+  column tile) (`triton_gmm.gmm_launch`), the contraction in TILE-wide chunks."""
+  if cfg.bk != TILE:
+    raise ValueError(f"FP8 gmm tile {cfg}: bk must be {TILE}, the scale piece (one chunk, one scale)")
+  if cfg.persistent:
+    raise ValueError(f"FP8 gmm tile {cfg}: one program a tile (no persistent grid)")
+  base = triton_gmm.gmm_launch(m, kc, no, g, cfg)
+  return dict(grid=base["grid"], BM=cfg.bm, BN=base["BN"], BN2=base["BN2"], BK=TILE,
+              N_TILES=base["N_TILES"], GP=base["GP"], num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages)
+
+
+def tgmm_launch(m: int, k: int, n: int, g: int, cfg: tuning.TileConfig) -> dict:
+  """The tgmm kernel's grid: one program per (group, K tile, N tile); cfg.bm x cfg.bn the output
+  tile (bm a power of two, bn one or two), cfg.bk the rows a step (= TILE)."""
+  if cfg.bk != TILE:
+    raise ValueError(f"FP8 tgmm tile {cfg}: bk (rows a step) must be {TILE}, the scale tile")
+  if cfg.bm & (cfg.bm - 1):
+    raise ValueError(f"FP8 tgmm tile {cfg}: bm (output rows) must be a power of two")
+  base = triton_gmm.tgmm_launch(m, k, n, g, cfg)
+  return dict(grid=base["grid"], BR=TILE, BK=cfg.bm, BN=base["BN"], BN2=base["BN2"],
+              K_TILES=base["K_TILES"], N_TILES=base["N_TILES"], GP=base["GP"],
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# JAX entry points.
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _check(what: str, name: str, x, shape, dtype) -> None:
+  if tuple(x.shape) != tuple(shape) or jnp.dtype(x.dtype) != jnp.dtype(dtype):
+    raise ValueError(f"{what}: {name} is {jnp.dtype(x.dtype).name}{list(x.shape)}, expected "
+                     f"{jnp.dtype(dtype).name}{list(shape)}")
+
+
+def _check_device(what: str) -> None:
+  """FP8 tensor cores: sm_89 and later (a GPU launch elsewhere would fail inside Triton)."""
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  if dev.platform == "gpu" and cc and tuple(int(v) for v in str(cc).split(".")[:2]) < (8, 9):
+    raise ValueError(f"{what}: {dev.device_kind} (sm_{str(cc).replace('.', '')}) has no FP8 tensor "
+                     "cores (sm_89 or later); use the xla backend's emulation")
+
+
+def _launch(kernel, grid, args, out_shape, **meta):
+  """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
+  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta,
+                        **triton_launch.launch_kwargs())
+
+
+def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
+                   out_dtype=jnp.bfloat16, config=None):
+  """The raw FP8 gmm (module docstring): lhs_q [M, C] float8_e4m3fn, lhs_scale [M, ceil(C/128)]
+  float32, rhs_q [G, K, N], rhs_scale [G, ceil(K/128), ceil(N/128)]; C = K -> [M, N], or with
+  `transpose_rhs` C = N -> [M, K]; rows past sum(group_sizes) are zeros."""
+  what = "triton fp8 gmm" + ("^T" if transpose_rhs else "")
+  m, c = lhs_q.shape
+  g, k, n = rhs_q.shape
+  kc, no = (n, k) if transpose_rhs else (k, n)
+  _check(what, "lhs_q", lhs_q, (m, kc), DTYPE)
+  _check(what, "lhs_scale", lhs_scale, (m, _cdiv(kc, TILE)), jnp.float32)
+  _check(what, "rhs_q", rhs_q, (g, k, n), DTYPE)
+  kb, nb = _cdiv(k, TILE), _cdiv(n, TILE)
+  _check(what, "rhs_scale", rhs_scale, (g, kb, nb), jnp.float32)
+  _check_device(what)
+  cfg = config or default_config("gmm_t" if transpose_rhs else "gmm", kc, no)
+  launch = gmm_launch(m, kc, no, g, cfg)
+  grid = launch.pop("grid")
+  # (group, contraction, output column) strides of rhs and of its block scales
+  strides = (k * n, 1, n) if transpose_rhs else (k * n, n, 1)
+  s_strides = (kb * nb, 1, nb) if transpose_rhs else (kb * nb, nb, 1)
+  return _launch(_fp8_gmm_kernel, grid,
+                 (lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes.astype(jnp.int32)),
+                 jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype)),
+                 M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g, s_bg=strides[0], s_bk=strides[1],
+                 s_bn=strides[2], s_sg=s_strides[0], s_sk=s_strides[1], s_sn=s_strides[2], **launch)
+
+
+def triton_fp8_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups=None,
+                    out_dtype=jnp.float32, config=None):
+  """The raw FP8 weight-gradient form (module docstring): lhs_q [M, K], rhs_q [M, N]
+  float8_e4m3fn in 128-row tiles of one column, scales [ceil(M/128), K] / [ceil(M/128), N] float32
+  -> [G, K, N], zero for empty groups."""
+  what = "triton fp8 tgmm"
+  m, k = lhs_q.shape
+  n = rhs_q.shape[1]
+  g = int(num_groups or group_sizes.shape[0])
+  mb = _cdiv(m, TILE)
+  _check(what, "lhs_q", lhs_q, (m, k), DTYPE)
+  _check(what, "rhs_q", rhs_q, (m, n), DTYPE)
+  _check(what, "lhs_scale", lhs_scale, (mb, k), jnp.float32)
+  _check(what, "rhs_scale", rhs_scale, (mb, n), jnp.float32)
+  _check_device(what)
+  cfg = config or default_config("tgmm", k, n)
+  launch = tgmm_launch(m, k, n, g, cfg)
+  grid = launch.pop("grid")
+  order = triton_gmm.tile_order(group_sizes, g, triton_gmm.TGMM_BIG_FIRST_SKEW)
+  sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, max(0, g - group_sizes.shape[0])))[:g]
+  return _launch(_fp8_tgmm_kernel, grid, (lhs_q, lhs_scale, rhs_q, rhs_scale, sizes, order),
+                 jax.ShapeDtypeStruct((g, k, n), jnp.dtype(out_dtype)),
+                 M=m, K=k, N=n, G=g, **launch)
+
+
+available = gpu_available
+
+FP8_GMM = triton_fp8_gmm
+FP8_TGMM = triton_fp8_tgmm

@@ -1,0 +1,166 @@
+"""GPU checks of the FP8 Triton grouped matmuls (kernels/gmm/triton_fp8_gmm.py; CPU interpreter runs:
+tests/test_fp8_triton.py): the raw gmm, transposed gmm and tgmm at UMoE-base's FFN shapes (Dirichlet
+-skewed groups, an empty group, rows past the groups) and at widths that are not multiples of 128,
+against a float64 loop over the dequantised operands; NaN and inf inputs quantised on the GPU (whose
+tensor cores read e4m3's NaN code, which the interpreter cannot); and `fp8_gmm(..., backend="triton")`
+values and gradients against backend="xla" (the emulation). Skipped without a GPU with FP8 tensor cores,
+Triton and jax-triton. Timing: the FP8 rows of bench/gmm.py (not yet written).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.gmm import triton_fp8_gmm as tf
+from umoe_jax.ops import fp8
+from umoe_jax.ops import gmm_backends as gb
+
+
+def _fp8_gpu() -> bool:
+  if not tf.available():
+    return False
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  return bool(cc) and tuple(int(v) for v in str(cc).split(".")[:2]) >= (8, 9)
+
+
+QUICK = pytest.mark.gpu_quick   # the quick tier: `pytest -m gpu_quick tests/gpu` (the three kernels once)
+
+pytestmark = pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 tensor cores (sm_89+), "
+                                                       "Triton and jax-triton")
+
+SHAPES = {  # M, K, N, group sizes
+    # UMoE-base's FFN experts: 768 -> 192, 64 groups, Dirichlet-skewed, group 5 empty, 37 rows past
+    "base": (8192, 768, 192, None),
+    # K and N not multiples of 128, a split column tile (144 = 128 + 16), an empty group
+    "odd": (1000, 200, 144, [300, 0, 451, 7, 200]),
+}
+# Within a 128-wide chunk Hopper's FP8 MMA adds with fewer mantissa bits than float32 (the reason
+# DeepSeek-V3 promotes to float32 every 128 elements): the kernel's error against the float64 loop, over the sum of the products' absolute
+# values. A scale read for the wrong piece is off by orders of magnitude (`_operand`).
+REL_BOUND = 2e-3
+
+
+def _group_sizes(m, spec, seed):
+  if spec is not None:
+    return np.asarray(spec, np.int32)
+  rng = np.random.default_rng(seed)
+  gs = np.floor(rng.dirichlet(np.full(64, 2.0)) * (m - 37)).astype(np.int32)
+  gs[5] = 0
+  gs[-1] += m - 37 - gs.sum()
+  return gs
+
+
+def _operand(rng, shape, axes):
+  """Normal values times a log-normal magnitude along each of `axes` (pieces orders apart)."""
+  x = rng.standard_normal(shape)
+  for ax in axes:
+    mag = [1] * len(shape)
+    mag[ax] = shape[ax]
+    x = x * np.exp(1.5 * rng.standard_normal(mag))
+  return x.astype(np.float32)
+
+
+def _loop_gmm(lhs, rhs, gs, transpose):
+  out = np.zeros((lhs.shape[0], rhs.shape[1] if transpose else rhs.shape[2]))
+  ends = np.cumsum(gs)
+  for g, (s, e) in enumerate(zip(ends - gs, ends)):
+    out[s:e] = lhs[s:e].astype(np.float64) @ (rhs[g].T if transpose else rhs[g]).astype(np.float64)
+  return out
+
+
+def _loop_tgmm(a, b, gs):
+  ends = np.cumsum(gs)
+  return np.stack([a[s:e].T.astype(np.float64) @ b[s:e].astype(np.float64) for s, e in zip(ends - gs, ends)])
+
+
+def _check(got, want, bound, what):
+  got = np.asarray(got, np.float64)
+  bad = ~np.isfinite(want)
+  assert np.array_equal(~np.isfinite(got), bad), (what, np.argwhere(np.isfinite(got) == bad)[:5])
+  err = np.abs(got - want)[~bad]
+  tol = REL_BOUND * bound[~bad] + 1e-30
+  assert np.all(err <= tol), (what, float(np.max(err / tol)))
+
+
+def _raw(op, shape, special):
+  """The kernel's output and the float64 loop's (and its absolute-value bound) for one op."""
+  m, k, n, spec = SHAPES[shape]
+  gs = _group_sizes(m, spec, seed=m + k)
+  rng = np.random.default_rng(m * 7 + k + n + special)
+  rows = int(gs.sum())
+  if op == "tgmm":
+    a, b = _operand(rng, (m, k), (0, 1)), _operand(rng, (m, n), (0, 1))
+    if special:
+      a[:, 10] = 0.0
+      a[rows // 2, 7] = np.nan
+      b[rows - 1, 3] = np.inf
+    (aq, sa), (bq, sb) = (fp8.quantize_tiles(jnp.asarray(x), axis=0) for x in (a, b))
+    got = jax.jit(lambda *x: tf.triton_fp8_tgmm(*x, num_groups=len(gs), out_dtype=jnp.float32))(
+        aq, sa, bq, sb, jnp.asarray(gs))
+    da, db = (np.asarray(fp8.dequantize_tiles(q, s, axis=0)) for q, s in ((aq, sa), (bq, sb)))
+    return gs, np.asarray(got), _loop_tgmm(da, db, gs), _loop_tgmm(np.abs(da), np.abs(db), gs)
+  transpose = op == "gmm_t"
+  lhs = _operand(rng, (m, n if transpose else k), (0, 1))
+  rhs = _operand(rng, (len(gs), k, n), (1, 2))
+  if special:
+    busy = int(np.argmax(gs))
+    r0 = int(gs[:busy].sum())
+    lhs[rows:] = np.nan                    # never read
+    lhs[r0 + 1] = 0.0
+    lhs[r0 + 2, 3] = np.nan
+    lhs[r0 + 4, -1] = np.inf
+    rhs[busy, :128, :128] = 0.0
+    rhs[busy, 130 % k, 5] = np.inf
+    rhs[busy, 2, n - 1] = np.nan
+  lq, ls = fp8.quantize_tiles(jnp.asarray(lhs), axis=1)
+  rq, rs = fp8.quantize_blocks(jnp.asarray(rhs))
+  got = jax.jit(lambda *x: tf.triton_fp8_gmm(*x, transpose_rhs=transpose, out_dtype=jnp.float32))(
+      lq, ls, rq, rs, jnp.asarray(gs))
+  dl, dr = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
+  got = np.asarray(got)
+  assert np.all(got[rows:] == 0), f"{op} {shape}: rows past the groups are zero"
+  return gs, got[:rows], _loop_gmm(dl, dr, gs, transpose)[:rows], _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)[:rows]
+
+
+@pytest.mark.parametrize("shape", ["base", "odd"])
+@pytest.mark.parametrize("op", ["gmm", "gmm_t", "tgmm"])
+def test_raw_op_matches_float64_loop(op, shape):
+  gs, got, want, bound = _raw(op, shape, special=False)
+  _check(got, want, bound, f"{op} {shape}")
+  assert np.all(np.isfinite(got))
+  if op == "tgmm":
+    assert np.all(got[gs == 0] == 0), "an empty group's weight gradient is zero"
+
+
+@pytest.mark.parametrize("op", ["gmm", "gmm_t", "tgmm"])
+def test_zero_and_nonfinite_pieces(op):
+  """Zero pieces (scale 0), NaN and inf inputs quantised on the GPU: non-finite exactly where the
+  float64 loop's are, the rest within the bound."""
+  _, got, want, bound = _raw(op, "odd", special=True)
+  assert not np.all(np.isfinite(want))
+  _check(got, want, bound, f"{op} special")
+
+
+@pytest.mark.parametrize("transpose", [pytest.param(False, marks=QUICK), True])
+def test_fp8_gmm_gradients_match_the_emulation(transpose):
+  from umoe_jax.ops.fp8_gmm import fp8_gmm
+  gb.register_builtin_kernels()
+  assert gb.BACKENDS.get("triton").fp8_gmm is tf.FP8_GMM
+  m, k, n, _ = SHAPES["base"]
+  gs = jnp.asarray(_group_sizes(m, None, seed=3))
+  rng = np.random.default_rng(11 + transpose)
+  lhs = jnp.asarray(_operand(rng, (m, n if transpose else k), (0,)))
+  rhs = jnp.asarray(_operand(rng, (64, k, n), (0,)) / np.sqrt(k))
+  cot = jnp.asarray(rng.standard_normal((m, k if transpose else n)), jnp.float32)
+
+  def run(name):
+    f = lambda x, w, c, s: jnp.sum(fp8_gmm(x, w, s, backend=name, transpose_rhs=transpose) * c)
+    out = jax.jit(lambda x, w, s: fp8_gmm(x, w, s, backend=name, transpose_rhs=transpose))(lhs, rhs, gs)
+    return (out, *jax.jit(jax.grad(f, argnums=(0, 1)))(lhs, rhs, cot, gs))
+
+  for name, g, w in zip(("out", "dlhs", "drhs"), run("triton"), run("xla")):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert np.all(np.isfinite(g)), name
+    assert np.linalg.norm(g - w) <= 1e-3 * np.linalg.norm(w), (name, np.linalg.norm(g - w) / np.linalg.norm(w))

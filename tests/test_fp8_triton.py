@@ -1,0 +1,303 @@
+"""CPU tests of the FP8 Triton grouped matmuls (kernels/gmm/triton_fp8_gmm.py): tiles and launch geometry,
+bad operands, the triton backend's FP8 forms; and the kernels themselves under the Triton interpreter
+(TRITON_INTERPRET=1, in a subprocess), every launch routed through `jax.pure_callback` into it, against
+the emulation (`umoe_jax.ops.fp8.emulated_gmm` / `emulated_tgmm`) on fresh random operands whose rows
+and columns differ in magnitude by orders (so every scale piece has its own scale): ragged, empty and
+skewed groups, rows past the groups, K and N not multiples of 128, split column tiles, both
+transposes, all-zero pieces, inf and NaN; then `fp8_gmm(..., backend="triton")`'s values and
+gradients against backend="xla". GPU runs: tests/gpu/test_fp8_gpu.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import interpreter_loop_bounds, run_in_triton_interpreter
+from kernels.gmm import triton_fp8_gmm as tf
+from kernels.gmm import tuning
+from umoe_jax.ops import fp8
+from umoe_jax.ops import gmm_backends as gb
+from umoe_jax.ops.fp8_gmm import fp8_backend
+
+F8 = jnp.float8_e4m3fn
+
+
+def test_scale_piece_is_the_quantisers():
+  assert tf.TILE == fp8.TILE == 128
+  assert tf.DTYPE == jnp.dtype(fp8.DTYPE)
+
+
+def test_tiles_and_launch_geometry():
+  # widths: one power of two or two of them >= 16 (192 = 128 + 64), else a power of two <= 128
+  assert [tf._tile_width(n) for n in (192, 128, 256, 48, 144, 40, 768, 300, 8)] == [
+      192, 128, 256, 48, 144, 64, 128, 128, 16]
+  cfg = tf.default_config("gmm", 768, 192)
+  launch = tf.gmm_launch(1000, 768, 192, 8, cfg)
+  assert (launch["BM"], launch["BN"], launch["BN2"], launch["BK"], launch["N_TILES"]) == (128, 128, 64, 128, 1)
+  assert launch["grid"] == ((-(-1000 // 128) + 8 + 1) * 1,)  # group-aligned row tiles + the zero tail
+  launch = tf.tgmm_launch(1000, 192, 768, 8, tf.default_config("tgmm", 192, 768))
+  assert (launch["BR"], launch["BK"], launch["BN"], launch["BN2"]) == (128, 128, 128, 0)
+  assert launch["grid"] == (8 * 2 * 6,)
+  for bad in (tuning.TileConfig(128, 128, 64), tuning.TileConfig(128, 128, 128, persistent=1)):
+    with pytest.raises(ValueError, match="FP8 gmm tile"):
+      tf.gmm_launch(256, 256, 256, 2, bad)
+  for bad in (tuning.TileConfig(128, 128, 64), tuning.TileConfig(96, 128, 128)):
+    with pytest.raises(ValueError, match="FP8 tgmm tile"):
+      tf.tgmm_launch(256, 256, 256, 2, bad)
+
+
+def test_bad_operands_name_the_array():
+  """A wrong dtype or scale layout fails before any launch, naming the array and both shapes."""
+  lq, ls = fp8.quantize_tiles(jnp.ones((40, 200)), axis=1)
+  rq, rs = fp8.quantize_blocks(jnp.ones((3, 200, 72)))
+  gs = jnp.asarray([10, 20, 10], jnp.int32)
+  with pytest.raises(ValueError, match=r"lhs_scale is float32\[40, 1\], expected float32\[40, 2\]"):
+    tf.triton_fp8_gmm(lq, ls[:, :1], rq, rs, gs)
+  with pytest.raises(ValueError, match=r"lhs_q is bfloat16\[40, 200\], expected float8_e4m3fn"):
+    tf.triton_fp8_gmm(lq.astype(jnp.bfloat16), ls, rq, rs, gs)
+  with pytest.raises(ValueError, match=r"gmm\^T: lhs_q is float8_e4m3fn\[40, 200\], expected float8_e4m3fn\[40, 72\]"):
+    tf.triton_fp8_gmm(lq, ls, rq, rs, gs, transpose_rhs=True)
+  aq, as_ = fp8.quantize_tiles(jnp.ones((40, 16)), axis=0)
+  with pytest.raises(ValueError, match=r"rhs_scale is float32\[40, 2\], expected float32\[1, 200\]"):
+    tf.triton_fp8_tgmm(aq, as_, lq, ls, gs)   # rhs in tiles along its columns, not its rows
+
+
+def test_registered_as_the_triton_backends_fp8_forms():
+  gb.register_builtin_kernels()
+  triton = gb.BACKENDS.get("triton")
+  assert triton.fp8_gmm is tf.triton_fp8_gmm and triton.fp8_tgmm is tf.triton_fp8_tgmm
+  assert triton.platforms == ("gpu",)
+  if jax.devices()[0].platform == "cpu":  # auto keeps the emulation off GPU; triton is GPU-only
+    assert fp8_backend("auto") == "xla"
+    with pytest.raises(ValueError, match="does not run on platform 'cpu'"):
+      fp8_backend("triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# Under the interpreter (a fresh process: TRITON_INTERPRET must be set before Triton is imported).
+
+LAUNCHES = []   # kernel names, in launch order
+
+
+def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
+  """`triton_fp8_gmm._launch` through the interpreter; the output poisoned with NaN first, so an
+  output the kernel never writes fails."""
+  from test_kernels import _NpTensor
+
+  def host(*arrays):
+    ins = [_NpTensor(np.asarray(a)) for a in arrays]
+    out = _NpTensor(np.full(out_shape.shape, np.nan, out_shape.dtype))
+    kernel[grid](*ins, out, **meta)
+    return out.arr
+
+  LAUNCHES.append(kernel.fn.__name__)
+  return jax.pure_callback(host, out_shape, *args)
+
+
+def _operand(rng, shape, axes):
+  """Normal values times a log-normal magnitude along each of `axes` (rows, columns): scale
+  pieces orders apart, so a piece read with another piece's scale is far off."""
+  x = rng.standard_normal(shape)
+  for ax in axes:
+    mag_shape = [1] * len(shape)
+    mag_shape[ax] = shape[ax]
+    x = x * np.exp(2.0 * rng.standard_normal(mag_shape))
+  return x.astype(np.float32)
+
+
+def _compare(got, want, bound, rows, what):
+  """got against want within float32 summation error (bound: the product of the absolute values);
+  non-finite exactly where the emulation's are (either inf or NaN)."""
+  got, want, bound = (np.asarray(a, np.float64)[:rows] for a in (got, want, bound))
+  bad = ~np.isfinite(want)
+  assert np.array_equal(~np.isfinite(got), bad), (what, np.argwhere(np.isfinite(got) != ~bad)[:5])
+  err = np.abs(got - want)[~bad]
+  tol = 1e-5 * bound[~bad] + 1e-30
+  assert np.all(err <= tol), (what, float(np.max(err / tol)))
+
+
+def _loop_gmm(lhs, rhs, gs, transpose):
+  """float64, one product a group; rows past the groups zero."""
+  out = np.zeros((lhs.shape[0], rhs.shape[1] if transpose else rhs.shape[2]))
+  ends = np.cumsum(gs)
+  for g, (s, e) in enumerate(zip(ends - gs, ends)):
+    w = rhs[g].T if transpose else rhs[g]
+    out[s:e] = lhs[s:e].astype(np.float64) @ w.astype(np.float64)
+  return out
+
+
+def _loop_tgmm(a, b, gs):
+  ends = np.cumsum(gs)
+  return np.stack([a[s:e].T.astype(np.float64) @ b[s:e].astype(np.float64)
+                   for s, e in zip(ends - gs, ends)])
+
+
+GMM_CASES = [  # M, K, N, group sizes, (bm, bn) or None for the default tiles
+    (260, 200, 144, [70, 0, 133, 40], (32, 48)),   # ragged, an empty group, 17 rows past the groups;
+                                                   # 48 = 32 + 16 columns, a tile across a scale block
+    (200, 256, 160, [0, 190, 3, 0, 7], (16, 64)),  # skewed, empty first group, no row past the groups
+    (150, 136, 96, [40, 60, 30], None),            # default tiles (128 x 96 = 64 + 32)
+]
+
+
+def _gmm_operands(rng, m, k, n, gs, transpose, special):
+  g = len(gs)
+  kc = n if transpose else k
+  lhs = _operand(rng, (m, kc), (0, 1))
+  rhs = _operand(rng, (g, k, n), (1, 2))
+  if special:
+    busy = int(np.argmax(gs))
+    r0 = int(np.sum(gs[:busy]))
+    lhs[int(np.sum(gs)):] = np.nan            # rows past the groups are never read
+    lhs[r0 + 1] = 0.0                         # a row of zero pieces (scale 0)
+    lhs[r0 + 4, kc - 1] = np.inf              # an inf in the last (partial) chunk
+    rhs[busy, :128, :128] = 0.0               # a zero block
+    rhs[busy, min(130, k - 1), 5] = np.inf    # an inf block
+  return lhs, rhs
+
+
+def _nan_pieces(scales, pieces):
+  """NaN scales at `pieces` (index tuples): pieces holding a NaN, as `umoe_jax.ops.fp8` quantises
+  them. Set here rather than quantised from NaN inputs: the interpreter reads e4m3's NaN code as
+  480 (it has no NaN for the format; a GPU's tensor cores do), so only the scale carries a NaN
+  through the kernel on CPU."""
+  scales = np.array(scales)
+  for p in pieces:
+    scales[p] = np.nan
+  return jnp.asarray(scales)
+
+
+def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32):
+  gs = np.asarray(gs, np.int32)
+  lhs, rhs = _gmm_operands(rng, m, k, n, gs, transpose, special)
+  lq, ls = fp8.quantize_tiles(jnp.asarray(lhs), axis=1)
+  rq, rs = fp8.quantize_blocks(jnp.asarray(rhs))
+  if special:  # a NaN piece in a row of the largest group and a NaN block of its weights
+    busy = int(np.argmax(gs))
+    ls = _nan_pieces(ls, [(int(np.sum(gs[:busy])) + 2, 0)])
+    rs = _nan_pieces(rs, [(busy, 0, rs.shape[2] - 1)])
+  cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
+  n0 = len(LAUNCHES)
+  got = jax.jit(lambda *a: tf.triton_fp8_gmm(*a, transpose_rhs=transpose, out_dtype=out_dtype,
+                                             config=cfg))(lq, ls, rq, rs, jnp.asarray(gs))
+  assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
+  deq_l, deq_r = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
+  if special:  # (XLA's ragged_dot on CPU spreads one group's NaN to every row: a float64 loop)
+    want = _loop_gmm(deq_l, deq_r, gs, transpose)
+  else:
+    want = fp8.emulated_gmm(lq, ls, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
+                            out_dtype=jnp.float32)
+  bound = _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose)
+  rows = int(gs.sum())
+  what = f"gmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} transpose={transpose} special={special}"
+  assert got.shape == (m, k if transpose else n) and got.dtype == out_dtype, what
+  got = np.asarray(got.astype(jnp.float32))
+  if out_dtype == jnp.float32:
+    _compare(got, want, bound, rows, what)
+  else:  # one rounding to the output dtype
+    _compare(got, want, bound + np.abs(np.asarray(want)) * 2.0 ** -7 / 1e-5, rows, what)
+  assert np.all(got[rows:] == 0), f"{what}: rows past the groups are zero"
+  if special:
+    assert not np.all(np.isfinite(got[:rows])), f"{what}: the inf / NaN pieces reached no output"
+
+
+TGMM_CASES = [  # M, K, N, group sizes, (bm, bn) output tile or None for the default
+    (300, 144, 200, [70, 0, 133, 40, 0], (64, 48)),  # groups across scale tiles, 57 rows past them
+    (260, 96, 136, [5, 250, 0, 2], (32, 32)),        # skewed: largest group's tiles first
+    (200, 40, 192, [90, 110], None),                 # default tile (64 x 192 = 128 + 64), K < 128
+]
+
+
+def _check_tgmm(rng, m, k, n, gs, tile, special):
+  gs = np.asarray(gs, np.int32)
+  a = _operand(rng, (m, k), (0, 1))
+  b = _operand(rng, (m, n), (0, 1))
+  if special:
+    a[:, 10] = 0.0          # zero pieces in every row tile
+    b[250, 3] = np.inf      # an inf in a row past the groups: its tile's groups
+  aq, as_ = fp8.quantize_tiles(jnp.asarray(a), axis=0)
+  bq, bs = fp8.quantize_tiles(jnp.asarray(b), axis=0)
+  if special:               # a NaN piece in the first row tile: every group with rows in it
+    as_ = _nan_pieces(as_, [(0, 7)])
+  g = len(gs)
+  cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
+  n0 = len(LAUNCHES)
+  got = jax.jit(lambda *x: tf.triton_fp8_tgmm(*x, num_groups=g, out_dtype=jnp.float32, config=cfg))(
+      aq, as_, bq, bs, jnp.asarray(gs))
+  assert LAUNCHES[n0:] == ["_fp8_tgmm_kernel"]
+  deq_a, deq_b = (np.asarray(fp8.dequantize_tiles(q, sc, axis=0)) for q, sc in ((aq, as_), (bq, bs)))
+  if special:  # (as in _check_gmm)
+    want = _loop_tgmm(deq_a, deq_b, gs)
+  else:
+    want = fp8.emulated_tgmm(aq, as_, bq, bs, jnp.asarray(gs), num_groups=g, out_dtype=jnp.float32)
+  bound = _loop_tgmm(np.abs(deq_a), np.abs(deq_b), gs)
+  what = f"tgmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} special={special}"
+  assert got.shape == (g, k, n), what
+  _compare(got, want, bound, g, what)
+  assert np.all(np.asarray(got)[gs == 0] == 0), f"{what}: empty groups are zero"
+  if special:
+    assert not np.all(np.isfinite(np.asarray(got))), what
+
+
+def _differentiable_check():
+  """fp8_gmm through the triton backend (its FP8 forms: this kernel) against the xla backend
+  (the emulation): the same quantised operands, so values and both gradients agree to float32
+  summation order; the three products ran as kernels."""
+  from umoe_jax.ops import fp8_gmm as fg
+  gb.register_builtin_kernels()
+  triton = gb.BACKENDS.get("triton")
+  assert triton.fp8_gmm is tf.FP8_GMM and triton.fp8_tgmm is tf.FP8_TGMM
+  gb.BACKENDS._entries["triton"] = dataclasses.replace(triton, platforms=("cpu", "gpu"))
+  rng = np.random.default_rng(7)
+  m, k, n, gs = 230, 144, 136, np.asarray([60, 0, 100, 25, 30], np.int32)   # 15 rows past the groups
+  rhs = jnp.asarray(_operand(rng, (len(gs), k, n), (1, 2)))
+  for transpose in (False, True):
+    lhs = jnp.asarray(_operand(rng, (m, n if transpose else k), (0, 1)))
+    cot = jnp.asarray(_operand(rng, (m, k if transpose else n), (0,)))
+
+    def loss(x, w, backend):
+      return jnp.sum(fg.fp8_gmm(x, w, jnp.asarray(gs), backend=backend, transpose_rhs=transpose) * cot)
+
+    n0 = len(LAUNCHES)
+    got = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "triton"), argnums=(0, 1)))(lhs, rhs)
+    assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
+    want = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "xla"), argnums=(0, 1)))(lhs, rhs)
+    (v, (dx, dw)), (wv, (wdx, wdw)) = got, want
+    what = f"fp8_gmm transpose={transpose}"
+    np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg=what)
+    for name, x, y in (("dlhs", dx, wdx), ("drhs", dw, wdw)):
+      x, y = np.asarray(x), np.asarray(y)
+      assert np.all(np.isfinite(x)), (what, name)
+      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * np.max(np.abs(y)), err_msg=f"{what} {name}")
+    assert np.all(np.asarray(dx)[gs.sum():] == 0), f"{what}: rows past the groups get no gradient"
+    assert np.all(np.asarray(dw)[gs == 0] == 0), f"{what}: an empty group's weights get no gradient"
+
+
+def _interpreter_check():
+  from test_kernels import _NP_DTYPES, _NpDtype
+  _NP_DTYPES.setdefault(np.dtype(F8), _NpDtype("float8_e4m3fn"))
+  _NP_DTYPES.setdefault(np.dtype(jnp.bfloat16), _NpDtype("bfloat16"))
+  interpreter_loop_bounds()
+  tf._launch = _interpreter_launch
+  rng = np.random.default_rng(0)
+  for m, k, n, gs, tile in GMM_CASES:
+    for transpose in (False, True):
+      _check_gmm(rng, m, k, n, gs, tile, transpose, special=False)
+  for transpose in (False, True):
+    _check_gmm(rng, *GMM_CASES[0], transpose, special=True)
+  _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
+  for m, k, n, gs, tile in TGMM_CASES:
+    _check_tgmm(rng, m, k, n, gs, tile, special=False)
+  _check_tgmm(rng, *TGMM_CASES[0], special=True)
+  _differentiable_check()
+  print("FP8_TRITON_INTERPRETER_OK")
+
+
+@pytest.mark.extras("triton")
+def test_fp8_kernels_in_interpreter_match_the_emulation():
+  run_in_triton_interpreter("test_fp8_triton", "_interpreter_check", "FP8_TRITON_INTERPRETER_OK",
+                            timeout=600)
