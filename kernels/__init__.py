@@ -15,3 +15,22 @@ them through its registries (`umoe_jax.ops.gmm_backends.BACKENDS`,
 anywhere. Every module imports on a machine without the toolchain (no Triton, no jax_triton, a jax
 whose Pallas Mosaic GPU API differs); its `available()` then says False.
 """
+
+import os as _os
+
+_HERE = _os.path.dirname(_os.path.abspath(__file__))
+
+
+def __getattr__(name: str):
+  """A name this package lacks. Hugging Face's `kernels` distribution (which transformers imports)
+  has the same import name, and this package shadows it wherever the repository root is on sys.path
+  (Python started in the root): transformers' `from kernels import ...` arrives here, and gets one
+  line saying so instead of a bare "cannot import name"."""
+  if name.startswith("_") or _os.path.exists(_os.path.join(_HERE, name)) or _os.path.exists(
+      _os.path.join(_HERE, f"{name}.py")):
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")   # submodules import as usual
+  raise ImportError(
+      f"'kernels' here is umoe-jax's own kernels/ package ({_HERE}), not the `kernels` distribution "
+      f"that transformers imports: the repository root is on sys.path. Run transformers from another "
+      f"directory, or start Python with -P (PYTHONSAFEPATH=1), which keeps the current directory off "
+      f"sys.path", name=name, path=__file__)

@@ -219,3 +219,40 @@ def test_expert_choice_is_refused(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "model.router.selection='expert_choice'" in err and "causally" in err
   assert not os.path.exists(tmp_path / "hf")
+
+
+LOAD = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, "
+        "dtype=torch.float32); print(m(torch.tensor([[1, 2, 3]])).logits.shape)")
+
+
+def test_from_pretrained_inside_the_repository_root(tmp_path):
+  """Python started in the repository root has the root on sys.path, where kernels/ shadows the
+  `kernels` distribution transformers imports: loading fails with one line saying so and how to
+  avoid it; `python -P` (the current directory kept off sys.path) loads from the root. The
+  exported code itself imports only torch, transformers and its own files."""
+  import ast
+  root = os.path.dirname(os.path.dirname(RUNNER))
+  cfg = model_config("dense")
+  ckpt = official.save_converted(build_model(cfg), cfg, str(tmp_path / "ckpt"))
+  out = tmp_path / "hf"
+  assert interop_main(["export", f"--checkpoint={ckpt}", f"--out={out}", "--format=hf"]) == 0
+  for name in os.listdir(out):
+    if name.endswith(".py"):
+      for node in ast.walk(ast.parse((out / name).read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+          for mod in ([node.module] if isinstance(node, ast.ImportFrom) else
+                      [a.name for a in node.names]):
+            assert mod.split(".")[0] in ("__future__", "typing", "dataclasses", "math", "torch",
+                                         "transformers"), (name, mod)
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+  env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
+  inside = subprocess.run([sys.executable, "-c", LOAD, str(out)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert inside.returncode != 0
+  last = inside.stderr.strip().splitlines()[-1]
+  assert last.startswith("ImportError: 'kernels' here is umoe-jax's own kernels/ package") and \
+      "start Python with -P" in last, inside.stderr[-3000:]
+  safe = subprocess.run([sys.executable, "-P", "-c", LOAD, str(out)], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert safe.returncode == 0 and "torch.Size([1, 3, 512])" in safe.stdout, safe.stderr[-3000:]
