@@ -219,6 +219,7 @@ def test_expert_choice_is_refused(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "model.router.selection='expert_choice'" in err and "causally" in err
   assert not os.path.exists(tmp_path / "hf")
+  assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []   # its temporary removed
 
 
 LOAD = ("import sys, torch; from transformers import AutoModelForCausalLM; "

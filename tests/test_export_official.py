@@ -375,3 +375,28 @@ def test_expert_parallel_checkpoint_is_gathered(tmp_path):
   back = flat(official.import_official(str(tmp_path / "ep8"))[0])
   assert back["layers/0/experts/w_up"].shape[0] == 8
   assert back.keys() == ours.keys() and all(np.array_equal(back[k], ours[k]) for k in ours)
+
+
+def test_more_bad_inputs(tmp_path, capsys, caplog):
+  """A workdir whose config.json is gone, a tokenizer file that is gone, a workdir whose newest step
+  a crash left incomplete (the latest complete step is exported, and the line says which)."""
+  workdir, params = workdir_checkpoint(tmp_path, steps=(1, 2))
+  out = str(tmp_path / "o")
+  os.makedirs(os.path.join(workdir, "checkpoints", "3"))   # a save cut short
+  assert interop_main(["export", f"--checkpoint={workdir}", f"--out={out}", "--format=official"]) == 0
+  assert "checkpoints/2 (step 2)" in capsys.readouterr().out
+  back = flat(official.import_official(out)[0])
+  assert all(np.array_equal(back[k], params[2][k]) for k in params[2])
+  assert "3" in caplog.text and "incomplete" in caplog.text
+  tok = byte_level_tokenizer(str(tmp_path / "gone.json"))
+  d = converted_checkpoint(tmp_path, "dense_tiny", data={"tokenizer": tok, "eos_token": "</s>"})
+  os.remove(tok)
+  code, err = run_cli([f"--checkpoint={d}", f"--out={tmp_path / 'o2'}", "--format=official"], capsys)
+  assert code == 2 and err.count("\n") == 0 and tok in err, err
+  os.remove(os.path.join(workdir, "config.json"))
+  code, err = run_cli([f"--checkpoint={workdir}", f"--out={tmp_path / 'o3'}", "--format=official"],
+                      capsys)
+  assert code == 2 and err.count("\n") == 0 and "has no config.json" in err, err
+  assert "--config" not in err   # load's advice: not a flag of export
+  assert not os.path.exists(tmp_path / "o2") and not os.path.exists(tmp_path / "o3")
+  assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []

@@ -64,7 +64,14 @@ def load_source(checkpoint: str, step: Optional[int] = None):
     from umoe_jax.interop.finetuned import load_backbone
     model, section, ref, spec, eos, note = load_backbone(checkpoint, workdir, step)
   else:
-    model, section, ref = load.load_model(_step_dir(checkpoint, step), compute_dtype="float32")
+    try:
+      model, section, ref = load.load_model(_step_dir(checkpoint, step), compute_dtype="float32")
+    except load.LoadError as e:   # its advice, --config, is not a flag of export
+      text, hint = str(e), ": pass --config="
+      if "has no config.json" not in text or hint not in text:
+        raise
+      raise load.LoadError(text.split(hint)[0] + ": the export's architecture comes from it"
+                           ) from None
     spec, eos = load.tokenizer_spec(None, ref.config)
     note = ""
   try:
