@@ -207,12 +207,11 @@ def test_pool_under_a_mesh_keeps_fuse_activation(monkeypatch, fuse):
   last matmul gets the activation exactly when the switch is on, as on one device, and the
   weight-rows switch as set."""
   import jax
-  from umoe_jax.model import experts
+  from umoe_jax.model import expert_mlp, expert_routes
   from umoe_jax.ops import dispatch
-  from umoe_jax.model import expert_routes
   seen, captured = [], {}
-  real = experts.gmm_combine
-  monkeypatch.setattr(experts, "gmm_combine", lambda *a, **kw: seen.append(
+  real = expert_mlp.gmm_combine
+  monkeypatch.setattr(expert_mlp, "gmm_combine", lambda *a, **kw: seen.append(
       (kw.get("activation"), kw.get("fuse_weight_rows"))) or real(*a, **kw))
 
   def fake_expert_map(x, ids, gates, values, names, local, *, num_experts, fused_local, slot_mask=None):

@@ -96,8 +96,10 @@ def _installed() -> dict:
 
 
 def distributions_of(module: str) -> list[str]:
-  installed = _installed().get(module, [])
-  return [_norm(d) for d in installed] or [_norm(DISTRIBUTION.get(module, module))]
+  # a namespace package (google) may be installed by another distribution (protobuf) than ours
+  installed = [_norm(d) for d in _installed().get(module, [])]
+  return installed + [_norm(DISTRIBUTION[module])] if module in DISTRIBUTION else (
+      installed or [_norm(module)])
 
 
 def test_every_imported_package_is_named_by_a_requirements_file():
