@@ -37,7 +37,8 @@ def test_tiles_and_launch_geometry():
       192, 128, 256, 48, 144, 64, 128, 128, 16]
   cfg = tf.default_config("gmm", 768, 192)
   launch = tf.gmm_launch(1000, 768, 192, 8, cfg)
-  assert (launch["BM"], launch["BN"], launch["BN2"], launch["BK"], launch["N_TILES"]) == (128, 128, 64, 128, 1)
+  assert (launch["BM"], launch["BN"], launch["BN2"], launch["BK"], launch["N_TILES"]) == (
+      128, 128, 64, 128, 1)
   assert launch["grid"] == ((-(-1000 // 128) + 8 + 1) * 1,)  # group-aligned row tiles + the zero tail
   launch = tf.tgmm_launch(1000, 192, 768, 8, tf.default_config("tgmm", 192, 768))
   assert (launch["BR"], launch["BK"], launch["BN"], launch["BN2"]) == (128, 128, 128, 0)
@@ -59,7 +60,8 @@ def test_bad_operands_name_the_array():
     tf.triton_fp8_gmm(lq, ls[:, :1], rq, rs, gs)
   with pytest.raises(ValueError, match=r"lhs_q is bfloat16\[40, 200\], expected float8_e4m3fn"):
     tf.triton_fp8_gmm(lq.astype(jnp.bfloat16), ls, rq, rs, gs)
-  with pytest.raises(ValueError, match=r"gmm\^T: lhs_q is float8_e4m3fn\[40, 200\], expected float8_e4m3fn\[40, 72\]"):
+  with pytest.raises(ValueError,
+                     match=r"gmm\^T: lhs_q is float8_e4m3fn\[40, 200\], expected float8_e4m3fn\[40, 72\]"):
     tf.triton_fp8_gmm(lq, ls, rq, rs, gs, transpose_rhs=True)
   aq, as_ = fp8.quantize_tiles(jnp.ones((40, 16)), axis=0)
   with pytest.raises(ValueError, match=r"rhs_scale is float32\[40, 2\], expected float32\[1, 200\]"):

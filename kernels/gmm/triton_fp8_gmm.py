@@ -10,8 +10,10 @@ scales as `umoe_jax.ops.fp8` makes them (`umoe_jax.ops.fp8_gmm` quantises and di
 Both contract in chunks of 128, one scale piece each: a chunk is one FP8 `tl.dot` into a fresh float32
 partial product, which is multiplied by its two scales and added to the float32 accumulator
 (DeepSeek-V3's promotion every 128 elements of the contraction), so no product is ever summed across
-two scales. A piece holding inf or NaN has a non-finite scale, which multiplies every partial product
-it enters: such outputs are inf or NaN, never finite.
+two scales. Inside a chunk the tensor cores accumulate at their own FP8 precision (Triton's default
+`max_num_imprecise_acc` on sm_90 leaves the whole dot to them): a chunk is exactly one promotion.
+A piece holding inf or NaN has a non-finite scale, which multiplies every partial product it enters:
+such outputs are inf or NaN, never finite.
 
 gmm: the bf16 kernel's schedule (`triton_gmm._row_schedule` / `_locate`: group-aligned row tiles, one
 zero tail for the rows past sum(group_sizes), column tile fastest); the output column tile may be two

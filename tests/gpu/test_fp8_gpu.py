@@ -36,10 +36,14 @@ SHAPES = {  # M, K, N, group sizes
     # K and N not multiples of 128, a split column tile (144 = 128 + 16), an empty group
     "odd": (1000, 200, 144, [300, 0, 451, 7, 200]),
 }
-# Within a 128-wide chunk Hopper's FP8 MMA adds with fewer mantissa bits than float32 (the reason
-# DeepSeek-V3 promotes to float32 every 128 elements): the kernel's error against the float64 loop, over the sum of the products' absolute
-# values. A scale read for the wrong piece is off by orders of magnitude (`_operand`).
-REL_BOUND = 2e-3
+# Within a 128-wide chunk Hopper's FP8 MMA adds with fewer mantissa bits than float32 (DeepSeek-V3
+# measured ~14; hence the float32 promotion every 128 elements): the kernel's error against the float64
+# loop, over the sum of the products' absolute values, allows that. A scale read for the wrong piece
+# is off by orders of magnitude (`_operand`).
+REL_BOUND = 5e-3
+# fp8_gmm through the kernel against the emulation (float32 products of the dequantised operands, which
+# XLA may run in TF32 on a GPU): normwise.
+NORM_BOUND = 3e-3
 
 
 def _group_sizes(m, spec, seed):
@@ -121,7 +125,8 @@ def _raw(op, shape, special):
   dl, dr = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
   got = np.asarray(got)
   assert np.all(got[rows:] == 0), f"{op} {shape}: rows past the groups are zero"
-  return gs, got[:rows], _loop_gmm(dl, dr, gs, transpose)[:rows], _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)[:rows]
+  return (gs, got[:rows], _loop_gmm(dl, dr, gs, transpose)[:rows],
+          _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)[:rows])
 
 
 @pytest.mark.parametrize("shape", ["base", "odd"])
@@ -163,4 +168,5 @@ def test_fp8_gmm_gradients_match_the_emulation(transpose):
   for name, g, w in zip(("out", "dlhs", "drhs"), run("triton"), run("xla")):
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     assert np.all(np.isfinite(g)), name
-    assert np.linalg.norm(g - w) <= 1e-3 * np.linalg.norm(w), (name, np.linalg.norm(g - w) / np.linalg.norm(w))
+    rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+    assert rel <= NORM_BOUND, (name, rel)
