@@ -15,9 +15,10 @@ the value (`ConfigError`). One module per idea:
 
 Everything a caller needs is importable from here (`from umoe_jax.config import ModelConfig, ...`).
 """
-from umoe_jax.config.schema import (ACTIVATIONS, DTYPES, ROPE_LAYOUTS, SUBLAYERS,  # noqa: F401
-                                    AttentionConfig, ConfigError, FFNConfig, MoEConfig, ModelConfig,
-                                    RouterConfig, RouterOverrides, resolve_router, router_mixing)
+from umoe_jax.config.schema import (ACTIVATIONS, DTYPES, PRECISIONS, ROPE_LAYOUTS,  # noqa: F401
+                                    SUBLAYERS, AttentionConfig, ConfigError, FFNConfig, MoEConfig,
+                                    ModelConfig, RouterConfig, RouterOverrides, resolve_router,
+                                    router_mixing)
 from umoe_jax.config.checks import validate  # noqa: F401
 from umoe_jax.config.router_checks import check_cached_decoding  # noqa: F401
 from umoe_jax.config.parsing import (default_config_dict, model_config, resolve,  # noqa: F401

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from umoe_jax import kinds
 from umoe_jax.config.router_checks import validate_routers
-from umoe_jax.config.schema import (ACTIVATIONS, DTYPES, ROPE_LAYOUTS, ModelConfig,
+from umoe_jax.config.schema import (ACTIVATIONS, DTYPES, PRECISIONS, ROPE_LAYOUTS, ModelConfig,
                                     choices, require)
 
 
@@ -19,6 +19,8 @@ def validate(cfg: ModelConfig) -> ModelConfig:
     require(getattr(cfg, key) in DTYPES, f"model.{key}={getattr(cfg, key)!r}; valid: {', '.join(DTYPES)}")
   for key in ("norm_eps", "rope_theta", "init_std"):
     require(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)!r} must be positive")
+  require(cfg.matmul_precision in PRECISIONS,
+          f"train.precision={cfg.matmul_precision!r}; valid: {', '.join(PRECISIONS)}")
   require(cfg.gmm_backend == "auto" or cfg.gmm_backend in kinds.GMM_BACKENDS,
           f"model.gmm_backend={cfg.gmm_backend!r}; valid: auto, {', '.join(kinds.GMM_BACKENDS)}")
 

@@ -47,7 +47,7 @@ _ROUTER_SELECTION = tuple(f"model.router.{k}" for k in (
     "selection", "top_p", "expert_choice_", "mixing", "similarity_temperature",
     "attention_temperature"))
 _KERNELS = ("model.gmm_backend", "model.attention.core", "model.moe.fuse_", "model.router.logits_dtype",
-            "model.router.topk_backend")
+            "model.router.topk_backend", "train.precision")
 _MEMORY = ("model.scan_layers", "train.remat", "train.loss_chunk_tokens", "train.fused_loss_head",
            "train.grad_accum_steps", "train.mu_dtype", "train.compilation_cache_dir")
 _OPTIMIZER = tuple(f"train.{k}" for k in (
@@ -138,7 +138,7 @@ def _source_docs() -> dict[tuple[str, str], str]:
 
 def _model_defaults(cls=schema.ModelConfig, prefix: str = "model.") -> Iterator[tuple[str, Any]]:
   hints = typing.get_type_hints(cls)
-  for f in dataclasses.fields(cls):
+  for f in schema.config_fields(cls):
     value = getattr(cls(), f.name)
     if hints[f.name] is schema.RouterOverrides:
       yield prefix + f.name, None

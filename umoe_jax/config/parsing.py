@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from umoe_jax.config.checks import validate
 from umoe_jax.config.removed import drop_removed
-from umoe_jax.config.schema import ConfigError, ModelConfig, resolve_router
+from umoe_jax.config.schema import ConfigError, ModelConfig, config_fields, resolve_router
 
 
 def _to_plain(obj: Any) -> Any:
@@ -91,7 +91,7 @@ def default_config_dict(cls=ModelConfig):
 
   hints = typing.get_type_hints(cls)
   out = {}
-  for f in dataclasses.fields(cls):
+  for f in config_fields(cls):
     value = getattr(cls(), f.name)
     args = typing.get_args(hints[f.name])
     if dataclasses.is_dataclass(value):

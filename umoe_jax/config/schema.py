@@ -14,6 +14,7 @@ from umoe_jax import kinds
 ACTIVATIONS = ("silu", "gelu", "relu", "none")
 ROPE_LAYOUTS = ("interleaved", "half")
 DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("bf16", "fp8")   # train.precision, carried as ModelConfig.matmul_precision
 
 
 class ConfigError(ValueError):
@@ -194,6 +195,10 @@ class ModelConfig:
   ffn: FFNConfig = dataclasses.field(default_factory=FFNConfig)
   moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+  # The matmuls' operand precision, one of PRECISIONS: train.precision, set when a training run
+  # builds its model (`umoe_jax.train.precision`). Not a model.* key: checkpoints hold float32
+  # parameters either way, and evaluation, decoding and export build the model without FP8.
+  matmul_precision: str = dataclasses.field(default="bf16", metadata={"set_from": "train.precision"})
 
   def router_for(self, sublayer: str) -> RouterConfig:
     """The router config of sub-layer "attention" or "ffn": `model.router` with the keys its own
@@ -216,6 +221,11 @@ class ModelConfig:
     return (("attention",) if att and att.has_routers else ()) + (("ffn",) if self.ffn_uses_experts else ())
 
   @property
+  def fp8(self) -> bool:
+    """FP8 operands in the expert grouped matmuls and the dense projections (train.precision)."""
+    return self.matmul_precision == "fp8"
+
+  @property
   def attention_uses_experts(self) -> bool:
     kind = kinds.ATTENTION_KINDS.get(self.attention.kind)
     return bool(kind and kind.uses_expert_pool)
@@ -226,6 +236,12 @@ class ModelConfig:
 
 
 SUBLAYERS = ("attention", "ffn")
+
+
+def config_fields(cls) -> list[dataclasses.Field]:
+  """The fields of a config dataclass that are config keys: all but those another key sets
+  (metadata "set_from", e.g. `ModelConfig.matmul_precision`)."""
+  return [f for f in dataclasses.fields(cls) if "set_from" not in f.metadata]
 
 
 def router_mixing(r: RouterConfig) -> str:

@@ -33,6 +33,7 @@ def hf_config_dict(section) -> dict:
   "attention_router" / "ffn_router"; ConfigError for what the PyTorch code cannot run."""
   cfg = model_config(section)
   out = dataclasses.asdict(cfg)
+  out.pop("matmul_precision")  # training's (train.precision): the export runs without FP8
   for s in cfg.routed_sublayers:
     r = cfg.router_for(s)
     if r.selection == "expert_choice":

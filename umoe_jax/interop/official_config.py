@@ -154,6 +154,7 @@ def config_from_official(config_json: Mapping[str, Any] | str, *, compute_dtype:
   eps = float(_get(cj, "rms_norm_eps", 1e-6))
 
   m = dataclasses.asdict(ModelConfig())
+  m.pop("matmul_precision")  # train.precision's, not a model key
   m.update(vocab_size=_need(cj, "vocab_size"), d_model=d, n_layers=_need(cj, "num_hidden_layers"),
            max_seq_len=_get(cj, "max_position_embeddings", 2048), norm_eps=eps,
            rope_theta=float(_get(cj, "rope_theta", 10000.0)), rope_layout="interleaved",

@@ -36,8 +36,8 @@ def _refuse(feature: str, value: Any, why: str) -> OfficialExportError:
 
 
 # Runtime choices of this project that do not change the function (compared neither way).
-_RUNTIME = ("compute_dtype", "param_dtype", "gmm_backend", "scan_layers", "attention.core",
-            "attention.core_backward", "moe.fuse_activation", "moe.fuse_weight_rows")
+_RUNTIME = ("compute_dtype", "param_dtype", "gmm_backend", "matmul_precision", "scan_layers",
+            "attention.core", "attention.core_backward", "moe.fuse_activation", "moe.fuse_weight_rows")
 # Router keys that only shape training (losses and their schedules), given the router is top-k softmax.
 _TRAINING_ONLY = ("balance_loss", "balance_coef", "z_loss_coef", "jitter_eps", "entropy_coef",
                   "logits_dtype", "topk_backend", "top_p", "expert_choice_capacity",

@@ -27,7 +27,8 @@ def make_expert_pool(cfg: ModelConfig, rngs: nnx.Rngs, *,
                      ffn: bool = True) -> ExpertPool | AoEExpertPool:
   """A routed pool; `ffn`: the FFN routes into it (an AoE FFN router makes it an `AoEExpertPool`)."""
   kw = dict(activation=cfg.moe.activation, std=cfg.init_std, param_dtype=cfg.param_dtype,
-            compute_dtype=cfg.compute_dtype, gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated)
+            compute_dtype=cfg.compute_dtype, gmm_backend=cfg.gmm_backend, rngs=rngs, gated=cfg.moe.gated,
+            fp8=cfg.fp8)
   router = cfg.router_for("ffn")
   if ffn and router.kind == "aoe":  # Autonomy-of-Experts: experts with low-rank codes that score them
     return AoEExpertPool(cfg.moe.n_experts, cfg.d_model, cfg.moe.d_expert, rank=router.aoe_dim, **kw)

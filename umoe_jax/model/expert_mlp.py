@@ -23,28 +23,28 @@ def slot_rows(x: jax.Array, first_slot: int, slots: int) -> jax.Array:
 def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up: jax.Array,
                w_down: jax.Array, w_gate: jax.Array | None = None, *, activation: str,
                backend: str, first_slot: int = 0, fuse_activation: bool = False,
-               fuse_weight_rows: bool = False) -> jax.Array:
+               fuse_weight_rows: bool = False, fp8: bool = False) -> jax.Array:
   """The pool's routed forward on raw arrays, dispatch fused into the first and last matmul:
   x [N, D] or [N, S, D] (slot k reads x[:, first_slot + k]), gates [N, K], w_up / w_gate
   [E, D, F], w_down [E, F, D] -> [N, D]. `fuse_activation` (`moe.fuse_activation`): a non-gated
   silu / relu pool hands its activation to the last matmul (`gmm_combine(activation=...)`), whose
   backward takes the derivative in a matmul epilogue; `fuse_weight_rows` (`moe.fuse_weight_rows`):
-  see `gmm_combine`.
+  see `gmm_combine`; `fp8`: FP8 operands in every grouped matmul (train.precision).
   (Also run per device by expert parallelism when the expert axis is 1.)"""
   k = gates.shape[1]
   with jax.named_scope("expert_up"):
-    up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot)
+    up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot, fp8=fp8)
   if fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS:
     with jax.named_scope("expert_down"):
       return gmm_combine(up, w_down, plan, gates, backend=backend, activation=activation,
-                         fuse_weight_rows=fuse_weight_rows)
+                         fuse_weight_rows=fuse_weight_rows, fp8=fp8)
   gate = None
   if w_gate is not None:
     with jax.named_scope("expert_gate"):
-      gate = gather_gmm(x, w_gate, plan, k, backend=backend, first_slot=first_slot)
+      gate = gather_gmm(x, w_gate, plan, k, backend=backend, first_slot=first_slot, fp8=fp8)
   with jax.named_scope("expert_down"):
     return gmm_combine(expert_hidden(up, gate, activation), w_down, plan, gates, backend=backend,
-                       fuse_weight_rows=fuse_weight_rows)
+                       fuse_weight_rows=fuse_weight_rows, fp8=fp8)
 
 
 def expert_hidden(up: jax.Array, gate: jax.Array | None, activation: str) -> jax.Array:
@@ -59,25 +59,26 @@ def _aoe_hidden(first: jax.Array, up: jax.Array | None, activation: str) -> jax.
 
 
 def aoe_expert_rows(rows, group_sizes, w_a, w_b, w_up, w_down, *, activation: str, backend: str,
-                    preferred_element_type=None) -> jax.Array:
+                    preferred_element_type=None, fp8: bool = False) -> jax.Array:
   """The AoE experts on rows [M, D] sorted by expert -> [M, D] (also each device's part of the
   expert-parallel forward; `preferred_element_type` for its partial sums)."""
-  code = gmm(rows, w_a, group_sizes, backend=backend)                               # [M, r]
-  first = gmm(code, w_b, group_sizes, backend=backend)                              # [M, F]
-  up = None if w_up is None else gmm(rows, w_up, group_sizes, backend=backend)
+  code = gmm(rows, w_a, group_sizes, backend=backend, fp8=fp8)                      # [M, r]
+  first = gmm(code, w_b, group_sizes, backend=backend, fp8=fp8)                     # [M, F]
+  up = None if w_up is None else gmm(rows, w_up, group_sizes, backend=backend, fp8=fp8)
   kw = {} if preferred_element_type is None else dict(preferred_element_type=preferred_element_type)
-  return gmm(_aoe_hidden(first, up, activation), w_down, group_sizes, backend=backend, **kw)
+  return gmm(_aoe_hidden(first, up, activation), w_down, group_sizes, backend=backend, fp8=fp8, **kw)
 
 
 def aoe_routed_mlp(x, plan: dispatch.DispatchPlan, gates, w_a, w_b, w_up, w_down, *,
-                   activation: str, backend: str) -> jax.Array:
+                   activation: str, backend: str, fp8: bool = False) -> jax.Array:
   """The AoE pool's routed forward, dispatch fused into the first and last matmuls: x [N, D] or
   [N, K, D], gates [N, K] -> [N, D]."""
   k = gates.shape[1]
   with jax.named_scope("expert_code"):
-    code = gather_gmm(x, w_a, plan, k, backend=backend)                              # [M, r]
+    code = gather_gmm(x, w_a, plan, k, backend=backend, fp8=fp8)                     # [M, r]
   with jax.named_scope("expert_up"):
-    first = gmm(code, w_b, plan.group_sizes, backend=backend)                        # [M, F]
-    up = None if w_up is None else gather_gmm(x, w_up, plan, k, backend=backend)
+    first = gmm(code, w_b, plan.group_sizes, backend=backend, fp8=fp8)               # [M, F]
+    up = None if w_up is None else gather_gmm(x, w_up, plan, k, backend=backend, fp8=fp8)
   with jax.named_scope("expert_down"):
-    return gmm_combine(_aoe_hidden(first, up, activation), w_down, plan, gates, backend=backend)
+    return gmm_combine(_aoe_hidden(first, up, activation), w_down, plan, gates, backend=backend,
+                       fp8=fp8)

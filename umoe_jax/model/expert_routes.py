@@ -24,34 +24,35 @@ from umoe_jax.parallel.sharding import current_context
 
 
 def _pool_local(rows, group_sizes, w_up, w_down, w_gate=None, *, tensor_axes, activation, dtype,
-                backend):
+                backend, fp8=False):
   rows, w_up, w_down, *rest = match_varying(rows.astype(dtype), w_up, w_down,
                                             *([] if w_gate is None else [w_gate]))
   w_gate = rest[0] if rest else None
-  up = gmm(rows, w_up.astype(dtype), group_sizes, backend=backend)                       # [R, F_l]
-  gate = None if w_gate is None else gmm(rows, w_gate.astype(dtype), group_sizes, backend=backend)
+  mm = functools.partial(gmm, group_sizes=group_sizes, backend=backend, fp8=fp8)
+  up = mm(rows, w_up.astype(dtype))                                                      # [R, F_l]
+  gate = None if w_gate is None else mm(rows, w_gate.astype(dtype))
   h = expert_hidden(up, gate, activation)
   if not tensor_axes:
-    return gmm(h, w_down.astype(dtype), group_sizes, backend=backend)                    # [R, D]
-  part = gmm(h, w_down.astype(dtype), group_sizes, backend=backend,
-             preferred_element_type=jnp.float32)                                         # partial
+    return mm(h, w_down.astype(dtype))                                                   # [R, D]
+  part = mm(h, w_down.astype(dtype), preferred_element_type=jnp.float32)                 # partial
   return jax.lax.psum(part, axis_arg(tensor_axes)).astype(dtype)
 
 
 def _pool_fused(x, plan, gates, w_up, w_down, w_gate=None, *, activation, dtype, backend,
-                fuse_activation=False, fuse_weight_rows=False):
+                fuse_activation=False, fuse_weight_rows=False, fp8=False):
   x, gates, w_up, w_down, *rest = match_varying(
       x.astype(dtype), gates, w_up.astype(dtype), w_down.astype(dtype),
       *([] if w_gate is None else [w_gate.astype(dtype)]))
   return routed_mlp(x, plan, gates, w_up, w_down, rest[0] if rest else None,
                     activation=activation, backend=backend, fuse_activation=fuse_activation,
-                    fuse_weight_rows=fuse_weight_rows)
+                    fuse_weight_rows=fuse_weight_rows, fp8=fp8)
 
 
 def _route(pool, params, local, fused, x, expert_ids, gates, slot_mask=None) -> jax.Array:
   """expert_map of a pool's routed forward over its `params` (nnx.Params, expert-stacked), with
   the per-device `local` / `fused` functions; sows the dropped rows under a capacity factor."""
-  kw = dict(activation=pool.activation, dtype=pool.compute_dtype, backend=pool.gmm_backend)
+  kw = dict(activation=pool.activation, dtype=pool.compute_dtype, backend=pool.gmm_backend,
+            fp8=pool.fp8)
   y, stats = expert_map(x, expert_ids, gates, tuple(_value(p) for p in params),
                         tuple(_names(p) for p in params), functools.partial(local, **kw),
                         num_experts=pool.n_experts, fused_local=functools.partial(fused, **kw),
@@ -79,25 +80,26 @@ def route_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 
 def _aoe_local(rows, group_sizes, w_a, w_b, w_down, w_up=None, *, tensor_axes, activation, dtype,
-               backend):
+               backend, fp8=False):
   """One device's AoE experts (w_b / w_up / w_down's hidden width may be split over tensor)."""
   rows, w_a, w_b, w_down, *rest = match_varying(rows.astype(dtype), w_a, w_b, w_down,
                                                 *([] if w_up is None else [w_up]))
   ws = [w.astype(dtype) for w in (w_a, w_b)] + [rest[0].astype(dtype) if rest else None,
                                                 w_down.astype(dtype)]
   if not tensor_axes:
-    return aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend)
-  part = aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend,
+    return aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend, fp8=fp8)
+  part = aoe_expert_rows(rows, group_sizes, *ws, activation=activation, backend=backend, fp8=fp8,
                          preferred_element_type=jnp.float32)                             # partial
   return jax.lax.psum(part, axis_arg(tensor_axes)).astype(dtype)
 
 
-def _aoe_fused(x, plan, gates, w_a, w_b, w_down, w_up=None, *, activation, dtype, backend):
+def _aoe_fused(x, plan, gates, w_a, w_b, w_down, w_up=None, *, activation, dtype, backend,
+               fp8=False):
   x, gates, w_a, w_b, w_down, *rest = match_varying(
       x.astype(dtype), gates, w_a.astype(dtype), w_b.astype(dtype), w_down.astype(dtype),
       *([] if w_up is None else [w_up.astype(dtype)]))
   return aoe_routed_mlp(x, plan, gates, w_a, w_b, rest[0] if rest else None, w_down,
-                        activation=activation, backend=backend)
+                        activation=activation, backend=backend, fp8=fp8)
 
 
 def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
@@ -108,15 +110,17 @@ def route_aoe_pool(pool, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   return _route(pool, params, _aoe_local, _aoe_fused, x, expert_ids, gates, slot_mask)
 
 
-def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low_rank, norm):
+def _queries_local(rows, group_sizes, *ws, tensor_axes, dtype, backend, eps, low_rank, norm,
+                   fp8=False):
   del tensor_axes  # query weights have no EXPERT_MLP dim
   rows, *ws = match_varying(rows.astype(dtype), *ws)
+  mm = functools.partial(gmm, group_sizes=group_sizes, backend=backend, fp8=fp8)
   if not low_rank:
-    return gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                  # [R, Dk]
-  code = gmm(rows, ws[0].astype(dtype), group_sizes, backend=backend)                    # [R, r]
+    return mm(rows, ws[0].astype(dtype))                                                 # [R, Dk]
+  code = mm(rows, ws[0].astype(dtype))                                                   # [R, r]
   if norm:
     code = rms_norm(code, ws[2], eps)
-  return gmm(code, ws[1].astype(dtype), group_sizes, backend=backend)                    # [R, Dk]
+  return mm(code, ws[1].astype(dtype))                                                   # [R, Dk]
 
 
 def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array,
@@ -133,7 +137,7 @@ def premix_queries(att, x_flat: jax.Array, expert_ids: jax.Array,
       names.append(_names(att.q_a_norm.scale))
   local = functools.partial(_queries_local, dtype=att.cfg.compute_dtype, backend=att.cfg.gmm_backend,
                             eps=att.cfg.norm_eps, low_rank=att.q_a is not None,
-                            norm=att.q_a_norm is not None)
+                            norm=att.q_a_norm is not None, fp8=att.cfg.fp8)
   q, stats = expert_map(x_flat, expert_ids, None, tuple(ws), tuple(names), local,
                         num_experts=att.n_experts, slot_mask=slot_mask)
   _sow_dropped(att, stats)   # a dropped slot's query is zero

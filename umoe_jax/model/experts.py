@@ -25,13 +25,14 @@ class ExpertPool(nnx.Module):
   """w_up [E, D, F], w_down [E, F, D]; E_i(z) = act(z @ w_up[i]) @ w_down[i].
 
   With `gated` also w_gate [E, D, F]: E_i(z) = (act(z @ w_gate[i]) * (z @ w_up[i])) @ w_down[i]
-  (SwiGLU for silu).
+  (SwiGLU for silu). With `fp8` (train.precision=fp8) every grouped matmul takes FP8 operands.
   """
 
   def __init__(self, n_experts: int, d_model: int, d_expert: int, *, activation: str, std: float,
                param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs, gated: bool = False,
-               fuse_activation: bool = False, fuse_weight_rows: bool = False):
+               fuse_activation: bool = False, fuse_weight_rows: bool = False, fp8: bool = False):
     self.n_experts = n_experts
+    self.fp8 = fp8
     self.activation = activation
     self.fuse_activation = fuse_activation
     self.fuse_weight_rows = fuse_weight_rows
@@ -49,14 +50,15 @@ class ExpertPool(nnx.Module):
     dt = self.compute_dtype
     rows = rows.astype(dt)
     with jax.named_scope("expert_up"):
-      up = gmm(rows, self.w_up.value.astype(dt), group_sizes, backend=self.gmm_backend)
+      up = gmm(rows, self.w_up.value.astype(dt), group_sizes, backend=self.gmm_backend, fp8=self.fp8)
     gate = None
     if self.w_gate is not None:
       with jax.named_scope("expert_gate"):
-        gate = gmm(rows, self.w_gate.value.astype(dt), group_sizes, backend=self.gmm_backend)
+        gate = gmm(rows, self.w_gate.value.astype(dt), group_sizes, backend=self.gmm_backend,
+                   fp8=self.fp8)
     with jax.named_scope("expert_down"):
       return gmm(expert_hidden(up, gate, self.activation), self.w_down.value.astype(dt),
-                 group_sizes, backend=self.gmm_backend)
+                 group_sizes, backend=self.gmm_backend, fp8=self.fp8)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None,
@@ -89,7 +91,8 @@ class ExpertPool(nnx.Module):
                       self.w_down.value.astype(dt),
                       None if self.w_gate is None else self.w_gate.value.astype(dt),
                       activation=self.activation, backend=self.gmm_backend, first_slot=first_slot,
-                      fuse_activation=self.fuse_activation, fuse_weight_rows=self.fuse_weight_rows)
+                      fuse_activation=self.fuse_activation, fuse_weight_rows=self.fuse_weight_rows,
+                      fp8=self.fp8)
 
 
 class AoEExpertPool(nnx.Module):
@@ -108,8 +111,9 @@ class AoEExpertPool(nnx.Module):
 
   def __init__(self, n_experts: int, d_model: int, d_expert: int, *, rank: int, activation: str,
                std: float, param_dtype, compute_dtype, gmm_backend: str, rngs: nnx.Rngs,
-               gated: bool = False):
+               gated: bool = False, fp8: bool = False):
     self.n_experts = n_experts
+    self.fp8 = fp8
     self.activation = activation
     self.compute_dtype = compute_dtype
     self.gmm_backend = gmm_backend
@@ -136,7 +140,7 @@ class AoEExpertPool(nnx.Module):
   def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """rows [M, D] sorted by expert, group_sizes [E] -> [M, D]."""
     return aoe_expert_rows(rows.astype(self.compute_dtype), group_sizes, *self.weights(),
-                           activation=self.activation, backend=self.gmm_backend)
+                           activation=self.activation, backend=self.gmm_backend, fp8=self.fp8)
 
   def route(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
             plan: dispatch.DispatchPlan | None = None,
@@ -149,4 +153,4 @@ class AoEExpertPool(nnx.Module):
       return expert_routes.route_aoe_pool(self, x, expert_ids, gates, slot_mask)
     plan = plan if plan is not None else dispatch.make_plan(expert_ids, self.n_experts, slot_mask)
     return aoe_routed_mlp(x.astype(self.compute_dtype), plan, gates, *self.weights(),
-                          activation=self.activation, backend=self.gmm_backend)
+                          activation=self.activation, backend=self.gmm_backend, fp8=self.fp8)

@@ -15,7 +15,7 @@ class DenseFFN(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.mlp = MLP(cfg.d_model, cfg.ffn.d_ff, activation=cfg.moe.activation, std=cfg.init_std,
                    param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
-                   gated=cfg.moe.gated)
+                   gated=cfg.moe.gated, fp8=cfg.fp8)
 
   def __call__(self, x: jax.Array, *, experts=None, route_context=None):
     del experts, route_context
@@ -37,7 +37,7 @@ class MoEFFN(nnx.Module):
     self.shared_expert = (
         MLP(cfg.d_model, moe.d_expert * ffn.n_shared_experts, activation=moe.activation,
             std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
-            gated=moe.gated)
+            gated=moe.gated, fp8=cfg.fp8)
         if ffn.n_shared_experts and not moe.share_always_on else None)  # shared: set by the block
 
   def __call__(self, x: jax.Array, *, experts=None, route_context=None):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from umoe_jax.ops.fp8 import fp8_dot
 from umoe_jax.parallel import rules as ax
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -68,16 +69,27 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale.value, self.eps)
 
 
+def fp8_dot_impl() -> str:
+  """`fp8_dot`'s impl on this platform: FP8 dot_generals on GPU (its tensor cores take them), the
+  float32 emulation elsewhere (a CPU has no FP8 arithmetic to gain from; the values are the same)."""
+  return "xla" if jax.default_backend() == "gpu" else "emulate"
+
+
 class Linear(nnx.Module):
-  """y = x @ W (no bias). W [in, out], N(0, std^2)."""
+  """y = x @ W (no bias). W [in, out], N(0, std^2). With `fp8` (train.precision=fp8) the product
+  and its two gradients take FP8 operands (`umoe_jax.ops.fp8.fp8_dot`)."""
 
   def __init__(self, d_in: int, d_out: int, axes: Sequence[str], *, std: float, param_dtype,
-               compute_dtype, rngs: nnx.Rngs):
+               compute_dtype, rngs: nnx.Rngs, fp8: bool = False):
     self.compute_dtype = compute_dtype
+    self.fp8 = fp8
     self.kernel = make_param(rngs, normal_init(std), (d_in, d_out), axes, param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.dot(x.astype(self.compute_dtype), self.kernel.value.astype(self.compute_dtype))
+    x, w = x.astype(self.compute_dtype), self.kernel.value.astype(self.compute_dtype)
+    if self.fp8:
+      return fp8_dot(x, w, impl=fp8_dot_impl())
+    return jnp.dot(x, w)
 
 
 @jax.custom_vjp
@@ -112,19 +124,17 @@ logits_dot.defvjp(_logits_dot_fwd, _logits_dot_bwd)
 class MLP(nnx.Module):
   """Two-matrix MLP D -> F -> D with an activation between (non-gated, as in the official code).
 
-  With `gated`: down(act(gate(x)) * up(x)) (SwiGLU for silu). Used for the dense FFN and for
-  always-on (shared) experts.
+  With `gated`: down(act(gate(x)) * up(x)) (SwiGLU for silu); `fp8`: its Linears'. Used for the
+  dense FFN and for always-on (shared) experts.
   """
 
   def __init__(self, d_model: int, d_hidden: int, *, activation: str, std: float, param_dtype,
-               compute_dtype, rngs: nnx.Rngs, gated: bool = False):
+               compute_dtype, rngs: nnx.Rngs, gated: bool = False, fp8: bool = False):
     self.activation = activation
-    self.gate = (Linear(d_model, d_hidden, (ax.EMBED, ax.MLP), std=std, param_dtype=param_dtype,
-                        compute_dtype=compute_dtype, rngs=rngs) if gated else None)
-    self.up = Linear(d_model, d_hidden, (ax.EMBED, ax.MLP), std=std, param_dtype=param_dtype,
-                     compute_dtype=compute_dtype, rngs=rngs)
-    self.down = Linear(d_hidden, d_model, (ax.MLP, ax.EMBED), std=std, param_dtype=param_dtype,
-                       compute_dtype=compute_dtype, rngs=rngs)
+    kw = dict(std=std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs, fp8=fp8)
+    self.gate = Linear(d_model, d_hidden, (ax.EMBED, ax.MLP), **kw) if gated else None
+    self.up = Linear(d_model, d_hidden, (ax.EMBED, ax.MLP), **kw)
+    self.down = Linear(d_hidden, d_model, (ax.MLP, ax.EMBED), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., D] -> [..., D]."""

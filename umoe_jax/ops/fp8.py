@@ -7,8 +7,9 @@ precision of its piece only:
           that consumes them; 128 rows of one column for the weight-gradient product over tokens)
   blocks  128 x 128 over the last two axes (weights; the same blocks serve the transposed product)
 
-scale = amax(|piece|) / 448, q = round_to_e4m3(x / scale), x ~= q * scale. A piece of zeros has scale 0
-and quantises to zeros. A piece holding inf or NaN gets a non-finite scale, so every value of it, and
+scale = amax(|piece|) * (1/448), q = round_to_e4m3(x * (1/scale)), x ~= q * scale (in float32, the
+reciprocals rounded once: the same bits on every platform). A piece of zeros has scale 0 and
+quantises to zeros. A piece holding inf or NaN gets a non-finite scale, so every value of it, and
 every product it enters, comes out NaN: a non-finite input never turns into a finite output.
 
 `fp8_dot` (here) and `umoe_jax.ops.fp8_gmm.fp8_gmm` (the experts) are differentiable: the forward
@@ -43,15 +44,18 @@ def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 
 def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
-  """x / scale on the e4m3 grid; scale 0 (a piece of zeros) gives zeros. The clip only catches a
-  quotient rounded a hair past the largest value (the cast would make it NaN); NaN passes it."""
-  safe = jnp.where(scale == 0, 1.0, scale)
-  return jnp.clip(x.astype(jnp.float32) / safe, -MAX, MAX).astype(DTYPE)
+  """x * (1 / scale) on the e4m3 grid; scale 0 (a piece of zeros) gives zeros. The reciprocal is
+  taken once per piece and multiplied, as kernels do (XLA's CPU backend rewrites a division so
+  anyway), so every platform rounds alike. The clip only catches a product rounded a hair past
+  the largest value (the cast would make it NaN); NaN passes it."""
+  inv = 1.0 / jnp.where(scale == 0, 1.0, scale)
+  return jnp.clip(x.astype(jnp.float32) * inv, -MAX, MAX).astype(DTYPE)
 
 
 def _scale(amax: jax.Array) -> jax.Array:
-  # amax of a piece holding inf is inf (inf / inf = NaN below); NaN stays NaN
-  return amax.astype(jnp.float32) / MAX
+  # A product by the rounded reciprocal, not a division, which XLA rewrites so on some backends
+  # only. amax of a piece holding inf is inf (inf * 0 = NaN below); NaN stays NaN.
+  return amax.astype(jnp.float32) * jnp.float32(1.0 / MAX)
 
 
 def quantize_tiles(x: jax.Array, axis: int = -1, tile: int = TILE) -> tuple[jax.Array, jax.Array]:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from umoe_jax.ops import fp8
 from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend, register_builtin_kernels, resolve_backend
+from umoe_jax.ops.varying import vary_like, varying_axes
 
 
 def fp8_backends() -> list[str]:
@@ -38,8 +39,8 @@ def fp8_backend(name: str) -> str:
     return "xla"
   name = resolve_backend(name)
   if BACKENDS.get(name).fp8_gmm is None:
-    raise ValueError(f"gmm backend {name!r} has no FP8 form; with train.precision=fp8 use one of "
-                     f"{fp8_backends()} (or 'auto')")
+    raise ValueError(f"gmm backend {name!r} has no FP8 form; the backends with one: "
+                     f"{', '.join(repr(n) for n in fp8_backends())} (or 'auto')")
   return name
 
 
@@ -53,7 +54,8 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    return forward(lhs, rhs, group_sizes, transpose_rhs, out_dtype or lhs.dtype)
+    out = forward(lhs, rhs, group_sizes, transpose_rhs, out_dtype or lhs.dtype)
+    return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   def fwd(lhs, rhs, group_sizes):
     return fn(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
@@ -64,7 +66,8 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
     a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
     drhs = backend.fp8_tgmm(*fp8.quantize_tiles(a, axis=0), *fp8.quantize_tiles(b, axis=0),
                             group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
-    return dlhs, drhs, None
+    # Kernels called through custom calls drop shard_map's varying-axes type; restore it (as gmm).
+    return vary_like(dlhs, varying_axes(lhs)), vary_like(drhs, varying_axes(rhs)), None
 
   fn.defvjp(fwd, bwd)
   return fn

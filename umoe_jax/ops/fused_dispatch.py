@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue
-from umoe_jax.ops.dispatch import DispatchPlan, combine
-from umoe_jax.ops.gmm import BACKENDS, resolve_backend
+from umoe_jax.ops.dispatch import DispatchPlan, combine, permute, unpermute
+from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 
@@ -136,7 +136,7 @@ def _gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int,
 
 
 def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
-               backend: str = "auto", first_slot: int = 0) -> jax.Array:
+               backend: str = "auto", first_slot: int = 0, fp8: bool = False) -> jax.Array:
   """`gmm(dispatch.permute(x, plan, slots), rhs, plan.group_sizes)` without the permuted copy.
 
   Args:
@@ -146,6 +146,8 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
     rhs: [E, D, F].
     plan: `make_plan(expert_ids [N, K], E)`.
     slots: K.
+    fp8: FP8 operands (train.precision=fp8): the plain `dispatch.permute` and an FP8 `gmm`, since
+      the row-index kernels have no FP8 form.
   Returns:
     [M, F], rows in expert order (M = N*K).
   """
@@ -167,6 +169,12 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
   if rhs.ndim != 3 or rhs.shape[1] != x.shape[-1] or rhs.shape[0] != plan.group_sizes.shape[0]:
     raise ValueError(f"gather_gmm: rhs {rhs.shape} does not fit rows of width {x.shape[-1]} and "
                      f"{plan.group_sizes.shape[0]} groups")
+  if fp8:
+    if layout is not None:  # the K slot rows of [N, S, D], as rows [N*K, D]
+      x = x.reshape(-1, layout[0], x.shape[-1])[:, first_slot:first_slot + slots]
+      x = x.reshape(-1, x.shape[-1])
+    return gmm(permute(x, plan, fan_out), rhs.astype(x.dtype), plan.group_sizes, backend=backend,
+               fp8=True)
   src = plan.order if fan_out == 1 else plan.order // fan_out  # the source row of each sorted row
   if layout is not None:
     src = (plan.order // slots) * layout[0] + first_slot + plan.order % slots
@@ -227,7 +235,7 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
                 backend: str = "auto", activation: str | None = None,
-                fuse_weight_rows: bool = False) -> jax.Array:
+                fuse_weight_rows: bool = False, fp8: bool = False) -> jax.Array:
   """`combine(unpermute(gmm(h, rhs, plan.group_sizes), plan), gates)`: the expert pool's last matmul,
   un-sort and gate-weighted sum over slots in one differentiable op. With `activation` (a
   FUSABLE_ACTIVATIONS name) h holds the pre-activations z and the op is the same with act(z) for h:
@@ -244,6 +252,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     rhs: [E, F, D].
     plan: the plan that sorted the rows (expert ids [N, K]).
     gates: [N, K].
+    fp8: FP8 operands (train.precision=fp8): an FP8 `gmm`, then `dispatch.unpermute` and
+      `combine`, since the row-index kernels have no FP8 form (`fuse_weight_rows` does not apply).
   Returns:
     [N, D] in h.dtype (the K-way sum accumulated in float32).
   """
@@ -256,5 +266,9 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if activation is not None and activation not in epilogue.FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
+  if fp8:
+    rows = h if activation is None else epilogue.activate(activation, h)
+    y = gmm(rows, rhs.astype(h.dtype), plan.group_sizes, backend=backend, fp8=True)       # [M, D]
+    return combine(unpermute(y, plan).reshape(n, k, -1), gates)
   return _gmm_combine_fn(resolve_backend(backend), k, activation, bool(fuse_weight_rows))(
       h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)

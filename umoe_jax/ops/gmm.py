@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from umoe_jax.ops.fp8_gmm import fp8_gmm
 from umoe_jax.ops.gmm_backends import (BACKENDS, GmmBackend, register_builtin_kernels,  # noqa: F401  (API)
                                        resolve_backend)
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -79,7 +80,7 @@ def _differentiable_gmm(backend_name: str, transpose_rhs: bool, out_dtype) -> Ca
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
-        transpose_rhs: bool = False, preferred_element_type=None) -> jax.Array:
+        transpose_rhs: bool = False, preferred_element_type=None, fp8: bool = False) -> jax.Array:
   """Grouped matmul `out[rows of g] = lhs[rows of g] @ rhs[g]` (or `@ rhs[g].T`), differentiable.
 
   Args:
@@ -89,10 +90,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str 
     backend: a name in `BACKENDS` or "auto".
     transpose_rhs: multiply by `rhs[g].T` instead.
     preferred_element_type: output dtype (default: lhs.dtype); accumulation is always float32.
+    fp8: FP8 operands in the three products (`umoe_jax.ops.fp8_gmm.fp8_gmm`; train.precision=fp8).
   Returns:
     [M, N] ([M, K] with `transpose_rhs`).
   """
   _check_shapes(lhs, rhs, group_sizes, transpose_rhs)
+  if fp8:
+    return fp8_gmm(lhs, rhs, group_sizes, backend=backend, transpose_rhs=transpose_rhs,
+                   preferred_element_type=preferred_element_type)
   name = resolve_backend(backend)
   out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else None
   return _differentiable_gmm(name, transpose_rhs, out_dtype)(lhs, rhs, group_sizes.astype(jnp.int32))

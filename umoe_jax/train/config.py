@@ -12,8 +12,9 @@ An experiment config (`configs/common.py: experiment()`) is a ConfigDict with th
 
 `validate(config)` runs before anything is built or read, and raises `ConfigError` naming the key and
 value for: an unknown key in any section, a missing data file, a tokenizer larger than the model's
-vocabulary, a sequence length past the model's RoPE limit (`model.max_seq_len`), and impossible
-training values (batch not divisible by accumulation steps, ...).
+vocabulary, a sequence length past the model's RoPE limit (`model.max_seq_len`), impossible
+training values (batch not divisible by accumulation steps, ...) and train.precision='fp8' where it
+cannot run (`umoe_jax.train.precision`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ml_collections import config_dict
 from umoe_jax import storage
 from umoe_jax.config.fields import optional
 
-from umoe_jax.config import ConfigError, ModelConfig, model_config
+from umoe_jax.config import PRECISIONS, ConfigError, ModelConfig, model_config
 from umoe_jax.parallel.sharding import EXPERT_EXCHANGES
 from umoe_jax.train import wandb_writer
 
@@ -58,6 +59,13 @@ def default_train_config() -> ml_collections.ConfigDict:
       grad_clip=1.0,               # global gradient-norm clipping; 0 disables it
       grad_accum_steps=1,          # micro-batches per step, accumulated inside the compiled step:
                                    # a large global batch in less device memory
+      # Operand precision of the large matmuls: "bf16", or "fp8": the expert grouped matmuls and the
+      # attention and FFN projections take FP8 (e4m3) operands, float32-scaled per 1 x 128 tile of
+      # activations and gradients and per 128 x 128 block of weights, in the forward and both
+      # gradient products (float32 accumulation); the router, norms, attention core, LM head,
+      # parameters and optimizer state are as in bf16. On NVIDIA GPUs of compute capability 8.9+
+      # (Ada, Hopper), emulated on CPU, not on TPU (docs/training.md).
+      precision="bf16",
       # What each decoder block keeps for the backward pass: "none" (everything, fastest),
       # "block" (recompute the block, least memory), "dots", "dots_no_batch"; True / False = block / none.
       remat=config_dict.FieldReference("none", field_type=object),
@@ -177,6 +185,8 @@ def check_train(train: Any, model: ModelConfig) -> None:
   _check(0 <= t.b1 < 1 and 0 <= t.b2 < 1, f"train.b1={t.b1!r}, train.b2={t.b2!r} must be in [0, 1)")
   _check(t.eps > 0, f"train.eps={t.eps!r} must be positive")
   _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay!r} must be >= 0")
+  _check(t.precision in PRECISIONS,
+         f"train.precision={t.precision!r}; valid: {', '.join(PRECISIONS)}")
   _check(t.mu_dtype in MU_DTYPES,
          f"train.mu_dtype={t.mu_dtype!r}; valid: {', '.join(MU_DTYPES)}")
   _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip!r} must be >= 0 (0 disables clipping)")
@@ -307,7 +317,8 @@ def check_data(data_cfg: Any, train: Any, model: ModelConfig):
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   """Checks a whole experiment config before anything is built; returns the ModelConfig.
 
-  Raises ConfigError (a ValueError) naming the offending key and value.
+  The ModelConfig carries train.precision (`umoe_jax.train.precision`). Raises ConfigError (a
+  ValueError) naming the offending key and value.
   """
   unknown = sorted(set(config.keys()) - set(SECTIONS))
   if unknown:
@@ -319,6 +330,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _check_keys(config.checkpoint, default_checkpoint_config(), "checkpoint")
   _check_keys(config.log, default_log_config(), "log")
   check_train(config.train, model)
+  from umoe_jax.train import precision  # (lazy: the device and the gmm backends, for fp8 only)
+  model = precision.model_with_precision(model, config.train.precision)
   check_checkpoint(config.checkpoint)
   check_expert_parallel(config.get("expert_parallel"))
   _check(config.log.peak_flops is None or config.log.peak_flops > 0,

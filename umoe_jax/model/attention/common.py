@@ -28,25 +28,25 @@ def low_rank_expert_params(cfg, *, rngs, linear_kw: dict):
   return res, a, a_norm, b
 
 
-def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: str, plan=None,
-                          slots: int = 1):
+def low_rank_expert_apply(rows, group_sizes, a, a_norm, b, *, dtype, backend: str, fp8: bool = False,
+                          plan=None, slots: int = 1):
   """rows [M, D] sorted by expert -> [M, Dk] (without the residual projection).
 
   With `plan` (from `make_plan(ids [N, K])`), `rows` are the token rows [N, D] themselves and
   `slots` = K: the first matmul reads them through the plan (`fused_dispatch.gather_gmm`), so the
-  sorted [M, D] copy is never written.
+  sorted [M, D] copy is never written. `fp8`: FP8 operands in the grouped matmuls (train.precision).
   """
   from umoe_jax.ops.fused_dispatch import gather_gmm
   from umoe_jax.ops.gmm import gmm
 
   def first(w):
     if plan is not None:
-      return gather_gmm(rows, w.value.astype(dtype), plan, slots, backend=backend)
-    return gmm(rows, w.value.astype(dtype), group_sizes, backend=backend)
+      return gather_gmm(rows, w.value.astype(dtype), plan, slots, backend=backend, fp8=fp8)
+    return gmm(rows, w.value.astype(dtype), group_sizes, backend=backend, fp8=fp8)
 
   if a is None:
     return first(b)                                                                  # [M, Dk]
   code = first(a)                                                                    # [M, r]
   if a_norm is not None:
     code = a_norm(code)
-  return gmm(code, b.value.astype(dtype), group_sizes, backend=backend)             # [M, Dk]
+  return gmm(code, b.value.astype(dtype), group_sizes, backend=backend, fp8=fp8)    # [M, Dk]

@@ -16,7 +16,7 @@ from umoe_jax.parallel import rules as ax
 def linear_kw(cfg: ModelConfig, rngs: nnx.Rngs) -> dict:
   """The keyword arguments of an attention module's `Linear`s."""
   return dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-              rngs=rngs)
+              rngs=rngs, fp8=cfg.fp8)
 
 
 class HeadsQK(nnx.Module):

@@ -79,7 +79,8 @@ class MoAAttention(nnx.Module):
     att = cfg.attention
     self.cfg = cfg
     self.top_k, self.n_experts = att.top_k, att.n_experts
-    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
+    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
+              fp8=cfg.fp8)
     d, dk, dv, e = cfg.d_model, att.head_dim, att.v_head_dim, att.n_experts
     init = normal_init(cfg.init_std)
     self.router = make_router(cfg.router_for("attention"), d, e, att.top_k,
@@ -112,7 +113,8 @@ class MoAAttention(nnx.Module):
 
     with jax.named_scope("queries"):
       rows = dispatch.permute(x.reshape(n, d), plan, k)                                # [M, D]
-      q = gmm(rows, self.q_experts.value.astype(dt), plan.group_sizes, backend=backend)  # [M, Dk]
+      q = gmm(rows, self.q_experts.value.astype(dt), plan.group_sizes, backend=backend,
+              fp8=self.cfg.fp8)                                                         # [M, Dk]
       q = dispatch.unpermute(q, plan).reshape(b, t, k, -1)                              # [B,T,K,Dk]
       if self.shared_q_proj is not None:
         q = jnp.concatenate([self.shared_q_proj(x)[:, :, None, :], q], axis=2)        # [B,T,1+K,Dk]
@@ -131,7 +133,7 @@ class MoAAttention(nnx.Module):
 
     n_shared = 1 if self.shared_q_proj is not None else 0
     w_o = self.o_experts.value.astype(dt)
-    out_fn = lambda r, sizes: gmm(r, w_o, sizes, backend=backend)
+    out_fn = lambda r, sizes: gmm(r, w_o, sizes, backend=backend, fp8=self.cfg.fp8)
     y = dispatch.apply_experts(o[:, :, n_shared:].reshape(n, k, -1), plan, gates, out_fn)
     y = y.reshape(b, t, d)
     if self.shared_o_proj is not None:

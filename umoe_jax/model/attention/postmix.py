@@ -89,7 +89,8 @@ class PostMixAttention(nnx.Module):
     att, moe = cfg.attention, cfg.moe
     self.cfg = cfg
     self.top_k, self.n_experts = att.top_k, moe.n_experts
-    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs)
+    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
+              fp8=cfg.fp8)
     d, dk = cfg.d_model, att.head_dim
     self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
                               param_dtype=cfg.param_dtype, rngs=rngs)
@@ -122,7 +123,7 @@ class PostMixAttention(nnx.Module):
       values = (values.astype(jnp.float32) * gates[:, :, None]).astype(dt).reshape(b, t, k, d)
     with jax.named_scope("expert_keys"):
       keys = low_rank_expert_apply(rows, plan.group_sizes, self.k_a, self.k_a_norm, self.k_b,
-                                   dtype=dt, backend=backend)                      # [M, Dk]
+                                   dtype=dt, backend=backend, fp8=self.cfg.fp8)    # [M, Dk]
       keys = dispatch.unpermute(keys, plan).reshape(b, t, k, -1)                   # [B, T, K, Dk]
       if self.k_res_proj is not None:
         keys = keys + self.k_res_proj(x)[:, :, None, :]

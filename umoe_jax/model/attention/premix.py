@@ -56,7 +56,7 @@ class PreMixAttention(nnx.Module):
     self.cfg = cfg
     self.top_k, self.head_dim, self.n_experts = att.top_k, att.head_dim, moe.n_experts
     dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
-    kw = dict(std=cfg.init_std, rngs=rngs, **dt)
+    kw = dict(std=cfg.init_std, rngs=rngs, fp8=cfg.fp8, **dt)
     d, dk = cfg.d_model, att.head_dim
     self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
                               param_dtype=cfg.param_dtype, rngs=rngs)
@@ -82,8 +82,8 @@ class PreMixAttention(nnx.Module):
       return expert_routes.premix_queries(self, x_flat, expert_ids, slot_mask)
     dt = self.cfg.compute_dtype
     q = low_rank_expert_apply(x_flat.astype(dt), plan.group_sizes, self.q_a, self.q_a_norm,
-                              self.q_b, dtype=dt, backend=self.cfg.gmm_backend, plan=plan,
-                              slots=self.top_k)                                   # [M, Dk]
+                              self.q_b, dtype=dt, backend=self.cfg.gmm_backend, fp8=self.cfg.fp8,
+                              plan=plan, slots=self.top_k)                        # [M, Dk]
     return dispatch.unpermute(q, plan).reshape(x_flat.shape[0], self.top_k, -1)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,

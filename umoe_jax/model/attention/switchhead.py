@@ -110,7 +110,7 @@ class HeadExperts(nnx.Module):
     plan = dispatch.make_plan(ids, self.n_experts * self.n_heads)
     if per_head_input:  # slot j of a token belongs to head j // K: repeat each head's row K times
       x = jnp.repeat(x, k, axis=1)                                              # [N, H*K, D_in]
-    fn = lambda rows, sizes: gmm(rows, w, sizes, backend=backend)
+    fn = lambda rows, sizes: gmm(rows, w, sizes, backend=backend, fp8=self.cfg.fp8)
     if sum_heads:
       return dispatch.apply_experts(x.astype(dt), plan, gates, fn)             # [N, D_out]
     rows = dispatch.permute(x.astype(dt), plan, hk)
