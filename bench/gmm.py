@@ -2,11 +2,17 @@
 
   python bench/gmm.py [--sweep] [--backends triton,mosaic] [--no-torch] [--out DIR]
   python bench/gmm.py --backends=megablox --no-torch --sweep --sweep-backends=megablox   # a TPU
+  python bench/gmm.py --precision=bf16,fp8 --shapes=base-up,base-down --no-torch --no-dispatch
 
 Prints, per shape, TFLOP/s of: a dense matmul of equal FLOPs, our kernels fwd and fwd+bwd (fwd + input
 grad + weight grad = 3x the forward FLOPs), JAX's shipped Mosaic GPU ragged_dot fwd, jax.lax.ragged_dot
 fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-dispatch cost against
-the expert matmuls; a short table last. Full results go to $OUT (or --out) as gmm_results.json; each
+the expert matmuls; a short table last.
+--precision=bf16,fp8 (default bf16) adds, per shape and backend with FP8 forms, umoe_jax.ops.fp8_gmm
+forward and forward + backward with the operands' quantisation inside (as training runs them), the
+activations' quantisation alone and the forward's error (bench/gmm_fp8.py); their rows carry
+"precision": "fp8" in overrides, and the table ends with each fp8 figure over the bf16 one.
+--shapes picks shapes by name (default all five). Full results go to $OUT (or --out) as gmm_results.json; each
 backend's fwd and fwd+bwd TFLOP/s per shape also go as rows to --results (bench/results.py: default
 $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no rows).
 --sweep times every candidate tile config of kernels/gmm/tuning.py's CANDIDATES and reports the best per
@@ -34,6 +40,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
 
 from gmm_common import ANCHORS, SHAPES, group_sizes, jax_ms, log, make_inputs  # noqa: E402
 from gmm_dispatch import dispatch_part  # noqa: E402
+import gmm_fp8  # noqa: E402  (bench/gmm_fp8.py)
 from gmm_sweep import MAX_CANDS, sweep, sweep_gathered  # noqa: E402
 import results as results_lib  # noqa: E402  (bench/results.py)
 
@@ -138,7 +145,10 @@ def main():
   ap.add_argument("--sweep-ops",
                   default="triton:gmm,gmm_t,tgmm;mosaic:gmm,gmm_t,tgmm;megablox:gmm,gmm_t,tgmm")
   ap.add_argument("--backends", default="triton,mosaic")
-  ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+  ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                  help="comma list of " + ", ".join(s[0] for s in SHAPES))
+  ap.add_argument("--precision", default="bf16",
+                  help="comma list of bf16, fp8: the backends' bf16 kernels and / or fp8_gmm")
   ap.add_argument("--no-torch", action="store_true")
   ap.add_argument("--no-baselines", action="store_true")
   ap.add_argument("--no-dispatch", action="store_true")
@@ -152,6 +162,13 @@ def main():
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   results_lib.add_flag(ap)
   args = ap.parse_args()
+  unknown = [n for n in args.shapes.split(",") if n not in {s[0] for s in SHAPES}]
+  if unknown:
+    ap.error(f"--shapes: unknown {', '.join(unknown)}; valid: {', '.join(s[0] for s in SHAPES)}")
+  try:
+    precisions = gmm_fp8.parse_precisions(args.precision)
+  except ValueError as e:
+    ap.error(str(e))
   shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
   results = {"shapes": {}, "argv": sys.argv}
 
@@ -176,7 +193,12 @@ def main():
   results["device"] = str(jax.devices()[0].device_kind)
   results["jax"] = jax.__version__
   backends = [b for b in args.backends.split(",") if b in G.BACKENDS and G.BACKENDS.get(b).available()]
-  log("backends:", backends, "device:", results["device"])
+  fp8_backends = [b for b in backends if G.BACKENDS.get(b).fp8_gmm is not None] if "fp8" in precisions else []
+  log("backends:", backends, "device:", results["device"], "precisions:", precisions,
+      "fp8 backends:", fp8_backends)
+  if "fp8" in precisions and not fp8_backends:
+    from umoe_jax.ops.fp8_gmm import fp8_backends as with_fp8
+    log(f"  fp8: none of {backends} has FP8 forms; the ones with: {', '.join(with_fp8())}")
 
   sweep_ops = {kv.split(":")[0]: tuple(kv.split(":")[1].split(",")) for kv in args.sweep_ops.split(";")}
   if args.sweep:
@@ -226,7 +248,7 @@ def main():
         row["jax_mgpu_fwd"] = best
       except Exception as e:  # noqa: BLE001
         log("  mgpu ragged_dot failed:", repr(e)[:200])
-    for b in backends:
+    for b in backends if "bf16" in precisions else []:
       be = G.BACKENDS.get(b)
       try:
         errs = quick_check(be, x, w, dy, gs)
@@ -252,13 +274,26 @@ def main():
             f"(dgrad {row[f'{b}_dgrad']:.0f}, wgrad {row[f'{b}_wgrad']:.0f}) err {errs}")
       except Exception:  # noqa: BLE001
         log(f"  {b} {name} FAILED:\n{traceback.format_exc()[-1500:]}")
+    for b in fp8_backends:
+      try:
+        t = gmm_fp8.time_fp8(b, x, w, dy, gs, jax_ms)
+        t.update(fwd_tflops=tf(t["fwd_ms"]), fwd_bwd_tflops=3 * tf(t["fwd_bwd_ms"]))
+        if not t["rel_err"] < gmm_fp8.MAX_REL_ERR:
+          log(f"  {b} fp8 {name}: WRONG, forward error {t['rel_err']:.3g} (FP8: < {gmm_fp8.MAX_REL_ERR})")
+          continue
+        row[f"{b}_fp8"] = t
+        log(f"  {b} fp8 {name}: fwd {t['fwd_tflops']:.0f} fwd+bwd {t['fwd_bwd_tflops']:.0f} "
+            f"(quantise x {t['quantize_ms']:.3f} ms) err {t['rel_err']:.4f}")
+      except Exception:  # noqa: BLE001
+        log(f"  {b} fp8 {name} FAILED:\n{traceback.format_exc()[-1500:]}")
     results["shapes"][name] = row
     for m in measurements(name, row, backends):
       results_lib.record(args.results, **m)
+    gmm_fp8.record_shape(args.results, name, fl, row, fp8_backends)
     del x, w, dy
     _save(args.out, results)
 
-  if not args.no_dispatch and backends:
+  if not args.no_dispatch and backends and "bf16" in precisions:
     try:
       dispatch_part(backends[0], results)
     except Exception:  # noqa: BLE001
@@ -280,6 +315,11 @@ def main():
     for b in backends:
       line += f" {g(b + '_fwd'):8.0f} {g(b + '_fwd_bwd'):9.0f}"
     log(line)
+  if fp8_backends:
+    log("\nfp8_gmm TFLOP/s (same FLOPs as bf16; quantisation inside) and fp8 / bf16; "
+        "quant ms = the activations' quantisation alone")
+    for line in gmm_fp8.ratio_lines(shapes, results, fp8_backends):
+      log(line)
   for k, v in results.get("dispatch", {}).items():
     log(f"dispatch {k}: fwd {100 * v['dispatch_frac_fwd']:.0f}% / fwd+bwd {100 * v['dispatch_frac_fwd_bwd']:.0f}% "
         f"of the expert matmuls; fused: {100 * v['fused_dispatch_frac_fwd']:.0f}% / "

@@ -23,14 +23,21 @@ memory. Usage (GPU):
       [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
       [--zipf=S]   (tokens drawn Zipf(S) over a shuffled vocabulary, as text's unigrams, instead of
                     uniformly: a fresh router's loads then skew as on real text; 0 = uniform)
+      [--precision=bf16|fp8]   (train.precision: the matmuls' operands, docs/training.md)
+      [--routing=router|balanced]   (balanced: every router's ids replaced by round-robin experts,
+                    token t's K slots (t*K + j) mod E, gates 1/K: the kernels' ceiling beside real
+                    routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
-A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]; a field left out or "-" takes
---exchange / --chunks / --capacity_factor, then the config's. Layouts over N devices (default: all;
+A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]][/FLAG=VALUE...]; a field left out or
+"-" takes --exchange / --chunks / --capacity_factor, then the config's; /precision=, /zipf= and
+/routing= set those flags for that row alone, so one run list holds uniform, Zipf-skewed and
+balanced rows in both precisions:
+  --runs=umoe_base:single,umoe_base:single/zipf=1.1,umoe_base:single/routing=balanced/precision=fp8 Layouts over N devices (default: all;
 @N takes the first N):
   single       one device
   data         data parallel (mesh data=N)
@@ -61,6 +68,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
@@ -99,9 +107,38 @@ def layout_mesh(layout: str, n: int) -> dict:
   return sizes
 
 
+PRECISIONS = ("bf16", "fp8")   # umoe_jax.config.schema.PRECISIONS (train.precision)
+ROUTINGS = ("router", "balanced")
+# Flags a row may set for itself (CONFIG:LAYOUT/FLAG=VALUE): name -> parser of the value.
+ROW_FLAGS = {"precision": str, "zipf": float, "routing": str}
+
+
+def check_row_flag(key: str, value) -> None:
+  if key == "precision" and value not in PRECISIONS:
+    raise ValueError(f"precision={value!r}: one of {', '.join(PRECISIONS)}")
+  if key == "routing" and value not in ROUTINGS:
+    raise ValueError(f"routing={value!r}: one of {', '.join(ROUTINGS)}")
+  if key == "zipf":
+    check_zipf(value)
+
+
 def parse_row(row: str) -> dict:
-  """'umoe_base:expert@8:ragged:2:1.5' -> {config, layout, exchange, chunks, capacity_factor}
-  (None = not given)."""
+  """'umoe_base:expert@8:ragged:2:1.5/zipf=1.1' -> {config, layout, exchange, chunks,
+  capacity_factor, flags} (None = not given; flags = {name: value} of the /FLAG=VALUE parts)."""
+  row, *flag_parts = row.split("/")
+  flags = {}
+  for part in flag_parts:
+    key, eq, value = part.partition("=")
+    if key not in ROW_FLAGS or not eq or not value:
+      raise ValueError(f"row {row!r}: {part!r} is not FLAG=VALUE with FLAG one of {', '.join(ROW_FLAGS)}")
+    try:
+      flags[key] = ROW_FLAGS[key](value)
+    except ValueError:
+      raise ValueError(f"row {row!r}: {part!r}: {value!r} is not a number") from None
+    try:
+      check_row_flag(key, flags[key])
+    except ValueError as e:
+      raise ValueError(f"row {row!r}: {e}") from None
   parts = row.split(":")
   if len(parts) < 2 or len(parts) > 5 or not all(parts):
     raise ValueError(f"row {row!r} must be CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]]")
@@ -112,14 +149,20 @@ def parse_row(row: str) -> dict:
     raise ValueError(f"row {row!r}: unknown exchange {parts[2]!r}; valid: {', '.join(EXCHANGES)}")
   field = lambda i, cast: cast(parts[i]) if len(parts) > i and parts[i] != "-" else None
   return dict(config=parts[0], layout=parts[1], exchange=field(2, str), chunks=field(3, int),
-              capacity_factor=field(4, float))
+              capacity_factor=field(4, float), flags=flags)
+
+
+def row_args(args: argparse.Namespace, r: dict) -> argparse.Namespace:
+  """The command's flags with row `r`'s own (/FLAG=VALUE) in their place."""
+  return argparse.Namespace(**{**vars(args), **(r.get("flags") or {})})
 
 
 def row_spec(r: dict) -> str:
   fields = [r.get("exchange"), r.get("chunks"), r.get("capacity_factor")]
   while fields and fields[-1] is None:
     fields.pop()
-  return ":".join([r["config"], r["layout"]] + ["-" if f is None else str(f) for f in fields])
+  return "/".join([":".join([r["config"], r["layout"]] + ["-" if f is None else str(f) for f in fields])]
+                  + [f"{k}={v}" for k, v in sorted((r.get("flags") or {}).items())])
 
 
 def check_zipf(zipf: float) -> None:
@@ -160,6 +203,11 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
   from umoe_jax.train import metrics as metrics_lib
 
   config = stats.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  # Class-level patch of the routers, this process only; undone for a router-routed row after it.
+  if args.routing == "balanced":
+    log(f"  balanced routing: round-robin ids in {', '.join(balanced_routing.install())}")
+  else:
+    balanced_routing.uninstall()
   if args.attention_tiles:
     from kernels.attention import tiles as attention_tiles
     attention_tiles.load_table(args.attention_tiles)
@@ -192,6 +240,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
     if args.mu_dtype is not None:
       config.train.mu_dtype = args.mu_dtype
     config.train.grad_accum_steps = 1
+    if args.precision != "bf16":  # (bf16: the key as the config has it, for a library without it)
+      config.train.precision = args.precision
     config.train.eval_every = 0
     config.mesh = layout_mesh(layout_kind, n_dev)
   model_cfg = train_config.validate(config)
@@ -280,6 +330,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
              anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
+             precision=args.precision, routing=args.routing,
              tgmm_big_first_skew=_tgmm_skew())
   if profile is not None:
     row["profile"] = profile
@@ -356,6 +407,11 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--zipf", type=float, default=0.0,
                   help="draw the tokens Zipf(S) over a shuffled vocabulary (text-like unigrams: a "
                        "fresh router's loads skew) instead of uniformly (0, the default)")
+  ap.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                  help="train.precision: bf16, or fp8 (FP8 operands in the matmuls; an FP8 GPU)")
+  ap.add_argument("--routing", default="router", choices=ROUTINGS,
+                  help="balanced: every router's ids replaced by round-robin experts (token t's "
+                       "K slots (t*K + j) mod E, gates 1/K), bench-only: the kernels' ceiling")
   ap.add_argument("--tgmm_big_first_skew", type=int, default=None,
                   help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
                        "module's, 2): the weight gradient's tiles largest groups first where the "
@@ -457,7 +513,7 @@ def measurement(r: dict, args) -> dict | None:
   extra = dict(step_ms=r["step_ms"], mfu=r["mfu"], peak_mem_gb=r["peak_mem_gb"],
                step_ms_range=[min(r["step_times_ms"]), max(r["step_times_ms"])],
                steps=len(r["step_times_ms"]), batch=r["batch"], seq_len=r["seq_len"],
-               scaling_efficiency=r.get("scaling_efficiency"),
+               scaling_efficiency=r.get("scaling_efficiency"), vs_bf16=r.get("vs_bf16"),
                xla_flags=r.get("xla_flags") or None,
                mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
   return dict(config=r["config"], metric="tokens_per_s", value=r["tokens_per_s"],
@@ -503,8 +559,9 @@ def main():
       rows.append(dict(config=name, layout=layout, error="skipped: time limit"))
       continue
     t0 = time.perf_counter()
+    args_r = row_args(args, run)
     try:
-      rows.append(bench_one(name, layout, args, run["exchange"], run["chunks"],
+      rows.append(bench_one(name, layout, args_r, run["exchange"], run["chunks"],
                             run["capacity_factor"]) if in_process
                   else _bench_subprocess(run))
       r = rows[-1]
@@ -517,11 +574,11 @@ def main():
           + (f"  load max/mean {r['routing_load']['median']:.2f} (worst router "
              f"{r['routing_load']['max']:.2f})" if r.get("routing_load") else ""))
     except Exception as e:  # noqa: BLE001  (report and go on with the next row)
-      log(f"{name} {layout}: FAILED {type(e).__name__}: {str(e)[:400]}")
+      log(f"{row_spec(run)}: FAILED {type(e).__name__}: {str(e)[:400]}")
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))
     slowest = max(slowest, time.perf_counter() - t0)
     add_efficiency(rows)
-    m = measurement(rows[-1], args)
+    m = measurement(rows[-1], args_r)
     if m is not None:
       results.record(args.results, **m)
     os.makedirs(args.out, exist_ok=True)  # after every row: a run cut short keeps what it measured
@@ -530,19 +587,35 @@ def main():
   print_table(rows)
 
 
+def mode(r: dict) -> tuple:
+  """What a row measures besides its config and layout: (precision, zipf, routing)."""
+  return r.get("precision", "bf16"), r.get("zipf", 0.0), r.get("routing", "router")
+
+
+def mode_text(r: dict) -> str:
+  precision, zipf, routing = mode(r)
+  return " ".join([precision] + ([f"zipf={zipf:g}"] if zipf else []) + ([routing] if routing != "router" else []))
+
+
 def add_efficiency(rows: list) -> None:
   """rows[i]["scaling_efficiency"] = tokens/s per device / the same config's single-device tokens/s
-  (rows of the same --batch and --seq_len: one command)."""
-  single = {r["config"]: r["tokens_per_s"] for r in rows
-            if "error" not in r and r["devices"] == 1 and r["layout"] == "single"}
-  for r in rows:
-    if "error" not in r and r["config"] in single:
-      r["scaling_efficiency"] = r["tokens_per_s_per_device"] / single[r["config"]]
+  in the same mode (rows of the same --batch and --seq_len: one command); rows[i]["vs_bf16"] = the
+  row's step time / the bf16 row's of the same config, layout, tokens and routing."""
+  ok = [r for r in rows if "error" not in r]
+  single = {(r["config"], mode(r)): r["tokens_per_s"] for r in ok
+            if r["devices"] == 1 and r["layout"] == "single"}
+  bf16 = {(r["config"], r["layout"], *mode(r)[1:]): r["step_ms"] for r in ok if mode(r)[0] == "bf16"}
+  for r in ok:
+    if (r["config"], mode(r)) in single:
+      r["scaling_efficiency"] = r["tokens_per_s_per_device"] / single[(r["config"], mode(r))]
+    base = bf16.get((r["config"], r["layout"], *mode(r)[1:]))
+    if mode(r)[0] != "bf16" and base:
+      r["vs_bf16"] = r["step_ms"] / base
 
 
 def print_table(rows: list) -> None:
   log("\nconfig          layout          dev  mesh (d,f,t,e)  exchange    chunks  cf     step ms   "
-      "tok/s (k)  per dev  efficiency  MFU    peak GB  anchor (k, official torch)  load")
+      "tok/s (k)  per dev  efficiency  MFU    peak GB  anchor (k, official torch)  load   vs bf16  mode")
   for r in rows:
     if "error" in r:
       log(f"{r['config']:15s} {r['layout']:15s} FAILED ({r['error'][:60]})")
@@ -556,9 +629,10 @@ def print_table(rows: list) -> None:
         f"{r['tokens_per_s'] / 1e3:10.1f} {r['tokens_per_s_per_device'] / 1e3:8.1f} "
         f"{'%9.1f%%' % (100 * eff) if eff is not None else '        -'}  {100 * r['mfu']:5.1f}%  "
         f"{r['peak_mem_gb']:7.1f}  {anchor / 1e3 if anchor else float('nan'):6.1f}"
-        f"{'':22s}{r['routing_load']['median'] if r.get('routing_load') else float('nan'):5.2f}")
+        f"{'':22s}{r['routing_load']['median'] if r.get('routing_load') else float('nan'):5.2f}"
+        f"  {'%6.2fx' % r['vs_bf16'] if r.get('vs_bf16') else '      -'}  {mode_text(r)}")
   log("(load: the median router's largest expert load over the mean in the last timed step; "
-      "1 = balanced)")
+      "1 = balanced; vs bf16: step time over the bf16 row's of the same config, layout and mode)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""The FP8 part of bench/gmm.py (--precision=...,fp8): per shape and gmm backend with FP8 forms,
+`umoe_jax.ops.fp8_gmm.fp8_gmm` forward and forward + backward as training runs them (the
+operands' quantisation included), the activations' quantisation alone, and the forward's error
+against a float32 product; the results rows (overrides {"backend", "precision": "fp8"}) and the
+fp8 / bf16 ratios of the short table."""
+from __future__ import annotations
+
+import results as results_lib  # noqa: E402  (bench/results.py)
+
+PRECISIONS = ("bf16", "fp8")
+FP8 = {"precision": "fp8"}
+# e4m3 keeps 3 mantissa bits: a product's normwise error is a few percent; a wrong layout or scale
+# misses by far more.
+MAX_REL_ERR = 0.1
+
+
+def parse_precisions(text: str) -> list[str]:
+  """'bf16,fp8' -> ['bf16', 'fp8']; ValueError naming a value that is not one."""
+  out = [p for p in text.split(",") if p]
+  bad = [p for p in out if p not in PRECISIONS]
+  if bad or not out:
+    raise ValueError(f"--precision={text!r}: a comma list of {', '.join(PRECISIONS)}")
+  return out
+
+
+def fp8_forward_error(backend: str, x, w, gs) -> float:
+  """Normwise relative error of fp8_gmm's forward against the float32 product of the bf16 operands."""
+  import jax.numpy as jnp
+  from umoe_jax.ops import ragged
+  from umoe_jax.ops.fp8_gmm import fp8_gmm
+  f32 = lambda a: a.astype(jnp.float32)
+  out = f32(fp8_gmm(x, w, gs, backend=backend))
+  ref = ragged.xla_gmm(f32(x), f32(w), gs, transpose_rhs=False, out_dtype=jnp.float32)
+  return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
+  """{fwd_ms, fwd_bwd_ms, quantize_ms, rel_err} of one shape; `timer(f, *args)` -> ms."""
+  import jax
+  from umoe_jax.ops import fp8
+  from umoe_jax.ops.fp8_gmm import fp8_gmm
+  fwd = jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend))
+
+  def fb(a, b, g, d):  # returns y too, or XLA drops the forward
+    y, pull = jax.vjp(lambda a_, b_: fp8_gmm(a_, b_, g, backend=backend), a, b)
+    return y, pull(d)
+  return dict(rel_err=fp8_forward_error(backend, x, w, gs),
+              fwd_ms=timer(fwd, x, w, gs), fwd_bwd_ms=timer(jax.jit(fb), x, w, gs, dy),
+              quantize_ms=timer(jax.jit(lambda a: fp8.quantize_tiles(a, axis=1)), x))
+
+
+def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
+  """The results rows of one shape's FP8 timings `t` (time_fp8's) for `backend`; forward FLOPs
+  `flops` (2 M K N), fwd + bwd 3x, TFLOP/s counted as for bf16 so the rows compare."""
+  over = {"backend": backend, **FP8}
+  tflops = lambda ms, mult=1: mult * flops / (ms / 1e3) / 1e12
+  return [
+      dict(config=f"gmm:{name}", metric="fwd_tflops", value=tflops(t["fwd_ms"]), overrides=over,
+           anchor=None, extra={"rel_err": t["rel_err"], "ms": t["fwd_ms"],
+                               "quantize_ms": t["quantize_ms"]}),
+      dict(config=f"gmm:{name}", metric="fwd_bwd_tflops", value=tflops(t["fwd_bwd_ms"], 3),
+           overrides=over, anchor=None, extra={"ms": t["fwd_bwd_ms"], "quantize_ms": t["quantize_ms"]}),
+      dict(config=f"gmm:{name}", metric="ms", value=t["quantize_ms"],
+           overrides={"op": "quantize_tiles (activations)", **FP8}, anchor=None, extra={}),
+  ]
+
+
+def record_shape(results_path, name: str, flops: float, row: dict, backends) -> None:
+  """Rows of every backend in `backends` that has FP8 timings in `row` (row[f"{b}_fp8"])."""
+  written = set()
+  for b in backends:
+    t = row.get(f"{b}_fp8")
+    if not t:
+      continue
+    for m in measurements(name, flops, b, t):
+      if m["metric"] == "ms":  # (the quantisation is XLA's, the same for every backend: once)
+        if "quantize" in written:
+          continue
+        written.add("quantize")
+      results_lib.record(results_path, **m)
+
+
+def ratio_lines(shapes, results: dict, backends) -> list[str]:
+  """The short table's FP8 lines: per shape and backend, fp8 TFLOP/s and fp8 / bf16 (fwd, fwd+bwd)."""
+  lines = [f"{'shape':11s} {'backend':8s} {'fp8 f':>7s} {'x bf16':>7s} {'fp8 fb':>7s} {'x bf16':>7s} "
+           f"{'quant ms':>8s} {'err':>7s}"]
+  nan = float("nan")
+  for name, *_ in shapes:
+    r = results["shapes"].get(name, {})
+    for b in backends:
+      t = r.get(f"{b}_fp8")
+      if not t:
+        continue
+      f, fb = t.get("fwd_tflops", nan), t.get("fwd_bwd_tflops", nan)
+      ratio = lambda v, k: v / r[k] if r.get(k) else nan
+      lines.append(f"{name:11s} {b:8s} {f:7.0f} {ratio(f, b + '_fwd'):7.2f} {fb:7.0f} "
+                   f"{ratio(fb, b + '_fwd_bwd'):7.2f} {t['quantize_ms']:8.3f} {t['rel_err']:7.4f}")
+  return lines
