@@ -614,3 +614,17 @@ def test_fp8_under_expert_parallelism():
   assert len(results) == 2, r.stdout[-2000:] + r.stderr[-4000:]
   for layout, loss, grads in results:
     assert float(loss) < 1e-4 and float(grads) < 0.06, (layout, loss, grads)
+
+
+def test_a_nan_in_a_wide_array_makes_its_pieces_scale_nan():
+  """XLA's CPU max reduction drops a NaN of a wide enough array; the scale must not."""
+  x = np.random.default_rng(7).standard_normal((16, 200)).astype(np.float32)
+  x[3, 5] = np.nan
+  _, s = fp8.quantize_tiles(jnp.asarray(x), axis=1)
+  assert np.isnan(np.asarray(s)[3, 0]) and np.isfinite(np.delete(np.asarray(s), 3, 0)).all()
+  w = np.random.default_rng(8).standard_normal((4, 300, 260)).astype(np.float32)
+  w[1, 5, 7] = np.nan
+  _, sw = fp8.quantize_blocks(jnp.asarray(w))
+  assert np.isnan(np.asarray(sw)[1, 0, 0]) and np.isfinite(np.asarray(sw)).sum() == sw.size - 1
+  y = np.asarray(fp8.fp8_dot(jnp.asarray(x), jnp.asarray(w[0, :200, :64])))
+  assert not np.isfinite(y[3]).any() and np.isfinite(np.delete(y, 3, 0)).all()

@@ -52,6 +52,13 @@ def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
   return jnp.clip(x.astype(jnp.float32) * inv, -MAX, MAX).astype(DTYPE)
 
 
+def _amax(pieces: jax.Array, axis) -> jax.Array:
+  """max |x| over each piece, NaN where the piece holds a NaN: XLA's CPU max reduction may drop a
+  NaN of a wide enough array, while a sum never does."""
+  amax = jnp.max(jnp.abs(pieces), axis=axis)
+  return jnp.where(jnp.isnan(jnp.sum(pieces, axis=axis)), jnp.nan, amax)
+
+
 def _scale(amax: jax.Array) -> jax.Array:
   # A product by the rounded reciprocal, not a division, which XLA rewrites so on some backends
   # only. amax of a piece holding inf is inf (inf * 0 = NaN below); NaN stays NaN.
@@ -65,7 +72,7 @@ def quantize_tiles(x: jax.Array, axis: int = -1, tile: int = TILE) -> tuple[jax.
   n = x.shape[axis]
   xp = _pad_to(x.astype(jnp.float32), axis, tile)
   pieces = xp.reshape(xp.shape[:axis] + (xp.shape[axis] // tile, tile) + xp.shape[axis + 1:])
-  scale = _scale(jnp.max(jnp.abs(pieces), axis=axis + 1))
+  scale = _scale(_amax(pieces, axis + 1))
   q = _to_fp8(pieces, jnp.expand_dims(scale, axis + 1)).reshape(xp.shape)
   return jax.lax.slice_in_dim(q, 0, n, axis=axis), scale
 
@@ -83,7 +90,7 @@ def quantize_blocks(w: jax.Array, block: int = TILE) -> tuple[jax.Array, jax.Arr
   wp = _pad_to(_pad_to(w.astype(jnp.float32), -2, block), -1, block)
   lead = wp.shape[:-2]
   pieces = wp.reshape(lead + (wp.shape[-2] // block, block, wp.shape[-1] // block, block))
-  scale = _scale(jnp.max(jnp.abs(pieces), axis=(-3, -1)))
+  scale = _scale(_amax(pieces, (-3, -1)))
   q = _to_fp8(pieces, scale[..., :, None, :, None]).reshape(wp.shape)
   return q[..., :k, :n], scale
 
