@@ -628,3 +628,17 @@ def test_a_nan_in_a_wide_array_makes_its_pieces_scale_nan():
   assert np.isnan(np.asarray(sw)[1, 0, 0]) and np.isfinite(np.asarray(sw)).sum() == sw.size - 1
   y = np.asarray(fp8.fp8_dot(jnp.asarray(x), jnp.asarray(w[0, :200, :64])))
   assert not np.isfinite(y[3]).any() and np.isfinite(np.delete(y, 3, 0)).all()
+
+
+def test_auto_takes_only_fp8_forms_validated_on_a_gpu(monkeypatch):
+  """A kernel whose FP8 form ranks first is taken when named, and by auto only once listed in
+  AUTO_FP8 (its GPU tests passed)."""
+  from umoe_jax.ops import fp8_gmm as fg
+  from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend
+  xla = BACKENDS.get("xla")
+  fake = GmmBackend(gmm=xla.gmm, tgmm=xla.tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=99,
+                    fp8_gmm=xla.fp8_gmm, fp8_tgmm=xla.fp8_tgmm)
+  monkeypatch.setitem(BACKENDS._entries, "fast_fp8", fake)
+  assert fg.fp8_backend("auto") == "xla" and fg.fp8_backend("fast_fp8") == "fast_fp8"
+  monkeypatch.setattr(fg, "AUTO_FP8", fg.AUTO_FP8 | {"fast_fp8"})
+  assert fg.fp8_backend("auto") == "fast_fp8"
