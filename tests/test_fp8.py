@@ -13,7 +13,6 @@ inverted) misses them by percents against tolerances of 1e-5
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import subprocess
@@ -28,6 +27,8 @@ from flax import nnx
 
 import configs.common
 from conftest import rel_err
+from test_cli_errors import losses as train_losses
+from test_train import small_config
 from umoe_jax.config import ConfigError, model_config
 from umoe_jax.ops import fp8
 from umoe_jax.ops.fp8_gmm import fp8_gmm
@@ -497,21 +498,6 @@ def test_train_py_reports_the_fp8_backend_error_in_one_line(tmp_path):
 # Checkpoints across precisions.
 
 
-def _small_run_config(precision: str, num_steps: int):
-  """umoe tiny shrunk (2 layers, d 32, 4 experts), 4 x 32 tokens a step, a checkpoint every 2."""
-  c = configs.common.experiment("umoe", "tiny")
-  m = c.model
-  m.n_layers, m.d_model, m.max_seq_len = 2, 32, 64
-  m.moe.n_experts, m.moe.d_expert = 4, 16
-  m.ffn.top_k, m.attention.top_k = 2, 1
-  m.attention.head_dim, m.attention.q_lora_rank = 16, 4
-  c.train.update(dict(global_batch_size=4, seq_len=32, num_steps=num_steps, learning_rate=3e-3,
-                      warmup_steps=2, log_every=1, eval_every=0, precision=precision))
-  c.checkpoint.update(dict(every=2, keep=3))
-  c.log.routing_probe_batches = 0
-  return c
-
-
 def test_a_checkpoint_resumes_in_the_other_precision(tmp_path):
   """bf16 to step 4, fp8 on to step 6, bf16 on to step 8, one workdir: each run resumes from the
   last's checkpoint (float32 parameters and optimizer state either way) and trains on, its loss
@@ -521,7 +507,7 @@ def test_a_checkpoint_resumes_in_the_other_precision(tmp_path):
   workdir = str(tmp_path / "w")
   starts = []
   for precision, steps in (("bf16", 4), ("fp8", 6), ("bf16", 8)):
-    result = loop.run(_small_run_config(precision, steps), workdir)
+    result = loop.run(small_config(precision=precision, num_steps=steps, eval_every=0), workdir)
     assert result["step"] == steps and not result["stopped"]
     starts.append(result["start"])
     state = ocp.StandardCheckpointer().restore(os.path.join(workdir, "checkpoints", str(steps),
@@ -530,12 +516,7 @@ def test_a_checkpoint_resumes_in_the_other_precision(tmp_path):
               if getattr(leaf, "dtype", None) is not None and jnp.issubdtype(leaf.dtype, jnp.floating)}
     assert dtypes == {"float32"}, (precision, dtypes)
   assert starts == ["scratch", "workdir", "workdir"]
-  losses = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      rec = json.loads(line)
-      if "train/loss" in rec:
-        losses[rec["step"]] = rec["train/loss"]
+  losses = train_losses(workdir)
   assert sorted(losses) == list(range(1, 9))
   assert all(np.isfinite(v) for v in losses.values())
   assert abs(losses[5] - losses[4]) < 0.25 * losses[4] and abs(losses[7] - losses[6]) < 0.25 * losses[6]
