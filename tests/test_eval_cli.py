@@ -556,3 +556,33 @@ def test_lm_eval_model_args_batch_size_wins(trained, tmp_path, monkeypatch, caps
                            f"checkpoint={ckpt}", "--tasks", "umoe_bz", "--include_path", tmp_path)
   assert code == 1 and "Traceback" not in err, err[-3000:]
   assert err.strip().splitlines()[-1].startswith("error: Tasks not found: umoe_bz"), err[-3000:]
+
+
+@pytest.mark.extras("lm_eval")
+def test_lm_eval_cli_turns_only_the_kernels_shadow_into_one_line(monkeypatch, capsys):
+  """The repository's kernels/ standing in for Hugging Face's `kernels` (its own ImportError, or
+  that error wrapped as transformers 4 wraps a failed import) is one "error:" line and status 1;
+  any other ImportError or RuntimeError stays a traceback (a bug or a broken install, not bad input).
+  tests/test_export_lm_eval.py runs the real case, `--model hf` in the repository root."""
+  import lm_eval.__main__
+  with pytest.raises(ImportError) as info:
+    from kernels import LayerRepository  # noqa: F401  (the first name transformers imports)
+  shadow = info.value
+  assert shadow.path == os.path.join(ROOT, "kernels", "__init__.py")
+
+  def raising(error: BaseException, cause: BaseException | None = None):
+    def cli_evaluate():
+      raise error from cause
+    return cli_evaluate
+
+  wrapped = RuntimeError("Failed to import transformers.activations")
+  for fails in (raising(shadow), raising(wrapped, shadow)):
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fails)
+    code, out, err = run_cli(capsys, "lm-eval", "--model", "hf")
+    assert code == 1 and err == f"error: {shadow}\n" and out == "", err
+  for error in (ImportError("No module named 'accelerate'", name="accelerate"),
+                RuntimeError("CUDA out of memory")):
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", raising(error))
+    with pytest.raises(type(error)) as info:
+      cli.main(["lm-eval", "--model", "hf"])
+    assert info.value is error

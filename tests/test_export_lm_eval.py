@@ -147,3 +147,32 @@ def test_hf_backend_item_loglikelihoods_equal_ours(both, task):
   if task == "umoe_mc":   # a random model's choices are not all alike: acc is not decided by ties
     spread = [np.ptp(_loglikelihoods(s)) for s in ours[task]]
     assert min(spread) > 1e-3
+
+
+def test_hf_backend_started_in_the_repository_root_is_one_error_line(tmp_path):
+  """`python -m umoe_jax.eval lm-eval --model hf` from the repository root: transformers' `from
+  kernels import ...` finds the repository's kernels/, whose ImportError is the command's one
+  "error:" line and status 1, with no traceback before it (docs/interop.md)."""
+  cfg = model_config("dense")
+  ckpt = official.save_converted(build_model(cfg), cfg, str(tmp_path / "ckpt"))
+  hf_dir = tmp_path / "hf"
+  assert interop_main(["export", f"--checkpoint={ckpt}", f"--out={hf_dir}", "--format=hf"]) == 0
+  rows = tmp_path / "mc.jsonl"
+  rows.write_text("".join(json.dumps({"query": f"Is {i} even?", "choices": ["yes", "no"],
+                                      "gold": i % 2}) + "\n" for i in range(2)))
+  (tmp_path / "mc.yaml").write_text(
+      f"task: umoe_root\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+      f"    test: {rows}\noutput_type: multiple_choice\ndoc_to_text: '{{{{query}}}}'\n"
+      "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
+  env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+  env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+  done = subprocess.run(
+      [sys.executable, "-m", "umoe_jax.eval", "lm-eval", "--model", "hf", "--model_args",
+       f"pretrained={hf_dir},trust_remote_code=True,dtype=float32", "--device", "cpu",
+       "--tasks", "umoe_root", "--include_path", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  lines = done.stderr.strip().splitlines()
+  assert lines[-1].startswith("error: 'kernels' here is umoe-jax's own kernels/ package") and \
+      "start Python with -P" in lines[-1], done.stderr[-3000:]
+  assert sum("umoe-jax's own kernels/" in line for line in lines) == 1, done.stderr[-3000:]

@@ -27,6 +27,7 @@ The three request types run on this library's code, so they score exactly as our
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -159,10 +160,32 @@ class UMoELM(LM):
     return texts
 
 
+# This repository's top-level kernels/ package: in a Python started in the repository root it comes
+# before Hugging Face's `kernels` distribution, and its __getattr__ raises an ImportError saying so.
+_OWN_KERNELS_INIT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels",
+    "__init__.py")
+
+
+def _kernels_shadowed(error: BaseException) -> Optional[ImportError]:
+  """The ImportError of our kernels/ standing in for Hugging Face's `kernels` in `error`'s chain
+  (transformers may re-raise an import's error wrapped in its own), else None."""
+  own = os.path.realpath(_OWN_KERNELS_INIT)
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, ImportError) and error.path and os.path.realpath(error.path) == own:
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
 def run_lm_eval_cli(argv: Sequence[str]) -> int:
   """lm-eval's command line (`lm_eval ...` arguments) with `umoe_jax` registered; exit status.
   Our model's bad input (a missing checkpoint, a tokenizer larger than the model) and a Hub that
-  cannot be reached for a task's data are one "error:" line and status 1, as in the other commands."""
+  cannot be reached for a task's data are one "error:" line and status 1, as in the other commands;
+  so is `--model hf` started in the repository root, where transformers' `from kernels import ...`
+  finds this repository's kernels/ (docs/interop.md)."""
   from lm_eval.__main__ import cli_evaluate
 
   from umoe_jax.load import LoadError
@@ -185,6 +208,12 @@ def run_lm_eval_cli(argv: Sequence[str]) -> int:
     print(f"error: {e}: lm-eval's built-in tasks download their data; offline, give local files "
           "(--include_path with a task YAML, or `python -m umoe_jax.eval tasks` on JSONL files)",
           file=sys.stderr)
+    return 1
+  except (ImportError, RuntimeError) as e:  # only the kernels/ shadow; others keep a traceback
+    shadow = _kernels_shadowed(e)
+    if shadow is None:
+      raise
+    print(f"error: {shadow}", file=sys.stderr)
     return 1
   finally:
     sys.argv = saved
