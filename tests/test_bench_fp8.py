@@ -12,21 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import gmm_fp8  # noqa: E402
 import report  # noqa: E402
 import results  # noqa: E402
 import train_step  # noqa: E402
-
-
-def _valid(m):
-  m = dict(m)
-  device = m.pop("device", "NVIDIA H200")
-  row = results.make_row(date="2026-12-06", commit="abc1234", command="python3 bench/x.py",
-                         device=results.device_name(device, m.pop("devices", 1)), **m)
-  return results.validate(row)
+from test_results import _valid  # noqa: E402  (a bench script's measurement as a validated row)
 
 
 # bench/gmm.py's FP8 part.

@@ -100,25 +100,27 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
   return jax.pure_callback(host, out_shape, *args)
 
 
-def _operand(rng, shape, axes):
-  """Normal values times a log-normal magnitude along each of `axes` (rows, columns): scale
-  pieces orders apart, so a piece read with another piece's scale is far off."""
+def _operand(rng, shape, axes, spread=2.0):
+  """Normal values times a log-normal magnitude (log's deviation `spread`) along each of `axes`
+  (rows, columns): scale pieces orders apart, so a piece read with another piece's scale is far
+  off. Also tests/gpu/test_fp8_gpu.py's."""
   x = rng.standard_normal(shape)
   for ax in axes:
     mag_shape = [1] * len(shape)
     mag_shape[ax] = shape[ax]
-    x = x * np.exp(2.0 * rng.standard_normal(mag_shape))
+    x = x * np.exp(spread * rng.standard_normal(mag_shape))
   return x.astype(np.float32)
 
 
-def _compare(got, want, bound, rows, what):
-  """got against want within float32 summation error (bound: the product of the absolute values);
-  non-finite exactly where the emulation's are (either inf or NaN)."""
+def _compare(got, want, bound, rows, what, rel=1e-5):
+  """got against want (their first `rows`; None: all) within `rel` times bound (the product of the
+  absolute values; 1e-5: float32 summation error); non-finite exactly where want is (either inf or
+  NaN). Also tests/gpu/test_fp8_gpu.py's, with the GPU's FP8 MMA bound."""
   got, want, bound = (np.asarray(a, np.float64)[:rows] for a in (got, want, bound))
   bad = ~np.isfinite(want)
   assert np.array_equal(~np.isfinite(got), bad), (what, np.argwhere(np.isfinite(got) != ~bad)[:5])
   err = np.abs(got - want)[~bad]
-  tol = 1e-5 * bound[~bad] + 1e-30
+  tol = rel * bound[~bad] + 1e-30
   assert np.all(err <= tol), (what, float(np.max(err / tol)))
 
 
@@ -277,6 +279,23 @@ def _differentiable_check():
       np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * np.max(np.abs(y)), err_msg=f"{what} {name}")
     assert np.all(np.asarray(dx)[gs.sum():] == 0), f"{what}: rows past the groups get no gradient"
     assert np.all(np.asarray(dw)[gs == 0] == 0), f"{what}: an empty group's weights get no gradient"
+  # A dense product through the kernel (one group of every row; umoe_jax.model.layers.fp8_dense):
+  # values and both gradients against fp8_dot's float32 emulation of the same quantised operands.
+  from umoe_jax.model.layers import fp8_dense
+  from umoe_jax.ops.fp8 import fp8_dot
+  x = jnp.asarray(_operand(rng, (3, 70, k), (1, 2)))     # 210 rows: not a multiple of the row tile
+  w = jnp.asarray(_operand(rng, (k, n), (0, 1)))
+  cot = jnp.asarray(_operand(rng, (3, 70, n), (1,)))
+  dense = lambda impl: jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(fp8_dense(a, b, impl).astype(jnp.float32) * cot), argnums=(0, 1)))(x, w)
+  n0 = len(LAUNCHES)
+  (v, (dx, dw)), (wv, (wdx, wdw)) = dense("triton"), dense("emulate")
+  assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
+  np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8_dense")
+  for name, a, b in (("dx", dx, wdx), ("dw", dw, wdw)):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                               atol=1e-5 * np.max(np.abs(np.asarray(b))), err_msg=f"fp8_dense {name}")
 
 
 def _interpreter_check():

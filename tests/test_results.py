@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402  (bench/report.py)
 import results  # noqa: E402  (bench/results.py)

@@ -4,7 +4,7 @@ tests/test_fp8_triton.py): the raw gmm, transposed gmm and tgmm at UMoE-base's F
 against a float64 loop over the dequantised operands; NaN and inf inputs quantised on the GPU (whose
 tensor cores read e4m3's NaN code, which the interpreter cannot); and `fp8_gmm(..., backend="triton")`
 values and gradients against backend="xla" (the emulation). Skipped without a GPU with FP8 tensor cores,
-Triton and jax-triton. Timing: the FP8 rows of bench/gmm.py (not yet written).
+Triton and jax-triton. Timing: bench/gmm.py --precision=bf16,fp8.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kernels.gmm import triton_fp8_gmm as tf
+from test_fp8_triton import _compare, _loop_gmm, _loop_tgmm, _operand
 from umoe_jax.ops import fp8
 from umoe_jax.ops import gmm_backends as gb
 
@@ -56,36 +57,9 @@ def _group_sizes(m, spec, seed):
   return gs
 
 
-def _operand(rng, shape, axes):
-  """Normal values times a log-normal magnitude along each of `axes` (pieces orders apart)."""
-  x = rng.standard_normal(shape)
-  for ax in axes:
-    mag = [1] * len(shape)
-    mag[ax] = shape[ax]
-    x = x * np.exp(1.5 * rng.standard_normal(mag))
-  return x.astype(np.float32)
-
-
-def _loop_gmm(lhs, rhs, gs, transpose):
-  out = np.zeros((lhs.shape[0], rhs.shape[1] if transpose else rhs.shape[2]))
-  ends = np.cumsum(gs)
-  for g, (s, e) in enumerate(zip(ends - gs, ends)):
-    out[s:e] = lhs[s:e].astype(np.float64) @ (rhs[g].T if transpose else rhs[g]).astype(np.float64)
-  return out
-
-
-def _loop_tgmm(a, b, gs):
-  ends = np.cumsum(gs)
-  return np.stack([a[s:e].T.astype(np.float64) @ b[s:e].astype(np.float64) for s, e in zip(ends - gs, ends)])
-
-
-def _check(got, want, bound, what):
-  got = np.asarray(got, np.float64)
-  bad = ~np.isfinite(want)
-  assert np.array_equal(~np.isfinite(got), bad), (what, np.argwhere(np.isfinite(got) == bad)[:5])
-  err = np.abs(got - want)[~bad]
-  tol = REL_BOUND * bound[~bad] + 1e-30
-  assert np.all(err <= tol), (what, float(np.max(err / tol)))
+# The operands' log-magnitude spread (`_operand`; it, the float64 loops and `_compare` are
+# tests/test_fp8_triton.py's).
+SPREAD = 1.5
 
 
 def _raw(op, shape, special):
@@ -95,7 +69,7 @@ def _raw(op, shape, special):
   rng = np.random.default_rng(m * 7 + k + n + special)
   rows = int(gs.sum())
   if op == "tgmm":
-    a, b = _operand(rng, (m, k), (0, 1)), _operand(rng, (m, n), (0, 1))
+    a, b = _operand(rng, (m, k), (0, 1), SPREAD), _operand(rng, (m, n), (0, 1), SPREAD)
     if special:
       a[:, 10] = 0.0
       a[rows // 2, 7] = np.nan
@@ -106,8 +80,8 @@ def _raw(op, shape, special):
     da, db = (np.asarray(fp8.dequantize_tiles(q, s, axis=0)) for q, s in ((aq, sa), (bq, sb)))
     return gs, np.asarray(got), _loop_tgmm(da, db, gs), _loop_tgmm(np.abs(da), np.abs(db), gs)
   transpose = op == "gmm_t"
-  lhs = _operand(rng, (m, n if transpose else k), (0, 1))
-  rhs = _operand(rng, (len(gs), k, n), (1, 2))
+  lhs = _operand(rng, (m, n if transpose else k), (0, 1), SPREAD)
+  rhs = _operand(rng, (len(gs), k, n), (1, 2), SPREAD)
   if special:
     busy = int(np.argmax(gs))
     r0 = int(gs[:busy].sum())
@@ -133,7 +107,7 @@ def _raw(op, shape, special):
 @pytest.mark.parametrize("op", ["gmm", "gmm_t", "tgmm"])
 def test_raw_op_matches_float64_loop(op, shape):
   gs, got, want, bound = _raw(op, shape, special=False)
-  _check(got, want, bound, f"{op} {shape}")
+  _compare(got, want, bound, None, f"{op} {shape}", rel=REL_BOUND)
   assert np.all(np.isfinite(got))
   if op == "tgmm":
     assert np.all(got[gs == 0] == 0), "an empty group's weight gradient is zero"
@@ -145,7 +119,7 @@ def test_zero_and_nonfinite_pieces(op):
   float64 loop's are, the rest within the bound."""
   _, got, want, bound = _raw(op, "odd", special=True)
   assert not np.all(np.isfinite(want))
-  _check(got, want, bound, f"{op} special")
+  _compare(got, want, bound, None, f"{op} special", rel=REL_BOUND)
 
 
 @pytest.mark.parametrize("transpose", [pytest.param(False, marks=QUICK), True])
@@ -156,8 +130,8 @@ def test_fp8_gmm_gradients_match_the_emulation(transpose):
   m, k, n, _ = SHAPES["base"]
   gs = jnp.asarray(_group_sizes(m, None, seed=3))
   rng = np.random.default_rng(11 + transpose)
-  lhs = jnp.asarray(_operand(rng, (m, n if transpose else k), (0,)))
-  rhs = jnp.asarray(_operand(rng, (64, k, n), (0,)) / np.sqrt(k))
+  lhs = jnp.asarray(_operand(rng, (m, n if transpose else k), (0,), SPREAD))
+  rhs = jnp.asarray(_operand(rng, (64, k, n), (0,), SPREAD) / np.sqrt(k))
   cot = jnp.asarray(rng.standard_normal((m, k if transpose else n)), jnp.float32)
 
   def run(name):
@@ -169,4 +143,24 @@ def test_fp8_gmm_gradients_match_the_emulation(transpose):
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     assert np.all(np.isfinite(g)), name
     rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+    assert rel <= NORM_BOUND, (name, rel)
+
+
+def test_dense_product_through_the_kernel_matches_the_emulation():
+  """train.precision=fp8's dense projections on one GPU (`umoe_jax.model.layers.fp8_dense` with the
+  kernel, one group of every row) against fp8_dot's float32 emulation: output and both gradients."""
+  from umoe_jax.model.layers import fp8_dense
+  rng = np.random.default_rng(21)
+  x = jnp.asarray(_operand(rng, (4, 1000, 768), (1, 2), SPREAD))
+  w = jnp.asarray(_operand(rng, (768, 3072), (0, 1), SPREAD) / np.sqrt(768))
+  cot = jnp.asarray(rng.standard_normal((4, 1000, 3072)), jnp.float32)
+
+  def run(impl):
+    f = lambda a, b: jnp.sum(fp8_dense(a, b, impl) * cot)
+    return (jax.jit(lambda a, b: fp8_dense(a, b, impl))(x, w), *jax.jit(jax.grad(f, argnums=(0, 1)))(x, w))
+
+  for name, g, want in zip(("out", "dx", "dw"), run("triton"), run("emulate")):
+    g, want = np.asarray(g, np.float64), np.asarray(want, np.float64)
+    assert g.shape == want.shape and np.all(np.isfinite(g)), name
+    rel = np.linalg.norm(g - want) / np.linalg.norm(want)
     assert rel <= NORM_BOUND, (name, rel)
