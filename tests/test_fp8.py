@@ -243,6 +243,19 @@ def test_fp8_dot_impls_agree_and_keep_dtypes():
     assert np.isnan(out[3]).all() and np.isfinite(np.delete(out, 3, axis=0)).all()
 
 
+def test_dense_fp8_impl_by_platform_and_devices(monkeypatch):
+  """The emulation off GPU; on one GPU the FP8 kernel auto takes, when it takes one; the chunked
+  dot_generals on several GPUs (the SPMD partitioner cannot split the kernel's custom call) or where
+  auto keeps the emulation for the grouped products."""
+  from umoe_jax.model import layers
+  assert layers.fp8_dense_impl() == "emulate"
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  for auto, devices, want in (("triton", 1, "triton"), ("triton", 8, "xla"), ("xla", 1, "xla")):
+    monkeypatch.setattr(layers, "fp8_backend", lambda name, a=auto: a)
+    monkeypatch.setattr(layers.jax, "device_count", lambda d=devices: d)
+    assert layers.fp8_dense_impl() == want, (auto, devices)
+
+
 def test_the_references_tell_layouts_apart():
   """The mistakes these tests are there to catch move the products by far more than TOL: the
   weight gradient with x and dy tiled along their features instead of over tokens, weights

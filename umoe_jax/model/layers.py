@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from umoe_jax.ops.fp8 import fp8_dot
+from umoe_jax.ops.fp8_gmm import fp8_backend, fp8_gmm
 from umoe_jax.parallel import rules as ax
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -69,15 +70,31 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale.value, self.eps)
 
 
-def fp8_dot_impl() -> str:
-  """`fp8_dot`'s impl on this platform: FP8 dot_generals on GPU (its tensor cores take them), the
-  float32 emulation elsewhere (a CPU has no FP8 arithmetic to gain from; the values are the same)."""
-  return "xla" if jax.default_backend() == "gpu" else "emulate"
+def fp8_dense_impl() -> str:
+  """How a dense FP8 product runs here: "emulate" off GPU (a CPU has no FP8 arithmetic to gain
+  from; the values are the same); on one GPU, the FP8 grouped-matmul kernel that auto takes
+  (`umoe_jax.ops.fp8_gmm.AUTO_FP8`) with a single group, when there is one; else "xla" (FP8
+  dot_generals per 128-wide chunk of the contraction). The kernel is a custom call the SPMD
+  partitioner cannot split, so several devices keep the partitionable dot_generals."""
+  if jax.default_backend() != "gpu":
+    return "emulate"
+  backend = fp8_backend("auto")
+  return backend if backend != "xla" and jax.device_count() == 1 else "xla"
+
+
+def fp8_dense(x: jax.Array, w: jax.Array, impl: str) -> jax.Array:
+  """x [..., K] @ w [K, N] with FP8 operands and gradients (scales as `umoe_jax.ops.fp8`'s), by
+  `impl`: "emulate" / "xla" (`fp8_dot`) or a gmm backend's FP8 forms over one group of all rows."""
+  if impl in ("emulate", "xla"):
+    return fp8_dot(x, w, impl=impl)
+  rows = x.reshape(-1, x.shape[-1])
+  y = fp8_gmm(rows, w[None], jnp.array([rows.shape[0]], jnp.int32), backend=impl)
+  return y.reshape(x.shape[:-1] + (w.shape[1],))
 
 
 class Linear(nnx.Module):
   """y = x @ W (no bias). W [in, out], N(0, std^2). With `fp8` (train.precision=fp8) the product
-  and its two gradients take FP8 operands (`umoe_jax.ops.fp8.fp8_dot`)."""
+  and its two gradients take FP8 operands (`fp8_dense`)."""
 
   def __init__(self, d_in: int, d_out: int, axes: Sequence[str], *, std: float, param_dtype,
                compute_dtype, rngs: nnx.Rngs, fp8: bool = False):
@@ -88,7 +105,7 @@ class Linear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x, w = x.astype(self.compute_dtype), self.kernel.value.astype(self.compute_dtype)
     if self.fp8:
-      return fp8_dot(x, w, impl=fp8_dot_impl())
+      return fp8_dense(x, w, fp8_dense_impl())
     return jnp.dot(x, w)
 
 
