@@ -586,3 +586,69 @@ def test_lm_eval_cli_turns_only_the_kernels_shadow_into_one_line(monkeypatch, ca
     with pytest.raises(type(error)) as info:
       cli.main(["lm-eval", "--model", "hf"])
     assert info.value is error
+
+
+@pytest.mark.extras("lm_eval")
+def test_lm_eval_cli_hf_pretrained_that_names_no_model_directory(tmp_path, monkeypatch, capsys):
+  """`--model hf` (its other names, lm-eval's default model) whose `pretrained=` is a missing local
+  path, a file or a directory without config.json: one "error:" line naming it, status 1, before
+  lm-eval starts (was transformers' "Unrecognized model in ..." ValueError traceback). A model
+  directory, a Hub id (name or org/name) and other models' arguments go on to lm-eval unchanged."""
+  import lm_eval.__main__
+  calls = []
+  monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: calls.append(list(sys.argv)))
+  missing, empty, afile = tmp_path / "missing", tmp_path / "no_config", tmp_path / "model.bin"
+  empty.mkdir()
+  afile.write_bytes(b"\0")
+  monkeypatch.chdir(tmp_path)
+  cases = [
+      (["--model", "hf", "--model_args", f"pretrained={missing}"], missing, "no such directory"),
+      (["--model", "hf", "--model_args", f"pretrained={empty},dtype=float32"], empty,
+       "no config.json in this directory"),
+      (["run", "--model", "hf-auto", "-a", json.dumps({"pretrained": str(afile)})], afile,
+       "is a file, not a directory"),
+      (["--model_args", "dtype=float32", f"pretrained={missing}"], missing, "no such directory"),
+      (["--model", "huggingface", "--model_args", "pretrained=./no_config"], "./no_config",
+       "no config.json"),
+      (["--model", "hf", "--model_args", "pretrained=nested/missing/dir"], "nested/missing/dir",
+       "no such directory")]
+  for args, bad, why in cases:
+    code, out, err = run_cli(capsys, "lm-eval", *args, "--tasks", "arc_easy")
+    assert code == 1 and out == "" and len(err.splitlines()) == 1, (args, err)
+    assert err.startswith(f"error: pretrained='{bad}'") and why in err, (args, err)
+    assert "umoe_jax.interop export --format=hf" in err and "config.json" in err, err
+  assert calls == []
+
+  model = tmp_path / "exported"
+  model.mkdir()
+  (model / "config.json").write_text("{}")
+  for args in (["--model", "hf", "--model_args", f"pretrained={model},trust_remote_code=True"],
+               ["--model", "hf", "--model_args", "pretrained=exported"],
+               ["--model", "hf", "-a", json.dumps({"pretrained": str(model)})],
+               ["--model", "hf", "--model_args", "pretrained=EleutherAI/pythia-14m"],
+               ["--model", "hf", "--model_args", "pretrained=gpt2"],
+               ["--model", "umoe_jax", "--model_args", f"checkpoint={missing}"],
+               ["--config", str(tmp_path / "run.yaml"), "--model_args", f"pretrained={missing}"]):
+    calls.clear()
+    code, out, err = run_cli(capsys, "lm-eval", *args, "--tasks", "arc_easy")
+    assert code == 0 and err == "" and calls == [["lm-eval", *args, "--tasks", "arc_easy"]], args
+
+
+@pytest.mark.extras("lm_eval")
+def test_lm_eval_cli_unknown_model_or_bad_umoe_config_is_one_line(monkeypatch, capsys):
+  """A --model name lm-eval does not know (lm-eval's registry ValueError) and our adapter's config=
+  naming no file (a ConfigError) are one "error:" line each, status 1 (were tracebacks); the
+  adapter's missing checkpoint= is covered in test_lm_eval_adapter_matches_our_harness."""
+  import lm_eval.__main__
+  from lm_eval.api.registry import get_model
+  from umoe_jax.eval import lm_eval_adapter
+
+  monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: get_model("umoe"))
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe", "--tasks", "arc_easy")
+  assert code == 1 and len(err.splitlines()) == 1, err
+  assert err.startswith("error: Attempted to load model 'umoe'") and "umoe_jax" in err, err
+
+  monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: lm_eval_adapter.UMoELM.
+                      create_from_arg_string("config=/no/such/umoe.py"))
+  code, out, err = run_cli(capsys, "lm-eval", "--model", "umoe_jax", "--tasks", "arc_easy")
+  assert code == 1 and err == "error: zoo config /no/such/umoe.py: no such file\n", err

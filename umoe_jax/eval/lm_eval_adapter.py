@@ -27,7 +27,10 @@ The three request types run on this library's code, so they score exactly as our
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
 import sys
 from typing import Any, Optional, Sequence
 
@@ -180,25 +183,84 @@ def _kernels_shadowed(error: BaseException) -> Optional[ImportError]:
   return None
 
 
+# lm-eval's names of its transformers backend, which loads `pretrained=` with from_pretrained.
+_HF_MODELS = ("hf", "hf-auto", "huggingface")
+# huggingface_hub's repo id form (name or org/name, each part starting and ending with a word
+# character): such a value that is no local path is left to lm-eval, which looks it up on the Hub.
+_HUB_ID = re.compile(r"(?:\w(?:[\w.-]*\w)?/)?\w(?:[\w.-]*\w)?")
+
+
+def _hf_pretrained_error(argv: Sequence[str]) -> Optional[str]:
+  """Why `--model hf`'s `pretrained=` names no model directory (a missing local path, a file, a
+  directory without config.json), else None; transformers' own error for these is a traceback."""
+  if "-h" in argv or "--help" in argv:
+    return None
+  parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+  parser.add_argument("--model", "-M")
+  parser.add_argument("--model_args", "-a", nargs="+", action="extend", default=[])
+  parser.add_argument("--config", "-C")
+  try:
+    args, _ = parser.parse_known_args(list(argv))
+  except argparse.ArgumentError:
+    return None   # lm-eval's parser says what is wrong
+  model = args.model or (None if args.config else "hf")   # lm-eval's default model; a YAML's own
+  pretrained = None
+  for value in args.model_args:   # `k=v,k2=v2` words or one JSON object, as lm-eval reads them
+    if value.lstrip().startswith("{"):
+      try:
+        pretrained = json.loads(value).get("pretrained", pretrained)
+      except (ValueError, AttributeError):
+        return None
+      continue
+    for item in value.split(","):
+      key, _, val = item.partition("=")
+      if key.strip() == "pretrained":
+        pretrained = val
+  if model not in _HF_MODELS or not isinstance(pretrained, str):
+    return None
+  path = os.path.expanduser(pretrained)
+  expected = (f"--model {model} expects a transformers model directory (config.json and weights), "
+              "such as `python -m umoe_jax.interop export --format=hf` writes (docs/interop.md)")
+  if os.path.isdir(path):
+    if os.path.isfile(os.path.join(path, "config.json")):
+      return None
+    return f"pretrained={pretrained!r}: no config.json in this directory; {expected}"
+  if os.path.exists(path):
+    return f"pretrained={pretrained!r} is a file, not a directory; {expected}"
+  if _HUB_ID.fullmatch(pretrained) and ".." not in pretrained and "--" not in pretrained:
+    return None
+  return f"pretrained={pretrained!r}: no such directory, nor a Hub id (org/name); {expected}"
+
+
 def run_lm_eval_cli(argv: Sequence[str]) -> int:
   """lm-eval's command line (`lm_eval ...` arguments) with `umoe_jax` registered; exit status.
-  Our model's bad input (a missing checkpoint, a tokenizer larger than the model) and a Hub that
-  cannot be reached for a task's data are one "error:" line and status 1, as in the other commands;
+  Our model's bad input (a missing checkpoint or config file, a tokenizer larger than the model), a
+  --model or task name lm-eval does not know and a Hub that cannot be reached for a task's data are
+  one "error:" line and status 1, as in the other commands;
   so is `--model hf` started in the repository root, where transformers' `from kernels import ...`
-  finds this repository's kernels/ (docs/interop.md)."""
+  finds this repository's kernels/ (docs/interop.md), and `--model hf` with a `pretrained=` that
+  names no model directory, before lm-eval starts."""
   from lm_eval.__main__ import cli_evaluate
 
+  from umoe_jax.config.schema import ConfigError
   from umoe_jax.load import LoadError
+  hf_error = _hf_pretrained_error(argv)
+  if hf_error:
+    print(f"error: {hf_error}", file=sys.stderr)
+    return 1
   saved = sys.argv
   sys.argv = ["lm-eval"] + list(argv)
   try:
     cli_evaluate()
   except SystemExit as e:
     return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-  except (EvalError, LoadError, FileNotFoundError) as e:  # LoadError is a ValueError: not lm-eval's
+  except (EvalError, LoadError, ConfigError, FileNotFoundError) as e:  # ValueErrors, not lm-eval's
     print(f"error: {e}", file=sys.stderr)
     return 1
-  except ValueError as e:  # lm-eval's "Tasks not found: x" (a typo); any other is a bug: its traceback
+  except ValueError as e:  # lm-eval's "Tasks not found: x" or unknown --model (typos); any other is
+    if str(e).startswith("Attempted to load model"):   # a bug: its traceback
+      print(f"error: {e}", file=sys.stderr)
+      return 1
     if not str(e).startswith("Tasks not found"):
       raise
     print(f"error: {e} (lm-eval's task names, `lm-eval ls tasks`, or --include_path DIR with "
