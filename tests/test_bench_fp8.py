@@ -1,4 +1,4 @@
-"""bench/ for FP8 training: bench/gmm.py --precision=bf16,fp8 (bench/gmm_fp8.py), bench/train_step.py
+"""bench/ for FP8 training: bench/gmm.py --precision=bf16,fp8 (bench/gmm_fp8.py), bench/fp8_dense.py, bench/train_step.py
 --precision / --routing=balanced / per-row flags, bench/balanced_routing.py's round-robin patch on a
 tiny model, and bench.report keeping fp8 rows apart from bf16 ones. All on CPU, small."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
+import fp8_dense  # noqa: E402  (bench/fp8_dense.py)
 import gmm_fp8  # noqa: E402
 import report  # noqa: E402
 import results  # noqa: E402
@@ -118,6 +119,32 @@ def test_gmm_bench_refuses_an_unknown_shape_or_precision(monkeypatch, capsys):
 
 
 # bench/train_step.py: precision, routing, per-row flags.
+
+
+# bench/fp8_dense.py.
+
+
+def test_fp8_dense_bench_rows_per_impl_with_error_and_flops(tmp_path, capsys):
+  """bf16 and the chunked dot_generals on CPU (no kernel runs here): one row each, precision and impl
+  in overrides, TFLOP/s = 3 x 2 M K N over the measured time, the FP8 forward's error a few percent
+  (bf16's far less); the table's ratio is bf16's time over FP8's."""
+  path = str(tmp_path / "rows.jsonl")
+  assert fp8_dense.main(["--shapes=base-qk", "--tokens=256", f"--results={path}"]) == 0
+  rows = {r["overrides"]["impl"]: results.validate(r) for r in map(json.loads, open(path))}
+  assert sorted(rows) == ["bf16", "xla"]
+  assert rows["bf16"]["overrides"]["precision"] == "bf16" and rows["xla"]["overrides"]["precision"] == "fp8"
+  for r in rows.values():
+    assert r["config"] == "dense:base-qk" and r["metric"] == "fwd_bwd_tflops"
+    assert r["value"] == pytest.approx(3 * 2 * 256 * 768 * 768 / (r["extra"]["ms"] / 1e3) / 1e12)
+  assert 1e-3 < rows["xla"]["extra"]["rel_err"] < 0.1 and rows["bf16"]["extra"]["rel_err"] < 1e-2
+  ratio = rows["bf16"]["extra"]["ms"] / rows["xla"]["extra"]["ms"]
+  assert f"{ratio:.2f}x" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_fp8_dense_bench_refuses_an_unknown_shape(capsys):
+  with pytest.raises(SystemExit):
+    fp8_dense.main(["--shapes=base-qk,huge"])
+  assert "--shapes='base-qk,huge'" in capsys.readouterr().err
 
 
 def test_row_flags_parse_round_trip_and_refuse_bad_values():
