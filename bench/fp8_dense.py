@@ -6,7 +6,7 @@ error against a float32 product beside each FP8 figure.
 
   python3 bench/fp8_dense.py [--shapes=base-qk,base-up,base-down,large-up,large-down] [--tokens=32768]
 
-Rows: config dense:<shape>, metric fwd_bwd_tflops, overrides {"impl": ..., "precision": ...}; the
+Rows: config fp8_dense:<shape>, metric fwd_bwd_tflops, overrides {"impl": ..., "precision": ...}; the
 table ends with each FP8 figure over the bf16 one. Needs a GPU with FP8 tensor cores.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         continue
       tflops = flops / (t["ms"] / 1e3) / 1e12
       over = {"impl": impl, "precision": "bf16" if impl == "bf16" else "fp8"}
-      results_lib.record(args.results, f"dense:{name}", "fwd_bwd_tflops", tflops, overrides=over,
+      results_lib.record(args.results, f"fp8_dense:{name}", "fwd_bwd_tflops", tflops, overrides=over,
                          extra={"ms": t["ms"], "rel_err": t["rel_err"], "tokens": args.tokens})
       rows.append((name, impl, t["ms"], tflops, t["rel_err"]))
       log(f"{name:11s} {impl:7s} {t['ms']:8.3f} ms {tflops:7.1f} TFLOP/s  err {t['rel_err']:.3g}")

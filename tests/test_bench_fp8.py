@@ -134,7 +134,7 @@ def test_fp8_dense_bench_rows_per_impl_with_error_and_flops(tmp_path, capsys):
   assert sorted(rows) == ["bf16", "xla"]
   assert rows["bf16"]["overrides"]["precision"] == "bf16" and rows["xla"]["overrides"]["precision"] == "fp8"
   for r in rows.values():
-    assert r["config"] == "dense:base-qk" and r["metric"] == "fwd_bwd_tflops"
+    assert r["config"] == "fp8_dense:base-qk" and r["metric"] == "fwd_bwd_tflops"
     assert r["value"] == pytest.approx(3 * 2 * 256 * 768 * 768 / (r["extra"]["ms"] / 1e3) / 1e12)
   assert 1e-3 < rows["xla"]["extra"]["rel_err"] < 0.1 and rows["bf16"]["extra"]["rel_err"] < 1e-2
   ratio = rows["bf16"]["extra"]["ms"] / rows["xla"]["extra"]["ms"]
