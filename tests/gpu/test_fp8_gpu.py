@@ -109,6 +109,11 @@ def test_raw_op_matches_float64_loop(op, shape):
   gs, got, want, bound = _raw(op, shape, special=False)
   _compare(got, want, bound, None, f"{op} {shape}", rel=REL_BOUND)
   assert np.all(np.isfinite(got))
+  # Normwise too: with random signs a sum of K products is ~sqrt(K) times smaller than the sum of
+  # their absolute values, so the elementwise bound alone lets through an error of the size of a
+  # second FP8 rounding (2.5%, measured on an H100 with N-major weights).
+  rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert rel <= NORM_BOUND, (op, shape, rel)
   if op == "tgmm":
     assert np.all(got[gs == 0] == 0), "an empty group's weight gradient is zero"
 
