@@ -160,9 +160,10 @@ def test_dense_product_through_the_kernel_matches_the_emulation():
   w = jnp.asarray(_operand(rng, (768, 3072), (0, 1), SPREAD) / np.sqrt(768))
   cot = jnp.asarray(rng.standard_normal((4, 1000, 3072)), jnp.float32)
 
-  def run(impl):
-    f = lambda a, b: jnp.sum(fp8_dense(a, b, impl) * cot)
-    return (jax.jit(lambda a, b: fp8_dense(a, b, impl))(x, w), *jax.jit(jax.grad(f, argnums=(0, 1)))(x, w))
+  def run(impl):  # cot an argument, not a constant XLA would spend seconds folding
+    f = lambda a, b, c: jnp.sum(fp8_dense(a, b, impl) * c)
+    return (jax.jit(lambda a, b: fp8_dense(a, b, impl))(x, w),
+            *jax.jit(jax.grad(f, argnums=(0, 1)))(x, w, cot))
 
   for name, g, want in zip(("out", "dx", "dw"), run("triton"), run("emulate")):
     g, want = np.asarray(g, np.float64), np.asarray(want, np.float64)
