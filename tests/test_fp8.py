@@ -371,9 +371,32 @@ def test_fp8_gmm_through_gmm_and_the_fused_forms():
                                 fp8_gmm(rows, w1, plan.group_sizes, backend="xla"))
   # [N, S, D] rows read from slot 1 on (pre-mixing's routed mixed vectors)
   x3 = jnp.asarray(rng.normal(size=(n_tok, 1 + k, d)).astype(np.float32))
-  np.testing.assert_array_equal(
-      gather_gmm(x3, w1, plan, k, backend="xla", first_slot=1, fp8=True),
-      fp8_gmm(dispatch.permute(x3[:, 1:], plan, k), w1, plan.group_sizes, backend="xla"))
+  slot_fused = lambda x3, w1: gather_gmm(x3, w1, plan, k, backend="xla", first_slot=1, fp8=True)
+  slot_plain = lambda x3, w1: fp8_gmm(dispatch.permute(x3[:, 1:], plan, k), w1, plan.group_sizes,
+                                      backend="xla")
+  np.testing.assert_array_equal(slot_fused(x3, w1), slot_plain(x3, w1))
+  dy = jnp.asarray(rng.normal(size=(n_tok * k, f)).astype(np.float32))
+  (dx3, dw), (wdx3, wdw) = (jax.vjp(fn, x3, w1)[1](dy) for fn in (slot_fused, slot_plain))
+  assert rel_err(dx3, wdx3) < 1e-6 and rel_err(dw, wdw) < 1e-6
+  assert np.all(np.asarray(dx3)[:, 0] == 0)          # slot 0 is not read: no gradient there
+
+
+def test_fp8_gather_gmm_quantises_the_tokens_before_the_gather(monkeypatch):
+  """The forward quantises the N token rows, then gathers FP8 rows and scales: never the M = N*K
+  gathered copy (a row's tiles run along the row, so both give the same values)."""
+  from umoe_jax.ops import dispatch
+  from umoe_jax.ops.fused_dispatch import gather_gmm
+  shapes = []
+  real = fp8.quantize_tiles
+  monkeypatch.setattr(fp8, "quantize_tiles", lambda a, axis=-1, **kw: (shapes.append((a.shape, axis)),
+                                                                        real(a, axis=axis, **kw))[1])
+  rng = np.random.default_rng(10)
+  n_tok, k, d, f, e = 24, 3, 128, 64, 4
+  x = jnp.asarray(rng.normal(size=(n_tok, d)).astype(np.float32))
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
+  w = jnp.asarray(rng.normal(size=(e, d, f)).astype(np.float32))
+  gather_gmm(x, w, plan, k, backend="xla", fp8=True)
+  assert shapes == [((n_tok, d), 1)]
 
 
 # ----------------------------------------------------------------------------------------------

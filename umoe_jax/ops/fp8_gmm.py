@@ -50,17 +50,31 @@ def fp8_backend(name: str) -> str:
   return name
 
 
+def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype):
+  """The forward product from already quantised rows (`fp8.quantize_tiles(lhs, axis=1)`): rows may
+  be quantised before they are gathered into expert order, since their tiles run along the row."""
+  return BACKENDS.get(backend_name).fp8_gmm(lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
+                                            transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+
+
+def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout):
+  """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8."""
+  backend: GmmBackend = BACKENDS.get(backend_name)
+  dlhs = quantized_gmm(backend_name, *fp8.quantize_tiles(dout, axis=1), rhs, group_sizes,
+                       not transpose_rhs, lhs.dtype)
+  a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
+  drhs = backend.fp8_tgmm(*fp8.quantize_tiles(a, axis=0), *fp8.quantize_tiles(b, axis=0),
+                          group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
+  return dlhs, drhs
+
+
 @functools.lru_cache(maxsize=None)
 def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
-  backend: GmmBackend = BACKENDS.get(backend_name)
-
-  def forward(lhs, rhs, group_sizes, transpose, dtype):
-    return backend.fp8_gmm(*fp8.quantize_tiles(lhs, axis=1), *fp8.quantize_blocks(rhs), group_sizes,
-                           transpose_rhs=transpose, out_dtype=dtype)
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    out = forward(lhs, rhs, group_sizes, transpose_rhs, out_dtype or lhs.dtype)
+    out = quantized_gmm(backend_name, *fp8.quantize_tiles(lhs, axis=1), rhs, group_sizes,
+                        transpose_rhs, out_dtype or lhs.dtype)
     return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   def fwd(lhs, rhs, group_sizes):
@@ -68,10 +82,7 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   def bwd(res, dout):
     lhs, rhs, group_sizes = res
-    dlhs = forward(dout, rhs, group_sizes, not transpose_rhs, lhs.dtype)
-    a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
-    drhs = backend.fp8_tgmm(*fp8.quantize_tiles(a, axis=0), *fp8.quantize_tiles(b, axis=0),
-                            group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
+    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout)
     # Kernels called through custom calls drop shard_map's varying-axes type; restore it (as gmm).
     return vary_like(dlhs, varying_axes(lhs)), vary_like(drhs, varying_axes(rhs)), None
 

@@ -28,8 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import epilogue
+from umoe_jax.ops import epilogue, fp8
 from umoe_jax.ops.dispatch import DispatchPlan, combine, permute, unpermute
+from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantized_gmm
 from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
 
@@ -122,13 +123,48 @@ def _gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int,
     x, rhs, gs, src, inverse = res
     dout = dout.astype(rhs.dtype)
     drows = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=x.dtype)   # [M, D]
-    dx = _fan_in(backend, drows, inverse, fan_out)                     # [N, D] or [N*K, D]
-    if slot_layout is not None:  # back into the [N, S, D] rows, zero at the slots not read
-      s, first, k = slot_layout
-      dx = jnp.pad(dx.reshape(-1, k, dx.shape[-1]), ((0, 0), (first, s - first - k), (0, 0)))
-      dx = dx.reshape(-1, dx.shape[-1])                                                  # [N*S, D]
+    dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     drhs = _raw_tgmm(backend, x, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      lhs_index=src)
+    return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> jax.Array:
+  """The input gradient [N*K, D] of the slots read back into the [N*S, D] rows (zero at the slots
+  not read; `_gather_gmm_fn`'s slot_layout); unchanged without a layout."""
+  if slot_layout is None:
+    return dx
+  s, first, k = slot_layout
+  dx = jnp.pad(dx.reshape(-1, k, dx.shape[-1]), ((0, 0), (first, s - first - k), (0, 0)))
+  return dx.reshape(-1, dx.shape[-1])                                                    # [N*S, D]
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None):
+  """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
+  they are and their FP8 values and scales gathered: a row's tiles run along the row, so this equals
+  quantising the gathered copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients of
+  the gathered rows, the input gradient fanned in as `_gather_gmm_fn`'s."""
+  backend = BACKENDS.get(backend_name)
+
+  @jax.custom_vjp
+  def fn(x, rhs, gs, src, inverse):
+    q, scale = fp8.quantize_tiles(x, axis=1)
+    out = quantized_gmm(backend_name, jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0), rhs,
+                        gs, False, x.dtype)
+    return vary_like(out, varying_axes(x) | varying_axes(rhs))
+
+  def fwd(x, rhs, gs, src, inverse):
+    return fn(x, rhs, gs, src, inverse), (x, rhs, gs, src, inverse)
+
+  def bwd(res, dout):
+    x, rhs, gs, src, inverse = res
+    drows, drhs = gradients(backend_name, jnp.take(x, src, axis=0), rhs, gs, False,
+                            dout.astype(x.dtype))
+    dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
   fn.defvjp(fwd, bwd)
@@ -146,8 +182,8 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
     rhs: [E, D, F].
     plan: `make_plan(expert_ids [N, K], E)`.
     slots: K.
-    fp8: FP8 operands (train.precision=fp8): the plain `dispatch.permute` and an FP8 `gmm`, since
-      the row-index kernels have no FP8 form.
+    fp8: FP8 operands (train.precision=fp8): the rows quantised before they are gathered, then
+      the backend's FP8 gmm (`_fp8_gather_gmm_fn`).
   Returns:
     [M, F], rows in expert order (M = N*K).
   """
@@ -169,17 +205,12 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
   if rhs.ndim != 3 or rhs.shape[1] != x.shape[-1] or rhs.shape[0] != plan.group_sizes.shape[0]:
     raise ValueError(f"gather_gmm: rhs {rhs.shape} does not fit rows of width {x.shape[-1]} and "
                      f"{plan.group_sizes.shape[0]} groups")
-  if fp8:
-    if layout is not None:  # the K slot rows of [N, S, D], as rows [N*K, D]
-      x = x.reshape(-1, layout[0], x.shape[-1])[:, first_slot:first_slot + slots]
-      x = x.reshape(-1, x.shape[-1])
-    return gmm(permute(x, plan, fan_out), rhs.astype(x.dtype), plan.group_sizes, backend=backend,
-               fp8=True)
   src = plan.order if fan_out == 1 else plan.order // fan_out  # the source row of each sorted row
   if layout is not None:
     src = (plan.order // slots) * layout[0] + first_slot + plan.order % slots
-  return _gather_gmm_fn(resolve_backend(backend), fan_out, layout)(
-      x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
+  make = _fp8_gather_gmm_fn if fp8 else _gather_gmm_fn
+  name = fp8_backend(backend) if fp8 else resolve_backend(backend)
+  return make(name, fan_out, layout)(x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
 
 
 # ----------------------------------------------------------------------------------------------
