@@ -267,8 +267,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   launch = gmm_launch(m, kc, no, g, cfg)
   grid = launch.pop("grid")
   # (group, contraction, output column) strides of the weights and of their block scales. FP8 wgmma
-  # reads its operands K-major only: N-major weights ran 3x slower on an H100 and off by 2.5%, so
-  # without the transpose the kernel reads a transposed copy ([G, N, K], a pass over the weights).
+  # reads its operands K-major: with N-major weights the same kernel ran 2-3x slower on an H100, so
+  # without the transpose it reads a transposed copy ([G, N, K], one pass over the FP8 weights).
   if transpose_rhs:
     strides, s_strides = (k * n, 1, n), (kb * nb, 1, nb)
   else:
