@@ -104,11 +104,11 @@ def quick_check(be, x, w, dy, gs, cfgs=None):
   return errs
 
 
-def measurements(name: str, row: dict, backends) -> list[dict]:
+def measurements(name: str, row: dict, backends, device: str = "NVIDIA H200") -> list[dict]:
   """The results rows of one shape's timings `row`: per backend timed, fwd and fwd+bwd TFLOP/s
   (dgrad and wgrad beside the latter), each against torch._grouped_mm measured in this process, or
-  shared/anchors' figure where torch did not run."""
-  a = ANCHORS.get(name, {})
+  shared/anchors' figure (an H200's) where torch did not run and `device` is an H200."""
+  a = ANCHORS.get(name, {}) if "H200" in device else {}
   def torch_anchor(key, shared, what):
     if row.get(key) == row.get(key) and row.get(key):  # (nan: torch's backward failed)
       return results_lib.anchor(f"torch._grouped_mm {what}, same process", row[key], "TFLOP/s",
@@ -287,7 +287,7 @@ def main():
       except Exception:  # noqa: BLE001
         log(f"  {b} fp8 {name} FAILED:\n{traceback.format_exc()[-1500:]}")
     results["shapes"][name] = row
-    for m in measurements(name, row, backends):
+    for m in measurements(name, row, backends, results["device"]):
       results_lib.record(args.results, **m)
     gmm_fp8.record_shape(args.results, name, fl, row, fp8_backends)
     del x, w, dy

@@ -232,6 +232,8 @@ def test_gmm_rows():
   assert rows[0]["anchor"]["value"] == 443.0 and "same process" in rows[0]["anchor"]["what"]
   assert rows[1]["anchor"]["value"] == 259      # torch's backward failed: shared/anchors' figure
   assert rows[1]["extra"]["dgrad_tflops"] == 272.0
+  h100 = gmm.measurements("base-up", row, ["triton"], "NVIDIA H100 80GB HBM3")
+  assert h100[0]["anchor"]["value"] == 443.0 and h100[1]["anchor"] is None  # an H200's figure: no
 
 
 def test_attention_core_rows():
