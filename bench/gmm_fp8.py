@@ -67,7 +67,8 @@ def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
 
 
 def record_shape(results_path, name: str, flops: float, row: dict, backends) -> None:
-  """Rows of every backend in `backends` that has FP8 timings in `row` (row[f"{b}_fp8"])."""
+  """Rows of every backend in `backends` that has FP8 timings in `row` (row[f"{b}_fp8"]), each
+  TFLOP/s figure anchored on the same backend's bf16 one of this run (row[f"{b}_fwd"], ...)."""
   written = set()
   for b in backends:
     t = row.get(f"{b}_fp8")
@@ -78,6 +79,10 @@ def record_shape(results_path, name: str, flops: float, row: dict, backends) -> 
         if "quantize" in written:
           continue
         written.add("quantize")
+      bf16 = row.get(f"{b}_{m['metric'].removesuffix('_tflops')}")
+      if m["metric"].endswith("_tflops") and bf16 == bf16 and bf16:  # (nan: its bf16 run failed)
+        m["anchor"] = results_lib.anchor(f"bf16 gmm ({b}), same process", bf16, "TFLOP/s",
+                                         "bench/gmm.py")
       results_lib.record(results_path, **m)
 
 

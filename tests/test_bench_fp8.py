@@ -38,12 +38,19 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   assert quant["value"] == 0.25 and quant["config"] == "gmm:base-up"
   # Two backends: the quantisation row (XLA's, the same for both) is written once.
   path = str(tmp_path / "rows.jsonl")
-  gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0},
+  gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0,
+                                                "triton_fwd": 400.0, "triton_fwd_bwd": 380.0,
+                                                "xla_fwd": float("nan")},
                        ["triton", "mosaic", "xla"])
   written = results.load_file(path)
   assert sorted((r["metric"], r["overrides"].get("backend")) for r in written) == [
       ("fwd_bwd_tflops", "triton"), ("fwd_bwd_tflops", "xla"), ("fwd_tflops", "triton"),
       ("fwd_tflops", "xla"), ("ms", None)]
+  # each FP8 figure against its backend's bf16 figure of the same run, where that one ran
+  anchors = {(r["metric"], r["overrides"].get("backend")): r["anchor"] for r in written}
+  assert anchors["fwd_tflops", "triton"]["value"] == 400.0
+  assert anchors["fwd_bwd_tflops", "triton"]["value"] == 380.0
+  assert anchors["fwd_tflops", "xla"] is None and anchors["fwd_bwd_tflops", "xla"] is None
 
 
 def test_precision_list_is_checked():
@@ -137,6 +144,7 @@ def test_fp8_dense_bench_rows_per_impl_with_error_and_flops(tmp_path, capsys):
     assert r["config"] == "fp8_dense:base-qk" and r["metric"] == "fwd_bwd_tflops"
     assert r["value"] == pytest.approx(3 * 2 * 256 * 768 * 768 / (r["extra"]["ms"] / 1e3) / 1e12)
   assert 1e-3 < rows["xla"]["extra"]["rel_err"] < 0.1 and rows["bf16"]["extra"]["rel_err"] < 1e-2
+  assert rows["xla"]["anchor"]["value"] == rows["bf16"]["value"] and rows["bf16"]["anchor"] is None
   ratio = rows["bf16"]["extra"]["ms"] / rows["xla"]["extra"]["ms"]
   assert f"{ratio:.2f}x" in capsys.readouterr().out.splitlines()[-1]
 
