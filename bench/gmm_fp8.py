@@ -9,6 +9,8 @@ import results as results_lib  # noqa: E402  (bench/results.py)
 
 PRECISIONS = ("bf16", "fp8")
 FP8 = {"precision": "fp8"}
+# metric -> the key of the same backend's bf16 figure in bench/gmm.py's row (row[f"{backend}_{key}"])
+BF16_KEYS = {"fwd_tflops": "fwd", "fwd_bwd_tflops": "fwd_bwd", "wgrad_tflops": "wgrad"}
 # e4m3 keeps 3 mantissa bits: a product's normwise error is a few percent; a wrong layout or scale
 # misses by far more.
 MAX_REL_ERR = 0.1
@@ -36,18 +38,30 @@ def fp8_forward_error(backend: str, x, w, gs) -> float:
 
 
 def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
-  """{fwd_ms, fwd_bwd_ms, quantize_ms, rel_err} of one shape; `timer(f, *args)` -> ms."""
+  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, kernel_wgrad_ms, rel_err} of one shape;
+  `timer(f, *args)` -> ms. The kernel_ figures time the backend's raw FP8 forms alone on operands
+  quantised beforehand: the forward, and the weight gradient (contraction over the rows)."""
   import jax
   from umoe_jax.ops import fp8
   from umoe_jax.ops.fp8_gmm import fp8_gmm
+  from umoe_jax.ops.gmm_backends import BACKENDS
   fwd = jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend))
 
   def fb(a, b, g, d):  # returns y too, or XLA drops the forward
     y, pull = jax.vjp(lambda a_, b_: fp8_gmm(a_, b_, g, backend=backend), a, b)
     return y, pull(d)
+  raw = BACKENDS.get(backend)
+  rows, wq = fp8.quantize_tiles(x, axis=1), fp8.quantize_blocks(w)
+  row_tiles = fp8.quantize_tiles(x, axis=0) + fp8.quantize_tiles(dy, axis=0)
+  kernel_fwd = jax.jit(lambda q, s, wq_, ws, g: raw.fp8_gmm(q, s, wq_, ws, g, transpose_rhs=False,
+                                                             out_dtype=x.dtype))
+  kernel_wgrad = jax.jit(lambda a, sa, b, sb, g: raw.fp8_tgmm(a, sa, b, sb, g, num_groups=w.shape[0],
+                                                               out_dtype=w.dtype))
   return dict(rel_err=fp8_forward_error(backend, x, w, gs),
               fwd_ms=timer(fwd, x, w, gs), fwd_bwd_ms=timer(jax.jit(fb), x, w, gs, dy),
-              quantize_ms=timer(jax.jit(lambda a: fp8.quantize_tiles(a, axis=1)), x))
+              quantize_ms=timer(jax.jit(lambda a: fp8.quantize_tiles(a, axis=1)), x),
+              kernel_fwd_ms=timer(kernel_fwd, *rows, *wq, gs),
+              kernel_wgrad_ms=timer(kernel_wgrad, *row_tiles, gs))
 
 
 def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
@@ -63,7 +77,11 @@ def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
            overrides=over, anchor=None, extra={"ms": t["fwd_bwd_ms"], "quantize_ms": t["quantize_ms"]}),
       dict(config=f"gmm:{name}", metric="ms", value=t["quantize_ms"],
            overrides={"op": "quantize_tiles (activations)", **FP8}, anchor=None, extra={}),
-  ]
+  ] + [  # the kernels alone, on operands quantised beforehand
+      dict(config=f"gmm:{name}", metric=metric, value=tflops(t[key]),
+           overrides={**over, "operands": "quantised beforehand"}, anchor=None, extra={"ms": t[key]})
+      for metric, key in (("fwd_tflops", "kernel_fwd_ms"), ("wgrad_tflops", "kernel_wgrad_ms"))
+      if t.get(key)]
 
 
 def record_shape(results_path, name: str, flops: float, row: dict, backends) -> None:
@@ -79,7 +97,7 @@ def record_shape(results_path, name: str, flops: float, row: dict, backends) -> 
         if "quantize" in written:
           continue
         written.add("quantize")
-      bf16 = row.get(f"{b}_{m['metric'].removesuffix('_tflops')}")
+      bf16 = row.get(f"{b}_{BF16_KEYS.get(m['metric'], '')}")
       if m["metric"].endswith("_tflops") and bf16 == bf16 and bf16:  # (nan: its bf16 run failed)
         m["anchor"] = results_lib.anchor(f"bf16 gmm ({b}), same process", bf16, "TFLOP/s",
                                          "bench/gmm.py")

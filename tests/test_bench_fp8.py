@@ -27,6 +27,10 @@ from test_results import _valid  # noqa: E402  (a bench script's measurement as 
 # bench/gmm.py's FP8 part.
 
 
+def _valid_all(measurements):
+  return [_valid(m) for m in measurements]
+
+
 def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   t = dict(fwd_ms=2.0, fwd_bwd_ms=5.0, quantize_ms=0.25, rel_err=0.03)
   rows = [_valid(m) for m in gmm_fp8.measurements("base-up", 4e12, "triton", t)]
@@ -36,6 +40,11 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   assert got["fwd_bwd_tflops", fp8]["value"] == pytest.approx(2400.0)  # 3 x 4e12 / 5 ms
   quant = got["ms", json.dumps({"op": "quantize_tiles (activations)", "precision": "fp8"}, sort_keys=True)]
   assert quant["value"] == 0.25 and quant["config"] == "gmm:base-up"
+  # the kernels alone (operands quantised beforehand): forward and weight gradient, 1x the FLOPs
+  kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(t, kernel_fwd_ms=1.0,
+                                                                       kernel_wgrad_ms=4.0)))
+  alone = {r["metric"]: r["value"] for r in kt if r["overrides"].get("operands")}
+  assert alone == {"fwd_tflops": pytest.approx(4000.0), "wgrad_tflops": pytest.approx(1000.0)}
   # Two backends: the quantisation row (XLA's, the same for both) is written once.
   path = str(tmp_path / "rows.jsonl")
   gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0,
@@ -46,7 +55,8 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   assert sorted((r["metric"], r["overrides"].get("backend")) for r in written) == [
       ("fwd_bwd_tflops", "triton"), ("fwd_bwd_tflops", "xla"), ("fwd_tflops", "triton"),
       ("fwd_tflops", "xla"), ("ms", None)]
-  # each FP8 figure against its backend's bf16 figure of the same run, where that one ran
+  # each FP8 figure against its backend's bf16 figure of the same run, where that one ran; the
+  # kernels alone only where they were timed
   anchors = {(r["metric"], r["overrides"].get("backend")): r["anchor"] for r in written}
   assert anchors["fwd_tflops", "triton"]["value"] == 400.0
   assert anchors["fwd_bwd_tflops", "triton"]["value"] == 380.0
@@ -77,6 +87,7 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
     return float(len(calls))
   t = gmm_fp8.time_fp8("xla", x, w, dy, sizes, timer)
   assert (t["fwd_ms"], t["fwd_bwd_ms"], t["quantize_ms"]) == (1.0, 2.0, 3.0)
+  assert (t["kernel_fwd_ms"], t["kernel_wgrad_ms"]) == (4.0, 5.0)
   assert 1e-3 < t["rel_err"] < gmm_fp8.MAX_REL_ERR
   np.testing.assert_array_equal(calls[0], jax.device_get(fp8_gmm(x, w, sizes, backend="xla")))
   y, (dx, dw) = calls[1]
@@ -88,6 +99,9 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
   q, s = calls[2]
   ref_q, ref_s = fp8.quantize_tiles(x, axis=1)
   assert q.dtype == ref_q.dtype and np.array_equal(np.asarray(s), np.asarray(ref_s))
+  # the raw forms alone: the forward's values are fp8_gmm's; the weight gradient is its drhs
+  np.testing.assert_array_equal(calls[3], calls[0])
+  np.testing.assert_array_equal(calls[4], jax.device_get(ref_dw))
 
 
 def test_gmm_bench_runs_both_precisions_and_tables_the_ratio(tmp_path, monkeypatch, capsys):
