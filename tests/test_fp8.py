@@ -427,7 +427,7 @@ def _count(monkeypatch, module, name, counts):
 def test_fp8_model_routes_every_expert_matmul_and_projection_through_fp8(family, monkeypatch):
   """One-layer tiny models (bf16 compute), their loss gradient traced in each precision: under fp8
   every grouped matmul of bf16 (the `gmm`, `gather_gmm` and `gmm_combine` calls) is an fp8_gmm call
-  instead, no grouped matmul of the gradient's jaxpr takes bf16 operands (the emulation multiplies
+  instead (gather_gmm's: the FP8 gather form), no grouped matmul of the gradient's jaxpr takes bf16 operands (the emulation multiplies
   dequantised float32), and every `Linear` (attention projections, dense FFN, always-on experts)
   goes through fp8_dot."""
   from umoe_jax.model import layers
@@ -441,7 +441,8 @@ def test_fp8_model_routes_every_expert_matmul_and_projection_through_fp8(family,
   for precision in ("bf16", "fp8"):
     counts = {}
     for module, name in ((gmm_mod, "fp8_gmm"), (gmm_mod, "_differentiable_gmm"), (layers, "fp8_dot"),
-                         (fused_dispatch, "_gather_gmm_fn"), (fused_dispatch, "_gmm_combine_fn")):
+                         (fused_dispatch, "_gather_gmm_fn"), (fused_dispatch, "_gmm_combine_fn"),
+                         (fused_dispatch, "_fp8_gather_gmm_fn")):
       _count(monkeypatch, module, name, counts)
     model = CausalLM(dataclasses.replace(base, matmul_precision=precision), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
@@ -460,7 +461,10 @@ def test_fp8_model_routes_every_expert_matmul_and_projection_through_fp8(family,
   bf16, f8 = seen["bf16"], seen["fp8"]
   bf16_gmms = sum(bf16.get(k, 0) for k in ("_differentiable_gmm", "_gather_gmm_fn", "_gmm_combine_fn"))
   assert bf16.get("fp8_gmm", 0) == bf16.get("fp8_dot", 0) == bf16["fp8_linears"] == bf16["f8"] == 0
-  assert f8.get("fp8_gmm", 0) == bf16_gmms
+  assert bf16.get("_fp8_gather_gmm_fn", 0) == 0
+  # each gather_gmm becomes the FP8 gather form (rows quantised before the gather), the rest fp8_gmm
+  assert f8.get("_fp8_gather_gmm_fn", 0) == bf16.get("_gather_gmm_fn", 0)
+  assert f8.get("fp8_gmm", 0) + f8.get("_fp8_gather_gmm_fn", 0) == bf16_gmms
   assert not any(f8.get(k, 0) for k in ("_differentiable_gmm", "_gather_gmm_fn", "_gmm_combine_fn"))
   assert f8.get("fp8_dot", 0) == f8["fp8_linears"] == f8["linears"] > 0
   assert f8["f8"] > 0
