@@ -20,6 +20,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
 
 import results as results_lib  # noqa: E402  (bench/results.py)
 from gmm_common import jax_ms, log  # noqa: E402
+from gmm_fp8 import comma_list  # noqa: E402
 
 # name -> (K, N): the dense projections of the base and large models (d_model, the dense FFN).
 SHAPES = {"base-qk": (768, 768), "base-up": (768, 3072), "base-down": (3072, 768),
@@ -28,11 +29,7 @@ MAX_REL_ERR = 0.1   # e4m3's few-percent product error; a wrong layout misses by
 
 
 def parse_shapes(text: str) -> list[str]:
-  names = [s for s in text.split(",") if s]
-  bad = [s for s in names if s not in SHAPES]
-  if bad or not names:
-    raise ValueError(f"--shapes={text!r}: a comma list of {', '.join(SHAPES)}")
-  return names
+  return comma_list("--shapes", text, SHAPES)
 
 
 def impls() -> list[str]:

@@ -16,13 +16,17 @@ BF16_KEYS = {"fwd_tflops": "fwd", "fwd_bwd_tflops": "fwd_bwd", "wgrad_tflops": "
 MAX_REL_ERR = 0.1
 
 
+def comma_list(flag: str, text: str, valid) -> list[str]:
+  """'a,b' -> ['a', 'b'], each one of `valid`; ValueError naming the flag's value otherwise."""
+  out = [p for p in text.split(",") if p]
+  if not out or any(p not in valid for p in out):
+    raise ValueError(f"{flag}={text!r}: a comma list of {', '.join(valid)}")
+  return out
+
+
 def parse_precisions(text: str) -> list[str]:
   """'bf16,fp8' -> ['bf16', 'fp8']; ValueError naming a value that is not one."""
-  out = [p for p in text.split(",") if p]
-  bad = [p for p in out if p not in PRECISIONS]
-  if bad or not out:
-    raise ValueError(f"--precision={text!r}: a comma list of {', '.join(PRECISIONS)}")
-  return out
+  return comma_list("--precision", text, PRECISIONS)
 
 
 def fp8_forward_error(backend: str, x, w, gs) -> float:
