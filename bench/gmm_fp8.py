@@ -101,8 +101,9 @@ def record_shape(results_path, name: str, flops: float, row: dict, backends) -> 
         if "quantize" in written:
           continue
         written.add("quantize")
-      bf16 = row.get(f"{b}_{BF16_KEYS.get(m['metric'], '')}")
-      if m["metric"].endswith("_tflops") and bf16 == bf16 and bf16:  # (nan: its bf16 run failed)
+      key = BF16_KEYS.get(m["metric"])
+      bf16 = row.get(f"{b}_{key}") if key else None
+      if bf16 == bf16 and bf16:  # (nan: its bf16 run failed)
         m["anchor"] = results_lib.anchor(f"bf16 gmm ({b}), same process", bf16, "TFLOP/s",
                                          "bench/gmm.py")
       results_lib.record(results_path, **m)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue, fp8
-from umoe_jax.ops.dispatch import DispatchPlan, combine, permute, unpermute
+from umoe_jax.ops.dispatch import DispatchPlan, combine, unpermute
 from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantized_gmm
 from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
