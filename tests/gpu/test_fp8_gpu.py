@@ -127,21 +127,38 @@ def test_zero_and_nonfinite_pieces(op):
   _compare(got, want, bound, None, f"{op} special", rel=REL_BOUND)
 
 
+CPU = jax.devices("cpu")[0]
+
+
 def _deq_tiles(x, axis):
-  """x quantised in 1 x 128 tiles along `axis` and dequantised, as float64 on the host (one jitted
-  program of its own: XLA never sees the dequantised values enter a product)."""
+  """x quantised in 1 x 128 tiles along `axis` and dequantised, float64, computed on the host's CPU
+  device: the reference must not depend on the GPU compiler it checks."""
+  x = jax.device_put(np.asarray(x), CPU)
   return np.asarray(jax.jit(lambda a: fp8.dequantize_tiles(*fp8.quantize_tiles(a, axis=axis),
                                                            axis=axis))(x), np.float64)
 
 
 def _deq_blocks(w):
+  w = jax.device_put(np.asarray(w), CPU)
   return np.asarray(jax.jit(lambda a: fp8.dequantize_blocks(*fp8.quantize_blocks(a)))(w), np.float64)
 
 
+def test_emulation_quantises_on_the_gpu():
+  """The emulation's quantise-dequantise pairs compiled for the GPU give the CPU's bits: XLA's GPU
+  compiler folds a convert to FP8 and back into nothing unless fp8.py keeps the pair apart."""
+  rng = np.random.default_rng(5)
+  x = _operand(rng, (512, 300), (0, 1), SPREAD)
+  for f in (lambda a: fp8.fake_quant_tiles(a, axis=1), lambda a: fp8.fake_quant_tiles(a, axis=0),
+            fp8.fake_quant_blocks):
+    on_gpu = np.asarray(jax.jit(f)(jnp.asarray(x)))
+    on_cpu = np.asarray(jax.jit(f)(jax.device_put(x, CPU)))
+    assert not np.array_equal(on_cpu, x), "the CPU reference quantises"
+    np.testing.assert_array_equal(on_gpu, on_cpu)
+
+
 def _host_refs(lhs, rhs, cot, gs, transpose):
-  """fp8_gmm's output and both gradients from the FP8 values, in float64 loops on the host. Not the
-  xla backend's emulation: on a GPU XLA rewrites a dequantise feeding a product into a cheaper one,
-  measured 2.5% off on an H100 (the emulations are CPU references)."""
+  """fp8_gmm's output and both gradients from the FP8 values, in float64 loops on the host (the
+  quantisation on the CPU device)."""
   gs = np.asarray(gs)
   w = _deq_blocks(rhs)
   out = _loop_gmm(_deq_tiles(lhs, 1), w, gs, transpose)
