@@ -51,6 +51,39 @@ def test_tiles_and_launch_geometry():
       tf.tgmm_launch(256, 256, 256, 2, bad)
 
 
+def test_default_tiles_fit_shared_memory():
+  """Every default tile fits an H100's shared memory with room for a float32 epilogue tile
+  (`shared_memory`): at bench/gmm.py's shapes, each of the forward, its transpose (dgrad) and the
+  weight gradient, and at every width; gmm tiles stay <= 192 wide (256 spills), tgmm tiles
+  above 128 wide take 64 output rows (128 x 192 spills). The operand buffers, the first term,
+  are what a compiled kernel asks: sm_90a compiles gave exactly them at the shapes below."""
+  import os
+  import sys
+  bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+  if bench not in sys.path:
+    sys.path.insert(0, bench)
+  from gmm_common import SHAPES
+  assert tf.SMEM_LIMIT == 232448
+  cfg = lambda *a: dataclasses.astuple(tf.default_config(*a))[:5]   # bm, bn, bk, warps, stages
+  for name, _, k, n, _ in SHAPES:
+    for op, kc, no in (("gmm", k, n), ("gmm_t", n, k), ("tgmm", k, n)):
+      c = tf.default_config(op, kc, no)
+      assert tf.shared_memory(c) <= tf.SMEM_LIMIT, (name, op, c)
+  assert cfg("gmm", 768, 192) == (128, 192, 128, 8, 3)    # 122880 B of operand buffers compiled
+  assert cfg("gmm_t", 192, 768) == (128, 128, 128, 8, 4)  # 131072 B
+  assert cfg("tgmm", 768, 192) == (64, 192, 128, 8, 3)    # 98304 B
+  assert cfg("tgmm", 2048, 512) == (128, 128, 128, 8, 3)  # 98304 B
+  for c in (tf.default_config("gmm", 768, 192), tf.default_config("tgmm", 768, 192)):
+    assert tf.shared_memory(c) - c.bm * c.bn * 4 == c.num_stages * (c.bm + c.bn) * 128
+  # 3 stages of a 128 x 256 gmm tile and its float32 epilogue: the 278528 B an H100 refuses
+  assert tf.shared_memory(tuning.TileConfig(128, 256, 128, 8, 3)) == 278528 > tf.SMEM_LIMIT
+  for width in range(1, 4097):
+    for op in ("gmm", "gmm_t", "tgmm"):
+      c = tf.default_config(op, width, width)
+      assert tf.shared_memory(c) <= tf.SMEM_LIMIT and c.bn <= (256 if op == "tgmm" else 192), (op, c)
+      assert op != "tgmm" or c.bn <= 128 or c.bm <= 64, c
+
+
 def test_bad_operands_name_the_array():
   """A wrong dtype or scale layout fails before any launch, naming the array and both shapes."""
   lq, ls = fp8.quantize_tiles(jnp.ones((40, 200)), axis=1)
@@ -213,6 +246,11 @@ TGMM_CASES = [  # M, K, N, group sizes, (bm, bn) output tile or None for the def
     (300, 144, 200, [70, 0, 133, 40, 0], (64, 48)),  # groups across scale tiles, 57 rows past them
     (260, 96, 136, [5, 250, 0, 2], (32, 32)),        # skewed: largest group's tiles first
     (200, 40, 192, [90, 110], None),                 # default tile (64 x 192 = 128 + 64), K < 128
+    (700, 144, 200, [50, 0, 560, 40], (64, 48)),     # a group over a partial head tile, 3 whole tiles
+                                                     # (the unmasked loop) and a partial tail tile;
+                                                     # 50 rows past the groups in a partial last tile
+    (600, 96, 136, [128, 256, 0, 100, 28], (32, 32)),  # aligned groups: whole tiles alone, a tail
+                                                       # alone, a head alone; 88 rows past the groups
 ]
 
 
@@ -314,6 +352,7 @@ def _interpreter_check():
   for m, k, n, gs, tile in TGMM_CASES:
     _check_tgmm(rng, m, k, n, gs, tile, special=False)
   _check_tgmm(rng, *TGMM_CASES[0], special=True)
+  _check_tgmm(rng, *TGMM_CASES[3], special=True)   # the inf lands in a whole tile of the big group
   _differentiable_check()
   print("FP8_TRITON_INTERPRETER_OK")
 

@@ -20,8 +20,10 @@ zero tail for the rows past sum(group_sizes), column tile fastest); the output c
 powers of two (BN + BN2, 192 = 128 + 64), each column's weight scale read per 128-wide block.
 tgmm: one program per (group, K tile, N tile) in `triton_gmm.tile_order`; its steps are the aligned
 128-row scale tiles that overlap the group (a tile may span two groups: the other group's rows are
-masked to zero, the tile's scales are the rows' own), so each step has one scale row per column;
-empty groups write zeros.
+selected to zero, the tile's scales are the rows' own), so each step has one scale row per column;
+empty groups write zeros. Only a group's first and last tile can hold other rows: they are steps of
+their own, and the tiles wholly inside the group load without row masks in a loop Triton
+pipelines (asynchronous copies into shared memory).
 
 Both kernels read their dot operands K-major (the contraction contiguous), the only layout FP8 wgmma
 takes from shared memory: gmm's weights as a transposed copy when they are not already (`transpose_rhs`
@@ -110,6 +112,59 @@ if HAVE_TRITON:
                  mask=row_ok & (offs_n2[None, :] < NO))
 
   @triton.jit
+  def _load_2d(ptrs, ok0, ok1, MASK0: tl.constexpr, MASK1: tl.constexpr):
+    # A 2-D load masked by ok0 along its first axis and / or ok1 along its second, as the flags say:
+    # no mask where a flag is off, so a load without flags is one the pipeliner can make async.
+    if MASK0 and MASK1:
+      x = tl.load(ptrs, mask=ok0[:, None] & ok1[None, :], other=0.0)
+    elif MASK0:
+      x = tl.load(ptrs, mask=ok0[:, None], other=0.0)
+    elif MASK1:
+      x = tl.load(ptrs, mask=ok1[None, :], other=0.0)
+    else:
+      x = tl.load(ptrs)
+    return x
+
+  @triton.jit
+  def _fp8_tgmm_step(acc, acc2, t, start, end, a_ptr, sa_ptr, b_ptr, sb_ptr, offs_k, offs_n,
+                     offs_n2, K: tl.constexpr, N: tl.constexpr, M: tl.constexpr, BR: tl.constexpr,
+                     BN2: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_K: tl.constexpr,
+                     MASK_N: tl.constexpr):
+    # One step: the rows of scale tile t, their partial dot scaled by the tile's scales (one row a
+    # column) and added to the accumulators. MASK_ROWS: the tile holds rows outside [start, end)
+    # (another group's, or past the groups), read as zeros; the loads of a step without it carry
+    # only the column masks MASK_K / MASK_N (off where K / N fill their tiles).
+    t = tl.cast(t, tl.int64)  # (a Python int under the interpreter's loops)
+    rows = t * BR + tl.arange(0, BR)
+    # A shared tile is read whole (but rows past M: the last tile may be partial) and the rows
+    # outside [start, end) selected away after the load: a mask on the array's end is constant over
+    # 16 contiguous rows when M is a multiple of 16 (vector loads), one on a group's bounds is not.
+    r_ok = rows < M
+    PAST_M: tl.constexpr = MASK_ROWS and (M % BR != 0)
+    k_ok = offs_k < K
+    n_ok = offs_n < N
+    a = _load_2d(a_ptr + offs_k.to(tl.int64)[:, None] * M + rows[None, :], k_ok, r_ok, MASK_K,
+                 PAST_M)
+    b = _load_2d(b_ptr + offs_n.to(tl.int64)[None, :] * M + rows[:, None], r_ok, n_ok, PAST_M,
+                 MASK_N)
+    if MASK_ROWS:
+      r_in = (rows >= start) & (rows < end)
+      a = tl.where(r_in[None, :], a, tl.zeros_like(a))
+      b = tl.where(r_in[:, None], b, tl.zeros_like(b))
+    sa = tl.load(sa_ptr + t * K + offs_k, mask=k_ok, other=0.0)
+    sb = tl.load(sb_ptr + t * N + offs_n, mask=n_ok, other=0.0)
+    acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    if BN2 > 0:
+      n2_ok = offs_n2 < N
+      b2 = _load_2d(b_ptr + offs_n2.to(tl.int64)[None, :] * M + rows[:, None], r_ok, n2_ok,
+                    PAST_M, MASK_N)
+      if MASK_ROWS:
+        b2 = tl.where(r_in[:, None], b2, tl.zeros_like(b2))
+      sb2 = tl.load(sb_ptr + t * N + offs_n2, mask=n2_ok, other=0.0)
+      acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+    return acc, acc2
+
+  @triton.jit
   def _fp8_tgmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, order_ptr, o_ptr,
                        M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
                        GP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -130,39 +185,40 @@ if HAVE_TRITON:
 
     offs_k = pid_k * BK + tl.arange(0, BK)
     offs_n = pid_n * (BN + BN2) + tl.arange(0, BN)
-    offs_r = tl.arange(0, BR)
-    a_cols = offs_k.to(tl.int64)[:, None] * M
-    b_cols = offs_n.to(tl.int64)[None, :] * M
-    k_ok = offs_k < K
-    n_ok = offs_n < N
+    MASK_K: tl.constexpr = K % BK != 0
+    MASK_N: tl.constexpr = N % (BN + BN2) != 0
     acc = tl.zeros((BK, BN), dtype=tl.float32)
     if BN2 > 0:
       offs_n2 = pid_n * (BN + BN2) + BN + tl.arange(0, BN2)
-      n2_ok = offs_n2 < N
-      b2_cols = offs_n2.to(tl.int64)[None, :] * M
       acc2 = tl.zeros((BK, BN2), dtype=tl.float32)
-    first = start // BR
-    steps = tl.where(end > start, (end - 1) // BR - first + 1, 0)  # an empty group reads nothing
-    for s in range(0, steps):
-      t = (first + s).to(tl.int64)
-      rows = t * BR + offs_r
-      r_in = (rows >= start) & (rows < end)  # the tile's rows of other groups: zeros
-      a = tl.load(a_ptr + a_cols + rows[None, :], mask=k_ok[:, None] & r_in[None, :], other=0.0)
-      b = tl.load(b_ptr + b_cols + rows[:, None], mask=r_in[:, None] & n_ok[None, :], other=0.0)
-      sa = tl.load(sa_ptr + t * K + offs_k, mask=k_ok, other=0.0)
-      sb = tl.load(sb_ptr + t * N + offs_n, mask=n_ok, other=0.0)
-      acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-      if BN2 > 0:
-        b2 = tl.load(b_ptr + b2_cols + rows[:, None], mask=r_in[:, None] & n2_ok[None, :], other=0.0)
-        sb2 = tl.load(sb_ptr + t * N + offs_n2, mask=n2_ok, other=0.0)
-        acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+    else:  # unused stand-ins (one column tile)
+      offs_n2 = offs_n
+      acc2 = tl.zeros((BK, 16), dtype=tl.float32)
+    # The group's scale tiles in order: a head tile shared with the rows before the group (start
+    # not aligned), the tiles wholly inside it [lo, hi), a tail tile shared with the rows after it
+    # (end not aligned; the head's own tile when the group starts and ends inside one tile).
+    # Only head and tail mask rows: the interior loop's loads are the pipelined ones.
+    lo = (start + BR - 1) // BR
+    hi = end // BR
+    has_head = (end > start) & (start % BR != 0)
+    has_tail = (end > start) & (end % BR != 0) & ((start % BR == 0) | (start // BR != hi))
+    if has_head:
+      acc, acc2 = _fp8_tgmm_step(acc, acc2, start // BR, start, end, a_ptr, sa_ptr, b_ptr, sb_ptr,
+                                 offs_k, offs_n, offs_n2, K, N, M, BR, BN2, True, MASK_K, MASK_N)
+    for t in range(lo, hi):
+      acc, acc2 = _fp8_tgmm_step(acc, acc2, t, start, end, a_ptr, sa_ptr, b_ptr, sb_ptr, offs_k,
+                                 offs_n, offs_n2, K, N, M, BR, BN2, False, MASK_K, MASK_N)
+    if has_tail:
+      acc, acc2 = _fp8_tgmm_step(acc, acc2, hi, start, end, a_ptr, sa_ptr, b_ptr, sb_ptr, offs_k,
+                                 offs_n, offs_n2, K, N, M, BR, BN2, True, MASK_K, MASK_N)
 
+    k_ok = offs_k < K
     o_base = o_ptr + g.to(tl.int64) * (K * N) + offs_k.to(tl.int64)[:, None] * N
     tl.store(o_base + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=k_ok[:, None] & n_ok[None, :])
+             mask=k_ok[:, None] & (offs_n[None, :] < N))
     if BN2 > 0:
       tl.store(o_base + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
-               mask=k_ok[:, None] & n2_ok[None, :])
+               mask=k_ok[:, None] & (offs_n2[None, :] < N))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,14 +238,29 @@ def _tile_width(n: int) -> int:
   return min(128, pow2_at_least(max(n, 16)))
 
 
+# The most shared memory one block may ask on an H100 / H200 (227 KiB).
+SMEM_LIMIT = 232448
+
+
+def shared_memory(cfg: tuning.TileConfig) -> int:
+  """Bytes of shared memory a config may ask, from above: `num_stages` buffers of both operand tiles
+  ((bm + bn) x TILE FP8 bytes each: what Triton allocates for the pipelined loop) plus a float32
+  output tile for the epilogue's layout change. Triton lays that tile over the loop's buffers, dead
+  by then, so a compiled kernel asks about the first term alone."""
+  return cfg.num_stages * (cfg.bm + cfg.bn) * TILE + cfg.bm * cfg.bn * 4
+
+
 def default_config(op: str, kc: int, no: int) -> tuning.TileConfig:
   """The FP8 kernels' tiles, not yet measured: gmm / gmm_t 128 rows x the output's width (up to
-  256), tgmm a 128 x width output tile; the contraction chunk (gmm: bk) and the rows a step
-  (tgmm: bk) are the scale piece, TILE. Shared memory a stage: (bm + bn) x 128 bytes."""
-  if op == "tgmm":
-    return tuning.TileConfig(bm=min(128, pow2_at_least(max(kc, 16))), bn=_tile_width(no),
-                             bk=TILE, num_warps=8, num_stages=3)
+  192: a 256-wide tile's float32 accumulator and partial product spill registers), tgmm a 128 x
+  width output tile, 64 x width above 128 columns (128 x 192 spills); the
+  contraction chunk (gmm: bk) and the rows a step (tgmm: bk) are the scale piece, TILE. Every
+  default stays within SMEM_LIMIT by `shared_memory`."""
   bn = _tile_width(no)
+  if op == "tgmm":
+    bm = min(128 if bn <= 128 else 64, pow2_at_least(max(kc, 16)))
+    return tuning.TileConfig(bm=bm, bn=bn, bk=TILE, num_warps=8, num_stages=3)
+  bn = bn if bn <= 192 else 128
   return tuning.TileConfig(bm=128, bn=bn, bk=TILE, num_warps=8, num_stages=4 if bn <= 128 else 3)
 
 
