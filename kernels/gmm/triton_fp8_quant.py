@@ -1,0 +1,182 @@
+"""One-pass FP8 tile quantisers in Triton (NVIDIA, through jax-triton): the same bits as
+`umoe_jax.ops.fp8.quantize_tiles`, each tile read once, its FP8 values and its scale written by the
+program that read it.
+
+  quantize_rows(x)    x [M, C] -> q [M, C], scale [M, ceil(C/128)]     1 x 128 tiles along C
+  quantize_cols_t(x)  x [M, C] -> qT [C, M], scale [ceil(M/128), C]    128-row tiles of one column,
+                      the FP8 values written transposed: the layout the FP8 weight-gradient kernel
+                      (triton_fp8_gmm's tgmm) reads, so no separate transpose pass follows
+
+x is bfloat16 or float32. A last tile shorter than 128 has its own scale; rows or columns past the
+array read as zeros, as `quantize_tiles` pads. The arithmetic is `umoe_jax.ops.fp8`'s, step for step:
+scale = amax * float32(1/448); inv = 1 / (scale, or 1 where it is 0) rounded once; q = e4m3(clip(x *
+inv, -448, 448)). A tile holding NaN (or +inf and -inf: the reference tests the tile's sum for NaN)
+has a NaN scale and NaN values; one holding infs of one sign an inf scale, its finite values 0
+(x * 0) and its infs NaN (inf * 0).
+
+XLA runs the jnp form as a reduction pass (amax and the NaN test) and a second pass that reads x again;
+these kernels read x once. Launches go through `_launch`, which the CPU tests replace by the Triton
+interpreter.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels import triton_launch
+from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, gpu_available, pow2_at_least
+
+if HAVE_TRITON:
+  import triton
+  import triton.language as tl
+if HAVE_JAX_TRITON:
+  import jax_triton as jt
+
+TILE = 128                       # umoe_jax.ops.fp8.TILE (kernels/ does not import umoe_jax.ops.fp8)
+MAX = 448.0                      # float8_e4m3fn's largest finite value
+DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+# Rows a program of quantize_rows (it loops over the 128-wide tiles of C) and columns a program of
+# quantize_cols_t (one 128-row tile of them): [32, 128] blocks on 4 warps and [128, 64] blocks on 8,
+# at most 80 registers a thread and no spills on sm_90a (bench/kernel_resources.py), so an SM holds
+# 24-32 warps with ~48-64 KB of x in flight: many small programs stream x.
+ROWS_BM, ROWS_WARPS = 32, 4
+COLS_BC, COLS_WARPS = 64, 8
+
+
+if HAVE_TRITON:
+
+  @triton.jit
+  def _amax(x, axis: tl.constexpr):
+    # max |x| along the tile, NaN where the tile's sum is NaN (fp8._amax's test, which also catches
+    # the NaN that a GPU's max.f32 drops): a tile holding NaN, or +inf and -inf together, has a NaN
+    # scale, one holding infs of one sign an inf scale.
+    total = tl.sum(x, axis)
+    return tl.where(total != total, float("nan"), tl.max(tl.abs(x), axis))
+
+  @triton.jit
+  def _quantize(x, amax):
+    """x float32 and its tile's amax (broadcast against x) -> (q float8e4nv, scale float32)."""
+    scale = amax * (1.0 / 448.0)   # a product by float32(1/448), as fp8._scale (not a division)
+    # The reciprocal correctly rounded (div_rn): Triton's `/` on float32 lowers to the approximate
+    # div.full.f32 on NVIDIA, whose result may differ from XLA's in the last bit, and so may q.
+    # Then a product by it, as fp8._to_fp8, not x / scale (which rounds differently).
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(scale == 0, 1.0, scale))
+    # The clip lets NaN through (a plain clamp's min/max would replace it by a bound).
+    y = tl.clamp(x * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return y.to(tl.float8e4nv), scale
+
+  @triton.jit
+  def _rows_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                   CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr):
+    # x [M, C] in 1 x TILE tiles along C -> q [M, C], s [M, CB]; BM rows a program, one tile of each
+    # row a step; the CB scales of a row gathered in registers (CBP = CB rounded up to a power of
+    # two) and stored once at the end, contiguous, instead of a strided 4-byte store a step.
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    base = rows.to(tl.int64)[:, None] * C
+    offs = tl.arange(0, TILE)
+    slots = tl.arange(0, CBP)
+    scales = tl.zeros((BM, CBP), tl.float32)
+    for j in range(CB):
+      cols = j * TILE + offs
+      ok = row_ok[:, None] & (cols < C)[None, :]
+      x = tl.load(x_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+      q, scale = _quantize(x, _amax(x, 1)[:, None])
+      tl.store(q_ptr + base + cols[None, :], q, mask=ok)
+      scales = tl.where(slots[None, :] == j, scale, scales)
+    tl.store(s_ptr + rows.to(tl.int64)[:, None] * CB + slots[None, :], scales,
+             mask=row_ok[:, None] & (slots < CB)[None, :])
+
+  @triton.jit
+  def _cols_t_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                     C_TILES: tl.constexpr, TILE: tl.constexpr):
+    # x [M, C] in TILE-row tiles of one column -> qT [C, M] (q transposed), s [cdiv(M, TILE), C];
+    # a program: one row tile x BC columns, column blocks fastest. x is read along C (coalesced);
+    # the FP8 block is transposed in registers (through shared memory) so that the store runs along
+    # M, consecutive threads writing consecutive rows of one column of qT.
+    t = tl.program_id(0) // C_TILES
+    cols = (tl.program_id(0) % C_TILES) * BC + tl.arange(0, BC)
+    rows = t * TILE + tl.arange(0, TILE)
+    row_ok = rows < M
+    col_ok = cols < C
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    q, scale = _quantize(x, _amax(x, 0)[None, :])
+    tl.store(s_ptr + t.to(tl.int64) * C + cols[None, :], scale, mask=col_ok[None, :])
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q),
+             mask=col_ok[:, None] & row_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch geometry (pure Python: tested on CPU).
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def rows_launch(m: int, c: int) -> dict:
+  """quantize_rows' grid and meta-parameters: one program per ROWS_BM rows."""
+  cb = _cdiv(c, TILE)
+  return dict(grid=(_cdiv(m, ROWS_BM),), M=m, C=c, CB=cb, CBP=pow2_at_least(cb), BM=ROWS_BM,
+              TILE=TILE, num_warps=ROWS_WARPS, num_stages=1)
+
+
+def cols_t_launch(m: int, c: int) -> dict:
+  """quantize_cols_t's grid and meta-parameters: one program per (128-row tile, COLS_BC columns)."""
+  bc = min(COLS_BC, pow2_at_least(c))
+  tiles = _cdiv(c, bc)
+  return dict(grid=(_cdiv(m, TILE) * tiles,), M=m, C=c, BC=bc, C_TILES=tiles, TILE=TILE,
+              num_warps=COLS_WARPS, num_stages=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# JAX entry points.
+
+
+def _check(what: str, x) -> None:
+  if x.ndim != 2 or jnp.dtype(x.dtype) not in INPUT_DTYPES:
+    raise ValueError(f"{what}: x is {jnp.dtype(x.dtype).name}{list(x.shape)}, expected a 2-D "
+                     "[M, C] bfloat16 or float32 array")
+
+
+def _launch(kernel, grid, args, out_shape, **meta):
+  """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
+  return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta,
+                        **triton_launch.launch_kwargs())
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [M, C] bfloat16 / float32 in 1 x 128 tiles along C -> (q [M, C] float8_e4m3fn, scale
+  [M, ceil(C/128)] float32): `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, bit for bit."""
+  _check("triton fp8 quantize_rows", x)
+  m, c = x.shape
+  q_shape = jax.ShapeDtypeStruct((m, c), DTYPE)
+  s_shape = jax.ShapeDtypeStruct((m, _cdiv(c, TILE)), jnp.float32)
+  if m == 0 or c == 0:   # (no program to launch)
+    return jnp.zeros(q_shape.shape, DTYPE), jnp.zeros(s_shape.shape, jnp.float32)
+  launch = rows_launch(m, c)
+  grid = launch.pop("grid")
+  q, scale = _launch(_rows_kernel, grid, (x,), (q_shape, s_shape), **launch)
+  return q, scale
+
+
+def quantize_cols_t(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """x [M, C] bfloat16 / float32 in 128-row tiles of one column -> (qT [C, M] float8_e4m3fn, the
+  quantised values transposed; scale [ceil(M/128), C] float32): with q, scale =
+  `umoe_jax.ops.fp8.quantize_tiles(x, axis=0)`, (q.T, scale) bit for bit."""
+  _check("triton fp8 quantize_cols_t", x)
+  m, c = x.shape
+  q_shape = jax.ShapeDtypeStruct((c, m), DTYPE)
+  s_shape = jax.ShapeDtypeStruct((_cdiv(m, TILE), c), jnp.float32)
+  if m == 0 or c == 0:
+    return jnp.zeros(q_shape.shape, DTYPE), jnp.zeros(s_shape.shape, jnp.float32)
+  launch = cols_t_launch(m, c)
+  grid = launch.pop("grid")
+  q_t, scale = _launch(_cols_t_kernel, grid, (x,), (q_shape, s_shape), **launch)
+  return q_t, scale
+
+
+available = gpu_available

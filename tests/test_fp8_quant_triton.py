@@ -1,0 +1,273 @@
+"""CPU tests of the one-pass FP8 tile quantisers (kernels/gmm/triton_fp8_quant.py): launch geometry and
+bad input; the kernels under the Triton interpreter (TRITON_INTERPRET=1, in a subprocess, every launch
+through `jax.pure_callback` as in tests/test_fp8_triton.py) against `umoe_jax.ops.fp8.quantize_tiles`
+bit for bit, on fresh random bfloat16 and float32 inputs whose magnitudes spread over orders (within a
+tile, and between rows and columns, so every tile has its own scale), row and column counts that are
+and are not multiples of 128, zero, NaN and inf tiles, and values placed where a division instead of
+the reciprocal's product rounds to another FP8 value; and both kernels compiled for sm_90a, whose PTX
+must hold the exact arithmetic the interpreter cannot tell from the approximate one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import run_in_triton_interpreter
+from kernels.gmm import triton_fp8_quant as tq
+from umoe_jax.ops import fp8
+
+F8 = jnp.float8_e4m3fn
+
+
+def test_constants_are_the_quantisers():
+  assert tq.TILE == fp8.TILE == 128 and tq.MAX == fp8.MAX == 448.0
+  assert tq.DTYPE == jnp.dtype(fp8.DTYPE)
+
+
+def test_launch_geometry():
+  rows = tq.rows_launch(200, 1000)   # 7 row blocks (the last of 8 rows); 8 tiles, the last 104 wide
+  assert (rows["grid"], rows["CB"], rows["CBP"], rows["BM"]) == ((7,), 8, 8, tq.ROWS_BM) == ((7,), 8, 8, 32)
+  assert (tq.rows_launch(64, 768)["CB"], tq.rows_launch(64, 768)["CBP"]) == (6, 8)
+  assert (tq.rows_launch(5, 40)["grid"], tq.rows_launch(5, 40)["CB"], tq.rows_launch(5, 40)["CBP"]) == ((1,), 1, 1)
+  cols = tq.cols_t_launch(1000, 144)  # 8 row tiles (the last of 104 rows) x 3 column blocks of 64
+  assert (cols["grid"], cols["BC"], cols["C_TILES"]) == ((8 * 3,), 64, 3)
+  assert (tq.cols_t_launch(128, 40)["grid"], tq.cols_t_launch(128, 40)["BC"]) == ((1,), 64)
+  assert tq.cols_t_launch(129, 16)["BC"] == 16 and tq.cols_t_launch(129, 16)["grid"] == (2,)
+
+
+@pytest.mark.parametrize("fn", [tq.quantize_rows, tq.quantize_cols_t])
+def test_bad_input_is_one_line_naming_the_array(fn):
+  name = fn.__name__
+  for x, shown in ((jnp.ones((2, 3, 4)), r"float32\[2, 3, 4\]"), (jnp.ones((8, 128), jnp.int32), r"int32\[8, 128\]"),
+                   (jnp.ones((8, 128), jnp.float16), r"float16\[8, 128\]"), (jnp.ones((128,)), r"float32\[128\]")):
+    with pytest.raises(ValueError, match=rf"^triton fp8 {name}: x is {shown}, expected a 2-D \[M, C\] "
+                                         r"bfloat16 or float32 array$"):
+      fn(x)
+
+
+def test_empty_arrays_launch_nothing():
+  for shape in ((0, 200), (5, 0)):
+    x = jnp.zeros(shape, jnp.bfloat16)
+    for got, want in ((tq.quantize_rows(x), fp8.quantize_tiles(x, axis=1)),
+                      (tq.quantize_cols_t(x), (fp8.quantize_tiles(x, axis=0)[0].T, fp8.quantize_tiles(x, axis=0)[1]))):
+      assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+
+
+# ----------------------------------------------------------------------------------------------
+# Under the interpreter (a fresh process: TRITON_INTERPRET must be set before Triton is imported).
+
+LAUNCHES = []   # kernel names, in launch order
+CONVERSIONS = []  # float32 -> e4m3 conversions the interpreter made through `_exact_e4m3`
+
+
+def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
+  """`triton_fp8_quant._launch` through the interpreter. The outputs are poisoned first (q with e4m3's
+  NaN code, scales with -1, which no tile has), so an element the kernel never writes fails."""
+  from test_kernels import _NpTensor
+  shapes = tuple(out_shape)
+
+  def host(*arrays):
+    ins = [_NpTensor(np.asarray(a)) for a in arrays]
+    outs = [_NpTensor(np.full(s.shape, 0x7F, np.uint8).view(F8) if s.dtype == F8 else
+                      np.full(s.shape, -1.0, s.dtype)) for s in shapes]
+    kernel[grid](*ins, *outs, **meta)
+    return tuple(o.arr for o in outs)
+
+  LAUNCHES.append(kernel.fn.__name__)
+  return jax.pure_callback(host, shapes, *args)
+
+
+def _exact_e4m3():
+  """The interpreter's float32 -> e4m3 cast, correctly rounded. Its own (`_convert_float`) rounds by
+  adding the first dropped bit (ties away from zero, and a carry out of the mantissa ORed into the
+  exponent), where a GPU's cvt.rn.satfinite.e4m3x2.f32 and XLA round to nearest even: without this
+  the kernels' bits could not be compared with `quantize_tiles`'. Every other cast is left alone."""
+  import triton.language as tl
+  import triton.runtime.interpreter as interp
+  convert = interp._convert_float
+
+  def exact(data, src, dst, rounding_mode):
+    if src == tl.float32 and dst == tl.float8e4nv:
+      CONVERSIONS.append(data.size)
+      return np.asarray(data, np.float32).astype(F8).view(np.uint8)
+    return convert(data, src, dst, rounding_mode)
+  interp._convert_float = exact
+
+
+def _operand(rng, m, c):
+  """float32 [m, c]: normal values times a log-normal magnitude per element (deviation 3: values
+  orders below their tile's amax, down to e4m3's subnormals and zero, both signs), per row and per
+  column (deviation 2: every tile its own scale)."""
+  x = rng.standard_normal((m, c)) * np.exp(3.0 * rng.standard_normal((m, c)))
+  x *= np.exp(2.0 * rng.standard_normal((m, 1))) * np.exp(2.0 * rng.standard_normal((1, c)))
+  return x.astype(np.float32)
+
+
+def _straddlers(rng, n):
+  """n (amax, v) float32 pairs: in a tile whose largest magnitude is amax, v * (1 / scale) and
+  v / scale round to different e4m3 values (v lies within a few float32 steps of a rounding midpoint
+  times the scale)."""
+  f = np.float32
+  grid = np.arange(0, 127, dtype=np.uint8).view(F8).astype(f)    # e4m3's non-negative finite values
+  mids = (grid[1:] + grid[:-1]) / f(2)
+  out = []
+  while len(out) < n:
+    amax = f(np.exp(rng.uniform(-12.0, 12.0)))
+    scale = amax * f(1.0 / fp8.MAX)
+    near = f(mids[rng.integers(len(mids))] * np.float64(scale))
+    vs = [near]
+    for step in (np.inf, 0.0):
+      v = near
+      for _ in range(4):
+        v = np.nextafter(v, f(step))
+        vs.append(v)
+    vs = np.asarray(vs, f)
+    differ = (vs * (f(1) / scale)).astype(F8).view(np.uint8) != (vs / scale).astype(F8).view(np.uint8)
+    out += [(amax, v) for v in vs[differ][:1]]
+  return out
+
+
+def _special(x, rng, straddle):
+  """x [R, T] (tiles along T) with: +inf among finite values (an inf scale), a zero tile, a NaN
+  tile, a tile holding +inf and -inf (a NaN scale: the reference tests the sum), -inf in the last
+  (possibly partial) tile, and with `straddle` one (amax, v) pair of `_straddlers` at the head of a
+  tile of each further row."""
+  r, t = x.shape
+  tiles = -(-t // fp8.TILE)
+  x = x.copy()
+  x[0, 7 % t] = np.inf
+  x[1, :fp8.TILE] = 0.0
+  x[2, min(t - 1, fp8.TILE + 3)] = np.nan
+  x[3, 5 % t], x[3, 9 % t] = np.inf, -np.inf
+  x[4, t - 1] = -np.inf
+  if straddle:
+    for i, (amax, v) in enumerate(_straddlers(rng, min(r - 5, 24))):
+      j = (i % tiles) * fp8.TILE
+      x[5 + i, j:j + fp8.TILE] *= 1e-3 * amax / np.nanmax(np.abs(x[5 + i, j:j + fp8.TILE]))
+      x[5 + i, j], x[5 + i, min(j + 1, t - 1)] = -amax, v
+  return x
+
+
+def _same_bits(got, want, what):
+  """q bits equal (e4m3fn's two NaN codes, 0x7F and 0xFF, as one: XLA's CPU gives inf * 0 a negative
+  NaN, a GPU's conversion a positive one); scales' float32 bits equal, NaN where want is NaN."""
+  (gq, gs), (wq, ws) = got, want
+  assert (gq.shape, gq.dtype, gs.shape, gs.dtype) == (wq.shape, F8, ws.shape, jnp.float32), what
+  gq, wq = (np.asarray(a).view(np.uint8) for a in (gq, wq))
+  nan = (wq & 0x7F) == 0x7F
+  bad = np.argwhere(((gq & 0x7F) == 0x7F) != nan)
+  assert bad.size == 0, (what, "q NaN at other places", bad[:5])
+  bad = np.argwhere((gq != wq) & ~nan)
+  assert bad.size == 0, (what, "q differs", [(tuple(i), gq[tuple(i)], wq[tuple(i)]) for i in bad[:5]])
+  gs, ws = np.asarray(gs), np.asarray(ws)
+  assert np.array_equal(np.isnan(gs), np.isnan(ws)), (what, "scale NaN at other places")
+  bad = np.argwhere((gs.view(np.uint32) != ws.view(np.uint32)) & ~np.isnan(ws))
+  assert bad.size == 0, (what, "scale differs", [(tuple(i), gs[tuple(i)], ws[tuple(i)]) for i in bad[:5]])
+
+
+ROW_CASES = [  # M, C, input dtype: M not a multiple of the row block but in the last; C = 6 tiles,
+    (200, 768, jnp.bfloat16),   # 1 tile + 72, 7 tiles + 104, one tile of 40
+    (144, 200, jnp.float32),
+    (37, 1000, jnp.float32),
+    (64, 40, jnp.bfloat16),
+]
+COL_CASES = [  # M, C, input dtype: M = 7 tiles + 104, 2 tiles, 1 tile + 72, 1 tile + 2; C across
+    (1000, 144, jnp.bfloat16),  # column blocks or inside one
+    (256, 96, jnp.float32),
+    (200, 40, jnp.float32),
+    (130, 200, jnp.bfloat16),
+]
+
+
+def _interpreter_check():
+  from test_kernels import _NP_DTYPES, _NpDtype
+  _NP_DTYPES.setdefault(np.dtype(F8), _NpDtype("float8_e4m3fn"))
+  _NP_DTYPES.setdefault(np.dtype(jnp.bfloat16), _NpDtype("bfloat16"))
+  _exact_e4m3()
+  tq._launch = _interpreter_launch
+  rng = np.random.default_rng(0)
+  for m, c, dtype in ROW_CASES:
+    straddle = dtype == jnp.float32   # (the pairs are float32 values)
+    for special in (False, True):
+      x = _operand(rng, m, c)
+      x = jnp.asarray(_special(x, rng, straddle) if special else x, dtype)
+      n0 = len(LAUNCHES)
+      got = jax.jit(lambda a: tq.quantize_rows(a))(x)   # (a fresh trace: one launch each)
+      assert LAUNCHES[n0:] == ["_rows_kernel"]
+      _same_bits(got, fp8.quantize_tiles(x, axis=1), f"quantize_rows M={m} C={c} {x.dtype} special={special}")
+  for m, c, dtype in COL_CASES:
+    straddle = dtype == jnp.float32
+    for special in (False, True):
+      x = _operand(rng, m, c)
+      x = jnp.asarray(_special(x.T, rng, straddle).T if special else x, dtype)
+      n0 = len(LAUNCHES)
+      got = jax.jit(lambda a: tq.quantize_cols_t(a))(x)
+      assert LAUNCHES[n0:] == ["_cols_t_kernel"]
+      q, scale = fp8.quantize_tiles(x, axis=0)
+      _same_bits(got, (q.T, scale), f"quantize_cols_t M={m} C={c} {x.dtype} special={special}")
+  assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES + COL_CASES) * 2, "casts not seen"
+  print("FP8_QUANT_INTERPRETER_OK")
+
+
+@pytest.mark.extras("triton")
+def test_kernels_in_interpreter_match_quantize_tiles_bit_for_bit():
+  run_in_triton_interpreter("test_fp8_quant_triton", "_interpreter_check", "FP8_QUANT_INTERPRETER_OK",
+                            timeout=300)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled for Hopper (no GPU needed): what the interpreter's numpy arithmetic cannot show.
+
+
+def _compile(kernel, launch, x_type):
+  """(ptxas's resources, PTX) of `kernel` for sm_90a at `launch`, through bench/kernel_resources.py."""
+  import triton
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+  import kernel_resources as kr
+  try:
+    kr._ptxas()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  meta = dict(launch)
+  meta.pop("grid")
+  warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+  compiled = []
+  compile_ = triton.compile
+
+  def keep(*a, **k):
+    compiled.append(compile_(*a, **k))
+    return compiled[-1]
+  triton.compile = keep
+  try:
+    res = kr.compile_resources(kernel, dict(x_ptr=x_type, q_ptr="*fp8e4nv", s_ptr="*fp32"), meta,
+                               num_warps=warps, num_stages=stages)
+  finally:
+    triton.compile = compile_
+  return res, compiled[-1].asm["ptx"]
+
+
+@pytest.mark.extras("triton")
+@pytest.mark.parametrize("x_type", ["*bf16", "*fp32"])
+def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
+  m, c = 491520, 768   # UMoE-base's FFN rows (32768 tokens x top-15) by d_model
+  for name, kernel, launch in (("rows", tq._rows_kernel, tq.rows_launch(m, c)),
+                               ("cols_t", tq._cols_t_kernel, tq.cols_t_launch(m, c))):
+    res, ptx = _compile(kernel, launch, x_type)
+    what = (name, x_type, res)
+    assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, what
+    assert res["registers"] <= 128, what      # >= 16 warps an SM: enough loads in flight
+    # The reciprocal correctly rounded: Triton's `/` would give div.full.f32 (approximate).
+    assert "div.rn.f32" in ptx and not re.search(r"div\.(full|approx)", ptx), what
+    # A NaN-propagating clip (a plain min / max would turn NaN into a bound): min(|y|, 448) with y's
+    # sign, NaN kept.
+    assert re.search(r"min\.NaN\.xorsign\.abs\.f32", ptx) and not re.search(r"\bmin(\.ftz)?\.f32", ptx), what
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, what   # round to nearest even
+    # 16-byte loads and stores, no byte stores: the transposed FP8 store runs along M.
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx), what
+    assert not re.search(r"st\.global(\.\w+)*\.(b8|u8|b16)\b", ptx), what
