@@ -14,6 +14,10 @@ inv, -448, 448)). A tile holding NaN (or +inf and -inf: the reference tests the 
 has a NaN scale and NaN values; one holding infs of one sign an inf scale, its finite values 0
 (x * 0) and its infs NaN (inf * 0).
 
+The bits are those of the correctly rounded reciprocal, which XLA's CPU backend computes; XLA's GPU
+backend by default takes an approximate float32 division, so `quantize_tiles` on a GPU matches these
+kernels only under XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (see `_quantize`).
+
 XLA runs the jnp form as a reduction pass (amax and the NaN test) and a second pass that reads x again;
 these kernels read x once. Launches go through `_launch`, which the CPU tests replace by the Triton
 interpreter.
@@ -59,9 +63,12 @@ if HAVE_TRITON:
   def _quantize(x, amax):
     """x float32 and its tile's amax (broadcast against x) -> (q float8e4nv, scale float32)."""
     scale = amax * (1.0 / 448.0)   # a product by float32(1/448), as fp8._scale (not a division)
-    # The reciprocal correctly rounded (div_rn): Triton's `/` on float32 lowers to the approximate
-    # div.full.f32 on NVIDIA, whose result may differ from XLA's in the last bit, and so may q.
-    # Then a product by it, as fp8._to_fp8, not x / scale (which rounds differently).
+    # The reciprocal correctly rounded (div_rn), as fp8._to_fp8 defines it and XLA's CPU backend
+    # computes it: Triton's `/` on float32 lowers to an approximate division on NVIDIA, off by an
+    # ulp for some scales, and so then is q. (XLA's GPU backend divides approximately as well unless
+    # run with XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2: without it the jnp form on
+    # a GPU differs from this kernel in ~7e-5 of the values, by one e4m3 step.) Then a product by
+    # the reciprocal, not x / scale, which rounds differently.
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(scale == 0, 1.0, scale))
     # The clip lets NaN through (a plain clamp's min/max would replace it by a bound).
     y = tl.clamp(x * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
