@@ -38,14 +38,15 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   fp8 = json.dumps({"backend": "triton", "precision": "fp8"}, sort_keys=True)
   assert got["fwd_tflops", fp8]["value"] == pytest.approx(2000.0)      # 4e12 / 2 ms
   assert got["fwd_bwd_tflops", fp8]["value"] == pytest.approx(2400.0)  # 3 x 4e12 / 5 ms
-  quant = got["ms", json.dumps({"op": "quantize_tiles (activations)", "precision": "fp8"}, sort_keys=True)]
+  quant = got["ms", json.dumps({"op": "quantize_tiles (activations)", "backend": "triton", "precision": "fp8"},
+                               sort_keys=True)]
   assert quant["value"] == 0.25 and quant["config"] == "gmm:base-up"
   # the kernels alone (operands quantised beforehand): forward and weight gradient, 1x the FLOPs
   kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(t, kernel_fwd_ms=1.0,
                                                                        kernel_wgrad_ms=4.0)))
   alone = {r["metric"]: r["value"] for r in kt if r["overrides"].get("operands")}
   assert alone == {"fwd_tflops": pytest.approx(4000.0), "wgrad_tflops": pytest.approx(1000.0)}
-  # Two backends: the quantisation row (XLA's, the same for both) is written once.
+  # Two backends: each its own quantisation row (a backend may have its own quantiser).
   path = str(tmp_path / "rows.jsonl")
   gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0,
                                                 "triton_fwd": 400.0, "triton_fwd_bwd": 380.0,
@@ -54,7 +55,7 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   written = results.load_file(path)
   assert sorted((r["metric"], r["overrides"].get("backend")) for r in written) == [
       ("fwd_bwd_tflops", "triton"), ("fwd_bwd_tflops", "xla"), ("fwd_tflops", "triton"),
-      ("fwd_tflops", "xla"), ("ms", None)]
+      ("fwd_tflops", "xla"), ("ms", "triton"), ("ms", "xla")]
   # each FP8 figure against its backend's bf16 figure of the same run, where that one ran; the
   # kernels alone only where they were timed
   anchors = {(r["metric"], r["overrides"].get("backend")): r["anchor"] for r in written}
@@ -298,5 +299,5 @@ def test_report_keeps_bf16_and_fp8_rows_on_separate_lines():
   lines = [line for line in page.splitlines() if line.startswith("| base-up") or line.startswith("| `umoe_base`")]
   settings = sorted(line.split(" | ")[1] for line in lines)
   assert settings == sorted(["backend=triton", "backend=triton, precision=fp8", "backend=triton, precision=fp8",
-                             "op=quantize_tiles (activations), precision=fp8", "defaults", "precision=fp8",
+                             "backend=triton, op=quantize_tiles (activations), precision=fp8", "defaults", "precision=fp8",
                              "precision=fp8, routing=balanced"])

@@ -399,6 +399,43 @@ def test_fp8_gather_gmm_quantises_the_tokens_before_the_gather(monkeypatch):
   assert shapes == [((n_tok, d), 1)]
 
 
+def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
+  """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
+  of fp8_gmm's three products and the fused dispatch's token rows, each along its product's
+  contraction; its output is what the products take (a quantiser off by one tile's scale moves
+  every product)."""
+  import dataclasses
+  from umoe_jax.ops import dispatch, gmm_backends
+  from umoe_jax.ops.fused_dispatch import gather_gmm
+  calls = []
+
+  def own(a, axis, scale_by=1.0):
+    calls.append((a.shape, axis))
+    q, s = fp8.quantize_tiles(a, axis=axis)
+    return q, s * scale_by
+  xla = gmm_backends.BACKENDS.get("xla")
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
+  rng = np.random.default_rng(12)
+  gs = jnp.asarray([100, 0, 140, 16], jnp.int32)
+  x = jnp.asarray(rng.normal(size=(256, 200)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, 200, 72)) / 14, jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(256, 72)), jnp.float32)
+  y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla"), x, w)
+  dx, dw = pull(dy)
+  assert sorted(calls) == sorted([((256, 200), 1), ((256, 72), 1), ((256, 200), 0), ((256, 72), 0)])
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", xla)
+  y0, pull0 = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla"), x, w)
+  for got, want in zip((y, dx, dw), (y0, *pull0(dy))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  doubled = dataclasses.replace(xla, fp8_quantize=lambda a, axis: own(a, axis, 2.0))
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", doubled)
+  np.testing.assert_allclose(np.asarray(fp8_gmm(x, w, gs, backend="xla")), 2 * np.asarray(y0), rtol=1e-6)
+  calls.clear()
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, 4, (24, 3)), jnp.int32), 4)
+  gather_gmm(x[:24], w, plan, 3, backend="xla", fp8=True)
+  assert calls == [((24, 200), 1)]
+
+
 # ----------------------------------------------------------------------------------------------
 # The model under train.precision=fp8.
 

@@ -211,8 +211,20 @@ def _interpreter_check():
       assert LAUNCHES[n0:] == ["_cols_t_kernel"]
       q, scale = fp8.quantize_tiles(x, axis=0)
       _same_bits(got, (q.T, scale), f"quantize_cols_t M={m} C={c} {x.dtype} special={special}")
+  # the backend's form: along rows it hands back the transposed copy's transpose (XLA folds it into
+  # the weight-gradient kernel's own transpose)
+  m, c, dtype = COL_CASES[0]
+  x = jnp.asarray(_operand(rng, m, c), dtype)
+  for axis in (0, 1):
+    _same_bits(jax.jit(lambda a: tq.QUANTIZE_TILES(a, axis))(x), fp8.quantize_tiles(x, axis=axis),
+               f"QUANTIZE_TILES axis={axis}")
   assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES + COL_CASES) * 2, "casts not seen"
   print("FP8_QUANT_INTERPRETER_OK")
+
+
+def test_the_backends_form_takes_a_2d_axis():
+  with pytest.raises(ValueError, match="axis 2 of a 2-D array"):
+    tq.quantize_tiles(jnp.zeros((4, 4), jnp.float32), 2)
 
 
 @pytest.mark.extras("triton")

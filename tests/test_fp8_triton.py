@@ -18,6 +18,7 @@ import pytest
 
 from conftest import interpreter_loop_bounds, run_in_triton_interpreter
 from kernels.gmm import triton_fp8_gmm as tf
+from kernels.gmm import triton_fp8_quant as tq
 from kernels.gmm import tuning
 from umoe_jax.ops import fp8
 from umoe_jax.ops import gmm_backends as gb
@@ -105,6 +106,7 @@ def test_registered_as_the_triton_backends_fp8_forms():
   gb.register_builtin_kernels()
   triton = gb.BACKENDS.get("triton")
   assert triton.fp8_gmm is tf.triton_fp8_gmm and triton.fp8_tgmm is tf.triton_fp8_tgmm
+  assert triton.fp8_quantize is tq.quantize_tiles
   assert triton.platforms == ("gpu",)
   if jax.devices()[0].platform == "cpu":  # auto keeps the emulation off GPU; triton is GPU-only
     assert fp8_backend("auto") == "xla"

@@ -187,3 +187,18 @@ def quantize_cols_t(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 available = gpu_available
+
+
+def quantize_tiles(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+  """`umoe_jax.ops.fp8.quantize_tiles(x, axis)` for 2-D x, the triton backend's `fp8_quantize`.
+  Along rows (axis 0) the kernel writes the values transposed and this hands back their transpose:
+  the FP8 weight-gradient kernel reads that operand transposed, and XLA folds the two transposes."""
+  if axis not in (0, 1, -1, -2):
+    raise ValueError(f"triton fp8 quantize: axis {axis} of a 2-D array (0 or 1)")
+  if axis % 2 == 1:
+    return quantize_rows(x)
+  q_t, scale = quantize_cols_t(x)
+  return q_t.T, scale
+
+
+QUANTIZE_TILES = quantize_tiles

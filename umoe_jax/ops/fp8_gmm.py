@@ -50,8 +50,15 @@ def fp8_backend(name: str) -> str:
   return name
 
 
+def quantize(backend_name: str, x, axis: int):
+  """`fp8.quantize_tiles(x, axis)` (x [M, C], the same bits) by the backend's one-pass quantiser
+  where it has one."""
+  own = BACKENDS.get(backend_name).fp8_quantize
+  return own(x, axis) if own is not None else fp8.quantize_tiles(x, axis=axis)
+
+
 def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype):
-  """The forward product from already quantised rows (`fp8.quantize_tiles(lhs, axis=1)`): rows may
+  """The forward product from already quantised rows (`quantize(backend_name, lhs, 1)`): rows may
   be quantised before they are gathered into expert order, since their tiles run along the row."""
   return BACKENDS.get(backend_name).fp8_gmm(lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
                                             transpose_rhs=transpose_rhs, out_dtype=out_dtype)
@@ -60,10 +67,10 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
 def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8."""
   backend: GmmBackend = BACKENDS.get(backend_name)
-  dlhs = quantized_gmm(backend_name, *fp8.quantize_tiles(dout, axis=1), rhs, group_sizes,
+  dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, group_sizes,
                        not transpose_rhs, lhs.dtype)
   a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
-  drhs = backend.fp8_tgmm(*fp8.quantize_tiles(a, axis=0), *fp8.quantize_tiles(b, axis=0),
+  drhs = backend.fp8_tgmm(*quantize(backend_name, a, 0), *quantize(backend_name, b, 0),
                           group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
   return dlhs, drhs
 
@@ -73,7 +80,7 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    out = quantized_gmm(backend_name, *fp8.quantize_tiles(lhs, axis=1), rhs, group_sizes,
+    out = quantized_gmm(backend_name, *quantize(backend_name, lhs, 1), rhs, group_sizes,
                         transpose_rhs, out_dtype or lhs.dtype)
     return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 

@@ -28,9 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import epilogue, fp8
+from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine, unpermute
-from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantized_gmm
+from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm
 from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
 from umoe_jax.ops.varying import vary_like, varying_axes
 
@@ -152,7 +152,7 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
-    q, scale = fp8.quantize_tiles(x, axis=1)
+    q, scale = quantize(backend_name, x, 1)
     out = quantized_gmm(backend_name, jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0), rhs,
                         gs, False, x.dtype)
     return vary_like(out, varying_axes(x) | varying_axes(rhs))

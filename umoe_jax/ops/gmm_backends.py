@@ -64,6 +64,8 @@ class GmmBackend:
       train.precision=fp8). `umoe_jax.ops.fp8.emulated_gmm` is the reference and xla's form.
     fp8_tgmm: `(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, out_dtype)`, both
       operands in 128-row tiles of one column (`umoe_jax.ops.fp8.emulated_tgmm`); set with fp8_gmm.
+    fp8_quantize: optional `(x [M, C], axis 0 or 1) -> (q, scale)`, bit for bit
+      `umoe_jax.ops.fp8.quantize_tiles(x, axis)`, in one pass over x (XLA's takes two); None: that.
   """
   gmm: GmmFn
   tgmm: GmmFn
@@ -76,6 +78,7 @@ class GmmBackend:
   gather_sum: Optional[GmmFn] = None
   fp8_gmm: Optional[GmmFn] = None
   fp8_tgmm: Optional[GmmFn] = None
+  fp8_quantize: Optional[Callable] = None
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
@@ -118,13 +121,14 @@ BACKENDS.register("masked")(GmmBackend(
 
 
 # The kernel backends: (module, gmm, tgmm, fan-in module or None, row-index and epilogue extras, FP8
-# module or None: its FP8_GMM / FP8_TGMM are the backend's fp8_gmm / fp8_tgmm).
+# module or None: its FP8_GMM / FP8_TGMM are the backend's fp8_gmm / fp8_tgmm; FP8 quantiser module
+# or None: its QUANTIZE_TILES is the backend's fp8_quantize).
 # auto priority, higher wins: set from the H200 measurements (2026-11-29-h200-fwd_tflops-97a81b91
 # and the gmm rows beside it in bench/results/h200.jsonl); megablox is the one TPU kernel.
 KERNELS = {
     "triton": dict(module="kernels.gmm.triton_gmm", gmm="triton_gmm", tgmm="triton_tgmm", priority=20,
                    fan_in="kernels.gmm.triton_fan_in", row_index=True, activations=True, scaled_row_dot=True,
-                   fp8="kernels.gmm.triton_fp8_gmm"),
+                   fp8="kernels.gmm.triton_fp8_gmm", fp8_quantize="kernels.gmm.triton_fp8_quant"),
     "mosaic": dict(module="kernels.gmm.mosaic_gmm", gmm="mgpu_gmm", tgmm="mgpu_tgmm", priority=10),
     "megablox": dict(module="kernels.gmm.megablox_gmm", gmm="megablox_gmm", tgmm="megablox_tgmm",
                      priority=10),
@@ -133,7 +137,8 @@ AUTO_PRIORITY = {name: spec["priority"] for name, spec in KERNELS.items()}
 
 
 def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int, fan_in=None,
-                     row_index=False, activations=False, scaled_row_dot=False, fp8=None) -> None:
+                     row_index=False, activations=False, scaled_row_dot=False, fp8=None,
+                     fp8_quantize=None) -> None:
   try:
     mod = importlib.import_module(module)
   except Exception as e:  # noqa: BLE001  (never fail on machines without the toolchain)
@@ -145,19 +150,23 @@ def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int,
       gather_sum = importlib.import_module(fan_in).gather_sum
     except Exception as e:  # noqa: BLE001  (the backend still registers; XLA does the fan-ins)
       _log.debug("fan-in kernel %s not loaded: %r", fan_in, e)
-  fp8_forms = (None, None)
-  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_tgmm`)
+  fp8_forms, quantize = (None, None), None
+  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_tgmm` / `fp8_quantize`)
     try:
       fp8_mod = importlib.import_module(fp8)
       fp8_forms = (fp8_mod.FP8_GMM, fp8_mod.FP8_TGMM)
+      if fp8_quantize is not None:
+        quantize = importlib.import_module(fp8_quantize).QUANTIZE_TILES
     except Exception as e:  # noqa: BLE001  (the backend still registers, without FP8 forms)
       _log.debug("FP8 kernel %s not loaded: %r", fp8, e)
+      fp8_forms, quantize = (None, None), None
   BACKENDS.register(name)(GmmBackend(
       gmm=getattr(mod, gmm), tgmm=getattr(mod, tgmm),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))), auto_priority=priority,
       available=mod.available, row_index=row_index,
       fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
-      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_forms[0], fp8_tgmm=fp8_forms[1]))
+      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_forms[0], fp8_tgmm=fp8_forms[1],
+      fp8_quantize=quantize))
 
 
 _KERNELS_LOADED = False
