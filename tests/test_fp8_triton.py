@@ -355,7 +355,16 @@ def _interpreter_check():
     _check_tgmm(rng, m, k, n, gs, tile, special=False)
   _check_tgmm(rng, *TGMM_CASES[0], special=True)
   _check_tgmm(rng, *TGMM_CASES[3], special=True)   # the inf lands in a whole tile of the big group
+  # fp8_gmm's triton backend quantises with its own kernels (kernels/gmm/triton_fp8_quant.py):
+  # through the interpreter too, with its correctly rounded e4m3 cast (test_fp8_quant_triton's)
+  import test_fp8_quant_triton as tqt
+  tqt._exact_e4m3()
+  tq._launch = tqt._interpreter_launch
+  n0 = len(tqt.LAUNCHES)
   _differentiable_check()
+  ran = tqt.LAUNCHES[n0:]
+  # three products (fp8_gmm in both layouts, the dense one): two row-tile and two column-tile operands
+  assert ran.count("_rows_kernel") == 6 and ran.count("_cols_t_kernel") == 6, ran
   print("FP8_TRITON_INTERPRETER_OK")
 
 

@@ -22,10 +22,8 @@ from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend, register_builtin_ker
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 
-# The FP8 forms "auto" may take: those whose GPU tests (tests/gpu/test_fp8_gpu.py) have passed on a
-# GPU. The Triton FP8 kernel has run in the interpreter only, so it is taken when named
-# (model.gmm_backend=triton) and auto keeps the emulation.
-AUTO_FP8 = frozenset({"xla"})
+# The FP8 forms "auto" may take: those whose GPU tests (tests/gpu/test_fp8_gpu.py) pass on a GPU.
+AUTO_FP8 = frozenset({"xla", "triton"})
 
 
 def fp8_backends() -> list[str]:
