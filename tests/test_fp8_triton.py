@@ -10,6 +10,7 @@ gradients against backend="xla". GPU runs: tests/gpu/test_fp8_gpu.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,18 @@ def test_bad_operands_name_the_array():
   aq, as_ = fp8.quantize_tiles(jnp.ones((40, 16)), axis=0)
   with pytest.raises(ValueError, match=r"rhs_scale is float32\[40, 2\], expected float32\[1, 200\]"):
     tf.triton_fp8_tgmm(aq, as_, lq, ls, gs)   # rhs in tiles along its columns, not its rows
+
+
+def test_fp8_backends_lists_the_kernels_in_a_fresh_process():
+  """fp8_backends() registers the kernel backends itself (bench/fp8_dense.py lists its impls with it
+  before anything else has registered them)."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-c", "from umoe_jax.ops.fp8_gmm import fp8_backends; "
+                      "print(sorted(fp8_backends()))"], cwd=root, capture_output=True, text=True,
+                     timeout=120)
+  assert r.stdout.strip() == "['triton', 'xla']", r.stdout + r.stderr[-2000:]
 
 
 def test_registered_as_the_triton_backends_fp8_forms():

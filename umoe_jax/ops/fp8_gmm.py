@@ -27,7 +27,8 @@ AUTO_FP8 = frozenset({"xla", "triton"})
 
 
 def fp8_backends() -> list[str]:
-  """The registered gmm backends that have FP8 forms."""
+  """The gmm backends that have FP8 forms (the kernel backends registered first)."""
+  register_builtin_kernels()
   return [n for n in BACKENDS.names() if BACKENDS.get(n).fp8_gmm is not None]
 
 
