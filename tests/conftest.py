@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 from typing import Any, Mapping
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,6 +150,11 @@ def bf16_round(x) -> np.ndarray:
 
 def positions_for(b: int, t: int) -> jax.Array:
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+# Triton's interpreter keeps a launch's grid in module state, and XLA's CPU runtime may run two
+# independent host callbacks at once: every interpreted launch inside a callback takes this lock.
+INTERPRETER_LOCK = threading.Lock()
 
 
 def interpreter_loop_bounds() -> None:

@@ -164,6 +164,18 @@ def test_fp8_dense_bench_rows_per_impl_with_error_and_flops(tmp_path, capsys):
   assert f"{ratio:.2f}x" in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_fp8_dense_bench_times_each_kernel_at_each_split(capsys):
+  assert fp8_dense.jobs(["bf16", "xla", "triton"], [1, 8]) == [("bf16", 1), ("xla", 1), ("triton", 1),
+                                                                ("triton", 8)]
+  assert fp8_dense.parse_splits("1,8") == [1, 8]
+  for bad in ("0", "1,x", ""):
+    with pytest.raises(ValueError, match="counts >= 1"):
+      fp8_dense.parse_splits(bad)
+  with pytest.raises(SystemExit):
+    fp8_dense.main(["--wgrad_splits=0"])
+  assert "--wgrad_splits='0'" in capsys.readouterr().err
+
+
 def test_fp8_dense_bench_refuses_an_unknown_shape(capsys):
   with pytest.raises(SystemExit):
     fp8_dense.main(["--shapes=base-qk,huge"])

@@ -399,6 +399,57 @@ def test_fp8_gather_gmm_quantises_the_tokens_before_the_gather(monkeypatch):
   assert shapes == [((n_tok, d), 1)]
 
 
+def test_row_blocks_are_whole_scale_tiles():
+  from umoe_jax.ops.fp8_gmm import row_blocks
+  assert row_blocks(jnp.int32(1000), 4).tolist() == [256, 256, 256, 232]
+  assert row_blocks(jnp.int32(300), 4).tolist() == [128, 128, 44, 0]
+  assert row_blocks(jnp.int32(0), 3).tolist() == [0, 0, 0]
+  assert row_blocks(jnp.int32(128), 1).tolist() == [128]
+
+
+def test_one_groups_weight_gradient_over_row_blocks(monkeypatch):
+  """row_splits: the weight gradient of one group as that many row-block groups of the raw tgmm,
+  their float32 partials summed; values, input gradient and weight gradient as without (up to the
+  order of the float32 sums), rows past the group still outside it."""
+  import dataclasses
+  from umoe_jax.ops import gmm_backends
+  rng = np.random.default_rng(13)
+  x = jnp.asarray(rng.normal(size=(700, 200)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(1, 200, 72)) / 14, jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(700, 72)), jnp.float32)
+  gs = jnp.asarray([650], jnp.int32)                      # 50 rows past the group
+  calls = []
+  xla = gmm_backends.BACKENDS.get("xla")
+
+  def tgmm(*args, num_groups, out_dtype):
+    calls.append((np.asarray(args[4]).tolist(), num_groups, jnp.dtype(out_dtype)))
+    return xla.fp8_tgmm(*args, num_groups=num_groups, out_dtype=out_dtype)
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_tgmm=tgmm))
+  outs = {}
+  for splits in (1, 4):
+    y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla", row_splits=splits), x, w)
+    outs[splits] = (y, *pull(dy))
+  assert calls == [([650], 1, jnp.dtype(jnp.float32)), ([256, 256, 138, 0], 4, jnp.dtype(jnp.float32))]
+  np.testing.assert_array_equal(np.asarray(outs[4][0]), np.asarray(outs[1][0]))
+  np.testing.assert_array_equal(np.asarray(outs[4][1]), np.asarray(outs[1][1]))
+  np.testing.assert_allclose(np.asarray(outs[4][2]), np.asarray(outs[1][2]), rtol=1e-5,
+                             atol=1e-5 * float(jnp.max(jnp.abs(outs[1][2]))))
+  assert outs[4][2].shape == w.shape and outs[4][2].dtype == w.dtype
+  with pytest.raises(ValueError, match="row_splits=2: a count >= 1, above 1 only for one group"):
+    fp8_gmm(x, jnp.concatenate([w, w]), jnp.asarray([300, 300]), backend="xla", row_splits=2)
+
+
+def test_fp8_dense_hands_its_weight_gradient_splits_to_fp8_gmm(monkeypatch):
+  from umoe_jax.model import layers
+  seen = []
+  monkeypatch.setattr(layers, "fp8_gmm", lambda rows, w, gs, backend, row_splits: (
+      seen.append((rows.shape, backend, row_splits)), rows @ w[0])[1])
+  x, w = jnp.ones((2, 5, 8)), jnp.ones((8, 3))
+  assert layers.fp8_dense(x, w, "triton", wgrad_splits=6).shape == (2, 5, 3)
+  layers.fp8_dense(x, w, "triton")
+  assert seen == [((10, 8), "triton", 6), ((10, 8), "triton", layers.DENSE_WGRAD_SPLITS)]
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
   of fp8_gmm's three products and the fused dispatch's token rows, each along its product's

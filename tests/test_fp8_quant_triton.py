@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_in_triton_interpreter
+from conftest import INTERPRETER_LOCK, run_in_triton_interpreter
 from kernels.gmm import triton_fp8_quant as tq
 from umoe_jax.ops import fp8
 
@@ -76,7 +76,8 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
     ins = [_NpTensor(np.asarray(a)) for a in arrays]
     outs = [_NpTensor(np.full(s.shape, 0x7F, np.uint8).view(F8) if s.dtype == F8 else
                       np.full(s.shape, -1.0, s.dtype)) for s in shapes]
-    kernel[grid](*ins, *outs, **meta)
+    with INTERPRETER_LOCK:
+      kernel[grid](*ins, *outs, **meta)
     return tuple(o.arr for o in outs)
 
   LAUNCHES.append(kernel.fn.__name__)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import interpreter_loop_bounds, run_in_triton_interpreter
+from conftest import INTERPRETER_LOCK, interpreter_loop_bounds, run_in_triton_interpreter
 from kernels.gmm import triton_fp8_gmm as tf
 from kernels.gmm import triton_fp8_quant as tq
 from kernels.gmm import tuning
@@ -141,7 +141,8 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
   def host(*arrays):
     ins = [_NpTensor(np.asarray(a)) for a in arrays]
     out = _NpTensor(np.full(out_shape.shape, np.nan, out_shape.dtype))
-    kernel[grid](*ins, out, **meta)
+    with INTERPRETER_LOCK:
+      kernel[grid](*ins, out, **meta)
     return out.arr
 
   LAUNCHES.append(kernel.fn.__name__)
@@ -339,16 +340,22 @@ def _differentiable_check():
   x = jnp.asarray(_operand(rng, (3, 70, k), (1, 2)))     # 210 rows: not a multiple of the row tile
   w = jnp.asarray(_operand(rng, (k, n), (0, 1)))
   cot = jnp.asarray(_operand(rng, (3, 70, n), (1,)))
-  dense = lambda impl: jax.jit(jax.value_and_grad(
-      lambda a, b: jnp.sum(fp8_dense(a, b, impl).astype(jnp.float32) * cot), argnums=(0, 1)))(x, w)
-  n0 = len(LAUNCHES)
-  (v, (dx, dw)), (wv, (wdx, wdw)) = dense("triton"), dense("emulate")
-  assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
-  np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8_dense")
-  for name, a, b in (("dx", dx, wdx), ("dw", dw, wdw)):
-    assert a.shape == b.shape and a.dtype == b.dtype, name
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
-                               atol=1e-5 * np.max(np.abs(np.asarray(b))), err_msg=f"fp8_dense {name}")
+  dense = lambda impl, splits=1: jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(fp8_dense(a, b, impl, wgrad_splits=splits).astype(jnp.float32) * cot),
+      argnums=(0, 1)))(x, w)
+  wv, (wdx, wdw) = dense("emulate")
+  # the weight gradient in one group, and over row blocks (210 rows: two blocks of 128 and 82, one
+  # empty), summed
+  for splits in (1, 3):
+    n0 = len(LAUNCHES)
+    v, (dx, dw) = dense("triton", splits)
+    assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
+    np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8_dense")
+    for name, a, b in (("dx", dx, wdx), ("dw", dw, wdw)):
+      assert a.shape == b.shape and a.dtype == b.dtype, name
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                 atol=1e-5 * np.max(np.abs(np.asarray(b))),
+                                 err_msg=f"fp8_dense {name} wgrad_splits={splits}")
 
 
 def _interpreter_check():
@@ -376,8 +383,9 @@ def _interpreter_check():
   n0 = len(tqt.LAUNCHES)
   _differentiable_check()
   ran = tqt.LAUNCHES[n0:]
-  # three products (fp8_gmm in both layouts, the dense one): two row-tile and two column-tile operands
-  assert ran.count("_rows_kernel") == 6 and ran.count("_cols_t_kernel") == 6, ran
+  # four products (fp8_gmm in both layouts, the dense one twice): two row-tile and two column-tile
+  # operands each
+  assert ran.count("_rows_kernel") == 8 and ran.count("_cols_t_kernel") == 8, ran
   print("FP8_TRITON_INTERPRETER_OK")
 
 

@@ -63,19 +63,36 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
                                             transpose_rhs=transpose_rhs, out_dtype=out_dtype)
 
 
-def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout):
-  """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8."""
+def row_blocks(rows, splits: int):
+  """Sizes [splits] int32 of `rows` (a traced count) cut into `splits` consecutive blocks of whole
+  128-row scale tiles (the last block takes the remainder; trailing blocks may be empty)."""
+  tiles = -(-rows // (splits * fp8.TILE))
+  starts = jnp.arange(splits, dtype=jnp.int32) * tiles * fp8.TILE
+  return jnp.clip(rows - starts, 0, tiles * fp8.TILE).astype(jnp.int32)
+
+
+def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, row_splits: int = 1):
+  """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8.
+  `row_splits` > 1 (one group only) computes the weight gradient over that many row blocks, as
+  that many groups, and sums their float32 partials: a kernel that gives each group its own
+  programs has rows / 128 steps in each of K/bm x N/bn programs for one group, too few to fill a GPU."""
   backend: GmmBackend = BACKENDS.get(backend_name)
   dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, group_sizes,
                        not transpose_rhs, lhs.dtype)
   a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
-  drhs = backend.fp8_tgmm(*quantize(backend_name, a, 0), *quantize(backend_name, b, 0),
-                          group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
+  operands = (*quantize(backend_name, a, 0), *quantize(backend_name, b, 0))
+  if row_splits > 1:
+    if rhs.shape[0] != 1:
+      raise ValueError(f"fp8_gmm: row_splits={row_splits} needs one group, got {rhs.shape[0]}")
+    parts = backend.fp8_tgmm(*operands, row_blocks(group_sizes[0], row_splits), num_groups=row_splits,
+                             out_dtype=jnp.float32)
+    return dlhs, jnp.sum(parts, axis=0, keepdims=True).astype(rhs.dtype)
+  drhs = backend.fp8_tgmm(*operands, group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
   return dlhs, drhs
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
+def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype, row_splits: int):
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
@@ -88,7 +105,7 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   def bwd(res, dout):
     lhs, rhs, group_sizes = res
-    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout)
+    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout, row_splits)
     # Kernels called through custom calls drop shard_map's varying-axes type; restore it (as gmm).
     return vary_like(dlhs, varying_axes(lhs)), vary_like(drhs, varying_axes(rhs)), None
 
@@ -97,9 +114,14 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
 
 def fp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
-            transpose_rhs: bool = False, preferred_element_type=None) -> jax.Array:
+            transpose_rhs: bool = False, preferred_element_type=None, row_splits: int = 1) -> jax.Array:
   """`gmm(lhs, rhs, group_sizes)` (same shapes and arguments) with FP8 operands in all three
-  products; float32 accumulation; output in `preferred_element_type` (default lhs.dtype)."""
+  products; float32 accumulation; output in `preferred_element_type` (default lhs.dtype).
+  `row_splits`: one group's weight gradient over that many row blocks (`gradients`)."""
   name = fp8_backend(backend)
+  if row_splits < 1 or (row_splits > 1 and rhs.shape[0] != 1):
+    raise ValueError(f"fp8_gmm: row_splits={row_splits}: a count >= 1, above 1 only for one group "
+                     f"(rhs has {rhs.shape[0]})")
   out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else None
-  return _differentiable(name, transpose_rhs, out_dtype)(lhs, rhs, group_sizes.astype(jnp.int32))
+  return _differentiable(name, transpose_rhs, out_dtype, int(row_splits))(
+      lhs, rhs, group_sizes.astype(jnp.int32))
