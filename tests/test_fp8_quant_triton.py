@@ -4,8 +4,11 @@ through `jax.pure_callback` as in tests/test_fp8_triton.py) against `umoe_jax.op
 bit for bit, on fresh random bfloat16 and float32 inputs whose magnitudes spread over orders (within a
 tile, and between rows and columns, so every tile has its own scale), row and column counts that are
 and are not multiples of 128, zero, NaN and inf tiles, and values placed where a division instead of
-the reciprocal's product rounds to another FP8 value; and both kernels compiled for sm_90a, whose PTX
-must hold the exact arithmetic the interpreter cannot tell from the approximate one.
+the reciprocal's product rounds to another FP8 value; with a row index, against `quantize_tiles` of
+`jnp.take(x, index, axis=0)` (dispatch-like indices: every source row used 0 to 3 times in random
+order; zero, NaN and inf rows; indices from the end and out of range); and all four kernels compiled
+for sm_90a, whose PTX must hold the exact arithmetic the interpreter cannot tell from the approximate
+one.
 """
 from __future__ import annotations
 
@@ -39,6 +42,10 @@ def test_launch_geometry():
   assert (cols["grid"], cols["BC"], cols["C_TILES"]) == ((8 * 3,), 64, 3)
   assert (tq.cols_t_launch(128, 40)["grid"], tq.cols_t_launch(128, 40)["BC"]) == ((1,), 64)
   assert tq.cols_t_launch(129, 16)["BC"] == 16 and tq.cols_t_launch(129, 16)["grid"] == (2,)
+  # with an index: the gathered rows' geometry, plus the source's row count (none without one)
+  assert "N" not in rows and "N" not in cols
+  assert tq.rows_launch(200, 1000, 77) == dict(tq.rows_launch(200, 1000), N=77)
+  assert tq.cols_t_launch(1000, 144, 300) == dict(tq.cols_t_launch(1000, 144), N=300)
 
 
 @pytest.mark.parametrize("fn", [tq.quantize_rows, tq.quantize_cols_t])
@@ -51,11 +58,34 @@ def test_bad_input_is_one_line_naming_the_array(fn):
       fn(x)
 
 
+@pytest.mark.parametrize("fn", [tq.quantize_rows, tq.quantize_cols_t])
+def test_bad_index_is_one_line_naming_it(fn):
+  name, x = fn.__name__, jnp.ones((8, 128), jnp.bfloat16)
+  for index, shown in ((np.arange(4, dtype=np.int64), r"int64\[4\]"), (jnp.zeros((2, 3), jnp.int32), r"int32\[2, 3\]"),
+                       (jnp.zeros(4), r"float32\[4\]"), (jnp.int32(3), r"int32\[\]"), ([0, 1], "a list")):
+    with pytest.raises(ValueError, match=rf"^triton fp8 {name}: index is {shown}, expected a 1-D int32 array "
+                                         r"of rows of x$"):
+      fn(x, index)
+  with pytest.raises(ValueError, match=rf"^triton fp8 {name}: index takes 3 rows of an x with none "
+                                       r"\(float32\[0, 16\]\)$"):
+    fn(jnp.zeros((0, 16)), jnp.zeros(3, jnp.int32))
+  with pytest.raises(ValueError, match=rf"^triton fp8 {name}: index is int64\[2\]"):
+    tq.QUANTIZE_TILES(x, 1 if name == "quantize_rows" else 0, np.zeros(2, np.int64))
+
+
 def test_empty_arrays_launch_nothing():
   for shape in ((0, 200), (5, 0)):
     x = jnp.zeros(shape, jnp.bfloat16)
     for got, want in ((tq.quantize_rows(x), fp8.quantize_tiles(x, axis=1)),
                       (tq.quantize_cols_t(x), (fp8.quantize_tiles(x, axis=0)[0].T, fp8.quantize_tiles(x, axis=0)[1]))):
+      assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+  # an empty index (of any x) or an x without columns: the gathered copy's empty results
+  for shape, m in (((6, 200), 0), ((0, 200), 0), ((6, 0), 4)):
+    x, index = jnp.zeros(shape, jnp.float32), jnp.zeros(m, jnp.int32)
+    taken = jnp.take(x, index, axis=0)
+    for got, want in ((tq.quantize_rows(x, index), fp8.quantize_tiles(taken, axis=1)),
+                      (tq.quantize_cols_t(x, index), (fp8.quantize_tiles(taken, axis=0)[0].T,
+                                                      fp8.quantize_tiles(taken, axis=0)[1]))):
       assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
 
 
@@ -186,6 +216,74 @@ COL_CASES = [  # M, C, input dtype: M = 7 tiles + 104, 2 tiles, 1 tile + 72, 1 t
 ]
 
 
+# With an index: N source rows, C, input dtype; whether the index also holds entries from the end and
+# out of range. M (about 1.5 N) is not a multiple of the row block or of 128 (`_gather_check` asserts
+# it); rows: C 2 tiles + 44 or 6 tiles; columns: C across column blocks or inside one.
+ROW_GATHER_CASES = [(90, 300, jnp.bfloat16, False), (70, 768, jnp.float32, True)]
+COL_GATHER_CASES = [(200, 144, jnp.bfloat16, True), (110, 40, jnp.float32, False)]
+
+
+def _dispatch_index(rng, n, outside):
+  """int32 [M]: each of the n source rows 0 to 3 times (rows 0-4, `_special_rows`' rows, at least
+  once), in random order, as a top-k dispatch orders tokens by expert; rows 3 and 4 (+inf and -inf
+  in one column) next to each other, in one column tile. With `outside`, also entries counting from
+  the end (-1, -n) and out of range (n, int32's extremes), which jnp.take fills with NaN rows, all
+  among the first 128 (one column tile NaN throughout, the others finite)."""
+  counts = rng.integers(0, 4, n)
+  counts[:5] = np.maximum(counts[:5], 1)
+  index = rng.permutation(np.repeat(np.arange(n), counts))
+  at = int(rng.integers(0, len(index) - 1)) // 2 * 2
+  index = np.concatenate([index[:at], [3, 4], index[at:]])
+  if outside:
+    info = np.iinfo(np.int32)
+    for v in (-1, -n, n, info.min, info.max):
+      index = np.insert(index, int(rng.integers(0, min(len(index), 128))), v)
+  return index.astype(np.int32)
+
+
+def _special_rows(x):
+  """x [N, C] with: row 0 zero (zero 1 x 128 tiles), column 1 zero (zero 128-row tiles), a NaN in
+  row 1, +inf in row 2, +inf and -inf in row 3 (one 1 x 128 tile), -inf in row 4 under row 3's
+  +inf (a column tile holding rows 3 and 4 has a NaN scale, one holding only one of them an inf
+  scale)."""
+  x = x.copy()
+  c = x.shape[1]
+  x[0] = 0.0
+  x[:, 1 % c] = 0.0
+  x[1, 5 % c] = np.nan
+  x[2, c - 1] = np.inf
+  x[3, 2 % c], x[3, 3 % c] = np.inf, -np.inf
+  x[4, 2 % c] = -np.inf
+  return x
+
+
+def _gather_check(rng):
+  """Both kernels with an index against `quantize_tiles` of the gathered copy, and the backend's
+  form with one."""
+  cases = [(tq.quantize_rows, "_rows_gather_kernel", 1, tq.ROWS_BM, case) for case in ROW_GATHER_CASES]
+  cases += [(tq.quantize_cols_t, "_cols_t_gather_kernel", 0, fp8.TILE, case) for case in COL_GATHER_CASES]
+  for fn, kernel, axis, block, (n, c, dtype, outside) in cases:
+    x = jnp.asarray(_special_rows(_operand(rng, n, c)), dtype)
+    index = _dispatch_index(rng, n, outside)
+    assert len(index) % block and len(index) > block, (kernel, len(index))
+    n0 = len(LAUNCHES)
+    got = jax.jit(fn)(x, jnp.asarray(index))
+    assert LAUNCHES[n0:] == [kernel]
+    q, scale = fp8.quantize_tiles(jnp.take(x, jnp.asarray(index), axis=0), axis=axis)
+    # the cases reach what they are for: zero, inf and NaN scales (and NaN rows where out of range)
+    assert (scale == 0).any() and np.isinf(scale).any() and np.isnan(scale).any(), kernel
+    if outside:
+      assert np.isnan(np.asarray(jnp.take(x, jnp.asarray(index), axis=0), np.float32)).all(1).sum() == 3
+    _same_bits(got, (q.T, scale) if axis == 0 else (q, scale),
+               f"{fn.__name__} index N={n} M={len(index)} C={c} {x.dtype} outside={outside}")
+  n, c, dtype, _ = COL_GATHER_CASES[0]
+  x = jnp.asarray(_operand(rng, n, c), dtype)
+  index = jnp.asarray(_dispatch_index(rng, n, True))
+  for axis in (0, 1):
+    _same_bits(jax.jit(lambda a, i: tq.QUANTIZE_TILES(a, axis, i))(x, index),
+               fp8.quantize_tiles(jnp.take(x, index, axis=0), axis=axis), f"QUANTIZE_TILES axis={axis} index")
+
+
 def _interpreter_check():
   from test_kernels import _NP_DTYPES, _NpDtype
   _NP_DTYPES.setdefault(np.dtype(F8), _NpDtype("float8_e4m3fn"))
@@ -220,6 +318,7 @@ def _interpreter_check():
     _same_bits(jax.jit(lambda a: tq.QUANTIZE_TILES(a, axis))(x), fp8.quantize_tiles(x, axis=axis),
                f"QUANTIZE_TILES axis={axis}")
   assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES + COL_CASES) * 2, "casts not seen"
+  _gather_check(rng)
   print("FP8_QUANT_INTERPRETER_OK")
 
 
@@ -238,7 +337,7 @@ def test_kernels_in_interpreter_match_quantize_tiles_bit_for_bit():
 # Compiled for Hopper (no GPU needed): what the interpreter's numpy arithmetic cannot show.
 
 
-def _compile(kernel, launch, x_type):
+def _compile(kernel, launch, x_type, index=False):
   """(ptxas's resources, PTX) of `kernel` for sm_90a at `launch`, through bench/kernel_resources.py."""
   import triton
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -258,7 +357,8 @@ def _compile(kernel, launch, x_type):
     return compiled[-1]
   triton.compile = keep
   try:
-    res = kr.compile_resources(kernel, dict(x_ptr=x_type, q_ptr="*fp8e4nv", s_ptr="*fp32"), meta,
+    res = kr.compile_resources(kernel, dict(x_ptr=x_type, q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                            **(dict(idx_ptr="*i32") if index else {})), meta,
                                num_warps=warps, num_stages=stages)
   finally:
     triton.compile = compile_
@@ -268,10 +368,13 @@ def _compile(kernel, launch, x_type):
 @pytest.mark.extras("triton")
 @pytest.mark.parametrize("x_type", ["*bf16", "*fp32"])
 def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
-  m, c = 491520, 768   # UMoE-base's FFN rows (32768 tokens x top-15) by d_model
+  n, m, c = 32768, 491520, 768   # UMoE-base's FFN rows (32768 tokens x top-15) by d_model
+  wide = {}   # 16-byte loads, by kernel
   for name, kernel, launch in (("rows", tq._rows_kernel, tq.rows_launch(m, c)),
-                               ("cols_t", tq._cols_t_kernel, tq.cols_t_launch(m, c))):
-    res, ptx = _compile(kernel, launch, x_type)
+                               ("cols_t", tq._cols_t_kernel, tq.cols_t_launch(m, c)),
+                               ("rows index", tq._rows_gather_kernel, tq.rows_launch(m, c, n)),
+                               ("cols_t index", tq._cols_t_gather_kernel, tq.cols_t_launch(m, c, n))):
+    res, ptx = _compile(kernel, launch, x_type, index="index" in name)
     what = (name, x_type, res)
     assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, what
     assert res["registers"] <= 128, what      # >= 16 warps an SM: enough loads in flight
@@ -284,3 +387,12 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
     # 16-byte loads and stores, no byte stores: the transposed FP8 store runs along M.
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx), what
     assert not re.search(r"st\.global(\.\w+)*\.(b8|u8|b16)\b", ptx), what
+    # With an index x's loads stay 16-byte (a row's values contiguous whichever row it is): as many
+    # as without one; the only others the index's 4-byte loads.
+    loads = ["v4.b32" if op.endswith(".v4.b32") else op.split(".")[-1]
+             for op in re.findall(r"\bld\.global[\w.]*", ptx)]
+    wide[name] = loads.count("v4.b32")
+    if "index" in name:
+      assert wide[name] == wide[name.split()[0]] and set(loads) == {"v4.b32", "b32"}, (what, loads)
+    else:
+      assert set(loads) == {"v4.b32"}, (what, loads)

@@ -7,6 +7,13 @@ program that read it.
                       the FP8 values written transposed: the layout the FP8 weight-gradient kernel
                       (triton_fp8_gmm's tgmm) reads, so no separate transpose pass follows
 
+Both take an optional row index: `quantize_rows(x, index)` with x [N, C] and index int32 [M] is
+`quantize_rows(jnp.take(x, index, axis=0))` bit for bit (and so for `quantize_cols_t`, its tiles
+those of the gathered order), output row r reading row index[r] of x: tokens quantised straight into
+expert order, without the [M, C] gathered copy that would be read once more right after. Indices
+are jnp.take's (default mode): a negative one counts from the end, one outside [-N, N) gives a NaN
+row; no index makes a kernel read outside x.
+
 x is bfloat16 or float32. A last tile shorter than 128 has its own scale; rows or columns past the
 array read as zeros, as `quantize_tiles` pads. The arithmetic is `umoe_jax.ops.fp8`'s, step for step:
 scale = amax * float32(1/448); inv = 1 / (scale, or 1 where it is 0) rounded once; q = e4m3(clip(x *
@@ -19,8 +26,8 @@ backend by default takes an approximate float32 division, so `quantize_tiles` on
 kernels only under XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (see `_quantize`).
 
 XLA runs the jnp form as a reduction pass (amax and the NaN test) and a second pass that reads x again;
-these kernels read x once. Launches go through `_launch`, which the CPU tests replace by the Triton
-interpreter.
+these kernels read x once (with an index, the rows it names). Launches go through `_launch`, which
+the CPU tests replace by the Triton interpreter.
 """
 from __future__ import annotations
 
@@ -75,21 +82,40 @@ if HAVE_TRITON:
     return y.to(tl.float8e4nv), scale
 
   @triton.jit
-  def _rows_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
-                   CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr):
-    # x [M, C] in 1 x TILE tiles along C -> q [M, C], s [M, CB]; BM rows a program, one tile of each
-    # row a step; the CB scales of a row gathered in registers (CBP = CB rounded up to a power of
-    # two) and stored once at the end, contiguous, instead of a strided 4-byte store a step.
+  def _source_rows(idx_ptr, rows, row_ok, N: tl.constexpr):
+    # The rows of x that output rows `rows` read, as jnp.take's default mode picks them: index[r]
+    # from the end where it is negative; one outside [-N, N) gives a NaN row, flagged `bad` (its
+    # load reads row 0, so no index makes the kernel read outside x).
+    src = tl.load(idx_ptr + rows, mask=row_ok, other=0)
+    src = tl.where(src < 0, src + N, src)
+    bad = (src < 0) | (src >= N)
+    return tl.where(bad, 0, src).to(tl.int64), bad
+
+  @triton.jit
+  def _rows(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
+            CB: tl.constexpr, CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr,
+            GATHER: tl.constexpr):
+    # x [M, C] (with GATHER: x [N, C] read at rows index[0:M]) in 1 x TILE tiles along C -> q [M, C],
+    # s [M, CB]; BM rows a program, one tile of each row a step; the CB scales of a row gathered in
+    # registers (CBP = CB rounded up to a power of two) and stored once at the end, contiguous,
+    # instead of a strided 4-byte store a step.
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     base = rows.to(tl.int64)[:, None] * C
+    if GATHER:
+      src, bad = _source_rows(idx_ptr, rows, row_ok, N)
+      x_base = src[:, None] * C
+    else:
+      x_base = base
     offs = tl.arange(0, TILE)
     slots = tl.arange(0, CBP)
     scales = tl.zeros((BM, CBP), tl.float32)
     for j in range(CB):
       cols = j * TILE + offs
       ok = row_ok[:, None] & (cols < C)[None, :]
-      x = tl.load(x_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+      x = tl.load(x_ptr + x_base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+      if GATHER:
+        x = tl.where(bad[:, None], float("nan"), x)
       q, scale = _quantize(x, _amax(x, 1)[:, None])
       tl.store(q_ptr + base + cols[None, :], q, mask=ok)
       scales = tl.where(slots[None, :] == j, scale, scales)
@@ -97,23 +123,53 @@ if HAVE_TRITON:
              mask=row_ok[:, None] & (slots < CB)[None, :])
 
   @triton.jit
-  def _cols_t_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                     C_TILES: tl.constexpr, TILE: tl.constexpr):
-    # x [M, C] in TILE-row tiles of one column -> qT [C, M] (q transposed), s [cdiv(M, TILE), C];
-    # a program: one row tile x BC columns, column blocks fastest. x is read along C (coalesced);
-    # the FP8 block is transposed in registers (through shared memory) so that the store runs along
-    # M, consecutive threads writing consecutive rows of one column of qT.
+  def _rows_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                   CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr):
+    _rows(x_ptr, x_ptr, q_ptr, s_ptr, 0, M, C, CB, CBP, BM, TILE, False)
+
+  @triton.jit
+  def _rows_gather_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr,
+                          C: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr, BM: tl.constexpr,
+                          TILE: tl.constexpr):
+    _rows(x_ptr, idx_ptr, q_ptr, s_ptr, N, M, C, CB, CBP, BM, TILE, True)
+
+  @triton.jit
+  def _cols_t(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
+              BC: tl.constexpr, C_TILES: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr):
+    # x [M, C] (with GATHER: x [N, C] read at rows index[0:M], the tiles those of the gathered order)
+    # in TILE-row tiles of one column -> qT [C, M] (q transposed), s [cdiv(M, TILE), C]; a program:
+    # one row tile x BC columns, column blocks fastest. x is read along C (coalesced, a row's BC
+    # values contiguous whichever row the index names); the FP8 block is transposed in registers
+    # (through shared memory) so that the store runs along M, consecutive threads writing
+    # consecutive rows of one column of qT.
     t = tl.program_id(0) // C_TILES
     cols = (tl.program_id(0) % C_TILES) * BC + tl.arange(0, BC)
     rows = t * TILE + tl.arange(0, TILE)
     row_ok = rows < M
     col_ok = cols < C
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
+    if GATHER:
+      src, bad = _source_rows(idx_ptr, rows, row_ok, N)
+    else:
+      src = rows.to(tl.int64)
+    x = tl.load(x_ptr + src[:, None] * C + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if GATHER:
+      x = tl.where(bad[:, None], float("nan"), x)
     q, scale = _quantize(x, _amax(x, 0)[None, :])
     tl.store(s_ptr + t.to(tl.int64) * C + cols[None, :], scale, mask=col_ok[None, :])
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q),
              mask=col_ok[:, None] & row_ok[None, :])
+
+  @triton.jit
+  def _cols_t_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                     C_TILES: tl.constexpr, TILE: tl.constexpr):
+    _cols_t(x_ptr, x_ptr, q_ptr, s_ptr, 0, M, C, BC, C_TILES, TILE, False)
+
+  @triton.jit
+  def _cols_t_gather_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr,
+                            C: tl.constexpr, BC: tl.constexpr, C_TILES: tl.constexpr,
+                            TILE: tl.constexpr):
+    _cols_t(x_ptr, idx_ptr, q_ptr, s_ptr, N, M, C, BC, C_TILES, TILE, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,29 +180,45 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def rows_launch(m: int, c: int) -> dict:
-  """quantize_rows' grid and meta-parameters: one program per ROWS_BM rows."""
+def rows_launch(m: int, c: int, n: int | None = None) -> dict:
+  """quantize_rows' grid and meta-parameters: one program per ROWS_BM rows; with `n` (the rows of
+  x an index gathers from) those of the gathering kernel."""
   cb = _cdiv(c, TILE)
-  return dict(grid=(_cdiv(m, ROWS_BM),), M=m, C=c, CB=cb, CBP=pow2_at_least(cb), BM=ROWS_BM,
-              TILE=TILE, num_warps=ROWS_WARPS, num_stages=1)
+  launch = dict(grid=(_cdiv(m, ROWS_BM),), M=m, C=c, CB=cb, CBP=pow2_at_least(cb), BM=ROWS_BM,
+                TILE=TILE, num_warps=ROWS_WARPS, num_stages=1)
+  return launch if n is None else dict(launch, N=n)
 
 
-def cols_t_launch(m: int, c: int) -> dict:
-  """quantize_cols_t's grid and meta-parameters: one program per (128-row tile, COLS_BC columns)."""
+def cols_t_launch(m: int, c: int, n: int | None = None) -> dict:
+  """quantize_cols_t's grid and meta-parameters: one program per (128-row tile, COLS_BC columns);
+  with `n` (the rows of x an index gathers from) those of the gathering kernel."""
   bc = min(COLS_BC, pow2_at_least(c))
   tiles = _cdiv(c, bc)
-  return dict(grid=(_cdiv(m, TILE) * tiles,), M=m, C=c, BC=bc, C_TILES=tiles, TILE=TILE,
-              num_warps=COLS_WARPS, num_stages=1)
+  launch = dict(grid=(_cdiv(m, TILE) * tiles,), M=m, C=c, BC=bc, C_TILES=tiles, TILE=TILE,
+                num_warps=COLS_WARPS, num_stages=1)
+  return launch if n is None else dict(launch, N=n)
 
 
 # ----------------------------------------------------------------------------------------------
 # JAX entry points.
 
 
-def _check(what: str, x) -> None:
+def _check(what: str, x, index) -> int:
+  """Raises a one-line ValueError for a bad x or index; returns the result's row count M."""
   if x.ndim != 2 or jnp.dtype(x.dtype) not in INPUT_DTYPES:
     raise ValueError(f"{what}: x is {jnp.dtype(x.dtype).name}{list(x.shape)}, expected a 2-D "
                      "[M, C] bfloat16 or float32 array")
+  if index is None:
+    return x.shape[0]
+  if not (hasattr(index, "shape") and hasattr(index, "dtype")) or len(index.shape) != 1 or \
+      jnp.dtype(index.dtype) != jnp.int32:
+    shown = (f"{jnp.dtype(index.dtype).name}{list(index.shape)}" if hasattr(index, "dtype") and
+             hasattr(index, "shape") else f"a {type(index).__name__}")
+    raise ValueError(f"{what}: index is {shown}, expected a 1-D int32 array of rows of x")
+  if x.shape[0] == 0 and index.shape[0] > 0:   # (jnp.take refuses it too)
+    raise ValueError(f"{what}: index takes {index.shape[0]} rows of an x with none "
+                     f"({jnp.dtype(x.dtype).name}{list(x.shape)})")
+  return index.shape[0]
 
 
 def _launch(kernel, grid, args, out_shape, **meta):
@@ -155,49 +227,67 @@ def _launch(kernel, grid, args, out_shape, **meta):
                         **triton_launch.launch_kwargs())
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """x [M, C] bfloat16 / float32 in 1 x 128 tiles along C -> (q [M, C] float8_e4m3fn, scale
-  [M, ceil(C/128)] float32): `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, bit for bit."""
-  _check("triton fp8 quantize_rows", x)
-  m, c = x.shape
+  [M, ceil(C/128)] float32): `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, bit for bit.
+
+  With `index` (int32 [M]) x is [N, C] and the result that of `jnp.take(x, index, axis=0)`, bit for
+  bit, without the gathered copy: output row r reads row index[r] of x (a negative index counts from
+  the end; one outside [-N, N) gives a NaN row, as jnp.take's default mode does)."""
+  m = _check("triton fp8 quantize_rows", x, index)
+  c = x.shape[1]
   q_shape = jax.ShapeDtypeStruct((m, c), DTYPE)
   s_shape = jax.ShapeDtypeStruct((m, _cdiv(c, TILE)), jnp.float32)
   if m == 0 or c == 0:   # (no program to launch)
     return jnp.zeros(q_shape.shape, DTYPE), jnp.zeros(s_shape.shape, jnp.float32)
-  launch = rows_launch(m, c)
+  if index is None:
+    kernel, args, launch = _rows_kernel, (x,), rows_launch(m, c)
+  else:
+    kernel, args, launch = (_rows_gather_kernel, (x, jnp.asarray(index)),
+                            rows_launch(m, c, x.shape[0]))
   grid = launch.pop("grid")
-  q, scale = _launch(_rows_kernel, grid, (x,), (q_shape, s_shape), **launch)
+  q, scale = _launch(kernel, grid, args, (q_shape, s_shape), **launch)
   return q, scale
 
 
-def quantize_cols_t(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_cols_t(x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """x [M, C] bfloat16 / float32 in 128-row tiles of one column -> (qT [C, M] float8_e4m3fn, the
   quantised values transposed; scale [ceil(M/128), C] float32): with q, scale =
-  `umoe_jax.ops.fp8.quantize_tiles(x, axis=0)`, (q.T, scale) bit for bit."""
-  _check("triton fp8 quantize_cols_t", x)
-  m, c = x.shape
+  `umoe_jax.ops.fp8.quantize_tiles(x, axis=0)`, (q.T, scale) bit for bit.
+
+  With `index` (int32 [M]) x is [N, C] and the result that of `jnp.take(x, index, axis=0)`, bit for
+  bit (the 128-row tiles those of the gathered order), without the gathered copy; indices as in
+  `quantize_rows`."""
+  m = _check("triton fp8 quantize_cols_t", x, index)
+  c = x.shape[1]
   q_shape = jax.ShapeDtypeStruct((c, m), DTYPE)
   s_shape = jax.ShapeDtypeStruct((_cdiv(m, TILE), c), jnp.float32)
   if m == 0 or c == 0:
     return jnp.zeros(q_shape.shape, DTYPE), jnp.zeros(s_shape.shape, jnp.float32)
-  launch = cols_t_launch(m, c)
+  if index is None:
+    kernel, args, launch = _cols_t_kernel, (x,), cols_t_launch(m, c)
+  else:
+    kernel, args, launch = (_cols_t_gather_kernel, (x, jnp.asarray(index)),
+                            cols_t_launch(m, c, x.shape[0]))
   grid = launch.pop("grid")
-  q_t, scale = _launch(_cols_t_kernel, grid, (x,), (q_shape, s_shape), **launch)
+  q_t, scale = _launch(kernel, grid, args, (q_shape, s_shape), **launch)
   return q_t, scale
 
 
 available = gpu_available
 
 
-def quantize_tiles(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-  """`umoe_jax.ops.fp8.quantize_tiles(x, axis)` for 2-D x, the triton backend's `fp8_quantize`.
+def quantize_tiles(x: jax.Array, axis: int,
+                   index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """`umoe_jax.ops.fp8.quantize_tiles(x, axis)` for 2-D x, the triton backend's `fp8_quantize`; with
+  `index` (int32 [M]) that of `jnp.take(x, index, axis=0)`, the rows read through the index.
   Along rows (axis 0) the kernel writes the values transposed and this hands back their transpose:
   the FP8 weight-gradient kernel reads that operand transposed, and XLA folds the two transposes."""
   if axis not in (0, 1, -1, -2):
     raise ValueError(f"triton fp8 quantize: axis {axis} of a 2-D array (0 or 1)")
   if axis % 2 == 1:
-    return quantize_rows(x)
-  q_t, scale = quantize_cols_t(x)
+    return quantize_rows(x, index)
+  q_t, scale = quantize_cols_t(x, index)
   return q_t.T, scale
 
 
