@@ -450,6 +450,41 @@ def test_fp8_dense_hands_its_weight_gradient_splits_to_fp8_gmm(monkeypatch):
   assert seen == [((10, 8), "triton", 6), ((10, 8), "triton", layers.DENSE_WGRAD_SPLITS)]
 
 
+def test_fp8_gather_gmm_quantises_the_weight_gradients_rows_through_the_sort_order(monkeypatch):
+  """fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX: the first matmul's weight gradient quantises the N
+  token rows read through the plan's sort order (a backend quantiser with an index; XLA's gathers
+  first) instead of a gathered copy: the same values and gradients, and the backend's quantiser is
+  handed the [N, D] tokens and the index."""
+  import dataclasses
+  from umoe_jax.ops import dispatch, fused_dispatch, gmm_backends
+  rng = np.random.default_rng(14)
+  n_tok, k, d, f, e = 40, 3, 200, 72, 4
+  x = jnp.asarray(rng.normal(size=(n_tok, d)).astype(np.float32))
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
+  w = jnp.asarray(rng.normal(size=(e, d, f)).astype(np.float32) / 14)
+  cot = jnp.asarray(rng.normal(size=(n_tok * k, f)).astype(np.float32))
+  loss = lambda a, b: jnp.sum(fused_dispatch.gather_gmm(a, b, plan, k, backend="xla", fp8=True) * cot)
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  monkeypatch.setattr(fused_dispatch, "FP8_QUANTIZE_THROUGH_INDEX", True)
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  got = jax.grad(loss, argnums=(0, 1))(x, w)
+  for g, r in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  calls = []
+
+  def own(a, axis, index=None):
+    calls.append((a.shape, axis, None if index is None else index.shape))
+    return fp8.quantize_tiles(a if index is None else jnp.take(a, index, axis=0), axis=axis)
+  xla = gmm_backends.BACKENDS.get("xla")
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  got = jax.grad(loss, argnums=(0, 1))(x, w)
+  assert ((n_tok, d), 0, (n_tok * k,)) in calls and ((n_tok * k, d), 0, None) not in calls
+  for g, r in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
   of fp8_gmm's three products and the fused dispatch's token rows, each along its product's

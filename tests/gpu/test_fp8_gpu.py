@@ -156,6 +156,34 @@ def test_emulation_quantises_on_the_gpu():
     np.testing.assert_array_equal(on_gpu, on_cpu)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_one_pass_quantisers_give_the_cpus_bits(dtype):
+  """kernels/gmm/triton_fp8_quant.py on the GPU against `fp8.quantize_tiles` on the CPU device, bit
+  for bit (its correctly rounded reciprocal), at a width and a row count that leave partial tiles,
+  with zero, NaN and inf tiles; and read through a row index (top-k dispatch's repeats)."""
+  from kernels.gmm import triton_fp8_quant as tq
+  rng = np.random.default_rng(9)
+  x = _operand(rng, (1000, 200), (0, 1), SPREAD)
+  x[3, :128] = 0.0
+  x[7, 130] = np.nan
+  x[600:728, 5] = 0.0
+  x[900, 150] = np.inf
+  index = rng.integers(0, 1000, 1500).astype(np.int32)
+  xd = jnp.asarray(x, dtype)
+  for rows, idx in ((x, None), (x[index], index)):
+    cpu_rows = jax.device_put(np.asarray(jnp.asarray(rows, dtype)), CPU)
+    for axis in (1, 0):
+      q, s = jax.jit(lambda a, i: tq.QUANTIZE_TILES(a, axis, index=i))(xd, None if idx is None else jnp.asarray(idx))
+      wq, ws = jax.jit(lambda a: fp8.quantize_tiles(a, axis=axis))(cpu_rows)
+      what = f"axis={axis} index={idx is not None} {jnp.dtype(dtype).name}"
+      np.testing.assert_array_equal(np.asarray(q).view(np.uint8) & 0x7F == 0x7F,
+                                    np.asarray(wq).view(np.uint8) & 0x7F == 0x7F, err_msg=what)  # NaN codes
+      ok = (np.asarray(wq).view(np.uint8) & 0x7F) != 0x7F
+      np.testing.assert_array_equal(np.asarray(q).view(np.uint8)[ok], np.asarray(wq).view(np.uint8)[ok],
+                                    err_msg=what)
+      np.testing.assert_array_equal(np.asarray(s), np.asarray(ws), err_msg=what)
+
+
 def _host_refs(lhs, rhs, cot, gs, transpose):
   """fp8_gmm's output and both gradients from the FP8 values, in float64 loops on the host (the
   quantisation on the CPU device)."""

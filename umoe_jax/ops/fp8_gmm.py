@@ -49,11 +49,14 @@ def fp8_backend(name: str) -> str:
   return name
 
 
-def quantize(backend_name: str, x, axis: int):
+def quantize(backend_name: str, x, axis: int, index=None):
   """`fp8.quantize_tiles(x, axis)` (x [M, C], the same bits) by the backend's one-pass quantiser
-  where it has one."""
+  where it has one; with `index` [M'] that of x's rows `index` (`jnp.take(x, index, axis=0)`), which
+  the backend's quantiser reads through the index instead of a gathered copy."""
   own = BACKENDS.get(backend_name).fp8_quantize
-  return own(x, axis) if own is not None else fp8.quantize_tiles(x, axis=axis)
+  if own is not None:
+    return own(x, axis) if index is None else own(x, axis, index=index)
+  return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=axis)
 
 
 def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype):
@@ -71,16 +74,19 @@ def row_blocks(rows, splits: int):
   return jnp.clip(rows - starts, 0, tiles * fp8.TILE).astype(jnp.int32)
 
 
-def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, row_splits: int = 1):
+def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, row_splits: int = 1,
+              lhs_index=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8.
+  With `lhs_index` the product's rows are lhs[lhs_index] (`quantize` reads them through it).
   `row_splits` > 1 (one group only) computes the weight gradient over that many row blocks, as
   that many groups, and sums their float32 partials: a kernel that gives each group its own
   programs has rows / 128 steps in each of K/bm x N/bn programs for one group, too few to fill a GPU."""
   backend: GmmBackend = BACKENDS.get(backend_name)
   dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, group_sizes,
                        not transpose_rhs, lhs.dtype)
-  a, b = (dout, lhs) if transpose_rhs else (lhs, dout)   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
-  operands = (*quantize(backend_name, a, 0), *quantize(backend_name, b, 0))
+  rows_q, dout_q = quantize(backend_name, lhs, 0, lhs_index), quantize(backend_name, dout, 0)
+  # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
+  operands = (*dout_q, *rows_q) if transpose_rhs else (*rows_q, *dout_q)
   if row_splits > 1:
     if rhs.shape[0] != 1:
       raise ValueError(f"fp8_gmm: row_splits={row_splits} needs one group, got {rhs.shape[0]}")

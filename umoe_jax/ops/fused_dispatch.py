@@ -142,6 +142,13 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
   return dx.reshape(-1, dx.shape[-1])                                                    # [N*S, D]
 
 
+# The FP8 weight gradient of the first matmul quantises the token rows in expert order through the
+# sort order (`fp8_gmm.quantize` with an index) instead of from a gathered [N*K, D] copy. Off until
+# bench/train_step.py --fp8_quantize_through_index=0,1 has timed it (the triton quantisers' index
+# form gives the CPU's bits on an H100: tests/gpu/test_fp8_gpu.py).
+FP8_QUANTIZE_THROUGH_INDEX = False
+
+
 @functools.lru_cache(maxsize=None)
 def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None):
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
@@ -162,8 +169,11 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
-    drows, drhs = gradients(backend_name, jnp.take(x, src, axis=0), rhs, gs, False,
-                            dout.astype(x.dtype))
+    if FP8_QUANTIZE_THROUGH_INDEX:
+      drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src)
+    else:
+      drows, drhs = gradients(backend_name, jnp.take(x, src, axis=0), rhs, gs, False,
+                              dout.astype(x.dtype))
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
