@@ -25,7 +25,7 @@ import results as results_lib  # noqa: E402  (bench/results.py)
 from gmm_common import jax_ms, log  # noqa: E402
 from gmm_fp8 import comma_list  # noqa: E402
 
-# name -> (K, N): the dense projections of the base and large models (d_model, the dense FFN).
+# name -> (K, N): d_model-square products and the dense FFN's of the base and large models.
 SHAPES = {"base-qk": (768, 768), "base-up": (768, 3072), "base-down": (3072, 768),
           "large-qk": (2048, 2048), "large-up": (2048, 5632), "large-down": (5632, 2048)}
 MAX_REL_ERR = 0.1   # e4m3's few-percent product error; a wrong layout misses by far more

@@ -222,7 +222,8 @@ class ModelConfig:
 
   @property
   def fp8(self) -> bool:
-    """FP8 operands in the expert grouped matmuls and the dense projections (train.precision)."""
+    """FP8 operands in the expert grouped matmuls, the dense FFN and the always-on experts
+    (train.precision; the attention modules' own projections stay in the compute dtype)."""
     return self.matmul_precision == "fp8"
 
   @property

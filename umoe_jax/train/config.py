@@ -59,11 +59,11 @@ def default_train_config() -> ml_collections.ConfigDict:
       grad_clip=1.0,               # global gradient-norm clipping; 0 disables it
       grad_accum_steps=1,          # micro-batches per step, accumulated inside the compiled step:
                                    # a large global batch in less device memory
-      # Operand precision of the large matmuls: "bf16", or "fp8": the expert grouped matmuls and the
-      # attention and FFN projections take FP8 (e4m3) operands, float32-scaled per 1 x 128 tile of
-      # activations and gradients and per 128 x 128 block of weights, in the forward and both
-      # gradient products (float32 accumulation); the router, norms, attention core, LM head,
-      # parameters and optimizer state are as in bf16. On NVIDIA GPUs of compute capability 8.9+
+      # Operand precision of the large matmuls: "bf16", or "fp8": the expert grouped matmuls, the
+      # dense FFN and the always-on experts take FP8 (e4m3) operands, float32-scaled per 1 x 128
+      # tile of activations and gradients and per 128 x 128 block of weights, in the forward and
+      # both gradient products (float32 accumulation); the attention projections, router, norms,
+      # attention core, LM head, parameters and optimizer state are as in bf16. On NVIDIA GPUs of compute capability 8.9+
       # (Ada, Hopper), emulated on CPU, not on TPU (docs/training.md).
       precision="bf16",
       # What each decoder block keeps for the backward pass: "none" (everything, fastest),

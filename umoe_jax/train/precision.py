@@ -3,9 +3,10 @@
   bf16  every matmul in the compute dtype (`model.compute_dtype`), as the model is built anywhere
   fp8   FP8 (e4m3) operands with fine-grained float32 scales, float32 accumulation, outputs in the
         compute dtype, in the forward product and both gradient products of the expert grouped
-        matmuls (`umoe_jax.ops.fp8_gmm`) and of the attention and FFN sub-layers' dense projections
-        (`umoe_jax.ops.fp8.fp8_dot`); the router, norms, softmax, attention core, embedding and LM
-        head, the parameters and the optimizer state are as in bf16
+        matmuls (`umoe_jax.ops.fp8_gmm`), the dense FFN and the always-on experts
+        (`umoe_jax.model.layers.fp8_dense`); the attention modules' own projections
+        (`umoe_jax.model.attention.common.projection_kw` says why), the router, norms, softmax,
+        attention core, embedding and LM head, the parameters and the optimizer state are as in bf16
 
 `model_with_precision` runs in `umoe_jax.train.config.validate`, before anything is built: it
 refuses in one ConfigError line what cannot take FP8 here (a TPU, a GPU without FP8 tensor cores, a

@@ -5,18 +5,12 @@ import jax
 from flax import nnx
 
 from umoe_jax.config import ModelConfig
-from umoe_jax.model.attention.common import ATTENTIONS
+from umoe_jax.model.attention.common import ATTENTIONS, projection_kw
 from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.attention.stats import MHAStats
 from umoe_jax.model.layers import Linear
 from umoe_jax.model.rope import apply_rope
 from umoe_jax.parallel import rules as ax
-
-
-def linear_kw(cfg: ModelConfig, rngs: nnx.Rngs) -> dict:
-  """The keyword arguments of an attention module's `Linear`s."""
-  return dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-              rngs=rngs, fp8=cfg.fp8)
 
 
 class HeadsQK(nnx.Module):
@@ -33,7 +27,7 @@ class HeadsQK(nnx.Module):
     att = cfg.attention
     self.cfg = cfg
     self.n_heads, self.head_dim, self.v_head_dim = att.n_heads, att.head_dim, att.v_head_dim
-    kw = linear_kw(cfg, rngs)
+    kw = projection_kw(cfg, rngs)
     self.q_proj = Linear(cfg.d_model, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
     self.k_proj = Linear(cfg.d_model, att.n_heads * att.head_dim, (ax.EMBED, ax.HEADS), **kw)
 
@@ -54,7 +48,7 @@ class MultiHeadAttention(HeadsQK):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     super().__init__(cfg, rngs=rngs)
-    kw, h, dv = linear_kw(cfg, rngs), self.n_heads, self.v_head_dim
+    kw, h, dv = projection_kw(cfg, rngs), self.n_heads, self.v_head_dim
     self.v_proj = Linear(cfg.d_model, h * dv, (ax.EMBED, ax.HEADS), **kw)
     self.o_proj = Linear(h * dv, cfg.d_model, (ax.HEADS, ax.EMBED), **kw)
 

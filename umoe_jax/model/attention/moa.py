@@ -24,7 +24,7 @@ from flax import nnx
 
 from umoe_jax.config import ModelConfig
 from umoe_jax.counting import AttentionStats, Count, linear
-from umoe_jax.model.attention.common import ATTENTIONS
+from umoe_jax.model.attention.common import ATTENTIONS, projection_kw
 from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.layers import Linear, make_param, normal_init
 from umoe_jax.model.rope import apply_rope
@@ -79,8 +79,7 @@ class MoAAttention(nnx.Module):
     att = cfg.attention
     self.cfg = cfg
     self.top_k, self.n_experts = att.top_k, att.n_experts
-    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
-              fp8=cfg.fp8)
+    kw = projection_kw(cfg, rngs)
     d, dk, dv, e = cfg.d_model, att.head_dim, att.v_head_dim, att.n_experts
     init = normal_init(cfg.init_std)
     self.router = make_router(cfg.router_for("attention"), d, e, att.top_k,

@@ -39,7 +39,7 @@ from flax import nnx
 from umoe_jax.config import ModelConfig
 from umoe_jax.kinds import router_masks_slots
 from umoe_jax.model.attention.common import (ATTENTIONS, low_rank_expert_apply,
-                                             low_rank_expert_params)
+                                             low_rank_expert_params, projection_kw)
 from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.attention.stats import PreMixStats
 from umoe_jax.model.cache import EMPTY
@@ -89,8 +89,7 @@ class PostMixAttention(nnx.Module):
     att, moe = cfg.attention, cfg.moe
     self.cfg = cfg
     self.top_k, self.n_experts = att.top_k, moe.n_experts
-    kw = dict(std=cfg.init_std, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, rngs=rngs,
-              fp8=cfg.fp8)
+    kw = projection_kw(cfg, rngs)
     d, dk = cfg.d_model, att.head_dim
     self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
                               param_dtype=cfg.param_dtype, rngs=rngs)
@@ -99,7 +98,8 @@ class PostMixAttention(nnx.Module):
     self.k_res_proj, self.k_a, self.k_a_norm, self.k_b = low_rank_expert_params(
         cfg, rngs=rngs, linear_kw=kw)
     self.shared_expert = (
-        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
+        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated,
+            **{**kw, "fp8": cfg.fp8})
         if att.n_shared_experts else None)
 
   def __call__(self, x: jax.Array, positions: jax.Array, *, experts=None, cache=None,

@@ -28,7 +28,7 @@ from flax import nnx
 from umoe_jax.config import ModelConfig
 from umoe_jax.model import expert_routes
 from umoe_jax.model.attention.common import (ATTENTIONS, low_rank_expert_apply,
-                                             low_rank_expert_params)
+                                             low_rank_expert_params, projection_kw)
 from umoe_jax.model.attention.cores import causal_attention
 from umoe_jax.model.attention.stats import PreMixStats
 from umoe_jax.model.layers import MLP, Linear
@@ -55,8 +55,7 @@ class PreMixAttention(nnx.Module):
     att, moe = cfg.attention, cfg.moe
     self.cfg = cfg
     self.top_k, self.head_dim, self.n_experts = att.top_k, att.head_dim, moe.n_experts
-    dt = dict(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
-    kw = dict(std=cfg.init_std, rngs=rngs, fp8=cfg.fp8, **dt)
+    kw = projection_kw(cfg, rngs)
     d, dk = cfg.d_model, att.head_dim
     self.router = make_router(cfg.router_for("attention"), d, moe.n_experts, att.top_k,
                               param_dtype=cfg.param_dtype, rngs=rngs)
@@ -71,7 +70,8 @@ class PreMixAttention(nnx.Module):
     self.q_res_proj, self.q_a, self.q_a_norm, self.q_b = low_rank_expert_params(
         cfg, rngs=rngs, linear_kw=kw)
     self.shared_expert = (
-        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated, **kw)
+        MLP(d, moe.d_expert * att.n_shared_experts, activation=moe.activation, gated=moe.gated,
+            **{**kw, "fp8": cfg.fp8})
         if att.n_shared_experts else None)
 
   def _routed_queries(self, x_flat: jax.Array, plan: dispatch.DispatchPlan,
