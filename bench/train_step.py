@@ -29,15 +29,15 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_quantize_through_index=0|1] [--dense_wgrad_splits=N]   (the FP8 switches
-                    fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX, layers.DENSE_WGRAD_SPLITS)
+      [--fp8_rows_through_index=0|1] [--dense_wgrad_splits=N]   (the FP8 switches
+                    fused_dispatch.FP8_ROWS_THROUGH_INDEX, layers.DENSE_WGRAD_SPLITS)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]][/FLAG=VALUE...]; a field left out or
 "-" takes --exchange / --chunks / --capacity_factor, then the config's; /precision=, /zipf=,
-/routing=, /fp8_quantize_through_index= and /dense_wgrad_splits= set those flags for that row
+/routing=, /fp8_rows_through_index= and /dense_wgrad_splits= set those flags for that row
 alone, so one run list holds uniform, Zipf-skewed and balanced rows in both precisions:
   --runs=umoe_base:single,umoe_base:single/zipf=1.1,umoe_base:single/routing=balanced/precision=fp8 Layouts over N devices (default: all;
 @N takes the first N):
@@ -116,9 +116,9 @@ ROUTINGS = ("router", "balanced")
 # Flags a row may set for itself (CONFIG:LAYOUT/FLAG=VALUE): name -> parser of the value.
 # The modules' own settings of the FP8 switches, before a row's flags change them: the table names
 # a switch only where a row ran with another setting.
-SWITCH_DEFAULTS = {"fp8_quantize_through_index": int(fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX),
+SWITCH_DEFAULTS = {"fp8_rows_through_index": int(fused_dispatch.FP8_ROWS_THROUGH_INDEX),
                    "dense_wgrad_splits": layers.DENSE_WGRAD_SPLITS}
-ROW_FLAGS = {"precision": str, "zipf": float, "routing": str, "fp8_quantize_through_index": int,
+ROW_FLAGS = {"precision": str, "zipf": float, "routing": str, "fp8_rows_through_index": int,
              "dense_wgrad_splits": int}
 
 
@@ -129,8 +129,8 @@ def check_row_flag(key: str, value) -> None:
     raise ValueError(f"routing={value!r}: one of {', '.join(ROUTINGS)}")
   if key == "zipf":
     check_zipf(value)
-  if key == "fp8_quantize_through_index" and value not in (0, 1):
-    raise ValueError(f"fp8_quantize_through_index={value}: 0 or 1")
+  if key == "fp8_rows_through_index" and value not in (0, 1):
+    raise ValueError(f"fp8_rows_through_index={value}: 0 or 1")
   if key == "dense_wgrad_splits" and value < 1:
     raise ValueError(f"dense_wgrad_splits={value}: >= 1 row blocks")
 
@@ -346,7 +346,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
              precision=args.precision, routing=args.routing,
              tgmm_big_first_skew=_tgmm_skew(),
-             fp8_quantize_through_index=int(fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX),
+             fp8_rows_through_index=int(fused_dispatch.FP8_ROWS_THROUGH_INDEX),
              dense_wgrad_splits=layers.DENSE_WGRAD_SPLITS)
   if profile is not None:
     row["profile"] = profile
@@ -358,8 +358,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 
 def fp8_switches(args) -> None:
   """The FP8 module switches a row runs with (read when its step is traced; None: the module's)."""
-  if args.fp8_quantize_through_index is not None:
-    fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX = bool(args.fp8_quantize_through_index)
+  if args.fp8_rows_through_index is not None:
+    fused_dispatch.FP8_ROWS_THROUGH_INDEX = bool(args.fp8_rows_through_index)
   if args.dense_wgrad_splits is not None:
     layers.DENSE_WGRAD_SPLITS = args.dense_wgrad_splits
 
@@ -440,10 +440,10 @@ def parser() -> argparse.ArgumentParser:
                   help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
                        "module's, 2): the weight gradient's tiles largest groups first where the "
                        "largest group holds at least this many times the mean group's rows")
-  ap.add_argument("--fp8_quantize_through_index", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX (default: the "
-                       "module's): the FP8 weight gradient quantises the token rows through the "
-                       "sort order instead of from a gathered copy")
+  ap.add_argument("--fp8_rows_through_index", type=int, choices=[0, 1], default=None,
+                  help="umoe_jax.ops.fused_dispatch.FP8_ROWS_THROUGH_INDEX (default: the "
+                       "module's): the FP8 first expert matmul and its weight gradient read the "
+                       "token rows through the sort order instead of from gathered copies")
   ap.add_argument("--dense_wgrad_splits", type=int, default=None,
                   help="umoe_jax.model.layers.DENSE_WGRAD_SPLITS (default: the module's): the FP8 "
                        "dense products' weight gradient over this many row blocks")
@@ -561,7 +561,7 @@ def main():
     check_zipf(args.zipf)
   except ValueError as e:
     ap.error(str(e))
-  for key in ("fp8_quantize_through_index", "dense_wgrad_splits"):
+  for key in ("fp8_rows_through_index", "dense_wgrad_splits"):
     if getattr(args, key) is not None:
       try:
         check_row_flag(key, getattr(args, key))
@@ -631,7 +631,7 @@ def mode(r: dict) -> tuple:
 
 def mode_text(r: dict) -> str:
   precision, zipf, routing = mode(r)
-  switches = [f"{k}={r[k]}" for k in ("fp8_quantize_through_index", "dense_wgrad_splits")
+  switches = [f"{k}={r[k]}" for k in ("fp8_rows_through_index", "dense_wgrad_splits")
               if precision == "fp8" and r.get(k) not in (None, SWITCH_DEFAULTS[k])]
   return " ".join([precision] + ([f"zipf={zipf:g}"] if zipf else []) + ([routing] if routing != "router" else [])
                   + switches)

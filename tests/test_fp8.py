@@ -450,11 +450,11 @@ def test_fp8_dense_hands_its_weight_gradient_splits_to_fp8_gmm(monkeypatch):
   assert seen == [((10, 8), "triton", 6), ((10, 8), "triton", layers.DENSE_WGRAD_SPLITS)]
 
 
-def test_fp8_gather_gmm_quantises_the_weight_gradients_rows_through_the_sort_order(monkeypatch):
-  """fused_dispatch.FP8_QUANTIZE_THROUGH_INDEX: the first matmul's weight gradient quantises the N
-  token rows read through the plan's sort order (a backend quantiser with an index; XLA's gathers
-  first) instead of a gathered copy: the same values and gradients, and the backend's quantiser is
-  handed the [N, D] tokens and the index."""
+def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch):
+  """fused_dispatch.FP8_ROWS_THROUGH_INDEX: the first matmul's forward and weight gradient read the
+  N token rows through the plan's sort order (a backend quantiser with an index, a row-index FP8
+  gmm; XLA's gathers first) instead of gathered copies: the same values and gradients, and the
+  backend's quantiser and gmm are handed the [N, D] tokens and the index."""
   import dataclasses
   from umoe_jax.ops import dispatch, fused_dispatch, gmm_backends
   rng = np.random.default_rng(14)
@@ -465,7 +465,7 @@ def test_fp8_gather_gmm_quantises_the_weight_gradients_rows_through_the_sort_ord
   cot = jnp.asarray(rng.normal(size=(n_tok * k, f)).astype(np.float32))
   loss = lambda a, b: jnp.sum(fused_dispatch.gather_gmm(a, b, plan, k, backend="xla", fp8=True) * cot)
   want = jax.grad(loss, argnums=(0, 1))(x, w)
-  monkeypatch.setattr(fused_dispatch, "FP8_QUANTIZE_THROUGH_INDEX", True)
+  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", True)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
   got = jax.grad(loss, argnums=(0, 1))(x, w)
   for g, r in zip(got, want):
@@ -482,6 +482,24 @@ def test_fp8_gather_gmm_quantises_the_weight_gradients_rows_through_the_sort_ord
   assert ((n_tok, d), 0, (n_tok * k,)) in calls and ((n_tok * k, d), 0, None) not in calls
   for g, r in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  # A backend whose FP8 gmm reads rows through an index (`row_index`, the triton kernel's
+  # lhs_index) is handed the N quantised token rows and the sort order, not a gathered copy.
+  forward = []
+
+  def indexed_gmm(lhs_q, lhs_scale, *rest, lhs_index=None, **kw):
+    forward.append((lhs_q.shape, lhs_scale.shape, None if lhs_index is None else lhs_index))
+    if lhs_index is not None:
+      lhs_q, lhs_scale = jnp.take(lhs_q, lhs_index, axis=0), jnp.take(lhs_scale, lhs_index, axis=0)
+    return fp8.emulated_gmm(lhs_q, lhs_scale, *rest, **kw)
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla",
+                      dataclasses.replace(xla, fp8_gmm=indexed_gmm, row_index=True))
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  got = jax.grad(loss, argnums=(0, 1))(x, w)
+  for g, r in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  (shape, scale_shape, index), = [c for c in forward if c[2] is not None]
+  assert shape == (n_tok, d) and scale_shape == (n_tok, 2)
+  np.testing.assert_array_equal(np.asarray(index), np.asarray(plan.order) // k)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
 
 

@@ -4,7 +4,7 @@ bad operands, the triton backend's FP8 forms; and the kernels themselves under t
 the emulation (`umoe_jax.ops.fp8.emulated_gmm` / `emulated_tgmm`) on fresh random operands whose rows
 and columns differ in magnitude by orders (so every scale piece has its own scale): ragged, empty and
 skewed groups, rows past the groups, K and N not multiples of 128, split column tiles, both
-transposes, all-zero pieces, inf and NaN; then `fp8_gmm(..., backend="triton")`'s values and
+transposes, all-zero pieces, inf and NaN, rows read through an index; then `fp8_gmm(..., backend="triton")`'s values and
 gradients against backend="xla". GPU runs: tests/gpu/test_fp8_gpu.py.
 """
 from __future__ import annotations
@@ -98,6 +98,10 @@ def test_bad_operands_name_the_array():
   with pytest.raises(ValueError,
                      match=r"gmm\^T: lhs_q is float8_e4m3fn\[40, 200\], expected float8_e4m3fn\[40, 72\]"):
     tf.triton_fp8_gmm(lq, ls, rq, rs, gs, transpose_rhs=True)
+  with pytest.raises(ValueError, match=r"lhs_index is float32\[40\], expected an integer vector"):
+    tf.triton_fp8_gmm(lq, ls, rq, rs, gs, lhs_index=jnp.zeros((40,)))
+  with pytest.raises(ValueError, match=r"lhs_index is int32\[40, 1\], expected an integer vector"):
+    tf.triton_fp8_gmm(lq, ls, rq, rs, gs, lhs_index=jnp.zeros((40, 1), jnp.int32))
   aq, as_ = fp8.quantize_tiles(jnp.ones((40, 16)), axis=0)
   with pytest.raises(ValueError, match=r"rhs_scale is float32\[40, 2\], expected float32\[1, 200\]"):
     tf.triton_fp8_tgmm(aq, as_, lq, ls, gs)   # rhs in tiles along its columns, not its rows
@@ -258,6 +262,35 @@ def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32
     assert not np.all(np.isfinite(got[:rows])), f"{what}: the inf / NaN pieces reached no output"
 
 
+def _check_gmm_index(rng, transpose):
+  """The kernel reading its rows through `lhs_index` (the fused dispatch's sort order: every source
+  row read by several product rows, in another order) gives the bits of the same launch on the
+  gathered operands, and the float64 loop's values; rows past the groups zero."""
+  src, k, n, fan_out, gs = 70, 200, 144, 3, np.asarray([80, 0, 95, 20], np.int32)   # 15 rows past
+  kc = n if transpose else k
+  lq, ls = fp8.quantize_tiles(jnp.asarray(_operand(rng, (src, kc), (0, 1))), axis=1)
+  rq, rs = fp8.quantize_blocks(jnp.asarray(_operand(rng, (len(gs), k, n), (1, 2))))
+  index = jnp.asarray(rng.permutation(src * fan_out) // fan_out, jnp.int32)
+  cfg = tuning.TileConfig(32, 48, tf.TILE)
+  run = jax.jit(lambda q, sc, i: tf.triton_fp8_gmm(q, sc, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
+                                                   out_dtype=jnp.float32, config=cfg, lhs_index=i))
+  n0 = len(LAUNCHES)
+  got = np.asarray(run(lq, ls, index))
+  assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
+  gathered = np.asarray(tf.triton_fp8_gmm(jnp.take(lq, index, axis=0), jnp.take(ls, index, axis=0), rq,
+                                          rs, jnp.asarray(gs), transpose_rhs=transpose,
+                                          out_dtype=jnp.float32, config=cfg))
+  what = f"gmm lhs_index transpose={transpose}"
+  assert got.shape == (src * fan_out, k if transpose else n), what
+  np.testing.assert_array_equal(got, gathered, err_msg=what)
+  deq_l = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1))[np.asarray(index)]
+  deq_r = np.asarray(fp8.dequantize_blocks(rq, rs))
+  rows = int(gs.sum())
+  _compare(got, _loop_gmm(deq_l, deq_r, gs, transpose), _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose),
+           rows, what)
+  assert np.all(got[rows:] == 0), what
+
+
 TGMM_CASES = [  # M, K, N, group sizes, (bm, bn) output tile or None for the default
     (300, 144, 200, [70, 0, 133, 40, 0], (64, 48)),  # groups across scale tiles, 57 rows past them
     (260, 96, 136, [5, 250, 0, 2], (32, 32)),        # skewed: largest group's tiles first
@@ -371,6 +404,8 @@ def _interpreter_check():
   for transpose in (False, True):
     _check_gmm(rng, *GMM_CASES[0], transpose, special=True)
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
+  for transpose in (False, True):
+    _check_gmm_index(rng, transpose)
   for m, k, n, gs, tile in TGMM_CASES:
     _check_tgmm(rng, m, k, n, gs, tile, special=False)
   _check_tgmm(rng, *TGMM_CASES[0], special=True)

@@ -55,13 +55,14 @@ DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 if HAVE_TRITON:
 
   @triton.jit
-  def _fp8_gmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, o_ptr,
+  def _fp8_gmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr,
                       M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
                       G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
                       s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
                       s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                      BK: tl.constexpr, N_TILES: tl.constexpr):
-    # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB];
+                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr):
+    # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB] (with
+    # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
     # o // BK at sb_ptr + g*s_sg + (c // BK)*s_sk + (o // BK)*s_sn. BK = TILE (one chunk a scale).
     pid = tl.program_id(0)
@@ -72,7 +73,10 @@ if HAVE_TRITON:
       compute = g < G  # the zero tail's tiles write zeros
       g = tl.minimum(g, G - 1).to(tl.int64)
       offs_m = row0 + tl.arange(0, BM)
-      rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the tile's end are never stored
+      rows = tl.minimum(offs_m, M - 1)  # rows past the tile's end are never stored
+      if HAS_INDEX:
+        rows = tl.load(idx_ptr + rows)
+      rows = rows.to(tl.int64)
       offs_k = tl.arange(0, BK)
       offs_n = (pid % N_TILES) * (BN + BN2) + tl.arange(0, BN)
       a_ptrs = a_ptr + rows[:, None] * KC + offs_k[None, :]
@@ -320,16 +324,22 @@ def _launch(kernel, grid, args, out_shape, **meta):
 
 
 def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
-                   out_dtype=jnp.bfloat16, config=None):
+                   out_dtype=jnp.bfloat16, config=None, lhs_index=None):
   """The raw FP8 gmm (module docstring): lhs_q [M, C] float8_e4m3fn, lhs_scale [M, ceil(C/128)]
   float32, rhs_q [G, K, N], rhs_scale [G, ceil(K/128), ceil(N/128)]; C = K -> [M, N], or with
-  `transpose_rhs` C = N -> [M, K]; rows past sum(group_sizes) are zeros."""
+  `transpose_rhs` C = N -> [M, K]; rows past sum(group_sizes) are zeros. With `lhs_index` [M]
+  int32 (entries in [0, S)), lhs_q [S, C] / lhs_scale [S, ...] and row r of the product reads
+  their row lhs_index[r]: the gmm of the gathered operands without the gathered copy."""
   what = "triton fp8 gmm" + ("^T" if transpose_rhs else "")
-  m, c = lhs_q.shape
+  src = lhs_q.shape[0]
+  m = src if lhs_index is None else lhs_index.shape[0]
   g, k, n = rhs_q.shape
   kc, no = (n, k) if transpose_rhs else (k, n)
-  _check(what, "lhs_q", lhs_q, (m, kc), DTYPE)
-  _check(what, "lhs_scale", lhs_scale, (m, _cdiv(kc, TILE)), jnp.float32)
+  _check(what, "lhs_q", lhs_q, (src, kc), DTYPE)
+  _check(what, "lhs_scale", lhs_scale, (src, _cdiv(kc, TILE)), jnp.float32)
+  if lhs_index is not None and (lhs_index.ndim != 1 or not jnp.issubdtype(lhs_index.dtype, jnp.integer)):
+    raise ValueError(f"{what}: lhs_index is {jnp.dtype(lhs_index.dtype).name}{list(lhs_index.shape)}, "
+                     "expected an integer vector (a product row's source row)")
   _check(what, "rhs_q", rhs_q, (g, k, n), DTYPE)
   kb, nb = _cdiv(k, TILE), _cdiv(n, TILE)
   _check(what, "rhs_scale", rhs_scale, (g, kb, nb), jnp.float32)
@@ -345,11 +355,12 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   else:
     rhs_q, rhs_scale = jnp.swapaxes(rhs_q, 1, 2), jnp.swapaxes(rhs_scale, 1, 2)
     strides, s_strides = (k * n, 1, k), (kb * nb, 1, kb)
-  return _launch(_fp8_gmm_kernel, grid,
-                 (lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes.astype(jnp.int32)),
+  sizes = group_sizes.astype(jnp.int32)
+  index = sizes if lhs_index is None else lhs_index.astype(jnp.int32)  # (a stand-in: never read)
+  return _launch(_fp8_gmm_kernel, grid, (lhs_q, lhs_scale, rhs_q, rhs_scale, sizes, index),
                  jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype)),
-                 M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g, s_bg=strides[0], s_bk=strides[1],
-                 s_bn=strides[2], s_sg=s_strides[0], s_sk=s_strides[1], s_sn=s_strides[2], **launch)
+                 HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g,
+                 s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0], s_sk=s_strides[1], s_sn=s_strides[2], **launch)
 
 
 def triton_fp8_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups=None,

@@ -184,6 +184,25 @@ def test_one_pass_quantisers_give_the_cpus_bits(dtype):
       np.testing.assert_array_equal(np.asarray(s), np.asarray(ws), err_msg=what)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gmm_through_a_row_index_gives_the_gathered_launchs_bits(transpose):
+  """The gmm kernel reading its rows through `lhs_index` (top-k dispatch's sort order: each source
+  row read by K product rows) gives the bits of the same launch on the gathered operands."""
+  m, k, n, _ = SHAPES["base"]
+  fan_out, gs = 3, _group_sizes(m, None, seed=11)
+  rng = np.random.default_rng(12)
+  kc = n if transpose else k
+  lq, ls = fp8.quantize_tiles(jnp.asarray(_operand(rng, (-(-m // fan_out), kc), (0, 1), SPREAD)), axis=1)
+  rq, rs = fp8.quantize_blocks(jnp.asarray(_operand(rng, (len(gs), k, n), (1, 2), SPREAD)))
+  index = jnp.asarray(rng.permutation(m) % lq.shape[0], jnp.int32)
+  run = jax.jit(lambda q, sc, i: tf.triton_fp8_gmm(q, sc, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
+                                                   out_dtype=jnp.float32, lhs_index=i))
+  got = np.asarray(run(lq, ls, index))
+  want = np.asarray(run(jnp.take(lq, index, axis=0), jnp.take(ls, index, axis=0), None))
+  assert np.all(np.isfinite(want))
+  np.testing.assert_array_equal(got, want)
+
+
 def _host_refs(lhs, rhs, cot, gs, transpose):
   """fp8_gmm's output and both gradients from the FP8 values, in float64 loops on the host (the
   quantisation on the CPU device)."""

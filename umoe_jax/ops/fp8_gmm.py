@@ -59,11 +59,20 @@ def quantize(backend_name: str, x, axis: int, index=None):
   return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=axis)
 
 
-def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype):
+def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype,
+                  lhs_index=None):
   """The forward product from already quantised rows (`quantize(backend_name, lhs, 1)`): rows may
-  be quantised before they are gathered into expert order, since their tiles run along the row."""
-  return BACKENDS.get(backend_name).fp8_gmm(lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
-                                            transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+  be quantised before they are gathered into expert order, since their tiles run along the row.
+  With `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the
+  index by a backend with `row_index`, gathered by XLA for the others."""
+  backend = BACKENDS.get(backend_name)
+  extra = {}
+  if lhs_index is not None and backend.row_index:
+    extra["lhs_index"] = lhs_index
+  elif lhs_index is not None:
+    lhs_q, lhs_scale = jnp.take(lhs_q, lhs_index, axis=0), jnp.take(lhs_scale, lhs_index, axis=0)
+  return backend.fp8_gmm(lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
+                         transpose_rhs=transpose_rhs, out_dtype=out_dtype, **extra)
 
 
 def row_blocks(rows, splits: int):

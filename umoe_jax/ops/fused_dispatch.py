@@ -142,11 +142,13 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
   return dx.reshape(-1, dx.shape[-1])                                                    # [N*S, D]
 
 
-# The FP8 weight gradient of the first matmul quantises the token rows in expert order through the
-# sort order (`fp8_gmm.quantize` with an index) instead of from a gathered [N*K, D] copy. Off until
-# bench/train_step.py --fp8_quantize_through_index=0,1 has timed it (the triton quantisers' index
-# form gives the CPU's bits on an H100: tests/gpu/test_fp8_gpu.py).
-FP8_QUANTIZE_THROUGH_INDEX = False
+# The FP8 form of the first matmul reads the token rows in expert order through the sort order:
+# the forward's kernel reads the quantised rows through it (`fp8_gmm.quantized_gmm` with an index)
+# and the weight gradient quantises them through it (`fp8_gmm.quantize` with an index), instead of
+# from gathered [N*K, D] copies. Off until bench/train_step.py --fp8_rows_through_index=0,1 has
+# timed it (the triton quantisers' index form gives the CPU's bits on an H100:
+# tests/gpu/test_fp8_gpu.py).
+FP8_ROWS_THROUGH_INDEX = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,8 +162,11 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
     q, scale = quantize(backend_name, x, 1)
-    out = quantized_gmm(backend_name, jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0), rhs,
-                        gs, False, x.dtype)
+    if FP8_ROWS_THROUGH_INDEX:
+      out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src)
+    else:
+      out = quantized_gmm(backend_name, jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0), rhs,
+                          gs, False, x.dtype)
     return vary_like(out, varying_axes(x) | varying_axes(rhs))
 
   def fwd(x, rhs, gs, src, inverse):
@@ -169,7 +174,7 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
-    if FP8_QUANTIZE_THROUGH_INDEX:
+    if FP8_ROWS_THROUGH_INDEX:
       drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src)
     else:
       drows, drhs = gradients(backend_name, jnp.take(x, src, axis=0), rhs, gs, False,
