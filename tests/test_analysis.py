@@ -418,6 +418,46 @@ def test_plot_command_names_probe_size_and_interval(tmp_path, monkeypatch):
       "a (4,096 tokens)", "b (1,024 tokens)"]
 
 
+def test_relative_plot_against_a_baseline_run(tmp_path, capsys, monkeypatch):
+  """--baseline: each other run's LM loss over the baseline's at the steps both logged, minus 1, in
+  percent (training and held-out separately; a step one run lacks is left out), drawn in
+  relative.png; a baseline that is not one of the runs, or alone, is refused naming it."""
+  from umoe_jax.plot import runs as plot
+  rng = np.random.default_rng(3)
+  steps = [25, 50, 75, 100]
+  base_train, base_eval = 3.0 + rng.random(4), {0: 11.0, 100: 3.5}
+  other_train, other_eval = base_train * (1 + rng.normal(0, 0.01, 4)), {0: 11.05, 100: 3.4, 200: 3.3}
+  a, b, c = (str(tmp_path / n) for n in ("bf16", "fp8", "other"))
+  _write_metrics(a, [{"step": s, "train/lm_loss": v} for s, v in zip(steps, base_train)]
+                 + [{"step": s, "eval/loss": v} for s, v in base_eval.items()])
+  _write_metrics(b, [{"step": s, "train/lm_loss": v} for s, v in zip(steps[:3] + [110], other_train)]
+                 + [{"step": s, "eval/loss": v} for s, v in other_eval.items()])
+  _write_metrics(c, [{"step": 999, "eval/loss": 1.0}])
+  rel = plot.relative_series(plot.read_metrics(b), plot.read_metrics(a))
+  assert rel["train/lm_loss"][0] == steps[:3]
+  np.testing.assert_allclose(rel["train/lm_loss"][1], [100 * (o / t - 1) for o, t in zip(other_train[:3], base_train[:3])])
+  assert rel["eval/loss"][0] == [0, 100]
+  np.testing.assert_allclose(rel["eval/loss"][1], [100 * (11.05 / 11.0 - 1), 100 * (3.4 / 3.5 - 1)])
+  figs = {}
+  monkeypatch.setattr(plots, "save_png", lambda fig, path: figs.setdefault(os.path.basename(path), fig) and path)
+  assert plot.plot_runs([a, b], str(tmp_path / "out"), "T", baseline=a)[-1].endswith("relative.png")
+  fig = figs.pop("relative.png")
+  assert fig._suptitle.get_text() == "T: LM loss relative to bf16"
+  lines = [l for l in fig.axes[0].get_lines() if len(l.get_xdata()) > 1 and l.get_color() != "black"]
+  assert [list(l.get_xdata()) for l in lines] == [steps[:3], [0, 100]]
+  np.testing.assert_allclose(lines[1].get_ydata(), rel["eval/loss"][1])
+  assert "relative.png" not in figs and plot.plot_runs([a, b], str(tmp_path / "o2")) == [str(tmp_path / "o2" / "curves.png")]
+  for runs, baseline, words in (([a, b], c, "is not one of the runs"), ([a], a, "needs another run"),
+                                ([a, c], a, "no step at which the baseline 'bf16'")):
+    with pytest.raises(ValueError, match=words):
+      plot.plot_runs(runs, str(tmp_path / "o3"), baseline=baseline)
+  monkeypatch.undo()
+  assert plot.main([a, b, "--out", str(tmp_path / "o4"), "--baseline", "bf16"]) == 0
+  assert capsys.readouterr().out.split() == [str(tmp_path / "o4" / n) for n in ("curves.png", "relative.png")]
+  assert plot.main([a, b, "--out", str(tmp_path / "o5"), "--baseline", "nope"]) == 2
+  assert "--baseline='nope' is not one of the runs" in capsys.readouterr().err
+
+
 def test_loss_figure_of_one_step():
   """A run with one record so far (the evaluation at step 0): the step axis shows that step, not
   fractional steps -0.045 .. 0.045 around it."""

@@ -7,6 +7,7 @@
                                   (grey cells: no value, e.g. an expert nobody picked)
   fluctuation_figure(series)      top-1 change and top-k Jaccard against the training step
   loss_figure(runs)               LM loss and perplexity (train lines, eval markers) of several runs
+  relative_figure(runs, baseline) their LM loss relative to a baseline run's, in percent
   save_png(fig, path) / png_bytes(fig)
 """
 from __future__ import annotations
@@ -288,4 +289,31 @@ def loss_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[
   ax_ppl.legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=9,
                 frameon=False)
   fig.suptitle(title or "Training curves")
+  return fig
+
+
+def relative_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+                    baseline: str, title: str = "") -> Figure:
+  """{run: {"train/lm_loss" / "eval/loss": (steps, percent over the baseline's)}} -> one panel, a
+  colour per run (after the baseline's C0, as in loss_figure when the baseline comes first),
+  training as a line and evaluation as a dashed line with markers, zero marked."""
+  fig = Figure(figsize=(9.0, 4.0), layout="constrained")
+  ax = fig.add_subplot()
+  ax.axhline(0.0, color="black", linewidth=0.8)
+  for i, (run, series) in enumerate(runs.items(), 1):
+    color = f"C{i % 10}"
+    if "train/lm_loss" in series:
+      ax.plot(*series["train/lm_loss"], color=color, linewidth=1.1, alpha=0.8)
+    if "eval/loss" in series:
+      ax.plot(*series["eval/loss"], color=color, linestyle="--", marker="o", markersize=4)
+  ax.set_xlabel("training step")
+  ax.set_ylabel(f"LM loss / {baseline}'s - 1 (%)")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+  ax.grid(alpha=0.3)
+  handles = [Line2D([], [], color=f"C{i % 10}", linewidth=2, label=run) for i, run in enumerate(runs, 1)]
+  handles += [Line2D([], [], color="gray", label="train (interval mean)"),
+              Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4,
+                     label="eval (held-out)")]
+  ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=9, frameon=False)
+  fig.suptitle(f"{title + ': ' if title else ''}LM loss relative to {baseline}")
   return fig

@@ -1,6 +1,6 @@
 r"""Plots of training runs from their metrics.jsonl.
 
-  python -m umoe_jax.plot runs/a runs/b [--out=plots] [--title="..."]
+  python -m umoe_jax.plot runs/a runs/b [--out=plots] [--title="..."] [--baseline=runs/a]
 
 Writes into --out (created):
   curves.png                 LM loss and perplexity of every run against the step (training
@@ -9,7 +9,12 @@ Writes into --out (created):
                              the top-1 change and top-k Jaccard against the step: one run = one line
                              per router and their mean, several runs = the mean of each run;
                              the titles say the probe's size and the steps each point is compared
-                             with (routing/probe_tokens, routing/previous_step).
+                             with (routing/probe_tokens, routing/previous_step);
+  relative.png               with --baseline (one of the runs): every other run's LM loss over the
+                             baseline's at the steps both logged, minus 1, in percent (training
+                             interval means as lines, held-out evaluations as dashed markers): the
+                             differences of runs from one seed (bf16 and fp8, say) that the curves'
+                             scale hides.
 Each argument is a run's workdir (or its metrics.jsonl), named in the legends by its directory name
 (with parent directories where two names are the same). A step logged twice (a resumed run) keeps
 its last record, and the steps after a run's resume point that an earlier run logged and the resumed
@@ -99,6 +104,24 @@ def run_labels(runs: Sequence[str]) -> list[str]:
   return out
 
 
+RELATIVE_KEYS = ("train/lm_loss", "eval/loss")
+
+
+def relative_series(metrics: dict[str, tuple[list, list]], baseline: dict[str, tuple[list, list]]
+                    ) -> dict[str, tuple[list, list]]:
+  """{key: (steps, 100 * (value / baseline's value - 1))} for the RELATIVE_KEYS, at the steps both
+  runs logged (a key either run lacks, or one with no common step, is left out)."""
+  out = {}
+  for key in RELATIVE_KEYS:
+    if key not in metrics or key not in baseline:
+      continue
+    base = dict(zip(*baseline[key]))
+    points = [(s, 100.0 * (v / base[s] - 1.0)) for s, v in zip(*metrics[key]) if s in base and base[s]]
+    if points:
+      out[key] = ([s for s, _ in points], [r for _, r in points])
+  return out
+
+
 def fluctuation_series(metrics: dict[str, tuple[list, list]]) -> dict[str, tuple]:
   """{router (or "mean over routers"): (steps, top-1 change, Jaccard)} of one run's routing keys."""
   out = {}
@@ -135,20 +158,33 @@ def _reference(gaps: Sequence[int]) -> str:
   return "the previous evaluation"
 
 
-def plot_runs(runs: Sequence[str], out_dir: str, title: str = "") -> list[str]:
+def plot_runs(runs: Sequence[str], out_dir: str, title: str = "", baseline: str | None = None) -> list[str]:
   """Writes the figures of the module docstring; returns their paths."""
   from umoe_jax.plot import figures as plots
   from umoe_jax.output import check_output_path
 
   if not runs:
     raise ValueError("give at least one run directory")
-  metrics = {label: read_metrics(run) for run, label in zip(runs, run_labels(runs))}
+  labels = run_labels(runs)
+  if baseline is not None and baseline not in runs and baseline not in labels:
+    raise ValueError(f"--baseline={baseline!r} is not one of the runs ({', '.join(runs)})")
+  if baseline is not None and len(runs) < 2:
+    raise ValueError("--baseline needs another run to compare with it")
+  metrics = {label: read_metrics(run) for run, label in zip(runs, labels)}
   curves = {label: {k: m[k] for k in CURVE_KEYS if k in m} for label, m in metrics.items()}
   if not any(curves.values()):
     raise ValueError(f"no loss records ({', '.join(CURVE_KEYS)}) in {', '.join(runs)}")
   check_output_path(out_dir, "--out", directory=True)  # makes it; ValueError if it cannot be
   written = [plots.save_png(plots.loss_figure(curves, title),
                             storage.join(out_dir, "curves.png"))]
+  if baseline is not None:
+    base = labels[list(runs).index(baseline)] if baseline in runs else baseline
+    rel = {label: relative_series(m, metrics[base]) for label, m in metrics.items() if label != base}
+    if not any(rel.values()):
+      raise ValueError(f"no step at which the baseline {base!r} and another run both logged "
+                       f"{' or '.join(RELATIVE_KEYS)}")
+    fig = plots.relative_figure(rel, base, title)
+    written.append(plots.save_png(fig, storage.join(out_dir, "relative.png")))
   fluct = {label: fluctuation_series(m) for label, m in metrics.items()}
   fluct = {label: f for label, f in fluct.items() if f}
   if fluct:
@@ -180,9 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("runs", nargs="+", help="training workdirs (or their metrics.jsonl)")
   parser.add_argument("--out", default="plots", help="output directory (default: plots)")
   parser.add_argument("--title", default="", help="title of the curves figure")
+  parser.add_argument("--baseline", default=None,
+                      help="one of the runs: also plot the others' loss relative to it (relative.png)")
   args = parser.parse_args(argv)
   try:
-    written = plot_runs(args.runs, args.out, args.title)
+    written = plot_runs(args.runs, args.out, args.title, args.baseline)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
