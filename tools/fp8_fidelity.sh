@@ -3,8 +3,9 @@
 # STEPS steps of 16 x 1024 GPT-2 tokens of the linux-docs corpus, all runs side by side on one GPU
 # (their step times are not comparable; their losses are). Each run's metrics.jsonl (and config)
 # goes to OUT/<family>_<precision>/; the last lines compare the held-out losses, and
-#   python3 -m umoe_jax.plot OUT/umoe_bf16 OUT/umoe_fp8 --out=docs/images/fp8
-# draws the curves.
+#   python3 -m umoe_jax.plot OUT/umoe_bf16 OUT/umoe_fp8 --baseline=OUT/umoe_bf16 --out=plots/fp8
+# draws the curves and the fp8 run's loss relative to bf16's (the runs of docs/training.md are in
+# bench/results/fp8_fidelity/).
 #
 #   tools/fp8_fidelity.sh "umoe ffn_moe" [STEPS=2000] [MEM_FRACTION=0.22]
 #
