@@ -420,8 +420,9 @@ def test_plot_command_names_probe_size_and_interval(tmp_path, monkeypatch):
 
 def test_relative_plot_against_a_baseline_run(tmp_path, capsys, monkeypatch):
   """--baseline: each other run's LM loss over the baseline's at the steps both logged, minus 1, in
-  percent (training and held-out separately; a step one run lacks is left out), drawn in
-  relative.png; a baseline that is not one of the runs, or alone, is refused naming it."""
+  percent (training and held-out separately; a step one run lacks, or where the baseline's is 0, is
+  left out), drawn in relative.png in each run's curves.png colour; a baseline that is not one of
+  the runs, alone, or without a common step is refused naming it, before anything is written."""
   from umoe_jax.plot import runs as plot
   rng = np.random.default_rng(3)
   steps = [25, 50, 75, 100]
@@ -429,7 +430,8 @@ def test_relative_plot_against_a_baseline_run(tmp_path, capsys, monkeypatch):
   other_train, other_eval = base_train * (1 + rng.normal(0, 0.01, 4)), {0: 11.05, 100: 3.4, 200: 3.3}
   a, b, c = (str(tmp_path / n) for n in ("bf16", "fp8", "other"))
   _write_metrics(a, [{"step": s, "train/lm_loss": v} for s, v in zip(steps, base_train)]
-                 + [{"step": s, "eval/loss": v} for s, v in base_eval.items()])
+                 + [{"step": s, "eval/loss": v} for s, v in base_eval.items()]
+                 + [{"step": 110, "train/lm_loss": 0.0}])
   _write_metrics(b, [{"step": s, "train/lm_loss": v} for s, v in zip(steps[:3] + [110], other_train)]
                  + [{"step": s, "eval/loss": v} for s, v in other_eval.items()])
   _write_metrics(c, [{"step": 999, "eval/loss": 1.0}])
@@ -447,10 +449,16 @@ def test_relative_plot_against_a_baseline_run(tmp_path, capsys, monkeypatch):
   assert [list(l.get_xdata()) for l in lines] == [steps[:3], [0, 100]]
   np.testing.assert_allclose(lines[1].get_ydata(), rel["eval/loss"][1])
   assert "relative.png" not in figs and plot.plot_runs([a, b], str(tmp_path / "o2")) == [str(tmp_path / "o2" / "curves.png")]
+  # The baseline second: the other run keeps its curves.png colour (C0).
+  plot.plot_runs([b, a], str(tmp_path / "o6"), baseline=a)
+  fig = figs.pop("relative.png")
+  assert {l.get_color() for l in fig.axes[0].get_lines() if l.get_color() != "black"} == {"C0"}
+  assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()][0] == "fp8"
   for runs, baseline, words in (([a, b], c, "is not one of the runs"), ([a], a, "needs another run"),
                                 ([a, c], a, "no step at which the baseline 'bf16'")):
     with pytest.raises(ValueError, match=words):
       plot.plot_runs(runs, str(tmp_path / "o3"), baseline=baseline)
+    assert not os.path.exists(tmp_path / "o3")
   monkeypatch.undo()
   assert plot.main([a, b, "--out", str(tmp_path / "o4"), "--baseline", "bf16"]) == 0
   assert capsys.readouterr().out.split() == [str(tmp_path / "o4" / n) for n in ("curves.png", "relative.png")]

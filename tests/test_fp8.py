@@ -500,6 +500,22 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   (shape, scale_shape, index), = [c for c in forward if c[2] is not None]
   assert shape == (n_tok, d) and scale_shape == (n_tok, 2)
   np.testing.assert_array_equal(np.asarray(index), np.asarray(plan.order) // k)
+  # One row a slot among others (pre-mixing's [N, 1 + K, D], slots 1..K read in place): the kernel
+  # reads row n * (1 + K) + 1 + j for slot j of token n, as the switch-off path's gathered copy.
+  x3 = jnp.asarray(rng.normal(size=(n_tok, 1 + k, d)).astype(np.float32))
+  loss3 = lambda a, b: jnp.sum(fused_dispatch.gather_gmm(a, b, plan, k, backend="xla", fp8=True,
+                                                         first_slot=1) * cot)
+  got3 = jax.value_and_grad(loss3, argnums=(0, 1))(x3, w)
+  shape, _, index = [c for c in forward if c[2] is not None][-1]
+  assert shape == (n_tok * (1 + k), d)
+  order = np.asarray(plan.order)
+  np.testing.assert_array_equal(np.asarray(index), order // k * (1 + k) + 1 + order % k)
+  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", False)
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  want3 = jax.value_and_grad(loss3, argnums=(0, 1))(x3, w)
+  for g, r in zip(jax.tree.leaves(got3), jax.tree.leaves(want3)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  assert np.all(np.asarray(got3[1][0])[:, 0] == 0) and np.any(np.asarray(got3[1][0])[:, 1:] != 0)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
 
 

@@ -145,18 +145,19 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
 # The FP8 form of the first matmul reads the token rows in expert order through the sort order:
 # the forward's kernel reads the quantised rows through it (`fp8_gmm.quantized_gmm` with an index)
 # and the weight gradient quantises them through it (`fp8_gmm.quantize` with an index), instead of
-# from gathered [N*K, D] copies. Off until bench/train_step.py --fp8_rows_through_index=0,1 has
-# timed it (the triton quantisers' index form gives the CPU's bits on an H100:
-# tests/gpu/test_fp8_gpu.py).
+# from gathered [N*K, D] copies. Off until bench/train_step.py has timed rows with
+# /fp8_rows_through_index=0 and =1 (on an H100 the triton quantisers' index form gives the CPU's
+# bits and the gmm kernel's the gathered launch's: tests/gpu/test_fp8_gpu.py).
 FP8_ROWS_THROUGH_INDEX = False
 
 
 @functools.lru_cache(maxsize=None)
 def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None):
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
-  they are and their FP8 values and scales gathered: a row's tiles run along the row, so this equals
-  quantising the gathered copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients of
-  the gathered rows, the input gradient fanned in as `_gather_gmm_fn`'s."""
+  they are and their FP8 values and scales gathered (or read through the sort order by the kernel,
+  FP8_ROWS_THROUGH_INDEX): a row's tiles run along the row, so this equals quantising the gathered
+  copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients of the gathered rows, the
+  input gradient fanned in as `_gather_gmm_fn`'s."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
@@ -197,8 +198,8 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
     rhs: [E, D, F].
     plan: `make_plan(expert_ids [N, K], E)`.
     slots: K.
-    fp8: FP8 operands (train.precision=fp8): the rows quantised before they are gathered, then
-      the backend's FP8 gmm (`_fp8_gather_gmm_fn`).
+    fp8: FP8 operands (train.precision=fp8): the rows quantised before they are gathered (or
+      read through the sort order), then the backend's FP8 gmm (`_fp8_gather_gmm_fn`).
   Returns:
     [M, F], rows in expert order (M = N*K).
   """

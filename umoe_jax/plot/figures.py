@@ -293,15 +293,16 @@ def loss_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[
 
 
 def relative_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
-                    baseline: str, title: str = "") -> Figure:
-  """{run: {"train/lm_loss" / "eval/loss": (steps, percent over the baseline's)}} -> one panel, a
-  colour per run (after the baseline's C0, as in loss_figure when the baseline comes first),
-  training as a line and evaluation as a dashed line with markers, zero marked."""
+                    baseline: str, title: str = "", colors: Mapping[str, str] | None = None) -> Figure:
+  """{run: {"train/lm_loss" / "eval/loss": (steps, percent over the baseline's)}} -> one panel,
+  training as a line and evaluation as a dashed line with markers, zero marked; a run's colour is
+  colors[run] (the one it has in loss_figure; default C1, C2, ... in order)."""
+  colors = colors or {run: f"C{i % 10}" for i, run in enumerate(runs, 1)}
   fig = Figure(figsize=(9.0, 4.0), layout="constrained")
   ax = fig.add_subplot()
   ax.axhline(0.0, color="black", linewidth=0.8)
-  for i, (run, series) in enumerate(runs.items(), 1):
-    color = f"C{i % 10}"
+  for run, series in runs.items():
+    color = colors[run]
     if "train/lm_loss" in series:
       ax.plot(*series["train/lm_loss"], color=color, linewidth=1.1, alpha=0.8)
     if "eval/loss" in series:
@@ -310,7 +311,7 @@ def relative_figure(runs: Mapping[str, Mapping[str, tuple[Sequence[float], Seque
   ax.set_ylabel(f"LM loss / {baseline}'s - 1 (%)")
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.grid(alpha=0.3)
-  handles = [Line2D([], [], color=f"C{i % 10}", linewidth=2, label=run) for i, run in enumerate(runs, 1)]
+  handles = [Line2D([], [], color=colors[run], linewidth=2, label=run) for run in runs]
   handles += [Line2D([], [], color="gray", label="train (interval mean)"),
               Line2D([], [], color="gray", linestyle="--", marker="o", markersize=4,
                      label="eval (held-out)")]

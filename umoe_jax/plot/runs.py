@@ -174,16 +174,20 @@ def plot_runs(runs: Sequence[str], out_dir: str, title: str = "", baseline: str 
   curves = {label: {k: m[k] for k in CURVE_KEYS if k in m} for label, m in metrics.items()}
   if not any(curves.values()):
     raise ValueError(f"no loss records ({', '.join(CURVE_KEYS)}) in {', '.join(runs)}")
-  check_output_path(out_dir, "--out", directory=True)  # makes it; ValueError if it cannot be
-  written = [plots.save_png(plots.loss_figure(curves, title),
-                            storage.join(out_dir, "curves.png"))]
+  rel = {}
   if baseline is not None:
     base = labels[list(runs).index(baseline)] if baseline in runs else baseline
     rel = {label: relative_series(m, metrics[base]) for label, m in metrics.items() if label != base}
-    if not any(rel.values()):
+    rel = {label: series for label, series in rel.items() if series}
+    if not rel:
       raise ValueError(f"no step at which the baseline {base!r} and another run both logged "
                        f"{' or '.join(RELATIVE_KEYS)}")
-    fig = plots.relative_figure(rel, base, title)
+  check_output_path(out_dir, "--out", directory=True)  # makes it; ValueError if it cannot be
+  written = [plots.save_png(plots.loss_figure(curves, title),
+                            storage.join(out_dir, "curves.png"))]
+  if rel:  # each run in its curves.png colour
+    colors = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    fig = plots.relative_figure(rel, base, title, colors)
     written.append(plots.save_png(fig, storage.join(out_dir, "relative.png")))
   fluct = {label: fluctuation_series(m) for label, m in metrics.items()}
   fluct = {label: f for label, f in fluct.items() if f}
