@@ -360,7 +360,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   return _launch(_fp8_gmm_kernel, grid, (lhs_q, lhs_scale, rhs_q, rhs_scale, sizes, index),
                  jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype)),
                  HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g,
-                 s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0], s_sk=s_strides[1], s_sn=s_strides[2], **launch)
+                 s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0],
+                 s_sk=s_strides[1], s_sn=s_strides[2], **launch)
 
 
 def triton_fp8_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups=None,

@@ -163,11 +163,10 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
     q, scale = quantize(backend_name, x, 1)
-    if FP8_ROWS_THROUGH_INDEX:
-      out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src)
-    else:
-      out = quantized_gmm(backend_name, jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0), rhs,
-                          gs, False, x.dtype)
+    index = src if FP8_ROWS_THROUGH_INDEX else None
+    if index is None:
+      q, scale = jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0)
+    out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=index)
     return vary_like(out, varying_axes(x) | varying_axes(rhs))
 
   def fwd(x, rhs, gs, src, inverse):
@@ -175,11 +174,9 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
-    if FP8_ROWS_THROUGH_INDEX:
-      drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src)
-    else:
-      drows, drhs = gradients(backend_name, jnp.take(x, src, axis=0), rhs, gs, False,
-                              dout.astype(x.dtype))
+    index = src if FP8_ROWS_THROUGH_INDEX else None
+    rows = x if index is not None else jnp.take(x, src, axis=0)
+    drows, drhs = gradients(backend_name, rows, rhs, gs, False, dout.astype(x.dtype), lhs_index=index)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
