@@ -12,6 +12,9 @@ memory. Usage (GPU):
       [--fused_loss_head=0|1]   (train.fused_loss_head: LM head + cross-entropy as one op, unchunked)
       [--mu_dtype=float32|bfloat16]   (train.mu_dtype: AdamW's first moment)
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
+      [--compile_only]   (compile the rows into --compilation_cache_dir and time nothing: several
+                    such commands at once compile a long row list in parallel; a Zipf row's program
+                    is its uniform row's, so it needs none of its own)
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored_pairs]   (model.attention.core_backward)
       [--router_logits_dtype=float32|bfloat16]   (model.router.logits_dtype: x W_r's operands)
@@ -39,8 +42,8 @@ A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]][/FLAG=VALUE...]
 "-" takes --exchange / --chunks / --capacity_factor, then the config's; /precision=, /zipf=,
 /routing=, /fp8_rows_through_index= and /dense_wgrad_splits= set those flags for that row
 alone, so one run list holds uniform, Zipf-skewed and balanced rows in both precisions:
-  --runs=umoe_base:single,umoe_base:single/zipf=1.1,umoe_base:single/routing=balanced/precision=fp8 Layouts over N devices (default: all;
-@N takes the first N):
+  --runs=umoe_base:single,umoe_base:single/zipf=1.1,umoe_base:single/routing=balanced/precision=fp8
+Layouts over N devices (default: all; @N takes the first N):
   single       one device
   data         data parallel (mesh data=N)
   fsdp         FSDP (mesh fsdp=N: params and optimizer state split, batch split)
@@ -289,6 +292,9 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
                              expert_chunks=chunks):
     t0 = time.perf_counter()
     state = progs.init_fn(config.train.seed)
+    if args.compile_only:
+      progs.train_fn.lower(state, batch).compile()
+      return dict(config=name, layout=layout, compile_only=True, compile_s=time.perf_counter() - t0)
     # With --profile the step is compiled ahead, so its HLO text names the profiled ops.
     step_fn = progs.train_fn.lower(state, batch).compile() if args.profile else progs.train_fn
     state, m = step_fn(state, batch)
@@ -508,6 +514,10 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--compilation_cache_dir", default="",
                   help="train.compilation_cache_dir: JAX's persistent compilation cache (a row "
                        "compiled before, in this or an earlier command, loads its executable)")
+  ap.add_argument("--compile_only", action="store_true",
+                  help="lower and compile each row's step into --compilation_cache_dir and run "
+                       "nothing (no rows written): rows compiled so by parallel commands load "
+                       "their executables when a later command times them one at a time")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   results.add_flag(ap)
   return ap
@@ -515,7 +525,7 @@ def parser() -> argparse.ArgumentParser:
 
 # Flags that say how a command runs its rows, not what a row measures: never a row's overrides.
 BOOKKEEPING = ("configs", "layouts", "runs", "steps", "warmup", "out", "results", "time_limit_s",
-               "in_process", "compilation_cache_dir")
+               "in_process", "compilation_cache_dir", "compile_only")
 
 
 def measurement(r: dict, args) -> dict | None:
@@ -524,7 +534,7 @@ def measurement(r: dict, args) -> dict | None:
   flags that differ from their defaults, and the layout of a row over several devices; anchor = the
   official PyTorch code's tokens/s for a one-device row, linear scaling of this command's single row
   for one over several."""
-  if "error" in r or not r["loss_check"]:
+  if "error" in r or r.get("compile_only") or not r["loss_check"]:
     return None
   defaults = vars(parser().parse_args([]))
   overrides = {k: v for k, v in sorted(vars(args).items())
@@ -574,6 +584,8 @@ def main():
   if args.compilation_cache_dir:
     from umoe_jax.train import loop
     loop.use_compilation_cache(args.compilation_cache_dir)
+  if args.compile_only and not args.compilation_cache_dir:
+    ap.error("--compile_only keeps its executables in --compilation_cache_dir; give one")
   if args.profile:  # kernels inside CUDA graphs are not attributed to their ops (profile_table.py)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   rows = []
@@ -602,14 +614,17 @@ def main():
                             run["capacity_factor"]) if in_process
                   else _bench_subprocess(run))
       r = rows[-1]
-      log(f"{name:14s} {layout:14s} {r['exchange']:10s} c{r['chunks']} step {r['step_ms']:8.1f} ms  "
-          f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
-          f"loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
-          f"(check {'ok' if r['loss_check'] else 'FAILED'})  compile {r['compile_s']:.0f}s  "
-          f"mem {r['peak_mem_gb']:.1f} GB"
-          + (f"  loss chunks {r['loss_chunk_tokens']}" if r.get("loss_chunk_tokens") else "")
-          + (f"  load max/mean {r['routing_load']['median']:.2f} (worst router "
-             f"{r['routing_load']['max']:.2f})" if r.get("routing_load") else ""))
+      if r.get("compile_only"):
+        log(f"{row_spec(run)}: compiled in {r['compile_s']:.0f} s")
+      else:
+        log(f"{name:14s} {layout:14s} {r['exchange']:10s} c{r['chunks']} step {r['step_ms']:8.1f} ms  "
+            f"{r['tokens_per_s'] / 1e3:8.1f}k tok/s  MFU {100 * r['mfu']:5.1f}%  "
+            f"loss {r['first_loss']:.3f}->{r['last_loss']:.3f} "
+            f"(check {'ok' if r['loss_check'] else 'FAILED'})  compile {r['compile_s']:.0f}s  "
+            f"mem {r['peak_mem_gb']:.1f} GB"
+            + (f"  loss chunks {r['loss_chunk_tokens']}" if r.get("loss_chunk_tokens") else "")
+            + (f"  load max/mean {r['routing_load']['median']:.2f} (worst router "
+               f"{r['routing_load']['max']:.2f})" if r.get("routing_load") else ""))
     except Exception as e:  # noqa: BLE001  (report and go on with the next row)
       log(f"{row_spec(run)}: FAILED {type(e).__name__}: {str(e)[:400]}")
       rows.append(dict(config=name, layout=layout, error=f"{type(e).__name__}: {e}"[:2000]))
@@ -641,7 +656,7 @@ def add_efficiency(rows: list) -> None:
   """rows[i]["scaling_efficiency"] = tokens/s per device / the same config's single-device tokens/s
   in the same mode (rows of the same --batch and --seq_len: one command); rows[i]["vs_bf16"] = the
   row's step time / the bf16 row's of the same config, layout, tokens and routing."""
-  ok = [r for r in rows if "error" not in r]
+  ok = [r for r in rows if "error" not in r and not r.get("compile_only")]
   single = {(r["config"], mode(r)): r["tokens_per_s"] for r in ok
             if r["devices"] == 1 and r["layout"] == "single"}
   bf16 = {(r["config"], r["layout"], *mode(r)[1:]): r["step_ms"] for r in ok if mode(r)[0] == "bf16"}
@@ -654,6 +669,9 @@ def add_efficiency(rows: list) -> None:
 
 
 def print_table(rows: list) -> None:
+  rows = [r for r in rows if not r.get("compile_only")]
+  if not rows:
+    return
   log("\nconfig          layout          dev  mesh (d,f,t,e)  exchange    chunks  cf     step ms   "
       "tok/s (k)  per dev  efficiency  MFU    peak GB  anchor (k, official torch)  load   vs bf16  mode")
   for r in rows:

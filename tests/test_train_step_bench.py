@@ -59,6 +59,8 @@ def test_routing_load_is_each_routers_largest_load_over_the_mean():
 @pytest.mark.parametrize("flag,message", [("--zipf=-1", "--zipf=-1.0: an exponent >= 0"),
                                           ("--zipf=nan", "--zipf=nan: an exponent >= 0"),
                                           ("--tgmm_big_first_skew=0", "--tgmm_big_first_skew=0: >= 1"),
+                                          ("--compile_only", "--compile_only keeps its executables in "
+                                                             "--compilation_cache_dir"),
                                           # removed options: no flag
                                           ("--router_one_pass=1", "unrecognized arguments"),
                                           ("--split_key_width=0", "unrecognized arguments")])
@@ -113,3 +115,30 @@ def test_a_row_records_the_kernel_switches_it_ran_with(tmp_path):
   assert "error" not in row, row["error"]
   assert row["core_backward"] == "recompute" and row["tgmm_big_first_skew"] == 1, row
   assert row["loss_check"], row
+
+
+@pytest.mark.slow
+def test_compile_only_rows_fill_the_cache_that_a_timed_row_then_loads(tmp_path):
+  """`--compile_only` writes each row's step program into the cache and no results row; a later
+  timed command of the same rows (one of them Zipf-skewed: the same program) loads them, adding no
+  program of its own to the cache."""
+  import json
+  cache, env = tmp_path / "cache", dict(os.environ, JAX_PLATFORMS="cpu")
+  common = ["--batch=2", "--seq_len=32", f"--compilation_cache_dir={cache}"]
+  out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single,umoe_tiny:single/precision=fp8",
+                        "--compile_only", f"--out={tmp_path}/a", f"--results={tmp_path}/a/rows.jsonl",
+                        *common], capture_output=True, text=True, timeout=600, env=env)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  rows = json.loads((tmp_path / "a" / "train_step.json").read_text())
+  assert [(r["compile_only"], "step_ms" in r) for r in rows] == [(True, False)] * 2, rows
+  assert not (tmp_path / "a" / "rows.jsonl").exists()
+  steps = lambda: sorted(p.name for p in cache.iterdir() if p.name.startswith("jit_train_step"))
+  compiled = steps()
+  assert len(compiled) == 2, compiled                  # bf16 and fp8: two programs
+  out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single/zipf=1.1,umoe_tiny:single/precision=fp8",
+                        "--steps=1", "--warmup=0", f"--out={tmp_path}/b", "--results=none", *common],
+                       capture_output=True, text=True, timeout=600, env=env)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  rows = json.loads((tmp_path / "b" / "train_step.json").read_text())
+  assert all("error" not in r and r["loss_check"] for r in rows), rows
+  assert steps() == compiled
