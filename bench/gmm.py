@@ -19,6 +19,8 @@ $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no ro
 (backend, op, shape): the rows to paste into tuning.TABLE. --sweep-gathered does the same for the
 calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.json, which
 bench/train_step.py --gmm_tiles loads (the step timed with them before they go into the table).
+--sweep-fp8 times the Triton FP8 kernels' candidate tiles (forward, input and weight gradient, on
+operands quantised beforehand; bench/gmm_fp8.py) and prints the rows for triton_fp8_gmm.TABLE.
 Group sizes: Dirichlet(alpha=4) as in shared/anchors/grouped_matmul_anchors.py. Inputs are random bf16.
 JAX timings: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure), median of 10 runs;
 torch: CUDA events, median of 20 (as the anchors). The sweeps are bench/gmm_sweep.py, the dispatch
@@ -136,6 +138,9 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
+  ap.add_argument("--sweep-fp8", action="store_true",
+                  help="time the Triton FP8 kernels' candidate tiles (kernels/gmm/triton_fp8_gmm.py "
+                       "candidates) at --shapes; prints the TABLE rows of the fastest")
   ap.add_argument("--sweep-gathered", action="store_true", help="tiles of the fused-dispatch calls")
   ap.add_argument("--gathered-configs", default="",
                   help="with --sweep-gathered: base,large,base_att (default all)")
@@ -211,6 +216,16 @@ def main():
         except Exception:  # noqa: BLE001
           log(traceback.format_exc())
     _save(args.out, results)
+  if args.sweep_fp8:
+    if "triton" not in backends or G.BACKENDS.get("triton").fp8_gmm is None:
+      log("  --sweep-fp8: the triton backend is not available here")
+    else:
+      best = gmm_fp8.sweep(shapes, jax_ms, args.results, args.max_cands)
+      results["fp8_best"] = {str(k): [v[0], str(v[1])] for k, v in best.items()}
+      log("\nFP8 tiles, fastest per (op, kc, no) (kernels/gmm/triton_fp8_gmm.py TABLE):")
+      for line in gmm_fp8.table_lines(best):
+        log(line)
+      _save(args.out, results)
   if args.sweep_gathered and "triton" in backends:
     os.makedirs(args.out, exist_ok=True)
     sweep_gathered(results, args.max_cands,

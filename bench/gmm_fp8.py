@@ -122,3 +122,75 @@ def ratio_lines(shapes, results: dict, backends) -> list[str]:
       lines.append(f"{name:11s} {b:8s} {f:7.0f} {ratio(f, b + '_fwd'):7.2f} {fb:7.0f} "
                    f"{ratio(fb, b + '_fwd_bwd'):7.2f} {t['quantize_ms']:8.3f} {t['rel_err']:7.4f}")
   return lines
+
+
+SWEEP_METRICS = {"gmm": "fwd_tflops", "gmm_t": "dgrad_tflops", "tgmm": "wgrad_tflops"}
+
+
+def sweep(shapes, timer, results_path=None, max_cands: int = 0) -> dict:
+  """Times the Triton FP8 kernels' candidate tiles (`triton_fp8_gmm.candidates`) at each shape on
+  operands quantised beforehand: the forward (gmm), the input gradient (gmm_t: dout @ w[g].T) and
+  the weight gradient (tgmm). Each tile's output is checked against the tabled tile's (the same
+  chunks in the same order: equal up to the tensor cores' rounding inside a chunk). Returns
+  {(op, kc, no): (TFLOP/s, TileConfig)} of the fastest tiles and records each one's row (TFLOP/s,
+  the tabled tile's figure as its anchor)."""
+  import jax
+  import jax.numpy as jnp
+  from gmm_common import log, make_inputs
+  from kernels.gmm import triton_fp8_gmm as k8
+  from umoe_jax.ops import fp8
+  best = {}
+  for name, M, K, N, E in shapes:
+    x, w, dy, gs = make_inputs(M, K, N, E)
+    flops = 2.0 * M * K * N
+    xq, dq, wq = fp8.quantize_tiles(x, axis=1), fp8.quantize_tiles(dy, axis=1), fp8.quantize_blocks(w)
+    tiles = fp8.quantize_tiles(x, axis=0) + fp8.quantize_tiles(dy, axis=0)
+    calls = {  # op -> (kc, no, f(config) -> jitted call, its operands)
+        "gmm": (K, N, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_gmm(
+            a, sa, b, sb, g, transpose_rhs=False, out_dtype=jnp.bfloat16, config=c)), (*xq, *wq, gs)),
+        "gmm_t": (N, K, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_gmm(
+            a, sa, b, sb, g, transpose_rhs=True, out_dtype=jnp.bfloat16, config=c)), (*dq, *wq, gs)),
+        "tgmm": (K, N, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_tgmm(
+            a, sa, b, sb, g, num_groups=E, out_dtype=jnp.float32, config=c)), (*tiles, gs)),
+    }
+    for op, (kc, no, make, operands) in calls.items():
+      cands = k8.candidates(op, kc, no)[:max_cands or None]
+      ref, timed = None, []
+      for i, cfg in enumerate(cands):
+        try:
+          f = make(cfg)
+          out = f(*operands).astype(jnp.float32)
+          if ref is None:
+            ref = out
+          err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+          if not err < 1e-3:
+            log(f"  fp8 sweep {name} {op} {_tile_text(cfg)}: WRONG (differs from the tabled tile by {err:.3g})")
+            continue
+          timed.append((flops / (timer(f, *operands) / 1e3) / 1e12, cfg))
+          log(f"  fp8 sweep {name} {op} [{i}] {_tile_text(cfg)}: {timed[-1][0]:.0f} TFLOP/s")
+        except Exception as e:  # noqa: BLE001  (a tile that does not compile: the next)
+          log(f"  fp8 sweep {name} {op} {_tile_text(cfg)}: FAILED {type(e).__name__}: {str(e)[:200]}")
+      if not timed:
+        continue
+      top = max(timed, key=lambda t: t[0])
+      tabled = timed[0][0] if timed[0][1] == cands[0] else None
+      best[(op, kc, no)] = top
+      if results_path is not None:
+        results_lib.record(
+            results_path, config=f"gmm:{name}", metric=SWEEP_METRICS[op], value=top[0],
+            overrides={"backend": "triton", **FP8, "operands": "quantised beforehand",
+                       "tile": _tile_text(top[1])},
+            anchor=results_lib.anchor(f"the tabled FP8 tile {_tile_text(cands[0])}, same process",
+                                      tabled, "TFLOP/s", "bench/gmm.py --sweep-fp8") if tabled else None,
+            extra={"candidates": len(cands)})
+  return best
+
+
+def _tile_text(cfg) -> str:
+  return f"{cfg.bm}x{cfg.bn} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def table_lines(best: dict) -> list[str]:
+  """The TABLE rows of kernels/gmm/triton_fp8_gmm.py for `sweep`'s fastest tiles."""
+  return [f'    ("{op}", {kc}, {no}): tuning.TileConfig({c.bm}, {c.bn}, {c.bk}, {c.num_warps}, '
+          f'{c.num_stages}),  # {tf:.0f} TFLOP/s' for (op, kc, no), (tf, c) in sorted(best.items())]

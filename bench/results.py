@@ -48,6 +48,7 @@ METRICS = {
     "fwd_tflops": ("TFLOP/s", True),           # a kernel's forward
     "fwd_bwd_tflops": ("TFLOP/s", True),       # forward + both backward products, 3x the FLOPs
     "wgrad_tflops": ("TFLOP/s", True),         # a kernel's weight-gradient product alone
+    "dgrad_tflops": ("TFLOP/s", True),         # a kernel's input-gradient product alone
     "fwd_ms": ("ms", False),
     "fwd_bwd_ms": ("ms", False),
     "ms": ("ms", False),                       # one call of the op a config names

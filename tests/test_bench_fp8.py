@@ -131,6 +131,61 @@ def test_gmm_bench_runs_both_precisions_and_tables_the_ratio(tmp_path, monkeypat
   assert ratio == pytest.approx(saved["xla_fp8"]["fwd_tflops"] / saved["xla_fwd"], abs=0.006)
 
 
+def test_fp8_tile_sweep_keeps_the_fastest_right_tile_and_records_it(tmp_path, monkeypatch):
+  """`gmm_fp8.sweep` on CPU, the Triton FP8 kernels stood in for by the xla backend's raw FP8 forms
+  (one tile made wrong): each op's candidates are called with their own tile, a tile whose output
+  differs from the tabled tile's is never picked however fast, the fastest right one is, and its
+  row names the tile and anchors on the tabled tile's figure; `table_lines` writes TABLE rows."""
+  from kernels.gmm import triton_fp8_gmm as k8
+  from umoe_jax.ops import gmm_backends as gb
+  xla = gb.BACKENDS.get("xla")
+  # per op, its last candidate gives a wrong product (and would be the fastest)
+  wrong = {"gmm": k8.candidates("gmm", 256, 192)[-1], "gmm_t": k8.candidates("gmm_t", 192, 256)[-1],
+           "tgmm": k8.candidates("tgmm", 256, 192)[-1]}
+  seen = []
+
+  def stand_in(raw, tgmm=False):
+    def call(*args, config=None, **kw):
+      op = "tgmm" if tgmm else "gmm_t" if kw["transpose_rhs"] else "gmm"
+      seen.append((op, config))
+      out = raw(*args, **kw)
+      return out * 1.01 if config == wrong[op] else out
+    return call
+  monkeypatch.setattr(k8, "triton_fp8_gmm", stand_in(xla.fp8_gmm))
+  monkeypatch.setattr(k8, "triton_fp8_tgmm", stand_in(xla.fp8_tgmm, tgmm=True))
+  speed = {}
+  ms = lambda c: 10.0 / (c.bn * c.num_stages + c.bm / 1000)
+
+  def timer(f, *args):  # ms: the wrong tile fastest, then the widest tile with most stages
+    op, cfg = seen[-1]
+    speed[op, cfg] = 0.1 if cfg == wrong[op] else ms(cfg)
+    return speed[op, cfg]
+  path = tmp_path / "rows.jsonl"
+  shapes = [("base-up", 384, 256, 192, 3)]
+  best = gmm_fp8.sweep(shapes, timer, str(path))
+  assert set(best) == {("gmm", 256, 192), ("gmm_t", 192, 256), ("tgmm", 256, 192)}
+  for (op, kc, no), (tflops, cfg) in best.items():
+    cands = k8.candidates(op, kc, no)
+    assert cfg != wrong[op] and (op, wrong[op]) not in speed   # checked, never timed
+    assert {c for o, c in seen if o == op} == set(cands)
+    assert cfg == min(cands[:-1], key=ms)
+    assert tflops == pytest.approx(2.0 * 384 * 256 * 192 / (ms(cfg) / 1e3) / 1e12)
+  rows = results.load_file(str(path))
+  assert len(rows) == 3
+  for r in rows:
+    op = {v: k for k, v in gmm_fp8.SWEEP_METRICS.items()}[r["metric"]]
+    cfg = best[next(k for k in best if k[0] == op)][1]
+    assert r["overrides"]["tile"] == f"{cfg.bm}x{cfg.bn} w{cfg.num_warps} s{cfg.num_stages}"
+    first = k8.candidates(op, *next(k for k in best if k[0] == op)[1:])[0]
+    assert r["anchor"]["value"] == pytest.approx(2.0 * 384 * 256 * 192 / (ms(first) / 1e3) / 1e12)
+  lines = gmm_fp8.table_lines(best)
+  assert len(lines) == 3 and all(line.strip().startswith('("') for line in lines)
+  op, kc, no = "gmm", 256, 192
+  c = best[(op, kc, no)][1]
+  assert any(f'("gmm", 256, 192): tuning.TileConfig({c.bm}, {c.bn}, 128, {c.num_warps}, '
+             f'{c.num_stages})' in line for line in lines), lines
+
+
 def test_gmm_bench_refuses_an_unknown_shape_or_precision(monkeypatch, capsys):
   import gmm
   for flag, word in (("--shapes=base-upp", "base-upp"), ("--precision=fp16", "fp16")):

@@ -86,6 +86,49 @@ def test_default_tiles_fit_shared_memory():
       assert op != "tgmm" or c.bn <= 128 or c.bm <= 64, c
 
 
+def test_sweep_candidates_are_valid_tiles_and_the_table_reaches_the_launch(monkeypatch):
+  """`candidates` (bench/gmm.py --sweep-fp8) starts with the tile the kernels launch with and
+  holds only distinct tiles that launch (bk the scale piece, tgmm rows a power of two), fit
+  shared memory, stay within the output's width and keep their two float32 tiles within 192
+  registers a thread; a TABLE row is what `config_for`, the candidates' first and the launch take."""
+  import os
+  import sys
+  bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+  if bench not in sys.path:
+    sys.path.insert(0, bench)
+  from gmm_common import SHAPES
+  for name, m, k, n, g in SHAPES:
+    for op, kc, no in (("gmm", k, n), ("gmm_t", n, k), ("tgmm", k, n)):
+      cands = tf.candidates(op, kc, no)
+      assert cands[0] == tf.config_for(op, kc, no) == tf.default_config(op, kc, no)
+      assert len(cands) >= 6 and len(set(cands)) == len(cands), (name, op, cands)
+      for c in cands:
+        (tf.tgmm_launch(m, kc, no, g, c) if op == "tgmm" else tf.gmm_launch(m, kc, no, g, c))
+        assert c.bk == tf.TILE and tf.shared_memory(c) <= tf.SMEM_LIMIT, (name, op, c)
+        assert c.bn <= tf._tile_width(no) and 2 * c.bm * c.bn <= 192 * 32 * c.num_warps, (op, c)
+  with pytest.raises(ValueError, match="unknown op 'dot'"):
+    tf.candidates("dot", 128, 128)
+  tile = tuning.TileConfig(64, 128, 128, 4, 5)
+  monkeypatch.setitem(tf.TABLE, ("gmm", 256, 384), tile)
+  monkeypatch.setitem(tf.TABLE, ("tgmm", 256, 384), tuning.TileConfig(128, 64, 128, 4, 4))
+  assert tf.config_for("gmm", 256, 384) == tf.candidates("gmm", 256, 384)[0] == tile
+  assert tf.config_for("gmm_t", 384, 256) == tf.default_config("gmm_t", 384, 256)
+  launched = []
+  monkeypatch.setattr(tf, "_launch", lambda kernel, grid, args, out_shape, **meta: (
+      launched.append(meta), jnp.zeros(out_shape.shape, out_shape.dtype))[1])
+  sizes = jnp.asarray([100, 156], jnp.int32)
+  a = fp8.quantize_tiles(jnp.ones((256, 256), jnp.float32), axis=1)
+  w = fp8.quantize_blocks(jnp.ones((2, 256, 384), jnp.float32))
+  tf.triton_fp8_gmm(*a, *w, sizes)
+  rows = fp8.quantize_tiles(jnp.ones((256, 256), jnp.float32), axis=0)
+  cols = fp8.quantize_tiles(jnp.ones((256, 384), jnp.float32), axis=0)
+  tf.triton_fp8_tgmm(*rows, *cols, sizes)
+  assert [(x["BM"], x["BN"] + x["BN2"], x["num_warps"], x["num_stages"]) for x in launched[:1]] == [
+      (64, 128, 4, 5)]
+  assert (launched[1]["BK"], launched[1]["BN"] + launched[1]["BN2"], launched[1]["num_stages"]) == (
+      128, 64, 4)
+
+
 def test_bad_operands_name_the_array():
   """A wrong dtype or scale layout fails before any launch, naming the array and both shapes."""
   lq, ls = fp8.quantize_tiles(jnp.ones((40, 200)), axis=1)

@@ -268,6 +268,44 @@ def default_config(op: str, kc: int, no: int) -> tuning.TileConfig:
   return tuning.TileConfig(bm=128, bn=bn, bk=TILE, num_warps=8, num_stages=4 if bn <= 128 else 3)
 
 
+# Measured tiles (bench/gmm.py --sweep-fp8, operands quantised beforehand): (op, kc, no) ->
+# TileConfig, op "gmm" / "gmm_t" / "tgmm" and kc / no as in kernels/gmm/tuning.py; a shape not here
+# takes `default_config`.
+TABLE: dict[tuple, tuning.TileConfig] = {}
+
+
+def config_for(op: str, kc: int, no: int) -> tuning.TileConfig:
+  """The tile an FP8 kernel launches with: TABLE's row, else `default_config`."""
+  return TABLE.get((op, kc, no)) or default_config(op, kc, no)
+
+
+def candidates(op: str, kc: int, no: int) -> list[tuning.TileConfig]:
+  """The tiles bench/gmm.py --sweep-fp8 times for one (op, kc, no), `config_for`'s first: output
+  tiles of 64-256 rows by the output's width (W) or 64 / 128 columns, 4 or 8 warps, 2-5 stages;
+  none past SMEM_LIMIT, none wider than W, and none whose two float32 tiles (the accumulator and
+  a chunk's partial product) pass 192 registers a thread (the default 128 x 192 tile's on 8
+  warps; 256 x 128 spills)."""
+  width = _tile_width(no)
+  if op == "tgmm":
+    shapes = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 5), (64, width, 8, 3),
+              (64, width, 8, 4), (128, 64, 4, 4), (128, 64, 4, 5), (64, 64, 4, 5), (256, 64, 8, 3))
+  elif op in ("gmm", "gmm_t"):
+    shapes = ((128, width, 8, 3), (128, width, 8, 4), (128, 128, 8, 4), (128, 128, 8, 5),
+              (128, 128, 4, 4), (64, width, 4, 4), (64, width, 8, 5), (64, 128, 4, 5),
+              (256, 64, 8, 4), (128, 64, 4, 5), (256, 128, 8, 3))
+  else:
+    raise ValueError(f"FP8 tiles: unknown op {op!r} (gmm, gmm_t or tgmm)")
+  out = [config_for(op, kc, no)]
+  for bm, bn, nw, ns in shapes:
+    if op == "tgmm":
+      bm = min(bm, pow2_at_least(max(kc, 16)))
+    cfg = tuning.TileConfig(bm=bm, bn=min(bn, width), bk=TILE, num_warps=nw, num_stages=ns)
+    if (cfg not in out and shared_memory(cfg) <= SMEM_LIMIT
+        and 2 * cfg.bm * cfg.bn <= 192 * 32 * cfg.num_warps):
+      out.append(cfg)
+  return out
+
+
 def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict:
   """The gmm kernel's grid and meta-parameters: the bf16 kernel's one program per (row tile,
   column tile) (`triton_gmm.gmm_launch`), the contraction in TILE-wide chunks."""
@@ -344,7 +382,7 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   kb, nb = _cdiv(k, TILE), _cdiv(n, TILE)
   _check(what, "rhs_scale", rhs_scale, (g, kb, nb), jnp.float32)
   _check_device(what)
-  cfg = config or default_config("gmm_t" if transpose_rhs else "gmm", kc, no)
+  cfg = config or config_for("gmm_t" if transpose_rhs else "gmm", kc, no)
   launch = gmm_launch(m, kc, no, g, cfg)
   grid = launch.pop("grid")
   # (group, contraction, output column) strides of the weights and of their block scales. FP8 wgmma
@@ -379,7 +417,7 @@ def triton_fp8_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_grou
   _check(what, "lhs_scale", lhs_scale, (mb, k), jnp.float32)
   _check(what, "rhs_scale", rhs_scale, (mb, n), jnp.float32)
   _check_device(what)
-  cfg = config or default_config("tgmm", k, n)
+  cfg = config or config_for("tgmm", k, n)
   launch = tgmm_launch(m, k, n, g, cfg)
   grid = launch.pop("grid")
   order = triton_gmm.tile_order(group_sizes, g, triton_gmm.TGMM_BIG_FIRST_SKEW)
