@@ -213,6 +213,28 @@ def profile_calls(compiled, run_once: Callable[[], object], calls: int = 2,
   return rows, summary
 
 
+def diff_rows(base: list[dict], other: list[dict], depth: int) -> list[dict]:
+  """Where two profiles of one model differ (bf16 and fp8 steps, say): per scope path cut to
+  `depth` components and pass, {scope, pass, base_ms, ms, delta_ms}, the largest |delta| first; a
+  scope only one profile has counts 0 ms in the other."""
+  a = {(r["scope"], r["pass"]): r["ms"] for r in group_rows(base, depth)}
+  b = {(r["scope"], r["pass"]): r["ms"] for r in group_rows(other, depth)}
+  rows = [dict(scope=k[0], **{"pass": k[1]}, base_ms=a.get(k, 0.0), ms=b.get(k, 0.0),
+               delta_ms=b.get(k, 0.0) - a.get(k, 0.0)) for k in set(a) | set(b)]
+  return sorted(rows, key=lambda r: (-abs(r["delta_ms"]), r["scope"], r["pass"]))
+
+
+def format_diff(rows: list[dict], limit: int = 25, title: str = "", names=("base", "other")) -> str:
+  """A fixed-width table of `diff_rows`' first `limit` rows and the totals over all of them."""
+  lines = [title] if title else []
+  lines.append(f"{names[0]:>9} {names[1]:>9} {'delta':>9}  pass  scope (ms a step)")
+  for r in rows[:limit]:
+    lines.append(f"{r['base_ms']:9.3f} {r['ms']:9.3f} {r['delta_ms']:+9.3f}  {r['pass']:4}  {r['scope']}")
+  total = lambda k: sum(r[k] for r in rows)
+  lines.append(f"{total('base_ms'):9.3f} {total('ms'):9.3f} {total('delta_ms'):+9.3f}  all")
+  return "\n".join(lines)
+
+
 def format_rows(rows: list[dict], limit: int = 30, title: str = "") -> str:
   """A fixed-width table of the first `limit` rows (with their largest kernels when the rows
   have them)."""

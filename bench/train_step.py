@@ -21,7 +21,8 @@ memory. Usage (GPU):
       [--fuse_activation=0|1] [--fuse_weight_rows=0|1]   (model.moe.fuse_activation / fuse_weight_rows)
       [--scan_layers=0|1]   (model.scan_layers: the blocks as one lax.scan; compile time)
       [--triton_launch=custom_call|ffi]   ($UMOE_TRITON_LAUNCH: how Triton kernels reach XLA)
-      [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs)
+      [--profile[=STEPS]]   (kernel time by named scope, bench/profile_table.py; no CUDA graphs;
+                    an fp8 row profiled beside its bf16 row also prints where their times differ)
       [--trace_step=N]   (a jax.profiler trace of timed step N as it runs, CUDA graphs kept)
       [--freeze_heap=1|0]   (gc.freeze before the timed steps, as the trainer does; default 1)
       [--zipf=S]   (tokens drawn Zipf(S) over a shuffled vocabulary, as text's unigrams, instead of
@@ -637,6 +638,22 @@ def main():
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
       json.dump(rows, f, indent=1)
   print_table(rows)
+  print_profile_diffs(rows)
+
+
+def print_profile_diffs(rows: list, depth: int = 3) -> None:
+  """For each profiled row beside a profiled bf16 row of the same config, layout and tokens:
+  where its kernel time differs from the bf16 row's, by scope (bench/profile_table.py diff_rows)."""
+  import profile_table
+  profiled = [r for r in rows if "error" not in r and r.get("profile")]
+  bf16 = {(r["config"], r["layout"], *mode(r)[1:]): r for r in profiled if mode(r)[0] == "bf16"}
+  for r in profiled:
+    base = bf16.get((r["config"], r["layout"], *mode(r)[1:]))
+    if base is None or base is r:
+      continue
+    diff = profile_table.diff_rows(base["profile"]["rows"], r["profile"]["rows"], depth)
+    log(profile_table.format_diff(diff, title=f"\n{r['config']} {r['layout']}: {mode_text(r)} "
+                                  f"against bf16, kernel time by scope", names=("bf16", mode(r)[0])))
 
 
 def mode(r: dict) -> tuple:

@@ -317,6 +317,21 @@ def test_efficiency_and_fp8_ratio_are_per_mode():
   assert train_step.mode_text(rows[3]) == "fp8 zipf=1.1" and train_step.mode_text(rows[4]) == "fp8 balanced"
 
 
+def test_profiled_fp8_rows_print_their_difference_from_the_bf16_row(capsys):
+  """An fp8 row profiled beside a profiled bf16 row of the same config and tokens prints where its
+  kernel time differs; a row of other tokens (no bf16 partner) and the bf16 row print none."""
+  def row(precision, zipf, ms):
+    prof = [dict(scope="layer_*/ffn/expert_up", **{"pass": "bwd"}, ms=ms, kernels=1, share=1.0)]
+    return dict(config="umoe_base", layout="single", precision=precision, zipf=zipf, routing="router",
+                profile=dict(rows=prof))
+  train_step.print_profile_diffs([row("bf16", 0.0, 2.0), row("fp8", 0.0, 3.5), row("fp8", 1.1, 9.0)])
+  out = capsys.readouterr().out
+  assert out.count("against bf16, kernel time by scope") == 1
+  assert "umoe_base single: fp8 against bf16" in out
+  line = next(x for x in out.splitlines() if x.endswith("layer_*/ffn/expert_up"))
+  assert line.split()[:4] == ["2.000", "3.500", "+1.500", "bwd"]
+
+
 # bench/balanced_routing.py.
 
 

@@ -92,3 +92,24 @@ def test_scope_rows_keep_the_largest_kernels_per_scope():
   assert [op.rsplit(" ", 1)[0] for op in row["top_ops"]] == [f"mul:{kernel(j)}" for j in want]
   assert [float(op.rsplit(" ", 1)[1]) for op in row["top_ops"]] == [
       3.0 ** j * js.count(j) for j in want]
+
+
+def test_diff_rows_pair_scopes_and_order_by_the_largest_change():
+  """Two profiles' rows grouped to a depth and paired by (scope, pass): a scope in one profile
+  only counts 0 ms in the other; the rows run largest |delta| first; the totals line sums them."""
+  row = lambda scope, phase, ms: dict(scope=scope, **{"pass": phase}, ms=ms, kernels=1, share=0.0)
+  bf16 = [row("layer_*/ffn/expert_up", "fwd", 1.0), row("layer_*/ffn/expert_down", "fwd", 2.0),
+          row("layer_*/ffn/expert_up", "bwd", 3.0), row("optimizer", "-", 0.5)]
+  fp8 = [row("layer_*/ffn/expert_up/quantize", "fwd", 0.25), row("layer_*/ffn/expert_up", "fwd", 0.5),
+         row("layer_*/ffn/expert_down", "fwd", 1.0), row("layer_*/ffn/expert_up", "bwd", 6.0),
+         row("loss", "fwd", 0.125)]
+  diff = profile_table.diff_rows(bf16, fp8, depth=3)
+  got = [(d["scope"], d["pass"], d["base_ms"], d["ms"], d["delta_ms"]) for d in diff]
+  assert got == [("layer_*/ffn/expert_up", "bwd", 3.0, 6.0, 3.0),
+                 ("layer_*/ffn/expert_down", "fwd", 2.0, 1.0, -1.0),
+                 ("optimizer", "-", 0.5, 0.0, -0.5),
+                 ("layer_*/ffn/expert_up", "fwd", 1.0, 0.75, -0.25),
+                 ("loss", "fwd", 0.0, 0.125, 0.125)]
+  text = profile_table.format_diff(diff, names=("bf16", "fp8")).splitlines()
+  assert text[0].split()[:3] == ["bf16", "fp8", "delta"]
+  assert text[-1].split() == ["6.500", "7.875", "+1.375", "all"]
