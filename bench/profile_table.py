@@ -14,6 +14,11 @@ hide which op a kernel belongs to: profile with `--xla_gpu_enable_command_buffer
 (`bench/train_step.py --profile` sets it).
 
 Used by `bench/train_step.py --profile`; the same tables read on CPU in tests/test_profile_table.py.
+
+A trace taken with CUDA graphs on (`bench/train_step.py --trace_step=N`: the step as it runs) names
+no ops, but its kernels keep their names; `kernel_name_rows` sums the device time per kernel name:
+
+  python3 bench/profile_table.py TRACE_DIR [--against=OTHER_TRACE_DIR] [--calls=STEPS]
 """
 from __future__ import annotations
 
@@ -141,6 +146,42 @@ def kernel_events(trace_dir: str) -> list[tuple[str, str, float]]:
   return device or host
 
 
+def kernel_name_rows(trace_dir: str, calls: int = 1) -> list[dict]:
+  """Device time per kernel name (numbered copies summed: one per layer), per call, largest first:
+  [{kernel, ms, count, share}]. Reads every event of the device planes, so it covers a trace taken
+  with CUDA graphs on (`bench/train_step.py --trace_step`), whose kernels name no hlo_op; on a
+  machine without a device plane, the host events that name an hlo_op (as `kernel_events`)."""
+  from jax.profiler import ProfileData
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
+  if not paths:
+    raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}: the trace did not write")
+  device, host = [], []
+  for path in paths:
+    for plane in ProfileData.from_file(path).planes:
+      on_device = plane.name.startswith("/device:")
+      for line in plane.lines:
+        if on_device and line.name in _DERIVED_LINES:
+          continue
+        for event in line.events:
+          if on_device:
+            device.append((event.name, event.duration_ns / 1e6))
+          elif dict(event.stats).get("hlo_op"):
+            host.append((event.name, event.duration_ns / 1e6))
+  totals, counts = collections.defaultdict(float), collections.Counter()
+  for name, ms in device or host:
+    key = _NUMBERED.sub("", name)
+    totals[key] += ms
+    counts[key] += 1
+  grand = sum(totals.values()) or 1.0
+  return [dict(kernel=k, ms=ms / calls, count=counts[k] // max(calls, 1), share=ms / grand)
+          for k, ms in sorted(totals.items(), key=lambda kv: -kv[1])]
+
+
+# Lines a profiler's tools derive from the kernels (the same time again), not kernels of their own.
+_DERIVED_LINES = {"Steps", "XLA Modules", "XLA Ops", "Framework Ops", "Framework Name Scope",
+                  "Source code", "XLA TraceMe"}
+
+
 def trace_calls(run_once: Callable[[], object], calls: int, trace_dir: str | None = None) -> tuple[str, float]:
   """Runs run_once() `calls` times under jax.profiler; returns (trace dir, wall ms per call)."""
   import jax
@@ -245,3 +286,38 @@ def format_rows(rows: list[dict], limit: int = 30, title: str = "") -> str:
     lines.append(f"{r['ms']:8.3f} {100 * r['share']:5.1f}% {r['kernels']:7d}  {r['pass']:4}  "
                  f"{r['scope']}{top}")
   return "\n".join(lines)
+
+
+def diff_kernels(base: list[dict], other: list[dict]) -> list[dict]:
+  """`kernel_name_rows` of two traces paired by kernel name, in `diff_rows`' form (scope = the
+  kernel's name, pass "-"), the largest |delta| first."""
+  row = lambda r: dict(scope=r["kernel"], **{"pass": "-"}, ms=r["ms"], kernels=r["count"], share=r["share"])
+  return diff_rows([row(r) for r in base], [row(r) for r in other], depth=1)
+
+
+def main(argv=None) -> None:
+  import argparse
+  ap = argparse.ArgumentParser(description="Device time per kernel name of a jax.profiler trace "
+                               "(e.g. bench/train_step.py --trace_step's), or where two differ.")
+  ap.add_argument("trace_dir")
+  ap.add_argument("--against", default="", help="a second trace: print where the first differs from it")
+  ap.add_argument("--calls", type=int, default=1, help="steps each trace holds (times are per step)")
+  ap.add_argument("--limit", type=int, default=30)
+  args = ap.parse_args(argv)
+  try:
+    rows = kernel_name_rows(args.trace_dir, args.calls)
+    base = kernel_name_rows(args.against, args.calls) if args.against else None
+  except FileNotFoundError as e:
+    ap.error(str(e))
+  if base is None:
+    lines = [f"{'ms':>8} {'share':>6} {'count':>6}  kernel"]
+    lines += [f"{r['ms']:8.3f} {100 * r['share']:5.1f}% {r['count']:6d}  {r['kernel'][:110]}"
+              for r in rows[:args.limit]]
+    lines.append(f"{sum(r['ms'] for r in rows):8.3f} {100.0:5.1f}% {sum(r['count'] for r in rows):6d}  all")
+    print("\n".join(lines))
+  else:
+    print(format_diff(diff_kernels(base, rows), args.limit, names=("against", "this")))
+
+
+if __name__ == "__main__":
+  main()

@@ -64,6 +64,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -315,7 +316,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
       for i in range(args.steps):
         tracing = args.trace_step == i + 1  # CUDA graphs stay on, unlike --profile: the step as it runs
         if tracing:
-          trace_dir = os.path.join(args.out, f"trace_{name}_{layout}_step{i + 1}")
+          trace_dir = os.path.join(args.out, trace_name(name, layout, args, i + 1))
           jax.profiler.start_trace(trace_dir)
         s0 = time.perf_counter()
         state, m = step_fn(state, batch)
@@ -400,8 +401,20 @@ def _profile_steps(step_fn, state, batch, calls: int) -> dict:
   return dict(rows=rows, by_depth_2=grouped, summary=summary, state=box["state"])
 
 
-def _bench_subprocess(row: dict) -> dict:
-  """One row in a fresh process: its peak memory and compile time are its own."""
+def trace_name(name: str, layout: str, args, step: int) -> str:
+  """--trace_step's directory name: the row's config, layout and mode, so that rows of one
+  command in other modes (bf16 / fp8, Zipf, balanced) keep their own traces."""
+  mode = mode_text(dict(precision=args.precision, zipf=args.zipf, routing=args.routing,
+                        fp8_rows_through_index=int(fused_dispatch.FP8_ROWS_THROUGH_INDEX),
+                        dense_wgrad_splits=layers.DENSE_WGRAD_SPLITS))
+  return f"trace_{name}_{layout}_{re.sub(r'[^A-Za-z0-9.]+', '_', mode)}_step{step}"
+
+
+def _bench_subprocess(row: dict, out_dir: str) -> dict:
+  """One row in a fresh process: its peak memory and compile time are its own. Its trace
+  (--trace_step) is moved under `out_dir`."""
+  import glob
+  import shutil
   import subprocess
   import tempfile
   own = ("--runs", "--configs", "--layouts", "--out", "--results")  # set per row below
@@ -415,10 +428,14 @@ def _bench_subprocess(row: dict) -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--runs={row_spec(row)}",
                            f"--out={tmp}", "--results=none", *argv], check=False)
     path = os.path.join(tmp, "train_step.json")
+    for trace in glob.glob(os.path.join(tmp, "trace_*")):  # --trace_step's, kept under --out
+      shutil.copytree(trace, os.path.join(out_dir, os.path.basename(trace)), dirs_exist_ok=True)
     if not os.path.exists(path):
       raise RuntimeError(f"row {row_spec(row)} exited with {proc.returncode} and wrote no result")
     with open(path) as f:
       row = json.load(f)[0]
+  if row.get("trace_dir"):
+    row["trace_dir"] = os.path.join(out_dir, os.path.basename(row["trace_dir"]))
   if "error" in row:
     raise RuntimeError(row["error"])
   return row
@@ -613,7 +630,7 @@ def main():
     try:
       rows.append(bench_one(name, layout, args_r, run["exchange"], run["chunks"],
                             run["capacity_factor"]) if in_process
-                  else _bench_subprocess(run))
+                  else _bench_subprocess(run, args.out))
       r = rows[-1]
       if r.get("compile_only"):
         log(f"{row_spec(run)}: compiled in {r['compile_s']:.0f} s")

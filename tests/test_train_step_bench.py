@@ -142,3 +142,35 @@ def test_compile_only_rows_fill_the_cache_that_a_timed_row_then_loads(tmp_path):
   rows = json.loads((tmp_path / "b" / "train_step.json").read_text())
   assert all("error" not in r and r["loss_check"] for r in rows), rows
   assert steps() == compiled
+
+
+@pytest.mark.slow
+def test_traced_rows_keep_a_trace_each_that_the_kernel_table_reads(tmp_path):
+  """--trace_step over rows run in their own processes: each row's trace lands under --out in a
+  directory named by its mode (bf16 and fp8 apart), the row points at it, and
+  `profile_table.py` tables each trace by kernel and one against the other."""
+  import json
+  import profile_table
+  out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single,umoe_tiny:single/precision=fp8",
+                        "--batch=2", "--seq_len=32", "--steps=2", "--warmup=0", "--trace_step=2",
+                        f"--out={tmp_path}", "--results=none"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  rows = json.loads((tmp_path / "train_step.json").read_text())
+  dirs = [r["trace_dir"] for r in rows]
+  assert [os.path.basename(d) for d in dirs] == ["trace_umoe_tiny_single_bf16_step2",
+                                                 "trace_umoe_tiny_single_fp8_step2"]
+  tables = [profile_table.kernel_name_rows(d) for d in dirs]
+  for table in tables:
+    assert table and all(r["ms"] > 0 and r["count"] >= 1 for r in table)
+    assert abs(sum(r["share"] for r in table) - 1.0) < 1e-9
+  assert {r["kernel"] for r in tables[0]} != {r["kernel"] for r in tables[1]}  # fp8's own ops
+  cli = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "profile_table.py"),
+                        dirs[1], f"--against={dirs[0]}"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert cli.returncode == 0, cli.stderr[-2000:]
+  last = cli.stdout.strip().splitlines()[-1].split()
+  assert last[-1] == "all" and float(last[0]) == pytest.approx(sum(r["ms"] for r in tables[0]), abs=2e-3)
+  bad = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "profile_table.py"),
+                        str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "no *.xplane.pb under" in bad.stderr
