@@ -265,12 +265,16 @@ def diff_rows(base: list[dict], other: list[dict], depth: int) -> list[dict]:
   return sorted(rows, key=lambda r: (-abs(r["delta_ms"]), r["scope"], r["pass"]))
 
 
-def format_diff(rows: list[dict], limit: int = 25, title: str = "", names=("base", "other")) -> str:
-  """A fixed-width table of `diff_rows`' first `limit` rows and the totals over all of them."""
+def format_diff(rows: list[dict], limit: int = 25, title: str = "", names=("base", "other"),
+                kernels: bool = False) -> str:
+  """A fixed-width table of `diff_rows`' first `limit` rows (`diff_kernels`' with `kernels`) and the
+  totals over all of them."""
   lines = [title] if title else []
-  lines.append(f"{names[0]:>9} {names[1]:>9} {'delta':>9}  pass  scope (ms a step)")
+  lines.append(f"{names[0]:>9} {names[1]:>9} {'delta':>9}  " + ("kernel (ms a step)" if kernels
+                                                                else "pass  scope (ms a step)"))
   for r in rows[:limit]:
-    lines.append(f"{r['base_ms']:9.3f} {r['ms']:9.3f} {r['delta_ms']:+9.3f}  {r['pass']:4}  {r['scope']}")
+    what = r["scope"][:110] if kernels else f"{r['pass']:4}  {r['scope']}"
+    lines.append(f"{r['base_ms']:9.3f} {r['ms']:9.3f} {r['delta_ms']:+9.3f}  {what}")
   total = lambda k: sum(r[k] for r in rows)
   lines.append(f"{total('base_ms'):9.3f} {total('ms'):9.3f} {total('delta_ms'):+9.3f}  all")
   return "\n".join(lines)
@@ -316,7 +320,7 @@ def main(argv=None) -> None:
     lines.append(f"{sum(r['ms'] for r in rows):8.3f} {100.0:5.1f}% {sum(r['count'] for r in rows):6d}  all")
     print("\n".join(lines))
   else:
-    print(format_diff(diff_kernels(base, rows), args.limit, names=("against", "this")))
+    print(format_diff(diff_kernels(base, rows), args.limit, names=("against", "this"), kernels=True))
 
 
 if __name__ == "__main__":
