@@ -33,15 +33,16 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_rows_through_index=0|1] [--dense_wgrad_splits=N]   (the FP8 switches
-                    fused_dispatch.FP8_ROWS_THROUGH_INDEX, layers.DENSE_WGRAD_SPLITS)
+      [--fp8_rows_through_index=0|1] [--fp8_fused_combine=0|1] [--dense_wgrad_splits=N]   (the
+                    FP8 switches fused_dispatch.FP8_ROWS_THROUGH_INDEX / FP8_FUSED_COMBINE,
+                    layers.DENSE_WGRAD_SPLITS)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]][/FLAG=VALUE...]; a field left out or
 "-" takes --exchange / --chunks / --capacity_factor, then the config's; /precision=, /zipf=,
-/routing=, /fp8_rows_through_index= and /dense_wgrad_splits= set those flags for that row
+/routing= and the FP8 switches (/fp8_rows_through_index=, ...) set those flags for that row
 alone, so one run list holds uniform, Zipf-skewed and balanced rows in both precisions:
   --runs=umoe_base:single,umoe_base:single/zipf=1.1,umoe_base:single/routing=balanced/precision=fp8
 Layouts over N devices (default: all; @N takes the first N):
@@ -118,13 +119,26 @@ def layout_mesh(layout: str, n: int) -> dict:
 
 PRECISIONS = ("bf16", "fp8")   # umoe_jax.config.schema.PRECISIONS (train.precision)
 ROUTINGS = ("router", "balanced")
+# The FP8 module switches a row may set (flag -> (module, attribute, least value; 0/1 flags are
+# booleans), each timed by rows with and without it before it becomes a default or goes.
+SWITCHES = {
+    "fp8_rows_through_index": (fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None),
+    "fp8_fused_combine": (fused_dispatch, "FP8_FUSED_COMBINE", None),
+    "dense_wgrad_splits": (layers, "DENSE_WGRAD_SPLITS", 1),
+}
+
+
+def switch_value(key: str) -> int:
+  """A switch's setting now, as its flag writes it (0 / 1 for a boolean)."""
+  module, attr, _ = SWITCHES[key]
+  return int(getattr(module, attr))
+
+
+# The modules' own settings of the switches, before a row's flags change them: the table names a
+# switch only where a row ran with another setting.
+SWITCH_DEFAULTS = {key: switch_value(key) for key in SWITCHES}
 # Flags a row may set for itself (CONFIG:LAYOUT/FLAG=VALUE): name -> parser of the value.
-# The modules' own settings of the FP8 switches, before a row's flags change them: the table names
-# a switch only where a row ran with another setting.
-SWITCH_DEFAULTS = {"fp8_rows_through_index": int(fused_dispatch.FP8_ROWS_THROUGH_INDEX),
-                   "dense_wgrad_splits": layers.DENSE_WGRAD_SPLITS}
-ROW_FLAGS = {"precision": str, "zipf": float, "routing": str, "fp8_rows_through_index": int,
-             "dense_wgrad_splits": int}
+ROW_FLAGS = {"precision": str, "zipf": float, "routing": str, **{key: int for key in SWITCHES}}
 
 
 def check_row_flag(key: str, value) -> None:
@@ -134,10 +148,12 @@ def check_row_flag(key: str, value) -> None:
     raise ValueError(f"routing={value!r}: one of {', '.join(ROUTINGS)}")
   if key == "zipf":
     check_zipf(value)
-  if key == "fp8_rows_through_index" and value not in (0, 1):
-    raise ValueError(f"fp8_rows_through_index={value}: 0 or 1")
-  if key == "dense_wgrad_splits" and value < 1:
-    raise ValueError(f"dense_wgrad_splits={value}: >= 1 row blocks")
+  if key in SWITCHES:
+    least = SWITCHES[key][2]
+    if least is None and value not in (0, 1):
+      raise ValueError(f"{key}={value}: 0 or 1")
+    if least is not None and value < least:
+      raise ValueError(f"{key}={value}: >= {least}")
 
 
 def parse_row(row: str) -> dict:
@@ -353,9 +369,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
              anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
              precision=args.precision, routing=args.routing,
-             tgmm_big_first_skew=_tgmm_skew(),
-             fp8_rows_through_index=int(fused_dispatch.FP8_ROWS_THROUGH_INDEX),
-             dense_wgrad_splits=layers.DENSE_WGRAD_SPLITS)
+             tgmm_big_first_skew=_tgmm_skew(), **{key: switch_value(key) for key in SWITCHES})
   if profile is not None:
     row["profile"] = profile
   del state, m, batch
@@ -366,10 +380,10 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 
 def fp8_switches(args) -> None:
   """The FP8 module switches a row runs with (read when its step is traced; None: the module's)."""
-  if args.fp8_rows_through_index is not None:
-    fused_dispatch.FP8_ROWS_THROUGH_INDEX = bool(args.fp8_rows_through_index)
-  if args.dense_wgrad_splits is not None:
-    layers.DENSE_WGRAD_SPLITS = args.dense_wgrad_splits
+  for key, (module, attr, least) in SWITCHES.items():
+    value = getattr(args, key)
+    if value is not None:
+      setattr(module, attr, bool(value) if least is None else value)
 
 
 def _tgmm_skew():
@@ -405,8 +419,7 @@ def trace_name(name: str, layout: str, args, step: int) -> str:
   """--trace_step's directory name: the row's config, layout and mode, so that rows of one
   command in other modes (bf16 / fp8, Zipf, balanced) keep their own traces."""
   mode = mode_text(dict(precision=args.precision, zipf=args.zipf, routing=args.routing,
-                        fp8_rows_through_index=int(fused_dispatch.FP8_ROWS_THROUGH_INDEX),
-                        dense_wgrad_splits=layers.DENSE_WGRAD_SPLITS))
+                        **{key: switch_value(key) for key in SWITCHES}))
   return f"trace_{name}_{layout}_{re.sub(r'[^A-Za-z0-9.]+', '_', mode)}_step{step}"
 
 
@@ -468,6 +481,10 @@ def parser() -> argparse.ArgumentParser:
                   help="umoe_jax.ops.fused_dispatch.FP8_ROWS_THROUGH_INDEX (default: the "
                        "module's): the FP8 first expert matmul and its weight gradient read the "
                        "token rows through the sort order instead of from gathered copies")
+  ap.add_argument("--fp8_fused_combine", type=int, choices=[0, 1], default=None,
+                  help="umoe_jax.ops.fused_dispatch.FP8_FUSED_COMBINE (default: the module's): "
+                       "the FP8 last expert matmul as the bf16 gmm_combine runs (gather-sum "
+                       "fan-in; backward from the token rows' cotangent, no per-slot copy)")
   ap.add_argument("--dense_wgrad_splits", type=int, default=None,
                   help="umoe_jax.model.layers.DENSE_WGRAD_SPLITS (default: the module's): the FP8 "
                        "dense products' weight gradient over this many row blocks")
@@ -589,7 +606,7 @@ def main():
     check_zipf(args.zipf)
   except ValueError as e:
     ap.error(str(e))
-  for key in ("fp8_rows_through_index", "dense_wgrad_splits"):
+  for key in SWITCHES:
     if getattr(args, key) is not None:
       try:
         check_row_flag(key, getattr(args, key))
@@ -680,7 +697,7 @@ def mode(r: dict) -> tuple:
 
 def mode_text(r: dict) -> str:
   precision, zipf, routing = mode(r)
-  switches = [f"{k}={r[k]}" for k in ("fp8_rows_through_index", "dense_wgrad_splits")
+  switches = [f"{k}={r[k]}" for k in SWITCHES
               if precision == "fp8" and r.get(k) not in (None, SWITCH_DEFAULTS[k])]
   return " ".join([precision] + ([f"zipf={zipf:g}"] if zipf else []) + ([routing] if routing != "router" else [])
                   + switches)

@@ -519,6 +519,80 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch):
+  """fused_dispatch.FP8_FUSED_COMBINE: gmm_combine in FP8 as its bf16 form runs. Forward: the
+  switch-off path's values. Backward against float64 loops over the loop-quantised operands:
+  u = dout[token] @ w[g].T from dout's N token rows in 1 x 128 tiles along D, dh = gate * u
+  (* act'(z)), dgate = <u, act(z)>, dw[g] = sum over g's sorted rows of the 128-row column tiles of
+  gate * act(z) and of dout[token]; every gradient within FP8 error of the float32 gradient; and the
+  quantiser is handed dout's N rows (with the sort order for the column tiles), never an [M, D]
+  per-slot copy."""
+  import dataclasses
+  from umoe_jax.ops import dispatch, epilogue, fused_dispatch, gmm_backends
+  rng = np.random.default_rng(21)
+  n_tok, k, f, d, e = 48, 3, 200, 300, 4
+  m = n_tok * k
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
+  z = jnp.asarray(wide_range(rng, (m, f), decades=1.0))
+  w = jnp.asarray(wide_range(rng, (e, f, d), decades=1.0) / 10)
+  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, k)).astype(np.float32))
+  g = jnp.asarray(wide_range(rng, (n_tok, d), decades=1.5))
+  fn = lambda z_, w_, gt: fused_dispatch.gmm_combine(z_, w_, plan, gt, backend="xla",
+                                                     activation=activation, fp8=True)
+  off = jax.vjp(fn, z, w, gates)
+  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", True)
+  out, pull = jax.vjp(fn, z, w, gates)
+  dz, dw, dgates = (np.asarray(a, np.float64) for a in pull(g))
+  assert rel_err(out, off[0]) < 1e-6
+  # float64 loops
+  order, inverse = np.asarray(plan.order), np.asarray(plan.inverse)
+  sizes = np.asarray(plan.group_sizes)
+  token = order // k
+  gate_sorted = np.asarray(gates).reshape(-1)[order].astype(np.float64)
+  zf = np.asarray(z, np.float64)
+  a = np.asarray(z if activation is None else epilogue.activate(activation, z), np.float64)
+  hg = np.asarray(epilogue.gate_scaled(z, jnp.asarray(gate_sorted, jnp.float32), activation))
+  wq = ref_blocks(w)[0]
+  aq, dq = ref_tiles(np.asarray(a, np.float32), 1)[0], ref_tiles(g, 1)[0]
+  hq, gq = ref_tiles(hg, 0)[0], ref_tiles(np.asarray(g)[token], 0)[0]
+  y_sorted, u, want_dw = np.zeros((m, d)), np.zeros((m, f)), np.zeros((e, f, d))
+  start = 0
+  for ex, size in enumerate(sizes):
+    rows = slice(start, start + size)
+    y_sorted[rows] = aq[rows] @ wq[ex]
+    u[rows] = dq[token[rows]] @ wq[ex].T
+    want_dw[ex] = hq[rows].T @ gq[rows]
+    start += size
+  want_out = np.einsum("nk,nkd->nd", np.asarray(gates, np.float64), y_sorted[inverse].reshape(n_tok, k, d))
+  sig = 1 / (1 + np.exp(-zf))
+  dact = np.ones_like(zf) if activation is None else sig * (1 + zf * (1 - sig))
+  want_dz = gate_sorted[:, None] * u * dact
+  want_dgates = np.sum(u * a, axis=1)[inverse].reshape(n_tok, k)
+  for got, want in ((out, want_out), (dz, want_dz), (dw, want_dw), (dgates, want_dgates)):
+    assert rel_err(np.asarray(got, np.float64), want) < TOL
+  # the float32 gradient of the same function, within FP8's error
+  exact = jax.vjp(lambda z_, w_, gt: fused_dispatch.gmm_combine(z_, w_, plan, gt, backend="xla",
+                                                                activation=activation), z, w, gates)
+  for got, want in zip((dz, dw, dgates), exact[1](g)):
+    assert rel_err(got, np.asarray(want, np.float64)) < 0.08
+  # what the backend's quantiser is handed
+  calls = []
+
+  def own(x, axis, index=None):
+    calls.append((x.shape, axis, None if index is None else index.shape))
+    return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=axis)
+  xla = gmm_backends.BACKENDS.get("xla")
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
+  fused_dispatch._fp8_gmm_combine_fn.cache_clear()
+  got = jax.vjp(fn, z, w, gates)[1](g)
+  fused_dispatch._fp8_gmm_combine_fn.cache_clear()
+  assert ((n_tok, d), 1, None) in calls and ((n_tok, d), 0, (m,)) in calls
+  assert not [c for c in calls if c[0] == (m, d)], calls
+  for x, y in zip(got, (dz, dw, dgates)):
+    np.testing.assert_array_equal(np.asarray(x, np.float64), y)
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
   of fp8_gmm's three products and the fused dispatch's token rows, each along its product's

@@ -432,6 +432,30 @@ def _differentiable_check():
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
                                  atol=1e-5 * np.max(np.abs(np.asarray(b))),
                                  err_msg=f"fp8_dense {name} wgrad_splits={splits}")
+  # gmm_combine's FP8 form (fused_dispatch.FP8_FUSED_COMBINE): the kernels read dout's token rows
+  # through the sort order (the gmm's lhs_index, the column quantiser's index); the fan-in in XLA
+  # here (the gather-sum kernel is bf16's, tested on its own).
+  from umoe_jax.ops import dispatch, fused_dispatch
+  fused_dispatch.FP8_FUSED_COMBINE = True
+  gb.BACKENDS._entries["triton"] = dataclasses.replace(gb.BACKENDS.get("triton"), gather_sum=None)
+  n_tok, slots, f, d, e = 50, 3, 144, 136, 4
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, slots)), jnp.int32), e)
+  z = jnp.asarray(_operand(rng, (n_tok * slots, f), (0, 1)))
+  w2 = jnp.asarray(_operand(rng, (e, f, d), (1, 2)))
+  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, slots)).astype(np.float32))
+  cot = jnp.asarray(_operand(rng, (n_tok, d), (0,)))
+  combined = lambda backend: jax.jit(jax.value_and_grad(lambda a, b, c: jnp.sum(
+      fused_dispatch.gmm_combine(a, b, plan, c, backend=backend, activation="silu", fp8=True) * cot),
+      argnums=(0, 1, 2)))(z, w2, gates)
+  n0 = len(LAUNCHES)
+  v, grads = combined("triton")
+  assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
+  wv, wgrads = combined("xla")
+  fused_dispatch.FP8_FUSED_COMBINE = False
+  np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8 gmm_combine")
+  for name, a, b in zip(("dz", "dw", "dgates"), grads, wgrads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                               atol=1e-5 * np.max(np.abs(np.asarray(b))), err_msg=f"fp8 gmm_combine {name}")
 
 
 def _interpreter_check():
@@ -462,8 +486,10 @@ def _interpreter_check():
   _differentiable_check()
   ran = tqt.LAUNCHES[n0:]
   # four products (fp8_gmm in both layouts, the dense one twice): two row-tile and two column-tile
-  # operands each
-  assert ran.count("_rows_kernel") == 8 and ran.count("_cols_t_kernel") == 8, ran
+  # operands each; then gmm_combine's FP8 form: act(z) and dout in row tiles, gate * act(z) and
+  # dout's token rows (through the index) in column tiles
+  assert ran.count("_rows_kernel") == 10 and ran.count("_cols_t_kernel") == 9, ran
+  assert ran[-1] == "_cols_t_gather_kernel" and len(ran) == 20, ran
   print("FP8_TRITON_INTERPRETER_OK")
 
 

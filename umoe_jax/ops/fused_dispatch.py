@@ -277,6 +277,54 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
   return fn
 
 
+# The FP8 form of gmm_combine as the bf16 one runs (`_fp8_gmm_combine_fn`): the expert outputs fanned
+# in by the gather-sum, the backward from the token rows' cotangent quantised once per token and read
+# through the sort order, never the per-slot cotangent [M, D] (which the plain form writes, then
+# quantises twice). Off until bench/train_step.py rows /fp8_fused_combine=0 and =1 have timed it.
+FP8_FUSED_COMBINE = False
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
+  """`_gmm_combine_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`'s quantisers and raw forms), the
+  same algebra: u = dout[token] @ rhs[g].T from dout's N rows quantised along D (a row's tiles run
+  along the row, so they are the per-slot rows' before the gate, which scales u instead), gives
+  dh = gate * u (* act'(z)) and dgate = <u, act(z)>; dw = tgmm(gate * act(z), dout[token]), the
+  token rows quantised in 128-row column tiles of the sorted order through the index. Those
+  elementwise passes run in XLA over the F-wide rows."""
+  backend = BACKENDS.get(backend_name)
+  operand = ((lambda h: h) if activation is None
+             else functools.partial(epilogue.activate, activation))
+
+  @jax.custom_vjp
+  def fn(h, rhs, gs, order, inverse, gates):
+    y_sorted = quantized_gmm(backend_name, *quantize(backend_name, operand(h), 1), rhs, gs, False,
+                             h.dtype)                                                      # [M, D]
+    y = _fan_in(backend, y_sorted, inverse, slots, gates)                                  # [N, D]
+    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+
+  def fwd(h, rhs, gs, order, inverse, gates):
+    return fn(h, rhs, gs, order, inverse, gates), (h, rhs, gs, order, inverse, gates)
+
+  def bwd(res, dout):
+    h, rhs, gs, order, inverse, gates = res
+    dout = dout.astype(h.dtype)                                                            # [N, D]
+    token = order // slots                                                                 # [M]
+    gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
+    u = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, gs, True, jnp.float32,
+                      lhs_index=token)                                                     # [M, F]
+    dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
+    hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
+    drhs = backend.fp8_tgmm(*quantize(backend_name, hg, 0), *quantize(backend_name, dout, 0, token),
+                            gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype)              # [E, F, D]
+    dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
+    return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
+            vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
                 backend: str = "auto", activation: str | None = None,
                 fuse_weight_rows: bool = False, fp8: bool = False) -> jax.Array:
@@ -297,7 +345,7 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     plan: the plan that sorted the rows (expert ids [N, K]).
     gates: [N, K].
     fp8: FP8 operands (train.precision=fp8): an FP8 `gmm`, then `dispatch.unpermute` and
-      `combine`, since the row-index kernels have no FP8 form (`fuse_weight_rows` does not apply).
+      `combine` (`fuse_weight_rows` does not apply); with FP8_FUSED_COMBINE, `_fp8_gmm_combine_fn`.
   Returns:
     [N, D] in h.dtype (the K-way sum accumulated in float32).
   """
@@ -310,6 +358,9 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if activation is not None and activation not in epilogue.FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
+  if fp8 and FP8_FUSED_COMBINE:
+    return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation)(
+        h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
   if fp8:
     rows = h if activation is None else epilogue.activate(activation, h)
     y = gmm(rows, rhs.astype(h.dtype), plan.group_sizes, backend=backend, fp8=True)       # [M, D]
