@@ -709,6 +709,35 @@ def test_fp8_model_routes_every_expert_matmul_and_mlp_through_fp8(family, monkey
     assert f8["ragged"] == {"float32"}
 
 
+@pytest.mark.parametrize("family", ["umoe", "ffn_moe"])
+def test_fp8_fused_combine_in_the_model(family, monkeypatch):
+  """With fused_dispatch.FP8_FUSED_COMBINE every gmm_combine of an fp8 model (attention and FFN
+  experts) takes the fused FP8 form, and the loss and its gradient stay within FP8's rounding of
+  the plain FP8 form's (the two quantise the last matmul's cotangent at different rows)."""
+  from umoe_jax.model.lm import CausalLM
+  from umoe_jax.ops import fused_dispatch
+  c = configs.common.experiment(family, "tiny").model
+  c.n_layers = 1
+  cfg = dataclasses.replace(model_config(c), matmul_precision="fp8")
+  tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, cfg.vocab_size)
+  graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+  def loss(p):
+    logits, _ = nnx.merge(graphdef, p)(tokens)
+    return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+  plain = jax.value_and_grad(loss)(params)
+  counts = {}
+  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", True)
+  _count(monkeypatch, fused_dispatch, "_fp8_gmm_combine_fn", counts)
+  fused = jax.value_and_grad(loss)(params)
+  # one layer: UMoE's attention and FFN experts each end in a gmm_combine, FFN-MoE's FFN experts
+  assert counts.get("_fp8_gmm_combine_fn", 0) == {"umoe": 2, "ffn_moe": 1}[family]
+  assert abs(float(fused[0]) - float(plain[0])) < 1e-3 * abs(float(plain[0]))
+  for a, b in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(plain[1])):
+    if np.any(np.asarray(b)):
+      assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 0.1
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input, before anything is built.
 
