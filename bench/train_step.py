@@ -12,9 +12,10 @@ memory. Usage (GPU):
       [--fused_loss_head=0|1]   (train.fused_loss_head: LM head + cross-entropy as one op, unchunked)
       [--mu_dtype=float32|bfloat16]   (train.mu_dtype: AdamW's first moment)
       [--compilation_cache_dir=DIR]   (JAX's persistent compilation cache: compile time only)
-      [--compile_only]   (compile the rows into --compilation_cache_dir and time nothing: several
-                    such commands at once compile a long row list in parallel; a Zipf row's program
-                    is its uniform row's, so it needs none of its own)
+      [--compile_only]   (compile the rows into --compilation_cache_dir and time nothing)
+      [--precompile=JOBS]   (first compile the rows' programs, JOBS --compile_only processes at a
+                    time, into --compilation_cache_dir; then time the rows, loading them. A Zipf
+                    row's program is its uniform row's, compiled once)
       [--gmm_tiles=FILE] [--attention_tiles=FILE]   (tile rows from bench/gmm.py / bench/attention_core.py sweeps)
       [--core_backward=recompute|stored_pairs]   (model.attention.core_backward)
       [--router_logits_dtype=float32|bfloat16]   (model.router.logits_dtype: x W_r's operands)
@@ -415,6 +416,53 @@ def _profile_steps(step_fn, state, batch, calls: int) -> dict:
   return dict(rows=rows, by_depth_2=grouped, summary=summary, state=box["state"])
 
 
+def program_rows(runs: list) -> list:
+  """The rows whose step programs `runs` need, each once: a row's Zipf exponent changes its tokens,
+  not its program, so a Zipf row stands for the same row on uniform tokens (and is compiled as it)."""
+  out, seen = [], set()
+  for r in runs:
+    flags = {k: v for k, v in (r.get("flags") or {}).items() if k != "zipf"}
+    program = dict(r, flags=flags)
+    if row_spec(program) not in seen:
+      seen.add(row_spec(program))
+      out.append(program)
+  return out
+
+
+def precompile(runs: list, jobs: int, out_dir: str) -> None:
+  """Compiles the step programs of `runs` (`program_rows`) into the command's compilation cache,
+  `jobs` processes at a time (this command's flags with --compile_only, one row each; their logs
+  under out_dir/precompile), so the timed rows that follow load their executables instead of
+  compiling one after the other."""
+  import subprocess
+  own = ("--runs", "--configs", "--layouts", "--out", "--results", "--precompile", "--trace_step")
+  argv = [a for a in sys.argv[1:] if not a.startswith(own)]
+  programs = program_rows(runs)
+  logs = os.path.join(out_dir, "precompile")
+  os.makedirs(logs, exist_ok=True)
+  t0, pending, running = time.perf_counter(), list(enumerate(programs)), []
+  while pending or running:
+    while pending and len(running) < jobs:
+      i, r = pending.pop(0)
+      path = os.path.join(logs, f"{i}.log")
+      cmd = [sys.executable, os.path.abspath(__file__), f"--runs={row_spec(r)}", "--compile_only",
+             f"--out={os.path.join(logs, str(i))}", "--results=none", *argv]
+      with open(path, "w") as f:  # (the child keeps its own descriptor)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+      running.append((r, proc, path))
+    time.sleep(0.5)
+    for item in [x for x in running if x[1].poll() is not None]:
+      running.remove(item)
+      r, proc, path = item
+      if proc.returncode:
+        with open(path) as f:
+          tail = f.read()[-300:]
+        log(f"{row_spec(r)}: precompile exited with {proc.returncode} ({path}): {tail} "
+            "(the timed row compiles it)")
+  log(f"precompiled {len(programs)} step programs, {jobs} at a time, in {time.perf_counter() - t0:.0f} s")
+
+
 def trace_name(name: str, layout: str, args, step: int) -> str:
   """--trace_step's directory name: the row's config, layout and mode, so that rows of one
   command in other modes (bf16 / fp8, Zipf, balanced) keep their own traces."""
@@ -553,6 +601,9 @@ def parser() -> argparse.ArgumentParser:
                   help="lower and compile each row's step into --compilation_cache_dir and run "
                        "nothing (no rows written): rows compiled so by parallel commands load "
                        "their executables when a later command times them one at a time")
+  ap.add_argument("--precompile", type=int, default=0, metavar="JOBS",
+                  help="before timing, compile the rows' step programs into "
+                       "--compilation_cache_dir, JOBS processes at a time (--compile_only each)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   results.add_flag(ap)
   return ap
@@ -560,7 +611,7 @@ def parser() -> argparse.ArgumentParser:
 
 # Flags that say how a command runs its rows, not what a row measures: never a row's overrides.
 BOOKKEEPING = ("configs", "layouts", "runs", "steps", "warmup", "out", "results", "time_limit_s",
-               "in_process", "compilation_cache_dir", "compile_only")
+               "in_process", "compilation_cache_dir", "compile_only", "precompile")
 
 
 def measurement(r: dict, args) -> dict | None:
@@ -619,8 +670,11 @@ def main():
   if args.compilation_cache_dir:
     from umoe_jax.train import loop
     loop.use_compilation_cache(args.compilation_cache_dir)
-  if args.compile_only and not args.compilation_cache_dir:
-    ap.error("--compile_only keeps its executables in --compilation_cache_dir; give one")
+  if (args.compile_only or args.precompile) and not args.compilation_cache_dir:
+    ap.error(f"{'--compile_only' if args.compile_only else '--precompile'} keeps its executables in "
+             "--compilation_cache_dir; give one")
+  if args.precompile < 0 or (args.precompile and args.compile_only):
+    ap.error(f"--precompile={args.precompile}: a count of processes >= 1, without --compile_only")
   if args.profile:  # kernels inside CUDA graphs are not attributed to their ops (profile_table.py)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
   rows = []
@@ -631,6 +685,8 @@ def main():
   except ValueError as e:
     ap.error(str(e))
   in_process = args.in_process or len(runs) == 1
+  if args.precompile:
+    precompile(runs, args.precompile, args.out)
   if in_process:
     log("devices:", jax.devices())  # (not in a parent of subprocesses: it would take the GPUs' memory)
   start, slowest = time.perf_counter(), 0.0

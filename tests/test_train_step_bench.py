@@ -24,6 +24,14 @@ def test_a_trace_step_outside_the_timed_steps_is_refused(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+def test_program_rows_compile_each_program_once():
+  """A Zipf row's program is the same row's on uniform tokens: --precompile compiles it once."""
+  runs = [bench.parse_row(x) for x in ("umoe_tiny:single/zipf=1.1", "umoe_tiny:single",
+                                       "umoe_tiny:single/precision=fp8/zipf=2", "umoe_tiny:data@2:ragged")]
+  assert [bench.row_spec(r) for r in bench.program_rows(runs)] == [
+      "umoe_tiny:single", "umoe_tiny:single/precision=fp8", "umoe_tiny:data@2:ragged"]
+
+
 def test_zipf_tokens_follow_their_exponent_and_uniform_stays_as_before():
   import numpy as np
   uniform = bench.bench_tokens(np.random.default_rng(0), 1000, (4, 33), 0.0)
@@ -61,6 +69,7 @@ def test_routing_load_is_each_routers_largest_load_over_the_mean():
                                           ("--tgmm_big_first_skew=0", "--tgmm_big_first_skew=0: >= 1"),
                                           ("--compile_only", "--compile_only keeps its executables in "
                                                              "--compilation_cache_dir"),
+                                          ("--precompile=2", "--precompile keeps its executables in"),
                                           # removed options: no flag
                                           ("--router_one_pass=1", "unrecognized arguments"),
                                           ("--split_key_width=0", "unrecognized arguments")])
@@ -142,6 +151,18 @@ def test_compile_only_rows_fill_the_cache_that_a_timed_row_then_loads(tmp_path):
   rows = json.loads((tmp_path / "b" / "train_step.json").read_text())
   assert all("error" not in r and r["loss_check"] for r in rows), rows
   assert steps() == compiled
+  # --precompile: the programs a row list needs, each once (the Zipf row's is the uniform row's,
+  # cached already; the balanced row's is new), compiled by parallel processes; the timed rows load
+  out = subprocess.run([sys.executable, BENCH, "--runs=umoe_tiny:single/zipf=1.1,umoe_tiny:single/routing=balanced",
+                        "--precompile=2", "--steps=1", "--warmup=0", f"--out={tmp_path}/c", "--results=none",
+                        *common], capture_output=True, text=True, timeout=600, env=env)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "precompiled 2 step programs, 2 at a time" in out.stdout + out.stderr
+  assert sorted(os.listdir(tmp_path / "c" / "precompile")) == ["0", "0.log", "1", "1.log"]
+  assert len(steps()) == 3 and set(compiled) < set(steps())
+  rows = json.loads((tmp_path / "c" / "train_step.json").read_text())
+  assert [(r["zipf"], r["routing"], r["loss_check"]) for r in rows] == [(1.1, "router", True),
+                                                                        (0.0, "balanced", True)]
 
 
 @pytest.mark.slow
