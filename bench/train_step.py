@@ -478,7 +478,7 @@ def _bench_subprocess(row: dict, out_dir: str) -> dict:
   import shutil
   import subprocess
   import tempfile
-  own = ("--runs", "--configs", "--layouts", "--out", "--results")  # set per row below
+  own = ("--runs", "--configs", "--layouts", "--out", "--results", "--precompile")  # set per row below
   argv, words = [], iter(sys.argv[1:])
   for a in words:
     if a in own:

@@ -157,6 +157,7 @@ def test_compile_only_rows_fill_the_cache_that_a_timed_row_then_loads(tmp_path):
                         "--precompile=2", "--steps=1", "--warmup=0", f"--out={tmp_path}/c", "--results=none",
                         *common], capture_output=True, text=True, timeout=600, env=env)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert (out.stdout + out.stderr).count("precompiled") == 1            # not again in a row's process
   assert "precompiled 2 step programs, 2 at a time" in out.stdout + out.stderr
   assert sorted(os.listdir(tmp_path / "c" / "precompile")) == ["0", "0.log", "1", "1.log"]
   assert len(steps()) == 3 and set(compiled) < set(steps())
