@@ -407,6 +407,22 @@ def test_row_blocks_are_whole_scale_tiles():
   assert row_blocks(jnp.int32(128), 1).tolist() == [128]
 
 
+def test_row_blocks_follow_a_loop_over_tiles():
+  """row_blocks against a loop: the ceil(rows / 128) tiles dealt out in order, ceil(tiles / splits)
+  to a block (as even as whole tiles go), the last tile cut to the rows; at counts around the tile
+  and block edges, those that fill their blocks exactly among them."""
+  from umoe_jax.ops.fp8_gmm import row_blocks
+  for splits in (1, 2, 3, 4, 7):
+    for rows in sorted({0, 1, 127, 128, 129, 255, 256, 257, 383, 384, 385} |
+                       {splits * T * t + e for t in (1, 2, 3) for e in (-1, 0, 1)}):
+      per = -(-(-(-rows // T)) // splits)      # tiles a block
+      want, left = [], rows
+      for _ in range(splits):
+        want.append(min(left, per * T))
+        left -= want[-1]
+      assert row_blocks(jnp.int32(rows), splits).tolist() == want, (rows, splits)
+
+
 def test_one_groups_weight_gradient_over_row_blocks(monkeypatch):
   """row_splits: the weight gradient of one group as that many row-block groups of the raw tgmm,
   their float32 partials summed; values, input gradient and weight gradient as without (up to the
@@ -437,6 +453,54 @@ def test_one_groups_weight_gradient_over_row_blocks(monkeypatch):
   assert outs[4][2].shape == w.shape and outs[4][2].dtype == w.dtype
   with pytest.raises(ValueError, match="row_splits=2: a count >= 1, above 1 only for one group"):
     fp8_gmm(x, jnp.concatenate([w, w]), jnp.asarray([300, 300]), backend="xla", row_splits=2)
+
+
+def test_a_wider_output_dtype_is_kept_unrounded():
+  """bf16 operands: fp8_dot's out_dtype and fp8_gmm's preferred_element_type float32 give float32
+  products within TOL of the float64 reference (rounded to bf16 on the way, they would miss by
+  ~1e-3), fp8_gmm's gradients in the operands' own dtypes (fp8_dot's:
+  test_fp8_dot_impls_agree_and_keep_dtypes)."""
+  rng = np.random.default_rng(15)
+  f32 = lambda a: np.asarray(a, np.float32)
+  x, w, dy = (jnp.asarray(wide_range(rng, s, decades=1.0), jnp.bfloat16)
+              for s in ((150, 300), (300, 200), (150, 200)))
+  y = jax.jit(lambda a, b: fp8.fp8_dot(a, b, out_dtype=jnp.float32))(x, w)
+  assert y.dtype == jnp.float32
+  assert rel_err(y, _dot_refs(f32(x), f32(w), f32(dy))[0]) < TOL
+  sizes = [37, 0, 90, 3]
+  rhs = jnp.asarray(wide_range(rng, (4, 300, 200), decades=1.0), jnp.bfloat16)
+
+  @jax.jit
+  def value_and_pull(a, b, cot):
+    out, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, jnp.asarray(sizes, jnp.int32), backend="xla",
+                                             preferred_element_type=jnp.float32), a, b)
+    return (out, *pull(cot.astype(out.dtype)))
+  out, dlhs, drhs = value_and_pull(x, rhs, dy)
+  assert (out.dtype, dlhs.dtype, drhs.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+  assert rel_err(out, _gmm_refs(f32(x), f32(rhs), sizes, f32(dy), False)[0]) < TOL
+
+
+def test_row_block_partials_are_summed_in_float32():
+  """One group's bf16 weight gradient over row blocks (row_splits=2) sums float32 partials: rows
+  128-255 are rows 0-127 negated (their cotangent rows within 10%), so the two partials nearly
+  cancel; the total is within one bf16 unit (and float32 summation) of the float64 reference,
+  where partials rounded to bf16 miss by ~1e-3 of the partials. Not jitted: inside a jit XLA's CPU
+  compiler, allowed excess precision, drops a bf16 round trip."""
+  from umoe_jax.ops.fp8_gmm import gradients
+  rng = np.random.default_rng(16)
+  a = wide_range(rng, (128, 96), decades=1.0)
+  a = np.concatenate([a, -a, wide_range(rng, (20, 96))])             # 20 rows past the group
+  d = wide_range(rng, (128, 64), decades=1.0)
+  d = np.concatenate([d, d * rng.uniform(0.9, 1.1, d.shape), wide_range(rng, (20, 64))])
+  a, d = (np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) for v in (a, d))
+  w = jnp.asarray(wide_range(rng, (1, 96, 64), decades=1.0), jnp.bfloat16)
+  got = gradients("xla", jnp.asarray(a, jnp.bfloat16), w, jnp.asarray([256], jnp.int32), False,
+                  jnp.asarray(d, jnp.bfloat16), row_splits=2)[1]
+  assert got.shape == w.shape and got.dtype == jnp.bfloat16
+  (ra, _), (rd, _), (ba, _), (bd, _) = (ref_tiles(v[:256], 0) for v in (a, d, np.abs(a), np.abs(d)))
+  want, bound = ra.T @ rd, ba.T @ bd
+  err = np.abs(np.asarray(got[0], np.float64) - want) / (np.abs(want) * 2.0 ** -7 + 1e-5 * bound)
+  assert np.max(err) <= 1, float(np.max(err))
 
 
 def test_fp8_dense_hands_its_weight_gradient_splits_to_fp8_gmm(monkeypatch):

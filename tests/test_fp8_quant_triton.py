@@ -96,18 +96,40 @@ LAUNCHES = []   # kernel names, in launch order
 CONVERSIONS = []  # float32 -> e4m3 conversions the interpreter made through `_exact_e4m3`
 
 
+GUARD = 4096   # poisoned elements on either side of every output (`guarded`)
+
+
+def guarded(shape, dtype, poison):
+  """(flat buffer, its middle as an array of `shape`): the output lies between GUARD poisoned
+  elements on either side, which `check_guards` asserts a launch left alone (a store that
+  overshoots its output hits them, instead of memory the interpreter does not own)."""
+  size = int(np.prod(shape))
+  flat = np.full(size + 2 * GUARD, poison, dtype)
+  return flat, flat[GUARD:GUARD + size].reshape(shape)
+
+
+def check_guards(flat, poison, what):
+  edges = np.concatenate([flat[:GUARD], flat[-GUARD:]]).view(np.uint8)
+  want = np.full(2 * GUARD, poison, flat.dtype).view(np.uint8)
+  assert np.array_equal(edges, want), f"{what} wrote outside its output"
+
+
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
   """`triton_fp8_quant._launch` through the interpreter. The outputs are poisoned first (q with e4m3's
-  NaN code, scales with -1, which no tile has), so an element the kernel never writes fails."""
+  NaN code, scales with -1, which no tile has), so an element the kernel never writes fails, and
+  guarded by poisoned elements (`guarded`), so one written outside an output fails too."""
   from test_kernels import _NpTensor
   shapes = tuple(out_shape)
 
   def host(*arrays):
     ins = [_NpTensor(np.asarray(a)) for a in arrays]
-    outs = [_NpTensor(np.full(s.shape, 0x7F, np.uint8).view(F8) if s.dtype == F8 else
-                      np.full(s.shape, -1.0, s.dtype)) for s in shapes]
+    bufs = [guarded(s.shape, np.uint8, 0x7F) if s.dtype == F8 else guarded(s.shape, s.dtype, -1.0)
+            for s in shapes]
+    outs = [_NpTensor(arr.view(F8) if s.dtype == F8 else arr) for s, (_, arr) in zip(shapes, bufs)]
     with INTERPRETER_LOCK:
       kernel[grid](*ins, *outs, **meta)
+    for s, (flat, _) in zip(shapes, bufs):
+      check_guards(flat, 0x7F if s.dtype == F8 else -1.0, kernel.fn.__name__)
     return tuple(o.arr for o in outs)
 
   LAUNCHES.append(kernel.fn.__name__)

@@ -9,6 +9,7 @@ gradients against backend="xla". GPU runs: tests/gpu/test_fp8_gpu.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -150,6 +151,33 @@ def test_bad_operands_name_the_array():
     tf.triton_fp8_tgmm(aq, as_, lq, ls, gs)   # rhs in tiles along its columns, not its rows
 
 
+def test_gpus_without_fp8_tensor_cores_are_refused_before_a_launch(monkeypatch):
+  """Devices faked: both kernels' entry points refuse a GPU below compute capability 8.9 (no FP8
+  tensor cores) in one line naming it and its sm_, before any launch; Ada (8.9), Hopper (9.0) and
+  later GPUs launch."""
+  import types
+  launched = []
+  monkeypatch.setattr(tf, "_launch", lambda kernel, grid, args, out_shape, **meta: (
+      launched.append(kernel), jnp.zeros(out_shape.shape, out_shape.dtype))[1])
+  sizes = jnp.asarray([100, 156], jnp.int32)
+  operand = lambda q_shape, s_shape: (jnp.zeros(q_shape, F8), jnp.zeros(s_shape, jnp.float32))
+  lhs, rhs = operand((256, 200), (256, 2)), operand((2, 200, 72), (2, 2, 1))
+  rows, cols = operand((256, 200), (2, 200)), operand((256, 72), (2, 72))
+  for cc, refused in (("8.0", True), ("8.6", True), ("8.9", False), ("9.0", False), ("10.0", False)):
+    gpu = types.SimpleNamespace(platform="gpu", device_kind=f"NVIDIA sm{cc}", compute_capability=cc)
+    monkeypatch.setattr(tf.jax, "devices", lambda gpu=gpu: [gpu])
+    launched.clear()
+    for what, call in (("gmm", lambda: tf.triton_fp8_gmm(*lhs, *rhs, sizes)),
+                       ("tgmm", lambda: tf.triton_fp8_tgmm(*rows, *cols, sizes))):
+      if refused:
+        with pytest.raises(ValueError, match=rf"^triton fp8 {what}: NVIDIA sm{cc} \(sm_{cc.replace('.', '')}\) "
+                                             r"has no FP8 tensor cores \(sm_89 or later\)"):
+          call()
+      else:
+        call()
+    assert len(launched) == (0 if refused else 2), cc
+
+
 def test_fp8_backends_lists_the_kernels_in_a_fresh_process():
   """fp8_backends() registers the kernel backends itself (bench/fp8_dense.py lists its impls with it
   before anything else has registered them)."""
@@ -178,18 +206,41 @@ def test_registered_as_the_triton_backends_fp8_forms():
 # Under the interpreter (a fresh process: TRITON_INTERPRET must be set before Triton is imported).
 
 LAUNCHES = []   # kernel names, in launch order
+REVERSED = [False]   # whether the launches traced now run their programs last to first
+
+
+@contextlib.contextmanager
+def _program_order(reverse):
+  """The interpreter runs a launch's programs first to last; with `reverse`, last to first. A GPU
+  runs them in no set order: a program that stores into another's part of the output passes in
+  the order where the other stores after it, and fails in the other order."""
+  if not reverse:
+    yield
+    return
+  import triton.runtime.interpreter as interp
+  b = interp.interpreter_builder
+  b.set_grid_idx = lambda x, y, z: type(b).set_grid_idx(b, b.grid_dim[0] - 1 - x, y, z)
+  try:
+    yield
+  finally:
+    del b.set_grid_idx
 
 
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
   """`triton_fp8_gmm._launch` through the interpreter; the output poisoned with NaN first, so an
-  output the kernel never writes fails."""
+  output the kernel never writes fails, and guarded (`test_fp8_quant_triton.guarded`), so a store
+  outside it fails too; its programs last to first while REVERSED (at the trace)."""
+  from test_fp8_quant_triton import check_guards, guarded
   from test_kernels import _NpTensor
+  reverse = REVERSED[0]
 
   def host(*arrays):
     ins = [_NpTensor(np.asarray(a)) for a in arrays]
-    out = _NpTensor(np.full(out_shape.shape, np.nan, out_shape.dtype))
-    with INTERPRETER_LOCK:
+    flat, arr = guarded(out_shape.shape, out_shape.dtype, np.nan)
+    out = _NpTensor(arr)
+    with INTERPRETER_LOCK, _program_order(reverse):
       kernel[grid](*ins, out, **meta)
+    check_guards(flat, np.nan, kernel.fn.__name__)
     return out.arr
 
   LAUNCHES.append(kernel.fn.__name__)
@@ -239,7 +290,8 @@ def _loop_tgmm(a, b, gs):
 GMM_CASES = [  # M, K, N, group sizes, (bm, bn) or None for the default tiles
     (260, 200, 144, [70, 0, 133, 40], (32, 48)),   # ragged, an empty group, 17 rows past the groups;
                                                    # 48 = 32 + 16 columns, a tile across a scale block
-    (200, 256, 160, [0, 190, 3, 0, 7], (16, 64)),  # skewed, empty first group, no row past the groups
+    (200, 384, 160, [0, 190, 3, 0, 7], (16, 64)),  # skewed, empty first group, no row past the groups;
+                                                   # K 3 scale blocks, N 2: their strides differ
     (150, 136, 96, [40, 60, 30], None),            # default tiles (128 x 96 = 64 + 32)
 ]
 
@@ -271,7 +323,8 @@ def _nan_pieces(scales, pieces):
   return jnp.asarray(scales)
 
 
-def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32):
+def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32, reverse=False):
+  """One launch against the emulation (`_compare`), its programs last to first with `reverse`."""
   gs = np.asarray(gs, np.int32)
   lhs, rhs = _gmm_operands(rng, m, k, n, gs, transpose, special)
   lq, ls = fp8.quantize_tiles(jnp.asarray(lhs), axis=1)
@@ -282,8 +335,10 @@ def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32
     rs = _nan_pieces(rs, [(busy, 0, rs.shape[2] - 1)])
   cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
   n0 = len(LAUNCHES)
+  REVERSED[0] = reverse
   got = jax.jit(lambda *a: tf.triton_fp8_gmm(*a, transpose_rhs=transpose, out_dtype=out_dtype,
                                              config=cfg))(lq, ls, rq, rs, jnp.asarray(gs))
+  REVERSED[0] = False
   assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
   deq_l, deq_r = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
   if special:  # (XLA's ragged_dot on CPU spreads one group's NaN to every row: a float64 loop)
@@ -293,7 +348,8 @@ def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32
                             out_dtype=jnp.float32)
   bound = _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose)
   rows = int(gs.sum())
-  what = f"gmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} transpose={transpose} special={special}"
+  what = (f"gmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} transpose={transpose} special={special} "
+          f"reverse={reverse}")
   assert got.shape == (m, k if transpose else n) and got.dtype == out_dtype, what
   got = np.asarray(got.astype(jnp.float32))
   if out_dtype == jnp.float32:
@@ -346,7 +402,7 @@ TGMM_CASES = [  # M, K, N, group sizes, (bm, bn) output tile or None for the def
 ]
 
 
-def _check_tgmm(rng, m, k, n, gs, tile, special):
+def _check_tgmm(rng, m, k, n, gs, tile, special, reverse=False):
   gs = np.asarray(gs, np.int32)
   a = _operand(rng, (m, k), (0, 1))
   b = _operand(rng, (m, n), (0, 1))
@@ -360,8 +416,10 @@ def _check_tgmm(rng, m, k, n, gs, tile, special):
   g = len(gs)
   cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
   n0 = len(LAUNCHES)
+  REVERSED[0] = reverse
   got = jax.jit(lambda *x: tf.triton_fp8_tgmm(*x, num_groups=g, out_dtype=jnp.float32, config=cfg))(
       aq, as_, bq, bs, jnp.asarray(gs))
+  REVERSED[0] = False
   assert LAUNCHES[n0:] == ["_fp8_tgmm_kernel"]
   deq_a, deq_b = (np.asarray(fp8.dequantize_tiles(q, sc, axis=0)) for q, sc in ((aq, as_), (bq, bs)))
   if special:  # (as in _check_gmm)
@@ -369,7 +427,7 @@ def _check_tgmm(rng, m, k, n, gs, tile, special):
   else:
     want = fp8.emulated_tgmm(aq, as_, bq, bs, jnp.asarray(gs), num_groups=g, out_dtype=jnp.float32)
   bound = _loop_tgmm(np.abs(deq_a), np.abs(deq_b), gs)
-  what = f"tgmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} special={special}"
+  what = f"tgmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} special={special} reverse={reverse}"
   assert got.shape == (g, k, n), what
   _compare(got, want, bound, g, what)
   assert np.all(np.asarray(got)[gs == 0] == 0), f"{what}: empty groups are zero"
@@ -465,16 +523,18 @@ def _interpreter_check():
   interpreter_loop_bounds()
   tf._launch = _interpreter_launch
   rng = np.random.default_rng(0)
+  # each case's transposed launch with its programs last to first (`_program_order`), so a program
+  # storing into another's rows or columns fails in one order or the other
   for m, k, n, gs, tile in GMM_CASES:
     for transpose in (False, True):
-      _check_gmm(rng, m, k, n, gs, tile, transpose, special=False)
+      _check_gmm(rng, m, k, n, gs, tile, transpose, special=False, reverse=transpose)
   for transpose in (False, True):
     _check_gmm(rng, *GMM_CASES[0], transpose, special=True)
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
   for transpose in (False, True):
     _check_gmm_index(rng, transpose)
-  for m, k, n, gs, tile in TGMM_CASES:
-    _check_tgmm(rng, m, k, n, gs, tile, special=False)
+  for i, (m, k, n, gs, tile) in enumerate(TGMM_CASES):
+    _check_tgmm(rng, m, k, n, gs, tile, special=False, reverse=i % 2 == 1)
   _check_tgmm(rng, *TGMM_CASES[0], special=True)
   _check_tgmm(rng, *TGMM_CASES[3], special=True)   # the inf lands in a whole tile of the big group
   # fp8_gmm's triton backend quantises with its own kernels (kernels/gmm/triton_fp8_quant.py):
