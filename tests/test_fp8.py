@@ -514,6 +514,22 @@ def test_fp8_dense_hands_its_weight_gradient_splits_to_fp8_gmm(monkeypatch):
   assert seen == [((10, 8), "triton", 6), ((10, 8), "triton", layers.DENSE_WGRAD_SPLITS)]
 
 
+def _record_quantiser_calls(monkeypatch) -> list:
+  """Gives the xla backend a quantiser of its own (`fp8.quantize_tiles`, through the index where
+  one is given) that records (operand shape, axis, index shape or None) of each call in the list
+  returned."""
+  import dataclasses
+  from umoe_jax.ops import gmm_backends
+  calls = []
+
+  def own(x, axis, index=None):
+    calls.append((x.shape, axis, None if index is None else index.shape))
+    return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=axis)
+  xla = gmm_backends.BACKENDS.get("xla")
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
+  return calls
+
+
 def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch):
   """fused_dispatch.FP8_ROWS_THROUGH_INDEX: the first matmul's forward and weight gradient read the
   N token rows through the plan's sort order (a backend quantiser with an index, a row-index FP8
@@ -534,13 +550,8 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   got = jax.grad(loss, argnums=(0, 1))(x, w)
   for g, r in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
-  calls = []
-
-  def own(a, axis, index=None):
-    calls.append((a.shape, axis, None if index is None else index.shape))
-    return fp8.quantize_tiles(a if index is None else jnp.take(a, index, axis=0), axis=axis)
+  calls = _record_quantiser_calls(monkeypatch)
   xla = gmm_backends.BACKENDS.get("xla")
-  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
   got = jax.grad(loss, argnums=(0, 1))(x, w)
   assert ((n_tok, d), 0, (n_tok * k,)) in calls and ((n_tok * k, d), 0, None) not in calls
@@ -641,13 +652,7 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
   for got, want in zip((dz, dw, dgates), exact[1](g)):
     assert rel_err(got, np.asarray(want, np.float64)) < 0.08
   # what the backend's quantiser is handed
-  calls = []
-
-  def own(x, axis, index=None):
-    calls.append((x.shape, axis, None if index is None else index.shape))
-    return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=axis)
-  xla = gmm_backends.BACKENDS.get("xla")
-  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
+  calls = _record_quantiser_calls(monkeypatch)
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
   got = jax.vjp(fn, z, w, gates)[1](g)
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()

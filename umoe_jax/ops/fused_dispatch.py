@@ -230,6 +230,38 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
 # gmm_combine
 
 
+def _combine_vjp(backend, slots: int, product, gradients):
+  """The differentiable `combine(unpermute(product(h, rhs, gs)), gates)` both gmm_combine forms
+  share: product(h, rhs, gs) -> y_sorted [M, D]; gradients(h, rhs, gs, dout, token, gate_sorted)
+  -> (dh, dgate_sorted [M], drhs) from the token rows' cotangent dout [N, D] (h's dtype), the sorted
+  rows' tokens and their gates (float32). Only the inputs are kept: the backward needs no [M, D]
+  expert outputs (module docstring)."""
+
+  @jax.custom_vjp
+  def fn(h, rhs, gs, order, inverse, gates):
+    y = _fan_in(backend, product(h, rhs, gs), inverse, slots, gates)                      # [N, D]
+    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+
+  def fwd(h, rhs, gs, order, inverse, gates):
+    return fn(h, rhs, gs, order, inverse, gates), (h, rhs, gs, order, inverse, gates)
+
+  def bwd(res, dout):
+    h, rhs, gs, order, inverse, gates = res
+    token = order // slots                                                                 # [M]
+    gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
+    dh, dgate_sorted, drhs = gradients(h, rhs, gs, dout.astype(h.dtype), token, gate_sorted)
+    dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
+    return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
+            vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+def _operand(activation: str | None):
+  return (lambda h: h) if activation is None else functools.partial(epilogue.activate, activation)
+
+
 @functools.lru_cache(maxsize=None)
 def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None,
                     fuse_weight_rows: bool = False):
@@ -237,25 +269,12 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
   fuse_weight_rows: the weight gradient's gate-scaled operand rows come from the input-gradient
   matmul's epilogue (which loads h anyway) instead of their own XLA pass."""
   backend = BACKENDS.get(backend_name)
-  operand = ((lambda h: h) if activation is None
-             else functools.partial(epilogue.activate, activation))
+  operand = _operand(activation)
 
-  @jax.custom_vjp
-  def fn(h, rhs, gs, order, inverse, gates):
-    y_sorted = _raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False,
-                        out_dtype=h.dtype)                                                 # [M, D]
-    y = _fan_in(backend, y_sorted, inverse, slots, gates)                                  # [N, D]
-    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+  def product(h, rhs, gs):
+    return _raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False, out_dtype=h.dtype)
 
-  def fwd(h, rhs, gs, order, inverse, gates):
-    # Only the inputs are kept: the backward needs no [M, D] expert outputs (module docstring).
-    return fn(h, rhs, gs, order, inverse, gates), (h, rhs, gs, order, inverse, gates)
-
-  def bwd(res, dout):
-    h, rhs, gs, order, inverse, gates = res
-    dout = dout.astype(h.dtype)                                                            # [N, D]
-    token = order // slots                                                                 # [M]
-    gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
+  def gradients(h, rhs, gs, dout, token, gate_sorted):
     # With the activation: dz = gate * u * act'(z) and dgate = <u, act(z)> in the same epilogue.
     # The weight gradient reads pre-scaled rows hg = gate * act(z): scaling or activating tiles
     # inside its kernel, between their load and the tensor cores, costs it a quarter of its speed
@@ -269,12 +288,9 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
           else epilogue.gate_scaled(h, gate_sorted, activation))                          # [M, F]
     drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
                      rhs_index=token)                                                      # [E, F, D]
-    dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
-    return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
-            vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
+    return dh, dgate_sorted, drhs
 
-  fn.defvjp(fwd, bwd)
-  return fn
+  return _combine_vjp(backend, slots, product, gradients)
 
 
 # The FP8 form of gmm_combine as the bf16 one runs (`_fp8_gmm_combine_fn`): the expert outputs fanned
@@ -293,36 +309,21 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   token rows quantised in 128-row column tiles of the sorted order through the index. Those
   elementwise passes run in XLA over the F-wide rows."""
   backend = BACKENDS.get(backend_name)
-  operand = ((lambda h: h) if activation is None
-             else functools.partial(epilogue.activate, activation))
+  operand = _operand(activation)
 
-  @jax.custom_vjp
-  def fn(h, rhs, gs, order, inverse, gates):
-    y_sorted = quantized_gmm(backend_name, *quantize(backend_name, operand(h), 1), rhs, gs, False,
-                             h.dtype)                                                      # [M, D]
-    y = _fan_in(backend, y_sorted, inverse, slots, gates)                                  # [N, D]
-    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+  def product(h, rhs, gs):
+    return quantized_gmm(backend_name, *quantize(backend_name, operand(h), 1), rhs, gs, False, h.dtype)
 
-  def fwd(h, rhs, gs, order, inverse, gates):
-    return fn(h, rhs, gs, order, inverse, gates), (h, rhs, gs, order, inverse, gates)
-
-  def bwd(res, dout):
-    h, rhs, gs, order, inverse, gates = res
-    dout = dout.astype(h.dtype)                                                            # [N, D]
-    token = order // slots                                                                 # [M]
-    gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
+  def gradients(h, rhs, gs, dout, token, gate_sorted):
     u = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, gs, True, jnp.float32,
                       lhs_index=token)                                                     # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
     drhs = backend.fp8_tgmm(*quantize(backend_name, hg, 0), *quantize(backend_name, dout, 0, token),
                             gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype)              # [E, F, D]
-    dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
-    return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
-            vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
+    return dh, dgate_sorted, drhs
 
-  fn.defvjp(fwd, bwd)
-  return fn
+  return _combine_vjp(backend, slots, product, gradients)
 
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
