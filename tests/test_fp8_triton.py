@@ -176,6 +176,10 @@ def test_gpus_without_fp8_tensor_cores_are_refused_before_a_launch(monkeypatch):
       else:
         call()
     assert len(launched) == (0 if refused else 2), cc
+  monkeypatch.undo()
+  monkeypatch.setattr(tf, "HAVE_JAX_TRITON", False)
+  with pytest.raises(RuntimeError, match=r"^triton fp8 gmm: needs Triton and jax-triton"):
+    tf.triton_fp8_gmm(*lhs, *rhs, sizes)
 
 
 def test_fp8_backends_lists_the_kernels_in_a_fresh_process():

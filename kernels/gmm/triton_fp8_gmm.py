@@ -346,6 +346,11 @@ def _check(what: str, name: str, x, shape, dtype) -> None:
                      f"{jnp.dtype(dtype).name}{list(shape)}")
 
 
+if not HAVE_TRITON:
+  # Names for the launches' arguments; `_launch` refuses them in one line (tests replace `_launch`).
+  _fp8_gmm_kernel = _fp8_tgmm_kernel = None
+
+
 def _check_device(what: str) -> None:
   """FP8 tensor cores: sm_89 and later (a GPU launch elsewhere would fail inside Triton)."""
   dev = jax.devices()[0]
@@ -357,6 +362,9 @@ def _check_device(what: str) -> None:
 
 def _launch(kernel, grid, args, out_shape, **meta):
   """One kernel launch through jax-triton (replaced by the interpreter in the CPU tests)."""
+  if kernel is None or not HAVE_JAX_TRITON:
+    raise RuntimeError("triton fp8 gmm: needs Triton and jax-triton (pip install -r requirements-gpu.txt); "
+                       "the xla backend's emulation runs without them")
   return jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=out_shape, **meta,
                         **triton_launch.launch_kwargs())
 
