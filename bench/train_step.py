@@ -34,9 +34,9 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_rows_through_index=0|1] [--fp8_fused_combine=0|1] [--dense_wgrad_splits=N]   (the
-                    FP8 switches fused_dispatch.FP8_ROWS_THROUGH_INDEX / FP8_FUSED_COMBINE,
-                    layers.DENSE_WGRAD_SPLITS)
+      [--fp8_rows_through_index=0|1] [--fp8_fused_combine=0|1] [--fp8_wgrad=0|1]
+      [--dense_wgrad_splits=N]   (the FP8 switches fused_dispatch.FP8_ROWS_THROUGH_INDEX /
+                    FP8_FUSED_COMBINE, fp8_gmm.FP8_WGRAD, layers.DENSE_WGRAD_SPLITS)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -81,7 +81,7 @@ import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
 from umoe_jax.model import layers  # noqa: E402
-from umoe_jax.ops import fused_dispatch  # noqa: E402
+from umoe_jax.ops import fp8_gmm, fused_dispatch  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -125,6 +125,7 @@ ROUTINGS = ("router", "balanced")
 SWITCHES = {
     "fp8_rows_through_index": (fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None),
     "fp8_fused_combine": (fused_dispatch, "FP8_FUSED_COMBINE", None),
+    "fp8_wgrad": (fp8_gmm, "FP8_WGRAD", None),
     "dense_wgrad_splits": (layers, "DENSE_WGRAD_SPLITS", 1),
 }
 
@@ -533,6 +534,9 @@ def parser() -> argparse.ArgumentParser:
                   help="umoe_jax.ops.fused_dispatch.FP8_FUSED_COMBINE (default: the module's): "
                        "the FP8 last expert matmul as the bf16 gmm_combine runs (gather-sum "
                        "fan-in; backward from the token rows' cotangent, no per-slot copy)")
+  ap.add_argument("--fp8_wgrad", type=int, choices=[0, 1], default=None,
+                  help="umoe_jax.ops.fp8_gmm.FP8_WGRAD (default: the module's): the expert "
+                       "matmuls' weight gradient in FP8 (1) or in bf16 by the backend's tgmm (0)")
   ap.add_argument("--dense_wgrad_splits", type=int, default=None,
                   help="umoe_jax.model.layers.DENSE_WGRAD_SPLITS (default: the module's): the FP8 "
                        "dense products' weight gradient over this many row blocks")

@@ -662,6 +662,105 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
     np.testing.assert_array_equal(np.asarray(x, np.float64), y)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("sizes", [[37, 0, 90, 3], [130]])
+def test_the_weight_gradient_in_bf16(sizes, transpose_rhs, monkeypatch):
+  """fp8_gmm.FP8_WGRAD off: the weight gradient is the product of the operands as they are (the
+  float64 loop over each group's rows, rows past the groups and empty groups left out; one group
+  by XLA's dot), no operand is quantised in column tiles, and the output and the input gradient
+  are the FP8 ones bit for bit."""
+  from umoe_jax.ops import fp8_gmm as fg
+  rng = np.random.default_rng(31)
+  g, m, k, n = len(sizes), 150, 200, 72
+  rhs = jnp.asarray(rng.normal(size=(g, k, n)) / 14, jnp.float32)
+  lhs = jnp.asarray(rng.normal(size=(m, n if transpose_rhs else k)), jnp.float32)  # rows past the
+  dout = jnp.asarray(rng.normal(size=(m, k if transpose_rhs else n)), jnp.float32)  # groups nonzero
+  f = lambda a, b: fp8_gmm(a, b, jnp.asarray(sizes, jnp.int32), backend="xla",
+                           transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32)
+  fp8_out, pull = jax.vjp(f, lhs, rhs)
+  fp8_dlhs, _ = pull(dout)
+  monkeypatch.setattr(fg, "FP8_WGRAD", False)
+  calls = _record_quantiser_calls(monkeypatch)
+  out, pull = jax.vjp(f, lhs, rhs)
+  dlhs, drhs = pull(dout)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(fp8_out))
+  np.testing.assert_array_equal(np.asarray(dlhs), np.asarray(fp8_dlhs))
+  assert [c[1] for c in calls] == [1, 1], calls              # forward and input gradient only
+  want, start = np.zeros((g, k, n)), 0
+  a64, d64 = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
+  for e, size in enumerate(sizes):
+    rows = slice(start, start + size)
+    want[e] = d64[rows].T @ a64[rows] if transpose_rhs else a64[rows].T @ d64[rows]
+    start += size
+  assert drhs.shape == rhs.shape and drhs.dtype == rhs.dtype
+  assert rel_err(np.asarray(drhs, np.float64), want) < TOL
+  for e, size in enumerate(sizes):
+    assert np.asarray(drhs[e]).any() == (size > 0)
+
+
+@pytest.mark.parametrize("through_index", [False, True])
+@pytest.mark.parametrize("fused_combine", [False, True])
+def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, monkeypatch):
+  """FP8_WGRAD off in the fused dispatch's FP8 forms (gather_gmm with the rows gathered or read
+  through the sort order; gmm_combine plain or fused): each weight gradient is the float64 product
+  of its operands as they are (the sorted token rows and the per-slot cotangent; the gate-scaled
+  activations and the token rows' cotangent), the other gradients and the values are the FP8
+  ones bit for bit, and nothing is quantised in column tiles."""
+  from umoe_jax.ops import dispatch, fp8_gmm as fg, fused_dispatch
+  rng = np.random.default_rng(32)
+  n_tok, k, d, f, e = 40, 3, 200, 136, 4
+  x = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
+  w1 = jnp.asarray(rng.normal(size=(e, d, f)) / 14, jnp.float32)
+  w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 12, jnp.float32)
+  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, k)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", through_index)
+  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", fused_combine)
+
+  def hidden(x, w1):
+    return fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True)        # [M, F]
+
+  def layer(x, w1, w2, gates):
+    return fused_dispatch.gmm_combine(hidden(x, w1), w2, plan, gates, backend="xla",
+                                      activation="silu", fp8=True)
+
+  def grads():
+    fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+    fused_dispatch._fp8_gmm_combine_fn.cache_clear()
+    out, pull = jax.vjp(layer, x, w1, w2, gates)
+    return out, pull(g)
+  fp8_out, (fp8_dx, _, _, fp8_dgates) = grads()
+  monkeypatch.setattr(fg, "FP8_WGRAD", False)
+  calls = _record_quantiser_calls(monkeypatch)
+  out, (dx, dw1, dw2, dgates) = grads()
+  assert calls and all(c[1] == 1 for c in calls), calls
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(fp8_out))
+  np.testing.assert_array_equal(np.asarray(dgates), np.asarray(fp8_dgates))
+  # dx flows back through dw2's product: the same FP8 path, so the same bits
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(fp8_dx))
+  # float64 loops: the sorted rows, their hidden pre-activations, the two cotangents
+  order, sizes = np.asarray(plan.order), np.asarray(plan.group_sizes)
+  token = order // k
+  z, pull_h = jax.vjp(hidden, x, w1)
+  z64 = np.asarray(z, np.float64)
+  act = z64 / (1 + np.exp(-z64))
+  gate_sorted = np.asarray(gates, np.float64).reshape(-1)[order]
+  hg = np.asarray(jnp.asarray(act * gate_sorted[:, None], jnp.float32), np.float64)
+  dz = np.asarray(jax.vjp(lambda z_: fused_dispatch.gmm_combine(
+      z_, w2, plan, gates, backend="xla", activation="silu", fp8=True), z)[1](g)[0], np.float64)
+  rows64, g64 = np.asarray(x, np.float64)[token], np.asarray(g, np.float64)[token]
+  want1, want2, start = np.zeros(w1.shape), np.zeros(w2.shape), 0
+  for ex, size in enumerate(sizes):
+    r = slice(start, start + size)
+    want1[ex], want2[ex] = rows64[r].T @ dz[r], hg[r].T @ g64[r]
+    start += size
+  assert rel_err(np.asarray(dw1, np.float64), want1) < TOL
+  assert rel_err(np.asarray(dw2, np.float64), want2) < 1e-4   # hg rounded by two silu forms
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  fused_dispatch._fp8_gmm_combine_fn.cache_clear()
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
   of fp8_gmm's three products and the fused dispatch's token rows, each along its product's

@@ -8,7 +8,7 @@ contraction, the expert weights in 128 x 128 blocks) and handed to the backend's
   backward  dlhs = gmm(tiles(dout, along N), blocks(rhs), transposed)
             drhs = tgmm(row tiles(lhs), row tiles(dout))        (contraction over tokens)
 
-each accumulating in float32. A backend without FP8 forms is refused (`fp8_backend`).
+each accumulating in float32; with FP8_WGRAD off the third takes lhs and dout as they are (bf16). A backend without FP8 forms is refused (`fp8_backend`).
 """
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ import jax.numpy as jnp
 
 from umoe_jax.ops import fp8
 from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend, register_builtin_kernels, resolve_backend
+from umoe_jax.ops.row_index import raw_fp8_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 
 # The FP8 forms "auto" may take: those whose GPU tests (tests/gpu/test_fp8_gpu.py) pass on a GPU.
 AUTO_FP8 = frozenset({"xla", "triton"})
+
+# The weight gradient's product in FP8 (True) or in bf16 by the backend's own tgmm (False). In FP8 it
+# needs both operands quantised again in 128-row column tiles (two more passes over [M, K] and
+# [M, N]), and the FP8 tgmm kernel ran at 0.4x the bf16 one on pre-quantised operands (bench/gmm.py,
+# H100); True until bench/train_step.py rows /fp8_wgrad=0 and =1 have timed the two.
+FP8_WGRAD = True
 
 
 def fp8_backends() -> list[str]:
@@ -65,14 +72,8 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
   be quantised before they are gathered into expert order, since their tiles run along the row.
   With `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the
   index by a backend with `row_index`, gathered by XLA for the others."""
-  backend = BACKENDS.get(backend_name)
-  extra = {}
-  if lhs_index is not None and backend.row_index:
-    extra["lhs_index"] = lhs_index
-  elif lhs_index is not None:
-    lhs_q, lhs_scale = jnp.take(lhs_q, lhs_index, axis=0), jnp.take(lhs_scale, lhs_index, axis=0)
-  return backend.fp8_gmm(lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
-                         transpose_rhs=transpose_rhs, out_dtype=out_dtype, **extra)
+  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
+                     group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype, lhs_index=lhs_index)
 
 
 def row_blocks(rows, splits: int):
@@ -87,12 +88,15 @@ def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dou
               lhs_index=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8.
   With `lhs_index` the product's rows are lhs[lhs_index] (`quantize` reads them through it).
-  `row_splits` > 1 (one group only) computes the weight gradient over that many row blocks, as
+  `row_splits` > 1 (one group only; FP8_WGRAD) computes the weight gradient over that many row blocks, as
   that many groups, and sums their float32 partials: a kernel that gives each group its own
   programs has rows / 128 steps in each of K/bm x N/bn programs for one group, too few to fill a GPU."""
   backend: GmmBackend = BACKENDS.get(backend_name)
   dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, group_sizes,
                        not transpose_rhs, lhs.dtype)
+  if not FP8_WGRAD:
+    return dlhs, bf16_wgrad(backend, lhs, dout.astype(lhs.dtype), group_sizes, rhs, transpose_rhs,
+                            lhs_index)
   rows_q, dout_q = quantize(backend_name, lhs, 0, lhs_index), quantize(backend_name, dout, 0)
   # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
   operands = (*dout_q, *rows_q) if transpose_rhs else (*rows_q, *dout_q)
@@ -104,6 +108,24 @@ def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dou
     return dlhs, jnp.sum(parts, axis=0, keepdims=True).astype(rhs.dtype)
   drhs = backend.fp8_tgmm(*operands, group_sizes, num_groups=rhs.shape[0], out_dtype=rhs.dtype)
   return dlhs, drhs
+
+
+def bf16_wgrad(backend: GmmBackend, lhs, dout, group_sizes, rhs, transpose_rhs: bool, lhs_index=None):
+  """The weight gradient of `out = gmm(lhs, rhs, group_sizes)` with the operands as they are (bf16):
+  the backend's tgmm (rows through `lhs_index` where given), or for one group XLA's dot over the
+  group's rows (a tgmm kernel gives one group too few programs to fill a GPU; `row_splits`)."""
+  num_groups = rhs.shape[0]
+  if num_groups == 1:
+    rows = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
+    rows = jnp.where((jnp.arange(rows.shape[0]) < group_sizes[0])[:, None], rows, 0)
+    a, b = (dout, rows) if transpose_rhs else (rows, dout)
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)[None].astype(rhs.dtype)
+  if transpose_rhs:  # out = lhs @ rhs[g].T: drhs[g] = dout.T @ lhs
+    return raw_tgmm(backend, dout, lhs, group_sizes, num_groups=num_groups, out_dtype=rhs.dtype,
+                    rhs_index=lhs_index)
+  return raw_tgmm(backend, lhs, dout, group_sizes, num_groups=num_groups, out_dtype=rhs.dtype,
+                  lhs_index=lhs_index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,60 +28,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import epilogue
+from umoe_jax.ops import epilogue, fp8_gmm
 from umoe_jax.ops.dispatch import DispatchPlan, combine, unpermute
 from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm
 from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
+from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
-
-
-def _in_kernel(backend, act) -> bool:
-  return act is None or act in backend.fused_activations
-
-
-def _raw_gmm(backend, lhs, rhs, gs, *, transpose_rhs, out_dtype, lhs_index=None, row_scale=None,
-             row_dot=None, epi_act=None, scaled_rows=False):
-  """The backend's gmm with the row-index extras (see `GmmBackend.row_index`) and the fused
-  epilogue activation (`GmmBackend.fused_activations`: `epi_act`, with `row_dot` holding
-  pre-activations z, dots use act(z) and the output is multiplied by act'(z)); XLA does them
-  around the kernel for other backends. With `row_dot` returns (out, dots [M] f32); with
-  `scaled_rows` too (and `row_scale`) (out, dots, act(z) * row_scale in z's dtype), the kernel's
-  epilogue writing the third where the backend can (`GmmBackend.scaled_row_dot`)."""
-  if backend.row_index and _in_kernel(backend, epi_act) and (
-      backend.scaled_row_dot or not scaled_rows):
-    extra = {} if epi_act is None else {"epi_act": epi_act}
-    if scaled_rows:
-      extra["scaled_row_dot"] = True
-    return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                       lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot, **extra)
-  if scaled_rows:  # the kernel for the rest, the scaled rows in an XLA pass (as gmm_combine's)
-    out, dots = _raw_gmm(backend, lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                         lhs_index=lhs_index, row_scale=row_scale, row_dot=row_dot,
-                         epi_act=epi_act)
-    return out, dots, epilogue.gate_scaled(row_dot, row_scale, epi_act)
-  if lhs_index is not None:
-    lhs = jnp.take(lhs, lhs_index, axis=0)
-  if row_scale is None and row_dot is None:
-    return backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-  u = backend.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
-  out, dots = epilogue.row_dot_epilogue(u, row_scale, row_dot, epi_act, out_dtype)
-  return out if row_dot is None else (out, dots)
-
-
-def _raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rhs_index=None,
-              lhs_scale=None):
-  """The backend's tgmm with the row-index extras (see `GmmBackend.row_index`); XLA does them
-  around the kernel for other backends."""
-  if backend.row_index:
-    return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype,
-                        lhs_index=lhs_index, rhs_index=rhs_index, lhs_scale=lhs_scale)
-  if lhs_index is not None:
-    lhs = jnp.take(lhs, lhs_index, axis=0)
-  if rhs_index is not None:
-    rhs = jnp.take(rhs, rhs_index, axis=0)
-  if lhs_scale is not None:
-    lhs = (lhs.astype(jnp.float32) * lhs_scale[:, None]).astype(lhs.dtype)
-  return backend.tgmm(lhs, rhs, gs, num_groups=num_groups, out_dtype=out_dtype)
 
 
 def _fan_in(backend, rows: jax.Array, inverse: jax.Array, slots: int,
@@ -113,7 +65,7 @@ def _gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int,
 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
-    out = _raw_gmm(backend, x, rhs, gs, transpose_rhs=False, out_dtype=x.dtype, lhs_index=src)
+    out = raw_gmm(backend, x, rhs, gs, transpose_rhs=False, out_dtype=x.dtype, lhs_index=src)
     return vary_like(out, varying_axes(x) | varying_axes(rhs))
 
   def fwd(x, rhs, gs, src, inverse):
@@ -122,10 +74,10 @@ def _gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int,
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
     dout = dout.astype(rhs.dtype)
-    drows = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=x.dtype)   # [M, D]
+    drows = raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=x.dtype)   # [M, D]
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
-    drhs = _raw_tgmm(backend, x, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
-                     lhs_index=src)
+    drhs = raw_tgmm(backend, x, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
+                    lhs_index=src)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
   fn.defvjp(fwd, bwd)
@@ -272,7 +224,7 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
   operand = _operand(activation)
 
   def product(h, rhs, gs):
-    return _raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False, out_dtype=h.dtype)
+    return raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False, out_dtype=h.dtype)
 
   def gradients(h, rhs, gs, dout, token, gate_sorted):
     # With the activation: dz = gate * u * act'(z) and dgate = <u, act(z)> in the same epilogue.
@@ -280,14 +232,14 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
     # inside its kernel, between their load and the tensor cores, costs it a quarter of its speed
     # (224 vs 302 TFLOP/s on an H200). They are written by this matmul's epilogue
     # (fuse_weight_rows) or by one XLA pass.
-    grads = _raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
-                     lhs_index=token, row_scale=gate_sorted, row_dot=h, epi_act=activation,
-                     scaled_rows=fuse_weight_rows)                                         # [M, F], [M]
+    grads = raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=h.dtype,
+                    lhs_index=token, row_scale=gate_sorted, row_dot=h, epi_act=activation,
+                    scaled_rows=fuse_weight_rows)                                         # [M, F], [M]
     dh, dgate_sorted = grads[:2]
     hg = (grads[2] if fuse_weight_rows
           else epilogue.gate_scaled(h, gate_sorted, activation))                          # [M, F]
-    drhs = _raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
-                     rhs_index=token)                                                      # [E, F, D]
+    drhs = raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype,
+                    rhs_index=token)                                                      # [E, F, D]
     return dh, dgate_sorted, drhs
 
   return _combine_vjp(backend, slots, product, gradients)
@@ -306,8 +258,8 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   same algebra: u = dout[token] @ rhs[g].T from dout's N rows quantised along D (a row's tiles run
   along the row, so they are the per-slot rows' before the gate, which scales u instead), gives
   dh = gate * u (* act'(z)) and dgate = <u, act(z)>; dw = tgmm(gate * act(z), dout[token]), the
-  token rows quantised in 128-row column tiles of the sorted order through the index. Those
-  elementwise passes run in XLA over the F-wide rows."""
+  token rows quantised in 128-row column tiles of the sorted order through the index (without
+  `fp8_gmm.FP8_WGRAD`, the bf16 form's tgmm). Those elementwise passes run in XLA over the F-wide rows."""
   backend = BACKENDS.get(backend_name)
   operand = _operand(activation)
 
@@ -319,6 +271,9 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
                       lhs_index=token)                                                     # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
+    if not fp8_gmm.FP8_WGRAD:  # the bf16 form's weight gradient
+      return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
+                                        out_dtype=rhs.dtype, rhs_index=token)
     drhs = backend.fp8_tgmm(*quantize(backend_name, hg, 0), *quantize(backend_name, dout, 0, token),
                             gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype)              # [E, F, D]
     return dh, dgate_sorted, drhs
