@@ -381,11 +381,12 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 
 
 def fp8_switches(args) -> None:
-  """The FP8 module switches a row runs with (read when its step is traced; None: the module's)."""
+  """The FP8 module switches a row runs with (read when its step is traced). None: the module's own
+  setting, also after an earlier --in_process row set another."""
   for key, (module, attr, least) in SWITCHES.items():
     value = getattr(args, key)
-    if value is not None:
-      setattr(module, attr, bool(value) if least is None else value)
+    value = SWITCH_DEFAULTS[key] if value is None else value
+    setattr(module, attr, bool(value) if least is None else value)
 
 
 def _tgmm_skew():

@@ -254,8 +254,9 @@ def test_row_flags_parse_round_trip_and_refuse_bad_values():
 
 def test_fp8_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypatch, capsys):
   """/fp8_rows_through_index=, /fp8_fused_combine=, /fp8_wgrad= and /dense_wgrad_splits= (and the
-  command's flags): parsed, checked, set on the modules the step is traced from, in overrides, and in the table's mode text
-  only where they differ from the modules' own settings."""
+  command's flags): parsed, checked, set on the modules the step is traced from (a switch a row
+  does not name back at the module's own setting), in overrides, and in the table's mode text only
+  where they differ from the modules' own settings."""
   from umoe_jax.model import layers
   from umoe_jax.ops import fp8_gmm, fused_dispatch
   monkeypatch.setattr(fp8_gmm, "FP8_WGRAD", True)
@@ -271,17 +272,18 @@ def test_fp8_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypa
   train_step.fp8_switches(args)
   assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is True and layers.DENSE_WGRAD_SPLITS == 8
   assert fused_dispatch.FP8_FUSED_COMBINE is False
-  train_step.fp8_switches(train_step.parser().parse_args([]))   # not given: left as they are
-  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is True and layers.DENSE_WGRAD_SPLITS == 8
-  train_step.fp8_switches(train_step.parser().parse_args(["--fp8_rows_through_index=0"]))
-  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is False
+  train_step.fp8_switches(train_step.parser().parse_args([]))   # not given: the modules' own
+  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is False and layers.DENSE_WGRAD_SPLITS == 1
+  assert fp8_gmm.FP8_WGRAD is True
+  train_step.fp8_switches(train_step.parser().parse_args(["--fp8_rows_through_index=1"]))
+  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is True and layers.DENSE_WGRAD_SPLITS == 1
   combine = train_step.row_args(train_step.parser().parse_args([]), train_step.parse_row(
       "umoe_base:single/precision=fp8/fp8_fused_combine=1/fp8_wgrad=0"))
   train_step.fp8_switches(combine)
   assert fused_dispatch.FP8_FUSED_COMBINE is True and fused_dispatch.FP8_ROWS_THROUGH_INDEX is False
   assert fp8_gmm.FP8_WGRAD is False
   assert {k: train_step.switch_value(k) for k in train_step.SWITCHES} == {
-      "fp8_rows_through_index": 0, "fp8_fused_combine": 1, "fp8_wgrad": 0, "dense_wgrad_splits": 8}
+      "fp8_rows_through_index": 0, "fp8_fused_combine": 1, "fp8_wgrad": 0, "dense_wgrad_splits": 1}
   row = dict(precision="fp8", zipf=0.0, routing="router", **train_step.SWITCH_DEFAULTS)
   assert train_step.mode_text(row) == "fp8"
   assert train_step.mode_text({**row, "dense_wgrad_splits": 8}) == "fp8 dense_wgrad_splits=8"
