@@ -126,7 +126,8 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
-    index = src if FP8_ROWS_THROUGH_INDEX else None
+    # A bf16 weight gradient reads the rows through the index as the bf16 form's does.
+    index = src if FP8_ROWS_THROUGH_INDEX or not fp8_gmm.FP8_WGRAD else None
     rows = x if index is not None else jnp.take(x, src, axis=0)
     drows, drhs = gradients(backend_name, rows, rhs, gs, False, dout.astype(x.dtype), lhs_index=index)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
