@@ -3,7 +3,8 @@ tests/test_fp8_triton.py): the raw gmm, transposed gmm and tgmm at UMoE-base's F
 -skewed groups, an empty group, rows past the groups) and at widths that are not multiples of 128,
 against a float64 loop over the dequantised operands; NaN and inf inputs quantised on the GPU (whose
 tensor cores read e4m3's NaN code, which the interpreter cannot); and `fp8_gmm(..., backend="triton")`
-and the dense products through it, values and gradients, against float64 loops. Skipped without a GPU with FP8 tensor cores,
+and the dense products through it, values and gradients (also with the weight gradient in bf16,
+`fp8_gmm.FP8_WGRAD` off), against float64 loops. Skipped without a GPU with FP8 tensor cores,
 Triton and jax-triton. Timing: bench/gmm.py --precision=bf16,fp8.
 """
 from __future__ import annotations
@@ -254,3 +255,38 @@ def test_dense_product_through_the_kernel_matches_float64_loops():
     assert g.shape == want.shape and np.all(np.isfinite(g)), name
     rel = np.linalg.norm(g - want) / np.linalg.norm(want)
     assert rel <= NORM_BOUND, (name, rel)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_the_weight_gradient_in_bf16_matches_float64_loops(transpose, monkeypatch):
+  """fp8_gmm.FP8_WGRAD off on the triton backend: the weight gradient is the bf16 tgmm of the
+  operands as they are (float64 loop over bf16 values), the output and the input gradient stay the
+  FP8 loops'; and the dense product's (one group: XLA's dot) likewise."""
+  from umoe_jax.model.layers import fp8_dense
+  from umoe_jax.ops import fp8_gmm as fg
+  monkeypatch.setattr(fg, "FP8_WGRAD", False)
+  m, k, n, _ = SHAPES["base"]
+  gs = jnp.asarray(_group_sizes(m, None, seed=5))
+  rng = np.random.default_rng(31 + transpose)
+  lhs = jnp.asarray(_operand(rng, (m, n if transpose else k), (0,), SPREAD), jnp.bfloat16)
+  rhs = jnp.asarray(_operand(rng, (64, k, n), (0,), SPREAD) / np.sqrt(k), jnp.bfloat16)
+  cot = jnp.asarray(rng.standard_normal((m, k if transpose else n)), jnp.bfloat16)
+  f = lambda x, w, c, s: jnp.sum(fg.fp8_gmm(x, w, s, backend="triton", transpose_rhs=transpose)
+                                 * c.astype(jnp.float32))
+  dlhs, drhs = jax.jit(jax.grad(f, argnums=(0, 1)))(lhs, rhs, cot, gs)
+  _, want_dlhs, _ = _host_refs(lhs, rhs, cot, gs, transpose)
+  a, b = (cot, lhs) if transpose else (lhs, cot)
+  want_drhs = _loop_tgmm(np.asarray(a, np.float64), np.asarray(b, np.float64), np.asarray(gs))
+  # both in bf16: its rounding (~1e-3 normwise) is within the bound, a second FP8 rounding is not
+  for name, g, w, bound in (("dlhs", dlhs, want_dlhs, NORM_BOUND), ("drhs", drhs, want_drhs, NORM_BOUND)):
+    g = np.asarray(g, np.float64)
+    assert g.shape == w.shape and np.all(np.isfinite(g)), name
+    rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+    assert rel <= bound, (name, rel)
+  x = jnp.asarray(_operand(rng, (4000, 768), (0, 1), SPREAD), jnp.bfloat16)
+  w = jnp.asarray(_operand(rng, (768, 1024), (0, 1), SPREAD) / np.sqrt(768), jnp.bfloat16)
+  c = jnp.asarray(rng.standard_normal((4000, 1024)), jnp.bfloat16)
+  dw = jax.jit(jax.grad(lambda a, b: jnp.sum(fp8_dense(a, b, "triton").astype(jnp.float32)
+                                              * c.astype(jnp.float32)), argnums=1))(x, w)
+  want = np.asarray(x, np.float64).T @ np.asarray(c, np.float64)
+  assert np.linalg.norm(np.asarray(dw, np.float64) - want) / np.linalg.norm(want) <= NORM_BOUND
