@@ -34,9 +34,9 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_rows_through_index=0|1] [--fp8_fused_combine=0|1] [--fp8_wgrad=0|1]
+      [--fp8_rows_through_index=0|1] [--fp8_fused_combine=0|1] [--fp8_wgrad=0|1] [--fp8_rowwise=0|1]
       [--dense_wgrad_splits=N]   (the FP8 switches fused_dispatch.FP8_ROWS_THROUGH_INDEX /
-                    FP8_FUSED_COMBINE, fp8_gmm.FP8_WGRAD, layers.DENSE_WGRAD_SPLITS)
+                    FP8_FUSED_COMBINE, fp8_gmm.FP8_WGRAD / FP8_ROWWISE, layers.DENSE_WGRAD_SPLITS)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -126,6 +126,7 @@ SWITCHES = {
     "fp8_rows_through_index": (fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None),
     "fp8_fused_combine": (fused_dispatch, "FP8_FUSED_COMBINE", None),
     "fp8_wgrad": (fp8_gmm, "FP8_WGRAD", None),
+    "fp8_rowwise": (fp8_gmm, "FP8_ROWWISE", None),
     "dense_wgrad_splits": (layers, "DENSE_WGRAD_SPLITS", 1),
 }
 
@@ -538,6 +539,10 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--fp8_wgrad", type=int, choices=[0, 1], default=None,
                   help="umoe_jax.ops.fp8_gmm.FP8_WGRAD (default: the module's): the expert "
                        "matmuls' weight gradient in FP8 (1) or in bf16 by the backend's tgmm (0)")
+  ap.add_argument("--fp8_rowwise", type=int, choices=[0, 1], default=None,
+                  help="umoe_jax.ops.fp8_gmm.FP8_ROWWISE (default: the module's): the expert "
+                       "matmuls in the row-wise recipe (a scale a row and a weight column, the "
+                       "weight gradient in bf16)")
   ap.add_argument("--dense_wgrad_splits", type=int, default=None,
                   help="umoe_jax.model.layers.DENSE_WGRAD_SPLITS (default: the module's): the FP8 "
                        "dense products' weight gradient over this many row blocks")

@@ -253,13 +253,14 @@ def test_row_flags_parse_round_trip_and_refuse_bad_values():
 
 
 def test_fp8_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypatch, capsys):
-  """/fp8_rows_through_index=, /fp8_fused_combine=, /fp8_wgrad= and /dense_wgrad_splits= (and the
-  command's flags): parsed, checked, set on the modules the step is traced from (a switch a row
-  does not name back at the module's own setting), in overrides, and in the table's mode text only
-  where they differ from the modules' own settings."""
+  """/fp8_rows_through_index=, /fp8_fused_combine=, /fp8_wgrad=, /fp8_rowwise= and
+  /dense_wgrad_splits= (and the command's flags): parsed, checked, set on the modules the step is
+  traced from (a switch a row does not name back at the module's own setting), in overrides, and
+  in the table's mode text only where they differ from the modules' own settings."""
   from umoe_jax.model import layers
   from umoe_jax.ops import fp8_gmm, fused_dispatch
   monkeypatch.setattr(fp8_gmm, "FP8_WGRAD", True)
+  monkeypatch.setattr(fp8_gmm, "FP8_ROWWISE", False)
   monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", False)
   monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", False)
   monkeypatch.setattr(layers, "DENSE_WGRAD_SPLITS", 1)
@@ -283,13 +284,21 @@ def test_fp8_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypa
   assert fused_dispatch.FP8_FUSED_COMBINE is True and fused_dispatch.FP8_ROWS_THROUGH_INDEX is False
   assert fp8_gmm.FP8_WGRAD is False
   assert {k: train_step.switch_value(k) for k in train_step.SWITCHES} == {
-      "fp8_rows_through_index": 0, "fp8_fused_combine": 1, "fp8_wgrad": 0, "dense_wgrad_splits": 1}
+      "fp8_rows_through_index": 0, "fp8_fused_combine": 1, "fp8_wgrad": 0, "fp8_rowwise": 0,
+      "dense_wgrad_splits": 1}
   row = dict(precision="fp8", zipf=0.0, routing="router", **train_step.SWITCH_DEFAULTS)
   assert train_step.mode_text(row) == "fp8"
   assert train_step.mode_text({**row, "dense_wgrad_splits": 8}) == "fp8 dense_wgrad_splits=8"
   assert train_step.mode_text({**row, "precision": "bf16", "dense_wgrad_splits": 8}) == "bf16"
   assert train_step.mode_text({**row, "fp8_fused_combine": 1}) == "fp8 fp8_fused_combine=1"
   assert train_step.mode_text({**row, "fp8_wgrad": 0}) == "fp8 fp8_wgrad=0"
+  assert train_step.mode_text({**row, "fp8_rowwise": 1}) == "fp8 fp8_rowwise=1"
+  rowwise = train_step.row_args(train_step.parser().parse_args([]),
+                                train_step.parse_row("umoe_base:single/precision=fp8/fp8_rowwise=1"))
+  train_step.fp8_switches(rowwise)
+  assert fp8_gmm.FP8_ROWWISE is True and fp8_gmm.FP8_WGRAD is True and not fp8_gmm.fp8_wgrad()
+  train_step.fp8_switches(train_step.parser().parse_args([]))
+  assert fp8_gmm.FP8_ROWWISE is False
   m = dict(config="umoe_base", layout="single", devices=1, device_kind="NVIDIA H100 80GB HBM3", batch=32,
            seq_len=1024, step_ms=90.0, tokens_per_s=364e3, mfu=0.3, peak_mem_gb=20.0, loss_check=True,
            step_times_ms=[90.0], xla_flags="", precision="fp8", routing="router", zipf=0.0)

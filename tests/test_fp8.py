@@ -761,6 +761,107 @@ def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, 
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
 
 
+def ref_lines(x, axis: int) -> np.ndarray:
+  """x with one piece for each whole line along `axis` (the row-wise recipe), dequantised float64."""
+  x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
+  dq = np.zeros(x.shape)
+  for idx in np.ndindex(*x.shape[:-1]):
+    dq[idx] = ref_piece(x[idx])[0]
+  return np.moveaxis(dq, -1, axis)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_the_rowwise_recipe_matches_the_float64_reference(transpose_rhs, monkeypatch):
+  """fp8_gmm.FP8_ROWWISE: the output from lhs rows and weight columns (of the product) each
+  quantised whole, the input gradient from dout's rows and the weights' other lines, the weight
+  gradient in bf16 from the operands as they are; against float64 loops over loop-quantised
+  operands. Contractions above 128 (300 and 200), so a 128-wide piece would give other values."""
+  from umoe_jax.ops import fp8_gmm as fg
+  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
+  assert not fg.fp8_wgrad()
+  sizes = [37, 0, 90, 3]
+  rng = np.random.default_rng(33)
+  m, k, n = 150, 300, 200
+  rhs = wide_range(rng, (4, k, n), decades=1.0)
+  lhs = wide_range(rng, (m, n if transpose_rhs else k), decades=2.0)
+  dout = wide_range(rng, (m, k if transpose_rhs else n), decades=2.0)
+  f = lambda a, b: fp8_gmm(a, b, jnp.asarray(sizes, jnp.int32), backend="xla",
+                           transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32)
+  out, pull = jax.vjp(f, jnp.asarray(lhs), jnp.asarray(rhs))
+  dlhs, drhs = pull(jnp.asarray(dout))
+  # the product's weight matrix per group: rhs[g] [K, N] or rhs[g].T [N, K]; its columns are the
+  # forward's pieces, its rows the input gradient's
+  fwd_w = ref_lines(rhs, 2 if transpose_rhs else 1)
+  bwd_w = ref_lines(rhs, 1 if transpose_rhs else 2)
+  lq, dq = ref_lines(lhs, 1), ref_lines(dout, 1)
+  want = [np.zeros(out.shape), np.zeros(lhs.shape), np.zeros(rhs.shape)]
+  start = 0
+  for g, size in enumerate(sizes):
+    r = slice(start, start + size)
+    wf = fwd_w[g].T if transpose_rhs else fwd_w[g]
+    wb = bwd_w[g].T if transpose_rhs else bwd_w[g]
+    want[0][r] = lq[r] @ wf
+    want[1][r] = dq[r] @ wb.T
+    a, b = np.asarray(lhs, np.float64)[r], np.asarray(dout, np.float64)[r]
+    want[2][g] = b.T @ a if transpose_rhs else a.T @ b
+    start += size
+  for name, got, w in zip(("out", "dlhs", "drhs"), (out, dlhs, drhs), want):
+    assert rel_err(np.asarray(got, np.float64), w) < TOL, name
+  # the fine-grained recipe's output (128-wide pieces) is not what ran: the references differ
+  fine = _gmm_refs(lhs, rhs, sizes, dout, transpose_rhs)[0]
+  assert rel_err(np.asarray(out, np.float64), fine) > 1e-3
+
+
+def test_the_rowwise_recipe_through_the_fused_forms_and_the_model(monkeypatch):
+  """Under FP8_ROWWISE the fused dispatch's FP8 forms give their definitions' values and gradients
+  computed from fp8_gmm (the token rows quantised before the gather: a row's one scale is the
+  same), and a one-layer UMoE's loss and gradients stay within FP8 rounding of the bf16 model's."""
+  from umoe_jax.model.lm import CausalLM
+  from umoe_jax.ops import dispatch, fp8_gmm as fg, fused_dispatch
+  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  rng = np.random.default_rng(34)
+  n_tok, k, d, f, e = 40, 3, 200, 136, 4
+  x = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
+  w1 = jnp.asarray(rng.normal(size=(e, d, f)) / 14, jnp.float32)
+  w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 12, jnp.float32)
+  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, k)), jnp.float32)
+
+  def fused(x, w1, w2, gates):
+    h = fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True)
+    return fused_dispatch.gmm_combine(h, w2, plan, gates, backend="xla", activation="silu", fp8=True)
+
+  def plain(x, w1, w2, gates):
+    h = fp8_gmm(dispatch.permute(x, plan, k), w1, plan.group_sizes, backend="xla")
+    y = fp8_gmm(jax.nn.silu(h), w2, plan.group_sizes, backend="xla")
+    return dispatch.combine(dispatch.unpermute(y, plan).reshape(n_tok, k, d), gates)
+
+  g = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  a, b = jax.vjp(fused, x, w1, w2, gates), jax.vjp(plain, x, w1, w2, gates)
+  assert rel_err(a[0], b[0]) < 1e-6
+  for ga, gb in zip(a[1](g), b[1](g)):
+    assert rel_err(ga, gb) < 1e-5
+  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
+  c = configs.common.experiment("umoe", "tiny").model
+  c.n_layers = 1
+  tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, model_config(c).vocab_size)
+  losses = {}
+  for precision in ("bf16", "fp8"):
+    cfg = dataclasses.replace(model_config(c), matmul_precision=precision)
+    graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+    def loss(p):
+      logits, _ = nnx.merge(graphdef, p)(tokens)
+      return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+    losses[precision] = jax.value_and_grad(loss)(params)
+  (l8, g8), (l16, g16) = losses["fp8"], losses["bf16"]
+  assert np.isfinite(float(l8)) and abs(float(l8) - float(l16)) < 2e-2 * abs(float(l16))
+  for a_, b_ in zip(jax.tree.leaves(g8), jax.tree.leaves(g16)):
+    if np.any(np.asarray(b_)):
+      assert rel_err(np.asarray(a_, np.float32), np.asarray(b_, np.float32)) < 0.15
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
   of fp8_gmm's three products and the fused dispatch's token rows, each along its product's

@@ -327,33 +327,52 @@ def _nan_pieces(scales, pieces):
   return jnp.asarray(scales)
 
 
-def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32, reverse=False):
-  """One launch against the emulation (`_compare`), its programs last to first with `reverse`."""
+def _quantized(lhs, rhs, transpose, rowwise):
+  """(lhs_q, lhs_scale, rhs_q, rhs_scale) in the fine-grained recipe, or the row-wise one (a scale
+  a row of lhs and a column of the product's weights)."""
+  if rowwise:
+    return (*fp8.quantize_rowwise(jnp.asarray(lhs), axis=1),
+            *fp8.quantize_rowwise(jnp.asarray(rhs), axis=2 if transpose else 1))
+  return (*fp8.quantize_tiles(jnp.asarray(lhs), axis=1), *fp8.quantize_blocks(jnp.asarray(rhs)))
+
+
+def _dequantized(lq, ls, rq, rs, transpose, rowwise):
+  if rowwise:
+    axis = 2 if transpose else 1
+    return (np.asarray(fp8.dequantize_tiles(lq, ls, axis=1, tile=lq.shape[1])),
+            np.asarray(fp8.dequantize_tiles(rq, rs, axis=axis, tile=rq.shape[axis])))
+  return np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
+
+
+def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32, reverse=False,
+               rowwise=False):
+  """One launch against the emulation (`_compare`), its programs last to first with `reverse`;
+  `rowwise`: the row-wise recipe's operands (one scale a row and a weight column)."""
   gs = np.asarray(gs, np.int32)
   lhs, rhs = _gmm_operands(rng, m, k, n, gs, transpose, special)
-  lq, ls = fp8.quantize_tiles(jnp.asarray(lhs), axis=1)
-  rq, rs = fp8.quantize_blocks(jnp.asarray(rhs))
-  if special:  # a NaN piece in a row of the largest group and a NaN block of its weights
+  lq, ls, rq, rs = _quantized(lhs, rhs, transpose, rowwise)
+  if special:  # a NaN piece in a row of the largest group and a NaN block (column) of its weights
     busy = int(np.argmax(gs))
     ls = _nan_pieces(ls, [(int(np.sum(gs[:busy])) + 2, 0)])
-    rs = _nan_pieces(rs, [(busy, 0, rs.shape[2] - 1)])
+    rs = _nan_pieces(rs, [(busy, rs.shape[1] - 1, 0) if rowwise and transpose
+                          else (busy, 0, rs.shape[2] - 1)])
   cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
   n0 = len(LAUNCHES)
   REVERSED[0] = reverse
   got = jax.jit(lambda *a: tf.triton_fp8_gmm(*a, transpose_rhs=transpose, out_dtype=out_dtype,
-                                             config=cfg))(lq, ls, rq, rs, jnp.asarray(gs))
+                                             config=cfg, rowwise=rowwise))(lq, ls, rq, rs, jnp.asarray(gs))
   REVERSED[0] = False
   assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
-  deq_l, deq_r = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
+  deq_l, deq_r = _dequantized(lq, ls, rq, rs, transpose, rowwise)
   if special:  # (XLA's ragged_dot on CPU spreads one group's NaN to every row: a float64 loop)
     want = _loop_gmm(deq_l, deq_r, gs, transpose)
   else:
     want = fp8.emulated_gmm(lq, ls, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
-                            out_dtype=jnp.float32)
+                            out_dtype=jnp.float32, rowwise=rowwise)
   bound = _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose)
   rows = int(gs.sum())
   what = (f"gmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} transpose={transpose} special={special} "
-          f"reverse={reverse}")
+          f"reverse={reverse} rowwise={rowwise}")
   assert got.shape == (m, k if transpose else n) and got.dtype == out_dtype, what
   got = np.asarray(got.astype(jnp.float32))
   if out_dtype == jnp.float32:
@@ -365,29 +384,30 @@ def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32
     assert not np.all(np.isfinite(got[:rows])), f"{what}: the inf / NaN pieces reached no output"
 
 
-def _check_gmm_index(rng, transpose):
+def _check_gmm_index(rng, transpose, rowwise=False):
   """The kernel reading its rows through `lhs_index` (the fused dispatch's sort order: every source
   row read by several product rows, in another order) gives the bits of the same launch on the
   gathered operands, and the float64 loop's values; rows past the groups zero."""
   src, k, n, fan_out, gs = 70, 200, 144, 3, np.asarray([80, 0, 95, 20], np.int32)   # 15 rows past
   kc = n if transpose else k
-  lq, ls = fp8.quantize_tiles(jnp.asarray(_operand(rng, (src, kc), (0, 1))), axis=1)
-  rq, rs = fp8.quantize_blocks(jnp.asarray(_operand(rng, (len(gs), k, n), (1, 2))))
+  lq, ls, rq, rs = _quantized(_operand(rng, (src, kc), (0, 1)), _operand(rng, (len(gs), k, n), (1, 2)),
+                              transpose, rowwise)
   index = jnp.asarray(rng.permutation(src * fan_out) // fan_out, jnp.int32)
   cfg = tuning.TileConfig(32, 48, tf.TILE)
   run = jax.jit(lambda q, sc, i: tf.triton_fp8_gmm(q, sc, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
-                                                   out_dtype=jnp.float32, config=cfg, lhs_index=i))
+                                                   out_dtype=jnp.float32, config=cfg, lhs_index=i,
+                                                   rowwise=rowwise))
   n0 = len(LAUNCHES)
   got = np.asarray(run(lq, ls, index))
   assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
   gathered = np.asarray(tf.triton_fp8_gmm(jnp.take(lq, index, axis=0), jnp.take(ls, index, axis=0), rq,
                                           rs, jnp.asarray(gs), transpose_rhs=transpose,
-                                          out_dtype=jnp.float32, config=cfg))
-  what = f"gmm lhs_index transpose={transpose}"
+                                          out_dtype=jnp.float32, config=cfg, rowwise=rowwise))
+  what = f"gmm lhs_index transpose={transpose} rowwise={rowwise}"
   assert got.shape == (src * fan_out, k if transpose else n), what
   np.testing.assert_array_equal(got, gathered, err_msg=what)
-  deq_l = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1))[np.asarray(index)]
-  deq_r = np.asarray(fp8.dequantize_blocks(rq, rs))
+  deq_l, deq_r = _dequantized(lq, ls, rq, rs, transpose, rowwise)
+  deq_l = deq_l[np.asarray(index)]
   rows = int(gs.sum())
   _compare(got, _loop_gmm(deq_l, deq_r, gs, transpose), _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose),
            rows, what)
@@ -537,6 +557,12 @@ def _interpreter_check():
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
   for transpose in (False, True):
     _check_gmm_index(rng, transpose)
+  # the row-wise recipe (fp8_gmm.FP8_ROWWISE): each case once, its special values, the index
+  for i, (m, k, n, gs, tile) in enumerate(GMM_CASES):
+    _check_gmm(rng, m, k, n, gs, tile, i % 2 == 1, special=False, reverse=i == 2, rowwise=True)
+  for transpose in (False, True):
+    _check_gmm(rng, *GMM_CASES[0], transpose, special=True, rowwise=True)
+    _check_gmm_index(rng, transpose, rowwise=True)
   for i, (m, k, n, gs, tile) in enumerate(TGMM_CASES):
     _check_tgmm(rng, m, k, n, gs, tile, special=False, reverse=i % 2 == 1)
   _check_tgmm(rng, *TGMM_CASES[0], special=True)

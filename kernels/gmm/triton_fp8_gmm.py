@@ -13,7 +13,9 @@ partial product, which is multiplied by its two scales and added to the float32 
 two scales. Inside a chunk the tensor cores accumulate at their own FP8 precision (Triton's default
 `max_num_imprecise_acc` on sm_90 leaves the whole dot to them): a chunk is exactly one promotion.
 A piece holding inf or NaN has a non-finite scale, which multiplies every partial product it enters:
-such outputs are inf or NaN, never finite.
+such outputs are inf or NaN, never finite. The gmm also takes the row-wise recipe (`rowwise`: one
+scale a row of a and a column of the product's b): its chunks accumulate on the tensor cores and the
+scales multiply the sum once, after the contraction.
 
 gmm: the bf16 kernel's schedule (`triton_gmm._row_schedule` / `_locate`: group-aligned row tiles, one
 zero tail for the rows past sum(group_sizes), column tile fastest); the output column tile may be two
@@ -60,11 +62,15 @@ if HAVE_TRITON:
                       G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
                       s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
                       s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr):
+                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
+                      ROWWISE: tl.constexpr, SA_W: tl.constexpr):
     # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB] (with
     # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
     # o // BK at sb_ptr + g*s_sg + (c // BK)*s_sk + (o // BK)*s_sn. BK = TILE (one chunk a scale).
+    # SA_W: sa's row stride (KB; 1 under ROWWISE). ROWWISE: one scale a row (sa [M, 1]) and a
+    # column (sb at g*s_sg + o*s_sn): the chunks accumulate on the tensor cores and the two scales
+    # multiply the sum once, after the loop.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = triton_gmm._row_schedule(gs_ptr, M, G, GP, BM)
     pid_m = pid // N_TILES
@@ -80,14 +86,20 @@ if HAVE_TRITON:
       offs_k = tl.arange(0, BK)
       offs_n = (pid % N_TILES) * (BN + BN2) + tl.arange(0, BN)
       a_ptrs = a_ptr + rows[:, None] * KC + offs_k[None, :]
-      sa_ptrs = sa_ptr + rows * KB
+      sa_ptrs = sa_ptr + rows * SA_W
       b_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
-      sb_ptrs = sb_ptr + g * s_sg + (offs_n // BK) * s_sn
+      if ROWWISE:
+        sb_ptrs = sb_ptr + g * s_sg + offs_n * s_sn
+      else:
+        sb_ptrs = sb_ptr + g * s_sg + (offs_n // BK) * s_sn
       acc = tl.zeros((BM, BN), dtype=tl.float32)
       if BN2 > 0:
         offs_n2 = (pid % N_TILES) * (BN + BN2) + BN + tl.arange(0, BN2)
         b2_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
-        sb2_ptrs = sb_ptr + g * s_sg + (offs_n2 // BK) * s_sn
+        if ROWWISE:
+          sb2_ptrs = sb_ptr + g * s_sg + offs_n2 * s_sn
+        else:
+          sb2_ptrs = sb_ptr + g * s_sg + (offs_n2 // BK) * s_sn
         acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
       if compute:
         for ks in range(0, KB):
@@ -96,17 +108,28 @@ if HAVE_TRITON:
             a = tl.load(a_ptrs)
           else:
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-          sa = tl.load(sa_ptrs + ks)
           b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < NO), other=0.0)
-          sb = tl.load(sb_ptrs + ks * s_sk, mask=offs_n < NO, other=0.0)
-          acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+          if ROWWISE:
+            acc = tl.dot(a, b, acc)
+          else:
+            sa = tl.load(sa_ptrs + ks)
+            sb = tl.load(sb_ptrs + ks * s_sk, mask=offs_n < NO, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
           if BN2 > 0:
             b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (offs_n2[None, :] < NO), other=0.0)
-            sb2 = tl.load(sb2_ptrs + ks * s_sk, mask=offs_n2 < NO, other=0.0)
-            acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+            if ROWWISE:
+              acc2 = tl.dot(a, b2, acc2)
+            else:
+              sb2 = tl.load(sb2_ptrs + ks * s_sk, mask=offs_n2 < NO, other=0.0)
+              acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
             b2_ptrs += BK * s_bk
           a_ptrs += BK
           b_ptrs += BK * s_bk
+        if ROWWISE:
+          sa = tl.load(sa_ptrs)
+          acc = acc * (sa[:, None] * tl.load(sb_ptrs, mask=offs_n < NO, other=0.0)[None, :])
+          if BN2 > 0:
+            acc2 = acc2 * (sa[:, None] * tl.load(sb2_ptrs, mask=offs_n2 < NO, other=0.0)[None, :])
       row_ok = (offs_m < row_end)[:, None]
       o_rows = o_ptr + offs_m.to(tl.int64)[:, None] * NO
       tl.store(o_rows + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
@@ -370,30 +393,35 @@ def _launch(kernel, grid, args, out_shape, **meta):
 
 
 def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
-                   out_dtype=jnp.bfloat16, config=None, lhs_index=None):
+                   out_dtype=jnp.bfloat16, config=None, lhs_index=None, rowwise=False):
   """The raw FP8 gmm (module docstring): lhs_q [M, C] float8_e4m3fn, lhs_scale [M, ceil(C/128)]
   float32, rhs_q [G, K, N], rhs_scale [G, ceil(K/128), ceil(N/128)]; C = K -> [M, N], or with
   `transpose_rhs` C = N -> [M, K]; rows past sum(group_sizes) are zeros. With `lhs_index` [M]
   int32 (entries in [0, S)), lhs_q [S, C] / lhs_scale [S, ...] and row r of the product reads
-  their row lhs_index[r]: the gmm of the gathered operands without the gathered copy."""
+  their row lhs_index[r]: the gmm of the gathered operands without the gathered copy. `rowwise`
+  (`umoe_jax.ops.fp8.quantize_rowwise`): lhs_scale [M, 1] and one scale a column of the product's
+  weights, rhs_scale [G, 1, N] ([G, K, 1] with `transpose_rhs`), applied once after the sum."""
   what = "triton fp8 gmm" + ("^T" if transpose_rhs else "")
   src = lhs_q.shape[0]
   m = src if lhs_index is None else lhs_index.shape[0]
   g, k, n = rhs_q.shape
   kc, no = (n, k) if transpose_rhs else (k, n)
   _check(what, "lhs_q", lhs_q, (src, kc), DTYPE)
-  _check(what, "lhs_scale", lhs_scale, (src, _cdiv(kc, TILE)), jnp.float32)
+  _check(what, "lhs_scale", lhs_scale, (src, 1 if rowwise else _cdiv(kc, TILE)), jnp.float32)
   if lhs_index is not None and (lhs_index.ndim != 1 or not jnp.issubdtype(lhs_index.dtype, jnp.integer)):
     raise ValueError(f"{what}: lhs_index is {jnp.dtype(lhs_index.dtype).name}{list(lhs_index.shape)}, "
                      "expected an integer vector (a product row's source row)")
   _check(what, "rhs_q", rhs_q, (g, k, n), DTYPE)
-  kb, nb = _cdiv(k, TILE), _cdiv(n, TILE)
+  if rowwise:
+    kb, nb = (k, 1) if transpose_rhs else (1, n)
+  else:
+    kb, nb = _cdiv(k, TILE), _cdiv(n, TILE)
   _check(what, "rhs_scale", rhs_scale, (g, kb, nb), jnp.float32)
   _check_device(what)
   cfg = config or config_for("gmm_t" if transpose_rhs else "gmm", kc, no)
   launch = gmm_launch(m, kc, no, g, cfg)
   grid = launch.pop("grid")
-  # (group, contraction, output column) strides of the weights and of their block scales. FP8 wgmma
+  # (group, contraction, output column) strides of the weights and of their scales. FP8 wgmma
   # reads its operands K-major: with N-major weights the same kernel ran 2-3x slower on an H100, so
   # without the transpose it reads a transposed copy ([G, N, K], one pass over the FP8 weights).
   if transpose_rhs:
@@ -403,11 +431,13 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
     strides, s_strides = (k * n, 1, k), (kb * nb, 1, kb)
   sizes = group_sizes.astype(jnp.int32)
   index = sizes if lhs_index is None else lhs_index.astype(jnp.int32)  # (a stand-in: never read)
+  chunks = _cdiv(kc, TILE)
   return _launch(_fp8_gmm_kernel, grid, (lhs_q, lhs_scale, rhs_q, rhs_scale, sizes, index),
                  jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype)),
-                 HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g,
+                 HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=chunks, G=g,
                  s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0],
-                 s_sk=s_strides[1], s_sn=s_strides[2], **launch)
+                 s_sk=s_strides[1], s_sn=s_strides[2], ROWWISE=bool(rowwise),
+                 SA_W=1 if rowwise else chunks, **launch)
 
 
 def triton_fp8_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups=None,

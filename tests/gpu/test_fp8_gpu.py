@@ -290,3 +290,43 @@ def test_the_weight_gradient_in_bf16_matches_float64_loops(transpose, monkeypatc
                                               * c.astype(jnp.float32)), argnums=1))(x, w)
   want = np.asarray(x, np.float64).T @ np.asarray(c, np.float64)
   assert np.linalg.norm(np.asarray(dw, np.float64) - want) / np.linalg.norm(want) <= NORM_BOUND
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_the_rowwise_recipe_matches_float64_loops(transpose, monkeypatch):
+  """fp8_gmm.FP8_ROWWISE on the triton backend: the raw kernel's row-wise launch (one scale a row
+  and a weight column, applied after the whole contraction) against the float64 loop over the
+  dequantised operands, within the FP8 MMA's accumulation bound; fp8_gmm's output and input
+  gradient likewise, its weight gradient the bf16 one."""
+  from umoe_jax.ops import fp8_gmm as fg
+  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
+  m, k, n, _ = SHAPES["base"]
+  gs = _group_sizes(m, None, seed=7)
+  rng = np.random.default_rng(41 + transpose)
+  kc = n if transpose else k
+  lhs = _operand(rng, (m, kc), (0, 1), SPREAD)
+  rhs = _operand(rng, (64, k, n), (1, 2), SPREAD)
+  axis = 2 if transpose else 1
+  (lq, ls), (rq, rs) = fp8.quantize_rowwise(jnp.asarray(lhs), 1), fp8.quantize_rowwise(jnp.asarray(rhs), axis)
+  got = jax.jit(lambda *a: tf.triton_fp8_gmm(*a, transpose_rhs=transpose, out_dtype=jnp.float32,
+                                             rowwise=True))(lq, ls, rq, rs, jnp.asarray(gs))
+  dl = np.asarray(jax.device_get(fp8.dequantize_tiles(lq, ls, axis=1, tile=kc)), np.float64)
+  dr = np.asarray(jax.device_get(fp8.dequantize_tiles(rq, rs, axis=axis, tile=rq.shape[axis])), np.float64)
+  want, bound = _loop_gmm(dl, dr, gs, transpose), _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)
+  rows = int(gs.sum())
+  _compare(got, want, bound, rows, f"rowwise gmm transpose={transpose}", rel=REL_BOUND)
+  assert np.all(np.asarray(got)[rows:] == 0)
+  cot = jnp.asarray(rng.standard_normal((m, k if transpose else n)), jnp.float32)
+  f = lambda x, w, c, s: jnp.sum(fg.fp8_gmm(x, w, s, backend="triton", transpose_rhs=transpose) * c)
+  dlhs, drhs = jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(lhs), jnp.asarray(rhs), cot, jnp.asarray(gs))
+  dq = np.asarray(jax.device_get(fp8.dequantize_tiles(*fp8.quantize_rowwise(cot, 1), axis=1,
+                                                      tile=cot.shape[1])), np.float64)
+  wb_axis = 1 if transpose else 2
+  wb = np.asarray(jax.device_get(fp8.dequantize_tiles(*fp8.quantize_rowwise(jnp.asarray(rhs), wb_axis),
+                                                      axis=wb_axis, tile=rhs.shape[wb_axis])), np.float64)
+  a, b = (np.asarray(cot, np.float64), lhs) if transpose else (lhs, np.asarray(cot, np.float64))
+  for name, g, w in (("dlhs", dlhs, _loop_gmm(dq, wb, gs, not transpose)),
+                     ("drhs", drhs, _loop_tgmm(a, b, gs))):
+    g = np.asarray(g, np.float64)
+    rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+    assert np.all(np.isfinite(g)) and rel <= NORM_BOUND, (name, rel)

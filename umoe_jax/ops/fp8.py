@@ -110,6 +110,13 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, block: int = TILE) -> jax.
   return q.astype(jnp.float32) * full
 
 
+def quantize_rowwise(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+  """x with one scale for each whole line along `axis` (scales with `axis` of size 1): the row-wise
+  recipe, whose contraction carries one scale, so a kernel sums the whole contraction on its tensor
+  cores and scales once in its epilogue (`umoe_jax.ops.fp8_gmm.FP8_ROWWISE`)."""
+  return quantize_tiles(x, axis, tile=max(1, x.shape[axis]))
+
+
 def fake_quant_tiles(x: jax.Array, axis: int = -1) -> jax.Array:
   """x through the tile quantisation and back, float32: what an FP8 product sees of it."""
   return dequantize_tiles(*quantize_tiles(x, axis), axis=axis)
@@ -200,11 +207,20 @@ def fp8_dot(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "emulate"
 # compared with, and the xla backend's FP8 forms.
 
 
-def emulated_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs, out_dtype):
+def emulated_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs, out_dtype,
+                 rowwise=False):
   """lhs_q [M, C] in tiles along C (its contraction; scales [M, ceil(C/128)]), rhs_q [G, K, N] in
-  blocks (scales [G, ceil(K/128), ceil(N/128)]); C = K, or N with `transpose_rhs`."""
-  return xla_gmm(dequantize_tiles(lhs_q, lhs_scale, axis=1), dequantize_blocks(rhs_q, rhs_scale),
-                 group_sizes, transpose_rhs=transpose_rhs, out_dtype=jnp.float32).astype(out_dtype)
+  blocks (scales [G, ceil(K/128), ceil(N/128)]); C = K, or N with `transpose_rhs`. With `rowwise`
+  (`quantize_rowwise`) one scale a row of lhs (scales [M, 1]) and a column of the product's rhs:
+  [G, 1, N], or [G, K, 1] with `transpose_rhs`."""
+  if rowwise:
+    lhs = dequantize_tiles(lhs_q, lhs_scale, axis=1, tile=lhs_q.shape[1])
+    axis = 2 if transpose_rhs else 1
+    rhs = dequantize_tiles(rhs_q, rhs_scale, axis=axis, tile=rhs_q.shape[axis])
+  else:
+    lhs, rhs = dequantize_tiles(lhs_q, lhs_scale, axis=1), dequantize_blocks(rhs_q, rhs_scale)
+  return xla_gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                 out_dtype=jnp.float32).astype(out_dtype)
 
 
 def emulated_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, out_dtype):

@@ -8,7 +8,9 @@ contraction, the expert weights in 128 x 128 blocks) and handed to the backend's
   backward  dlhs = gmm(tiles(dout, along N), blocks(rhs), transposed)
             drhs = tgmm(row tiles(lhs), row tiles(dout))        (contraction over tokens)
 
-each accumulating in float32; with FP8_WGRAD off the third takes lhs and dout as they are (bf16). A backend without FP8 forms is refused (`fp8_backend`).
+each accumulating in float32; with FP8_WGRAD off the third takes lhs and dout as they are (bf16);
+FP8_ROWWISE gives the first two one scale per row of lhs / dout and per column of the weights.
+A backend without FP8 forms is refused (`fp8_backend`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,19 @@ AUTO_FP8 = frozenset({"xla", "triton"})
 # [M, N]), and the FP8 tgmm kernel ran at 0.4x the bf16 one on pre-quantised operands (bench/gmm.py,
 # H100); True until bench/train_step.py rows /fp8_wgrad=0 and =1 have timed the two.
 FP8_WGRAD = True
+
+# The row-wise recipe instead of the fine-grained one: one scale a token row along the forward's and
+# the input gradient's contraction, one a weight column (`fp8.quantize_rowwise`), the weight
+# gradient in bf16 (torchao's "rowwise with high-precision weight gradient"). A contraction with one
+# scale runs whole on the tensor cores and is scaled once in the epilogue, where 128-wide scale pieces
+# stop the tensor cores every 128 elements to promote. Coarser: an outlier costs its whole row. Off
+# until bench/train_step.py rows /fp8_rowwise=1 have timed it and a fidelity run has trained with it.
+FP8_ROWWISE = False
+
+
+def fp8_wgrad() -> bool:
+  """Whether the weight gradients take FP8 operands now (FP8_WGRAD, never under FP8_ROWWISE)."""
+  return FP8_WGRAD and not FP8_ROWWISE
 
 
 def fp8_backends() -> list[str]:
@@ -59,7 +74,10 @@ def fp8_backend(name: str) -> str:
 def quantize(backend_name: str, x, axis: int, index=None):
   """`fp8.quantize_tiles(x, axis)` (x [M, C], the same bits) by the backend's one-pass quantiser
   where it has one; with `index` [M'] that of x's rows `index` (`jnp.take(x, index, axis=0)`), which
-  the backend's quantiser reads through the index instead of a gathered copy."""
+  the backend's quantiser reads through the index instead of a gathered copy. Under FP8_ROWWISE the
+  rows along a contraction (axis 1) take one scale each, by XLA (`fp8.quantize_rowwise`)."""
+  if FP8_ROWWISE and axis == 1:
+    return fp8.quantize_rowwise(x if index is None else jnp.take(x, index, axis=0), axis=1)
   own = BACKENDS.get(backend_name).fp8_quantize
   if own is not None:
     return own(x, axis) if index is None else own(x, axis, index=index)
@@ -71,9 +89,15 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
   """The forward product from already quantised rows (`quantize(backend_name, lhs, 1)`): rows may
   be quantised before they are gathered into expert order, since their tiles run along the row.
   With `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the
-  index by a backend with `row_index`, gathered by XLA for the others."""
-  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
-                     group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype, lhs_index=lhs_index)
+  index by a backend with `row_index`, gathered by XLA for the others. The weights are quantised
+  here: in blocks, or under FP8_ROWWISE one scale per column of the product's weight matrix."""
+  backend = BACKENDS.get(backend_name)
+  if FP8_ROWWISE:
+    rhs_q = fp8.quantize_rowwise(rhs, axis=2 if transpose_rhs else 1)
+    return raw_fp8_gmm(backend, lhs_q, lhs_scale, *rhs_q, group_sizes, transpose_rhs=transpose_rhs,
+                       out_dtype=out_dtype, lhs_index=lhs_index, rowwise=True)
+  return raw_fp8_gmm(backend, lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
+                     transpose_rhs=transpose_rhs, out_dtype=out_dtype, lhs_index=lhs_index)
 
 
 def row_blocks(rows, splits: int):
@@ -88,13 +112,14 @@ def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dou
               lhs_index=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`) in FP8.
   With `lhs_index` the product's rows are lhs[lhs_index] (`quantize` reads them through it).
-  `row_splits` > 1 (one group only; FP8_WGRAD) computes the weight gradient over that many row blocks, as
-  that many groups, and sums their float32 partials: a kernel that gives each group its own
-  programs has rows / 128 steps in each of K/bm x N/bn programs for one group, too few to fill a GPU."""
+  `row_splits` > 1 (one group only; `fp8_wgrad()`) computes the weight gradient over that many row
+  blocks, as that many groups, and sums their float32 partials: a kernel that gives each group its
+  own programs has rows / 128 steps in each of K/bm x N/bn programs for one group, too few to fill
+  a GPU."""
   backend: GmmBackend = BACKENDS.get(backend_name)
   dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, group_sizes,
                        not transpose_rhs, lhs.dtype)
-  if not FP8_WGRAD:
+  if not fp8_wgrad():
     return dlhs, bf16_wgrad(backend, lhs, dout.astype(lhs.dtype), group_sizes, rhs, transpose_rhs,
                             lhs_index)
   rows_q, dout_q = quantize(backend_name, lhs, 0, lhs_index), quantize(backend_name, dout, 0)

@@ -62,7 +62,9 @@ class GmmBackend:
       the gmm on FP8 operands quantised by `umoe_jax.ops.fp8` (lhs in 1 x 128 tiles along its
       contraction, rhs in 128 x 128 blocks), float32 accumulation; None: no FP8 form (refused under
       train.precision=fp8). `umoe_jax.ops.fp8.emulated_gmm` is the reference and xla's form. With
-      `row_index` it also takes `lhs_index` [M] (rows lhs_q[lhs_index] and their scales).
+      `row_index` it also takes `lhs_index` [M] (rows lhs_q[lhs_index] and their scales); with
+      `rowwise=True` the scales are the row-wise recipe's (`umoe_jax.ops.fp8.quantize_rowwise`:
+      lhs_scale [M, 1], rhs_scale one a column of the product's weights).
     fp8_tgmm: `(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, out_dtype)`, both
       operands in 128-row tiles of one column (`umoe_jax.ops.fp8.emulated_tgmm`); set with fp8_gmm.
     fp8_quantize: optional `(x [M, C], axis 0 or 1) -> (q, scale)`, bit for bit
