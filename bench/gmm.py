@@ -10,8 +10,9 @@ fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-d
 the expert matmuls; a short table last.
 --precision=bf16,fp8 (default bf16) adds, per shape and backend with FP8 forms, umoe_jax.ops.fp8_gmm
 forward and forward + backward with the operands' quantisation inside (as training runs them), the
-activations' quantisation alone and the forward's error (bench/gmm_fp8.py); their rows carry
-"precision": "fp8" in overrides, and the table ends with each fp8 figure over the bf16 one.
+activations' quantisation alone and the forward's error (bench/gmm_fp8.py), then the same under the
+row-wise recipe (fp8_gmm.FP8_ROWWISE); their rows carry "precision": "fp8" (and "recipe": "rowwise")
+in overrides, and the table ends with each fp8 figure over the bf16 one.
 --shapes picks shapes by name (default all five). Full results go to $OUT (or --out) as gmm_results.json; each
 backend's fwd and fwd+bwd TFLOP/s per shape also go as rows to --results (bench/results.py: default
 $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no rows).
@@ -292,13 +293,15 @@ def main():
     for b in fp8_backends:
       try:
         t = gmm_fp8.time_fp8(b, x, w, dy, gs, jax_ms)
-        t.update(fwd_tflops=tf(t["fwd_ms"]), fwd_bwd_tflops=3 * tf(t["fwd_bwd_ms"]))
+        t.update(fwd_tflops=tf(t["fwd_ms"]), fwd_bwd_tflops=3 * tf(t["fwd_bwd_ms"]),
+                 rowwise_fwd_bwd_tflops=3 * tf(t["rowwise_fwd_bwd_ms"]))
         if not t["rel_err"] < gmm_fp8.MAX_REL_ERR:
           log(f"  {b} fp8 {name}: WRONG, forward error {t['rel_err']:.3g} (FP8: < {gmm_fp8.MAX_REL_ERR})")
           continue
         row[f"{b}_fp8"] = t
         log(f"  {b} fp8 {name}: fwd {t['fwd_tflops']:.0f} fwd+bwd {t['fwd_bwd_tflops']:.0f} "
-            f"(quantise x {t['quantize_ms']:.3f} ms) err {t['rel_err']:.4f}")
+            f"(quantise x {t['quantize_ms']:.3f} ms) err {t['rel_err']:.4f}; row-wise fwd+bwd "
+            f"{t['rowwise_fwd_bwd_tflops']:.0f}")
       except Exception:  # noqa: BLE001
         log(f"  {b} fp8 {name} FAILED:\n{traceback.format_exc()[-1500:]}")
     results["shapes"][name] = row
@@ -332,7 +335,7 @@ def main():
     log(line)
   if fp8_backends:
     log("\nfp8_gmm TFLOP/s (same FLOPs as bf16; quantisation inside) and fp8 / bf16; "
-        "quant ms = the activations' quantisation alone")
+        "quant ms = the activations' quantisation alone; rw fb = fwd+bwd in the row-wise recipe")
     for line in gmm_fp8.ratio_lines(shapes, results, fp8_backends):
       log(line)
   for k, v in results.get("dispatch", {}).items():

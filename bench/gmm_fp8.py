@@ -9,6 +9,8 @@ import results as results_lib  # noqa: E402  (bench/results.py)
 
 PRECISIONS = ("bf16", "fp8")
 FP8 = {"precision": "fp8"}
+ROWWISE = {"recipe": "rowwise"}
+BEFOREHAND = {"operands": "quantised beforehand"}
 # metric -> the key of the same backend's bf16 figure in bench/gmm.py's row (row[f"{backend}_{key}"])
 BF16_KEYS = {"fwd_tflops": "fwd", "fwd_bwd_tflops": "fwd_bwd", "wgrad_tflops": "wgrad"}
 # e4m3 keeps 3 mantissa bits: a product's normwise error is a few percent; a wrong layout or scale
@@ -43,11 +45,14 @@ def fp8_forward_error(backend: str, x, w, gs) -> float:
 
 
 def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
-  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, kernel_wgrad_ms, rel_err} of one shape;
-  `timer(f, *args)` -> ms. The kernel_ figures time the backend's raw FP8 forms alone on operands
-  quantised beforehand: the forward, and the weight gradient (contraction over the rows)."""
+  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, kernel_wgrad_ms, rel_err, rowwise_fwd_ms,
+  rowwise_fwd_bwd_ms, kernel_fwd_rowwise_ms} of one shape; `timer(f, *args)` -> ms. The kernel_
+  figures time the backend's raw FP8 forms alone on operands quantised beforehand: the forward, and
+  the weight gradient (contraction over the rows). The rowwise_ figures are fp8_gmm's under
+  fp8_gmm.FP8_ROWWISE, the row-wise recipe (and its raw forward)."""
   import jax
   from umoe_jax.ops import fp8
+  from umoe_jax.ops import fp8_gmm as fg
   from umoe_jax.ops.fp8_gmm import fp8_gmm, quantize
   from umoe_jax.ops.gmm_backends import BACKENDS
   fwd = jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend))
@@ -62,11 +67,23 @@ def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
                                                              out_dtype=x.dtype))
   kernel_wgrad = jax.jit(lambda a, sa, b, sb, g: raw.fp8_tgmm(a, sa, b, sb, g, num_groups=w.shape[0],
                                                                out_dtype=w.dtype))
-  return dict(rel_err=fp8_forward_error(backend, x, w, gs),
-              fwd_ms=timer(fwd, x, w, gs), fwd_bwd_ms=timer(jax.jit(fb), x, w, gs, dy),
-              quantize_ms=timer(jax.jit(lambda a: quantize(backend, a, 1)), x),
-              kernel_fwd_ms=timer(kernel_fwd, *rows, *wq, gs),
-              kernel_wgrad_ms=timer(kernel_wgrad, *row_tiles, gs))
+  t = dict(rel_err=fp8_forward_error(backend, x, w, gs),
+           fwd_ms=timer(fwd, x, w, gs), fwd_bwd_ms=timer(jax.jit(fb), x, w, gs, dy),
+           quantize_ms=timer(jax.jit(lambda a: quantize(backend, a, 1)), x),
+           kernel_fwd_ms=timer(kernel_fwd, *rows, *wq, gs),
+           kernel_wgrad_ms=timer(kernel_wgrad, *row_tiles, gs))
+  # The row-wise recipe: fresh functions traced with the switch on (it is read at the trace).
+  saved, fg.FP8_ROWWISE = fg.FP8_ROWWISE, True
+  try:
+    t["rowwise_fwd_ms"] = timer(jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend)), x, w, gs)
+    t["rowwise_fwd_bwd_ms"] = timer(jax.jit(lambda *a: fb(*a)), x, w, gs, dy)
+  finally:
+    fg.FP8_ROWWISE = saved
+  kernel_rowwise = jax.jit(lambda q, s, wq_, ws, g: raw.fp8_gmm(q, s, wq_, ws, g, transpose_rhs=False,
+                                                                 out_dtype=x.dtype, rowwise=True))
+  t["kernel_fwd_rowwise_ms"] = timer(kernel_rowwise, *fp8.quantize_rowwise(x, 1),
+                                     *fp8.quantize_rowwise(w, 1), gs)
+  return t
 
 
 def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
@@ -83,10 +100,16 @@ def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
       dict(config=f"gmm:{name}", metric="ms", value=t["quantize_ms"],
            overrides={"op": "quantize_tiles (activations)", "backend": backend, **FP8}, anchor=None,
            extra={}),
-  ] + [  # the kernels alone, on operands quantised beforehand
-      dict(config=f"gmm:{name}", metric=metric, value=tflops(t[key]),
-           overrides={**over, "operands": "quantised beforehand"}, anchor=None, extra={"ms": t[key]})
-      for metric, key in (("fwd_tflops", "kernel_fwd_ms"), ("wgrad_tflops", "kernel_wgrad_ms"))
+  ] + [  # the row-wise recipe (fp8_gmm.FP8_ROWWISE); the kernels alone, on operands quantised
+      # beforehand
+      dict(config=f"gmm:{name}", metric=metric, value=tflops(t[key], mult), overrides={**over, **extra},
+           anchor=None, extra={"ms": t[key]})
+      for metric, key, mult, extra in (
+          ("fwd_tflops", "rowwise_fwd_ms", 1, ROWWISE),
+          ("fwd_bwd_tflops", "rowwise_fwd_bwd_ms", 3, ROWWISE),
+          ("fwd_tflops", "kernel_fwd_ms", 1, BEFOREHAND),
+          ("wgrad_tflops", "kernel_wgrad_ms", 1, BEFOREHAND),
+          ("fwd_tflops", "kernel_fwd_rowwise_ms", 1, {**BEFOREHAND, **ROWWISE}))
       if t.get(key)]
 
 
@@ -109,7 +132,7 @@ def record_shape(results_path, name: str, flops: float, row: dict, backends) -> 
 def ratio_lines(shapes, results: dict, backends) -> list[str]:
   """The short table's FP8 lines: per shape and backend, fp8 TFLOP/s and fp8 / bf16 (fwd, fwd+bwd)."""
   lines = [f"{'shape':11s} {'backend':8s} {'fp8 f':>7s} {'x bf16':>7s} {'fp8 fb':>7s} {'x bf16':>7s} "
-           f"{'quant ms':>8s} {'err':>7s}"]
+           f"{'quant ms':>8s} {'err':>7s} {'rw fb':>7s} {'x bf16':>7s}"]
   nan = float("nan")
   for name, *_ in shapes:
     r = results["shapes"].get(name, {})
@@ -119,8 +142,10 @@ def ratio_lines(shapes, results: dict, backends) -> list[str]:
         continue
       f, fb = t.get("fwd_tflops", nan), t.get("fwd_bwd_tflops", nan)
       ratio = lambda v, k: v / r[k] if r.get(k) else nan
+      rw = t.get("rowwise_fwd_bwd_tflops", nan)
       lines.append(f"{name:11s} {b:8s} {f:7.0f} {ratio(f, b + '_fwd'):7.2f} {fb:7.0f} "
-                   f"{ratio(fb, b + '_fwd_bwd'):7.2f} {t['quantize_ms']:8.3f} {t['rel_err']:7.4f}")
+                   f"{ratio(fb, b + '_fwd_bwd'):7.2f} {t['quantize_ms']:8.3f} {t['rel_err']:7.4f} "
+                   f"{rw:7.0f} {ratio(rw, b + '_fwd_bwd'):7.2f}")
   return lines
 
 

@@ -42,10 +42,17 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
                                sort_keys=True)]
   assert quant["value"] == 0.25 and quant["config"] == "gmm:base-up"
   # the kernels alone (operands quantised beforehand): forward and weight gradient, 1x the FLOPs
-  kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(t, kernel_fwd_ms=1.0,
-                                                                       kernel_wgrad_ms=4.0)))
-  alone = {r["metric"]: r["value"] for r in kt if r["overrides"].get("operands")}
-  assert alone == {"fwd_tflops": pytest.approx(4000.0), "wgrad_tflops": pytest.approx(1000.0)}
+  kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(
+      t, kernel_fwd_ms=1.0, kernel_wgrad_ms=4.0, rowwise_fwd_ms=0.5, rowwise_fwd_bwd_ms=3.0,
+      kernel_fwd_rowwise_ms=0.8)))
+  alone = {(r["metric"], r["overrides"].get("recipe")): r["value"] for r in kt
+           if r["overrides"].get("operands")}
+  assert alone == {("fwd_tflops", None): pytest.approx(4000.0), ("wgrad_tflops", None): pytest.approx(1000.0),
+                   ("fwd_tflops", "rowwise"): pytest.approx(5000.0)}
+  # the row-wise recipe's fp8_gmm, told apart by "recipe"
+  rw = {r["metric"]: r["value"] for r in kt
+        if r["overrides"] == {"backend": "triton", "precision": "fp8", "recipe": "rowwise"}}
+  assert rw == {"fwd_tflops": pytest.approx(8000.0), "fwd_bwd_tflops": pytest.approx(4000.0)}
   # Two backends: each its own quantisation row (a backend may have its own quantiser).
   path = str(tmp_path / "rows.jsonl")
   gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0,
@@ -89,6 +96,7 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
   t = gmm_fp8.time_fp8("xla", x, w, dy, sizes, timer)
   assert (t["fwd_ms"], t["fwd_bwd_ms"], t["quantize_ms"]) == (1.0, 2.0, 3.0)
   assert (t["kernel_fwd_ms"], t["kernel_wgrad_ms"]) == (4.0, 5.0)
+  assert (t["rowwise_fwd_ms"], t["rowwise_fwd_bwd_ms"], t["kernel_fwd_rowwise_ms"]) == (6.0, 7.0, 8.0)
   assert 1e-3 < t["rel_err"] < gmm_fp8.MAX_REL_ERR
   np.testing.assert_array_equal(calls[0], jax.device_get(fp8_gmm(x, w, sizes, backend="xla")))
   y, (dx, dw) = calls[1]
@@ -103,6 +111,23 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
   # the raw forms alone: the forward's values are fp8_gmm's; the weight gradient is its drhs
   np.testing.assert_array_equal(calls[3], calls[0])
   np.testing.assert_array_equal(calls[4], jax.device_get(ref_dw))
+  # the row-wise recipe: fp8_gmm under FP8_ROWWISE (the switch back off after), its vjp, the raw
+  # row-wise forward on row-quantised operands
+  from umoe_jax.ops import fp8_gmm as fg
+  assert fg.FP8_ROWWISE is False
+  fg.FP8_ROWWISE = True
+  try:
+    want = jax.device_get(fp8_gmm(x, w, sizes, backend="xla"))
+    _, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, sizes, backend="xla"), x, w)
+    want_grads = jax.device_get(pull(dy))
+  finally:
+    fg.FP8_ROWWISE = False
+  np.testing.assert_array_equal(calls[5], want)
+  assert not np.array_equal(calls[5], calls[0])
+  np.testing.assert_array_equal(calls[6][0], want)
+  for a, b in zip(calls[6][1], want_grads):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(calls[7], want)
 
 
 def test_gmm_bench_runs_both_precisions_and_tables_the_ratio(tmp_path, monkeypatch, capsys):
