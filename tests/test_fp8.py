@@ -698,6 +698,19 @@ def test_the_weight_gradient_in_bf16(sizes, transpose_rhs, monkeypatch):
     assert np.asarray(drhs[e]).any() == (size > 0)
 
 
+def _expert_layer(rng):
+  """An expert layer's inputs: 40 tokens [40, 200], a plan of 3 slots over 4 experts, w1 [4, 200,
+  136], w2 [4, 136, 200], gates [40, 3] and a cotangent of the output [40, 200]."""
+  from umoe_jax.ops import dispatch
+  n_tok, k, d, f, e = 40, 3, 200, 136, 4
+  x = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
+  w1 = jnp.asarray(rng.normal(size=(e, d, f)) / 14, jnp.float32)
+  w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 12, jnp.float32)
+  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, k)), jnp.float32)
+  return x, plan, w1, w2, gates, jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+
+
 @pytest.mark.parametrize("through_index", [False, True])
 @pytest.mark.parametrize("fused_combine", [False, True])
 def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, monkeypatch):
@@ -706,15 +719,10 @@ def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, 
   of its operands as they are (the sorted token rows and the per-slot cotangent; the gate-scaled
   activations and the token rows' cotangent), the other gradients and the values are the FP8
   ones bit for bit, and nothing is quantised in column tiles."""
-  from umoe_jax.ops import dispatch, fp8_gmm as fg, fused_dispatch
+  from umoe_jax.ops import fp8_gmm as fg, fused_dispatch
   rng = np.random.default_rng(32)
-  n_tok, k, d, f, e = 40, 3, 200, 136, 4
-  x = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
-  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
-  w1 = jnp.asarray(rng.normal(size=(e, d, f)) / 14, jnp.float32)
-  w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 12, jnp.float32)
-  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, k)), jnp.float32)
-  g = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
+  x, plan, w1, w2, gates, g = _expert_layer(rng)
+  n_tok, k = gates.shape
   monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", through_index)
   monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", fused_combine)
 
@@ -820,13 +828,8 @@ def test_the_rowwise_recipe_through_the_fused_forms_and_the_model(monkeypatch):
   from umoe_jax.ops import dispatch, fp8_gmm as fg, fused_dispatch
   monkeypatch.setattr(fg, "FP8_ROWWISE", True)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
-  rng = np.random.default_rng(34)
-  n_tok, k, d, f, e = 40, 3, 200, 136, 4
-  x = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
-  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, k)), jnp.int32), e)
-  w1 = jnp.asarray(rng.normal(size=(e, d, f)) / 14, jnp.float32)
-  w2 = jnp.asarray(rng.normal(size=(e, f, d)) / 12, jnp.float32)
-  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, k)), jnp.float32)
+  x, plan, w1, w2, gates, g = _expert_layer(np.random.default_rng(34))
+  (n_tok, k), d = gates.shape, x.shape[1]
 
   def fused(x, w1, w2, gates):
     h = fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True)
@@ -837,7 +840,6 @@ def test_the_rowwise_recipe_through_the_fused_forms_and_the_model(monkeypatch):
     y = fp8_gmm(jax.nn.silu(h), w2, plan.group_sizes, backend="xla")
     return dispatch.combine(dispatch.unpermute(y, plan).reshape(n_tok, k, d), gates)
 
-  g = jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
   a, b = jax.vjp(fused, x, w1, w2, gates), jax.vjp(plain, x, w1, w2, gates)
   assert rel_err(a[0], b[0]) < 1e-6
   for ga, gb in zip(a[1](g), b[1](g)):
