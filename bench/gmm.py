@@ -298,6 +298,8 @@ def main():
         if not t["rel_err"] < gmm_fp8.MAX_REL_ERR:
           log(f"  {b} fp8 {name}: WRONG, forward error {t['rel_err']:.3g} (FP8: < {gmm_fp8.MAX_REL_ERR})")
           continue
+        if not t["rowwise_rel_err"] < gmm_fp8.MAX_REL_ERR:
+          log(f"  {b} fp8 {name}: row-wise WRONG, forward error {t['rowwise_rel_err']:.3g}: no row-wise rows")
         row[f"{b}_fp8"] = t
         log(f"  {b} fp8 {name}: fwd {t['fwd_tflops']:.0f} fwd+bwd {t['fwd_bwd_tflops']:.0f} "
             f"(quantise x {t['quantize_ms']:.3f} ms) err {t['rel_err']:.4f}; row-wise fwd+bwd "

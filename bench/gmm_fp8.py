@@ -45,8 +45,8 @@ def fp8_forward_error(backend: str, x, w, gs) -> float:
 
 
 def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
-  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, kernel_wgrad_ms, rel_err, rowwise_fwd_ms,
-  rowwise_fwd_bwd_ms, kernel_fwd_rowwise_ms} of one shape; `timer(f, *args)` -> ms. The kernel_
+  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, kernel_wgrad_ms, rel_err, rowwise_rel_err,
+  rowwise_fwd_ms, rowwise_fwd_bwd_ms, kernel_fwd_rowwise_ms} of one shape; `timer(f, *args)` -> ms. The kernel_
   figures time the backend's raw FP8 forms alone on operands quantised beforehand: the forward, and
   the weight gradient (contraction over the rows). The rowwise_ figures are fp8_gmm's under
   fp8_gmm.FP8_ROWWISE, the row-wise recipe (and its raw forward)."""
@@ -75,6 +75,7 @@ def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
   # The row-wise recipe: fresh functions traced with the switch on (it is read at the trace).
   saved, fg.FP8_ROWWISE = fg.FP8_ROWWISE, True
   try:
+    t["rowwise_rel_err"] = fp8_forward_error(backend, x, w, gs)
     t["rowwise_fwd_ms"] = timer(jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend)), x, w, gs)
     t["rowwise_fwd_bwd_ms"] = timer(jax.jit(lambda *a: fb(*a)), x, w, gs, dy)
   finally:
@@ -88,8 +89,10 @@ def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
 
 def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
   """The results rows of one shape's FP8 timings `t` (time_fp8's) for `backend`; forward FLOPs
-  `flops` (2 M K N), fwd + bwd 3x, TFLOP/s counted as for bf16 so the rows compare."""
+  `flops` (2 M K N), fwd + bwd 3x, TFLOP/s counted as for bf16 so the rows compare. The row-wise
+  recipe's rows only where its forward error is FP8's (< MAX_REL_ERR)."""
   over = {"backend": backend, **FP8}
+  rowwise_ok = t.get("rowwise_rel_err", float("nan")) < MAX_REL_ERR
   tflops = lambda ms, mult=1: mult * flops / (ms / 1e3) / 1e12
   return [
       dict(config=f"gmm:{name}", metric="fwd_tflops", value=tflops(t["fwd_ms"]), overrides=over,
@@ -110,7 +113,7 @@ def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
           ("fwd_tflops", "kernel_fwd_ms", 1, BEFOREHAND),
           ("wgrad_tflops", "kernel_wgrad_ms", 1, BEFOREHAND),
           ("fwd_tflops", "kernel_fwd_rowwise_ms", 1, {**BEFOREHAND, **ROWWISE}))
-      if t.get(key)]
+      if t.get(key) and (rowwise_ok or "rowwise" not in key)]
 
 
 def record_shape(results_path, name: str, flops: float, row: dict, backends) -> None:

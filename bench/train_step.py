@@ -537,12 +537,13 @@ def parser() -> argparse.ArgumentParser:
                        "the FP8 last expert matmul as the bf16 gmm_combine runs (gather-sum "
                        "fan-in; backward from the token rows' cotangent, no per-slot copy)")
   ap.add_argument("--fp8_wgrad", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fp8_gmm.FP8_WGRAD (default: the module's): the expert "
-                       "matmuls' weight gradient in FP8 (1) or in bf16 by the backend's tgmm (0)")
+                  help="umoe_jax.ops.fp8_gmm.FP8_WGRAD (default: the module's): fp8_gmm's weight "
+                       "gradients (the experts', the dense products' on one GPU) in FP8 (1) or "
+                       "in bf16 (0)")
   ap.add_argument("--fp8_rowwise", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fp8_gmm.FP8_ROWWISE (default: the module's): the expert "
-                       "matmuls in the row-wise recipe (a scale a row and a weight column, the "
-                       "weight gradient in bf16)")
+                  help="umoe_jax.ops.fp8_gmm.FP8_ROWWISE (default: the module's): fp8_gmm's "
+                       "products (the experts', the dense ones on one GPU) in the row-wise "
+                       "recipe (a scale a row and a weight column, the weight gradient in bf16)")
   ap.add_argument("--dense_wgrad_splits", type=int, default=None,
                   help="umoe_jax.model.layers.DENSE_WGRAD_SPLITS (default: the module's): the FP8 "
                        "dense products' weight gradient over this many row blocks")

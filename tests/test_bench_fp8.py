@@ -44,7 +44,7 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   # the kernels alone (operands quantised beforehand): forward and weight gradient, 1x the FLOPs
   kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(
       t, kernel_fwd_ms=1.0, kernel_wgrad_ms=4.0, rowwise_fwd_ms=0.5, rowwise_fwd_bwd_ms=3.0,
-      kernel_fwd_rowwise_ms=0.8)))
+      kernel_fwd_rowwise_ms=0.8, rowwise_rel_err=0.03)))
   alone = {(r["metric"], r["overrides"].get("recipe")): r["value"] for r in kt
            if r["overrides"].get("operands")}
   assert alone == {("fwd_tflops", None): pytest.approx(4000.0), ("wgrad_tflops", None): pytest.approx(1000.0),
@@ -53,6 +53,11 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   rw = {r["metric"]: r["value"] for r in kt
         if r["overrides"] == {"backend": "triton", "precision": "fp8", "recipe": "rowwise"}}
   assert rw == {"fwd_tflops": pytest.approx(8000.0), "fwd_bwd_tflops": pytest.approx(4000.0)}
+  # a row-wise forward off by more than FP8's error records no row-wise row
+  wrong = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(
+      t, kernel_fwd_ms=1.0, rowwise_fwd_ms=0.5, rowwise_fwd_bwd_ms=3.0, kernel_fwd_rowwise_ms=0.8,
+      rowwise_rel_err=0.5)))
+  assert not [r for r in wrong if r["overrides"].get("recipe")] and len(wrong) == len(kt) - 4
   # Two backends: each its own quantisation row (a backend may have its own quantiser).
   path = str(tmp_path / "rows.jsonl")
   gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0,
@@ -97,6 +102,7 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
   assert (t["fwd_ms"], t["fwd_bwd_ms"], t["quantize_ms"]) == (1.0, 2.0, 3.0)
   assert (t["kernel_fwd_ms"], t["kernel_wgrad_ms"]) == (4.0, 5.0)
   assert (t["rowwise_fwd_ms"], t["rowwise_fwd_bwd_ms"], t["kernel_fwd_rowwise_ms"]) == (6.0, 7.0, 8.0)
+  assert 1e-3 < t["rowwise_rel_err"] < gmm_fp8.MAX_REL_ERR and t["rowwise_rel_err"] != t["rel_err"]
   assert 1e-3 < t["rel_err"] < gmm_fp8.MAX_REL_ERR
   np.testing.assert_array_equal(calls[0], jax.device_get(fp8_gmm(x, w, sizes, backend="xla")))
   y, (dx, dw) = calls[1]

@@ -182,6 +182,32 @@ def test_gpus_without_fp8_tensor_cores_are_refused_before_a_launch(monkeypatch):
     tf.triton_fp8_gmm(*lhs, *rhs, sizes)
 
 
+def test_rowwise_launches_take_their_scales_and_promotion(monkeypatch):
+  """A row-wise launch checks the row-wise scale shapes (lhs [M, 1]; rhs [G, 1, N], or [G, K, 1]
+  transposed), and passes the kernel a scale stride of 1 a row and ROWWISE_PROMOTE's choice
+  (the forward on the tensor cores' accumulator, the input gradient in float32); a fine-grained
+  launch neither."""
+  launched = []
+  monkeypatch.setattr(tf, "_launch", lambda kernel, grid, args, out_shape, **meta: (
+      launched.append(meta), jnp.zeros(out_shape.shape, out_shape.dtype))[1])
+  sizes = jnp.asarray([100, 156], jnp.int32)
+  lhs = fp8.quantize_rowwise(jnp.ones((256, 300), jnp.float32), 1)
+  rhs = fp8.quantize_rowwise(jnp.ones((2, 300, 72), jnp.float32), 1)
+  tf.triton_fp8_gmm(*lhs, *rhs, sizes, rowwise=True)
+  dout = fp8.quantize_rowwise(jnp.ones((256, 72), jnp.float32), 1)
+  rhs_t = fp8.quantize_rowwise(jnp.ones((2, 300, 72), jnp.float32), 2)
+  tf.triton_fp8_gmm(*dout, *rhs_t, sizes, transpose_rhs=True, rowwise=True)
+  tf.triton_fp8_gmm(*fp8.quantize_tiles(jnp.ones((256, 300)), axis=1),
+                    *fp8.quantize_blocks(jnp.ones((2, 300, 72))), sizes)
+  assert [(m["ROWWISE"], m["SA_W"], m["PROMOTE"], m["KB"]) for m in launched] == [
+      (True, 1, tf.ROWWISE_PROMOTE["gmm"], 3), (True, 1, tf.ROWWISE_PROMOTE["gmm_t"], 1), (False, 3, False, 3)]
+  assert tf.ROWWISE_PROMOTE == {"gmm": False, "gmm_t": True}
+  with pytest.raises(ValueError, match=r"rhs_scale is float32\[2, 1, 72\], expected float32\[2, 300, 1\]"):
+    tf.triton_fp8_gmm(*dout, *rhs, sizes, transpose_rhs=True, rowwise=True)
+  with pytest.raises(ValueError, match=r"lhs_scale is float32\[256, 3\], expected float32\[256, 1\]"):
+    tf.triton_fp8_gmm(*fp8.quantize_tiles(jnp.ones((256, 300)), axis=1), *rhs, sizes, rowwise=True)
+
+
 def test_fp8_backends_lists_the_kernels_in_a_fresh_process():
   """fp8_backends() registers the kernel backends itself (bench/fp8_dense.py lists its impls with it
   before anything else has registered them)."""

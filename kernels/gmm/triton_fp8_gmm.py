@@ -14,8 +14,9 @@ two scales. Inside a chunk the tensor cores accumulate at their own FP8 precisio
 `max_num_imprecise_acc` on sm_90 leaves the whole dot to them): a chunk is exactly one promotion.
 A piece holding inf or NaN has a non-finite scale, which multiplies every partial product it enters:
 such outputs are inf or NaN, never finite. The gmm also takes the row-wise recipe (`rowwise`: one
-scale a row of a and a column of the product's b): its chunks accumulate on the tensor cores and the
-scales multiply the sum once, after the contraction.
+scale a row of a and a column of the product's b): the scales multiply the sum once, after the
+contraction, whose chunks accumulate on the tensor cores (the forward) or in float32 (the input
+gradient; ROWWISE_PROMOTE).
 
 gmm: the bf16 kernel's schedule (`triton_gmm._row_schedule` / `_locate`: group-aligned row tiles, one
 zero tail for the rows past sum(group_sizes), column tile fastest); the output column tile may be two
@@ -63,14 +64,16 @@ if HAVE_TRITON:
                       s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
                       s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
                       BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
-                      ROWWISE: tl.constexpr, SA_W: tl.constexpr):
+                      ROWWISE: tl.constexpr, SA_W: tl.constexpr, PROMOTE: tl.constexpr):
     # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB] (with
     # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
     # o // BK at sb_ptr + g*s_sg + (c // BK)*s_sk + (o // BK)*s_sn. BK = TILE (one chunk a scale).
     # SA_W: sa's row stride (KB; 1 under ROWWISE). ROWWISE: one scale a row (sa [M, 1]) and a
     # column (sb at g*s_sg + o*s_sn): the chunks accumulate on the tensor cores and the two scales
-    # multiply the sum once, after the loop.
+    # multiply the sum once, after the loop. PROMOTE (ROWWISE): each chunk's product is added to the
+    # float32 accumulator on the CUDA cores (no scale), as the fine-grained path's; without it the
+    # tensor cores carry the whole contraction in their own accumulator (~14 bits on Hopper).
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = triton_gmm._row_schedule(gs_ptr, M, G, GP, BM)
     pid_m = pid // N_TILES
@@ -109,7 +112,9 @@ if HAVE_TRITON:
           else:
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
           b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < NO), other=0.0)
-          if ROWWISE:
+          if ROWWISE and PROMOTE:
+            acc += tl.dot(a, b)
+          elif ROWWISE:
             acc = tl.dot(a, b, acc)
           else:
             sa = tl.load(sa_ptrs + ks)
@@ -117,7 +122,9 @@ if HAVE_TRITON:
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
           if BN2 > 0:
             b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (offs_n2[None, :] < NO), other=0.0)
-            if ROWWISE:
+            if ROWWISE and PROMOTE:
+              acc2 += tl.dot(a, b2)
+            elif ROWWISE:
               acc2 = tl.dot(a, b2, acc2)
             else:
               sb2 = tl.load(sb2_ptrs + ks * s_sk, mask=offs_n2 < NO, other=0.0)
@@ -392,6 +399,12 @@ def _launch(kernel, grid, args, out_shape, **meta):
                         **triton_launch.launch_kwargs())
 
 
+# Per op (gmm: the forward, gmm_t: the input gradient), whether a row-wise launch sums its chunks'
+# products in float32: torchao's row-wise recipe keeps the tensor cores' fast accumulation for the
+# forward and turns it off for the input gradient.
+ROWWISE_PROMOTE = {"gmm": False, "gmm_t": True}
+
+
 def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
                    out_dtype=jnp.bfloat16, config=None, lhs_index=None, rowwise=False):
   """The raw FP8 gmm (module docstring): lhs_q [M, C] float8_e4m3fn, lhs_scale [M, ceil(C/128)]
@@ -400,7 +413,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   int32 (entries in [0, S)), lhs_q [S, C] / lhs_scale [S, ...] and row r of the product reads
   their row lhs_index[r]: the gmm of the gathered operands without the gathered copy. `rowwise`
   (`umoe_jax.ops.fp8.quantize_rowwise`): lhs_scale [M, 1] and one scale a column of the product's
-  weights, rhs_scale [G, 1, N] ([G, K, 1] with `transpose_rhs`), applied once after the sum."""
+  weights, rhs_scale [G, 1, N] ([G, K, 1] with `transpose_rhs`), applied once after the sum; the
+  chunks' products summed in float32 where ROWWISE_PROMOTE says, else on the tensor cores."""
   what = "triton fp8 gmm" + ("^T" if transpose_rhs else "")
   src = lhs_q.shape[0]
   m = src if lhs_index is None else lhs_index.shape[0]
@@ -418,7 +432,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
     kb, nb = _cdiv(k, TILE), _cdiv(n, TILE)
   _check(what, "rhs_scale", rhs_scale, (g, kb, nb), jnp.float32)
   _check_device(what)
-  cfg = config or config_for("gmm_t" if transpose_rhs else "gmm", kc, no)
+  op = "gmm_t" if transpose_rhs else "gmm"
+  cfg = config or config_for(op, kc, no)
   launch = gmm_launch(m, kc, no, g, cfg)
   grid = launch.pop("grid")
   # (group, contraction, output column) strides of the weights and of their scales. FP8 wgmma
@@ -437,7 +452,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
                  HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=chunks, G=g,
                  s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0],
                  s_sk=s_strides[1], s_sn=s_strides[2], ROWWISE=bool(rowwise),
-                 SA_W=1 if rowwise else chunks, **launch)
+                 SA_W=1 if rowwise else chunks, PROMOTE=bool(rowwise) and ROWWISE_PROMOTE[op],
+                 **launch)
 
 
 def triton_fp8_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups=None,

@@ -38,8 +38,11 @@ FP8_WGRAD = True
 # the input gradient's contraction, one a weight column (`fp8.quantize_rowwise`), the weight
 # gradient in bf16 (torchao's "rowwise with high-precision weight gradient"). A contraction with one
 # scale runs whole on the tensor cores and is scaled once in the epilogue, where 128-wide scale pieces
-# stop the tensor cores every 128 elements to promote. Coarser: an outlier costs its whole row. Off
-# until bench/train_step.py rows /fp8_rowwise=1 have timed it and a fidelity run has trained with it.
+# stop the tensor cores every 128 elements to promote. Coarser: an outlier costs its whole row, and
+# the Triton forward sums its whole contraction in the tensor cores' accumulator (~14 bits;
+# `triton_fp8_gmm.ROWWISE_PROMOTE`). Both switches here cover every fp8_gmm product: the experts',
+# and the dense ones where they run through the kernel (`layers.fp8_dense` on one GPU). Off until
+# bench/train_step.py rows /fp8_rowwise=1 have timed it and a fidelity run has trained with it.
 FP8_ROWWISE = False
 
 
@@ -142,7 +145,8 @@ def bf16_wgrad(backend: GmmBackend, lhs, dout, group_sizes, rhs, transpose_rhs: 
   num_groups = rhs.shape[0]
   if num_groups == 1:
     rows = lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0)
-    rows = jnp.where((jnp.arange(rows.shape[0]) < group_sizes[0])[:, None], rows, 0)
+    inside = (jnp.arange(rows.shape[0]) < group_sizes[0])[:, None]
+    rows, dout = jnp.where(inside, rows, 0), jnp.where(inside, dout, 0)   # (no NaN from past it)
     a, b = (dout, rows) if transpose_rhs else (rows, dout)
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)[None].astype(rhs.dtype)

@@ -108,8 +108,9 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
   they are and their FP8 values and scales gathered (or read through the sort order by the kernel,
   FP8_ROWS_THROUGH_INDEX): a row's tiles run along the row, so this equals quantising the gathered
-  copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients of the gathered rows, the
-  input gradient fanned in as `_gather_gmm_fn`'s."""
+  copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients of the gathered rows (read
+  through the sort order with FP8_ROWS_THROUGH_INDEX, or for a bf16 weight gradient), the input
+  gradient fanned in as `_gather_gmm_fn`'s."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
