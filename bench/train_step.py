@@ -70,6 +70,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Any, NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
@@ -120,21 +121,43 @@ def layout_mesh(layout: str, n: int) -> dict:
 
 PRECISIONS = ("bf16", "fp8")   # umoe_jax.config.schema.PRECISIONS (train.precision)
 ROUTINGS = ("router", "balanced")
-# The FP8 module switches a row may set (flag -> (module, attribute, least value; 0/1 flags are
-# booleans), each timed by rows with and without it before it becomes a default or goes.
+class Switch(NamedTuple):
+  """An FP8 module switch a row may set: module.attr, the least value (None: a 0/1 boolean), and
+  what it does (its flag's help)."""
+  module: Any
+  attr: str
+  least: Optional[int]
+  does: str
+
+
+# The FP8 module switches, by flag (--KEY for every row, /KEY= for one), each timed by rows with and
+# without it before it becomes a default or goes.
 SWITCHES = {
-    "fp8_rows_through_index": (fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None),
-    "fp8_fused_combine": (fused_dispatch, "FP8_FUSED_COMBINE", None),
-    "fp8_wgrad": (fp8_gmm, "FP8_WGRAD", None),
-    "fp8_rowwise": (fp8_gmm, "FP8_ROWWISE", None),
-    "dense_wgrad_splits": (layers, "DENSE_WGRAD_SPLITS", 1),
+    "fp8_rows_through_index": Switch(
+        fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None,
+        "the FP8 first expert matmul and its weight gradient read the token rows through the sort "
+        "order instead of from gathered copies"),
+    "fp8_fused_combine": Switch(
+        fused_dispatch, "FP8_FUSED_COMBINE", None,
+        "the FP8 last expert matmul as the bf16 gmm_combine runs (gather-sum fan-in; backward from "
+        "the token rows' cotangent, no per-slot copy)"),
+    "fp8_wgrad": Switch(
+        fp8_gmm, "FP8_WGRAD", None,
+        "fp8_gmm's weight gradients (the experts', the dense products' on one GPU) in FP8 (1) or in "
+        "bf16 (0)"),
+    "fp8_rowwise": Switch(
+        fp8_gmm, "FP8_ROWWISE", None,
+        "fp8_gmm's products (the experts', the dense ones on one GPU) in the row-wise recipe (a "
+        "scale a row and a weight column, the weight gradient in bf16)"),
+    "dense_wgrad_splits": Switch(
+        layers, "DENSE_WGRAD_SPLITS", 1,
+        "the FP8 dense products' weight gradient over this many row blocks"),
 }
 
 
 def switch_value(key: str) -> int:
   """A switch's setting now, as its flag writes it (0 / 1 for a boolean)."""
-  module, attr, _ = SWITCHES[key]
-  return int(getattr(module, attr))
+  return int(getattr(SWITCHES[key].module, SWITCHES[key].attr))
 
 
 # The modules' own settings of the switches, before a row's flags change them: the table names a
@@ -152,7 +175,7 @@ def check_row_flag(key: str, value) -> None:
   if key == "zipf":
     check_zipf(value)
   if key in SWITCHES:
-    least = SWITCHES[key][2]
+    least = SWITCHES[key].least
     if least is None and value not in (0, 1):
       raise ValueError(f"{key}={value}: 0 or 1")
     if least is not None and value < least:
@@ -384,10 +407,10 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 def fp8_switches(args) -> None:
   """The FP8 module switches a row runs with (read when its step is traced). None: the module's own
   setting, also after an earlier --in_process row set another."""
-  for key, (module, attr, least) in SWITCHES.items():
+  for key, switch in SWITCHES.items():
     value = getattr(args, key)
     value = SWITCH_DEFAULTS[key] if value is None else value
-    setattr(module, attr, bool(value) if least is None else value)
+    setattr(switch.module, switch.attr, bool(value) if switch.least is None else value)
 
 
 def _tgmm_skew():
@@ -528,25 +551,9 @@ def parser() -> argparse.ArgumentParser:
                   help="kernels/triton_gmm.TGMM_BIG_FIRST_SKEW for every row (default: the "
                        "module's, 2): the weight gradient's tiles largest groups first where the "
                        "largest group holds at least this many times the mean group's rows")
-  ap.add_argument("--fp8_rows_through_index", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fused_dispatch.FP8_ROWS_THROUGH_INDEX (default: the "
-                       "module's): the FP8 first expert matmul and its weight gradient read the "
-                       "token rows through the sort order instead of from gathered copies")
-  ap.add_argument("--fp8_fused_combine", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fused_dispatch.FP8_FUSED_COMBINE (default: the module's): "
-                       "the FP8 last expert matmul as the bf16 gmm_combine runs (gather-sum "
-                       "fan-in; backward from the token rows' cotangent, no per-slot copy)")
-  ap.add_argument("--fp8_wgrad", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fp8_gmm.FP8_WGRAD (default: the module's): fp8_gmm's weight "
-                       "gradients (the experts', the dense products' on one GPU) in FP8 (1) or "
-                       "in bf16 (0)")
-  ap.add_argument("--fp8_rowwise", type=int, choices=[0, 1], default=None,
-                  help="umoe_jax.ops.fp8_gmm.FP8_ROWWISE (default: the module's): fp8_gmm's "
-                       "products (the experts', the dense ones on one GPU) in the row-wise "
-                       "recipe (a scale a row and a weight column, the weight gradient in bf16)")
-  ap.add_argument("--dense_wgrad_splits", type=int, default=None,
-                  help="umoe_jax.model.layers.DENSE_WGRAD_SPLITS (default: the module's): the FP8 "
-                       "dense products' weight gradient over this many row blocks")
+  for key, switch in SWITCHES.items():   # (checked after parsing: check_row_flag)
+    ap.add_argument(f"--{key}", type=int, default=None, metavar="{0,1}" if switch.least is None else "N",
+                    help=f"{switch.module.__name__}.{switch.attr} (default: the module's): {switch.does}")
   ap.add_argument("--gmm_backend", default="auto")
   ap.add_argument("--remat", nargs="?", const="block", default="none",
                   help="train.remat policy (none|block|dots|dots_no_batch; a bare --remat = block)")

@@ -342,10 +342,11 @@ def test_fp8_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypa
                     ("umoe_base:single/dense_wgrad_splits=x", "'x'")):
     with pytest.raises(ValueError, match=word):
       train_step.parse_row(bad)
-  monkeypatch.setattr(sys, "argv", ["train_step.py", "--dense_wgrad_splits=0"])
-  with pytest.raises(SystemExit):
-    train_step.main()
-  assert "--dense_wgrad_splits=0" in capsys.readouterr().err
+  for flag, word in (("--dense_wgrad_splits=0", ">= 1"), ("--fp8_wgrad=2", "0 or 1")):
+    monkeypatch.setattr(sys, "argv", ["train_step.py", flag])
+    with pytest.raises(SystemExit):
+      train_step.main()
+    assert f"{flag}: {word}" in capsys.readouterr().err
 
 
 def test_train_step_rows_carry_precision_routing_and_zipf():

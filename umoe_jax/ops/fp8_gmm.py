@@ -94,13 +94,11 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
   With `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the
   index by a backend with `row_index`, gathered by XLA for the others. The weights are quantised
   here: in blocks, or under FP8_ROWWISE one scale per column of the product's weight matrix."""
-  backend = BACKENDS.get(backend_name)
-  if FP8_ROWWISE:
-    rhs_q = fp8.quantize_rowwise(rhs, axis=2 if transpose_rhs else 1)
-    return raw_fp8_gmm(backend, lhs_q, lhs_scale, *rhs_q, group_sizes, transpose_rhs=transpose_rhs,
-                       out_dtype=out_dtype, lhs_index=lhs_index, rowwise=True)
-  return raw_fp8_gmm(backend, lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
-                     transpose_rhs=transpose_rhs, out_dtype=out_dtype, lhs_index=lhs_index)
+  rhs_q = (fp8.quantize_rowwise(rhs, axis=2 if transpose_rhs else 1) if FP8_ROWWISE
+           else fp8.quantize_blocks(rhs))
+  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *rhs_q, group_sizes,
+                     transpose_rhs=transpose_rhs, out_dtype=out_dtype, lhs_index=lhs_index,
+                     rowwise=FP8_ROWWISE)
 
 
 def row_blocks(rows, splits: int):

@@ -28,9 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import epilogue, fp8_gmm
+from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine, unpermute
-from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm
+from umoe_jax.ops.fp8_gmm import fp8_backend, fp8_wgrad, gradients, quantize, quantized_gmm
 from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -128,7 +128,7 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
     # A bf16 weight gradient reads the rows through the index as the bf16 form's does.
-    index = src if FP8_ROWS_THROUGH_INDEX or not fp8_gmm.fp8_wgrad() else None
+    index = src if FP8_ROWS_THROUGH_INDEX or not fp8_wgrad() else None
     rows = x if index is not None else jnp.take(x, src, axis=0)
     drows, drhs = gradients(backend_name, rows, rhs, gs, False, dout.astype(x.dtype), lhs_index=index)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
@@ -274,7 +274,7 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
                       lhs_index=token)                                                     # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
-    if not fp8_gmm.fp8_wgrad():  # the bf16 form's weight gradient
+    if not fp8_wgrad():  # the bf16 form's weight gradient
       return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
                                         out_dtype=rhs.dtype, rhs_index=token)
     drhs = backend.fp8_tgmm(*quantize(backend_name, hg, 0), *quantize(backend_name, dout, 0, token),
