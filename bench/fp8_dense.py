@@ -5,11 +5,9 @@ group (each gmm backend with FP8 forms besides the emulation), quantisation incl
 error against a float32 product beside each FP8 figure.
 
   python3 bench/fp8_dense.py [--shapes=base-qk,base-up,base-down,large-up,large-down] [--tokens=32768]
-      [--wgrad_splits=1,8]   (the kernels' weight gradient over that many row blocks, each a row:
-                              `umoe_jax.model.layers.DENSE_WGRAD_SPLITS` takes the winner)
 
-Rows: config fp8_dense:<shape>, metric fwd_bwd_tflops, overrides {"impl": ..., "precision": ...}
-(and "wgrad_splits" above 1); the table ends with each FP8 figure over the bf16 one. Needs a GPU
+Rows: config fp8_dense:<shape>, metric fwd_bwd_tflops, overrides {"impl": ..., "precision": ...};
+the table ends with each FP8 figure over the bf16 one. Needs a GPU
 with FP8 tensor cores.
 """
 from __future__ import annotations
@@ -46,27 +44,12 @@ def impls() -> list[str]:
   return ["bf16", "xla"] + kernels
 
 
-def jobs(impl_names: list[str], splits: list[int]) -> list[tuple[str, int]]:
-  """(impl, weight-gradient row splits) to time: bf16 and xla once, each kernel at every split."""
-  return [(i, s) for i in impl_names for s in ([1] if i in ("bf16", "xla") else splits)]
-
-
-def parse_splits(text: str) -> list[int]:
-  try:
-    splits = [int(v) for v in text.split(",")]
-  except ValueError:
-    splits = []
-  if not splits or min(splits) < 1:
-    raise ValueError(f"--wgrad_splits={text!r}: a comma list of counts >= 1, e.g. 1,8")
-  return splits
-
-
-def measure(impl: str, x, w, dy, splits: int = 1) -> dict:
+def measure(impl: str, x, w, dy) -> dict:
   """{ms, rel_err} of forward + backward (the output returned too, so the forward stays)."""
   import jax
   import jax.numpy as jnp
   from umoe_jax.model.layers import fp8_dense
-  f = jnp.dot if impl == "bf16" else (lambda a, b: fp8_dense(a, b, impl, wgrad_splits=splits))
+  f = jnp.dot if impl == "bf16" else (lambda a, b: fp8_dense(a, b, impl))
 
   def fb(a, b, d):
     y, pull = jax.vjp(f, a, b)
@@ -81,13 +64,10 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--shapes", default="base-qk,base-up,base-down,large-up,large-down")
   ap.add_argument("--tokens", type=int, default=32 * 1024, help="rows M (tokens of a step)")
-  ap.add_argument("--wgrad_splits", default="1", help="comma list: the kernels' weight gradient over "
-                  "this many row blocks (a row each)")
   results_lib.add_flag(ap)
   args = ap.parse_args(argv)
   try:
     shapes = parse_shapes(args.shapes)
-    splits = parse_splits(args.wgrad_splits)
   except ValueError as e:
     ap.error(str(e))
   import jax
@@ -100,24 +80,21 @@ def main(argv=None) -> int:
     w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
     dy = jax.random.normal(kd, (args.tokens, n), jnp.bfloat16)
     flops = 3 * 2 * args.tokens * k * n
-    for impl, split in jobs(impls(), splits):
-      t = measure(impl, x, w, dy, split)
-      label = impl if split == 1 else f"{impl}/{split}"
+    for impl in impls():
+      t = measure(impl, x, w, dy)
       if impl != "bf16" and not t["rel_err"] < MAX_REL_ERR:
-        log(f"{name} {label}: forward error {t['rel_err']:.3g} >= {MAX_REL_ERR}: no row")
+        log(f"{name} {impl}: forward error {t['rel_err']:.3g} >= {MAX_REL_ERR}: no row")
         continue
       tflops = flops / (t["ms"] / 1e3) / 1e12
       over = {"impl": impl, "precision": "bf16" if impl == "bf16" else "fp8"}
-      if split != 1:
-        over["wgrad_splits"] = split
       bf16 = [r[3] for r in rows if r[0] == name and r[1] == "bf16"]
       anchor = (results_lib.anchor("bf16 jnp.dot, same process", bf16[0], "TFLOP/s", "bench/fp8_dense.py")
                 if bf16 and impl != "bf16" else None)
       results_lib.record(args.results, f"fp8_dense:{name}", "fwd_bwd_tflops", tflops, overrides=over,
                          anchor=anchor, extra={"ms": t["ms"], "rel_err": t["rel_err"],
                                                "tokens": args.tokens})
-      rows.append((name, label, t["ms"], tflops, t["rel_err"]))
-      log(f"{name:11s} {label:10s} {t['ms']:8.3f} ms {tflops:7.1f} TFLOP/s  err {t['rel_err']:.3g}")
+      rows.append((name, impl, t["ms"], tflops, t["rel_err"]))
+      log(f"{name:11s} {impl:10s} {t['ms']:8.3f} ms {tflops:7.1f} TFLOP/s  err {t['rel_err']:.3g}")
   bf16 = {name: ms for name, impl, ms, _, _ in rows if impl == "bf16"}
   print(f"\n{'shape':11s} {'impl':10s} {'ms':>8s} {'TFLOP/s':>8s} {'err':>8s}  vs bf16")
   for name, impl, ms, tf, err in rows:

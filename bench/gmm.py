@@ -10,9 +10,8 @@ fwd (may run out of memory), torch._grouped_mm fwd and fwd+bwd; then the token-d
 the expert matmuls; a short table last.
 --precision=bf16,fp8 (default bf16) adds, per shape and backend with FP8 forms, umoe_jax.ops.fp8_gmm
 forward and forward + backward with the operands' quantisation inside (as training runs them), the
-activations' quantisation alone and the forward's error (bench/gmm_fp8.py), then the same under the
-row-wise recipe (fp8_gmm.FP8_ROWWISE); their rows carry "precision": "fp8" (and "recipe": "rowwise")
-in overrides, and the table ends with each fp8 figure over the bf16 one.
+activations' quantisation alone and the forward's error (bench/gmm_fp8.py); their rows carry
+"precision": "fp8" in overrides, and the table ends with each fp8 figure over the bf16 one.
 --shapes picks shapes by name (default all five). Full results go to $OUT (or --out) as gmm_results.json; each
 backend's fwd and fwd+bwd TFLOP/s per shape also go as rows to --results (bench/results.py: default
 $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no rows).
@@ -20,7 +19,7 @@ $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no ro
 (backend, op, shape): the rows to paste into tuning.TABLE. --sweep-gathered does the same for the
 calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.json, which
 bench/train_step.py --gmm_tiles loads (the step timed with them before they go into the table).
---sweep-fp8 times the Triton FP8 kernels' candidate tiles (forward, input and weight gradient, on
+--sweep-fp8 times the Triton FP8 kernels' candidate tiles (forward and input gradient, on
 operands quantised beforehand; bench/gmm_fp8.py) and prints the rows for triton_fp8_gmm.TABLE.
 Group sizes: Dirichlet(alpha=4) as in shared/anchors/grouped_matmul_anchors.py. Inputs are random bf16.
 JAX timings: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure), median of 10 runs;
@@ -293,17 +292,13 @@ def main():
     for b in fp8_backends:
       try:
         t = gmm_fp8.time_fp8(b, x, w, dy, gs, jax_ms)
-        t.update(fwd_tflops=tf(t["fwd_ms"]), fwd_bwd_tflops=3 * tf(t["fwd_bwd_ms"]),
-                 rowwise_fwd_bwd_tflops=3 * tf(t["rowwise_fwd_bwd_ms"]))
+        t.update(fwd_tflops=tf(t["fwd_ms"]), fwd_bwd_tflops=3 * tf(t["fwd_bwd_ms"]))
         if not t["rel_err"] < gmm_fp8.MAX_REL_ERR:
           log(f"  {b} fp8 {name}: WRONG, forward error {t['rel_err']:.3g} (FP8: < {gmm_fp8.MAX_REL_ERR})")
           continue
-        if not t["rowwise_rel_err"] < gmm_fp8.MAX_REL_ERR:
-          log(f"  {b} fp8 {name}: row-wise WRONG, forward error {t['rowwise_rel_err']:.3g}: no row-wise rows")
         row[f"{b}_fp8"] = t
         log(f"  {b} fp8 {name}: fwd {t['fwd_tflops']:.0f} fwd+bwd {t['fwd_bwd_tflops']:.0f} "
-            f"(quantise x {t['quantize_ms']:.3f} ms) err {t['rel_err']:.4f}; row-wise fwd+bwd "
-            f"{t['rowwise_fwd_bwd_tflops']:.0f}")
+            f"(quantise x {t['quantize_ms']:.3f} ms) err {t['rel_err']:.4f}")
       except Exception:  # noqa: BLE001
         log(f"  {b} fp8 {name} FAILED:\n{traceback.format_exc()[-1500:]}")
     results["shapes"][name] = row

@@ -9,10 +9,9 @@ import results as results_lib  # noqa: E402  (bench/results.py)
 
 PRECISIONS = ("bf16", "fp8")
 FP8 = {"precision": "fp8"}
-ROWWISE = {"recipe": "rowwise"}
 BEFOREHAND = {"operands": "quantised beforehand"}
 # metric -> the key of the same backend's bf16 figure in bench/gmm.py's row (row[f"{backend}_{key}"])
-BF16_KEYS = {"fwd_tflops": "fwd", "fwd_bwd_tflops": "fwd_bwd", "wgrad_tflops": "wgrad"}
+BF16_KEYS = {"fwd_tflops": "fwd", "fwd_bwd_tflops": "fwd_bwd"}
 # e4m3 keeps 3 mantissa bits: a product's normwise error is a few percent; a wrong layout or scale
 # misses by far more.
 MAX_REL_ERR = 0.1
@@ -45,14 +44,10 @@ def fp8_forward_error(backend: str, x, w, gs) -> float:
 
 
 def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
-  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, kernel_wgrad_ms, rel_err, rowwise_rel_err,
-  rowwise_fwd_ms, rowwise_fwd_bwd_ms, kernel_fwd_rowwise_ms} of one shape; `timer(f, *args)` -> ms. The kernel_
-  figures time the backend's raw FP8 forms alone on operands quantised beforehand: the forward, and
-  the weight gradient (contraction over the rows). The rowwise_ figures are fp8_gmm's under
-  fp8_gmm.FP8_ROWWISE, the row-wise recipe (and its raw forward)."""
+  """{fwd_ms, fwd_bwd_ms, quantize_ms, kernel_fwd_ms, rel_err} of one shape; `timer(f, *args)` ->
+  ms. kernel_fwd_ms times the backend's raw FP8 forward alone on operands quantised beforehand."""
   import jax
   from umoe_jax.ops import fp8
-  from umoe_jax.ops import fp8_gmm as fg
   from umoe_jax.ops.fp8_gmm import fp8_gmm, quantize
   from umoe_jax.ops.gmm_backends import BACKENDS
   fwd = jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend))
@@ -61,40 +56,21 @@ def time_fp8(backend: str, x, w, dy, gs, timer) -> dict:
     y, pull = jax.vjp(lambda a_, b_: fp8_gmm(a_, b_, g, backend=backend), a, b)
     return y, pull(d)
   raw = BACKENDS.get(backend)
-  rows, wq = fp8.quantize_tiles(x, axis=1), fp8.quantize_blocks(w)
-  row_tiles = fp8.quantize_tiles(x, axis=0) + fp8.quantize_tiles(dy, axis=0)
   kernel_fwd = jax.jit(lambda q, s, wq_, ws, g: raw.fp8_gmm(q, s, wq_, ws, g, transpose_rhs=False,
                                                              out_dtype=x.dtype))
-  kernel_wgrad = jax.jit(lambda a, sa, b, sb, g: raw.fp8_tgmm(a, sa, b, sb, g, num_groups=w.shape[0],
-                                                               out_dtype=w.dtype))
-  t = dict(rel_err=fp8_forward_error(backend, x, w, gs),
-           fwd_ms=timer(fwd, x, w, gs), fwd_bwd_ms=timer(jax.jit(fb), x, w, gs, dy),
-           quantize_ms=timer(jax.jit(lambda a: quantize(backend, a, 1)), x),
-           kernel_fwd_ms=timer(kernel_fwd, *rows, *wq, gs),
-           kernel_wgrad_ms=timer(kernel_wgrad, *row_tiles, gs))
-  # The row-wise recipe: fresh functions traced with the switch on (it is read at the trace).
-  saved, fg.FP8_ROWWISE = fg.FP8_ROWWISE, True
-  try:
-    t["rowwise_rel_err"] = fp8_forward_error(backend, x, w, gs)
-    t["rowwise_fwd_ms"] = timer(jax.jit(lambda a, b, g: fp8_gmm(a, b, g, backend=backend)), x, w, gs)
-    t["rowwise_fwd_bwd_ms"] = timer(jax.jit(lambda *a: fb(*a)), x, w, gs, dy)
-  finally:
-    fg.FP8_ROWWISE = saved
-  kernel_rowwise = jax.jit(lambda q, s, wq_, ws, g: raw.fp8_gmm(q, s, wq_, ws, g, transpose_rhs=False,
-                                                                 out_dtype=x.dtype, rowwise=True))
-  t["kernel_fwd_rowwise_ms"] = timer(kernel_rowwise, *fp8.quantize_rowwise(x, 1),
-                                     *fp8.quantize_rowwise(w, 1), gs)
-  return t
+  return dict(rel_err=fp8_forward_error(backend, x, w, gs),
+              fwd_ms=timer(fwd, x, w, gs), fwd_bwd_ms=timer(jax.jit(fb), x, w, gs, dy),
+              quantize_ms=timer(jax.jit(lambda a: quantize(backend, a)), x),
+              kernel_fwd_ms=timer(kernel_fwd, *fp8.quantize_tiles(x, axis=1), *fp8.quantize_blocks(w),
+                                  gs))
 
 
 def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
   """The results rows of one shape's FP8 timings `t` (time_fp8's) for `backend`; forward FLOPs
-  `flops` (2 M K N), fwd + bwd 3x, TFLOP/s counted as for bf16 so the rows compare. The row-wise
-  recipe's rows only where its forward error is FP8's (< MAX_REL_ERR)."""
+  `flops` (2 M K N), fwd + bwd 3x, TFLOP/s counted as for bf16 so the rows compare."""
   over = {"backend": backend, **FP8}
-  rowwise_ok = t.get("rowwise_rel_err", float("nan")) < MAX_REL_ERR
   tflops = lambda ms, mult=1: mult * flops / (ms / 1e3) / 1e12
-  return [
+  rows = [
       dict(config=f"gmm:{name}", metric="fwd_tflops", value=tflops(t["fwd_ms"]), overrides=over,
            anchor=None, extra={"rel_err": t["rel_err"], "ms": t["fwd_ms"],
                                "quantize_ms": t["quantize_ms"]}),
@@ -103,17 +79,11 @@ def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
       dict(config=f"gmm:{name}", metric="ms", value=t["quantize_ms"],
            overrides={"op": "quantize_tiles (activations)", "backend": backend, **FP8}, anchor=None,
            extra={}),
-  ] + [  # the row-wise recipe (fp8_gmm.FP8_ROWWISE); the kernels alone, on operands quantised
-      # beforehand
-      dict(config=f"gmm:{name}", metric=metric, value=tflops(t[key], mult), overrides={**over, **extra},
-           anchor=None, extra={"ms": t[key]})
-      for metric, key, mult, extra in (
-          ("fwd_tflops", "rowwise_fwd_ms", 1, ROWWISE),
-          ("fwd_bwd_tflops", "rowwise_fwd_bwd_ms", 3, ROWWISE),
-          ("fwd_tflops", "kernel_fwd_ms", 1, BEFOREHAND),
-          ("wgrad_tflops", "kernel_wgrad_ms", 1, BEFOREHAND),
-          ("fwd_tflops", "kernel_fwd_rowwise_ms", 1, {**BEFOREHAND, **ROWWISE}))
-      if t.get(key) and (rowwise_ok or "rowwise" not in key)]
+  ]
+  if t.get("kernel_fwd_ms"):  # the kernel alone, on operands quantised beforehand
+    rows.append(dict(config=f"gmm:{name}", metric="fwd_tflops", value=tflops(t["kernel_fwd_ms"]),
+                     overrides={**over, **BEFOREHAND}, anchor=None, extra={"ms": t["kernel_fwd_ms"]}))
+  return rows
 
 
 def record_shape(results_path, name: str, flops: float, row: dict, backends) -> None:
@@ -135,7 +105,7 @@ def record_shape(results_path, name: str, flops: float, row: dict, backends) -> 
 def ratio_lines(shapes, results: dict, backends) -> list[str]:
   """The short table's FP8 lines: per shape and backend, fp8 TFLOP/s and fp8 / bf16 (fwd, fwd+bwd)."""
   lines = [f"{'shape':11s} {'backend':8s} {'fp8 f':>7s} {'x bf16':>7s} {'fp8 fb':>7s} {'x bf16':>7s} "
-           f"{'quant ms':>8s} {'err':>7s} {'rw fb':>7s} {'x bf16':>7s}"]
+           f"{'quant ms':>8s} {'err':>7s}"]
   nan = float("nan")
   for name, *_ in shapes:
     r = results["shapes"].get(name, {})
@@ -145,20 +115,18 @@ def ratio_lines(shapes, results: dict, backends) -> list[str]:
         continue
       f, fb = t.get("fwd_tflops", nan), t.get("fwd_bwd_tflops", nan)
       ratio = lambda v, k: v / r[k] if r.get(k) else nan
-      rw = t.get("rowwise_fwd_bwd_tflops", nan)
       lines.append(f"{name:11s} {b:8s} {f:7.0f} {ratio(f, b + '_fwd'):7.2f} {fb:7.0f} "
-                   f"{ratio(fb, b + '_fwd_bwd'):7.2f} {t['quantize_ms']:8.3f} {t['rel_err']:7.4f} "
-                   f"{rw:7.0f} {ratio(rw, b + '_fwd_bwd'):7.2f}")
+                   f"{ratio(fb, b + '_fwd_bwd'):7.2f} {t['quantize_ms']:8.3f} {t['rel_err']:7.4f}")
   return lines
 
 
-SWEEP_METRICS = {"gmm": "fwd_tflops", "gmm_t": "dgrad_tflops", "tgmm": "wgrad_tflops"}
+SWEEP_METRICS = {"gmm": "fwd_tflops", "gmm_t": "dgrad_tflops"}
 
 
 def sweep(shapes, timer, results_path=None, max_cands: int = 0) -> dict:
   """Times the Triton FP8 kernels' candidate tiles (`triton_fp8_gmm.candidates`) at each shape on
-  operands quantised beforehand: the forward (gmm), the input gradient (gmm_t: dout @ w[g].T) and
-  the weight gradient (tgmm). Each tile's output is checked against the tabled tile's (the same
+  operands quantised beforehand: the forward (gmm) and the input gradient (gmm_t: dout @ w[g].T).
+  Each tile's output is checked against the tabled tile's (the same
   chunks in the same order: equal up to the tensor cores' rounding inside a chunk). Returns
   {(op, kc, no): (TFLOP/s, TileConfig)} of the fastest tiles and records each one's row (TFLOP/s,
   the tabled tile's figure as its anchor)."""
@@ -172,14 +140,11 @@ def sweep(shapes, timer, results_path=None, max_cands: int = 0) -> dict:
     x, w, dy, gs = make_inputs(M, K, N, E)
     flops = 2.0 * M * K * N
     xq, dq, wq = fp8.quantize_tiles(x, axis=1), fp8.quantize_tiles(dy, axis=1), fp8.quantize_blocks(w)
-    tiles = fp8.quantize_tiles(x, axis=0) + fp8.quantize_tiles(dy, axis=0)
     calls = {  # op -> (kc, no, f(config) -> jitted call, its operands)
         "gmm": (K, N, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_gmm(
             a, sa, b, sb, g, transpose_rhs=False, out_dtype=jnp.bfloat16, config=c)), (*xq, *wq, gs)),
         "gmm_t": (N, K, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_gmm(
             a, sa, b, sb, g, transpose_rhs=True, out_dtype=jnp.bfloat16, config=c)), (*dq, *wq, gs)),
-        "tgmm": (K, N, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_tgmm(
-            a, sa, b, sb, g, num_groups=E, out_dtype=jnp.float32, config=c)), (*tiles, gs)),
     }
     for op, (kc, no, make, operands) in calls.items():
       cands = k8.candidates(op, kc, no)[:max_cands or None]

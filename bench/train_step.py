@@ -34,9 +34,7 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_rows_through_index=0|1] [--fp8_fused_combine=0|1] [--fp8_wgrad=0|1] [--fp8_rowwise=0|1]
-      [--dense_wgrad_splits=N]   (the FP8 switches fused_dispatch.FP8_ROWS_THROUGH_INDEX /
-                    FP8_FUSED_COMBINE, fp8_gmm.FP8_WGRAD / FP8_ROWWISE, layers.DENSE_WGRAD_SPLITS)
+      [--fp8_rows_through_index=0|1]   (the FP8 switch fused_dispatch.FP8_ROWS_THROUGH_INDEX)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -81,8 +79,7 @@ import numpy as np  # noqa: E402
 import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
-from umoe_jax.model import layers  # noqa: E402
-from umoe_jax.ops import fp8_gmm, fused_dispatch  # noqa: E402
+from umoe_jax.ops import fused_dispatch  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -135,23 +132,8 @@ class Switch(NamedTuple):
 SWITCHES = {
     "fp8_rows_through_index": Switch(
         fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None,
-        "the FP8 first expert matmul and its weight gradient read the token rows through the sort "
-        "order instead of from gathered copies"),
-    "fp8_fused_combine": Switch(
-        fused_dispatch, "FP8_FUSED_COMBINE", None,
-        "the FP8 last expert matmul as the bf16 gmm_combine runs (gather-sum fan-in; backward from "
-        "the token rows' cotangent, no per-slot copy)"),
-    "fp8_wgrad": Switch(
-        fp8_gmm, "FP8_WGRAD", None,
-        "fp8_gmm's weight gradients (the experts', the dense products' on one GPU) in FP8 (1) or in "
-        "bf16 (0)"),
-    "fp8_rowwise": Switch(
-        fp8_gmm, "FP8_ROWWISE", None,
-        "fp8_gmm's products (the experts', the dense ones on one GPU) in the row-wise recipe (a "
-        "scale a row and a weight column, the weight gradient in bf16)"),
-    "dense_wgrad_splits": Switch(
-        layers, "DENSE_WGRAD_SPLITS", 1,
-        "the FP8 dense products' weight gradient over this many row blocks"),
+        "the FP8 first expert matmul reads the quantised token rows through the sort order instead "
+        "of from gathered copies"),
 }
 
 

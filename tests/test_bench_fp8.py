@@ -41,23 +41,10 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   quant = got["ms", json.dumps({"op": "quantize_tiles (activations)", "backend": "triton", "precision": "fp8"},
                                sort_keys=True)]
   assert quant["value"] == 0.25 and quant["config"] == "gmm:base-up"
-  # the kernels alone (operands quantised beforehand): forward and weight gradient, 1x the FLOPs
-  kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(
-      t, kernel_fwd_ms=1.0, kernel_wgrad_ms=4.0, rowwise_fwd_ms=0.5, rowwise_fwd_bwd_ms=3.0,
-      kernel_fwd_rowwise_ms=0.8, rowwise_rel_err=0.03)))
-  alone = {(r["metric"], r["overrides"].get("recipe")): r["value"] for r in kt
-           if r["overrides"].get("operands")}
-  assert alone == {("fwd_tflops", None): pytest.approx(4000.0), ("wgrad_tflops", None): pytest.approx(1000.0),
-                   ("fwd_tflops", "rowwise"): pytest.approx(5000.0)}
-  # the row-wise recipe's fp8_gmm, told apart by "recipe"
-  rw = {r["metric"]: r["value"] for r in kt
-        if r["overrides"] == {"backend": "triton", "precision": "fp8", "recipe": "rowwise"}}
-  assert rw == {"fwd_tflops": pytest.approx(8000.0), "fwd_bwd_tflops": pytest.approx(4000.0)}
-  # a row-wise forward off by more than FP8's error records no row-wise row
-  wrong = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(
-      t, kernel_fwd_ms=1.0, rowwise_fwd_ms=0.5, rowwise_fwd_bwd_ms=3.0, kernel_fwd_rowwise_ms=0.8,
-      rowwise_rel_err=0.5)))
-  assert not [r for r in wrong if r["overrides"].get("recipe")] and len(wrong) == len(kt) - 4
+  # the kernel alone (operands quantised beforehand): the forward, 1x the FLOPs
+  kt = _valid_all(gmm_fp8.measurements("base-up", 4e12, "triton", dict(t, kernel_fwd_ms=1.0)))
+  alone = {r["metric"]: r["value"] for r in kt if r["overrides"].get("operands")}
+  assert alone == {"fwd_tflops": pytest.approx(4000.0)} and len(kt) == len(rows) + 1
   # Two backends: each its own quantisation row (a backend may have its own quantiser).
   path = str(tmp_path / "rows.jsonl")
   gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": t, "xla_fp8": t, "mosaic_fwd": 1.0,
@@ -99,10 +86,7 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
     calls.append(jax.device_get(f(*args)))
     return float(len(calls))
   t = gmm_fp8.time_fp8("xla", x, w, dy, sizes, timer)
-  assert (t["fwd_ms"], t["fwd_bwd_ms"], t["quantize_ms"]) == (1.0, 2.0, 3.0)
-  assert (t["kernel_fwd_ms"], t["kernel_wgrad_ms"]) == (4.0, 5.0)
-  assert (t["rowwise_fwd_ms"], t["rowwise_fwd_bwd_ms"], t["kernel_fwd_rowwise_ms"]) == (6.0, 7.0, 8.0)
-  assert 1e-3 < t["rowwise_rel_err"] < gmm_fp8.MAX_REL_ERR and t["rowwise_rel_err"] != t["rel_err"]
+  assert (t["fwd_ms"], t["fwd_bwd_ms"], t["quantize_ms"], t["kernel_fwd_ms"]) == (1.0, 2.0, 3.0, 4.0)
   assert 1e-3 < t["rel_err"] < gmm_fp8.MAX_REL_ERR
   np.testing.assert_array_equal(calls[0], jax.device_get(fp8_gmm(x, w, sizes, backend="xla")))
   y, (dx, dw) = calls[1]
@@ -114,26 +98,9 @@ def test_time_fp8_times_fp8_gmm_with_its_quantisation():
   q, s = calls[2]
   ref_q, ref_s = fp8.quantize_tiles(x, axis=1)
   assert q.dtype == ref_q.dtype and np.array_equal(np.asarray(s), np.asarray(ref_s))
-  # the raw forms alone: the forward's values are fp8_gmm's; the weight gradient is its drhs
+  # the raw forward alone: its values are fp8_gmm's
   np.testing.assert_array_equal(calls[3], calls[0])
-  np.testing.assert_array_equal(calls[4], jax.device_get(ref_dw))
-  # the row-wise recipe: fp8_gmm under FP8_ROWWISE (the switch back off after), its vjp, the raw
-  # row-wise forward on row-quantised operands
-  from umoe_jax.ops import fp8_gmm as fg
-  assert fg.FP8_ROWWISE is False
-  fg.FP8_ROWWISE = True
-  try:
-    want = jax.device_get(fp8_gmm(x, w, sizes, backend="xla"))
-    _, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, sizes, backend="xla"), x, w)
-    want_grads = jax.device_get(pull(dy))
-  finally:
-    fg.FP8_ROWWISE = False
-  np.testing.assert_array_equal(calls[5], want)
-  assert not np.array_equal(calls[5], calls[0])
-  np.testing.assert_array_equal(calls[6][0], want)
-  for a, b in zip(calls[6][1], want_grads):
-    np.testing.assert_array_equal(a, b)
-  np.testing.assert_array_equal(calls[7], want)
+  assert len(calls) == 4
 
 
 def test_gmm_bench_runs_both_precisions_and_tables_the_ratio(tmp_path, monkeypatch, capsys):
@@ -163,7 +130,7 @@ def test_gmm_bench_runs_both_precisions_and_tables_the_ratio(tmp_path, monkeypat
 
 
 def test_fp8_tile_sweep_keeps_the_fastest_right_tile_and_records_it(tmp_path, monkeypatch):
-  """`gmm_fp8.sweep` on CPU, the Triton FP8 kernels stood in for by the xla backend's raw FP8 forms
+  """`gmm_fp8.sweep` on CPU, the Triton FP8 kernel stood in for by the xla backend's raw FP8 form
   (one tile made wrong): each op's candidates are called with their own tile, a tile whose output
   differs from the tabled tile's is never picked however fast, the fastest right one is, and its
   row names the tile and anchors on the tabled tile's figure; `table_lines` writes TABLE rows."""
@@ -171,19 +138,15 @@ def test_fp8_tile_sweep_keeps_the_fastest_right_tile_and_records_it(tmp_path, mo
   from umoe_jax.ops import gmm_backends as gb
   xla = gb.BACKENDS.get("xla")
   # per op, its last candidate gives a wrong product (and would be the fastest)
-  wrong = {"gmm": k8.candidates("gmm", 256, 192)[-1], "gmm_t": k8.candidates("gmm_t", 192, 256)[-1],
-           "tgmm": k8.candidates("tgmm", 256, 192)[-1]}
+  wrong = {"gmm": k8.candidates("gmm", 256, 192)[-1], "gmm_t": k8.candidates("gmm_t", 192, 256)[-1]}
   seen = []
 
-  def stand_in(raw, tgmm=False):
-    def call(*args, config=None, **kw):
-      op = "tgmm" if tgmm else "gmm_t" if kw["transpose_rhs"] else "gmm"
-      seen.append((op, config))
-      out = raw(*args, **kw)
-      return out * 1.01 if config == wrong[op] else out
-    return call
-  monkeypatch.setattr(k8, "triton_fp8_gmm", stand_in(xla.fp8_gmm))
-  monkeypatch.setattr(k8, "triton_fp8_tgmm", stand_in(xla.fp8_tgmm, tgmm=True))
+  def stand_in(*args, config=None, **kw):
+    op = "gmm_t" if kw["transpose_rhs"] else "gmm"
+    seen.append((op, config))
+    out = xla.fp8_gmm(*args, **kw)
+    return out * 1.01 if config == wrong[op] else out
+  monkeypatch.setattr(k8, "triton_fp8_gmm", stand_in)
   speed = {}
   ms = lambda c: 10.0 / (c.bn * c.num_stages + c.bm / 1000)
 
@@ -194,7 +157,7 @@ def test_fp8_tile_sweep_keeps_the_fastest_right_tile_and_records_it(tmp_path, mo
   path = tmp_path / "rows.jsonl"
   shapes = [("base-up", 384, 256, 192, 3)]
   best = gmm_fp8.sweep(shapes, timer, str(path))
-  assert set(best) == {("gmm", 256, 192), ("gmm_t", 192, 256), ("tgmm", 256, 192)}
+  assert set(best) == {("gmm", 256, 192), ("gmm_t", 192, 256)}
   for (op, kc, no), (tflops, cfg) in best.items():
     cands = k8.candidates(op, kc, no)
     assert cfg != wrong[op] and (op, wrong[op]) not in speed   # checked, never timed
@@ -202,7 +165,7 @@ def test_fp8_tile_sweep_keeps_the_fastest_right_tile_and_records_it(tmp_path, mo
     assert cfg == min(cands[:-1], key=ms)
     assert tflops == pytest.approx(2.0 * 384 * 256 * 192 / (ms(cfg) / 1e3) / 1e12)
   rows = results.load_file(str(path))
-  assert len(rows) == 3
+  assert len(rows) == 2
   for r in rows:
     op = {v: k for k, v in gmm_fp8.SWEEP_METRICS.items()}[r["metric"]]
     cfg = best[next(k for k in best if k[0] == op)][1]
@@ -210,7 +173,7 @@ def test_fp8_tile_sweep_keeps_the_fastest_right_tile_and_records_it(tmp_path, mo
     first = k8.candidates(op, *next(k for k in best if k[0] == op)[1:])[0]
     assert r["anchor"]["value"] == pytest.approx(2.0 * 384 * 256 * 192 / (ms(first) / 1e3) / 1e12)
   lines = gmm_fp8.table_lines(best)
-  assert len(lines) == 3 and all(line.strip().startswith('("') for line in lines)
+  assert len(lines) == 2 and all(line.strip().startswith('("') for line in lines)
   op, kc, no = "gmm", 256, 192
   c = best[(op, kc, no)][1]
   assert any(f'("gmm", 256, 192): tuning.TileConfig({c.bm}, {c.bn}, 128, {c.num_warps}, '
@@ -250,18 +213,6 @@ def test_fp8_dense_bench_rows_per_impl_with_error_and_flops(tmp_path, capsys):
   assert f"{ratio:.2f}x" in capsys.readouterr().out.splitlines()[-1]
 
 
-def test_fp8_dense_bench_times_each_kernel_at_each_split(capsys):
-  assert fp8_dense.jobs(["bf16", "xla", "triton"], [1, 8]) == [("bf16", 1), ("xla", 1), ("triton", 1),
-                                                                ("triton", 8)]
-  assert fp8_dense.parse_splits("1,8") == [1, 8]
-  for bad in ("0", "1,x", ""):
-    with pytest.raises(ValueError, match="counts >= 1"):
-      fp8_dense.parse_splits(bad)
-  with pytest.raises(SystemExit):
-    fp8_dense.main(["--wgrad_splits=0"])
-  assert "--wgrad_splits='0'" in capsys.readouterr().err
-
-
 def test_fp8_dense_bench_refuses_an_unknown_shape(capsys):
   with pytest.raises(SystemExit):
     fp8_dense.main(["--shapes=base-qk,huge"])
@@ -283,66 +234,60 @@ def test_row_flags_parse_round_trip_and_refuse_bad_values():
       train_step.parse_row(bad)
 
 
-def test_fp8_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypatch, capsys):
-  """/fp8_rows_through_index=, /fp8_fused_combine=, /fp8_wgrad=, /fp8_rowwise= and
-  /dense_wgrad_splits= (and the command's flags): parsed, checked, set on the modules the step is
-  traced from (a switch a row does not name back at the module's own setting), in overrides, and
-  in the table's mode text only where they differ from the modules' own settings."""
-  from umoe_jax.model import layers
-  from umoe_jax.ops import fp8_gmm, fused_dispatch
-  monkeypatch.setattr(fp8_gmm, "FP8_WGRAD", True)
-  monkeypatch.setattr(fp8_gmm, "FP8_ROWWISE", False)
-  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", False)
-  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", False)
-  monkeypatch.setattr(layers, "DENSE_WGRAD_SPLITS", 1)
-  monkeypatch.setattr(train_step, "SWITCH_DEFAULTS", {k: 1 if k in ("dense_wgrad_splits", "fp8_wgrad")
-                                                      else 0 for k in train_step.SWITCHES})
-  r = train_step.parse_row("umoe_base:single/precision=fp8/fp8_rows_through_index=1/dense_wgrad_splits=8")
-  assert r["flags"] == {"precision": "fp8", "fp8_rows_through_index": 1, "dense_wgrad_splits": 8}
+def _switch_table(monkeypatch):
+  """bench/train_step.py's switch table replaced by two stand-in switches on a namespace: a boolean
+  (least None) and a count (least 1), with the derived tables rebuilt as the module builds them.
+  Returns the namespace."""
+  import types
+  mod = types.ModuleType("stand_in")
+  mod.ROWS, mod.SPLITS = False, 1
+  switches = {"rows_switch": train_step.Switch(mod, "ROWS", None, "a boolean switch"),
+              "splits_switch": train_step.Switch(mod, "SPLITS", 1, "a count")}
+  monkeypatch.setattr(train_step, "SWITCHES", switches)
+  monkeypatch.setattr(train_step, "SWITCH_DEFAULTS", {"rows_switch": 0, "splits_switch": 1})
+  monkeypatch.setattr(train_step, "ROW_FLAGS", {**train_step.ROW_FLAGS, "rows_switch": int,
+                                                "splits_switch": int})
+  return mod
+
+
+def test_switch_flags_set_the_modules_for_a_row_and_name_themselves(monkeypatch, capsys):
+  """A switch of the table (/KEY= for a row, --KEY for the command): parsed, checked, set on its
+  module before the step is traced (a switch a row does not name back at the module's own
+  setting), in overrides, and in the table's mode text only where it differs from the module's own
+  setting. The real table's switches are the FP8 modules' own."""
+  from umoe_jax.ops import fused_dispatch
+  assert {k: (s.module, s.attr) for k, s in train_step.SWITCHES.items()} == {
+      "fp8_rows_through_index": (fused_dispatch, "FP8_ROWS_THROUGH_INDEX")}
+  mod = _switch_table(monkeypatch)
+  r = train_step.parse_row("umoe_base:single/precision=fp8/rows_switch=1/splits_switch=8")
+  assert r["flags"] == {"precision": "fp8", "rows_switch": 1, "splits_switch": 8}
   assert train_step.parse_row(train_step.row_spec(r)) == r
   args = train_step.row_args(train_step.parser().parse_args([]), r)
   train_step.fp8_switches(args)
-  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is True and layers.DENSE_WGRAD_SPLITS == 8
-  assert fused_dispatch.FP8_FUSED_COMBINE is False
+  assert mod.ROWS is True and mod.SPLITS == 8
   train_step.fp8_switches(train_step.parser().parse_args([]))   # not given: the modules' own
-  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is False and layers.DENSE_WGRAD_SPLITS == 1
-  assert fp8_gmm.FP8_WGRAD is True
-  train_step.fp8_switches(train_step.parser().parse_args(["--fp8_rows_through_index=1"]))
-  assert fused_dispatch.FP8_ROWS_THROUGH_INDEX is True and layers.DENSE_WGRAD_SPLITS == 1
-  combine = train_step.row_args(train_step.parser().parse_args([]), train_step.parse_row(
-      "umoe_base:single/precision=fp8/fp8_fused_combine=1/fp8_wgrad=0"))
-  train_step.fp8_switches(combine)
-  assert fused_dispatch.FP8_FUSED_COMBINE is True and fused_dispatch.FP8_ROWS_THROUGH_INDEX is False
-  assert fp8_gmm.FP8_WGRAD is False
-  assert {k: train_step.switch_value(k) for k in train_step.SWITCHES} == {
-      "fp8_rows_through_index": 0, "fp8_fused_combine": 1, "fp8_wgrad": 0, "fp8_rowwise": 0,
-      "dense_wgrad_splits": 1}
+  assert mod.ROWS is False and mod.SPLITS == 1
+  train_step.fp8_switches(train_step.parser().parse_args(["--rows_switch=1"]))
+  assert mod.ROWS is True and mod.SPLITS == 1
+  assert {k: train_step.switch_value(k) for k in train_step.SWITCHES} == {"rows_switch": 1,
+                                                                           "splits_switch": 1}
   row = dict(precision="fp8", zipf=0.0, routing="router", **train_step.SWITCH_DEFAULTS)
   assert train_step.mode_text(row) == "fp8"
-  assert train_step.mode_text({**row, "dense_wgrad_splits": 8}) == "fp8 dense_wgrad_splits=8"
-  assert train_step.mode_text({**row, "precision": "bf16", "dense_wgrad_splits": 8}) == "bf16"
-  assert train_step.mode_text({**row, "fp8_fused_combine": 1}) == "fp8 fp8_fused_combine=1"
-  assert train_step.mode_text({**row, "fp8_wgrad": 0}) == "fp8 fp8_wgrad=0"
-  assert train_step.mode_text({**row, "fp8_rowwise": 1}) == "fp8 fp8_rowwise=1"
-  rowwise = train_step.row_args(train_step.parser().parse_args([]),
-                                train_step.parse_row("umoe_base:single/precision=fp8/fp8_rowwise=1"))
-  train_step.fp8_switches(rowwise)
-  assert fp8_gmm.FP8_ROWWISE is True and fp8_gmm.FP8_WGRAD is True and not fp8_gmm.fp8_wgrad()
-  train_step.fp8_switches(train_step.parser().parse_args([]))
-  assert fp8_gmm.FP8_ROWWISE is False
+  assert train_step.mode_text({**row, "splits_switch": 8}) == "fp8 splits_switch=8"
+  assert train_step.mode_text({**row, "precision": "bf16", "splits_switch": 8}) == "bf16"
+  assert train_step.mode_text({**row, "rows_switch": 1}) == "fp8 rows_switch=1"
   m = dict(config="umoe_base", layout="single", devices=1, device_kind="NVIDIA H100 80GB HBM3", batch=32,
            seq_len=1024, step_ms=90.0, tokens_per_s=364e3, mfu=0.3, peak_mem_gb=20.0, loss_check=True,
            step_times_ms=[90.0], xla_flags="", precision="fp8", routing="router", zipf=0.0)
   assert _valid(train_step.measurement(m, args))["overrides"] == {
-      "precision": "fp8", "fp8_rows_through_index": 1, "dense_wgrad_splits": 8}
-  for bad, word in (("umoe_base:single/fp8_rows_through_index=2", "0 or 1"),
-                    ("umoe_base:single/fp8_fused_combine=-1", "0 or 1"),
-                    ("umoe_base:single/fp8_wgrad=2", "0 or 1"),
-                    ("umoe_base:single/dense_wgrad_splits=0", ">= 1"),
-                    ("umoe_base:single/dense_wgrad_splits=x", "'x'")):
+      "precision": "fp8", "rows_switch": 1, "splits_switch": 8}
+  for bad, word in (("umoe_base:single/rows_switch=2", "0 or 1"),
+                    ("umoe_base:single/rows_switch=-1", "0 or 1"),
+                    ("umoe_base:single/splits_switch=0", ">= 1"),
+                    ("umoe_base:single/splits_switch=x", "'x'")):
     with pytest.raises(ValueError, match=word):
       train_step.parse_row(bad)
-  for flag, word in (("--dense_wgrad_splits=0", ">= 1"), ("--fp8_wgrad=2", "0 or 1")):
+  for flag, word in (("--splits_switch=0", ">= 1"), ("--rows_switch=2", "0 or 1")):
     monkeypatch.setattr(sys, "argv", ["train_step.py", flag])
     with pytest.raises(SystemExit):
       train_step.main()

@@ -194,11 +194,12 @@ def test_the_largest_value_of_a_piece_is_448_not_nan():
 
 
 def _dot_refs(x2, w, dy):
-  """(y, dx, dw) of x2 [M, K] @ w [K, N] with cotangent dy [M, N], the FP8 layouts of fp8.py."""
+  """(y, dx, dw) of x2 [M, K] @ w [K, N] with cotangent dy [M, N], the FP8 layouts of fp8.py; the
+  weight gradient from the operands as they are."""
   wq = ref_blocks(w)[0]
   y = ref_tiles(x2, 1)[0] @ wq
   dx = ref_tiles(dy, 1)[0] @ wq.T
-  dw = ref_tiles(x2, 0)[0].T @ ref_tiles(dy, 0)[0]
+  dw = np.asarray(x2, np.float64).T @ np.asarray(dy, np.float64)
   return y, dx, dw
 
 
@@ -210,8 +211,8 @@ def _fp8_dot_vjp(x, w, dy, impl, out_dtype=jnp.float32):
 @pytest.mark.parametrize("impl", ["emulate", "xla"])
 def test_fp8_dot_matches_the_float64_reference(impl):
   """x [3, 50, 300] (K = 300: a last shorter tile) @ w [300, 200]: the forward product, the input
-  gradient (dy in tiles along N, w's blocks transposed) and the weight gradient (x and dy in
-  128-row tiles, the contraction over the 150 tokens) within float32 rounding of the reference."""
+  gradient (dy in tiles along N, w's blocks transposed) and the weight gradient (x and dy as they
+  are, the contraction over the 150 tokens) within float32 rounding of the reference."""
   rng = np.random.default_rng(5)
   x = wide_range(rng, (3, 50, 300), decades=2.0)
   w = wide_range(rng, (300, 200), decades=1.0)
@@ -258,12 +259,12 @@ def test_dense_fp8_impl_by_platform_and_devices(monkeypatch):
 
 def test_the_references_tell_layouts_apart():
   """The mistakes these tests are there to catch move the products by far more than TOL: the
-  weight gradient with x and dy tiled along their features instead of over tokens, weights
-  quantised per tensor, and x tiled along the wrong axis in the forward product."""
+  weight gradient from quantised operands (FP8's 128-row tiles over tokens), weights quantised per
+  tensor, and x tiled along the wrong axis in the forward product."""
   rng = np.random.default_rng(7)
   x, w, dy = (wide_range(rng, s, decades=1.5) for s in ((150, 300), (300, 200), (150, 200)))
   y, _, dw = _dot_refs(x, w, dy)
-  wrong_dw = ref_tiles(x, 1)[0].T @ ref_tiles(dy, 1)[0]
+  wrong_dw = ref_tiles(x, 0)[0].T @ ref_tiles(dy, 0)[0]
   scale = np.float32(np.abs(w).max()) / np.float32(MAX)
   per_tensor_w = np.clip(w / scale, -MAX, MAX).astype(E4M3).astype(np.float64) * scale
   wrong_y1 = ref_tiles(x, 1)[0] @ per_tensor_w
@@ -284,13 +285,13 @@ GROUPS = {"ragged": [37, 0, 90, 3],      # an empty group; 20 padding rows past 
 
 
 def _gmm_refs(lhs, rhs, sizes, dout, transpose_rhs):
-  """(out, dlhs, drhs) of the grouped product, group by group, from the loop-quantised operands:
-  lhs tiles along its contraction, rhs blocks, dout tiles along its features (dlhs) and the
-  128-row tiles of lhs and dout over all M rows (drhs; a tile may span two groups)."""
+  """(out, dlhs, drhs) of the grouped product, group by group: out and dlhs from the loop-quantised
+  operands (lhs tiles along its contraction, rhs blocks, dout tiles along its features), drhs from
+  lhs and dout as they are."""
   m = lhs.shape[0]
   rq = ref_blocks(rhs)[0]
   lq, dq = ref_tiles(lhs, 1)[0], ref_tiles(dout, 1)[0]
-  lr, dr = ref_tiles(lhs, 0)[0], ref_tiles(dout, 0)[0]
+  lr, dr = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
   out = np.zeros((m, rhs.shape[1] if transpose_rhs else rhs.shape[2]))
   dlhs, drhs = np.zeros(lhs.shape), np.zeros(rhs.shape)
   start = 0
@@ -336,9 +337,9 @@ def test_fp8_gmm_matches_the_float64_reference(groups, transpose_rhs):
 
 
 def test_fp8_gmm_through_gmm_and_the_fused_forms():
-  """`gmm(..., fp8=True)` is fp8_gmm; the fused dispatch's gather_gmm and gmm_combine under fp8
-  (the plain permute / unpermute + combine around fp8_gmm) give the values of their definitions
-  computed from fp8_gmm, forward and gradients."""
+  """`gmm(..., fp8=True)` is fp8_gmm; the fused dispatch's gather_gmm under fp8 gives the values
+  and gradients of its definition computed from fp8_gmm, gmm_combine under fp8 its forward (its
+  gradients: test_fp8_fused_combine_matches_the_float64_reference)."""
   from umoe_jax.ops import dispatch
   from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
   from umoe_jax.ops.gmm import gmm
@@ -351,14 +352,15 @@ def test_fp8_gmm_through_gmm_and_the_fused_forms():
   w2 = jnp.asarray(rng.normal(size=(e, f, d)).astype(np.float32))
   plan = dispatch.make_plan(ids, e)
 
-  def fused(x, w1, w2, gates):
-    h = gather_gmm(x, w1, plan, k, backend="xla", fp8=True)
-    return gmm_combine(h, w2, plan, gates, backend="xla", activation="silu", fp8=True)
-
-  def plain(x, w1, w2, gates):
-    h = fp8_gmm(dispatch.permute(x, plan, k), w1, plan.group_sizes, backend="xla")
+  def last(h, w2, gates):
     y = fp8_gmm(jax.nn.silu(h), w2, plan.group_sizes, backend="xla")
     return dispatch.combine(dispatch.unpermute(y, plan).reshape(n_tok, k, d), gates)
+
+  def fused(x, w1, w2, gates):
+    return last(gather_gmm(x, w1, plan, k, backend="xla", fp8=True), w2, gates)
+
+  def plain(x, w1, w2, gates):
+    return last(fp8_gmm(dispatch.permute(x, plan, k), w1, plan.group_sizes, backend="xla"), w2, gates)
 
   g = jnp.asarray(rng.normal(size=(n_tok, d)).astype(np.float32))
   a = jax.vjp(fused, x, w1, w2, gates)
@@ -366,6 +368,9 @@ def test_fp8_gmm_through_gmm_and_the_fused_forms():
   assert rel_err(a[0], b[0]) < 1e-6
   for ga, gb in zip(a[1](g), b[1](g)):
     assert rel_err(ga, gb) < 1e-6
+  h = fp8_gmm(dispatch.permute(x, plan, k), w1, plan.group_sizes, backend="xla")
+  combined = gmm_combine(h, w2, plan, gates, backend="xla", activation="silu", fp8=True)
+  assert rel_err(combined, last(h, w2, gates)) < 1e-6
   rows = dispatch.permute(x, plan, k)
   np.testing.assert_array_equal(gmm(rows, w1, plan.group_sizes, backend="xla", fp8=True),
                                 fp8_gmm(rows, w1, plan.group_sizes, backend="xla"))
@@ -399,62 +404,6 @@ def test_fp8_gather_gmm_quantises_the_tokens_before_the_gather(monkeypatch):
   assert shapes == [((n_tok, d), 1)]
 
 
-def test_row_blocks_are_whole_scale_tiles():
-  from umoe_jax.ops.fp8_gmm import row_blocks
-  assert row_blocks(jnp.int32(1000), 4).tolist() == [256, 256, 256, 232]
-  assert row_blocks(jnp.int32(300), 4).tolist() == [128, 128, 44, 0]
-  assert row_blocks(jnp.int32(0), 3).tolist() == [0, 0, 0]
-  assert row_blocks(jnp.int32(128), 1).tolist() == [128]
-
-
-def test_row_blocks_follow_a_loop_over_tiles():
-  """row_blocks against a loop: the ceil(rows / 128) tiles dealt out in order, ceil(tiles / splits)
-  to a block (as even as whole tiles go), the last tile cut to the rows; at counts around the tile
-  and block edges, those that fill their blocks exactly among them."""
-  from umoe_jax.ops.fp8_gmm import row_blocks
-  for splits in (1, 2, 3, 4, 7):
-    for rows in sorted({0, 1, 127, 128, 129, 255, 256, 257, 383, 384, 385} |
-                       {splits * T * t + e for t in (1, 2, 3) for e in (-1, 0, 1)}):
-      per = -(-(-(-rows // T)) // splits)      # tiles a block
-      want, left = [], rows
-      for _ in range(splits):
-        want.append(min(left, per * T))
-        left -= want[-1]
-      assert row_blocks(jnp.int32(rows), splits).tolist() == want, (rows, splits)
-
-
-def test_one_groups_weight_gradient_over_row_blocks(monkeypatch):
-  """row_splits: the weight gradient of one group as that many row-block groups of the raw tgmm,
-  their float32 partials summed; values, input gradient and weight gradient as without (up to the
-  order of the float32 sums), rows past the group still outside it."""
-  import dataclasses
-  from umoe_jax.ops import gmm_backends
-  rng = np.random.default_rng(13)
-  x = jnp.asarray(rng.normal(size=(700, 200)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(1, 200, 72)) / 14, jnp.float32)
-  dy = jnp.asarray(rng.normal(size=(700, 72)), jnp.float32)
-  gs = jnp.asarray([650], jnp.int32)                      # 50 rows past the group
-  calls = []
-  xla = gmm_backends.BACKENDS.get("xla")
-
-  def tgmm(*args, num_groups, out_dtype):
-    calls.append((np.asarray(args[4]).tolist(), num_groups, jnp.dtype(out_dtype)))
-    return xla.fp8_tgmm(*args, num_groups=num_groups, out_dtype=out_dtype)
-  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_tgmm=tgmm))
-  outs = {}
-  for splits in (1, 4):
-    y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla", row_splits=splits), x, w)
-    outs[splits] = (y, *pull(dy))
-  assert calls == [([650], 1, jnp.dtype(jnp.float32)), ([256, 256, 138, 0], 4, jnp.dtype(jnp.float32))]
-  np.testing.assert_array_equal(np.asarray(outs[4][0]), np.asarray(outs[1][0]))
-  np.testing.assert_array_equal(np.asarray(outs[4][1]), np.asarray(outs[1][1]))
-  np.testing.assert_allclose(np.asarray(outs[4][2]), np.asarray(outs[1][2]), rtol=1e-5,
-                             atol=1e-5 * float(jnp.max(jnp.abs(outs[1][2]))))
-  assert outs[4][2].shape == w.shape and outs[4][2].dtype == w.dtype
-  with pytest.raises(ValueError, match="row_splits=2: a count >= 1, above 1 only for one group"):
-    fp8_gmm(x, jnp.concatenate([w, w]), jnp.asarray([300, 300]), backend="xla", row_splits=2)
-
-
 def test_a_wider_output_dtype_is_kept_unrounded():
   """bf16 operands: fp8_dot's out_dtype and fp8_gmm's preferred_element_type float32 give float32
   products within TOL of the float64 reference (rounded to bf16 on the way, they would miss by
@@ -480,12 +429,12 @@ def test_a_wider_output_dtype_is_kept_unrounded():
   assert rel_err(out, _gmm_refs(f32(x), f32(rhs), sizes, f32(dy), False)[0]) < TOL
 
 
-def test_row_block_partials_are_summed_in_float32():
-  """One group's bf16 weight gradient over row blocks (row_splits=2) sums float32 partials: rows
-  128-255 are rows 0-127 negated (their cotangent rows within 10%), so the two partials nearly
-  cancel; the total is within one bf16 unit (and float32 summation) of the float64 reference,
-  where partials rounded to bf16 miss by ~1e-3 of the partials. Not jitted: inside a jit XLA's CPU
-  compiler, allowed excess precision, drops a bf16 round trip."""
+def test_one_groups_weight_gradient_is_summed_in_float32():
+  """One group's bf16 weight gradient (a dense product's) is one dot over the group's rows with a
+  float32 sum: rows 128-255 are rows 0-127 negated (their cotangent rows within 10%), so the sum
+  nearly cancels; it is within one bf16 unit (and float32 summation) of the float64 reference,
+  where a bf16 sum misses by ~1e-3 of the terms; the 20 rows past the group are left out. Not
+  jitted: inside a jit XLA's CPU compiler, allowed excess precision, drops a bf16 round trip."""
   from umoe_jax.ops.fp8_gmm import gradients
   rng = np.random.default_rng(16)
   a = wide_range(rng, (128, 96), decades=1.0)
@@ -495,46 +444,45 @@ def test_row_block_partials_are_summed_in_float32():
   a, d = (np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) for v in (a, d))
   w = jnp.asarray(wide_range(rng, (1, 96, 64), decades=1.0), jnp.bfloat16)
   got = gradients("xla", jnp.asarray(a, jnp.bfloat16), w, jnp.asarray([256], jnp.int32), False,
-                  jnp.asarray(d, jnp.bfloat16), row_splits=2)[1]
+                  jnp.asarray(d, jnp.bfloat16))[1]
   assert got.shape == w.shape and got.dtype == jnp.bfloat16
-  (ra, _), (rd, _), (ba, _), (bd, _) = (ref_tiles(v[:256], 0) for v in (a, d, np.abs(a), np.abs(d)))
-  want, bound = ra.T @ rd, ba.T @ bd
+  a64, d64 = np.asarray(a[:256], np.float64), np.asarray(d[:256], np.float64)
+  want, bound = a64.T @ d64, np.abs(a64).T @ np.abs(d64)
   err = np.abs(np.asarray(got[0], np.float64) - want) / (np.abs(want) * 2.0 ** -7 + 1e-5 * bound)
   assert np.max(err) <= 1, float(np.max(err))
 
 
-def test_fp8_dense_hands_its_weight_gradient_splits_to_fp8_gmm(monkeypatch):
+def test_fp8_dense_hands_one_group_of_all_rows_to_fp8_gmm(monkeypatch):
   from umoe_jax.model import layers
   seen = []
-  monkeypatch.setattr(layers, "fp8_gmm", lambda rows, w, gs, backend, row_splits: (
-      seen.append((rows.shape, backend, row_splits)), rows @ w[0])[1])
+  monkeypatch.setattr(layers, "fp8_gmm", lambda rows, w, gs, backend: (
+      seen.append((rows.shape, w.shape, np.asarray(gs).tolist(), backend)), rows @ w[0])[1])
   x, w = jnp.ones((2, 5, 8)), jnp.ones((8, 3))
-  assert layers.fp8_dense(x, w, "triton", wgrad_splits=6).shape == (2, 5, 3)
-  layers.fp8_dense(x, w, "triton")
-  assert seen == [((10, 8), "triton", 6), ((10, 8), "triton", layers.DENSE_WGRAD_SPLITS)]
+  assert layers.fp8_dense(x, w, "triton").shape == (2, 5, 3)
+  assert seen == [((10, 8), (1, 8, 3), [10], "triton")]
 
 
 def _record_quantiser_calls(monkeypatch) -> list:
-  """Gives the xla backend a quantiser of its own (`fp8.quantize_tiles`, through the index where
-  one is given) that records (operand shape, axis, index shape or None) of each call in the list
-  returned."""
+  """Gives the xla backend a quantiser of its own (`fp8.quantize_tiles` along the rows, through the
+  index where one is given) that records (operand shape, index shape or None) of each call in the
+  list returned."""
   import dataclasses
   from umoe_jax.ops import gmm_backends
   calls = []
 
-  def own(x, axis, index=None):
-    calls.append((x.shape, axis, None if index is None else index.shape))
-    return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=axis)
+  def own(x, index=None):
+    calls.append((x.shape, None if index is None else index.shape))
+    return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=1)
   xla = gmm_backends.BACKENDS.get("xla")
   monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
   return calls
 
 
 def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch):
-  """fused_dispatch.FP8_ROWS_THROUGH_INDEX: the first matmul's forward and weight gradient read the
-  N token rows through the plan's sort order (a backend quantiser with an index, a row-index FP8
-  gmm; XLA's gathers first) instead of gathered copies: the same values and gradients, and the
-  backend's quantiser and gmm are handed the [N, D] tokens and the index."""
+  """fused_dispatch.FP8_ROWS_THROUGH_INDEX: the first matmul's forward reads the N quantised token
+  rows through the plan's sort order (a row-index FP8 gmm; XLA's gathers first) instead of a
+  gathered copy: the same values and gradients; the backend's quantiser is handed the [N, D]
+  tokens, never an [N*K, D] copy, and its gmm the quantised tokens and the index."""
   import dataclasses
   from umoe_jax.ops import dispatch, fused_dispatch, gmm_backends
   rng = np.random.default_rng(14)
@@ -554,7 +502,7 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   xla = gmm_backends.BACKENDS.get("xla")
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
   got = jax.grad(loss, argnums=(0, 1))(x, w)
-  assert ((n_tok, d), 0, (n_tok * k,)) in calls and ((n_tok * k, d), 0, None) not in calls
+  assert ((n_tok, d), None) in calls and not [c for c in calls if c[0] == (n_tok * k, d)], calls
   for g, r in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   # A backend whose FP8 gmm reads rows through an index (`row_index`, the triton kernel's
@@ -566,8 +514,12 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
     if lhs_index is not None:
       lhs_q, lhs_scale = jnp.take(lhs_q, lhs_index, axis=0), jnp.take(lhs_scale, lhs_index, axis=0)
     return fp8.emulated_gmm(lhs_q, lhs_scale, *rest, **kw)
+
+  def indexed_tgmm(lhs, rhs, gs, *, lhs_index=None, rhs_index=None, lhs_scale=None, **kw):
+    assert rhs_index is None and lhs_scale is None
+    return xla.tgmm(lhs if lhs_index is None else jnp.take(lhs, lhs_index, axis=0), rhs, gs, **kw)
   monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla",
-                      dataclasses.replace(xla, fp8_gmm=indexed_gmm, row_index=True))
+                      dataclasses.replace(xla, fp8_gmm=indexed_gmm, tgmm=indexed_tgmm, row_index=True))
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
   got = jax.grad(loss, argnums=(0, 1))(x, w)
   for g, r in zip(got, want):
@@ -596,13 +548,12 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch):
-  """fused_dispatch.FP8_FUSED_COMBINE: gmm_combine in FP8 as its bf16 form runs. Forward: the
-  switch-off path's values. Backward against float64 loops over the loop-quantised operands:
-  u = dout[token] @ w[g].T from dout's N token rows in 1 x 128 tiles along D, dh = gate * u
-  (* act'(z)), dgate = <u, act(z)>, dw[g] = sum over g's sorted rows of the 128-row column tiles of
-  gate * act(z) and of dout[token]; every gradient within FP8 error of the float32 gradient; and the
-  quantiser is handed dout's N rows (with the sort order for the column tiles), never an [M, D]
-  per-slot copy."""
+  """gmm_combine in FP8 as its bf16 form runs. Forward: the values of an FP8 gmm, unpermute and
+  combine. Backward against float64 loops over the loop-quantised operands: u = dout[token] @
+  w[g].T from dout's N token rows in 1 x 128 tiles along D, dh = gate * u (* act'(z)), dgate =
+  <u, act(z)>; dw[g] = sum over g's sorted rows of gate * act(z) and dout[token] as they are; every
+  gradient within FP8 error of the float32 gradient; and the quantiser is handed dout's N rows,
+  never an [M, D] per-slot copy."""
   import dataclasses
   from umoe_jax.ops import dispatch, epilogue, fused_dispatch, gmm_backends
   rng = np.random.default_rng(21)
@@ -615,11 +566,12 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
   g = jnp.asarray(wide_range(rng, (n_tok, d), decades=1.5))
   fn = lambda z_, w_, gt: fused_dispatch.gmm_combine(z_, w_, plan, gt, backend="xla",
                                                      activation=activation, fp8=True)
-  off = jax.vjp(fn, z, w, gates)
-  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", True)
+  rows = z if activation is None else epilogue.activate(activation, z)
+  plain = dispatch.combine(dispatch.unpermute(fp8_gmm(rows, w, plan.group_sizes, backend="xla"), plan)
+                           .reshape(n_tok, k, d), gates)
   out, pull = jax.vjp(fn, z, w, gates)
   dz, dw, dgates = (np.asarray(a, np.float64) for a in pull(g))
-  assert rel_err(out, off[0]) < 1e-6
+  assert rel_err(out, plain) < 1e-6
   # float64 loops
   order, inverse = np.asarray(plan.order), np.asarray(plan.inverse)
   sizes = np.asarray(plan.group_sizes)
@@ -630,7 +582,7 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
   hg = np.asarray(epilogue.gate_scaled(z, jnp.asarray(gate_sorted, jnp.float32), activation))
   wq = ref_blocks(w)[0]
   aq, dq = ref_tiles(np.asarray(a, np.float32), 1)[0], ref_tiles(g, 1)[0]
-  hq, gq = ref_tiles(hg, 0)[0], ref_tiles(np.asarray(g)[token], 0)[0]
+  hq, gq = np.asarray(hg, np.float64), np.asarray(g, np.float64)[token]
   y_sorted, u, want_dw = np.zeros((m, d)), np.zeros((m, f)), np.zeros((e, f, d))
   start = 0
   for ex, size in enumerate(sizes):
@@ -656,8 +608,7 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
   got = jax.vjp(fn, z, w, gates)[1](g)
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
-  assert ((n_tok, d), 1, None) in calls and ((n_tok, d), 0, (m,)) in calls
-  assert not [c for c in calls if c[0] == (m, d)], calls
+  assert ((n_tok, d), None) in calls and not [c for c in calls if c[0] == (m, d)], calls
   for x, y in zip(got, (dz, dw, dgates)):
     np.testing.assert_array_equal(np.asarray(x, np.float64), y)
 
@@ -665,11 +616,9 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("sizes", [[37, 0, 90, 3], [130]])
 def test_the_weight_gradient_in_bf16(sizes, transpose_rhs, monkeypatch):
-  """fp8_gmm.FP8_WGRAD off: the weight gradient is the product of the operands as they are (the
-  float64 loop over each group's rows, rows past the groups and empty groups left out; one group
-  by XLA's dot), no operand is quantised in column tiles, and the output and the input gradient
-  are the FP8 ones bit for bit."""
-  from umoe_jax.ops import fp8_gmm as fg
+  """fp8_gmm's weight gradient is the product of the operands as they are (the float64 loop over
+  each group's rows, rows past the groups nonzero and left out, as empty groups; one group by
+  XLA's dot), and only the forward's and the input gradient's operands are quantised."""
   rng = np.random.default_rng(31)
   g, m, k, n = len(sizes), 150, 200, 72
   rhs = jnp.asarray(rng.normal(size=(g, k, n)) / 14, jnp.float32)
@@ -677,15 +626,10 @@ def test_the_weight_gradient_in_bf16(sizes, transpose_rhs, monkeypatch):
   dout = jnp.asarray(rng.normal(size=(m, k if transpose_rhs else n)), jnp.float32)  # groups nonzero
   f = lambda a, b: fp8_gmm(a, b, jnp.asarray(sizes, jnp.int32), backend="xla",
                            transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32)
-  fp8_out, pull = jax.vjp(f, lhs, rhs)
-  fp8_dlhs, _ = pull(dout)
-  monkeypatch.setattr(fg, "FP8_WGRAD", False)
   calls = _record_quantiser_calls(monkeypatch)
-  out, pull = jax.vjp(f, lhs, rhs)
-  dlhs, drhs = pull(dout)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(fp8_out))
-  np.testing.assert_array_equal(np.asarray(dlhs), np.asarray(fp8_dlhs))
-  assert [c[1] for c in calls] == [1, 1], calls              # forward and input gradient only
+  _, pull = jax.vjp(f, lhs, rhs)
+  _, drhs = pull(dout)
+  assert calls == [(lhs.shape, None), (dout.shape, None)], calls
   want, start = np.zeros((g, k, n)), 0
   a64, d64 = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
   for e, size in enumerate(sizes):
@@ -712,19 +656,16 @@ def _expert_layer(rng):
 
 
 @pytest.mark.parametrize("through_index", [False, True])
-@pytest.mark.parametrize("fused_combine", [False, True])
-def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, monkeypatch):
-  """FP8_WGRAD off in the fused dispatch's FP8 forms (gather_gmm with the rows gathered or read
-  through the sort order; gmm_combine plain or fused): each weight gradient is the float64 product
-  of its operands as they are (the sorted token rows and the per-slot cotangent; the gate-scaled
-  activations and the token rows' cotangent), the other gradients and the values are the FP8
-  ones bit for bit, and nothing is quantised in column tiles."""
-  from umoe_jax.ops import fp8_gmm as fg, fused_dispatch
+def test_the_fused_forms_weight_gradients_in_bf16(through_index, monkeypatch):
+  """The fused dispatch's FP8 forms (gather_gmm with the rows gathered or read through the sort
+  order, then gmm_combine): each weight gradient is the float64 product of its operands as they
+  are (the sorted token rows and the per-slot cotangent; the gate-scaled activations and the token
+  rows' cotangent)."""
+  from umoe_jax.ops import fused_dispatch
   rng = np.random.default_rng(32)
   x, plan, w1, w2, gates, g = _expert_layer(rng)
   n_tok, k = gates.shape
   monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", through_index)
-  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", fused_combine)
 
   def hidden(x, w1):
     return fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True)        # [M, F]
@@ -738,15 +679,7 @@ def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, 
     fused_dispatch._fp8_gmm_combine_fn.cache_clear()
     out, pull = jax.vjp(layer, x, w1, w2, gates)
     return out, pull(g)
-  fp8_out, (fp8_dx, _, _, fp8_dgates) = grads()
-  monkeypatch.setattr(fg, "FP8_WGRAD", False)
-  calls = _record_quantiser_calls(monkeypatch)
-  out, (dx, dw1, dw2, dgates) = grads()
-  assert calls and all(c[1] == 1 for c in calls), calls
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(fp8_out))
-  np.testing.assert_array_equal(np.asarray(dgates), np.asarray(fp8_dgates))
-  # dx flows back through dw2's product: the same FP8 path, so the same bits
-  np.testing.assert_array_equal(np.asarray(dx), np.asarray(fp8_dx))
+  _, (_, dw1, dw2, _) = grads()
   # float64 loops: the sorted rows, their hidden pre-activations, the two cotangents
   order, sizes = np.asarray(plan.order), np.asarray(plan.group_sizes)
   token = order // k
@@ -769,163 +702,19 @@ def test_the_fused_forms_weight_gradients_in_bf16(through_index, fused_combine, 
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
 
 
-def ref_lines(x, axis: int) -> np.ndarray:
-  """x with one piece for each whole line along `axis` (the row-wise recipe), dequantised float64."""
-  x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
-  dq = np.zeros(x.shape)
-  for idx in np.ndindex(*x.shape[:-1]):
-    dq[idx] = ref_piece(x[idx])[0]
-  return np.moveaxis(dq, -1, axis)
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_the_rowwise_recipe_matches_the_float64_reference(transpose_rhs, monkeypatch):
-  """fp8_gmm.FP8_ROWWISE: the output from lhs rows and weight columns (of the product) each
-  quantised whole, the input gradient from dout's rows and the weights' other lines, the weight
-  gradient in bf16 from the operands as they are; against float64 loops over loop-quantised
-  operands. Contractions above 128 (300 and 200), so a 128-wide piece would give other values."""
-  from umoe_jax.ops import fp8_gmm as fg
-  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
-  assert not fg.fp8_wgrad()
-  sizes = [37, 0, 90, 3]
-  rng = np.random.default_rng(33)
-  m, k, n = 150, 300, 200
-  rhs = wide_range(rng, (4, k, n), decades=1.0)
-  lhs = wide_range(rng, (m, n if transpose_rhs else k), decades=2.0)
-  dout = wide_range(rng, (m, k if transpose_rhs else n), decades=2.0)
-  f = lambda a, b: fp8_gmm(a, b, jnp.asarray(sizes, jnp.int32), backend="xla",
-                           transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32)
-  out, pull = jax.vjp(f, jnp.asarray(lhs), jnp.asarray(rhs))
-  dlhs, drhs = pull(jnp.asarray(dout))
-  # the product's weight matrix per group: rhs[g] [K, N] or rhs[g].T [N, K]; its columns are the
-  # forward's pieces, its rows the input gradient's
-  fwd_w = ref_lines(rhs, 2 if transpose_rhs else 1)
-  bwd_w = ref_lines(rhs, 1 if transpose_rhs else 2)
-  lq, dq = ref_lines(lhs, 1), ref_lines(dout, 1)
-  want = [np.zeros(out.shape), np.zeros(lhs.shape), np.zeros(rhs.shape)]
-  start = 0
-  for g, size in enumerate(sizes):
-    r = slice(start, start + size)
-    wf = fwd_w[g].T if transpose_rhs else fwd_w[g]
-    wb = bwd_w[g].T if transpose_rhs else bwd_w[g]
-    want[0][r] = lq[r] @ wf
-    want[1][r] = dq[r] @ wb.T
-    a, b = np.asarray(lhs, np.float64)[r], np.asarray(dout, np.float64)[r]
-    want[2][g] = b.T @ a if transpose_rhs else a.T @ b
-    start += size
-  for name, got, w in zip(("out", "dlhs", "drhs"), (out, dlhs, drhs), want):
-    assert rel_err(np.asarray(got, np.float64), w) < TOL, name
-  # the fine-grained recipe's output (128-wide pieces) is not what ran: the references differ
-  fine = _gmm_refs(lhs, rhs, sizes, dout, transpose_rhs)[0]
-  assert rel_err(np.asarray(out, np.float64), fine) > 1e-3
-
-
-@pytest.mark.parametrize("through_index, fused_combine", [(False, False), (True, False), (False, True)])
-def test_the_rowwise_recipe_through_the_fused_forms_and_the_model(through_index, fused_combine,
-                                                                  monkeypatch):
-  """Under FP8_ROWWISE the fused dispatch's FP8 forms (rows gathered or read through the sort order;
-  the plain or the fused combine) give their definitions' values and gradients computed from
-  fp8_gmm (the token rows quantised before the gather: a row's one scale is the same; the fused
-  combine's dgates within FP8 error, its cotangent quantised at other rows), which are not the
-  fine-grained recipe's."""
-  from umoe_jax.ops import dispatch, fp8_gmm as fg, fused_dispatch
-  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", through_index)
-  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", fused_combine)
-  x, plan, w1, w2, gates, g = _expert_layer(np.random.default_rng(34))
-  (n_tok, k), d = gates.shape, x.shape[1]
-
-  def fused(x, w1, w2, gates):
-    h = fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True)
-    return fused_dispatch.gmm_combine(h, w2, plan, gates, backend="xla", activation="silu", fp8=True)
-
-  def plain(x, w1, w2, gates):
-    h = fp8_gmm(dispatch.permute(x, plan, k), w1, plan.group_sizes, backend="xla")
-    y = fp8_gmm(jax.nn.silu(h), w2, plan.group_sizes, backend="xla")
-    return dispatch.combine(dispatch.unpermute(y, plan).reshape(n_tok, k, d), gates)
-
-  def both():
-    fused_dispatch._fp8_gather_gmm_fn.cache_clear()
-    fused_dispatch._fp8_gmm_combine_fn.cache_clear()
-    return jax.vjp(fused, x, w1, w2, gates), jax.vjp(plain, x, w1, w2, gates)
-  fine = both()[0][0]
-  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
-  a, b = both()
-  assert rel_err(a[0], b[0]) < 1e-6 and rel_err(a[0], fine) > 1e-3
-  for name, ga, gb in zip(("dx", "dw1", "dw2", "dgates"), a[1](g), b[1](g)):
-    assert rel_err(ga, gb) < (0.08 if fused_combine and name == "dgates" else 1e-5), name
-  fused_dispatch._fp8_gather_gmm_fn.cache_clear()
-  fused_dispatch._fp8_gmm_combine_fn.cache_clear()
-
-
-def test_the_rowwise_recipe_in_a_model(monkeypatch):
-  """Under FP8_ROWWISE a one-layer UMoE's loss and gradients stay within FP8 rounding of the bf16
-  model's."""
-  from umoe_jax.model.lm import CausalLM
-  from umoe_jax.ops import fp8_gmm as fg
-  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
-  c = configs.common.experiment("umoe", "tiny").model
-  c.n_layers = 1
-  tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, model_config(c).vocab_size)
-  losses = {}
-  for precision in ("bf16", "fp8"):
-    cfg = dataclasses.replace(model_config(c), matmul_precision=precision)
-    graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
-
-    def loss(p):
-      logits, _ = nnx.merge(graphdef, p)(tokens)
-      return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
-    losses[precision] = jax.value_and_grad(loss)(params)
-  (l8, g8), (l16, g16) = losses["fp8"], losses["bf16"]
-  assert np.isfinite(float(l8)) and abs(float(l8) - float(l16)) < 2e-2 * abs(float(l16))
-  for a_, b_ in zip(jax.tree.leaves(g8), jax.tree.leaves(g16)):
-    if np.any(np.asarray(b_)):
-      assert rel_err(np.asarray(a_, np.float32), np.asarray(b_, np.float32)) < 0.15
-
-
-def test_the_rowwise_quantiser_and_the_bf16_weight_gradient_read_through_an_index(monkeypatch):
-  """fp8_gmm.quantize under FP8_ROWWISE along a contraction reads rows through an index as
-  jnp.take gives them (one scale a whole row); bf16_wgrad with an index (both layouts) is the
-  float64 product of the gathered rows, rows past the groups left out."""
-  from umoe_jax.ops import fp8_gmm as fg, gmm_backends
-  rng = np.random.default_rng(35)
-  x = jnp.asarray(rng.normal(size=(30, 200)), jnp.float32)
-  index = jnp.asarray(rng.integers(0, 30, 90), jnp.int32)
-  monkeypatch.setattr(fg, "FP8_ROWWISE", True)
-  q, s = fg.quantize("xla", x, 1, index)
-  rq, rs = fp8.quantize_rowwise(jnp.take(x, index, axis=0), 1)
-  assert s.shape == (90, 1)
-  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(rq, np.float32))
-  np.testing.assert_array_equal(np.asarray(s), np.asarray(rs))
-  sizes, e = jnp.asarray([20, 0, 55, 9], jnp.int32), 4          # 6 rows past the groups
-  rows64 = np.asarray(x, np.float64)[np.asarray(index)]
-  xla = gmm_backends.BACKENDS.get("xla")
-  for transpose in (False, True):
-    other = 72
-    dout = jnp.asarray(rng.normal(size=(90, other)), jnp.float32)
-    rhs = jnp.zeros((e, other, 200) if transpose else (e, 200, other), jnp.float32)
-    got = np.asarray(fg.bf16_wgrad(xla, x, dout, sizes, rhs, transpose, index), np.float64)
-    want, start = np.zeros(rhs.shape), 0
-    for g, size in enumerate(np.asarray(sizes)):
-      r = slice(start, start + size)
-      d64 = np.asarray(dout, np.float64)[r]
-      want[g] = d64.T @ rows64[r] if transpose else rows64[r].T @ d64
-      start += size
-    assert rel_err(got, want) < TOL, transpose
-
-
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
-  """A backend's `fp8_quantize` (the triton backend's one-pass kernels) quantises all four operands
-  of fp8_gmm's three products and the fused dispatch's token rows, each along its product's
-  contraction; its output is what the products take (a quantiser off by one tile's scale moves
-  every product)."""
+  """A backend's `fp8_quantize` (the triton backend's one-pass kernel) quantises both token-row
+  operands of fp8_gmm's FP8 products (the forward's lhs, the input gradient's dout) and the fused
+  dispatch's token rows; its output is what the products take (a quantiser off by one tile's scale
+  moves every product)."""
   import dataclasses
   from umoe_jax.ops import dispatch, gmm_backends
   from umoe_jax.ops.fused_dispatch import gather_gmm
   calls = []
 
-  def own(a, axis, scale_by=1.0):
-    calls.append((a.shape, axis))
-    q, s = fp8.quantize_tiles(a, axis=axis)
+  def own(a, scale_by=1.0):
+    calls.append(a.shape)
+    q, s = fp8.quantize_tiles(a, axis=1)
     return q, s * scale_by
   xla = gmm_backends.BACKENDS.get("xla")
   monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
@@ -936,18 +725,18 @@ def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   dy = jnp.asarray(rng.normal(size=(256, 72)), jnp.float32)
   y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla"), x, w)
   dx, dw = pull(dy)
-  assert sorted(calls) == sorted([((256, 200), 1), ((256, 72), 1), ((256, 200), 0), ((256, 72), 0)])
+  assert sorted(calls) == [(256, 72), (256, 200)]
   monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", xla)
   y0, pull0 = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla"), x, w)
   for got, want in zip((y, dx, dw), (y0, *pull0(dy))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  doubled = dataclasses.replace(xla, fp8_quantize=lambda a, axis: own(a, axis, 2.0))
+  doubled = dataclasses.replace(xla, fp8_quantize=lambda a: own(a, 2.0))
   monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", doubled)
   np.testing.assert_allclose(np.asarray(fp8_gmm(x, w, gs, backend="xla")), 2 * np.asarray(y0), rtol=1e-6)
   calls.clear()
   plan = dispatch.make_plan(jnp.asarray(rng.integers(0, 4, (24, 3)), jnp.int32), 4)
   gather_gmm(x[:24], w, plan, 3, backend="xla", fp8=True)
-  assert calls == [((24, 200), 1)]
+  assert calls == [(24, 200)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -978,9 +767,10 @@ def _count(monkeypatch, module, name, counts):
 def test_fp8_model_routes_every_expert_matmul_and_mlp_through_fp8(family, monkeypatch):
   """One-layer tiny models (bf16 compute), their loss gradient traced in each precision: under fp8
   every grouped matmul of bf16 (the `gmm`, `gather_gmm` and `gmm_combine` calls) is an fp8_gmm call
-  instead (gather_gmm's: the FP8 gather form), no grouped matmul of the gradient's jaxpr takes bf16
-  operands (the emulation multiplies dequantised float32), every `Linear` of an `MLP` (dense FFN,
-  always-on experts) goes through fp8_dot, and the attention modules' own projections do not."""
+  instead (gather_gmm's and gmm_combine's: their FP8 forms); of the gradient's grouped matmuls only
+  the weight gradients, one a product, take bf16 operands (the emulation multiplies dequantised
+  float32 in the other two); every `Linear` of an `MLP` (dense FFN, always-on experts) goes through
+  fp8_dot, and the attention modules' own projections do not."""
   from umoe_jax.model import layers
   from umoe_jax.model.lm import CausalLM
   from umoe_jax.ops import fused_dispatch, gmm as gmm_mod
@@ -993,7 +783,7 @@ def test_fp8_model_routes_every_expert_matmul_and_mlp_through_fp8(family, monkey
     counts = {}
     for module, name in ((gmm_mod, "fp8_gmm"), (gmm_mod, "_differentiable_gmm"), (layers, "fp8_dot"),
                          (fused_dispatch, "_gather_gmm_fn"), (fused_dispatch, "_gmm_combine_fn"),
-                         (fused_dispatch, "_fp8_gather_gmm_fn")):
+                         (fused_dispatch, "_fp8_gather_gmm_fn"), (fused_dispatch, "_fp8_gmm_combine_fn")):
       _count(monkeypatch, module, name, counts)
     model = CausalLM(dataclasses.replace(base, matmul_precision=precision), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
@@ -1006,7 +796,8 @@ def test_fp8_model_routes_every_expert_matmul_and_mlp_through_fp8(family, monkey
     linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, layers.Linear)]
     in_mlps = {id(lin) for _, mlp in nnx.iter_graph(model) if isinstance(mlp, layers.MLP)
                for _, lin in nnx.iter_graph(mlp) if isinstance(lin, layers.Linear)}
-    seen[precision] = dict(counts, ragged={str(v.aval.dtype) for e in ragged for v in e.invars[:2]},
+    seen[precision] = dict(counts, ragged=sorted(tuple(str(v.aval.dtype) for v in e.invars[:2])
+                                                 for e in ragged),
                            linears=len(linears), mlp_linears=len(in_mlps),
                            fp8_linears=sum(m.fp8 for m in linears),
                            fp8_outside_mlps=sum(m.fp8 for m in linears if id(m) not in in_mlps),
@@ -1016,46 +807,50 @@ def test_fp8_model_routes_every_expert_matmul_and_mlp_through_fp8(family, monkey
   bf16, f8 = seen["bf16"], seen["fp8"]
   bf16_gmms = sum(bf16.get(k, 0) for k in ("_differentiable_gmm", "_gather_gmm_fn", "_gmm_combine_fn"))
   assert bf16.get("fp8_gmm", 0) == bf16.get("fp8_dot", 0) == bf16["fp8_linears"] == bf16["f8"] == 0
-  assert bf16.get("_fp8_gather_gmm_fn", 0) == 0
-  # each gather_gmm becomes the FP8 gather form (rows quantised before the gather), the rest fp8_gmm
+  assert bf16.get("_fp8_gather_gmm_fn", 0) == bf16.get("_fp8_gmm_combine_fn", 0) == 0
+  # each gather_gmm / gmm_combine becomes its FP8 form (rows quantised before the gather), the rest
+  # fp8_gmm
   assert f8.get("_fp8_gather_gmm_fn", 0) == bf16.get("_gather_gmm_fn", 0)
-  assert f8.get("fp8_gmm", 0) + f8.get("_fp8_gather_gmm_fn", 0) == bf16_gmms
+  assert f8.get("_fp8_gmm_combine_fn", 0) == bf16.get("_gmm_combine_fn", 0)
+  assert (f8.get("fp8_gmm", 0) + f8.get("_fp8_gather_gmm_fn", 0) + f8.get("_fp8_gmm_combine_fn", 0)
+          == bf16_gmms)
   assert not any(f8.get(k, 0) for k in ("_differentiable_gmm", "_gather_gmm_fn", "_gmm_combine_fn"))
   assert f8.get("fp8_dot", 0) == f8["fp8_linears"] == f8["mlp_linears"] > 0
   assert f8["fp8_outside_mlps"] == 0 and f8["linears"] > f8["mlp_linears"]   # attention projections
   assert f8["f8"] > 0
   if family != "dense":
-    assert bf16_gmms > 0 and "bfloat16" in bf16["ragged"]
-    assert f8["ragged"] == {"float32"}
+    products = len(bf16["ragged"])               # forward, input and weight gradient of each
+    assert bf16_gmms > 0 and bf16["ragged"] == [("bfloat16", "bfloat16")] * products
+    assert f8["ragged"] == sorted([("bfloat16", "bfloat16")] * (products // 3) +
+                                  [("float32", "float32")] * (2 * products // 3)), f8["ragged"]
 
 
 @pytest.mark.parametrize("family", ["umoe", "ffn_moe"])
 def test_fp8_fused_combine_in_the_model(family, monkeypatch):
-  """With fused_dispatch.FP8_FUSED_COMBINE every gmm_combine of an fp8 model (attention and FFN
-  experts) takes the fused FP8 form, and the loss and its gradient stay within FP8's rounding of
-  the plain FP8 form's (the two quantise the last matmul's cotangent at different rows)."""
+  """Every gmm_combine of an fp8 model (attention and FFN experts) takes the fused FP8 form, and the
+  loss and its gradient stay within FP8's rounding of the bf16 model's."""
   from umoe_jax.model.lm import CausalLM
   from umoe_jax.ops import fused_dispatch
   c = configs.common.experiment(family, "tiny").model
   c.n_layers = 1
-  cfg = dataclasses.replace(model_config(c), matmul_precision="fp8")
-  tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, cfg.vocab_size)
-  graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
-
-  def loss(p):
-    logits, _ = nnx.merge(graphdef, p)(tokens)
-    return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
-  plain = jax.value_and_grad(loss)(params)
-  counts = {}
-  monkeypatch.setattr(fused_dispatch, "FP8_FUSED_COMBINE", True)
+  tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, c.vocab_size)
+  counts, out = {}, {}
   _count(monkeypatch, fused_dispatch, "_fp8_gmm_combine_fn", counts)
-  fused = jax.value_and_grad(loss)(params)
+  for precision in ("bf16", "fp8"):
+    cfg = dataclasses.replace(model_config(c), matmul_precision=precision)
+    graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+    def loss(p):
+      logits, _ = nnx.merge(graphdef, p)(tokens)
+      return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+    out[precision] = jax.value_and_grad(loss)(params)
   # one layer: UMoE's attention and FFN experts each end in a gmm_combine, FFN-MoE's FFN experts
   assert counts.get("_fp8_gmm_combine_fn", 0) == {"umoe": 2, "ffn_moe": 1}[family]
-  assert abs(float(fused[0]) - float(plain[0])) < 1e-3 * abs(float(plain[0]))
-  for a, b in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(plain[1])):
+  fp8_run, bf16_run = out["fp8"], out["bf16"]
+  assert abs(float(fp8_run[0]) - float(bf16_run[0])) < 1e-2 * abs(float(bf16_run[0]))
+  for a, b in zip(jax.tree.leaves(fp8_run[1]), jax.tree.leaves(bf16_run[1])):
     if np.any(np.asarray(b)):
-      assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 0.1
+      assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 0.15
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1245,7 +1040,7 @@ def test_auto_takes_only_fp8_forms_validated_on_a_gpu(monkeypatch):
   from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend
   xla = BACKENDS.get("xla")
   fake = GmmBackend(gmm=xla.gmm, tgmm=xla.tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=99,
-                    fp8_gmm=xla.fp8_gmm, fp8_tgmm=xla.fp8_tgmm)
+                    fp8_gmm=xla.fp8_gmm)
   monkeypatch.setitem(BACKENDS._entries, "fast_fp8", fake)
   assert fg.fp8_backend("auto") == "xla" and fg.fp8_backend("fast_fp8") == "fast_fp8"
   monkeypatch.setattr(fg, "AUTO_FP8", fg.AUTO_FP8 | {"fast_fp8"})

@@ -1,14 +1,15 @@
-"""CPU tests of the one-pass FP8 tile quantisers (kernels/gmm/triton_fp8_quant.py): launch geometry and
-bad input; the kernels under the Triton interpreter (TRITON_INTERPRET=1, in a subprocess, every launch
-through `jax.pure_callback` as in tests/test_fp8_triton.py) against `umoe_jax.ops.fp8.quantize_tiles`
-bit for bit, on fresh random bfloat16 and float32 inputs whose magnitudes spread over orders (within a
-tile, and between rows and columns, so every tile has its own scale), row and column counts that are
-and are not multiples of 128, zero, NaN and inf tiles, and values placed where a division instead of
-the reciprocal's product rounds to another FP8 value; with a row index, against `quantize_tiles` of
+"""CPU tests of the one-pass FP8 tile quantiser (kernels/gmm/triton_fp8_quant.py: 1 x 128 tiles along
+the rows): launch geometry and bad input; its kernels under the Triton interpreter (TRITON_INTERPRET=1,
+in a subprocess, every launch through `jax.pure_callback` as in tests/test_fp8_triton.py) against
+`umoe_jax.ops.fp8.quantize_tiles(x, axis=1)` bit for bit, on fresh random bfloat16 and float32 inputs
+whose magnitudes spread over orders (within a tile, and between rows and columns, so every tile has
+its own scale), row counts that are and are not multiples of the row block and widths that are and
+are not multiples of 128, zero, NaN and inf tiles, and values placed where a division instead of the
+reciprocal's product rounds to another FP8 value; with a row index, against `quantize_tiles` of
 `jnp.take(x, index, axis=0)` (dispatch-like indices: every source row used 0 to 3 times in random
-order; zero, NaN and inf rows; indices from the end and out of range); and all four kernels compiled
-for sm_90a, whose PTX must hold the exact arithmetic the interpreter cannot tell from the approximate
-one.
+order; zero, NaN and inf rows; indices from the end and out of range); and both kernels (without and
+with the index) compiled for sm_90a, whose PTX must hold the exact arithmetic the interpreter cannot
+tell from the approximate one.
 """
 from __future__ import annotations
 
@@ -38,55 +39,45 @@ def test_launch_geometry():
   assert (rows["grid"], rows["CB"], rows["CBP"], rows["BM"]) == ((7,), 8, 8, tq.ROWS_BM) == ((7,), 8, 8, 32)
   assert (tq.rows_launch(64, 768)["CB"], tq.rows_launch(64, 768)["CBP"]) == (6, 8)
   assert (tq.rows_launch(5, 40)["grid"], tq.rows_launch(5, 40)["CB"], tq.rows_launch(5, 40)["CBP"]) == ((1,), 1, 1)
-  cols = tq.cols_t_launch(1000, 144)  # 8 row tiles (the last of 104 rows) x 3 column blocks of 64
-  assert (cols["grid"], cols["BC"], cols["C_TILES"]) == ((8 * 3,), 64, 3)
-  assert (tq.cols_t_launch(128, 40)["grid"], tq.cols_t_launch(128, 40)["BC"]) == ((1,), 64)
-  assert tq.cols_t_launch(129, 16)["BC"] == 16 and tq.cols_t_launch(129, 16)["grid"] == (2,)
   # with an index: the gathered rows' geometry, plus the source's row count (none without one)
-  assert "N" not in rows and "N" not in cols
+  assert "N" not in rows
   assert tq.rows_launch(200, 1000, 77) == dict(tq.rows_launch(200, 1000), N=77)
-  assert tq.cols_t_launch(1000, 144, 300) == dict(tq.cols_t_launch(1000, 144), N=300)
 
 
-@pytest.mark.parametrize("fn", [tq.quantize_rows, tq.quantize_cols_t])
-def test_bad_input_is_one_line_naming_the_array(fn):
-  name = fn.__name__
+def test_bad_input_is_one_line_naming_the_array():
   for x, shown in ((jnp.ones((2, 3, 4)), r"float32\[2, 3, 4\]"), (jnp.ones((8, 128), jnp.int32), r"int32\[8, 128\]"),
                    (jnp.ones((8, 128), jnp.float16), r"float16\[8, 128\]"), (jnp.ones((128,)), r"float32\[128\]")):
-    with pytest.raises(ValueError, match=rf"^triton fp8 {name}: x is {shown}, expected a 2-D \[M, C\] "
+    with pytest.raises(ValueError, match=rf"^triton fp8 quantize_rows: x is {shown}, expected a 2-D \[M, C\] "
                                          r"bfloat16 or float32 array$"):
-      fn(x)
+      tq.quantize_rows(x)
 
 
-@pytest.mark.parametrize("fn", [tq.quantize_rows, tq.quantize_cols_t])
-def test_bad_index_is_one_line_naming_it(fn):
-  name, x = fn.__name__, jnp.ones((8, 128), jnp.bfloat16)
+def test_bad_index_is_one_line_naming_it():
+  x = jnp.ones((8, 128), jnp.bfloat16)
   for index, shown in ((np.arange(4, dtype=np.int64), r"int64\[4\]"), (jnp.zeros((2, 3), jnp.int32), r"int32\[2, 3\]"),
                        (jnp.zeros(4), r"float32\[4\]"), (jnp.int32(3), r"int32\[\]"), ([0, 1], "a list")):
-    with pytest.raises(ValueError, match=rf"^triton fp8 {name}: index is {shown}, expected a 1-D int32 array "
-                                         r"of rows of x$"):
-      fn(x, index)
-  with pytest.raises(ValueError, match=rf"^triton fp8 {name}: index takes 3 rows of an x with none "
+    with pytest.raises(ValueError, match=rf"^triton fp8 quantize_rows: index is {shown}, expected a 1-D int32 "
+                                         r"array of rows of x$"):
+      tq.quantize_rows(x, index)
+  with pytest.raises(ValueError, match=r"^triton fp8 quantize_rows: index takes 3 rows of an x with none "
                                        r"\(float32\[0, 16\]\)$"):
-    fn(jnp.zeros((0, 16)), jnp.zeros(3, jnp.int32))
-  with pytest.raises(ValueError, match=rf"^triton fp8 {name}: index is int64\[2\]"):
-    tq.QUANTIZE_TILES(x, 1 if name == "quantize_rows" else 0, np.zeros(2, np.int64))
+    tq.quantize_rows(jnp.zeros((0, 16)), jnp.zeros(3, jnp.int32))
+  # the backend's form (`GmmBackend.fp8_quantize`), called as umoe_jax.ops.fp8_gmm.quantize calls it
+  with pytest.raises(ValueError, match=r"^triton fp8 quantize_rows: index is int64\[2\]"):
+    tq.QUANTIZE_ROWS(x, index=np.zeros(2, np.int64))
 
 
-def test_empty_arrays_launch_nothing():
+def test_empty_arrays_launch_nothing(monkeypatch):
+  monkeypatch.setattr(tq, "_launch", lambda *a, **k: pytest.fail("an empty array launched a kernel"))
   for shape in ((0, 200), (5, 0)):
     x = jnp.zeros(shape, jnp.bfloat16)
-    for got, want in ((tq.quantize_rows(x), fp8.quantize_tiles(x, axis=1)),
-                      (tq.quantize_cols_t(x), (fp8.quantize_tiles(x, axis=0)[0].T, fp8.quantize_tiles(x, axis=0)[1]))):
-      assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+    got, want = tq.quantize_rows(x), fp8.quantize_tiles(x, axis=1)
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
   # an empty index (of any x) or an x without columns: the gathered copy's empty results
   for shape, m in (((6, 200), 0), ((0, 200), 0), ((6, 0), 4)):
     x, index = jnp.zeros(shape, jnp.float32), jnp.zeros(m, jnp.int32)
-    taken = jnp.take(x, index, axis=0)
-    for got, want in ((tq.quantize_rows(x, index), fp8.quantize_tiles(taken, axis=1)),
-                      (tq.quantize_cols_t(x, index), (fp8.quantize_tiles(taken, axis=0)[0].T,
-                                                      fp8.quantize_tiles(taken, axis=0)[1]))):
-      assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+    got, want = tq.quantize_rows(x, index), fp8.quantize_tiles(jnp.take(x, index, axis=0), axis=1)
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,48 +221,36 @@ ROW_CASES = [  # M, C, input dtype: M not a multiple of the row block but in the
     (37, 1000, jnp.float32),
     (64, 40, jnp.bfloat16),
 ]
-COL_CASES = [  # M, C, input dtype: M = 7 tiles + 104, 2 tiles, 1 tile + 72, 1 tile + 2; C across
-    (1000, 144, jnp.bfloat16),  # column blocks or inside one
-    (256, 96, jnp.float32),
-    (200, 40, jnp.float32),
-    (130, 200, jnp.bfloat16),
-]
 
 
 # With an index: N source rows, C, input dtype; whether the index also holds entries from the end and
-# out of range. M (about 1.5 N) is not a multiple of the row block or of 128 (`_gather_check` asserts
-# it); rows: C 2 tiles + 44 or 6 tiles; columns: C across column blocks or inside one.
+# out of range. M (about 1.5 N) is not a multiple of the row block (`_gather_check` asserts it); C 2
+# tiles + 44 or 6 tiles.
 ROW_GATHER_CASES = [(90, 300, jnp.bfloat16, False), (70, 768, jnp.float32, True)]
-COL_GATHER_CASES = [(200, 144, jnp.bfloat16, True), (110, 40, jnp.float32, False)]
 
 
 def _dispatch_index(rng, n, outside):
   """int32 [M]: each of the n source rows 0 to 3 times (rows 0-4, `_special_rows`' rows, at least
-  once), in random order, as a top-k dispatch orders tokens by expert; rows 3 and 4 (+inf and -inf
-  in one column) next to each other, in one column tile. With `outside`, also entries counting from
-  the end (-1, -n) and out of range (n, int32's extremes), which jnp.take fills with NaN rows, all
-  among the first 128 (one column tile NaN throughout, the others finite)."""
+  once), in random order, as a top-k dispatch orders tokens by expert. With `outside`, also entries
+  counting from the end (-1, -n) and out of range (n, int32's extremes), which jnp.take fills with
+  NaN rows."""
   counts = rng.integers(0, 4, n)
   counts[:5] = np.maximum(counts[:5], 1)
   index = rng.permutation(np.repeat(np.arange(n), counts))
-  at = int(rng.integers(0, len(index) - 1)) // 2 * 2
-  index = np.concatenate([index[:at], [3, 4], index[at:]])
   if outside:
     info = np.iinfo(np.int32)
     for v in (-1, -n, n, info.min, info.max):
-      index = np.insert(index, int(rng.integers(0, min(len(index), 128))), v)
+      index = np.insert(index, int(rng.integers(0, len(index) + 1)), v)
   return index.astype(np.int32)
 
 
 def _special_rows(x):
-  """x [N, C] with: row 0 zero (zero 1 x 128 tiles), column 1 zero (zero 128-row tiles), a NaN in
-  row 1, +inf in row 2, +inf and -inf in row 3 (one 1 x 128 tile), -inf in row 4 under row 3's
-  +inf (a column tile holding rows 3 and 4 has a NaN scale, one holding only one of them an inf
-  scale)."""
+  """x [N, C] with: row 0 zero (zero tiles: scale 0), a NaN in row 1 (a NaN scale), +inf in row 2
+  (an inf scale), +inf and -inf in one tile of row 3 (a NaN scale: the reference tests the sum),
+  -inf in row 4 (an inf scale)."""
   x = x.copy()
   c = x.shape[1]
   x[0] = 0.0
-  x[:, 1 % c] = 0.0
   x[1, 5 % c] = np.nan
   x[2, c - 1] = np.inf
   x[3, 2 % c], x[3, 3 % c] = np.inf, -np.inf
@@ -280,30 +259,28 @@ def _special_rows(x):
 
 
 def _gather_check(rng):
-  """Both kernels with an index against `quantize_tiles` of the gathered copy, and the backend's
-  form with one."""
-  cases = [(tq.quantize_rows, "_rows_gather_kernel", 1, tq.ROWS_BM, case) for case in ROW_GATHER_CASES]
-  cases += [(tq.quantize_cols_t, "_cols_t_gather_kernel", 0, fp8.TILE, case) for case in COL_GATHER_CASES]
-  for fn, kernel, axis, block, (n, c, dtype, outside) in cases:
+  """The kernel with an index against `quantize_tiles` of the gathered copy, and the backend's form
+  with one (`GmmBackend.fp8_quantize`, called as umoe_jax.ops.fp8_gmm.quantize calls it)."""
+  for n, c, dtype, outside in ROW_GATHER_CASES:
     x = jnp.asarray(_special_rows(_operand(rng, n, c)), dtype)
     index = _dispatch_index(rng, n, outside)
-    assert len(index) % block and len(index) > block, (kernel, len(index))
+    assert len(index) % tq.ROWS_BM and len(index) > tq.ROWS_BM, len(index)
     n0 = len(LAUNCHES)
-    got = jax.jit(fn)(x, jnp.asarray(index))
-    assert LAUNCHES[n0:] == [kernel]
-    q, scale = fp8.quantize_tiles(jnp.take(x, jnp.asarray(index), axis=0), axis=axis)
+    got = jax.jit(tq.quantize_rows)(x, jnp.asarray(index))
+    assert LAUNCHES[n0:] == ["_rows_gather_kernel"]
+    q, scale = fp8.quantize_tiles(jnp.take(x, jnp.asarray(index), axis=0), axis=1)
     # the cases reach what they are for: zero, inf and NaN scales (and NaN rows where out of range)
-    assert (scale == 0).any() and np.isinf(scale).any() and np.isnan(scale).any(), kernel
+    assert (scale == 0).any() and np.isinf(scale).any() and np.isnan(scale).any()
     if outside:
       assert np.isnan(np.asarray(jnp.take(x, jnp.asarray(index), axis=0), np.float32)).all(1).sum() == 3
-    _same_bits(got, (q.T, scale) if axis == 0 else (q, scale),
-               f"{fn.__name__} index N={n} M={len(index)} C={c} {x.dtype} outside={outside}")
-  n, c, dtype, _ = COL_GATHER_CASES[0]
+    _same_bits(got, (q, scale), f"quantize_rows index N={n} M={len(index)} C={c} {x.dtype} outside={outside}")
+  n, c, dtype, _ = ROW_GATHER_CASES[1]
   x = jnp.asarray(_operand(rng, n, c), dtype)
   index = jnp.asarray(_dispatch_index(rng, n, True))
-  for axis in (0, 1):
-    _same_bits(jax.jit(lambda a, i: tq.QUANTIZE_TILES(a, axis, i))(x, index),
-               fp8.quantize_tiles(jnp.take(x, index, axis=0), axis=axis), f"QUANTIZE_TILES axis={axis} index")
+  n0 = len(LAUNCHES)
+  got = jax.jit(lambda a, i: tq.QUANTIZE_ROWS(a, index=i))(x, index)
+  assert LAUNCHES[n0:] == ["_rows_gather_kernel"]
+  _same_bits(got, fp8.quantize_tiles(jnp.take(x, index, axis=0), axis=1), "QUANTIZE_ROWS index")
 
 
 def _interpreter_check():
@@ -322,31 +299,9 @@ def _interpreter_check():
       got = jax.jit(lambda a: tq.quantize_rows(a))(x)   # (a fresh trace: one launch each)
       assert LAUNCHES[n0:] == ["_rows_kernel"]
       _same_bits(got, fp8.quantize_tiles(x, axis=1), f"quantize_rows M={m} C={c} {x.dtype} special={special}")
-  for m, c, dtype in COL_CASES:
-    straddle = dtype == jnp.float32
-    for special in (False, True):
-      x = _operand(rng, m, c)
-      x = jnp.asarray(_special(x.T, rng, straddle).T if special else x, dtype)
-      n0 = len(LAUNCHES)
-      got = jax.jit(lambda a: tq.quantize_cols_t(a))(x)
-      assert LAUNCHES[n0:] == ["_cols_t_kernel"]
-      q, scale = fp8.quantize_tiles(x, axis=0)
-      _same_bits(got, (q.T, scale), f"quantize_cols_t M={m} C={c} {x.dtype} special={special}")
-  # the backend's form: along rows it hands back the transposed copy's transpose (XLA folds it into
-  # the weight-gradient kernel's own transpose)
-  m, c, dtype = COL_CASES[0]
-  x = jnp.asarray(_operand(rng, m, c), dtype)
-  for axis in (0, 1):
-    _same_bits(jax.jit(lambda a: tq.QUANTIZE_TILES(a, axis))(x), fp8.quantize_tiles(x, axis=axis),
-               f"QUANTIZE_TILES axis={axis}")
-  assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES + COL_CASES) * 2, "casts not seen"
+  assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES) * 2, "casts not seen"
   _gather_check(rng)
   print("FP8_QUANT_INTERPRETER_OK")
-
-
-def test_the_backends_form_takes_a_2d_axis():
-  with pytest.raises(ValueError, match="axis 2 of a 2-D array"):
-    tq.quantize_tiles(jnp.zeros((4, 4), jnp.float32), 2)
 
 
 @pytest.mark.extras("triton")
@@ -393,9 +348,7 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
   n, m, c = 32768, 491520, 768   # UMoE-base's FFN rows (32768 tokens x top-15) by d_model
   wide = {}   # 16-byte loads, by kernel
   for name, kernel, launch in (("rows", tq._rows_kernel, tq.rows_launch(m, c)),
-                               ("cols_t", tq._cols_t_kernel, tq.cols_t_launch(m, c)),
-                               ("rows index", tq._rows_gather_kernel, tq.rows_launch(m, c, n)),
-                               ("cols_t index", tq._cols_t_gather_kernel, tq.cols_t_launch(m, c, n))):
+                               ("rows index", tq._rows_gather_kernel, tq.rows_launch(m, c, n))):
     res, ptx = _compile(kernel, launch, x_type, index="index" in name)
     what = (name, x_type, res)
     assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, what
@@ -406,7 +359,7 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
     # sign, NaN kept.
     assert re.search(r"min\.NaN\.xorsign\.abs\.f32", ptx) and not re.search(r"\bmin(\.ftz)?\.f32", ptx), what
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, what   # round to nearest even
-    # 16-byte loads and stores, no byte stores: the transposed FP8 store runs along M.
+    # 16-byte loads and stores, no byte stores: a row's FP8 values stored 16 at a time.
     assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx), what
     assert not re.search(r"st\.global(\.\w+)*\.(b8|u8|b16)\b", ptx), what
     # With an index x's loads stay 16-byte (a row's values contiguous whichever row it is): as many

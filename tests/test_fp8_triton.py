@@ -1,11 +1,12 @@
-"""CPU tests of the FP8 Triton grouped matmuls (kernels/gmm/triton_fp8_gmm.py): tiles and launch geometry,
-bad operands, the triton backend's FP8 forms; and the kernels themselves under the Triton interpreter
+"""CPU tests of the FP8 Triton grouped matmul (kernels/gmm/triton_fp8_gmm.py): tiles and launch geometry,
+bad operands, the triton backend's FP8 form; and the kernel itself under the Triton interpreter
 (TRITON_INTERPRET=1, in a subprocess), every launch routed through `jax.pure_callback` into it, against
-the emulation (`umoe_jax.ops.fp8.emulated_gmm` / `emulated_tgmm`) on fresh random operands whose rows
-and columns differ in magnitude by orders (so every scale piece has its own scale): ragged, empty and
-skewed groups, rows past the groups, K and N not multiples of 128, split column tiles, both
-transposes, all-zero pieces, inf and NaN, rows read through an index; then `fp8_gmm(..., backend="triton")`'s values and
-gradients against backend="xla". GPU runs: tests/gpu/test_fp8_gpu.py.
+the emulation (`umoe_jax.ops.fp8.emulated_gmm`) on fresh random operands whose rows and columns differ
+in magnitude by orders (so every scale piece has its own scale): ragged, empty and skewed groups, rows
+past the groups, K and N not multiples of 128, split column tiles, both transposes, all-zero pieces,
+inf and NaN, rows read through an index; then `fp8_gmm(..., backend="triton")`'s values and gradients
+(the weight gradient by the bf16 tgmm kernel, under the interpreter too) against backend="xla" and the
+weight gradient against a float64 loop. GPU runs: tests/gpu/test_fp8_gpu.py.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 from conftest import INTERPRETER_LOCK, interpreter_loop_bounds, run_in_triton_interpreter
 from kernels.gmm import triton_fp8_gmm as tf
 from kernels.gmm import triton_fp8_quant as tq
-from kernels.gmm import tuning
+from kernels.gmm import triton_gmm, tuning
 from umoe_jax.ops import fp8
 from umoe_jax.ops import gmm_backends as gb
 from umoe_jax.ops.fp8_gmm import fp8_backend
@@ -43,23 +44,16 @@ def test_tiles_and_launch_geometry():
   assert (launch["BM"], launch["BN"], launch["BN2"], launch["BK"], launch["N_TILES"]) == (
       128, 128, 64, 128, 1)
   assert launch["grid"] == ((-(-1000 // 128) + 8 + 1) * 1,)  # group-aligned row tiles + the zero tail
-  launch = tf.tgmm_launch(1000, 192, 768, 8, tf.default_config("tgmm", 192, 768))
-  assert (launch["BR"], launch["BK"], launch["BN"], launch["BN2"]) == (128, 128, 128, 0)
-  assert launch["grid"] == (8 * 2 * 6,)
   for bad in (tuning.TileConfig(128, 128, 64), tuning.TileConfig(128, 128, 128, persistent=1)):
     with pytest.raises(ValueError, match="FP8 gmm tile"):
       tf.gmm_launch(256, 256, 256, 2, bad)
-  for bad in (tuning.TileConfig(128, 128, 64), tuning.TileConfig(96, 128, 128)):
-    with pytest.raises(ValueError, match="FP8 tgmm tile"):
-      tf.tgmm_launch(256, 256, 256, 2, bad)
 
 
 def test_default_tiles_fit_shared_memory():
   """Every default tile fits an H100's shared memory with room for a float32 epilogue tile
-  (`shared_memory`): at bench/gmm.py's shapes, each of the forward, its transpose (dgrad) and the
-  weight gradient, and at every width; gmm tiles stay <= 192 wide (256 spills), tgmm tiles
-  above 128 wide take 64 output rows (128 x 192 spills). The operand buffers, the first term,
-  are what a compiled kernel asks: sm_90a compiles gave exactly them at the shapes below."""
+  (`shared_memory`): at bench/gmm.py's shapes, each of the forward and its transpose (dgrad), and at
+  every width; tiles stay <= 192 wide (256 spills). The operand buffers, the first term, are what a
+  compiled kernel asks: sm_90a compiles gave exactly them at the shapes below."""
   import os
   import sys
   bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -69,29 +63,27 @@ def test_default_tiles_fit_shared_memory():
   assert tf.SMEM_LIMIT == 232448
   cfg = lambda *a: dataclasses.astuple(tf.default_config(*a))[:5]   # bm, bn, bk, warps, stages
   for name, _, k, n, _ in SHAPES:
-    for op, kc, no in (("gmm", k, n), ("gmm_t", n, k), ("tgmm", k, n)):
+    for op, kc, no in (("gmm", k, n), ("gmm_t", n, k)):
       c = tf.default_config(op, kc, no)
       assert tf.shared_memory(c) <= tf.SMEM_LIMIT, (name, op, c)
   assert cfg("gmm", 768, 192) == (128, 192, 128, 8, 3)    # 122880 B of operand buffers compiled
   assert cfg("gmm_t", 192, 768) == (128, 128, 128, 8, 4)  # 131072 B
-  assert cfg("tgmm", 768, 192) == (64, 192, 128, 8, 3)    # 98304 B
-  assert cfg("tgmm", 2048, 512) == (128, 128, 128, 8, 3)  # 98304 B
-  for c in (tf.default_config("gmm", 768, 192), tf.default_config("tgmm", 768, 192)):
+  for c in (tf.default_config("gmm", 768, 192), tf.default_config("gmm_t", 192, 768)):
     assert tf.shared_memory(c) - c.bm * c.bn * 4 == c.num_stages * (c.bm + c.bn) * 128
   # 3 stages of a 128 x 256 gmm tile and its float32 epilogue: the 278528 B an H100 refuses
   assert tf.shared_memory(tuning.TileConfig(128, 256, 128, 8, 3)) == 278528 > tf.SMEM_LIMIT
   for width in range(1, 4097):
-    for op in ("gmm", "gmm_t", "tgmm"):
+    for op in ("gmm", "gmm_t"):
       c = tf.default_config(op, width, width)
-      assert tf.shared_memory(c) <= tf.SMEM_LIMIT and c.bn <= (256 if op == "tgmm" else 192), (op, c)
-      assert op != "tgmm" or c.bn <= 128 or c.bm <= 64, c
+      assert tf.shared_memory(c) <= tf.SMEM_LIMIT and c.bn <= 192, (op, c)
 
 
 def test_sweep_candidates_are_valid_tiles_and_the_table_reaches_the_launch(monkeypatch):
-  """`candidates` (bench/gmm.py --sweep-fp8) starts with the tile the kernels launch with and
-  holds only distinct tiles that launch (bk the scale piece, tgmm rows a power of two), fit
-  shared memory, stay within the output's width and keep their two float32 tiles within 192
-  registers a thread; a TABLE row is what `config_for`, the candidates' first and the launch take."""
+  """`candidates` (bench/gmm.py --sweep-fp8) starts with the tile the kernel launches with and
+  holds only distinct tiles that launch (bk the scale piece, one program a tile), fit shared
+  memory, stay within the output's width and keep their two float32 tiles within 192 registers a
+  thread; a TABLE row is what `config_for`, the candidates' first and the launch take; an op other
+  than the forward ("gmm") and the input gradient ("gmm_t") has no tiles."""
   import os
   import sys
   bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -99,19 +91,20 @@ def test_sweep_candidates_are_valid_tiles_and_the_table_reaches_the_launch(monke
     sys.path.insert(0, bench)
   from gmm_common import SHAPES
   for name, m, k, n, g in SHAPES:
-    for op, kc, no in (("gmm", k, n), ("gmm_t", n, k), ("tgmm", k, n)):
+    for op, kc, no in (("gmm", k, n), ("gmm_t", n, k)):
       cands = tf.candidates(op, kc, no)
       assert cands[0] == tf.config_for(op, kc, no) == tf.default_config(op, kc, no)
       assert len(cands) >= 6 and len(set(cands)) == len(cands), (name, op, cands)
       for c in cands:
-        (tf.tgmm_launch(m, kc, no, g, c) if op == "tgmm" else tf.gmm_launch(m, kc, no, g, c))
+        tf.gmm_launch(m, kc, no, g, c)
         assert c.bk == tf.TILE and tf.shared_memory(c) <= tf.SMEM_LIMIT, (name, op, c)
         assert c.bn <= tf._tile_width(no) and 2 * c.bm * c.bn <= 192 * 32 * c.num_warps, (op, c)
-  with pytest.raises(ValueError, match="unknown op 'dot'"):
-    tf.candidates("dot", 128, 128)
+  for op in ("dot", "tgmm"):
+    for fn in (tf.candidates, tf.default_config, tf.config_for):
+      with pytest.raises(ValueError, match=rf"^FP8 tiles: unknown op '{op}' \(gmm or gmm_t\)$"):
+        fn(op, 128, 128)
   tile = tuning.TileConfig(64, 128, 128, 4, 5)
   monkeypatch.setitem(tf.TABLE, ("gmm", 256, 384), tile)
-  monkeypatch.setitem(tf.TABLE, ("tgmm", 256, 384), tuning.TileConfig(128, 64, 128, 4, 4))
   assert tf.config_for("gmm", 256, 384) == tf.candidates("gmm", 256, 384)[0] == tile
   assert tf.config_for("gmm_t", 384, 256) == tf.default_config("gmm_t", 384, 256)
   launched = []
@@ -121,13 +114,8 @@ def test_sweep_candidates_are_valid_tiles_and_the_table_reaches_the_launch(monke
   a = fp8.quantize_tiles(jnp.ones((256, 256), jnp.float32), axis=1)
   w = fp8.quantize_blocks(jnp.ones((2, 256, 384), jnp.float32))
   tf.triton_fp8_gmm(*a, *w, sizes)
-  rows = fp8.quantize_tiles(jnp.ones((256, 256), jnp.float32), axis=0)
-  cols = fp8.quantize_tiles(jnp.ones((256, 384), jnp.float32), axis=0)
-  tf.triton_fp8_tgmm(*rows, *cols, sizes)
-  assert [(x["BM"], x["BN"] + x["BN2"], x["num_warps"], x["num_stages"]) for x in launched[:1]] == [
+  assert [(x["BM"], x["BN"] + x["BN2"], x["num_warps"], x["num_stages"]) for x in launched] == [
       (64, 128, 4, 5)]
-  assert (launched[1]["BK"], launched[1]["BN"] + launched[1]["BN2"], launched[1]["num_stages"]) == (
-      128, 64, 4)
 
 
 def test_bad_operands_name_the_array():
@@ -146,13 +134,12 @@ def test_bad_operands_name_the_array():
     tf.triton_fp8_gmm(lq, ls, rq, rs, gs, lhs_index=jnp.zeros((40,)))
   with pytest.raises(ValueError, match=r"lhs_index is int32\[40, 1\], expected an integer vector"):
     tf.triton_fp8_gmm(lq, ls, rq, rs, gs, lhs_index=jnp.zeros((40, 1), jnp.int32))
-  aq, as_ = fp8.quantize_tiles(jnp.ones((40, 16)), axis=0)
-  with pytest.raises(ValueError, match=r"rhs_scale is float32\[40, 2\], expected float32\[1, 200\]"):
-    tf.triton_fp8_tgmm(aq, as_, lq, ls, gs)   # rhs in tiles along its columns, not its rows
+  with pytest.raises(ValueError, match=r"rhs_scale is float32\[3, 1, 2\], expected float32\[3, 2, 1\]"):
+    tf.triton_fp8_gmm(lq, ls, rq, jnp.swapaxes(rs, 1, 2), gs)   # the blocks' scales transposed
 
 
 def test_gpus_without_fp8_tensor_cores_are_refused_before_a_launch(monkeypatch):
-  """Devices faked: both kernels' entry points refuse a GPU below compute capability 8.9 (no FP8
+  """Devices faked: the kernel's entry point refuses a GPU below compute capability 8.9 (no FP8
   tensor cores) in one line naming it and its sm_, before any launch; Ada (8.9), Hopper (9.0) and
   later GPUs launch."""
   import types
@@ -162,13 +149,13 @@ def test_gpus_without_fp8_tensor_cores_are_refused_before_a_launch(monkeypatch):
   sizes = jnp.asarray([100, 156], jnp.int32)
   operand = lambda q_shape, s_shape: (jnp.zeros(q_shape, F8), jnp.zeros(s_shape, jnp.float32))
   lhs, rhs = operand((256, 200), (256, 2)), operand((2, 200, 72), (2, 2, 1))
-  rows, cols = operand((256, 200), (2, 200)), operand((256, 72), (2, 72))
+  lhs_t = operand((256, 72), (256, 1))
   for cc, refused in (("8.0", True), ("8.6", True), ("8.9", False), ("9.0", False), ("10.0", False)):
     gpu = types.SimpleNamespace(platform="gpu", device_kind=f"NVIDIA sm{cc}", compute_capability=cc)
     monkeypatch.setattr(tf.jax, "devices", lambda gpu=gpu: [gpu])
     launched.clear()
     for what, call in (("gmm", lambda: tf.triton_fp8_gmm(*lhs, *rhs, sizes)),
-                       ("tgmm", lambda: tf.triton_fp8_tgmm(*rows, *cols, sizes))):
+                       (r"gmm\^T", lambda: tf.triton_fp8_gmm(*lhs_t, *rhs, sizes, transpose_rhs=True))):
       if refused:
         with pytest.raises(ValueError, match=rf"^triton fp8 {what}: NVIDIA sm{cc} \(sm_{cc.replace('.', '')}\) "
                                              r"has no FP8 tensor cores \(sm_89 or later\)"):
@@ -180,32 +167,6 @@ def test_gpus_without_fp8_tensor_cores_are_refused_before_a_launch(monkeypatch):
   monkeypatch.setattr(tf, "HAVE_JAX_TRITON", False)
   with pytest.raises(RuntimeError, match=r"^triton fp8 gmm: needs Triton and jax-triton"):
     tf.triton_fp8_gmm(*lhs, *rhs, sizes)
-
-
-def test_rowwise_launches_take_their_scales_and_promotion(monkeypatch):
-  """A row-wise launch checks the row-wise scale shapes (lhs [M, 1]; rhs [G, 1, N], or [G, K, 1]
-  transposed), and passes the kernel a scale stride of 1 a row and ROWWISE_PROMOTE's choice
-  (the forward on the tensor cores' accumulator, the input gradient in float32); a fine-grained
-  launch neither."""
-  launched = []
-  monkeypatch.setattr(tf, "_launch", lambda kernel, grid, args, out_shape, **meta: (
-      launched.append(meta), jnp.zeros(out_shape.shape, out_shape.dtype))[1])
-  sizes = jnp.asarray([100, 156], jnp.int32)
-  lhs = fp8.quantize_rowwise(jnp.ones((256, 300), jnp.float32), 1)
-  rhs = fp8.quantize_rowwise(jnp.ones((2, 300, 72), jnp.float32), 1)
-  tf.triton_fp8_gmm(*lhs, *rhs, sizes, rowwise=True)
-  dout = fp8.quantize_rowwise(jnp.ones((256, 72), jnp.float32), 1)
-  rhs_t = fp8.quantize_rowwise(jnp.ones((2, 300, 72), jnp.float32), 2)
-  tf.triton_fp8_gmm(*dout, *rhs_t, sizes, transpose_rhs=True, rowwise=True)
-  tf.triton_fp8_gmm(*fp8.quantize_tiles(jnp.ones((256, 300)), axis=1),
-                    *fp8.quantize_blocks(jnp.ones((2, 300, 72))), sizes)
-  assert [(m["ROWWISE"], m["SA_W"], m["PROMOTE"], m["KB"]) for m in launched] == [
-      (True, 1, tf.ROWWISE_PROMOTE["gmm"], 3), (True, 1, tf.ROWWISE_PROMOTE["gmm_t"], 1), (False, 3, False, 3)]
-  assert tf.ROWWISE_PROMOTE == {"gmm": False, "gmm_t": True}
-  with pytest.raises(ValueError, match=r"rhs_scale is float32\[2, 1, 72\], expected float32\[2, 300, 1\]"):
-    tf.triton_fp8_gmm(*dout, *rhs, sizes, transpose_rhs=True, rowwise=True)
-  with pytest.raises(ValueError, match=r"lhs_scale is float32\[256, 3\], expected float32\[256, 1\]"):
-    tf.triton_fp8_gmm(*fp8.quantize_tiles(jnp.ones((256, 300)), axis=1), *rhs, sizes, rowwise=True)
 
 
 def test_fp8_backends_lists_the_kernels_in_a_fresh_process():
@@ -223,8 +184,8 @@ def test_fp8_backends_lists_the_kernels_in_a_fresh_process():
 def test_registered_as_the_triton_backends_fp8_forms():
   gb.register_builtin_kernels()
   triton = gb.BACKENDS.get("triton")
-  assert triton.fp8_gmm is tf.triton_fp8_gmm and triton.fp8_tgmm is tf.triton_fp8_tgmm
-  assert triton.fp8_quantize is tq.quantize_tiles
+  assert triton.fp8_gmm is tf.triton_fp8_gmm and triton.fp8_quantize is tq.quantize_rows
+  assert triton.tgmm is triton_gmm.triton_tgmm   # the weight gradient's, in bf16
   assert triton.platforms == ("gpu",)
   if jax.devices()[0].platform == "cpu":  # auto keeps the emulation off GPU; triton is GPU-only
     assert fp8_backend("auto") == "xla"
@@ -257,9 +218,10 @@ def _program_order(reverse):
 
 
 def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stages=None, **meta):
-  """`triton_fp8_gmm._launch` through the interpreter; the output poisoned with NaN first, so an
-  output the kernel never writes fails, and guarded (`test_fp8_quant_triton.guarded`), so a store
-  outside it fails too; its programs last to first while REVERSED (at the trace)."""
+  """`triton_fp8_gmm._launch` (and the bf16 tgmm's jax-triton call, `_interpreter_triton_call`)
+  through the interpreter; the output poisoned with NaN first, so an output the kernel never writes
+  fails, and guarded (`test_fp8_quant_triton.guarded`), so a store outside it fails too; its
+  programs last to first while REVERSED (at the trace)."""
   from test_fp8_quant_triton import check_guards, guarded
   from test_kernels import _NpTensor
   reverse = REVERSED[0]
@@ -275,6 +237,13 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
 
   LAUNCHES.append(kernel.fn.__name__)
   return jax.pure_callback(host, out_shape, *args)
+
+
+def _interpreter_triton_call(*args, kernel, grid, out_shape, **meta):
+  """`jax_triton.triton_call` for kernels/gmm/triton_gmm.py's weight gradient (`triton_tgmm`, one
+  output), which fp8_gmm's backward runs in bf16: through `_interpreter_launch`."""
+  assert isinstance(out_shape, jax.ShapeDtypeStruct), "one output (the tgmm kernel's)"
+  return _interpreter_launch(kernel, grid, args, out_shape, **meta)
 
 
 def _operand(rng, shape, axes, spread=2.0):
@@ -312,6 +281,8 @@ def _loop_gmm(lhs, rhs, gs, transpose):
 
 
 def _loop_tgmm(a, b, gs):
+  """float64 a[rows of g].T @ b[rows of g], one product a group (zeros for an empty one): the weight
+  gradient's reference; rows past the groups left out."""
   ends = np.cumsum(gs)
   return np.stack([a[s:e].T.astype(np.float64) @ b[s:e].astype(np.float64)
                    for s, e in zip(ends - gs, ends)])
@@ -353,52 +324,42 @@ def _nan_pieces(scales, pieces):
   return jnp.asarray(scales)
 
 
-def _quantized(lhs, rhs, transpose, rowwise):
-  """(lhs_q, lhs_scale, rhs_q, rhs_scale) in the fine-grained recipe, or the row-wise one (a scale
-  a row of lhs and a column of the product's weights)."""
-  if rowwise:
-    return (*fp8.quantize_rowwise(jnp.asarray(lhs), axis=1),
-            *fp8.quantize_rowwise(jnp.asarray(rhs), axis=2 if transpose else 1))
+def _quantized(lhs, rhs):
+  """(lhs_q, lhs_scale, rhs_q, rhs_scale): lhs in 1 x 128 tiles along its contraction (axis 1),
+  rhs in 128 x 128 blocks."""
   return (*fp8.quantize_tiles(jnp.asarray(lhs), axis=1), *fp8.quantize_blocks(jnp.asarray(rhs)))
 
 
-def _dequantized(lq, ls, rq, rs, transpose, rowwise):
-  if rowwise:
-    axis = 2 if transpose else 1
-    return (np.asarray(fp8.dequantize_tiles(lq, ls, axis=1, tile=lq.shape[1])),
-            np.asarray(fp8.dequantize_tiles(rq, rs, axis=axis, tile=rq.shape[axis])))
+def _dequantized(lq, ls, rq, rs):
   return np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)), np.asarray(fp8.dequantize_blocks(rq, rs))
 
 
-def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32, reverse=False,
-               rowwise=False):
-  """One launch against the emulation (`_compare`), its programs last to first with `reverse`;
-  `rowwise`: the row-wise recipe's operands (one scale a row and a weight column)."""
+def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32, reverse=False):
+  """One launch against the emulation (`_compare`), its programs last to first with `reverse`."""
   gs = np.asarray(gs, np.int32)
   lhs, rhs = _gmm_operands(rng, m, k, n, gs, transpose, special)
-  lq, ls, rq, rs = _quantized(lhs, rhs, transpose, rowwise)
-  if special:  # a NaN piece in a row of the largest group and a NaN block (column) of its weights
+  lq, ls, rq, rs = _quantized(lhs, rhs)
+  if special:  # a NaN piece in a row of the largest group and a NaN block of its weights
     busy = int(np.argmax(gs))
     ls = _nan_pieces(ls, [(int(np.sum(gs[:busy])) + 2, 0)])
-    rs = _nan_pieces(rs, [(busy, rs.shape[1] - 1, 0) if rowwise and transpose
-                          else (busy, 0, rs.shape[2] - 1)])
+    rs = _nan_pieces(rs, [(busy, 0, rs.shape[2] - 1)])
   cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
   n0 = len(LAUNCHES)
   REVERSED[0] = reverse
   got = jax.jit(lambda *a: tf.triton_fp8_gmm(*a, transpose_rhs=transpose, out_dtype=out_dtype,
-                                             config=cfg, rowwise=rowwise))(lq, ls, rq, rs, jnp.asarray(gs))
+                                             config=cfg))(lq, ls, rq, rs, jnp.asarray(gs))
   REVERSED[0] = False
   assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
-  deq_l, deq_r = _dequantized(lq, ls, rq, rs, transpose, rowwise)
+  deq_l, deq_r = _dequantized(lq, ls, rq, rs)
   if special:  # (XLA's ragged_dot on CPU spreads one group's NaN to every row: a float64 loop)
     want = _loop_gmm(deq_l, deq_r, gs, transpose)
   else:
     want = fp8.emulated_gmm(lq, ls, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
-                            out_dtype=jnp.float32, rowwise=rowwise)
+                            out_dtype=jnp.float32)
   bound = _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose)
   rows = int(gs.sum())
   what = (f"gmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} transpose={transpose} special={special} "
-          f"reverse={reverse} rowwise={rowwise}")
+          f"reverse={reverse}")
   assert got.shape == (m, k if transpose else n) and got.dtype == out_dtype, what
   got = np.asarray(got.astype(jnp.float32))
   if out_dtype == jnp.float32:
@@ -410,29 +371,27 @@ def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32
     assert not np.all(np.isfinite(got[:rows])), f"{what}: the inf / NaN pieces reached no output"
 
 
-def _check_gmm_index(rng, transpose, rowwise=False):
+def _check_gmm_index(rng, transpose):
   """The kernel reading its rows through `lhs_index` (the fused dispatch's sort order: every source
   row read by several product rows, in another order) gives the bits of the same launch on the
   gathered operands, and the float64 loop's values; rows past the groups zero."""
   src, k, n, fan_out, gs = 70, 200, 144, 3, np.asarray([80, 0, 95, 20], np.int32)   # 15 rows past
   kc = n if transpose else k
-  lq, ls, rq, rs = _quantized(_operand(rng, (src, kc), (0, 1)), _operand(rng, (len(gs), k, n), (1, 2)),
-                              transpose, rowwise)
+  lq, ls, rq, rs = _quantized(_operand(rng, (src, kc), (0, 1)), _operand(rng, (len(gs), k, n), (1, 2)))
   index = jnp.asarray(rng.permutation(src * fan_out) // fan_out, jnp.int32)
   cfg = tuning.TileConfig(32, 48, tf.TILE)
   run = jax.jit(lambda q, sc, i: tf.triton_fp8_gmm(q, sc, rq, rs, jnp.asarray(gs), transpose_rhs=transpose,
-                                                   out_dtype=jnp.float32, config=cfg, lhs_index=i,
-                                                   rowwise=rowwise))
+                                                   out_dtype=jnp.float32, config=cfg, lhs_index=i))
   n0 = len(LAUNCHES)
   got = np.asarray(run(lq, ls, index))
   assert LAUNCHES[n0:] == ["_fp8_gmm_kernel"]
   gathered = np.asarray(tf.triton_fp8_gmm(jnp.take(lq, index, axis=0), jnp.take(ls, index, axis=0), rq,
                                           rs, jnp.asarray(gs), transpose_rhs=transpose,
-                                          out_dtype=jnp.float32, config=cfg, rowwise=rowwise))
-  what = f"gmm lhs_index transpose={transpose} rowwise={rowwise}"
+                                          out_dtype=jnp.float32, config=cfg))
+  what = f"gmm lhs_index transpose={transpose}"
   assert got.shape == (src * fan_out, k if transpose else n), what
   np.testing.assert_array_equal(got, gathered, err_msg=what)
-  deq_l, deq_r = _dequantized(lq, ls, rq, rs, transpose, rowwise)
+  deq_l, deq_r = _dequantized(lq, ls, rq, rs)
   deq_l = deq_l[np.asarray(index)]
   rows = int(gs.sum())
   _compare(got, _loop_gmm(deq_l, deq_r, gs, transpose), _loop_gmm(np.abs(deq_l), np.abs(deq_r), gs, transpose),
@@ -440,59 +399,16 @@ def _check_gmm_index(rng, transpose, rowwise=False):
   assert np.all(got[rows:] == 0), what
 
 
-TGMM_CASES = [  # M, K, N, group sizes, (bm, bn) output tile or None for the default
-    (300, 144, 200, [70, 0, 133, 40, 0], (64, 48)),  # groups across scale tiles, 57 rows past them
-    (260, 96, 136, [5, 250, 0, 2], (32, 32)),        # skewed: largest group's tiles first
-    (200, 40, 192, [90, 110], None),                 # default tile (64 x 192 = 128 + 64), K < 128
-    (700, 144, 200, [50, 0, 560, 40], (64, 48)),     # a group over a partial head tile, 3 whole tiles
-                                                     # (the unmasked loop) and a partial tail tile;
-                                                     # 50 rows past the groups in a partial last tile
-    (600, 96, 136, [128, 256, 0, 100, 28], (32, 32)),  # aligned groups: whole tiles alone, a tail
-                                                       # alone, a head alone; 88 rows past the groups
-]
-
-
-def _check_tgmm(rng, m, k, n, gs, tile, special, reverse=False):
-  gs = np.asarray(gs, np.int32)
-  a = _operand(rng, (m, k), (0, 1))
-  b = _operand(rng, (m, n), (0, 1))
-  if special:
-    a[:, 10] = 0.0          # zero pieces in every row tile
-    b[250, 3] = np.inf      # an inf in a row past the groups: its tile's groups
-  aq, as_ = fp8.quantize_tiles(jnp.asarray(a), axis=0)
-  bq, bs = fp8.quantize_tiles(jnp.asarray(b), axis=0)
-  if special:               # a NaN piece in the first row tile: every group with rows in it
-    as_ = _nan_pieces(as_, [(0, 7)])
-  g = len(gs)
-  cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
-  n0 = len(LAUNCHES)
-  REVERSED[0] = reverse
-  got = jax.jit(lambda *x: tf.triton_fp8_tgmm(*x, num_groups=g, out_dtype=jnp.float32, config=cfg))(
-      aq, as_, bq, bs, jnp.asarray(gs))
-  REVERSED[0] = False
-  assert LAUNCHES[n0:] == ["_fp8_tgmm_kernel"]
-  deq_a, deq_b = (np.asarray(fp8.dequantize_tiles(q, sc, axis=0)) for q, sc in ((aq, as_), (bq, bs)))
-  if special:  # (as in _check_gmm)
-    want = _loop_tgmm(deq_a, deq_b, gs)
-  else:
-    want = fp8.emulated_tgmm(aq, as_, bq, bs, jnp.asarray(gs), num_groups=g, out_dtype=jnp.float32)
-  bound = _loop_tgmm(np.abs(deq_a), np.abs(deq_b), gs)
-  what = f"tgmm M={m} K={k} N={n} gs={gs.tolist()} tile={tile} special={special} reverse={reverse}"
-  assert got.shape == (g, k, n), what
-  _compare(got, want, bound, g, what)
-  assert np.all(np.asarray(got)[gs == 0] == 0), f"{what}: empty groups are zero"
-  if special:
-    assert not np.all(np.isfinite(np.asarray(got))), what
-
-
 def _differentiable_check():
-  """fp8_gmm through the triton backend (its FP8 forms: this kernel) against the xla backend
-  (the emulation): the same quantised operands, so values and both gradients agree to float32
-  summation order; the three products ran as kernels."""
+  """fp8_gmm through the triton backend (its FP8 form: this kernel; its weight gradient: the bf16
+  tgmm kernel on the operands as they are) against the xla backend (the emulation, XLA's tgmm): the
+  same quantised operands, so values and both gradients agree to float32 summation order, and the
+  weight gradient is the float64 loop's over the unquantised operands; the forward and the input
+  gradient ran as this kernel, the weight gradient as the tgmm kernel."""
   from umoe_jax.ops import fp8_gmm as fg
   gb.register_builtin_kernels()
   triton = gb.BACKENDS.get("triton")
-  assert triton.fp8_gmm is tf.FP8_GMM and triton.fp8_tgmm is tf.FP8_TGMM
+  assert triton.fp8_gmm is tf.FP8_GMM and triton.tgmm is triton_gmm.TGMM
   gb.BACKENDS._entries["triton"] = dataclasses.replace(triton, platforms=("cpu", "gpu"))
   rng = np.random.default_rng(7)
   m, k, n, gs = 230, 144, 136, np.asarray([60, 0, 100, 25, 30], np.int32)   # 15 rows past the groups
@@ -506,7 +422,7 @@ def _differentiable_check():
 
     n0 = len(LAUNCHES)
     got = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "triton"), argnums=(0, 1)))(lhs, rhs)
-    assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
+    assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_tgmm_kernel"], LAUNCHES[n0:]
     want = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, "xla"), argnums=(0, 1)))(lhs, rhs)
     (v, (dx, dw)), (wv, (wdx, wdw)) = got, want
     what = f"fp8_gmm transpose={transpose}"
@@ -515,36 +431,34 @@ def _differentiable_check():
       x, y = np.asarray(x), np.asarray(y)
       assert np.all(np.isfinite(x)), (what, name)
       np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * np.max(np.abs(y)), err_msg=f"{what} {name}")
+    # the weight gradient from lhs and the cotangent as they are (no FP8 rounding): the float64 loop's
+    a, b = (np.asarray(cot), np.asarray(lhs)) if transpose else (np.asarray(lhs), np.asarray(cot))
+    assert dw.shape == rhs.shape and dw.dtype == rhs.dtype, what
+    _compare(dw, _loop_tgmm(a, b, gs), _loop_tgmm(np.abs(a), np.abs(b), gs), None, f"{what} drhs")
     assert np.all(np.asarray(dx)[gs.sum():] == 0), f"{what}: rows past the groups get no gradient"
     assert np.all(np.asarray(dw)[gs == 0] == 0), f"{what}: an empty group's weights get no gradient"
   # A dense product through the kernel (one group of every row; umoe_jax.model.layers.fp8_dense):
-  # values and both gradients against fp8_dot's float32 emulation of the same quantised operands.
+  # values and both gradients against fp8_dot's float32 emulation of the same quantised operands; the
+  # weight gradient of one group is XLA's dot, not a kernel.
   from umoe_jax.model.layers import fp8_dense
-  from umoe_jax.ops.fp8 import fp8_dot
   x = jnp.asarray(_operand(rng, (3, 70, k), (1, 2)))     # 210 rows: not a multiple of the row tile
   w = jnp.asarray(_operand(rng, (k, n), (0, 1)))
   cot = jnp.asarray(_operand(rng, (3, 70, n), (1,)))
-  dense = lambda impl, splits=1: jax.jit(jax.value_and_grad(
-      lambda a, b: jnp.sum(fp8_dense(a, b, impl, wgrad_splits=splits).astype(jnp.float32) * cot),
-      argnums=(0, 1)))(x, w)
+  dense = lambda impl: jax.jit(jax.value_and_grad(
+      lambda a, b: jnp.sum(fp8_dense(a, b, impl).astype(jnp.float32) * cot), argnums=(0, 1)))(x, w)
   wv, (wdx, wdw) = dense("emulate")
-  # the weight gradient in one group, and over row blocks (210 rows: two blocks of 128 and 82, one
-  # empty), summed
-  for splits in (1, 3):
-    n0 = len(LAUNCHES)
-    v, (dx, dw) = dense("triton", splits)
-    assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
-    np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8_dense")
-    for name, a, b in (("dx", dx, wdx), ("dw", dw, wdw)):
-      assert a.shape == b.shape and a.dtype == b.dtype, name
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
-                                 atol=1e-5 * np.max(np.abs(np.asarray(b))),
-                                 err_msg=f"fp8_dense {name} wgrad_splits={splits}")
-  # gmm_combine's FP8 form (fused_dispatch.FP8_FUSED_COMBINE): the kernels read dout's token rows
-  # through the sort order (the gmm's lhs_index, the column quantiser's index); the fan-in in XLA
+  n0 = len(LAUNCHES)
+  v, (dx, dw) = dense("triton")
+  assert LAUNCHES[n0:] == ["_fp8_gmm_kernel", "_fp8_gmm_kernel"], LAUNCHES[n0:]
+  np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8_dense")
+  for name, a, b in (("dx", dx, wdx), ("dw", dw, wdw)):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                               atol=1e-5 * np.max(np.abs(np.asarray(b))), err_msg=f"fp8_dense {name}")
+  # gmm_combine's FP8 form (fused_dispatch._fp8_gmm_combine_fn): the kernels read dout's token rows
+  # through the sort order (the FP8 gmm's lhs_index, the bf16 tgmm's rhs_index); the fan-in in XLA
   # here (the gather-sum kernel is bf16's, tested on its own).
   from umoe_jax.ops import dispatch, fused_dispatch
-  fused_dispatch.FP8_FUSED_COMBINE = True
   gb.BACKENDS._entries["triton"] = dataclasses.replace(gb.BACKENDS.get("triton"), gather_sum=None)
   n_tok, slots, f, d, e = 50, 3, 144, 136, 4
   plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, slots)), jnp.int32), e)
@@ -557,9 +471,8 @@ def _differentiable_check():
       argnums=(0, 1, 2)))(z, w2, gates)
   n0 = len(LAUNCHES)
   v, grads = combined("triton")
-  assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_fp8_tgmm_kernel"], LAUNCHES[n0:]
+  assert sorted(LAUNCHES[n0:]) == ["_fp8_gmm_kernel", "_fp8_gmm_kernel", "_tgmm_kernel"], LAUNCHES[n0:]
   wv, wgrads = combined("xla")
-  fused_dispatch.FP8_FUSED_COMBINE = False
   np.testing.assert_allclose(float(v), float(wv), rtol=1e-5, err_msg="fp8 gmm_combine")
   for name, a, b in zip(("dz", "dw", "dgates"), grads, wgrads):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
@@ -572,6 +485,8 @@ def _interpreter_check():
   _NP_DTYPES.setdefault(np.dtype(jnp.bfloat16), _NpDtype("bfloat16"))
   interpreter_loop_bounds()
   tf._launch = _interpreter_launch
+  # fp8_gmm's weight gradient: the bf16 tgmm kernel's jax-triton call, through the interpreter too
+  triton_gmm.jt = type("InterpreterJT", (), {"triton_call": staticmethod(_interpreter_triton_call)})
   rng = np.random.default_rng(0)
   # each case's transposed launch with its programs last to first (`_program_order`), so a program
   # storing into another's rows or columns fails in one order or the other
@@ -583,17 +498,7 @@ def _interpreter_check():
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
   for transpose in (False, True):
     _check_gmm_index(rng, transpose)
-  # the row-wise recipe (fp8_gmm.FP8_ROWWISE): each case once, its special values, the index
-  for i, (m, k, n, gs, tile) in enumerate(GMM_CASES):
-    _check_gmm(rng, m, k, n, gs, tile, i % 2 == 1, special=False, reverse=i == 2, rowwise=True)
-  for transpose in (False, True):
-    _check_gmm(rng, *GMM_CASES[0], transpose, special=True, rowwise=True)
-    _check_gmm_index(rng, transpose, rowwise=True)
-  for i, (m, k, n, gs, tile) in enumerate(TGMM_CASES):
-    _check_tgmm(rng, m, k, n, gs, tile, special=False, reverse=i % 2 == 1)
-  _check_tgmm(rng, *TGMM_CASES[0], special=True)
-  _check_tgmm(rng, *TGMM_CASES[3], special=True)   # the inf lands in a whole tile of the big group
-  # fp8_gmm's triton backend quantises with its own kernels (kernels/gmm/triton_fp8_quant.py):
+  # fp8_gmm's triton backend quantises with its own kernel (kernels/gmm/triton_fp8_quant.py):
   # through the interpreter too, with its correctly rounded e4m3 cast (test_fp8_quant_triton's)
   import test_fp8_quant_triton as tqt
   tqt._exact_e4m3()
@@ -601,11 +506,10 @@ def _interpreter_check():
   n0 = len(tqt.LAUNCHES)
   _differentiable_check()
   ran = tqt.LAUNCHES[n0:]
-  # four products (fp8_gmm in both layouts, the dense one twice): two row-tile and two column-tile
-  # operands each; then gmm_combine's FP8 form: act(z) and dout in row tiles, gate * act(z) and
-  # dout's token rows (through the index) in column tiles
-  assert ran.count("_rows_kernel") == 10 and ran.count("_cols_t_kernel") == 9, ran
-  assert ran[-1] == "_cols_t_gather_kernel" and len(ran) == 20, ran
+  # three products (fp8_gmm in both layouts, the dense one): the forward's and the input gradient's
+  # row-tile operands each; then gmm_combine's FP8 form: act(z), and dout's N token rows (read
+  # through the sort order by the gmm); nothing quantised for a weight gradient
+  assert ran == ["_rows_kernel"] * 8, ran
   print("FP8_TRITON_INTERPRETER_OK")
 
 

@@ -1,18 +1,14 @@
-"""One-pass FP8 tile quantisers in Triton (NVIDIA, through jax-triton): the same bits as
-`umoe_jax.ops.fp8.quantize_tiles`, each tile read once, its FP8 values and its scale written by the
-program that read it.
+"""A one-pass FP8 tile quantiser in Triton (NVIDIA, through jax-triton): the same bits as
+`umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, each tile read once, its FP8 values and its scale
+written by the program that read it.
 
   quantize_rows(x)    x [M, C] -> q [M, C], scale [M, ceil(C/128)]     1 x 128 tiles along C
-  quantize_cols_t(x)  x [M, C] -> qT [C, M], scale [ceil(M/128), C]    128-row tiles of one column,
-                      the FP8 values written transposed: the layout the FP8 weight-gradient kernel
-                      (triton_fp8_gmm's tgmm) reads, so no separate transpose pass follows
 
-Both take an optional row index: `quantize_rows(x, index)` with x [N, C] and index int32 [M] is
-`quantize_rows(jnp.take(x, index, axis=0))` bit for bit (and so for `quantize_cols_t`, its tiles
-those of the gathered order), output row r reading row index[r] of x: tokens quantised straight into
-expert order, without the [M, C] gathered copy that would be read once more right after. Indices
-are jnp.take's (default mode): a negative one counts from the end, one outside [-N, N) gives a NaN
-row; no index makes a kernel read outside x.
+It takes an optional row index: `quantize_rows(x, index)` with x [N, C] and index int32 [M] is
+`quantize_rows(jnp.take(x, index, axis=0))` bit for bit, output row r reading row index[r] of x:
+tokens quantised straight into expert order, without the [M, C] gathered copy that would be read
+once more right after. Indices are jnp.take's (default mode): a negative one counts from the end,
+one outside [-N, N) gives a NaN row; no index makes the kernel read outside x.
 
 x is bfloat16 or float32. A last tile shorter than 128 has its own scale; rows or columns past the
 array read as zeros, as `quantize_tiles` pads. The arithmetic is `umoe_jax.ops.fp8`'s, step for step:
@@ -26,7 +22,7 @@ backend by default takes an approximate float32 division, so `quantize_tiles` on
 kernels only under XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (see `_quantize`).
 
 XLA runs the jnp form as a reduction pass (amax and the NaN test) and a second pass that reads x again;
-these kernels read x once (with an index, the rows it names). Launches go through `_launch`, which
+this kernel reads x once (with an index, the rows it names). Launches go through `_launch`, which
 the CPU tests replace by the Triton interpreter.
 """
 from __future__ import annotations
@@ -48,12 +44,10 @@ MAX = 448.0                      # float8_e4m3fn's largest finite value
 DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
-# Rows a program of quantize_rows (it loops over the 128-wide tiles of C) and columns a program of
-# quantize_cols_t (one 128-row tile of them): [32, 128] blocks on 4 warps and [128, 64] blocks on 8,
-# at most 80 registers a thread and no spills on sm_90a (bench/kernel_resources.py), so an SM holds
-# 24-32 warps with ~48-64 KB of x in flight: many small programs stream x.
+# Rows a program of quantize_rows (it loops over the 128-wide tiles of C): [32, 128] blocks on 4
+# warps, at most 80 registers a thread and no spills on sm_90a (bench/kernel_resources.py), so an SM
+# holds 24-32 warps with ~48-64 KB of x in flight: many small programs stream x.
 ROWS_BM, ROWS_WARPS = 32, 4
-COLS_BC, COLS_WARPS = 64, 8
 
 
 if HAVE_TRITON:
@@ -133,44 +127,6 @@ if HAVE_TRITON:
                           TILE: tl.constexpr):
     _rows(x_ptr, idx_ptr, q_ptr, s_ptr, N, M, C, CB, CBP, BM, TILE, True)
 
-  @triton.jit
-  def _cols_t(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
-              BC: tl.constexpr, C_TILES: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr):
-    # x [M, C] (with GATHER: x [N, C] read at rows index[0:M], the tiles those of the gathered order)
-    # in TILE-row tiles of one column -> qT [C, M] (q transposed), s [cdiv(M, TILE), C]; a program:
-    # one row tile x BC columns, column blocks fastest. x is read along C (coalesced, a row's BC
-    # values contiguous whichever row the index names); the FP8 block is transposed in registers
-    # (through shared memory) so that the store runs along M, consecutive threads writing
-    # consecutive rows of one column of qT.
-    t = tl.program_id(0) // C_TILES
-    cols = (tl.program_id(0) % C_TILES) * BC + tl.arange(0, BC)
-    rows = t * TILE + tl.arange(0, TILE)
-    row_ok = rows < M
-    col_ok = cols < C
-    if GATHER:
-      src, bad = _source_rows(idx_ptr, rows, row_ok, N)
-    else:
-      src = rows.to(tl.int64)
-    x = tl.load(x_ptr + src[:, None] * C + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    if GATHER:
-      x = tl.where(bad[:, None], float("nan"), x)
-    q, scale = _quantize(x, _amax(x, 0)[None, :])
-    tl.store(s_ptr + t.to(tl.int64) * C + cols[None, :], scale, mask=col_ok[None, :])
-    tl.store(q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], tl.trans(q),
-             mask=col_ok[:, None] & row_ok[None, :])
-
-  @triton.jit
-  def _cols_t_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                     C_TILES: tl.constexpr, TILE: tl.constexpr):
-    _cols_t(x_ptr, x_ptr, q_ptr, s_ptr, 0, M, C, BC, C_TILES, TILE, False)
-
-  @triton.jit
-  def _cols_t_gather_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr,
-                            C: tl.constexpr, BC: tl.constexpr, C_TILES: tl.constexpr,
-                            TILE: tl.constexpr):
-    _cols_t(x_ptr, idx_ptr, q_ptr, s_ptr, N, M, C, BC, C_TILES, TILE, True)
-
 
 # ----------------------------------------------------------------------------------------------
 # Launch geometry (pure Python: tested on CPU).
@@ -186,16 +142,6 @@ def rows_launch(m: int, c: int, n: int | None = None) -> dict:
   cb = _cdiv(c, TILE)
   launch = dict(grid=(_cdiv(m, ROWS_BM),), M=m, C=c, CB=cb, CBP=pow2_at_least(cb), BM=ROWS_BM,
                 TILE=TILE, num_warps=ROWS_WARPS, num_stages=1)
-  return launch if n is None else dict(launch, N=n)
-
-
-def cols_t_launch(m: int, c: int, n: int | None = None) -> dict:
-  """quantize_cols_t's grid and meta-parameters: one program per (128-row tile, COLS_BC columns);
-  with `n` (the rows of x an index gathers from) those of the gathering kernel."""
-  bc = min(COLS_BC, pow2_at_least(c))
-  tiles = _cdiv(c, bc)
-  launch = dict(grid=(_cdiv(m, TILE) * tiles,), M=m, C=c, BC=bc, C_TILES=tiles, TILE=TILE,
-                num_warps=COLS_WARPS, num_stages=1)
   return launch if n is None else dict(launch, N=n)
 
 
@@ -250,45 +196,6 @@ def quantize_rows(x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Arr
   return q, scale
 
 
-def quantize_cols_t(x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """x [M, C] bfloat16 / float32 in 128-row tiles of one column -> (qT [C, M] float8_e4m3fn, the
-  quantised values transposed; scale [ceil(M/128), C] float32): with q, scale =
-  `umoe_jax.ops.fp8.quantize_tiles(x, axis=0)`, (q.T, scale) bit for bit.
-
-  With `index` (int32 [M]) x is [N, C] and the result that of `jnp.take(x, index, axis=0)`, bit for
-  bit (the 128-row tiles those of the gathered order), without the gathered copy; indices as in
-  `quantize_rows`."""
-  m = _check("triton fp8 quantize_cols_t", x, index)
-  c = x.shape[1]
-  q_shape = jax.ShapeDtypeStruct((c, m), DTYPE)
-  s_shape = jax.ShapeDtypeStruct((_cdiv(m, TILE), c), jnp.float32)
-  if m == 0 or c == 0:
-    return jnp.zeros(q_shape.shape, DTYPE), jnp.zeros(s_shape.shape, jnp.float32)
-  if index is None:
-    kernel, args, launch = _cols_t_kernel, (x,), cols_t_launch(m, c)
-  else:
-    kernel, args, launch = (_cols_t_gather_kernel, (x, jnp.asarray(index)),
-                            cols_t_launch(m, c, x.shape[0]))
-  grid = launch.pop("grid")
-  q_t, scale = _launch(kernel, grid, args, (q_shape, s_shape), **launch)
-  return q_t, scale
-
-
 available = gpu_available
 
-
-def quantize_tiles(x: jax.Array, axis: int,
-                   index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """`umoe_jax.ops.fp8.quantize_tiles(x, axis)` for 2-D x, the triton backend's `fp8_quantize`; with
-  `index` (int32 [M]) that of `jnp.take(x, index, axis=0)`, the rows read through the index.
-  Along rows (axis 0) the kernel writes the values transposed and this hands back their transpose:
-  the FP8 weight-gradient kernel reads that operand transposed, and XLA folds the two transposes."""
-  if axis not in (0, 1, -1, -2):
-    raise ValueError(f"triton fp8 quantize: axis {axis} of a 2-D array (0 or 1)")
-  if axis % 2 == 1:
-    return quantize_rows(x, index)
-  q_t, scale = quantize_cols_t(x, index)
-  return q_t.T, scale
-
-
-QUANTIZE_TILES = quantize_tiles
+QUANTIZE_ROWS = quantize_rows

@@ -82,26 +82,20 @@ def fp8_dense_impl() -> str:
   return backend if backend != "xla" and jax.device_count() == 1 else "xla"
 
 
-# The kernel's weight gradient of a dense product over this many row blocks (`fp8_gmm`'s
-# row_splits); 1 until bench/fp8_dense.py --wgrad_splits has timed the split on a GPU.
-DENSE_WGRAD_SPLITS = 1
-
-
-def fp8_dense(x: jax.Array, w: jax.Array, impl: str, wgrad_splits: int | None = None) -> jax.Array:
-  """x [..., K] @ w [K, N] with FP8 operands and gradients (scales as `umoe_jax.ops.fp8`'s), by
-  `impl`: "emulate" / "xla" (`fp8_dot`) or a gmm backend's FP8 forms over one group of all rows
-  (its weight gradient over `wgrad_splits` row blocks, default DENSE_WGRAD_SPLITS)."""
+def fp8_dense(x: jax.Array, w: jax.Array, impl: str) -> jax.Array:
+  """x [..., K] @ w [K, N] with FP8 operands in the forward and input-gradient products (scales as
+  `umoe_jax.ops.fp8`'s; the weight gradient in x's dtype), by `impl`: "emulate" / "xla"
+  (`fp8_dot`) or a gmm backend's FP8 form over one group of all rows."""
   if impl in ("emulate", "xla"):
     return fp8_dot(x, w, impl=impl)
   rows = x.reshape(-1, x.shape[-1])
-  splits = DENSE_WGRAD_SPLITS if wgrad_splits is None else wgrad_splits
-  y = fp8_gmm(rows, w[None], jnp.array([rows.shape[0]], jnp.int32), backend=impl, row_splits=splits)
+  y = fp8_gmm(rows, w[None], jnp.array([rows.shape[0]], jnp.int32), backend=impl)
   return y.reshape(x.shape[:-1] + (w.shape[1],))
 
 
 class Linear(nnx.Module):
   """y = x @ W (no bias). W [in, out], N(0, std^2). With `fp8` (train.precision=fp8) the product
-  and its two gradients take FP8 operands (`fp8_dense`)."""
+  and its input gradient take FP8 operands (`fp8_dense`)."""
 
   def __init__(self, d_in: int, d_out: int, axes: Sequence[str], *, std: float, param_dtype,
                compute_dtype, rngs: nnx.Rngs, fp8: bool = False):

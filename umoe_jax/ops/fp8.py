@@ -4,7 +4,7 @@ Operands are cast to float8_e4m3fn with one float32 scale per small piece, so on
 precision of its piece only:
 
   tiles   1 x 128 along one axis (activations and gradients: along the contraction of the matmul
-          that consumes them; 128 rows of one column for the weight-gradient product over tokens)
+          that consumes them)
   blocks  128 x 128 over the last two axes (weights; the same blocks serve the transposed product)
 
 scale = amax(|piece|) * (1/448), q = round_to_e4m3(x * (1/scale)), x ~= q * scale (in float32, the
@@ -13,9 +13,10 @@ quantises to zeros. A piece holding inf or NaN gets a non-finite scale, so every
 every product it enters, comes out NaN: a non-finite input never turns into a finite output.
 
 `fp8_dot` (here) and `umoe_jax.ops.fp8_gmm.fp8_gmm` (the experts) are differentiable: the forward
-product and both backward products (input gradient, weight gradient) take quantised operands,
-accumulate in float32 and return the output dtype asked for; master weights and their gradients keep
-their own dtype. The emulated forms form the products from the dequantised operands in float32: the
+product and the input gradient take quantised operands, the weight gradient (a contraction over
+tokens) the operands as they are (`umoe_jax.ops.fp8_gmm` says why); all accumulate in float32 and
+return the output dtype asked for; master weights and their gradients keep their own dtype. The
+emulated forms form the products from the dequantised operands in float32: the
 reference every FP8 kernel is compared with. `fp8_dot(..., impl="xla")` forms them from the FP8
 values, one FP8 dot_general per 128-wide contraction chunk, each chunk's float32 partial sum scaled.
 """
@@ -27,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops.ragged import xla_gmm, xla_tgmm
+from umoe_jax.ops.ragged import xla_gmm
 
 DTYPE = jnp.float8_e4m3fn
 MAX = float(jnp.finfo(DTYPE).max)  # 448
@@ -110,13 +111,6 @@ def dequantize_blocks(q: jax.Array, scale: jax.Array, block: int = TILE) -> jax.
   return q.astype(jnp.float32) * full
 
 
-def quantize_rowwise(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
-  """x with one scale for each whole line along `axis` (scales with `axis` of size 1): the row-wise
-  recipe, whose contraction carries one scale, so a kernel sums the whole contraction on its tensor
-  cores and scales once in its epilogue (`umoe_jax.ops.fp8_gmm.FP8_ROWWISE`)."""
-  return quantize_tiles(x, axis, tile=max(1, x.shape[axis]))
-
-
 def fake_quant_tiles(x: jax.Array, axis: int = -1) -> jax.Array:
   """x through the tile quantisation and back, float32: what an FP8 product sees of it."""
   return dequantize_tiles(*quantize_tiles(x, axis), axis=axis)
@@ -149,30 +143,17 @@ def _xla_matmul(x, w):
   return _chunked_product(*quantize_tiles(x, axis=1), qw, jnp.repeat(sw, TILE, axis=1)[:, :w.shape[1]])
 
 
-def _xla_matmul_over_rows(x, dy):
-  """x.T @ dy (x [M, K], dy [M, N]) with both in 128-row tiles of one column, from the FP8 values."""
-  qx, sx = quantize_tiles(x, axis=0)
-  return _chunked_product(qx.T, sx.T, *quantize_tiles(dy, axis=0))
-
-
 def _emulated_matmul(x, w):
   return jnp.matmul(fake_quant_tiles(x, axis=1), fake_quant_blocks(w),
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def _emulated_matmul_over_rows(x, dy):
-  return jnp.matmul(fake_quant_tiles(x, axis=0).T, fake_quant_tiles(dy, axis=0),
-                    precision=jax.lax.Precision.HIGHEST)
-
-
-# impl -> (x @ w, x.T @ dy): the forward and input-gradient product, the weight-gradient product
-_MATMULS = {"emulate": (_emulated_matmul, _emulated_matmul_over_rows),
-            "xla": (_xla_matmul, _xla_matmul_over_rows)}
+_MATMULS = {"emulate": _emulated_matmul, "xla": _xla_matmul}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fp8_dot(x, w, out_dtype, impl):
-  return _MATMULS[impl][0](x, w).astype(out_dtype)
+  return _MATMULS[impl](x, w).astype(out_dtype)
 
 
 def _fp8_dot_fwd(x, w, out_dtype, impl):
@@ -181,9 +162,9 @@ def _fp8_dot_fwd(x, w, out_dtype, impl):
 
 def _fp8_dot_bwd(out_dtype, impl, res, dy):
   x, w = res
-  matmul, over_rows = _MATMULS[impl]
-  dx = matmul(dy, w.T)            # dy in tiles along N; w's blocks, transposed, are the same blocks
-  dw = over_rows(x, dy)           # contraction over tokens
+  dx = _MATMULS[impl](dy, w.T)    # dy in tiles along N; w's blocks, transposed, are the same blocks
+  dw = jax.lax.dot_general(x, dy.astype(x.dtype), (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)  # over tokens, as fp8_gmm's: bf16
   return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
@@ -192,7 +173,8 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 def fp8_dot(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "emulate") -> jax.Array:
   """x [..., K] @ w [K, N] with FP8 operands (tiles for x, blocks for w), float32 accumulation,
-  output in `out_dtype` (default x.dtype); gradients through FP8 products too. `impl`: "emulate"
+  output in `out_dtype` (default x.dtype); the input gradient through an FP8 product too, the
+  weight gradient in x's dtype. `impl`: "emulate"
   (dequantised float32 products, the reference) or "xla" (FP8 dot_general per K chunk)."""
   if impl not in _MATMULS:
     raise ValueError(f"fp8_dot: impl {impl!r} is not one of {sorted(_MATMULS)}")
@@ -207,24 +189,9 @@ def fp8_dot(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "emulate"
 # compared with, and the xla backend's FP8 forms.
 
 
-def emulated_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs, out_dtype,
-                 rowwise=False):
+def emulated_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs, out_dtype):
   """lhs_q [M, C] in tiles along C (its contraction; scales [M, ceil(C/128)]), rhs_q [G, K, N] in
-  blocks (scales [G, ceil(K/128), ceil(N/128)]); C = K, or N with `transpose_rhs`. With `rowwise`
-  (`quantize_rowwise`) one scale a row of lhs (scales [M, 1]) and a column of the product's rhs:
-  [G, 1, N], or [G, K, 1] with `transpose_rhs`."""
-  if rowwise:
-    lhs = dequantize_tiles(lhs_q, lhs_scale, axis=1, tile=lhs_q.shape[1])
-    axis = 2 if transpose_rhs else 1
-    rhs = dequantize_tiles(rhs_q, rhs_scale, axis=axis, tile=rhs_q.shape[axis])
-  else:
-    lhs, rhs = dequantize_tiles(lhs_q, lhs_scale, axis=1), dequantize_blocks(rhs_q, rhs_scale)
+  blocks (scales [G, ceil(K/128), ceil(N/128)]); C = K, or N with `transpose_rhs`."""
+  lhs, rhs = dequantize_tiles(lhs_q, lhs_scale, axis=1), dequantize_blocks(rhs_q, rhs_scale)
   return xla_gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
                  out_dtype=jnp.float32).astype(out_dtype)
-
-
-def emulated_tgmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, out_dtype):
-  """lhs_q [M, K], rhs_q [M, N], both in 128-row tiles of one column (scales [ceil(M/128), K] and
-  [ceil(M/128), N]): the contraction runs over rows. A tile may span two groups; its scale is shared."""
-  return xla_tgmm(dequantize_tiles(lhs_q, lhs_scale, axis=0), dequantize_tiles(rhs_q, rhs_scale, axis=0),
-                  group_sizes, num_groups=num_groups, out_dtype=jnp.float32).astype(out_dtype)

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue
-from umoe_jax.ops.dispatch import DispatchPlan, combine, unpermute
-from umoe_jax.ops.fp8_gmm import fp8_backend, fp8_wgrad, gradients, quantize, quantized_gmm
-from umoe_jax.ops.gmm import BACKENDS, gmm, resolve_backend
+from umoe_jax.ops.dispatch import DispatchPlan, combine
+from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm
+from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
 
@@ -94,12 +94,10 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
   return dx.reshape(-1, dx.shape[-1])                                                    # [N*S, D]
 
 
-# The FP8 form of the first matmul reads the token rows in expert order through the sort order:
-# the forward's kernel reads the quantised rows through it (`fp8_gmm.quantized_gmm` with an index)
-# and the weight gradient quantises them through it (`fp8_gmm.quantize` with an index), instead of
-# from gathered [N*K, D] copies. Off until bench/train_step.py has timed rows with
-# /fp8_rows_through_index=0 and =1 (on an H100 the triton quantisers' index form gives the CPU's
-# bits and the gmm kernel's the gathered launch's: tests/gpu/test_fp8_gpu.py).
+# The FP8 form of the first matmul's forward reads the quantised token rows in expert order through
+# the sort order (`fp8_gmm.quantized_gmm` with an index) instead of from a gathered [N*K, D] copy.
+# Off until bench/train_step.py has timed rows with /fp8_rows_through_index=0 and =1 (on an H100
+# the gmm kernel's index form gives the gathered launch's bits: tests/gpu/test_fp8_gpu.py).
 FP8_ROWS_THROUGH_INDEX = False
 
 
@@ -108,14 +106,14 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
   they are and their FP8 values and scales gathered (or read through the sort order by the kernel,
   FP8_ROWS_THROUGH_INDEX): a row's tiles run along the row, so this equals quantising the gathered
-  copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients of the gathered rows (read
-  through the sort order with FP8_ROWS_THROUGH_INDEX, or for a bf16 weight gradient), the input
-  gradient fanned in as `_gather_gmm_fn`'s."""
+  copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients, the weight gradient's
+  rows read through the sort order as the bf16 form's, the input gradient fanned in as
+  `_gather_gmm_fn`'s."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
-    q, scale = quantize(backend_name, x, 1)
+    q, scale = quantize(backend_name, x)
     index = src if FP8_ROWS_THROUGH_INDEX else None
     if index is None:
       q, scale = jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0)
@@ -127,10 +125,7 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   def bwd(res, dout):
     x, rhs, gs, src, inverse = res
-    # A bf16 weight gradient reads the rows through the index as the bf16 form's does.
-    index = src if FP8_ROWS_THROUGH_INDEX or not fp8_wgrad() else None
-    rows = x if index is not None else jnp.take(x, src, axis=0)
-    drows, drhs = gradients(backend_name, rows, rhs, gs, False, dout.astype(x.dtype), lhs_index=index)
+    drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
@@ -247,39 +242,29 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
   return _combine_vjp(backend, slots, product, gradients)
 
 
-# The FP8 form of gmm_combine as the bf16 one runs (`_fp8_gmm_combine_fn`): the expert outputs fanned
-# in by the gather-sum, the backward from the token rows' cotangent quantised once per token and read
-# through the sort order, never the per-slot cotangent [M, D] (which the plain form writes, then
-# quantises twice). Off until bench/train_step.py rows /fp8_fused_combine=0 and =1 have timed it.
-FP8_FUSED_COMBINE = False
-
-
 @functools.lru_cache(maxsize=None)
 def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
-  """`_gmm_combine_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`'s quantisers and raw forms), the
-  same algebra: u = dout[token] @ rhs[g].T from dout's N rows quantised along D (a row's tiles run
-  along the row, so they are the per-slot rows' before the gate, which scales u instead), gives
-  dh = gate * u (* act'(z)) and dgate = <u, act(z)>; dw = tgmm(gate * act(z), dout[token]), the
-  token rows quantised in 128-row column tiles of the sorted order through the index (without
-  `fp8_gmm.fp8_wgrad()`, the bf16 form's tgmm). Those elementwise passes run in XLA over the F-wide
-  rows."""
+  """`_gmm_combine_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`'s quantiser and raw gmm), the same
+  algebra: u = dout[token] @ rhs[g].T from dout's N token rows quantised along D once (a row's tiles
+  run along the row, so they are the per-slot rows' before the gate, which scales u instead) and
+  read through the sort order, never the per-slot cotangent [M, D]; it gives dh = gate * u
+  (* act'(z)) and dgate = <u, act(z)>; dw = tgmm(gate * act(z), dout[token]) in bf16, as the bf16
+  form's. Those elementwise passes run in XLA over the F-wide rows. Against an FP8 gmm, unpermute
+  and combine, this took the UMoE-base step on one H100 from 175 to 157 ms (bench/results,
+  2026-12-07)."""
   backend = BACKENDS.get(backend_name)
   operand = _operand(activation)
 
   def product(h, rhs, gs):
-    return quantized_gmm(backend_name, *quantize(backend_name, operand(h), 1), rhs, gs, False, h.dtype)
+    return quantized_gmm(backend_name, *quantize(backend_name, operand(h)), rhs, gs, False, h.dtype)
 
   def gradients(h, rhs, gs, dout, token, gate_sorted):
-    u = quantized_gmm(backend_name, *quantize(backend_name, dout, 1), rhs, gs, True, jnp.float32,
+    u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
                       lhs_index=token)                                                     # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
-    if not fp8_wgrad():  # the bf16 form's weight gradient
-      return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
-                                        out_dtype=rhs.dtype, rhs_index=token)
-    drhs = backend.fp8_tgmm(*quantize(backend_name, hg, 0), *quantize(backend_name, dout, 0, token),
-                            gs, num_groups=rhs.shape[0], out_dtype=rhs.dtype)              # [E, F, D]
-    return dh, dgate_sorted, drhs
+    return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
+                                      out_dtype=rhs.dtype, rhs_index=token)               # [E, F, D]
 
   return _combine_vjp(backend, slots, product, gradients)
 
@@ -303,8 +288,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     rhs: [E, F, D].
     plan: the plan that sorted the rows (expert ids [N, K]).
     gates: [N, K].
-    fp8: FP8 operands (train.precision=fp8): an FP8 `gmm`, then `dispatch.unpermute` and
-      `combine` (`fuse_weight_rows` does not apply); with FP8_FUSED_COMBINE, `_fp8_gmm_combine_fn`.
+    fp8: FP8 operands in the two matmuls that take them (train.precision=fp8;
+      `_fp8_gmm_combine_fn`; `fuse_weight_rows` does not apply).
   Returns:
     [N, D] in h.dtype (the K-way sum accumulated in float32).
   """
@@ -317,12 +302,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if activation is not None and activation not in epilogue.FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
-  if fp8 and FP8_FUSED_COMBINE:
+  if fp8:
     return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation)(
         h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
-  if fp8:
-    rows = h if activation is None else epilogue.activate(activation, h)
-    y = gmm(rows, rhs.astype(h.dtype), plan.group_sizes, backend=backend, fp8=True)       # [M, D]
-    return combine(unpermute(y, plan).reshape(n, k, -1), gates)
   return _gmm_combine_fn(resolve_backend(backend), k, activation, bool(fuse_weight_rows))(
       h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)

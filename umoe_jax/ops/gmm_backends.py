@@ -62,13 +62,11 @@ class GmmBackend:
       the gmm on FP8 operands quantised by `umoe_jax.ops.fp8` (lhs in 1 x 128 tiles along its
       contraction, rhs in 128 x 128 blocks), float32 accumulation; None: no FP8 form (refused under
       train.precision=fp8). `umoe_jax.ops.fp8.emulated_gmm` is the reference and xla's form. With
-      `row_index` it also takes `lhs_index` [M] (rows lhs_q[lhs_index] and their scales); with
-      `rowwise=True` the scales are the row-wise recipe's (`umoe_jax.ops.fp8.quantize_rowwise`:
-      lhs_scale [M, 1], rhs_scale one a column of the product's weights).
-    fp8_tgmm: `(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, out_dtype)`, both
-      operands in 128-row tiles of one column (`umoe_jax.ops.fp8.emulated_tgmm`); set with fp8_gmm.
-    fp8_quantize: optional `(x [M, C], axis 0 or 1) -> (q, scale)`, bit for bit
-      `umoe_jax.ops.fp8.quantize_tiles(x, axis)`, in one pass over x (XLA's takes two); None: that.
+      `row_index` it also takes `lhs_index` [M] (rows lhs_q[lhs_index] and their scales). The
+      weight gradient has no FP8 form: it runs in bf16 by `tgmm` (`umoe_jax.ops.fp8_gmm`).
+    fp8_quantize: optional `(x [M, C], index=None) -> (q, scale)`, bit for bit
+      `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)` (of `jnp.take(x, index, axis=0)` with an index),
+      in one pass over x (XLA's takes two); None: that.
   """
   gmm: GmmFn
   tgmm: GmmFn
@@ -80,7 +78,6 @@ class GmmBackend:
   scaled_row_dot: bool = False
   gather_sum: Optional[GmmFn] = None
   fp8_gmm: Optional[GmmFn] = None
-  fp8_tgmm: Optional[GmmFn] = None
   fp8_quantize: Optional[Callable] = None
 
 
@@ -88,7 +85,7 @@ BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
 
 BACKENDS.register("xla")(GmmBackend(
     gmm=xla_gmm, tgmm=xla_tgmm, platforms=("cpu", "gpu", "tpu"), auto_priority=0,
-    fp8_gmm=fp8.emulated_gmm, fp8_tgmm=fp8.emulated_tgmm))
+    fp8_gmm=fp8.emulated_gmm))
 
 
 def _group_ids(group_sizes, num_rows):
@@ -124,8 +121,8 @@ BACKENDS.register("masked")(GmmBackend(
 
 
 # The kernel backends: (module, gmm, tgmm, fan-in module or None, row-index and epilogue extras, FP8
-# module or None: its FP8_GMM / FP8_TGMM are the backend's fp8_gmm / fp8_tgmm; FP8 quantiser module
-# or None: its QUANTIZE_TILES is the backend's fp8_quantize).
+# module or None: its FP8_GMM is the backend's fp8_gmm; FP8 quantiser module or None: its
+# QUANTIZE_ROWS is the backend's fp8_quantize).
 # auto priority, higher wins: set from the H200 measurements (2026-11-29-h200-fwd_tflops-97a81b91
 # and the gmm rows beside it in bench/results/h200.jsonl); megablox is the one TPU kernel.
 KERNELS = {
@@ -153,22 +150,21 @@ def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int,
       gather_sum = importlib.import_module(fan_in).gather_sum
     except Exception as e:  # noqa: BLE001  (the backend still registers; XLA does the fan-ins)
       _log.debug("fan-in kernel %s not loaded: %r", fan_in, e)
-  fp8_forms, quantize = (None, None), None
-  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_tgmm` / `fp8_quantize`)
+  fp8_form, quantize = None, None
+  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_quantize`)
     try:
-      fp8_mod = importlib.import_module(fp8)
-      fp8_forms = (fp8_mod.FP8_GMM, fp8_mod.FP8_TGMM)
+      fp8_form = importlib.import_module(fp8).FP8_GMM
       if fp8_quantize is not None:
-        quantize = importlib.import_module(fp8_quantize).QUANTIZE_TILES
+        quantize = importlib.import_module(fp8_quantize).QUANTIZE_ROWS
     except Exception as e:  # noqa: BLE001  (the backend still registers, without FP8 forms)
       _log.debug("FP8 kernel %s not loaded: %r", fp8, e)
-      fp8_forms, quantize = (None, None), None
+      fp8_form, quantize = None, None
   BACKENDS.register(name)(GmmBackend(
       gmm=getattr(mod, gmm), tgmm=getattr(mod, tgmm),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))), auto_priority=priority,
       available=mod.available, row_index=row_index,
       fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
-      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_forms[0], fp8_tgmm=fp8_forms[1],
+      scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_form,
       fp8_quantize=quantize))
 
 
