@@ -332,7 +332,7 @@ def main():
     log(line)
   if fp8_backends:
     log("\nfp8_gmm TFLOP/s (same FLOPs as bf16; quantisation inside) and fp8 / bf16; "
-        "quant ms = the activations' quantisation alone; rw fb = fwd+bwd in the row-wise recipe")
+        "quant ms = the activations' quantisation alone")
     for line in gmm_fp8.ratio_lines(shapes, results, fp8_backends):
       log(line)
   for k, v in results.get("dispatch", {}).items():

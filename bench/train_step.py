@@ -34,14 +34,14 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_rows_through_index=0|1]   (the FP8 switch fused_dispatch.FP8_ROWS_THROUGH_INDEX)
+      [--KEY=VALUE]   (a module switch of SWITCHES, none now)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
 
 A row is CONFIG:LAYOUT[@N][:EXCHANGE[:CHUNKS[:CAPACITY_FACTOR]]][/FLAG=VALUE...]; a field left out or
 "-" takes --exchange / --chunks / --capacity_factor, then the config's; /precision=, /zipf=,
-/routing= and the FP8 switches (/fp8_rows_through_index=, ...) set those flags for that row
+/routing= and the module switches of SWITCHES (/KEY=) set those flags for that row
 alone, so one run list holds uniform, Zipf-skewed and balanced rows in both precisions:
   --runs=umoe_base:single,umoe_base:single/zipf=1.1,umoe_base:single/routing=balanced/precision=fp8
 Layouts over N devices (default: all; @N takes the first N):
@@ -79,7 +79,6 @@ import numpy as np  # noqa: E402
 import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
-from umoe_jax.ops import fused_dispatch  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -119,7 +118,7 @@ def layout_mesh(layout: str, n: int) -> dict:
 PRECISIONS = ("bf16", "fp8")   # umoe_jax.config.schema.PRECISIONS (train.precision)
 ROUTINGS = ("router", "balanced")
 class Switch(NamedTuple):
-  """An FP8 module switch a row may set: module.attr, the least value (None: a 0/1 boolean), and
+  """A module switch a row may set: module.attr, the least value (None: a 0/1 boolean), and
   what it does (its flag's help)."""
   module: Any
   attr: str
@@ -127,14 +126,10 @@ class Switch(NamedTuple):
   does: str
 
 
-# The FP8 module switches, by flag (--KEY for every row, /KEY= for one), each timed by rows with and
-# without it before it becomes a default or goes.
-SWITCHES = {
-    "fp8_rows_through_index": Switch(
-        fused_dispatch, "FP8_ROWS_THROUGH_INDEX", None,
-        "the FP8 first expert matmul reads the quantised token rows through the sort order instead "
-        "of from gathered copies"),
-}
+# The module switches awaiting their rows, by flag (--KEY for every row, /KEY= for one): a change
+# not yet timed on a GPU lands behind a switch of its module, listed here, and is timed by rows with
+# and without it before it becomes the module's only path or goes. None waits now.
+SWITCHES: dict[str, Switch] = {}
 
 
 def switch_value(key: str) -> int:
@@ -387,7 +382,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
 
 
 def fp8_switches(args) -> None:
-  """The FP8 module switches a row runs with (read when its step is traced). None: the module's own
+  """The module switches (SWITCHES) a row runs with (read when its step is traced). None: the module's own
   setting, also after an earlier --in_process row set another."""
   for key, switch in SWITCHES.items():
     value = getattr(args, key)

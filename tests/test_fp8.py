@@ -463,26 +463,26 @@ def test_fp8_dense_hands_one_group_of_all_rows_to_fp8_gmm(monkeypatch):
 
 
 def _record_quantiser_calls(monkeypatch) -> list:
-  """Gives the xla backend a quantiser of its own (`fp8.quantize_tiles` along the rows, through the
-  index where one is given) that records (operand shape, index shape or None) of each call in the
-  list returned."""
+  """Gives the xla backend a quantiser of its own (`fp8.quantize_tiles` along the rows) that records
+  the operand shape of each call in the list returned."""
   import dataclasses
   from umoe_jax.ops import gmm_backends
   calls = []
 
-  def own(x, index=None):
-    calls.append((x.shape, None if index is None else index.shape))
-    return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=1)
+  def own(x):
+    calls.append(x.shape)
+    return fp8.quantize_tiles(x, axis=1)
   xla = gmm_backends.BACKENDS.get("xla")
   monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", dataclasses.replace(xla, fp8_quantize=own))
   return calls
 
 
 def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch):
-  """fused_dispatch.FP8_ROWS_THROUGH_INDEX: the first matmul's forward reads the N quantised token
-  rows through the plan's sort order (a row-index FP8 gmm; XLA's gathers first) instead of a
-  gathered copy: the same values and gradients; the backend's quantiser is handed the [N, D]
-  tokens, never an [N*K, D] copy, and its gmm the quantised tokens and the index."""
+  """The FP8 first matmul's forward reads the N quantised token rows through the plan's sort order
+  (a row-index FP8 gmm; XLA gathers first for the others): the values and gradients of fp8_gmm on
+  the permuted rows, bit for bit between the two kinds of backend; the backend's quantiser is
+  handed the [N, D] tokens, never an [N*K, D] copy, and a row-index gmm the quantised tokens and
+  the index."""
   import dataclasses
   from umoe_jax.ops import dispatch, fused_dispatch, gmm_backends
   rng = np.random.default_rng(14)
@@ -492,17 +492,18 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   w = jnp.asarray(rng.normal(size=(e, d, f)).astype(np.float32) / 14)
   cot = jnp.asarray(rng.normal(size=(n_tok * k, f)).astype(np.float32))
   loss = lambda a, b: jnp.sum(fused_dispatch.gather_gmm(a, b, plan, k, backend="xla", fp8=True) * cot)
-  want = jax.grad(loss, argnums=(0, 1))(x, w)
-  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", True)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
-  got = jax.grad(loss, argnums=(0, 1))(x, w)
-  for g, r in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  want = jax.grad(loss, argnums=(0, 1))(x, w)
+  definition = lambda a, b: jnp.sum(fp8_gmm(dispatch.permute(a, plan, k), b, plan.group_sizes,
+                                            backend="xla") * cot)
+  np.testing.assert_array_equal(np.asarray(loss(x, w)), np.asarray(definition(x, w)))
+  for g, r in zip(want, jax.grad(definition, argnums=(0, 1))(x, w)):
+    assert rel_err(g, r) < 1e-6
   calls = _record_quantiser_calls(monkeypatch)
   xla = gmm_backends.BACKENDS.get("xla")
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
   got = jax.grad(loss, argnums=(0, 1))(x, w)
-  assert ((n_tok, d), None) in calls and not [c for c in calls if c[0] == (n_tok * k, d)], calls
+  assert (n_tok, d) in calls and (n_tok * k, d) not in calls, calls
   for g, r in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   # A backend whose FP8 gmm reads rows through an index (`row_index`, the triton kernel's
@@ -528,7 +529,7 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   assert shape == (n_tok, d) and scale_shape == (n_tok, 2)
   np.testing.assert_array_equal(np.asarray(index), np.asarray(plan.order) // k)
   # One row a slot among others (pre-mixing's [N, 1 + K, D], slots 1..K read in place): the kernel
-  # reads row n * (1 + K) + 1 + j for slot j of token n, as the switch-off path's gathered copy.
+  # reads row n * (1 + K) + 1 + j for slot j of token n, as a gathering backend's copy has it.
   x3 = jnp.asarray(rng.normal(size=(n_tok, 1 + k, d)).astype(np.float32))
   loss3 = lambda a, b: jnp.sum(fused_dispatch.gather_gmm(a, b, plan, k, backend="xla", fp8=True,
                                                          first_slot=1) * cot)
@@ -537,7 +538,7 @@ def test_fp8_gather_gmm_reads_the_token_rows_through_the_sort_order(monkeypatch)
   assert shape == (n_tok * (1 + k), d)
   order = np.asarray(plan.order)
   np.testing.assert_array_equal(np.asarray(index), order // k * (1 + k) + 1 + order % k)
-  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", False)
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla", xla)
   fused_dispatch._fp8_gather_gmm_fn.cache_clear()
   want3 = jax.value_and_grad(loss3, argnums=(0, 1))(x3, w)
   for g, r in zip(jax.tree.leaves(got3), jax.tree.leaves(want3)):
@@ -554,8 +555,7 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
   <u, act(z)>; dw[g] = sum over g's sorted rows of gate * act(z) and dout[token] as they are; every
   gradient within FP8 error of the float32 gradient; and the quantiser is handed dout's N rows,
   never an [M, D] per-slot copy."""
-  import dataclasses
-  from umoe_jax.ops import dispatch, epilogue, fused_dispatch, gmm_backends
+  from umoe_jax.ops import dispatch, epilogue, fused_dispatch
   rng = np.random.default_rng(21)
   n_tok, k, f, d, e = 48, 3, 200, 300, 4
   m = n_tok * k
@@ -608,7 +608,7 @@ def test_fp8_fused_combine_matches_the_float64_reference(activation, monkeypatch
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
   got = jax.vjp(fn, z, w, gates)[1](g)
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
-  assert ((n_tok, d), None) in calls and not [c for c in calls if c[0] == (m, d)], calls
+  assert (n_tok, d) in calls and (m, d) not in calls, calls
   for x, y in zip(got, (dz, dw, dgates)):
     np.testing.assert_array_equal(np.asarray(x, np.float64), y)
 
@@ -629,7 +629,7 @@ def test_the_weight_gradient_in_bf16(sizes, transpose_rhs, monkeypatch):
   calls = _record_quantiser_calls(monkeypatch)
   _, pull = jax.vjp(f, lhs, rhs)
   _, drhs = pull(dout)
-  assert calls == [(lhs.shape, None), (dout.shape, None)], calls
+  assert calls == [lhs.shape, dout.shape], calls
   want, start = np.zeros((g, k, n)), 0
   a64, d64 = np.asarray(lhs, np.float64), np.asarray(dout, np.float64)
   for e, size in enumerate(sizes):
@@ -640,6 +640,32 @@ def test_the_weight_gradient_in_bf16(sizes, transpose_rhs, monkeypatch):
   assert rel_err(np.asarray(drhs, np.float64), want) < TOL
   for e, size in enumerate(sizes):
     assert np.asarray(drhs[e]).any() == (size > 0)
+
+
+@pytest.mark.parametrize("sizes", [[37, 0, 40, 3], [70]])
+def test_the_weight_gradient_reads_rows_through_an_index(sizes):
+  """`fp8_gmm.wgrad` with `lhs_index` (the fused first matmul's rows in expert order), in both
+  layouts and for one group: the float64 product of lhs's indexed rows and dout over each group,
+  rows past the groups left out."""
+  from umoe_jax.ops import fp8_gmm as fg, gmm_backends
+  rng = np.random.default_rng(33)
+  xla = gmm_backends.BACKENDS.get("xla")
+  g, m, k, n = len(sizes), 90, 120, 56
+  index = jnp.asarray(rng.integers(0, 60, m), jnp.int32)         # 60 source rows, repeats
+  gs = jnp.asarray(sizes, jnp.int32)
+  for transpose in (False, True):
+    lhs = jnp.asarray(rng.normal(size=(60, n if transpose else k)), jnp.float32)
+    dout = jnp.asarray(rng.normal(size=(m, k if transpose else n)), jnp.float32)
+    rhs = jnp.zeros((g, k, n), jnp.float32)
+    got = np.asarray(fg.wgrad(xla, lhs, dout, gs, rhs, transpose, index), np.float64)
+    rows64 = np.asarray(lhs, np.float64)[np.asarray(index)]
+    d64 = np.asarray(dout, np.float64)
+    want, start = np.zeros(rhs.shape), 0
+    for e, size in enumerate(sizes):
+      r = slice(start, start + size)
+      want[e] = d64[r].T @ rows64[r] if transpose else rows64[r].T @ d64[r]
+      start += size
+    assert got.shape == rhs.shape and rel_err(got, want) < TOL, transpose
 
 
 def _expert_layer(rng):
@@ -655,17 +681,14 @@ def _expert_layer(rng):
   return x, plan, w1, w2, gates, jnp.asarray(rng.normal(size=(n_tok, d)), jnp.float32)
 
 
-@pytest.mark.parametrize("through_index", [False, True])
-def test_the_fused_forms_weight_gradients_in_bf16(through_index, monkeypatch):
-  """The fused dispatch's FP8 forms (gather_gmm with the rows gathered or read through the sort
-  order, then gmm_combine): each weight gradient is the float64 product of its operands as they
+def test_the_fused_forms_weight_gradients_in_bf16():
+  """The fused dispatch's FP8 forms (gather_gmm, then gmm_combine): each weight gradient is the float64 product of its operands as they
   are (the sorted token rows and the per-slot cotangent; the gate-scaled activations and the token
   rows' cotangent)."""
   from umoe_jax.ops import fused_dispatch
   rng = np.random.default_rng(32)
   x, plan, w1, w2, gates, g = _expert_layer(rng)
   n_tok, k = gates.shape
-  monkeypatch.setattr(fused_dispatch, "FP8_ROWS_THROUGH_INDEX", through_index)
 
   def hidden(x, w1):
     return fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True)        # [M, F]

@@ -5,11 +5,8 @@ in a subprocess, every launch through `jax.pure_callback` as in tests/test_fp8_t
 whose magnitudes spread over orders (within a tile, and between rows and columns, so every tile has
 its own scale), row counts that are and are not multiples of the row block and widths that are and
 are not multiples of 128, zero, NaN and inf tiles, and values placed where a division instead of the
-reciprocal's product rounds to another FP8 value; with a row index, against `quantize_tiles` of
-`jnp.take(x, index, axis=0)` (dispatch-like indices: every source row used 0 to 3 times in random
-order; zero, NaN and inf rows; indices from the end and out of range); and both kernels (without and
-with the index) compiled for sm_90a, whose PTX must hold the exact arithmetic the interpreter cannot
-tell from the approximate one.
+reciprocal's product rounds to another FP8 value; and the kernel compiled for sm_90a, whose PTX must
+hold the exact arithmetic the interpreter cannot tell from the approximate one.
 """
 from __future__ import annotations
 
@@ -39,9 +36,6 @@ def test_launch_geometry():
   assert (rows["grid"], rows["CB"], rows["CBP"], rows["BM"]) == ((7,), 8, 8, tq.ROWS_BM) == ((7,), 8, 8, 32)
   assert (tq.rows_launch(64, 768)["CB"], tq.rows_launch(64, 768)["CBP"]) == (6, 8)
   assert (tq.rows_launch(5, 40)["grid"], tq.rows_launch(5, 40)["CB"], tq.rows_launch(5, 40)["CBP"]) == ((1,), 1, 1)
-  # with an index: the gathered rows' geometry, plus the source's row count (none without one)
-  assert "N" not in rows
-  assert tq.rows_launch(200, 1000, 77) == dict(tq.rows_launch(200, 1000), N=77)
 
 
 def test_bad_input_is_one_line_naming_the_array():
@@ -52,31 +46,11 @@ def test_bad_input_is_one_line_naming_the_array():
       tq.quantize_rows(x)
 
 
-def test_bad_index_is_one_line_naming_it():
-  x = jnp.ones((8, 128), jnp.bfloat16)
-  for index, shown in ((np.arange(4, dtype=np.int64), r"int64\[4\]"), (jnp.zeros((2, 3), jnp.int32), r"int32\[2, 3\]"),
-                       (jnp.zeros(4), r"float32\[4\]"), (jnp.int32(3), r"int32\[\]"), ([0, 1], "a list")):
-    with pytest.raises(ValueError, match=rf"^triton fp8 quantize_rows: index is {shown}, expected a 1-D int32 "
-                                         r"array of rows of x$"):
-      tq.quantize_rows(x, index)
-  with pytest.raises(ValueError, match=r"^triton fp8 quantize_rows: index takes 3 rows of an x with none "
-                                       r"\(float32\[0, 16\]\)$"):
-    tq.quantize_rows(jnp.zeros((0, 16)), jnp.zeros(3, jnp.int32))
-  # the backend's form (`GmmBackend.fp8_quantize`), called as umoe_jax.ops.fp8_gmm.quantize calls it
-  with pytest.raises(ValueError, match=r"^triton fp8 quantize_rows: index is int64\[2\]"):
-    tq.QUANTIZE_ROWS(x, index=np.zeros(2, np.int64))
-
-
 def test_empty_arrays_launch_nothing(monkeypatch):
   monkeypatch.setattr(tq, "_launch", lambda *a, **k: pytest.fail("an empty array launched a kernel"))
   for shape in ((0, 200), (5, 0)):
     x = jnp.zeros(shape, jnp.bfloat16)
     got, want = tq.quantize_rows(x), fp8.quantize_tiles(x, axis=1)
-    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
-  # an empty index (of any x) or an x without columns: the gathered copy's empty results
-  for shape, m in (((6, 200), 0), ((0, 200), 0), ((6, 0), 4)):
-    x, index = jnp.zeros(shape, jnp.float32), jnp.zeros(m, jnp.int32)
-    got, want = tq.quantize_rows(x, index), fp8.quantize_tiles(jnp.take(x, index, axis=0), axis=1)
     assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
 
 
@@ -223,66 +197,6 @@ ROW_CASES = [  # M, C, input dtype: M not a multiple of the row block but in the
 ]
 
 
-# With an index: N source rows, C, input dtype; whether the index also holds entries from the end and
-# out of range. M (about 1.5 N) is not a multiple of the row block (`_gather_check` asserts it); C 2
-# tiles + 44 or 6 tiles.
-ROW_GATHER_CASES = [(90, 300, jnp.bfloat16, False), (70, 768, jnp.float32, True)]
-
-
-def _dispatch_index(rng, n, outside):
-  """int32 [M]: each of the n source rows 0 to 3 times (rows 0-4, `_special_rows`' rows, at least
-  once), in random order, as a top-k dispatch orders tokens by expert. With `outside`, also entries
-  counting from the end (-1, -n) and out of range (n, int32's extremes), which jnp.take fills with
-  NaN rows."""
-  counts = rng.integers(0, 4, n)
-  counts[:5] = np.maximum(counts[:5], 1)
-  index = rng.permutation(np.repeat(np.arange(n), counts))
-  if outside:
-    info = np.iinfo(np.int32)
-    for v in (-1, -n, n, info.min, info.max):
-      index = np.insert(index, int(rng.integers(0, len(index) + 1)), v)
-  return index.astype(np.int32)
-
-
-def _special_rows(x):
-  """x [N, C] with: row 0 zero (zero tiles: scale 0), a NaN in row 1 (a NaN scale), +inf in row 2
-  (an inf scale), +inf and -inf in one tile of row 3 (a NaN scale: the reference tests the sum),
-  -inf in row 4 (an inf scale)."""
-  x = x.copy()
-  c = x.shape[1]
-  x[0] = 0.0
-  x[1, 5 % c] = np.nan
-  x[2, c - 1] = np.inf
-  x[3, 2 % c], x[3, 3 % c] = np.inf, -np.inf
-  x[4, 2 % c] = -np.inf
-  return x
-
-
-def _gather_check(rng):
-  """The kernel with an index against `quantize_tiles` of the gathered copy, and the backend's form
-  with one (`GmmBackend.fp8_quantize`, called as umoe_jax.ops.fp8_gmm.quantize calls it)."""
-  for n, c, dtype, outside in ROW_GATHER_CASES:
-    x = jnp.asarray(_special_rows(_operand(rng, n, c)), dtype)
-    index = _dispatch_index(rng, n, outside)
-    assert len(index) % tq.ROWS_BM and len(index) > tq.ROWS_BM, len(index)
-    n0 = len(LAUNCHES)
-    got = jax.jit(tq.quantize_rows)(x, jnp.asarray(index))
-    assert LAUNCHES[n0:] == ["_rows_gather_kernel"]
-    q, scale = fp8.quantize_tiles(jnp.take(x, jnp.asarray(index), axis=0), axis=1)
-    # the cases reach what they are for: zero, inf and NaN scales (and NaN rows where out of range)
-    assert (scale == 0).any() and np.isinf(scale).any() and np.isnan(scale).any()
-    if outside:
-      assert np.isnan(np.asarray(jnp.take(x, jnp.asarray(index), axis=0), np.float32)).all(1).sum() == 3
-    _same_bits(got, (q, scale), f"quantize_rows index N={n} M={len(index)} C={c} {x.dtype} outside={outside}")
-  n, c, dtype, _ = ROW_GATHER_CASES[1]
-  x = jnp.asarray(_operand(rng, n, c), dtype)
-  index = jnp.asarray(_dispatch_index(rng, n, True))
-  n0 = len(LAUNCHES)
-  got = jax.jit(lambda a, i: tq.QUANTIZE_ROWS(a, index=i))(x, index)
-  assert LAUNCHES[n0:] == ["_rows_gather_kernel"]
-  _same_bits(got, fp8.quantize_tiles(jnp.take(x, index, axis=0), axis=1), "QUANTIZE_ROWS index")
-
-
 def _interpreter_check():
   from test_kernels import _NP_DTYPES, _NpDtype
   _NP_DTYPES.setdefault(np.dtype(F8), _NpDtype("float8_e4m3fn"))
@@ -300,7 +214,13 @@ def _interpreter_check():
       assert LAUNCHES[n0:] == ["_rows_kernel"]
       _same_bits(got, fp8.quantize_tiles(x, axis=1), f"quantize_rows M={m} C={c} {x.dtype} special={special}")
   assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES) * 2, "casts not seen"
-  _gather_check(rng)
+  # the backend's form (`GmmBackend.fp8_quantize`) is the kernel
+  m, c, dtype = ROW_CASES[1]
+  x = jnp.asarray(_operand(rng, m, c), dtype)
+  n0 = len(LAUNCHES)
+  got = jax.jit(tq.QUANTIZE_ROWS)(x)
+  assert LAUNCHES[n0:] == ["_rows_kernel"]
+  _same_bits(got, fp8.quantize_tiles(x, axis=1), "QUANTIZE_ROWS")
   print("FP8_QUANT_INTERPRETER_OK")
 
 
@@ -314,7 +234,7 @@ def test_kernels_in_interpreter_match_quantize_tiles_bit_for_bit():
 # Compiled for Hopper (no GPU needed): what the interpreter's numpy arithmetic cannot show.
 
 
-def _compile(kernel, launch, x_type, index=False):
+def _compile(kernel, launch, x_type):
   """(ptxas's resources, PTX) of `kernel` for sm_90a at `launch`, through bench/kernel_resources.py."""
   import triton
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -334,8 +254,7 @@ def _compile(kernel, launch, x_type, index=False):
     return compiled[-1]
   triton.compile = keep
   try:
-    res = kr.compile_resources(kernel, dict(x_ptr=x_type, q_ptr="*fp8e4nv", s_ptr="*fp32",
-                                            **(dict(idx_ptr="*i32") if index else {})), meta,
+    res = kr.compile_resources(kernel, dict(x_ptr=x_type, q_ptr="*fp8e4nv", s_ptr="*fp32"), meta,
                                num_warps=warps, num_stages=stages)
   finally:
     triton.compile = compile_
@@ -345,29 +264,20 @@ def _compile(kernel, launch, x_type, index=False):
 @pytest.mark.extras("triton")
 @pytest.mark.parametrize("x_type", ["*bf16", "*fp32"])
 def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
-  n, m, c = 32768, 491520, 768   # UMoE-base's FFN rows (32768 tokens x top-15) by d_model
-  wide = {}   # 16-byte loads, by kernel
-  for name, kernel, launch in (("rows", tq._rows_kernel, tq.rows_launch(m, c)),
-                               ("rows index", tq._rows_gather_kernel, tq.rows_launch(m, c, n))):
-    res, ptx = _compile(kernel, launch, x_type, index="index" in name)
-    what = (name, x_type, res)
-    assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, what
-    assert res["registers"] <= 128, what      # >= 16 warps an SM: enough loads in flight
-    # The reciprocal correctly rounded: Triton's `/` would give div.full.f32 (approximate).
-    assert "div.rn.f32" in ptx and not re.search(r"div\.(full|approx)", ptx), what
-    # A NaN-propagating clip (a plain min / max would turn NaN into a bound): min(|y|, 448) with y's
-    # sign, NaN kept.
-    assert re.search(r"min\.NaN\.xorsign\.abs\.f32", ptx) and not re.search(r"\bmin(\.ftz)?\.f32", ptx), what
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, what   # round to nearest even
-    # 16-byte loads and stores, no byte stores: a row's FP8 values stored 16 at a time.
-    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx), what
-    assert not re.search(r"st\.global(\.\w+)*\.(b8|u8|b16)\b", ptx), what
-    # With an index x's loads stay 16-byte (a row's values contiguous whichever row it is): as many
-    # as without one; the only others the index's 4-byte loads.
-    loads = ["v4.b32" if op.endswith(".v4.b32") else op.split(".")[-1]
-             for op in re.findall(r"\bld\.global[\w.]*", ptx)]
-    wide[name] = loads.count("v4.b32")
-    if "index" in name:
-      assert wide[name] == wide[name.split()[0]] and set(loads) == {"v4.b32", "b32"}, (what, loads)
-    else:
-      assert set(loads) == {"v4.b32"}, (what, loads)
+  m, c = 491520, 768   # UMoE-base's FFN rows (32768 tokens x top-15) by d_model
+  res, ptx = _compile(tq._rows_kernel, tq.rows_launch(m, c), x_type)
+  what = (x_type, res)
+  assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, what
+  assert res["registers"] <= 128, what      # >= 16 warps an SM: enough loads in flight
+  # The reciprocal correctly rounded: Triton's `/` would give div.full.f32 (approximate).
+  assert "div.rn.f32" in ptx and not re.search(r"div\.(full|approx)", ptx), what
+  # A NaN-propagating clip (a plain min / max would turn NaN into a bound): min(|y|, 448) with y's
+  # sign, NaN kept.
+  assert re.search(r"min\.NaN\.xorsign\.abs\.f32", ptx) and not re.search(r"\bmin(\.ftz)?\.f32", ptx), what
+  assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, what   # round to nearest even
+  # 16-byte loads and stores, no byte stores: a row's FP8 values stored 16 at a time.
+  assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx) and re.search(r"st\.global\.v4\.b32", ptx), what
+  assert not re.search(r"st\.global(\.\w+)*\.(b8|u8|b16)\b", ptx), what
+  loads = ["v4.b32" if op.endswith(".v4.b32") else op.split(".")[-1]
+           for op in re.findall(r"\bld\.global[\w.]*", ptx)]
+  assert set(loads) == {"v4.b32"}, (what, loads)

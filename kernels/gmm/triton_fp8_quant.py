@@ -4,12 +4,6 @@ written by the program that read it.
 
   quantize_rows(x)    x [M, C] -> q [M, C], scale [M, ceil(C/128)]     1 x 128 tiles along C
 
-It takes an optional row index: `quantize_rows(x, index)` with x [N, C] and index int32 [M] is
-`quantize_rows(jnp.take(x, index, axis=0))` bit for bit, output row r reading row index[r] of x:
-tokens quantised straight into expert order, without the [M, C] gathered copy that would be read
-once more right after. Indices are jnp.take's (default mode): a negative one counts from the end,
-one outside [-N, N) gives a NaN row; no index makes the kernel read outside x.
-
 x is bfloat16 or float32. A last tile shorter than 128 has its own scale; rows or columns past the
 array read as zeros, as `quantize_tiles` pads. The arithmetic is `umoe_jax.ops.fp8`'s, step for step:
 scale = amax * float32(1/448); inv = 1 / (scale, or 1 where it is 0) rounded once; q = e4m3(clip(x *
@@ -22,7 +16,7 @@ backend by default takes an approximate float32 division, so `quantize_tiles` on
 kernels only under XLA_FLAGS=--xla_backend_extra_options=-nvptx-prec-divf32=2 (see `_quantize`).
 
 XLA runs the jnp form as a reduction pass (amax and the NaN test) and a second pass that reads x again;
-this kernel reads x once (with an index, the rows it names). Launches go through `_launch`, which
+this kernel reads x once. Launches go through `_launch`, which
 the CPU tests replace by the Triton interpreter.
 """
 from __future__ import annotations
@@ -76,56 +70,26 @@ if HAVE_TRITON:
     return y.to(tl.float8e4nv), scale
 
   @triton.jit
-  def _source_rows(idx_ptr, rows, row_ok, N: tl.constexpr):
-    # The rows of x that output rows `rows` read, as jnp.take's default mode picks them: index[r]
-    # from the end where it is negative; one outside [-N, N) gives a NaN row, flagged `bad` (its
-    # load reads row 0, so no index makes the kernel read outside x).
-    src = tl.load(idx_ptr + rows, mask=row_ok, other=0)
-    src = tl.where(src < 0, src + N, src)
-    bad = (src < 0) | (src >= N)
-    return tl.where(bad, 0, src).to(tl.int64), bad
-
-  @triton.jit
-  def _rows(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr, C: tl.constexpr,
-            CB: tl.constexpr, CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr,
-            GATHER: tl.constexpr):
-    # x [M, C] (with GATHER: x [N, C] read at rows index[0:M]) in 1 x TILE tiles along C -> q [M, C],
-    # s [M, CB]; BM rows a program, one tile of each row a step; the CB scales of a row gathered in
-    # registers (CBP = CB rounded up to a power of two) and stored once at the end, contiguous,
-    # instead of a strided 4-byte store a step.
+  def _rows_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                   CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr):
+    # x [M, C] in 1 x TILE tiles along C -> q [M, C], s [M, CB]; BM rows a program, one tile of each
+    # row a step; the CB scales of a row gathered in registers (CBP = CB rounded up to a power of
+    # two) and stored once at the end, contiguous, instead of a strided 4-byte store a step.
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     base = rows.to(tl.int64)[:, None] * C
-    if GATHER:
-      src, bad = _source_rows(idx_ptr, rows, row_ok, N)
-      x_base = src[:, None] * C
-    else:
-      x_base = base
     offs = tl.arange(0, TILE)
     slots = tl.arange(0, CBP)
     scales = tl.zeros((BM, CBP), tl.float32)
     for j in range(CB):
       cols = j * TILE + offs
       ok = row_ok[:, None] & (cols < C)[None, :]
-      x = tl.load(x_ptr + x_base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-      if GATHER:
-        x = tl.where(bad[:, None], float("nan"), x)
+      x = tl.load(x_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
       q, scale = _quantize(x, _amax(x, 1)[:, None])
       tl.store(q_ptr + base + cols[None, :], q, mask=ok)
       scales = tl.where(slots[None, :] == j, scale, scales)
     tl.store(s_ptr + rows.to(tl.int64)[:, None] * CB + slots[None, :], scales,
              mask=row_ok[:, None] & (slots < CB)[None, :])
-
-  @triton.jit
-  def _rows_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
-                   CBP: tl.constexpr, BM: tl.constexpr, TILE: tl.constexpr):
-    _rows(x_ptr, x_ptr, q_ptr, s_ptr, 0, M, C, CB, CBP, BM, TILE, False)
-
-  @triton.jit
-  def _rows_gather_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, N: tl.constexpr, M: tl.constexpr,
-                          C: tl.constexpr, CB: tl.constexpr, CBP: tl.constexpr, BM: tl.constexpr,
-                          TILE: tl.constexpr):
-    _rows(x_ptr, idx_ptr, q_ptr, s_ptr, N, M, C, CB, CBP, BM, TILE, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,35 +100,22 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def rows_launch(m: int, c: int, n: int | None = None) -> dict:
-  """quantize_rows' grid and meta-parameters: one program per ROWS_BM rows; with `n` (the rows of
-  x an index gathers from) those of the gathering kernel."""
+def rows_launch(m: int, c: int) -> dict:
+  """quantize_rows' grid and meta-parameters: one program per ROWS_BM rows."""
   cb = _cdiv(c, TILE)
-  launch = dict(grid=(_cdiv(m, ROWS_BM),), M=m, C=c, CB=cb, CBP=pow2_at_least(cb), BM=ROWS_BM,
-                TILE=TILE, num_warps=ROWS_WARPS, num_stages=1)
-  return launch if n is None else dict(launch, N=n)
+  return dict(grid=(_cdiv(m, ROWS_BM),), M=m, C=c, CB=cb, CBP=pow2_at_least(cb), BM=ROWS_BM,
+              TILE=TILE, num_warps=ROWS_WARPS, num_stages=1)
 
 
 # ----------------------------------------------------------------------------------------------
 # JAX entry points.
 
 
-def _check(what: str, x, index) -> int:
-  """Raises a one-line ValueError for a bad x or index; returns the result's row count M."""
+def _check(what: str, x) -> None:
+  """Raises a one-line ValueError for a bad x."""
   if x.ndim != 2 or jnp.dtype(x.dtype) not in INPUT_DTYPES:
     raise ValueError(f"{what}: x is {jnp.dtype(x.dtype).name}{list(x.shape)}, expected a 2-D "
                      "[M, C] bfloat16 or float32 array")
-  if index is None:
-    return x.shape[0]
-  if not (hasattr(index, "shape") and hasattr(index, "dtype")) or len(index.shape) != 1 or \
-      jnp.dtype(index.dtype) != jnp.int32:
-    shown = (f"{jnp.dtype(index.dtype).name}{list(index.shape)}" if hasattr(index, "dtype") and
-             hasattr(index, "shape") else f"a {type(index).__name__}")
-    raise ValueError(f"{what}: index is {shown}, expected a 1-D int32 array of rows of x")
-  if x.shape[0] == 0 and index.shape[0] > 0:   # (jnp.take refuses it too)
-    raise ValueError(f"{what}: index takes {index.shape[0]} rows of an x with none "
-                     f"({jnp.dtype(x.dtype).name}{list(x.shape)})")
-  return index.shape[0]
 
 
 def _launch(kernel, grid, args, out_shape, **meta):
@@ -173,26 +124,18 @@ def _launch(kernel, grid, args, out_shape, **meta):
                         **triton_launch.launch_kwargs())
 
 
-def quantize_rows(x: jax.Array, index: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """x [M, C] bfloat16 / float32 in 1 x 128 tiles along C -> (q [M, C] float8_e4m3fn, scale
-  [M, ceil(C/128)] float32): `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, bit for bit.
-
-  With `index` (int32 [M]) x is [N, C] and the result that of `jnp.take(x, index, axis=0)`, bit for
-  bit, without the gathered copy: output row r reads row index[r] of x (a negative index counts from
-  the end; one outside [-N, N) gives a NaN row, as jnp.take's default mode does)."""
-  m = _check("triton fp8 quantize_rows", x, index)
-  c = x.shape[1]
+  [M, ceil(C/128)] float32): `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, bit for bit."""
+  _check("triton fp8 quantize_rows", x)
+  m, c = x.shape
   q_shape = jax.ShapeDtypeStruct((m, c), DTYPE)
   s_shape = jax.ShapeDtypeStruct((m, _cdiv(c, TILE)), jnp.float32)
   if m == 0 or c == 0:   # (no program to launch)
     return jnp.zeros(q_shape.shape, DTYPE), jnp.zeros(s_shape.shape, jnp.float32)
-  if index is None:
-    kernel, args, launch = _rows_kernel, (x,), rows_launch(m, c)
-  else:
-    kernel, args, launch = (_rows_gather_kernel, (x, jnp.asarray(index)),
-                            rows_launch(m, c, x.shape[0]))
+  launch = rows_launch(m, c)
   grid = launch.pop("grid")
-  q, scale = _launch(kernel, grid, args, (q_shape, s_shape), **launch)
+  q, scale = _launch(_rows_kernel, grid, (x,), (q_shape, s_shape), **launch)
   return q, scale
 
 

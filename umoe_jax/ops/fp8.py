@@ -184,9 +184,9 @@ def fp8_dot(x: jax.Array, w: jax.Array, *, out_dtype=None, impl: str = "emulate"
 
 
 # ----------------------------------------------------------------------------------------------
-# Grouped products (the experts): the raw FP8 forms of a `umoe_jax.ops.gmm_backends.GmmBackend`,
+# Grouped products (the experts): the raw FP8 gmm of a `umoe_jax.ops.gmm_backends.GmmBackend`,
 # on operands quantised by the caller (`umoe_jax.ops.fp8_gmm`), emulated: what every FP8 kernel is
-# compared with, and the xla backend's FP8 forms.
+# compared with, and the xla backend's FP8 gmm.
 
 
 def emulated_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs, out_dtype):

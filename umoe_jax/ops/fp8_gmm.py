@@ -54,15 +54,11 @@ def fp8_backend(name: str) -> str:
   return name
 
 
-def quantize(backend_name: str, x, index=None):
+def quantize(backend_name: str, x):
   """`fp8.quantize_tiles(x, axis=1)` (x [M, C]: 1 x 128 tiles along the rows, the same bits) by the
-  backend's one-pass quantiser where it has one; with `index` [M'] that of x's rows `index`
-  (`jnp.take(x, index, axis=0)`), which the backend's quantiser reads through the index instead of
-  a gathered copy."""
+  backend's one-pass quantiser where it has one."""
   own = BACKENDS.get(backend_name).fp8_quantize
-  if own is not None:
-    return own(x) if index is None else own(x, index=index)
-  return fp8.quantize_tiles(x if index is None else jnp.take(x, index, axis=0), axis=1)
+  return own(x) if own is not None else fp8.quantize_tiles(x, axis=1)
 
 
 def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype,

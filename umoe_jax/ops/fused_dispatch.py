@@ -94,30 +94,23 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
   return dx.reshape(-1, dx.shape[-1])                                                    # [N*S, D]
 
 
-# The FP8 form of the first matmul's forward reads the quantised token rows in expert order through
-# the sort order (`fp8_gmm.quantized_gmm` with an index) instead of from a gathered [N*K, D] copy.
-# Off until bench/train_step.py has timed rows with /fp8_rows_through_index=0 and =1 (on an H100
-# the gmm kernel's index form gives the gathered launch's bits: tests/gpu/test_fp8_gpu.py).
-FP8_ROWS_THROUGH_INDEX = False
-
-
 @functools.lru_cache(maxsize=None)
 def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None):
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
-  they are and their FP8 values and scales gathered (or read through the sort order by the kernel,
-  FP8_ROWS_THROUGH_INDEX): a row's tiles run along the row, so this equals quantising the gathered
-  copy, at N source rows instead of M = N*K. Backward: fp8_gmm's gradients, the weight gradient's
-  rows read through the sort order as the bf16 form's, the input gradient fanned in as
-  `_gather_gmm_fn`'s."""
+  they are (a row's tiles run along the row, so this equals quantising the gathered copy, at N
+  source rows instead of M = N*K) and the FP8 gmm reads them and their scales through the sort
+  order (`fp8_gmm.quantized_gmm` with an index; XLA gathers first for a backend without
+  `row_index`). With the weight gradient then in FP8 and quantised through the index too, this
+  took the UMoE-base step on one H100 from 216 to 202 ms (rows of 2026-12-07): the kernels' time
+  stayed, XLA's gathers (jnp.take's bounds selects) fell from 22 to 8 ms. Backward:
+  fp8_gmm's gradients, the weight gradient's rows read through the sort order as the bf16 form's,
+  the input gradient fanned in as `_gather_gmm_fn`'s."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
     q, scale = quantize(backend_name, x)
-    index = src if FP8_ROWS_THROUGH_INDEX else None
-    if index is None:
-      q, scale = jnp.take(q, src, axis=0), jnp.take(scale, src, axis=0)
-    out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=index)
+    out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src)
     return vary_like(out, varying_axes(x) | varying_axes(rhs))
 
   def fwd(x, rhs, gs, src, inverse):

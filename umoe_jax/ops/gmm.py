@@ -90,7 +90,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str 
     backend: a name in `BACKENDS` or "auto".
     transpose_rhs: multiply by `rhs[g].T` instead.
     preferred_element_type: output dtype (default: lhs.dtype); accumulation is always float32.
-    fp8: FP8 operands in the three products (`umoe_jax.ops.fp8_gmm.fp8_gmm`; train.precision=fp8).
+    fp8: FP8 operands in the forward and input-gradient products, the weight gradient in lhs's
+      dtype (`umoe_jax.ops.fp8_gmm.fp8_gmm`; train.precision=fp8).
   Returns:
     [M, N] ([M, K] with `transpose_rhs`).
   """

@@ -64,9 +64,9 @@ class GmmBackend:
       train.precision=fp8). `umoe_jax.ops.fp8.emulated_gmm` is the reference and xla's form. With
       `row_index` it also takes `lhs_index` [M] (rows lhs_q[lhs_index] and their scales). The
       weight gradient has no FP8 form: it runs in bf16 by `tgmm` (`umoe_jax.ops.fp8_gmm`).
-    fp8_quantize: optional `(x [M, C], index=None) -> (q, scale)`, bit for bit
-      `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)` (of `jnp.take(x, index, axis=0)` with an index),
-      in one pass over x (XLA's takes two); None: that.
+    fp8_quantize: optional `(x [M, C]) -> (q, scale)`, bit for bit
+      `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, in one pass over x (XLA's takes two); None:
+      that.
   """
   gmm: GmmFn
   tgmm: GmmFn

@@ -62,9 +62,10 @@ def default_train_config() -> ml_collections.ConfigDict:
       # Operand precision of the large matmuls: "bf16", or "fp8": the expert grouped matmuls, the
       # dense FFN and the always-on experts take FP8 (e4m3) operands, float32-scaled per 1 x 128
       # tile of activations and gradients and per 128 x 128 block of weights, in the forward and
-      # both gradient products (float32 accumulation); the attention projections, router, norms,
-      # attention core, LM head, parameters and optimizer state are as in bf16. On NVIDIA GPUs of compute capability 8.9+
-      # (Ada, Hopper), emulated on CPU, not on TPU (docs/training.md).
+      # input-gradient products (float32 accumulation; the weight gradients take bf16 operands);
+      # the attention projections, router, norms, attention core, LM head, parameters and
+      # optimizer state are as in bf16. On NVIDIA GPUs of compute capability 8.9+ (Ada, Hopper),
+      # emulated on CPU, not on TPU (docs/training.md).
       precision="bf16",
       # What each decoder block keeps for the backward pass: "none" (everything, fastest),
       # "block" (recompute the block, least memory), "dots", "dots_no_batch"; True / False = block / none.

@@ -2,8 +2,8 @@
 
   bf16  every matmul in the compute dtype (`model.compute_dtype`), as the model is built anywhere
   fp8   FP8 (e4m3) operands with fine-grained float32 scales, float32 accumulation, outputs in the
-        compute dtype, in the forward product and both gradient products of the expert grouped
-        matmuls (`umoe_jax.ops.fp8_gmm`), the dense FFN and the always-on experts
+        compute dtype, in the forward and input-gradient products (the weight gradients take the
+        operands as they are) of the expert grouped matmuls (`umoe_jax.ops.fp8_gmm`), the dense FFN and the always-on experts
         (`umoe_jax.model.layers.fp8_dense`); the attention modules' own projections
         (`umoe_jax.model.attention.common.projection_kw` says why), the router, norms, softmax,
         attention core, embedding and LM head, the parameters and the optimizer state are as in bf16
