@@ -49,6 +49,18 @@ def test_tiles_and_launch_geometry():
       tf.gmm_launch(256, 256, 256, 2, bad)
 
 
+def test_narrow_tail_chunks():
+  # (loop chunks, tail width): off, every piece a TILE-wide chunk; on, the last partial piece as one
+  # dot of the next power of two >= 32 (FP8 wgmma's K step), none where kc is whole pieces
+  assert [tf.chunks(kc, False) for kc in (192, 256, 200, 40, 768)] == [
+      (2, 0), (2, 0), (2, 0), (1, 0), (6, 0)]
+  assert [tf.chunks(kc, True) for kc in (192, 256, 200, 136, 40, 8, 768)] == [
+      (1, 64), (2, 0), (1, 128), (1, 32), (0, 64), (0, 32), (6, 0)]
+  cfg = tf.default_config("gmm", 192, 768)
+  assert {k: tf.gmm_launch(1000, 192, 768, 8, cfg)[k] for k in ("KF", "TAIL")} == dict(
+      KF=tf.chunks(192)[0], TAIL=tf.chunks(192)[1])
+
+
 def test_default_tiles_fit_shared_memory():
   """Every default tile fits an H100's shared memory with room for a float32 epilogue tile
   (`shared_memory`): at bench/gmm.py's shapes, each of the forward and its transpose (dgrad), and at
@@ -498,6 +510,17 @@ def _interpreter_check():
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
   for transpose in (False, True):
     _check_gmm_index(rng, transpose)
+  # the last partial scale piece as a narrower dot of its own (NARROW_TAIL): tails of 72 (a
+  # 128-wide dot), 16 and 8 (32-wide) and UMoE-base's 64 (K = 192), both layouts, the specials' inf
+  # and NaN in the tail, rows through an index
+  tf.NARROW_TAIL = True
+  for m, k, n, gs, tile in GMM_CASES + [(150, 192, 192, [40, 0, 90], None)]:
+    for transpose in (False, True):
+      _check_gmm(rng, m, k, n, gs, tile, transpose, special=False, reverse=not transpose)
+  for transpose in (False, True):
+    _check_gmm(rng, *GMM_CASES[0], transpose, special=True)
+    _check_gmm_index(rng, transpose)
+  tf.NARROW_TAIL = False
   # fp8_gmm's triton backend quantises with its own kernel (kernels/gmm/triton_fp8_quant.py):
   # through the interpreter too, with its correctly rounded e4m3 cast (test_fp8_quant_triton's)
   import test_fp8_quant_triton as tqt

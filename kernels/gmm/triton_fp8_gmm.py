@@ -50,11 +50,14 @@ if HAVE_TRITON:
                       G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
                       s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
                       s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr):
+                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
+                      KF: tl.constexpr, TAIL: tl.constexpr):
     # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB] (with
     # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
     # o // BK at sb_ptr + g*s_sg + (c // BK)*s_sk + (o // BK)*s_sn. BK = TILE (one chunk a scale).
+    # The loop takes KF chunks; with TAIL > 0 the last piece (KC % BK wide) is one TAIL-wide dot
+    # after it, else the loop's last chunk is masked past KC.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = triton_gmm._row_schedule(gs_ptr, M, G, GP, BM)
     pid_m = pid // N_TILES
@@ -80,9 +83,9 @@ if HAVE_TRITON:
         sb2_ptrs = sb_ptr + g * s_sg + (offs_n2 // BK) * s_sn
         acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
       if compute:
-        for ks in range(0, KB):
+        for ks in range(0, KF):
           k_ok = offs_k < KC - ks * BK
-          if KC % BK == 0:
+          if KF * BK <= KC:
             a = tl.load(a_ptrs)
           else:
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -97,6 +100,22 @@ if HAVE_TRITON:
             b2_ptrs += BK * s_bk
           a_ptrs += BK
           b_ptrs += BK * s_bk
+        if TAIL > 0:  # the last scale piece, KC - KF*BK wide: no MMA work on a masked half chunk
+          offs_t = tl.arange(0, TAIL)
+          t_ok = offs_t < KC - KF * BK
+          a = tl.load(a_ptr + rows[:, None] * KC + KF * BK + offs_t[None, :], mask=t_ok[None, :],
+                      other=0.0)
+          bt_ptrs = b_ptr + g * s_bg + (KF * BK + offs_t)[:, None] * s_bk
+          b = tl.load(bt_ptrs + offs_n[None, :] * s_bn, mask=t_ok[:, None] & (offs_n[None, :] < NO),
+                      other=0.0)
+          sa = tl.load(sa_ptrs + KF)
+          sb = tl.load(sb_ptrs + KF * s_sk, mask=offs_n < NO, other=0.0)
+          acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+          if BN2 > 0:
+            b2 = tl.load(bt_ptrs + offs_n2[None, :] * s_bn,
+                         mask=t_ok[:, None] & (offs_n2[None, :] < NO), other=0.0)
+            sb2 = tl.load(sb2_ptrs + KF * s_sk, mask=offs_n2 < NO, other=0.0)
+            acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
       row_ok = (offs_m < row_end)[:, None]
       o_rows = o_ptr + offs_m.to(tl.int64)[:, None] * NO
       tl.store(o_rows + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
@@ -121,6 +140,24 @@ def _tile_width(n: int) -> int:
     if hi and (lo == 0 or lo >= 16):
       return n
   return min(128, pow2_at_least(max(n, 16)))
+
+
+# The contraction's last scale piece, where KC is no multiple of TILE, as one dot of its own width
+# (the next power of two >= 32, FP8 wgmma's K step) after the loop, instead of a TILE-wide chunk
+# masked past KC: at UMoE-base's 192-wide contractions (the down projection's forward, the up
+# projection's input gradient) the tensor cores then do 192 of the products' K, not 256. Off until
+# its rows are measured (bench/train_step.py --fp8_narrow_tail, bench/gmm.py --fp8_narrow_tail).
+NARROW_TAIL = False
+
+
+def chunks(kc: int, narrow_tail: bool | None = None) -> tuple[int, int]:
+  """(KF, TAIL): the loop's TILE-wide chunks and the width of the dot after it (0: none) for a
+  contraction of kc, under `narrow_tail` (default NARROW_TAIL)."""
+  narrow = NARROW_TAIL if narrow_tail is None else narrow_tail
+  rest = kc % TILE
+  if not narrow or rest == 0:
+    return _cdiv(kc, TILE), 0
+  return kc // TILE, max(32, pow2_at_least(rest))
 
 
 # The most shared memory one block may ask on an H100 / H200 (227 KiB).
@@ -183,15 +220,16 @@ def candidates(op: str, kc: int, no: int) -> list[tuning.TileConfig]:
 
 def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict:
   """The gmm kernel's grid and meta-parameters: the bf16 kernel's one program per (row tile,
-  column tile) (`triton_gmm.gmm_launch`), the contraction in TILE-wide chunks."""
+  column tile) (`triton_gmm.gmm_launch`), the contraction in TILE-wide chunks (`chunks`)."""
   if cfg.bk != TILE:
     raise ValueError(f"FP8 gmm tile {cfg}: bk must be {TILE}, the scale piece (one chunk, one scale)")
   if cfg.persistent:
     raise ValueError(f"FP8 gmm tile {cfg}: one program a tile (no persistent grid)")
   base = triton_gmm.gmm_launch(m, kc, no, g, cfg)
+  kf, tail = chunks(kc)
   return dict(grid=base["grid"], BM=cfg.bm, BN=base["BN"], BN2=base["BN2"], BK=TILE,
               N_TILES=base["N_TILES"], GP=base["GP"], num_warps=cfg.num_warps,
-              num_stages=cfg.num_stages)
+              num_stages=cfg.num_stages, KF=kf, TAIL=tail)
 
 
 # ----------------------------------------------------------------------------------------------

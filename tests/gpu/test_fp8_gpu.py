@@ -96,9 +96,13 @@ def _raw(op, shape, special):
           _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)[:rows])
 
 
+# NARROW_TAIL: a contraction's last partial scale piece as a narrower dot (base gmm_t: K = 192, a
+# 64-wide tail; odd: 200 and 144, 128- and 32-wide tails).
+@pytest.mark.parametrize("narrow_tail", [False, True])
 @pytest.mark.parametrize("shape", ["base", "odd"])
 @pytest.mark.parametrize("op", ["gmm", "gmm_t"])
-def test_raw_op_matches_float64_loop(op, shape):
+def test_raw_op_matches_float64_loop(op, shape, narrow_tail, monkeypatch):
+  monkeypatch.setattr(tf, "NARROW_TAIL", narrow_tail)
   gs, got, want, bound = _raw(op, shape, special=False)
   _compare(got, want, bound, None, f"{op} {shape}", rel=REL_BOUND)
   assert np.all(np.isfinite(got))
@@ -109,10 +113,12 @@ def test_raw_op_matches_float64_loop(op, shape):
   assert rel <= NORM_BOUND, (op, shape, rel)
 
 
+@pytest.mark.parametrize("narrow_tail", [False, True])
 @pytest.mark.parametrize("op", ["gmm", "gmm_t"])
-def test_zero_and_nonfinite_pieces(op):
+def test_zero_and_nonfinite_pieces(op, narrow_tail, monkeypatch):
   """Zero pieces (scale 0), NaN and inf inputs quantised on the GPU: non-finite exactly where the
-  float64 loop's are, the rest within the bound."""
+  float64 loop's are, the rest within the bound (the inf in the last, partial piece)."""
+  monkeypatch.setattr(tf, "NARROW_TAIL", narrow_tail)
   _, got, want, bound = _raw(op, "odd", special=True)
   assert not np.all(np.isfinite(want))
   _compare(got, want, bound, None, f"{op} special", rel=REL_BOUND)
