@@ -725,6 +725,50 @@ def test_the_fused_forms_weight_gradients_in_bf16():
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
 
 
+def test_kept_weight_blocks_give_the_same_bits_from_one_quantisation(monkeypatch):
+  """fp8_gmm.KEEP_WEIGHT_BLOCKS: the forward's weight blocks serve the input gradient, so each
+  product's weights are quantised once a step instead of twice (fp8_gmm in both layouts, the fused
+  gather_gmm and gmm_combine), and the values and all gradients are the bits of quantising again."""
+  from umoe_jax.ops import fp8_gmm as fg
+  from umoe_jax.ops import fused_dispatch
+  rng = np.random.default_rng(45)
+  x, plan, w1, w2, gates, g = _expert_layer(rng)
+  k = gates.shape[1]
+  sizes = jnp.asarray([50, 0, 37, 25], jnp.int32)   # 8 rows past the groups
+  # w1 [4, 200, 136]: lhs [120, 200] -> [120, 136], or transposed lhs [120, 136] -> [120, 200]
+  operands = {t: (jnp.asarray(rng.normal(size=(120, 136 if t else 200)), jnp.float32),
+                  jnp.asarray(rng.normal(size=(120, 200 if t else 136)), jnp.float32))
+              for t in (False, True)}
+
+  def runs():
+    out = []
+    for transpose, (lhs, dout) in operands.items():
+      y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, sizes, backend="xla", transpose_rhs=transpose),
+                        lhs, w1)
+      out.append((y, pull(dout)))
+    layer = lambda x_, a, b, c: fused_dispatch.gmm_combine(
+        fused_dispatch.gather_gmm(x_, a, plan, k, backend="xla", fp8=True), b, plan, c,
+        backend="xla", activation="silu", fp8=True)
+    y, pull = jax.vjp(layer, x, w1, w2, gates)
+    out.append((y, pull(g)))
+    return out
+
+  calls = []
+  real = fp8.quantize_blocks
+  monkeypatch.setattr(fp8, "quantize_blocks", lambda w, *a: calls.append(w.shape) or real(w, *a))
+  counts = {}
+  for keep in (False, True):
+    monkeypatch.setattr(fg, "KEEP_WEIGHT_BLOCKS", keep)
+    calls.clear()
+    counts[keep] = (runs(), list(calls))
+  (off, off_calls), (on, on_calls) = counts[False], counts[True]
+  for a, b in zip(jax.tree_util.tree_leaves(off), jax.tree_util.tree_leaves(on)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # four products (fp8_gmm twice, gather_gmm, gmm_combine): each weight quantised for its forward
+  # and again for its input gradient, or once
+  assert sorted(off_calls) == sorted(on_calls * 2) and len(on_calls) == 4, (off_calls, on_calls)
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernel) quantises both token-row
   operands of fp8_gmm's FP8 products (the forward's lhs, the input gradient's dout) and the fused

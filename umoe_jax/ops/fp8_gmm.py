@@ -30,6 +30,12 @@ from umoe_jax.ops.varying import vary_like, varying_axes
 # The FP8 forms "auto" may take: those whose GPU tests (tests/gpu/test_fp8_gpu.py) pass on a GPU.
 AUTO_FP8 = frozenset({"xla", "triton"})
 
+# The forward's FP8 weight blocks kept for the input gradient (a residual of FP8 bytes, half the
+# bf16 weights'), instead of quantising the weights again in the backward: the 128 x 128 blocks of
+# w are those of w.T, so both products read the same ones. Read when an op is built (its cache
+# key). Off until its rows are measured (bench/train_step.py --fp8_keep_weight_blocks).
+KEEP_WEIGHT_BLOCKS = False
+
 
 def fp8_backends() -> list[str]:
   """The gmm backends that have FP8 forms (the kernel backends registered first)."""
@@ -62,23 +68,26 @@ def quantize(backend_name: str, x):
 
 
 def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype,
-                  lhs_index=None):
+                  lhs_index=None, rhs_blocks=None):
   """The forward product from already quantised rows (`quantize(backend_name, lhs)`): rows may be
   quantised before they are gathered into expert order, since their tiles run along the row. With
   `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the index by
   a backend with `row_index`, gathered by XLA for the others. The weights are quantised here, in
-  blocks."""
-  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
+  blocks, unless `rhs_blocks` (`fp8.quantize_blocks(rhs)`) gives them."""
+  rq, rs = fp8.quantize_blocks(rhs) if rhs_blocks is None else rhs_blocks
+  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, rq, rs,
                      group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                      lhs_index=lhs_index)
 
 
-def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None):
+def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None,
+              rhs_blocks=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`): the input
-  gradient in FP8, the weight gradient in the operands' dtype (`wgrad`). With `lhs_index` the
-  product's rows are lhs[lhs_index], read through it."""
+  gradient in FP8 (from the forward's weight blocks `rhs_blocks` where kept), the weight gradient in
+  the operands' dtype (`wgrad`). With `lhs_index` the product's rows are lhs[lhs_index], read
+  through it."""
   dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, group_sizes,
-                       not transpose_rhs, lhs.dtype)
+                       not transpose_rhs, lhs.dtype, rhs_blocks=rhs_blocks)
   return dlhs, wgrad(BACKENDS.get(backend_name), lhs, dout.astype(lhs.dtype), group_sizes, rhs,
                      transpose_rhs, lhs_index)
 
@@ -103,21 +112,31 @@ def wgrad(backend: GmmBackend, lhs, dout, group_sizes, rhs, transpose_rhs: bool,
                   lhs_index=lhs_index)
 
 
+def weight_blocks(keep: bool, rhs):
+  """The forward's weight blocks to keep for the backward (`KEEP_WEIGHT_BLOCKS`), else None."""
+  return fp8.quantize_blocks(rhs) if keep else None
+
+
 @functools.lru_cache(maxsize=None)
-def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
+def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype, keep_blocks: bool = False):
+
+  def forward(lhs, rhs, group_sizes, blocks):
+    out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
+                        transpose_rhs, out_dtype or lhs.dtype, rhs_blocks=blocks)
+    return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
-                        transpose_rhs, out_dtype or lhs.dtype)
-    return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
+    return forward(lhs, rhs, group_sizes, None)
 
   def fwd(lhs, rhs, group_sizes):
-    return fn(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+    blocks = weight_blocks(keep_blocks, rhs)
+    return forward(lhs, rhs, group_sizes, blocks), (lhs, rhs, group_sizes, blocks)
 
   def bwd(res, dout):
-    lhs, rhs, group_sizes = res
-    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout)
+    lhs, rhs, group_sizes, blocks = res
+    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout,
+                           rhs_blocks=blocks)
     # Kernels called through custom calls drop shard_map's varying-axes type; restore it (as gmm).
     return vary_like(dlhs, varying_axes(lhs)), vary_like(drhs, varying_axes(rhs)), None
 
@@ -132,4 +151,5 @@ def fp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: 
   accumulation; output in `preferred_element_type` (default lhs.dtype)."""
   name = fp8_backend(backend)
   out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else None
-  return _differentiable(name, transpose_rhs, out_dtype)(lhs, rhs, group_sizes.astype(jnp.int32))
+  return _differentiable(name, transpose_rhs, out_dtype, KEEP_WEIGHT_BLOCKS)(
+      lhs, rhs, group_sizes.astype(jnp.int32))

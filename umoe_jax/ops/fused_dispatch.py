@@ -28,9 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import epilogue
+from umoe_jax.ops import epilogue, fp8_gmm
 from umoe_jax.ops.dispatch import DispatchPlan, combine
-from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm
+from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm, weight_blocks
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -95,7 +95,8 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None):
+def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None,
+                       keep_blocks: bool = False):
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
   they are (a row's tiles run along the row, so this equals quantising the gathered copy, at N
   source rows instead of M = N*K) and the FP8 gmm reads them and their scales through the sort
@@ -107,18 +108,24 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   the input gradient fanned in as `_gather_gmm_fn`'s."""
   backend = BACKENDS.get(backend_name)
 
-  @jax.custom_vjp
-  def fn(x, rhs, gs, src, inverse):
+  def forward(x, rhs, gs, src, blocks):
     q, scale = quantize(backend_name, x)
-    out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src)
+    out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src,
+                        rhs_blocks=blocks)
     return vary_like(out, varying_axes(x) | varying_axes(rhs))
 
+  @jax.custom_vjp
+  def fn(x, rhs, gs, src, inverse):
+    return forward(x, rhs, gs, src, None)
+
   def fwd(x, rhs, gs, src, inverse):
-    return fn(x, rhs, gs, src, inverse), (x, rhs, gs, src, inverse)
+    blocks = weight_blocks(keep_blocks, rhs)
+    return forward(x, rhs, gs, src, blocks), (x, rhs, gs, src, inverse, blocks)
 
   def bwd(res, dout):
-    x, rhs, gs, src, inverse = res
-    drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src)
+    x, rhs, gs, src, inverse, blocks = res
+    drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src,
+                            rhs_blocks=blocks)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
@@ -163,35 +170,43 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
   src = plan.order if fan_out == 1 else plan.order // fan_out  # the source row of each sorted row
   if layout is not None:
     src = (plan.order // slots) * layout[0] + first_slot + plan.order % slots
-  make = _fp8_gather_gmm_fn if fp8 else _gather_gmm_fn
-  name = fp8_backend(backend) if fp8 else resolve_backend(backend)
-  return make(name, fan_out, layout)(x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
+  if fp8:
+    fn = _fp8_gather_gmm_fn(fp8_backend(backend), fan_out, layout, fp8_gmm.KEEP_WEIGHT_BLOCKS)
+  else:
+    fn = _gather_gmm_fn(resolve_backend(backend), fan_out, layout)
+  return fn(x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
 
 
 # ----------------------------------------------------------------------------------------------
 # gmm_combine
 
 
-def _combine_vjp(backend, slots: int, product, gradients):
+def _combine_vjp(backend, slots: int, product, gradients, prepare=None):
   """The differentiable `combine(unpermute(product(h, rhs, gs)), gates)` both gmm_combine forms
   share: product(h, rhs, gs) -> y_sorted [M, D]; gradients(h, rhs, gs, dout, token, gate_sorted)
   -> (dh, dgate_sorted [M], drhs) from the token rows' cotangent dout [N, D] (h's dtype), the sorted
   rows' tokens and their gates (float32). Only the inputs are kept: the backward needs no [M, D]
-  expert outputs (module docstring)."""
+  expert outputs (module docstring). With `prepare`, the forward's prepare(rhs) (the FP8 weight
+  blocks) is kept too and handed to both as `blocks=`."""
+  extra = (lambda rhs: {}) if prepare is None else (lambda rhs: {"blocks": prepare(rhs)})
+
+  def forward(h, rhs, gs, inverse, gates, kw):
+    y = _fan_in(backend, product(h, rhs, gs, **kw), inverse, slots, gates)                # [N, D]
+    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
 
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates):
-    y = _fan_in(backend, product(h, rhs, gs), inverse, slots, gates)                      # [N, D]
-    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+    return forward(h, rhs, gs, inverse, gates, extra(rhs))
 
   def fwd(h, rhs, gs, order, inverse, gates):
-    return fn(h, rhs, gs, order, inverse, gates), (h, rhs, gs, order, inverse, gates)
+    kw = extra(rhs)
+    return forward(h, rhs, gs, inverse, gates, kw), (h, rhs, gs, order, inverse, gates, kw)
 
   def bwd(res, dout):
-    h, rhs, gs, order, inverse, gates = res
+    h, rhs, gs, order, inverse, gates, kw = res
     token = order // slots                                                                 # [M]
     gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
-    dh, dgate_sorted, drhs = gradients(h, rhs, gs, dout.astype(h.dtype), token, gate_sorted)
+    dh, dgate_sorted, drhs = gradients(h, rhs, gs, dout.astype(h.dtype), token, gate_sorted, **kw)
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
             vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
@@ -236,7 +251,8 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
+def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None,
+                        keep_blocks: bool = False):
   """`_gmm_combine_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`'s quantiser and raw gmm), the same
   algebra: u = dout[token] @ rhs[g].T from dout's N token rows quantised along D once (a row's tiles
   run along the row, so they are the per-slot rows' before the gate, which scales u instead) and
@@ -248,18 +264,20 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   backend = BACKENDS.get(backend_name)
   operand = _operand(activation)
 
-  def product(h, rhs, gs):
-    return quantized_gmm(backend_name, *quantize(backend_name, operand(h)), rhs, gs, False, h.dtype)
+  def product(h, rhs, gs, blocks=None):
+    return quantized_gmm(backend_name, *quantize(backend_name, operand(h)), rhs, gs, False, h.dtype,
+                         rhs_blocks=blocks)
 
-  def gradients(h, rhs, gs, dout, token, gate_sorted):
+  def gradients(h, rhs, gs, dout, token, gate_sorted, blocks=None):
     u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
-                      lhs_index=token)                                                     # [M, F]
+                      lhs_index=token, rhs_blocks=blocks)                                  # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
     return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
                                       out_dtype=rhs.dtype, rhs_index=token)               # [E, F, D]
 
-  return _combine_vjp(backend, slots, product, gradients)
+  return _combine_vjp(backend, slots, product, gradients,
+                      functools.partial(weight_blocks, True) if keep_blocks else None)
 
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
@@ -296,7 +314,7 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
   if fp8:
-    return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation)(
+    return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation, fp8_gmm.KEEP_WEIGHT_BLOCKS)(
         h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
   return _gmm_combine_fn(resolve_backend(backend), k, activation, bool(fuse_weight_rows))(
       h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
