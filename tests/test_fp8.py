@@ -769,6 +769,46 @@ def test_kept_weight_blocks_give_the_same_bits_from_one_quantisation(monkeypatch
   assert sorted(off_calls) == sorted(on_calls * 2) and len(on_calls) == 4, (off_calls, on_calls)
 
 
+def test_act_quantised_after_the_first_matmul_feeds_the_last(monkeypatch):
+  """fp8_gmm.QUANTIZE_IN_EPILOGUE: the pool's first FP8 matmul hands act(up) in FP8 tiles to the last
+  one (gather_gmm(quantize_out=) -> gmm_combine(quantized=)). On a backend without the epilogue form
+  (xla) they come from the same passes as before, so values and gradients are the same bits, and
+  the last matmul quantises nothing of its own in the forward; bad uses are one clear error."""
+  from umoe_jax.model.expert_mlp import routed_mlp
+  from umoe_jax.ops import fp8_gmm as fg
+  from umoe_jax.ops import fused_dispatch
+  rng = np.random.default_rng(46)
+  x, plan, w1, w2, gates, g = _expert_layer(rng)
+  pool = lambda *a: routed_mlp(a[0], plan, a[3], a[1], a[2], activation="silu", backend="xla",
+                               fuse_activation=True, fp8=True)
+  runs = {}
+  real = fused_dispatch.quantize
+  for on in (False, True):
+    monkeypatch.setattr(fg, "KEEP_WEIGHT_BLOCKS", False)
+    monkeypatch.setattr(fg, "QUANTIZE_IN_EPILOGUE", on)
+    calls = []
+    monkeypatch.setattr(fused_dispatch, "quantize", lambda b, v: calls.append(v.shape) or real(b, v))
+    y, pull = jax.vjp(pool, x, w1, w2, gates)
+    runs[on] = (y, pull(g), list(calls))
+  for a, b in zip(jax.tree_util.tree_leaves(runs[False][:2]), jax.tree_util.tree_leaves(runs[True][:2])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  m = plan.order.shape[0]
+  # fused_dispatch's own quantiser calls: the tokens, act(up) [M, F] (off only: on, the first
+  # matmul's op makes it), the two backward cotangents
+  assert (m, w1.shape[2]) in runs[False][2] and (m, w1.shape[2]) not in runs[True][2]
+  assert len(runs[True][2]) == len(runs[False][2]) - 1
+  k = gates.shape[1]
+  with pytest.raises(ValueError, match="FP8 only"):
+    fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", quantize_out="silu")
+  with pytest.raises(ValueError, match="'gelu'"):
+    fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True, quantize_out="gelu")
+  up, qs = fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True, quantize_out="silu")
+  with pytest.raises(ValueError, match="FP8 only"):
+    fused_dispatch.gmm_combine(up, w2, plan, gates, backend="xla", activation="silu", quantized=qs)
+  with pytest.raises(ValueError, match="q like h"):
+    fused_dispatch.gmm_combine(up, w2, plan, gates, backend="xla", fp8=True, quantized=(qs[0][:-1], qs[1]))
+
+
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   """A backend's `fp8_quantize` (the triton backend's one-pass kernel) quantises both token-row
   operands of fp8_gmm's FP8 products (the forward's lhs, the input gradient's dout) and the fused

@@ -61,6 +61,16 @@ def test_narrow_tail_chunks():
       KF=tf.chunks(192)[0], TAIL=tf.chunks(192)[1])
 
 
+def test_epilogue_quantisation_needs_whole_scale_pieces():
+  # each column part of the tile one whole 128-wide piece of the row (or its last, shorter one)
+  piece = lambda no, bn: tf.quantizes_pieces(tf.gmm_launch(512, 256, no, 4, tuning.TileConfig(128, bn, 128)))
+  assert piece(192, 192) and piece(256, 128) and piece(300, 128) and piece(96, 128) and piece(128, 128)
+  # 96 = 64 + 32 is one piece in two parts: each part's amax alone is not the piece's
+  assert not piece(96, 96) and not piece(192, 64) and not piece(144, 48) and not piece(256, 256)
+  assert not piece(384, 192)
+  assert tf.QUANTIZE_OUT == {"silu": 1, "relu": 2}
+
+
 def test_default_tiles_fit_shared_memory():
   """Every default tile fits an H100's shared memory with room for a float32 epilogue tile
   (`shared_memory`): at bench/gmm.py's shapes, each of the forward and its transpose (dgrad), and at
@@ -237,15 +247,19 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
   from test_fp8_quant_triton import check_guards, guarded
   from test_kernels import _NpTensor
   reverse = REVERSED[0]
+  several = isinstance(out_shape, (tuple, list))
+  shapes = tuple(out_shape) if several else (out_shape,)
+  poison = lambda s: 0x7F if s.dtype == F8 else np.nan   # (e4m3's NaN code, as bytes)
 
   def host(*arrays):
     ins = [_NpTensor(np.asarray(a)) for a in arrays]
-    flat, arr = guarded(out_shape.shape, out_shape.dtype, np.nan)
-    out = _NpTensor(arr)
+    bufs = [guarded(s.shape, np.uint8 if s.dtype == F8 else s.dtype, poison(s)) for s in shapes]
+    outs = [_NpTensor(arr.view(F8) if s.dtype == F8 else arr) for s, (_, arr) in zip(shapes, bufs)]
     with INTERPRETER_LOCK, _program_order(reverse):
-      kernel[grid](*ins, out, **meta)
-    check_guards(flat, np.nan, kernel.fn.__name__)
-    return out.arr
+      kernel[grid](*ins, *outs, **meta)
+    for s, (flat, _) in zip(shapes, bufs):
+      check_guards(flat, poison(s), kernel.fn.__name__)
+    return tuple(o.arr for o in outs) if several else outs[0].arr
 
   LAUNCHES.append(kernel.fn.__name__)
   return jax.pure_callback(host, out_shape, *args)
@@ -411,6 +425,68 @@ def _check_gmm_index(rng, transpose):
   assert np.all(got[rows:] == 0), what
 
 
+QUANT_OUT_CASES = [  # M, K, N, group sizes, (bm, bn) or None, activation, through an index
+    (150, 136, 192, [40, 0, 90], None, "silu", False),   # 128 + 64 columns: two whole pieces
+    (260, 200, 144, [70, 0, 133, 40], (32, 48), "silu", True),   # 32 + 16: narrowed to 128 wide
+    (150, 136, 96, [40, 60, 30], None, "relu", False),   # one short piece
+    (200, 144, 300, [0, 190, 3, 0, 7], (32, 128), "silu", False),   # three column tiles of 128
+]
+
+
+def _exact_bf16():
+  """The interpreter's float32 -> bfloat16 cast, correctly rounded (its own rounds toward zero
+  here, where a GPU and XLA round to nearest even): without this an epilogue's bf16 rounding is
+  biased low against XLA's."""
+  import triton.language as tl
+  import triton.runtime.interpreter as interp
+  convert = interp._convert_float
+
+  def exact(data, src, dst, rounding_mode):
+    if src == tl.float32 and dst == tl.bfloat16:
+      return np.asarray(data, np.float32).astype(jnp.bfloat16).view(np.uint16)
+    return convert(data, src, dst, rounding_mode)
+  interp._convert_float = exact
+
+
+def _check_gmm_quant_out(rng, m, k, n, gs, tile, act, through_index):
+  """`triton_fp8_gmm(quantize_out=act)`: out within float32 summation order of the plain launch;
+  (q, scale) the bits of the one-pass quantiser's on act(out) (XLA's activation of the kernel's own
+  out) except where the two activations round apart, there one e4m3 step; rows past the groups
+  zero in all three."""
+  from umoe_jax.ops import epilogue
+  gs = np.asarray(gs, np.int32)
+  lhs = _operand(rng, (m, k), (0, 1))
+  rhs = _operand(rng, (len(gs), k, n), (1, 2))
+  lq, ls, rq, rs = _quantized(lhs, rhs)
+  index = None
+  if through_index:
+    index = jnp.asarray(rng.permutation(m), jnp.int32)
+  cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
+  call = lambda **kw: jax.jit(lambda *a: tf.triton_fp8_gmm(
+      *a, out_dtype=jnp.bfloat16, config=cfg, lhs_index=index, **kw))(lq, ls, rq, rs, jnp.asarray(gs))
+  n0 = len(LAUNCHES)
+  out, q, scale = call(quantize_out=act)
+  plain = call()
+  assert LAUNCHES[n0:] == ["_fp8_gmm_quant_kernel", "_fp8_gmm_kernel"], LAUNCHES[n0:]
+  what = f"quantize_out M={m} K={k} N={n} tile={tile} act={act} index={through_index}"
+  assert q.shape == out.shape == (m, n) and q.dtype == F8 and scale.shape == (m, -(-n // 128)), what
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32), rtol=2 ** -7,
+                             atol=1e-6, err_msg=what)
+  want_q, want_s = tq.quantize_rows(epilogue.activate(act, out))
+  got_s, want_s = np.asarray(scale), np.asarray(want_s)
+  np.testing.assert_allclose(got_s, want_s, rtol=2 ** -7, err_msg=what)
+  deq = lambda a, sc: np.asarray(fp8.dequantize_tiles(a, jnp.asarray(sc), axis=1), np.float64)
+  got, want = deq(q, got_s), deq(want_q, want_s)
+  apart = got != want
+  assert apart.mean() < 0.002, (what, apart.mean())
+  assert np.all(np.abs(got - want) <= 2 ** -3 * np.abs(want) + 2 ** -9 * np.repeat(want_s, 128, 1)[:, :n]), what
+  rows = int(gs.sum())
+  for a in (out, q.astype(jnp.float32), scale):
+    assert np.all(np.asarray(a, np.float32)[rows:] == 0), f"{what}: rows past the groups"
+  if act == "relu":
+    assert np.all(got >= 0), what
+
+
 def _differentiable_check():
   """fp8_gmm through the triton backend (its FP8 form: this kernel; its weight gradient: the bf16
   tgmm kernel on the operands as they are) against the xla backend (the emulation, XLA's tgmm): the
@@ -521,11 +597,17 @@ def _interpreter_check():
     _check_gmm(rng, *GMM_CASES[0], transpose, special=True)
     _check_gmm_index(rng, transpose)
   tf.NARROW_TAIL = False
-  # fp8_gmm's triton backend quantises with its own kernel (kernels/gmm/triton_fp8_quant.py):
-  # through the interpreter too, with its correctly rounded e4m3 cast (test_fp8_quant_triton's)
+  # the epilogue's act(out) in FP8 tiles (`quantize_out`); the one-pass quantiser (its reference
+  # here, and fp8_gmm's below) through the interpreter too, with its correctly rounded e4m3 cast
+  # (test_fp8_quant_triton's)
   import test_fp8_quant_triton as tqt
   tqt._exact_e4m3()
   tq._launch = tqt._interpreter_launch
+  _exact_bf16()
+  for case in QUANT_OUT_CASES:
+    _check_gmm_quant_out(rng, *case)
+  # fp8_gmm's triton backend quantises with its own kernel (kernels/gmm/triton_fp8_quant.py), through
+  # the interpreter (set above)
   n0 = len(tqt.LAUNCHES)
   _differentiable_check()
   ran = tqt.LAUNCHES[n0:]
@@ -533,7 +615,45 @@ def _interpreter_check():
   # row-tile operands each; then gmm_combine's FP8 form: act(z), and dout's N token rows (read
   # through the sort order by the gmm); nothing quantised for a weight gradient
   assert ran == ["_rows_kernel"] * 8, ran
+  _expert_pool_check(tqt)
   print("FP8_TRITON_INTERPRETER_OK")
+
+
+def _expert_pool_check(tqt):
+  """The expert pool's FP8 path with act(up) quantised in the first matmul's epilogue
+  (routed_mlp under fp8_gmm.QUANTIZE_IN_EPILOGUE) against the same pool quantising it in a pass of
+  its own: the same values and gradients up to the activation's rounding, one quantiser launch
+  fewer, and the first matmul's launch the quantising kernel."""
+  from umoe_jax.model.expert_mlp import routed_mlp
+  from umoe_jax.ops import dispatch
+  from umoe_jax.ops import fp8_gmm as fg
+  rng = np.random.default_rng(11)
+  n_tok, slots, d, f, e = 50, 3, 136, 192, 4
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, slots)), jnp.int32), e)
+  x = jnp.asarray(_operand(rng, (n_tok, d), (0, 1)), jnp.bfloat16)
+  w1 = jnp.asarray(_operand(rng, (e, d, f), (1, 2)) / 10)
+  w2 = jnp.asarray(_operand(rng, (e, f, d), (1, 2)) / 10)
+  gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, slots)).astype(np.float32))
+  cot = jnp.asarray(_operand(rng, (n_tok, d), (0,)), jnp.bfloat16)
+  pool = lambda a, b, c, g: routed_mlp(a, plan, g, b, c, activation="silu", backend="triton",
+                                       fuse_activation=True, fp8=True)
+  runs = {}
+  for fused in (False, True):
+    fg.QUANTIZE_IN_EPILOGUE = fused
+    n0, q0 = len(LAUNCHES), len(tqt.LAUNCHES)
+    runs[fused] = jax.jit(jax.value_and_grad(
+        lambda *a: jnp.sum(pool(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3)))(x, w1, w2, gates)
+    runs[fused, "launches"] = (sorted(LAUNCHES[n0:]), tqt.LAUNCHES[q0:])
+  fg.QUANTIZE_IN_EPILOGUE = False
+  (plain, fused) = runs[False], runs[True]
+  np.testing.assert_allclose(float(fused[0]), float(plain[0]), rtol=1e-3)
+  for name, a, b in zip(("dx", "dw1", "dw2", "dgates"), fused[1], plain[1]):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.isfinite(a)), name
+    assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), name
+  (gmms, rows), (gmms0, rows0) = runs[True, "launches"], runs[False, "launches"]
+  assert gmms.count("_fp8_gmm_quant_kernel") == 1 and gmms0.count("_fp8_gmm_quant_kernel") == 0, gmms
+  assert len(gmms) == len(gmms0) and len(rows) == len(rows0) - 1, (gmms, rows, gmms0, rows0)
 
 
 @pytest.mark.extras("triton")

@@ -24,11 +24,13 @@ Launches go through `_launch`, which the CPU tests replace by the Triton interpr
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from kernels import triton_launch
-from kernels.gmm import triton_gmm, tuning
+from kernels.gmm import triton_fp8_quant, triton_gmm, tuning
 from kernels.triton_base import HAVE_JAX_TRITON, HAVE_TRITON, gpu_available, pow2_at_least, split_width
 
 if HAVE_TRITON:
@@ -45,13 +47,26 @@ DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 if HAVE_TRITON:
 
   @triton.jit
-  def _fp8_gmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr,
-                      M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
-                      G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
-                      s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
-                      s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
-                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
-                      KF: tl.constexpr, TAIL: tl.constexpr):
+  def _quantized_act(acc, o_ptr, q_ptr, qs_ptr, offs_m, offs_n, row_ok, piece, NO: tl.constexpr,
+                     QB: tl.constexpr, Q_ACT: tl.constexpr):
+    # act(out) in 1 x 128 tiles, as the unfused path has it: the output rounded to its dtype, the
+    # activation in float32 rounded to that dtype again (`umoe_jax.ops.epilogue.activate`), then the
+    # one-pass quantiser's arithmetic on the tile's row (its columns are one whole scale piece).
+    z = acc.to(o_ptr.dtype.element_ty).to(tl.float32)
+    y = triton_gmm._act(z, Q_ACT, False).to(o_ptr.dtype.element_ty).to(tl.float32)
+    q, scale = triton_fp8_quant._quantize(y, triton_fp8_quant._amax(y, 1)[:, None])
+    rows = offs_m.to(tl.int64)[:, None]
+    tl.store(q_ptr + rows * NO + offs_n[None, :], q, mask=row_ok & (offs_n[None, :] < NO))
+    tl.store(qs_ptr + rows * QB + piece, scale, mask=row_ok)
+
+  @triton.jit
+  def _fp8_gmm_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, q_ptr, qs_ptr,
+                    M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
+                    G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
+                    s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
+                    s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
+                    BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
+                    KF: tl.constexpr, TAIL: tl.constexpr, QB: tl.constexpr, Q_ACT: tl.constexpr):
     # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB] (with
     # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
@@ -123,6 +138,39 @@ if HAVE_TRITON:
       if BN2 > 0:
         tl.store(o_rows + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
                  mask=row_ok & (offs_n2[None, :] < NO))
+      if Q_ACT >= 0:  # each column part one whole scale piece (`quantizes_pieces`)
+        piece = (pid % N_TILES) * (BN + BN2) // BK
+        _quantized_act(acc, o_ptr, q_ptr, qs_ptr, offs_m, offs_n, row_ok, piece, NO, QB, Q_ACT)
+        if BN2 > 0:
+          _quantized_act(acc2, o_ptr, q_ptr, qs_ptr, offs_m, offs_n2, row_ok, piece + 1, NO, QB,
+                         Q_ACT)
+
+  @triton.jit
+  def _fp8_gmm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr,
+                      M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
+                      G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
+                      s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
+                      s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
+                      BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
+                      KF: tl.constexpr, TAIL: tl.constexpr):
+    _fp8_gmm_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, o_ptr, o_ptr, M, KC, NO,
+                  KB, G, GP, s_bg, s_bk, s_bn, s_sg, s_sk, s_sn, BM, BN, BN2, BK, N_TILES,
+                  HAS_INDEX, KF, TAIL, 1, -1)
+
+  @triton.jit
+  def _fp8_gmm_quant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, q_ptr, qs_ptr,
+                            M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
+                            G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr,
+                            s_bk: tl.constexpr, s_bn: tl.constexpr, s_sg: tl.constexpr,
+                            s_sk: tl.constexpr, s_sn: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+                            N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr, KF: tl.constexpr,
+                            TAIL: tl.constexpr, QB: tl.constexpr, Q_ACT: tl.constexpr):
+    # _fp8_gmm_kernel that also writes act(out) quantised (`triton_fp8_gmm(quantize_out=...)`):
+    # q [M, NO] float8_e4m3fn, qs [M, QB] float32, rows past the groups left unwritten.
+    _fp8_gmm_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, q_ptr, qs_ptr, M, KC, NO,
+                  KB, G, GP, s_bg, s_bk, s_bn, s_sg, s_sk, s_sn, BM, BN, BN2, BK, N_TILES,
+                  HAS_INDEX, KF, TAIL, QB, Q_ACT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +296,7 @@ def _check(what: str, name: str, x, shape, dtype) -> None:
 
 if not HAVE_TRITON:
   # Names for the launches' arguments; `_launch` refuses them in one line (tests replace `_launch`).
-  _fp8_gmm_kernel = None
+  _fp8_gmm_kernel = _fp8_gmm_quant_kernel = None
 
 
 def _check_device(what: str) -> None:
@@ -269,13 +317,28 @@ def _launch(kernel, grid, args, out_shape, **meta):
                         **triton_launch.launch_kwargs())
 
 
+def quantizes_pieces(launch: dict) -> bool:
+  """Whether each column part of a launch's output tile (BN, then BN2) is one whole 128-wide scale
+  piece of the output row (or the row's last, shorter piece), so its epilogue can quantise it."""
+  bn, bn2, tiles = launch["BN"], launch["BN2"], launch["N_TILES"]
+  if bn2 == 0:
+    return bn == TILE or (tiles == 1 and bn <= TILE)
+  return bn == TILE and tiles == 1
+
+
 def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
-                   out_dtype=jnp.bfloat16, config=None, lhs_index=None):
+                   out_dtype=jnp.bfloat16, config=None, lhs_index=None, quantize_out=None):
   """The raw FP8 gmm (module docstring): lhs_q [M, C] float8_e4m3fn, lhs_scale [M, ceil(C/128)]
   float32, rhs_q [G, K, N], rhs_scale [G, ceil(K/128), ceil(N/128)]; C = K -> [M, N], or with
   `transpose_rhs` C = N -> [M, K]; rows past sum(group_sizes) are zeros. With `lhs_index` [M]
   int32 (entries in [0, S)), lhs_q [S, C] / lhs_scale [S, ...] and row r of the product reads
-  their row lhs_index[r]: the gmm of the gathered operands without the gathered copy."""
+  their row lhs_index[r]: the gmm of the gathered operands without the gathered copy.
+
+  With `quantize_out` (a QUANTIZE_OUT name) it returns (out, q, scale): also act(out) in 1 x 128
+  tiles, the bits of `triton_fp8_quant.quantize_rows(epilogue.activate(name, out))` up to the
+  activation's rounding, written by the epilogue from the tile it holds (the next FP8 product's
+  operand without a pass over out). The tile is narrowed to 128 columns where its column parts
+  are not whole scale pieces (`quantizes_pieces`)."""
   what = "triton fp8 gmm" + ("^T" if transpose_rhs else "")
   src = lhs_q.shape[0]
   m = src if lhs_index is None else lhs_index.shape[0]
@@ -293,6 +356,17 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   op = "gmm_t" if transpose_rhs else "gmm"
   cfg = config or config_for(op, kc, no)
   launch = gmm_launch(m, kc, no, g, cfg)
+  out_shape = jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype))
+  kernel, extra = _fp8_gmm_kernel, {}
+  if quantize_out is not None:
+    if quantize_out not in QUANTIZE_OUT:
+      raise ValueError(f"{what}: quantize_out={quantize_out!r}; the epilogue quantises act(out) for "
+                       f"{', '.join(QUANTIZE_OUT)}")
+    if not quantizes_pieces(launch):
+      launch = gmm_launch(m, kc, no, g, dataclasses.replace(cfg, bn=TILE))
+    kernel, extra = _fp8_gmm_quant_kernel, dict(QB=_cdiv(no, TILE), Q_ACT=QUANTIZE_OUT[quantize_out])
+    out_shape = (out_shape, jax.ShapeDtypeStruct((m, no), DTYPE),
+                 jax.ShapeDtypeStruct((m, _cdiv(no, TILE)), jnp.float32))
   grid = launch.pop("grid")
   # (group, contraction, output column) strides of the weights and of their scales. FP8 wgmma
   # reads its operands K-major: with N-major weights the same kernel ran 2-3x slower on an H100, so
@@ -304,13 +378,17 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
     strides, s_strides = (k * n, 1, k), (kb * nb, 1, kb)
   sizes = group_sizes.astype(jnp.int32)
   index = sizes if lhs_index is None else lhs_index.astype(jnp.int32)  # (a stand-in: never read)
-  return _launch(_fp8_gmm_kernel, grid, (lhs_q, lhs_scale, rhs_q, rhs_scale, sizes, index),
-                 jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype)),
-                 HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g,
-                 s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0],
-                 s_sk=s_strides[1], s_sn=s_strides[2], **launch)
+  out = _launch(kernel, grid, (lhs_q, lhs_scale, rhs_q, rhs_scale, sizes, index), out_shape,
+                HAS_INDEX=lhs_index is not None, M=m, KC=kc, NO=no, KB=_cdiv(kc, TILE), G=g,
+                s_bg=strides[0], s_bk=strides[1], s_bn=strides[2], s_sg=s_strides[0],
+                s_sk=s_strides[1], s_sn=s_strides[2], **launch, **extra)
+  return tuple(out) if quantize_out is not None else out
 
 
 available = gpu_available
+
+# The activations whose FP8 tiles the epilogue writes (`quantize_out`), by the kernels' code
+# (triton_gmm._act's: SiLU with the exact sigmoid, as XLA computes it, not the fast one).
+QUANTIZE_OUT = dict(triton_gmm.FUSED_ACTIVATIONS)
 
 FP8_GMM = triton_fp8_gmm

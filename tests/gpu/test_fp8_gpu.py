@@ -196,6 +196,35 @@ def test_gmm_through_a_row_index_gives_the_gathered_launchs_bits(transpose):
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_epilogue_quantises_act_out_as_the_quantiser(act):
+  """`triton_fp8_gmm(quantize_out=act)` at UMoE-base's up projection, rows through the sort order:
+  out the bits of the plain launch (the same tile), (q, scale) those of the one-pass quantiser on
+  XLA's act(out) except where the two activations round apart (one e4m3 step there); rows past
+  the groups zero."""
+  from kernels.gmm import triton_fp8_quant as tq
+  from umoe_jax.ops import epilogue
+  m, k, n, _ = SHAPES["base"]
+  gs = _group_sizes(m, None, seed=21)
+  rng = np.random.default_rng(22)
+  lq, ls = fp8.quantize_tiles(jnp.asarray(_operand(rng, (m // 3, k), (0, 1), SPREAD)), axis=1)
+  rq, rs = fp8.quantize_blocks(jnp.asarray(_operand(rng, (len(gs), k, n), (1, 2), SPREAD)))
+  index = jnp.asarray(rng.permutation(m) % lq.shape[0], jnp.int32)
+  run = lambda **kw: jax.jit(lambda i: tf.triton_fp8_gmm(lq, ls, rq, rs, jnp.asarray(gs),
+                                                         out_dtype=jnp.bfloat16, lhs_index=i, **kw))(index)
+  out, q, scale = run(quantize_out=act)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(run(), np.float32))
+  wq, ws = jax.jit(lambda o: tq.quantize_rows(epilogue.activate(act, o)))(out)
+  scale, ws = np.asarray(scale), np.asarray(ws)
+  np.testing.assert_allclose(scale, ws, rtol=2 ** -7)
+  deq = lambda a, sc: np.asarray(fp8.dequantize_tiles(a, jnp.asarray(sc), axis=1), np.float64)
+  got, want = deq(q, scale), deq(wq, ws)
+  assert np.mean(got != want) < 2e-3, np.mean(got != want)
+  assert np.all(np.abs(got - want) <= 2 ** -3 * np.abs(want) + 2 ** -9 * np.repeat(ws, 128, 1)[:, :n])
+  rows = int(gs.sum())
+  assert np.all(np.asarray(q.astype(jnp.float32))[rows:] == 0) and np.all(scale[rows:] == 0)
+
+
 def _host_refs(lhs, rhs, cot, gs, transpose):
   """fp8_gmm's output and input gradient from the FP8 values (the quantisation on the CPU device),
   and its weight gradient from lhs and the cotangent as they are, in float64 loops on the host."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 
 from umoe_jax.model.layers import ACTIVATION_FNS
-from umoe_jax.ops import dispatch
+from umoe_jax.ops import dispatch, fp8_gmm
 from umoe_jax.ops.epilogue import FUSABLE_ACTIVATIONS
 from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
@@ -32,12 +32,18 @@ def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up
   see `gmm_combine`; `fp8`: FP8 operands in every grouped matmul (train.precision).
   (Also run per device by expert parallelism when the expert axis is 1.)"""
   k = gates.shape[1]
+  fused = fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS
+  quantized = None
   with jax.named_scope("expert_up"):
-    up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot, fp8=fp8)
-  if fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS:
+    if fused and fp8 and fp8_gmm.QUANTIZE_IN_EPILOGUE:  # act(up) in FP8 tiles for the last matmul
+      up, quantized = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot, fp8=fp8,
+                                 quantize_out=activation)
+    else:
+      up = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot, fp8=fp8)
+  if fused:
     with jax.named_scope("expert_down"):
       return gmm_combine(up, w_down, plan, gates, backend=backend, activation=activation,
-                         fuse_weight_rows=fuse_weight_rows, fp8=fp8)
+                         fuse_weight_rows=fuse_weight_rows, fp8=fp8, quantized=quantized)
   gate = None
   if w_gate is not None:
     with jax.named_scope("expert_gate"):

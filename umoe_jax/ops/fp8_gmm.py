@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import fp8
+from umoe_jax.ops import epilogue, fp8
 from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend, register_builtin_kernels, resolve_backend
 from umoe_jax.ops.row_index import raw_fp8_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -35,6 +35,13 @@ AUTO_FP8 = frozenset({"xla", "triton"})
 # w are those of w.T, so both products read the same ones. Read when an op is built (its cache
 # key). Off until its rows are measured (bench/train_step.py --fp8_keep_weight_blocks).
 KEEP_WEIGHT_BLOCKS = False
+
+# The expert pool's first FP8 product also writes act(out) in FP8 tiles from its epilogue
+# (`quantized_gmm_out`, on backends with `GmmBackend.fp8_quantize_out`), and the last product reads
+# them, instead of an XLA pass for act(out) and a quantiser pass over [M, F] between the two. Read
+# at trace time by `umoe_jax.model.expert_mlp`. Off until its rows are measured
+# (bench/train_step.py --fp8_quantize_in_epilogue).
+QUANTIZE_IN_EPILOGUE = False
 
 
 def fp8_backends() -> list[str]:
@@ -78,6 +85,22 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
   return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, rq, rs,
                      group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                      lhs_index=lhs_index)
+
+
+def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out_dtype,
+                      activation: str, lhs_index=None, rhs_blocks=None):
+  """(out, q, scale): `quantized_gmm` (not transposed) and act(out) in 1 x 128 tiles along its rows
+  (`quantize(backend_name, epilogue.activate(activation, out))`), the next FP8 product's operand:
+  from the kernel's epilogue where the backend has it for `activation` (`fp8_quantize_out`),
+  else by passes after the product."""
+  backend = BACKENDS.get(backend_name)
+  rq, rs = fp8.quantize_blocks(rhs) if rhs_blocks is None else rhs_blocks
+  if activation in backend.fp8_quantize_out:
+    return raw_fp8_gmm(backend, lhs_q, lhs_scale, rq, rs, group_sizes, transpose_rhs=False,
+                       out_dtype=out_dtype, lhs_index=lhs_index, quantize_out=activation)
+  out = raw_fp8_gmm(backend, lhs_q, lhs_scale, rq, rs, group_sizes, transpose_rhs=False,
+                    out_dtype=out_dtype, lhs_index=lhs_index)
+  return (out, *quantize(backend_name, epilogue.activate(activation, out)))
 
 
 def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None,

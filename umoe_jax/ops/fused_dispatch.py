@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue, fp8_gmm
 from umoe_jax.ops.dispatch import DispatchPlan, combine
-from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm, weight_blocks
+from umoe_jax.ops.fp8_gmm import (fp8_backend, gradients, quantize, quantized_gmm, quantized_gmm_out,
+                                  weight_blocks)
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -96,7 +97,7 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
 
 @functools.lru_cache(maxsize=None)
 def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None,
-                       keep_blocks: bool = False):
+                       keep_blocks: bool = False, quantize_out: str | None = None):
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
   they are (a row's tiles run along the row, so this equals quantising the gathered copy, at N
   source rows instead of M = N*K) and the FP8 gmm reads them and their scales through the sort
@@ -105,14 +106,21 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   took the UMoE-base step on one H100 from 216 to 202 ms (rows of 2026-12-07): the kernels' time
   stayed, XLA's gathers (jnp.take's bounds selects) fell from 22 to 8 ms. Backward:
   fp8_gmm's gradients, the weight gradient's rows read through the sort order as the bf16 form's,
-  the input gradient fanned in as `_gather_gmm_fn`'s."""
+  the input gradient fanned in as `_gather_gmm_fn`'s. With `quantize_out` the op returns (out, q,
+  scale), act(out)'s FP8 tiles too (`fp8_gmm.quantized_gmm_out`), whose cotangents it ignores:
+  they are an operand of FP8 products, which pass no gradient to it."""
   backend = BACKENDS.get(backend_name)
 
   def forward(x, rhs, gs, src, blocks):
     q, scale = quantize(backend_name, x)
+    axes = varying_axes(x) | varying_axes(rhs)
+    if quantize_out is not None:
+      out, q2, s2 = quantized_gmm_out(backend_name, q, scale, rhs, gs, x.dtype, quantize_out,
+                                      lhs_index=src, rhs_blocks=blocks)
+      return vary_like(out, axes), vary_like(q2, axes), vary_like(s2, axes)
     out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src,
                         rhs_blocks=blocks)
-    return vary_like(out, varying_axes(x) | varying_axes(rhs))
+    return vary_like(out, axes)
 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
@@ -124,6 +132,7 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
   def bwd(res, dout):
     x, rhs, gs, src, inverse, blocks = res
+    dout = dout if quantize_out is None else dout[0]
     drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src,
                             rhs_blocks=blocks)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
@@ -134,7 +143,8 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
 
 def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
-               backend: str = "auto", first_slot: int = 0, fp8: bool = False) -> jax.Array:
+               backend: str = "auto", first_slot: int = 0, fp8: bool = False,
+               quantize_out: str | None = None) -> jax.Array:
   """`gmm(dispatch.permute(x, plan, slots), rhs, plan.group_sizes)` without the permuted copy.
 
   Args:
@@ -146,8 +156,11 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
     slots: K.
     fp8: FP8 operands (train.precision=fp8): the rows quantised before they are gathered (or
       read through the sort order), then the backend's FP8 gmm (`_fp8_gather_gmm_fn`).
+    quantize_out: with fp8, an activation name (`epilogue.FUSABLE_ACTIVATIONS`): the op also
+      returns act(rows) in FP8 tiles, for `gmm_combine(..., quantized=)`.
   Returns:
-    [M, F], rows in expert order (M = N*K).
+    [M, F], rows in expert order (M = N*K); with `quantize_out`, (rows, (q [M, F] float8_e4m3fn,
+    scale [M, ceil(F/128)] float32)).
   """
   layout = None
   if x.ndim == 3:
@@ -170,11 +183,15 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
   src = plan.order if fan_out == 1 else plan.order // fan_out  # the source row of each sorted row
   if layout is not None:
     src = (plan.order // slots) * layout[0] + first_slot + plan.order % slots
+  if quantize_out is not None and (not fp8 or quantize_out not in epilogue.FUSABLE_ACTIVATIONS):
+    raise ValueError(f"gather_gmm quantize_out={quantize_out!r}: FP8 only (fp8=True), one of "
+                     f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
   if fp8:
-    fn = _fp8_gather_gmm_fn(fp8_backend(backend), fan_out, layout, fp8_gmm.KEEP_WEIGHT_BLOCKS)
-  else:
-    fn = _gather_gmm_fn(resolve_backend(backend), fan_out, layout)
-  return fn(x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
+    out = _fp8_gather_gmm_fn(fp8_backend(backend), fan_out, layout, fp8_gmm.KEEP_WEIGHT_BLOCKS,
+                             quantize_out)(x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
+    return out if quantize_out is None else (out[0], out[1:])
+  return _gather_gmm_fn(resolve_backend(backend), fan_out, layout)(
+      x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,20 +204,23 @@ def _combine_vjp(backend, slots: int, product, gradients, prepare=None):
   -> (dh, dgate_sorted [M], drhs) from the token rows' cotangent dout [N, D] (h's dtype), the sorted
   rows' tokens and their gates (float32). Only the inputs are kept: the backward needs no [M, D]
   expert outputs (module docstring). With `prepare`, the forward's prepare(rhs) (the FP8 weight
-  blocks) is kept too and handed to both as `blocks=`."""
+  blocks) is kept too and handed to both as `blocks=`. The op's last operand, `given` (None, or
+  the product's operand already quantised: (q, scale)), goes to product as `given=`; it gets no
+  gradient."""
   extra = (lambda rhs: {}) if prepare is None else (lambda rhs: {"blocks": prepare(rhs)})
 
-  def forward(h, rhs, gs, inverse, gates, kw):
-    y = _fan_in(backend, product(h, rhs, gs, **kw), inverse, slots, gates)                # [N, D]
+  def forward(h, rhs, gs, inverse, gates, given, kw):
+    mine = {} if given is None else {"given": given}
+    y = _fan_in(backend, product(h, rhs, gs, **kw, **mine), inverse, slots, gates)       # [N, D]
     return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
 
   @jax.custom_vjp
-  def fn(h, rhs, gs, order, inverse, gates):
-    return forward(h, rhs, gs, inverse, gates, extra(rhs))
+  def fn(h, rhs, gs, order, inverse, gates, given):
+    return forward(h, rhs, gs, inverse, gates, given, extra(rhs))
 
-  def fwd(h, rhs, gs, order, inverse, gates):
-    kw = extra(rhs)
-    return forward(h, rhs, gs, inverse, gates, kw), (h, rhs, gs, order, inverse, gates, kw)
+  def fwd(h, rhs, gs, order, inverse, gates, given):
+    kw = extra(rhs)   # (`given` is not kept: the backward needs none of it)
+    return forward(h, rhs, gs, inverse, gates, given, kw), (h, rhs, gs, order, inverse, gates, kw)
 
   def bwd(res, dout):
     h, rhs, gs, order, inverse, gates, kw = res
@@ -209,7 +229,7 @@ def _combine_vjp(backend, slots: int, product, gradients, prepare=None):
     dh, dgate_sorted, drhs = gradients(h, rhs, gs, dout.astype(h.dtype), token, gate_sorted, **kw)
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
-            vary_like(dgates.astype(gates.dtype), varying_axes(gates)))
+            vary_like(dgates.astype(gates.dtype), varying_axes(gates)), None)
 
   fn.defvjp(fwd, bwd)
   return fn
@@ -264,9 +284,9 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   backend = BACKENDS.get(backend_name)
   operand = _operand(activation)
 
-  def product(h, rhs, gs, blocks=None):
-    return quantized_gmm(backend_name, *quantize(backend_name, operand(h)), rhs, gs, False, h.dtype,
-                         rhs_blocks=blocks)
+  def product(h, rhs, gs, blocks=None, given=None):
+    q, scale = quantize(backend_name, operand(h)) if given is None else given
+    return quantized_gmm(backend_name, q, scale, rhs, gs, False, h.dtype, rhs_blocks=blocks)
 
   def gradients(h, rhs, gs, dout, token, gate_sorted, blocks=None):
     u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
@@ -282,7 +302,7 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
                 backend: str = "auto", activation: str | None = None,
-                fuse_weight_rows: bool = False, fp8: bool = False) -> jax.Array:
+                fuse_weight_rows: bool = False, fp8: bool = False, quantized=None) -> jax.Array:
   """`combine(unpermute(gmm(h, rhs, plan.group_sizes), plan), gates)`: the expert pool's last matmul,
   un-sort and gate-weighted sum over slots in one differentiable op. With `activation` (a
   FUSABLE_ACTIVATIONS name) h holds the pre-activations z and the op is the same with act(z) for h:
@@ -301,6 +321,9 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     gates: [N, K].
     fp8: FP8 operands in the two matmuls that take them (train.precision=fp8;
       `_fp8_gmm_combine_fn`; `fuse_weight_rows` does not apply).
+    quantized: with fp8, the product's operand (act(h) with `activation`, else h) already in FP8
+      tiles, (q [M, F], scale [M, ceil(F/128)]), as `gather_gmm(..., quantize_out=)` returns it:
+      read instead of quantising h here. It gets no gradient.
   Returns:
     [N, D] in h.dtype (the K-way sum accumulated in float32).
   """
@@ -313,8 +336,12 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if activation is not None and activation not in epilogue.FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
+  if quantized is not None and (len(quantized) != 2 or quantized[0].shape != h.shape):
+    raise ValueError(f"gmm_combine quantized= must be (q, scale) with q like h {h.shape}")
   if fp8:
     return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation, fp8_gmm.KEEP_WEIGHT_BLOCKS)(
-        h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
+        h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates, quantized)
+  if quantized is not None:
+    raise ValueError("gmm_combine quantized=...: FP8 only (fp8=True)")
   return _gmm_combine_fn(resolve_backend(backend), k, activation, bool(fuse_weight_rows))(
-      h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates)
+      h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates, None)

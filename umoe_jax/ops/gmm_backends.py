@@ -67,6 +67,10 @@ class GmmBackend:
     fp8_quantize: optional `(x [M, C]) -> (q, scale)`, bit for bit
       `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, in one pass over x (XLA's takes two); None:
       that.
+    fp8_quantize_out: activation names for which `fp8_gmm` also takes `quantize_out=NAME` and
+      returns (out, q, scale), (q, scale) the tiles of act(out) (`umoe_jax.ops.epilogue.activate`,
+      then `fp8_quantize`) from its epilogue: the next FP8 product's operand
+      (`umoe_jax.ops.fp8_gmm.quantized_gmm_out`); others get it by a pass after the product.
   """
   gmm: GmmFn
   tgmm: GmmFn
@@ -79,6 +83,7 @@ class GmmBackend:
   gather_sum: Optional[GmmFn] = None
   fp8_gmm: Optional[GmmFn] = None
   fp8_quantize: Optional[Callable] = None
+  fp8_quantize_out: tuple[str, ...] = ()
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
@@ -150,22 +155,24 @@ def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int,
       gather_sum = importlib.import_module(fan_in).gather_sum
     except Exception as e:  # noqa: BLE001  (the backend still registers; XLA does the fan-ins)
       _log.debug("fan-in kernel %s not loaded: %r", fan_in, e)
-  fp8_form, quantize = None, None
-  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_quantize`)
+  fp8_form, quantize, quantize_out = None, None, ()
+  if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_quantize` / `fp8_quantize_out`)
     try:
-      fp8_form = importlib.import_module(fp8).FP8_GMM
+      fp8_module = importlib.import_module(fp8)
+      fp8_form = fp8_module.FP8_GMM
       if fp8_quantize is not None:
         quantize = importlib.import_module(fp8_quantize).QUANTIZE_ROWS
+        quantize_out = tuple(getattr(fp8_module, "QUANTIZE_OUT", ()))
     except Exception as e:  # noqa: BLE001  (the backend still registers, without FP8 forms)
       _log.debug("FP8 kernel %s not loaded: %r", fp8, e)
-      fp8_form, quantize = None, None
+      fp8_form, quantize, quantize_out = None, None, ()
   BACKENDS.register(name)(GmmBackend(
       gmm=getattr(mod, gmm), tgmm=getattr(mod, tgmm),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))), auto_priority=priority,
       available=mod.available, row_index=row_index,
       fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
       scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_form,
-      fp8_quantize=quantize))
+      fp8_quantize=quantize, fp8_quantize_out=quantize_out))
 
 
 _KERNELS_LOADED = False

@@ -60,11 +60,12 @@ def raw_tgmm(backend, lhs, rhs, gs, *, num_groups, out_dtype, lhs_index=None, rh
 
 
 def raw_fp8_gmm(backend, lhs_q, lhs_scale, rhs_q, rhs_scale, gs, *, transpose_rhs, out_dtype,
-                lhs_index=None):
+                lhs_index=None, quantize_out=None):
   """The backend's raw FP8 gmm (`GmmBackend.fp8_gmm`) with `lhs_index` [M]: the product's rows are
   lhs_q[lhs_index] (and their scales), read through the index by a backend with `row_index`,
-  gathered by XLA for the others."""
-  extra = {}
+  gathered by XLA for the others. `quantize_out` is handed on (one of the backend's
+  `fp8_quantize_out`)."""
+  extra = {} if quantize_out is None else {"quantize_out": quantize_out}
   if lhs_index is not None and backend.row_index:
     extra["lhs_index"] = lhs_index
   elif lhs_index is not None:
