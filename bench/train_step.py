@@ -34,9 +34,7 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_narrow_tail=0|1] [--fp8_keep_weight_blocks=0|1] [--fp8_quantize_in_epilogue=0|1]
-                    (module switches of SWITCHES: kernels/gmm/triton_fp8_gmm.NARROW_TAIL,
-                    umoe_jax/ops/fp8_gmm.KEEP_WEIGHT_BLOCKS / QUANTIZE_IN_EPILOGUE)
+      [--fp8_narrow_tail=0|1]   (a module switch of SWITCHES: kernels/gmm/triton_fp8_gmm.NARROW_TAIL)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -82,7 +80,6 @@ import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
 from kernels.gmm import triton_fp8_gmm  # noqa: E402
-from umoe_jax.ops import fp8_gmm  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -138,14 +135,6 @@ SWITCHES: dict[str, Switch] = {
         triton_fp8_gmm, "NARROW_TAIL", None,
         "the Triton FP8 gmm takes a contraction's last partial scale piece as one narrower dot "
         "(K = 192: 64 wide) instead of a 128-wide chunk masked past K"),
-    "fp8_keep_weight_blocks": Switch(
-        fp8_gmm, "KEEP_WEIGHT_BLOCKS", None,
-        "fp8_gmm's input gradients (the experts', the dense products' on one GPU) read the "
-        "forward's FP8 weight blocks instead of quantising the weights again"),
-    "fp8_quantize_in_epilogue": Switch(
-        fp8_gmm, "QUANTIZE_IN_EPILOGUE", None,
-        "the expert pool's first FP8 matmul writes act(out) in FP8 tiles from its epilogue for the "
-        "last one, instead of an activation pass and a quantiser pass between them"),
 }
 
 

@@ -79,8 +79,6 @@ def test_the_switch_table_names_real_module_switches():
     assert isinstance(value, bool) if sw.least is None else value >= sw.least, key
     assert train_step.SWITCH_DEFAULTS[key] == int(value), key
   assert train_step.SWITCHES["fp8_narrow_tail"].attr == "NARROW_TAIL"
-  assert train_step.SWITCHES["fp8_keep_weight_blocks"].attr == "KEEP_WEIGHT_BLOCKS"
-  assert train_step.SWITCHES["fp8_quantize_in_epilogue"].attr == "QUANTIZE_IN_EPILOGUE"
 
 
 def test_precision_list_is_checked():

@@ -725,67 +725,26 @@ def test_the_fused_forms_weight_gradients_in_bf16():
   fused_dispatch._fp8_gmm_combine_fn.cache_clear()
 
 
-def test_kept_weight_blocks_give_the_same_bits_from_one_quantisation(monkeypatch):
-  """fp8_gmm.KEEP_WEIGHT_BLOCKS: the forward's weight blocks serve the input gradient, so each
-  product's weights are quantised once a step instead of twice (fp8_gmm in both layouts, the fused
-  gather_gmm and gmm_combine), and the values and all gradients are the bits of quantising again."""
-  from umoe_jax.ops import fp8_gmm as fg
-  from umoe_jax.ops import fused_dispatch
-  rng = np.random.default_rng(45)
-  x, plan, w1, w2, gates, g = _expert_layer(rng)
-  k = gates.shape[1]
-  sizes = jnp.asarray([50, 0, 37, 25], jnp.int32)   # 8 rows past the groups
-  # w1 [4, 200, 136]: lhs [120, 200] -> [120, 136], or transposed lhs [120, 136] -> [120, 200]
-  operands = {t: (jnp.asarray(rng.normal(size=(120, 136 if t else 200)), jnp.float32),
-                  jnp.asarray(rng.normal(size=(120, 200 if t else 136)), jnp.float32))
-              for t in (False, True)}
-
-  def runs():
-    out = []
-    for transpose, (lhs, dout) in operands.items():
-      y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, sizes, backend="xla", transpose_rhs=transpose),
-                        lhs, w1)
-      out.append((y, pull(dout)))
-    layer = lambda x_, a, b, c: fused_dispatch.gmm_combine(
-        fused_dispatch.gather_gmm(x_, a, plan, k, backend="xla", fp8=True), b, plan, c,
-        backend="xla", activation="silu", fp8=True)
-    y, pull = jax.vjp(layer, x, w1, w2, gates)
-    out.append((y, pull(g)))
-    return out
-
-  calls = []
-  real = fp8.quantize_blocks
-  monkeypatch.setattr(fp8, "quantize_blocks", lambda w, *a: calls.append(w.shape) or real(w, *a))
-  counts = {}
-  for keep in (False, True):
-    monkeypatch.setattr(fg, "KEEP_WEIGHT_BLOCKS", keep)
-    calls.clear()
-    counts[keep] = (runs(), list(calls))
-  (off, off_calls), (on, on_calls) = counts[False], counts[True]
-  for a, b in zip(jax.tree_util.tree_leaves(off), jax.tree_util.tree_leaves(on)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # four products (fp8_gmm twice, gather_gmm, gmm_combine): each weight quantised for its forward
-  # and again for its input gradient, or once
-  assert sorted(off_calls) == sorted(on_calls * 2) and len(on_calls) == 4, (off_calls, on_calls)
-
-
 def test_act_quantised_after_the_first_matmul_feeds_the_last(monkeypatch):
-  """fp8_gmm.QUANTIZE_IN_EPILOGUE: the pool's first FP8 matmul hands act(up) in FP8 tiles to the last
-  one (gather_gmm(quantize_out=) -> gmm_combine(quantized=)). On a backend without the epilogue form
-  (xla) they come from the same passes as before, so values and gradients are the same bits, and
-  the last matmul quantises nothing of its own in the forward; bad uses are one clear error."""
+  """The FP8 pool's first matmul hands act(up) in FP8 tiles to the last one (routed_mlp:
+  gather_gmm(quantize_out=) -> gmm_combine(quantized=)). On a backend without the epilogue form
+  (xla) they come from the passes the last matmul would make, so values and gradients are the bits
+  of the two ops composed without it, and the last matmul quantises nothing of its own in the
+  forward; bad uses are one clear error."""
   from umoe_jax.model.expert_mlp import routed_mlp
-  from umoe_jax.ops import fp8_gmm as fg
   from umoe_jax.ops import fused_dispatch
   rng = np.random.default_rng(46)
   x, plan, w1, w2, gates, g = _expert_layer(rng)
-  pool = lambda *a: routed_mlp(a[0], plan, a[3], a[1], a[2], activation="silu", backend="xla",
-                               fuse_activation=True, fp8=True)
+  k = gates.shape[1]
+  pools = {
+      False: lambda x_, a, b, c: fused_dispatch.gmm_combine(
+          fused_dispatch.gather_gmm(x_, a, plan, k, backend="xla", fp8=True), b, plan, c,
+          backend="xla", activation="silu", fp8=True),
+      True: lambda x_, a, b, c: routed_mlp(x_, plan, c, a, b, activation="silu", backend="xla",
+                                           fuse_activation=True, fp8=True)}
   runs = {}
   real = fused_dispatch.quantize
-  for on in (False, True):
-    monkeypatch.setattr(fg, "KEEP_WEIGHT_BLOCKS", False)
-    monkeypatch.setattr(fg, "QUANTIZE_IN_EPILOGUE", on)
+  for on, pool in pools.items():
     calls = []
     monkeypatch.setattr(fused_dispatch, "quantize", lambda b, v: calls.append(v.shape) or real(b, v))
     y, pull = jax.vjp(pool, x, w1, w2, gates)
@@ -797,7 +756,6 @@ def test_act_quantised_after_the_first_matmul_feeds_the_last(monkeypatch):
   # matmul's op makes it), the two backward cotangents
   assert (m, w1.shape[2]) in runs[False][2] and (m, w1.shape[2]) not in runs[True][2]
   assert len(runs[True][2]) == len(runs[False][2]) - 1
-  k = gates.shape[1]
   with pytest.raises(ValueError, match="FP8 only"):
     fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", quantize_out="silu")
   with pytest.raises(ValueError, match="'gelu'"):

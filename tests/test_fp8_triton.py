@@ -71,6 +71,14 @@ def test_epilogue_quantisation_needs_whole_scale_pieces():
   assert tf.QUANTIZE_OUT == {"silu": 1, "relu": 2}
 
 
+def test_table_rows_are_launchable_tiles_the_launch_takes():
+  for (op, kc, no), cfg in tf.TABLE.items():
+    assert tf.config_for(op, kc, no) == cfg and tf.shared_memory(cfg) <= tf.SMEM_LIMIT, (op, kc, no)
+    assert tf.gmm_launch(4096, kc, no, 8, cfg)["BM"] == cfg.bm and cfg.bk == tf.TILE
+  assert tf.config_for("gmm_t", 192, 768) == tuning.TileConfig(64, 128, 128, 4, 4)
+  assert tf.config_for("gmm", 192, 768) == tf.default_config("gmm", 192, 768)
+
+
 def test_default_tiles_fit_shared_memory():
   """Every default tile fits an H100's shared memory with room for a float32 epilogue tile
   (`shared_memory`): at bench/gmm.py's shapes, each of the forward and its transpose (dgrad), and at
@@ -115,7 +123,8 @@ def test_sweep_candidates_are_valid_tiles_and_the_table_reaches_the_launch(monke
   for name, m, k, n, g in SHAPES:
     for op, kc, no in (("gmm", k, n), ("gmm_t", n, k)):
       cands = tf.candidates(op, kc, no)
-      assert cands[0] == tf.config_for(op, kc, no) == tf.default_config(op, kc, no)
+      assert cands[0] == tf.config_for(op, kc, no)
+      assert tf.config_for(op, kc, no) == tf.default_config(op, kc, no) or (op, kc, no) in tf.TABLE
       assert len(cands) >= 6 and len(set(cands)) == len(cands), (name, op, cands)
       for c in cands:
         tf.gmm_launch(m, kc, no, g, c)
@@ -620,13 +629,12 @@ def _interpreter_check():
 
 
 def _expert_pool_check(tqt):
-  """The expert pool's FP8 path with act(up) quantised in the first matmul's epilogue
-  (routed_mlp under fp8_gmm.QUANTIZE_IN_EPILOGUE) against the same pool quantising it in a pass of
-  its own: the same values and gradients up to the activation's rounding, one quantiser launch
-  fewer, and the first matmul's launch the quantising kernel."""
+  """The expert pool's FP8 path (routed_mlp: act(up) quantised in the first matmul's epilogue)
+  against its two ops composed without it (act(up) quantised by a pass of its own): the same values
+  and gradients up to the activation's rounding, one quantiser launch fewer, and the first matmul's
+  launch the quantising kernel."""
   from umoe_jax.model.expert_mlp import routed_mlp
-  from umoe_jax.ops import dispatch
-  from umoe_jax.ops import fp8_gmm as fg
+  from umoe_jax.ops import dispatch, fused_dispatch
   rng = np.random.default_rng(11)
   n_tok, slots, d, f, e = 50, 3, 136, 192, 4
   plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, slots)), jnp.int32), e)
@@ -635,16 +643,18 @@ def _expert_pool_check(tqt):
   w2 = jnp.asarray(_operand(rng, (e, f, d), (1, 2)) / 10)
   gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, slots)).astype(np.float32))
   cot = jnp.asarray(_operand(rng, (n_tok, d), (0,)), jnp.bfloat16)
-  pool = lambda a, b, c, g: routed_mlp(a, plan, g, b, c, activation="silu", backend="triton",
-                                       fuse_activation=True, fp8=True)
+  pools = {
+      False: lambda a, b, c, g: fused_dispatch.gmm_combine(
+          fused_dispatch.gather_gmm(a, b, plan, slots, backend="triton", fp8=True), c, plan, g,
+          backend="triton", activation="silu", fp8=True),
+      True: lambda a, b, c, g: routed_mlp(a, plan, g, b, c, activation="silu", backend="triton",
+                                          fuse_activation=True, fp8=True)}
   runs = {}
-  for fused in (False, True):
-    fg.QUANTIZE_IN_EPILOGUE = fused
+  for fused, pool in pools.items():
     n0, q0 = len(LAUNCHES), len(tqt.LAUNCHES)
     runs[fused] = jax.jit(jax.value_and_grad(
         lambda *a: jnp.sum(pool(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3)))(x, w1, w2, gates)
     runs[fused, "launches"] = (sorted(LAUNCHES[n0:]), tqt.LAUNCHES[q0:])
-  fg.QUANTIZE_IN_EPILOGUE = False
   (plain, fused) = runs[False], runs[True]
   np.testing.assert_allclose(float(fused[0]), float(plain[0]), rtol=1e-3)
   for name, a, b in zip(("dx", "dw1", "dw2", "dgates"), fused[1], plain[1]):

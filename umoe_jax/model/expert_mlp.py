@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 
 from umoe_jax.model.layers import ACTIVATION_FNS
-from umoe_jax.ops import dispatch, fp8_gmm
+from umoe_jax.ops import dispatch
 from umoe_jax.ops.epilogue import FUSABLE_ACTIVATIONS
 from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
@@ -35,7 +35,7 @@ def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up
   fused = fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS
   quantized = None
   with jax.named_scope("expert_up"):
-    if fused and fp8 and fp8_gmm.QUANTIZE_IN_EPILOGUE:  # act(up) in FP8 tiles for the last matmul
+    if fused and fp8:  # act(up) in FP8 tiles for the last matmul, from the first one's epilogue
       up, quantized = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot, fp8=fp8,
                                  quantize_out=activation)
     else:

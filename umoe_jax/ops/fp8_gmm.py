@@ -30,19 +30,6 @@ from umoe_jax.ops.varying import vary_like, varying_axes
 # The FP8 forms "auto" may take: those whose GPU tests (tests/gpu/test_fp8_gpu.py) pass on a GPU.
 AUTO_FP8 = frozenset({"xla", "triton"})
 
-# The forward's FP8 weight blocks kept for the input gradient (a residual of FP8 bytes, half the
-# bf16 weights'), instead of quantising the weights again in the backward: the 128 x 128 blocks of
-# w are those of w.T, so both products read the same ones. Read when an op is built (its cache
-# key). Off until its rows are measured (bench/train_step.py --fp8_keep_weight_blocks).
-KEEP_WEIGHT_BLOCKS = False
-
-# The expert pool's first FP8 product also writes act(out) in FP8 tiles from its epilogue
-# (`quantized_gmm_out`, on backends with `GmmBackend.fp8_quantize_out`), and the last product reads
-# them, instead of an XLA pass for act(out) and a quantiser pass over [M, F] between the two. Read
-# at trace time by `umoe_jax.model.expert_mlp`. Off until its rows are measured
-# (bench/train_step.py --fp8_quantize_in_epilogue).
-QUANTIZE_IN_EPILOGUE = False
-
 
 def fp8_backends() -> list[str]:
   """The gmm backends that have FP8 forms (the kernel backends registered first)."""
@@ -75,26 +62,28 @@ def quantize(backend_name: str, x):
 
 
 def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype,
-                  lhs_index=None, rhs_blocks=None):
+                  lhs_index=None):
   """The forward product from already quantised rows (`quantize(backend_name, lhs)`): rows may be
   quantised before they are gathered into expert order, since their tiles run along the row. With
   `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the index by
   a backend with `row_index`, gathered by XLA for the others. The weights are quantised here, in
-  blocks, unless `rhs_blocks` (`fp8.quantize_blocks(rhs)`) gives them."""
-  rq, rs = fp8.quantize_blocks(rhs) if rhs_blocks is None else rhs_blocks
-  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, rq, rs,
+  blocks (XLA computes a weight's blocks once for its forward and its input gradient: keeping them
+  as a residual saved no kernel time, rows of 2026-12-07)."""
+  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
                      group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                      lhs_index=lhs_index)
 
 
 def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out_dtype,
-                      activation: str, lhs_index=None, rhs_blocks=None):
+                      activation: str, lhs_index=None):
   """(out, q, scale): `quantized_gmm` (not transposed) and act(out) in 1 x 128 tiles along its rows
   (`quantize(backend_name, epilogue.activate(activation, out))`), the next FP8 product's operand:
   from the kernel's epilogue where the backend has it for `activation` (`fp8_quantize_out`),
-  else by passes after the product."""
+  else by passes after the product. The expert pool's first matmul hands them to its last one;
+  from the epilogue this took the UMoE-base step on one H100 from 149.6 to 147.3 ms (rows of
+  2026-12-07): one [M, F] activation pass and one quantiser pass fewer."""
   backend = BACKENDS.get(backend_name)
-  rq, rs = fp8.quantize_blocks(rhs) if rhs_blocks is None else rhs_blocks
+  rq, rs = fp8.quantize_blocks(rhs)
   if activation in backend.fp8_quantize_out:
     return raw_fp8_gmm(backend, lhs_q, lhs_scale, rq, rs, group_sizes, transpose_rhs=False,
                        out_dtype=out_dtype, lhs_index=lhs_index, quantize_out=activation)
@@ -103,14 +92,12 @@ def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out
   return (out, *quantize(backend_name, epilogue.activate(activation, out)))
 
 
-def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None,
-              rhs_blocks=None):
+def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`): the input
-  gradient in FP8 (from the forward's weight blocks `rhs_blocks` where kept), the weight gradient in
-  the operands' dtype (`wgrad`). With `lhs_index` the product's rows are lhs[lhs_index], read
-  through it."""
+  gradient in FP8, the weight gradient in the operands' dtype (`wgrad`). With `lhs_index` the
+  product's rows are lhs[lhs_index], read through it."""
   dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, group_sizes,
-                       not transpose_rhs, lhs.dtype, rhs_blocks=rhs_blocks)
+                       not transpose_rhs, lhs.dtype)
   return dlhs, wgrad(BACKENDS.get(backend_name), lhs, dout.astype(lhs.dtype), group_sizes, rhs,
                      transpose_rhs, lhs_index)
 
@@ -135,31 +122,21 @@ def wgrad(backend: GmmBackend, lhs, dout, group_sizes, rhs, transpose_rhs: bool,
                   lhs_index=lhs_index)
 
 
-def weight_blocks(keep: bool, rhs):
-  """The forward's weight blocks to keep for the backward (`KEEP_WEIGHT_BLOCKS`), else None."""
-  return fp8.quantize_blocks(rhs) if keep else None
-
-
 @functools.lru_cache(maxsize=None)
-def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype, keep_blocks: bool = False):
-
-  def forward(lhs, rhs, group_sizes, blocks):
-    out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
-                        transpose_rhs, out_dtype or lhs.dtype, rhs_blocks=blocks)
-    return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
+def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    return forward(lhs, rhs, group_sizes, None)
+    out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
+                        transpose_rhs, out_dtype or lhs.dtype)
+    return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   def fwd(lhs, rhs, group_sizes):
-    blocks = weight_blocks(keep_blocks, rhs)
-    return forward(lhs, rhs, group_sizes, blocks), (lhs, rhs, group_sizes, blocks)
+    return fn(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
 
   def bwd(res, dout):
-    lhs, rhs, group_sizes, blocks = res
-    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout,
-                           rhs_blocks=blocks)
+    lhs, rhs, group_sizes = res
+    dlhs, drhs = gradients(backend_name, lhs, rhs, group_sizes, transpose_rhs, dout)
     # Kernels called through custom calls drop shard_map's varying-axes type; restore it (as gmm).
     return vary_like(dlhs, varying_axes(lhs)), vary_like(drhs, varying_axes(rhs)), None
 
@@ -174,5 +151,4 @@ def fp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: 
   accumulation; output in `preferred_element_type` (default lhs.dtype)."""
   name = fp8_backend(backend)
   out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else None
-  return _differentiable(name, transpose_rhs, out_dtype, KEEP_WEIGHT_BLOCKS)(
-      lhs, rhs, group_sizes.astype(jnp.int32))
+  return _differentiable(name, transpose_rhs, out_dtype)(lhs, rhs, group_sizes.astype(jnp.int32))

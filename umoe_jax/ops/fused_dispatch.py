@@ -28,10 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from umoe_jax.ops import epilogue, fp8_gmm
+from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine
-from umoe_jax.ops.fp8_gmm import (fp8_backend, gradients, quantize, quantized_gmm, quantized_gmm_out,
-                                  weight_blocks)
+from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm, quantized_gmm_out
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -97,7 +96,7 @@ def _to_slot_layout(dx: jax.Array, slot_layout: tuple[int, int, int] | None) -> 
 
 @functools.lru_cache(maxsize=None)
 def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, int, int] | None = None,
-                       keep_blocks: bool = False, quantize_out: str | None = None):
+                       quantize_out: str | None = None):
   """`_gather_gmm_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`). The token rows are quantised where
   they are (a row's tiles run along the row, so this equals quantising the gathered copy, at N
   source rows instead of M = N*K) and the FP8 gmm reads them and their scales through the sort
@@ -111,30 +110,24 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   they are an operand of FP8 products, which pass no gradient to it."""
   backend = BACKENDS.get(backend_name)
 
-  def forward(x, rhs, gs, src, blocks):
+  @jax.custom_vjp
+  def fn(x, rhs, gs, src, inverse):
     q, scale = quantize(backend_name, x)
     axes = varying_axes(x) | varying_axes(rhs)
     if quantize_out is not None:
       out, q2, s2 = quantized_gmm_out(backend_name, q, scale, rhs, gs, x.dtype, quantize_out,
-                                      lhs_index=src, rhs_blocks=blocks)
+                                      lhs_index=src)
       return vary_like(out, axes), vary_like(q2, axes), vary_like(s2, axes)
-    out = quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src,
-                        rhs_blocks=blocks)
-    return vary_like(out, axes)
-
-  @jax.custom_vjp
-  def fn(x, rhs, gs, src, inverse):
-    return forward(x, rhs, gs, src, None)
+    return vary_like(quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src),
+                     axes)
 
   def fwd(x, rhs, gs, src, inverse):
-    blocks = weight_blocks(keep_blocks, rhs)
-    return forward(x, rhs, gs, src, blocks), (x, rhs, gs, src, inverse, blocks)
+    return fn(x, rhs, gs, src, inverse), (x, rhs, gs, src, inverse)
 
   def bwd(res, dout):
-    x, rhs, gs, src, inverse, blocks = res
+    x, rhs, gs, src, inverse = res
     dout = dout if quantize_out is None else dout[0]
-    drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src,
-                            rhs_blocks=blocks)
+    drows, drhs = gradients(backend_name, x, rhs, gs, False, dout.astype(x.dtype), lhs_index=src)
     dx = _to_slot_layout(_fan_in(backend, drows, inverse, fan_out), slot_layout)
     return (vary_like(dx, varying_axes(x)), vary_like(drhs, varying_axes(rhs)), None, None, None)
 
@@ -187,8 +180,8 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
     raise ValueError(f"gather_gmm quantize_out={quantize_out!r}: FP8 only (fp8=True), one of "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
   if fp8:
-    out = _fp8_gather_gmm_fn(fp8_backend(backend), fan_out, layout, fp8_gmm.KEEP_WEIGHT_BLOCKS,
-                             quantize_out)(x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
+    out = _fp8_gather_gmm_fn(fp8_backend(backend), fan_out, layout, quantize_out)(
+        x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
     return out if quantize_out is None else (out[0], out[1:])
   return _gather_gmm_fn(resolve_backend(backend), fan_out, layout)(
       x, rhs.astype(x.dtype), plan.group_sizes, src, plan.inverse)
@@ -198,35 +191,29 @@ def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
 # gmm_combine
 
 
-def _combine_vjp(backend, slots: int, product, gradients, prepare=None):
+def _combine_vjp(backend, slots: int, product, gradients):
   """The differentiable `combine(unpermute(product(h, rhs, gs)), gates)` both gmm_combine forms
   share: product(h, rhs, gs) -> y_sorted [M, D]; gradients(h, rhs, gs, dout, token, gate_sorted)
   -> (dh, dgate_sorted [M], drhs) from the token rows' cotangent dout [N, D] (h's dtype), the sorted
   rows' tokens and their gates (float32). Only the inputs are kept: the backward needs no [M, D]
-  expert outputs (module docstring). With `prepare`, the forward's prepare(rhs) (the FP8 weight
-  blocks) is kept too and handed to both as `blocks=`. The op's last operand, `given` (None, or
-  the product's operand already quantised: (q, scale)), goes to product as `given=`; it gets no
-  gradient."""
-  extra = (lambda rhs: {}) if prepare is None else (lambda rhs: {"blocks": prepare(rhs)})
-
-  def forward(h, rhs, gs, inverse, gates, given, kw):
-    mine = {} if given is None else {"given": given}
-    y = _fan_in(backend, product(h, rhs, gs, **kw, **mine), inverse, slots, gates)       # [N, D]
-    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
+  expert outputs (module docstring). The op's last operand, `given` (None, or the product's
+  operand already quantised: (q, scale)), goes to product as `given=`; it gets no gradient and is
+  not kept."""
 
   @jax.custom_vjp
   def fn(h, rhs, gs, order, inverse, gates, given):
-    return forward(h, rhs, gs, inverse, gates, given, extra(rhs))
+    mine = {} if given is None else {"given": given}
+    y = _fan_in(backend, product(h, rhs, gs, **mine), inverse, slots, gates)              # [N, D]
+    return vary_like(y, varying_axes(h) | varying_axes(rhs) | varying_axes(gates))
 
   def fwd(h, rhs, gs, order, inverse, gates, given):
-    kw = extra(rhs)   # (`given` is not kept: the backward needs none of it)
-    return forward(h, rhs, gs, inverse, gates, given, kw), (h, rhs, gs, order, inverse, gates, kw)
+    return fn(h, rhs, gs, order, inverse, gates, given), (h, rhs, gs, order, inverse, gates)
 
   def bwd(res, dout):
-    h, rhs, gs, order, inverse, gates, kw = res
+    h, rhs, gs, order, inverse, gates = res
     token = order // slots                                                                 # [M]
     gate_sorted = jnp.take(gates.reshape(-1), order).astype(h.dtype).astype(jnp.float32)   # [M]
-    dh, dgate_sorted, drhs = gradients(h, rhs, gs, dout.astype(h.dtype), token, gate_sorted, **kw)
+    dh, dgate_sorted, drhs = gradients(h, rhs, gs, dout.astype(h.dtype), token, gate_sorted)
     dgates = jnp.take(dgate_sorted, inverse).reshape(gates.shape)                          # [N, K]
     return (vary_like(dh, varying_axes(h)), vary_like(drhs, varying_axes(rhs)), None, None, None,
             vary_like(dgates.astype(gates.dtype), varying_axes(gates)), None)
@@ -271,8 +258,7 @@ def _gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None,
-                        keep_blocks: bool = False):
+def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = None):
   """`_gmm_combine_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`'s quantiser and raw gmm), the same
   algebra: u = dout[token] @ rhs[g].T from dout's N token rows quantised along D once (a row's tiles
   run along the row, so they are the per-slot rows' before the gate, which scales u instead) and
@@ -284,20 +270,19 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   backend = BACKENDS.get(backend_name)
   operand = _operand(activation)
 
-  def product(h, rhs, gs, blocks=None, given=None):
+  def product(h, rhs, gs, given=None):
     q, scale = quantize(backend_name, operand(h)) if given is None else given
-    return quantized_gmm(backend_name, q, scale, rhs, gs, False, h.dtype, rhs_blocks=blocks)
+    return quantized_gmm(backend_name, q, scale, rhs, gs, False, h.dtype)
 
-  def gradients(h, rhs, gs, dout, token, gate_sorted, blocks=None):
+  def gradients(h, rhs, gs, dout, token, gate_sorted):
     u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
-                      lhs_index=token, rhs_blocks=blocks)                                  # [M, F]
+                      lhs_index=token)                                                     # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
     return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
                                       out_dtype=rhs.dtype, rhs_index=token)               # [E, F, D]
 
-  return _combine_vjp(backend, slots, product, gradients,
-                      functools.partial(weight_blocks, True) if keep_blocks else None)
+  return _combine_vjp(backend, slots, product, gradients)
 
 
 def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Array, *,
@@ -339,7 +324,7 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if quantized is not None and (len(quantized) != 2 or quantized[0].shape != h.shape):
     raise ValueError(f"gmm_combine quantized= must be (q, scale) with q like h {h.shape}")
   if fp8:
-    return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation, fp8_gmm.KEEP_WEIGHT_BLOCKS)(
+    return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation)(
         h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates, quantized)
   if quantized is not None:
     raise ValueError("gmm_combine quantized=...: FP8 only (fp8=True)")
