@@ -164,9 +164,6 @@ def main():
   ap.add_argument("--cands", default="",
                   help="--sweep-gathered: comma list of candidate positions to time instead of the "
                        "first --max-cands (the tabled tile, position 0, always comes first)")
-  ap.add_argument("--fp8_narrow_tail", type=int, choices=(0, 1), default=None,
-                  help="kernels/gmm/triton_fp8_gmm.NARROW_TAIL (default: the module's); its fp8 rows "
-                       "carry narrow_tail in overrides")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   results_lib.add_flag(ap)
   args = ap.parse_args()
@@ -198,11 +195,6 @@ def main():
   import jax.numpy as jnp
   from umoe_jax.ops import gmm as G
   G.register_builtin_kernels()
-  switches = {}   # the FP8 kernel switches this run sets, in its fp8 rows' overrides
-  if args.fp8_narrow_tail is not None:
-    from kernels.gmm import triton_fp8_gmm
-    triton_fp8_gmm.NARROW_TAIL = bool(args.fp8_narrow_tail)
-    switches["narrow_tail"] = args.fp8_narrow_tail
   results["device"] = str(jax.devices()[0].device_kind)
   results["jax"] = jax.__version__
   backends = [b for b in args.backends.split(",") if b in G.BACKENDS and G.BACKENDS.get(b).available()]
@@ -312,7 +304,7 @@ def main():
     results["shapes"][name] = row
     for m in measurements(name, row, backends, results["device"]):
       results_lib.record(args.results, **m)
-    gmm_fp8.record_shape(args.results, name, fl, row, fp8_backends, switches)
+    gmm_fp8.record_shape(args.results, name, fl, row, fp8_backends)
     del x, w, dy
     _save(args.out, results)
 

@@ -86,16 +86,14 @@ def measurements(name: str, flops: float, backend: str, t: dict) -> list[dict]:
   return rows
 
 
-def record_shape(results_path, name: str, flops: float, row: dict, backends, switches=None) -> None:
+def record_shape(results_path, name: str, flops: float, row: dict, backends) -> None:
   """Rows of every backend in `backends` that has FP8 timings in `row` (row[f"{b}_fp8"]), each
-  TFLOP/s figure anchored on the same backend's bf16 one of this run (row[f"{b}_fwd"], ...);
-  `switches` (the FP8 kernel switches the run set) in every row's overrides."""
+  TFLOP/s figure anchored on the same backend's bf16 one of this run (row[f"{b}_fwd"], ...)."""
   for b in backends:
     t = row.get(f"{b}_fp8")
     if not t:
       continue
     for m in measurements(name, flops, b, t):
-      m["overrides"] = {**m["overrides"], **(switches or {})}
       key = BF16_KEYS.get(m["metric"])
       bf16 = row.get(f"{b}_{key}") if key else None
       if bf16 == bf16 and bf16:  # (nan: its bf16 run failed)

@@ -34,7 +34,7 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_narrow_tail=0|1]   (a module switch of SWITCHES: kernels/gmm/triton_fp8_gmm.NARROW_TAIL)
+      [--KEY=VALUE]   (a module switch of SWITCHES, none now)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -79,7 +79,6 @@ import numpy as np  # noqa: E402
 import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
-from kernels.gmm import triton_fp8_gmm  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -129,13 +128,8 @@ class Switch(NamedTuple):
 
 # The module switches awaiting their rows, by flag (--KEY for every row, /KEY= for one): a change
 # not yet timed on a GPU lands behind a switch of its module, listed here, and is timed by rows with
-# and without it before it becomes the module's only path or goes.
-SWITCHES: dict[str, Switch] = {
-    "fp8_narrow_tail": Switch(
-        triton_fp8_gmm, "NARROW_TAIL", None,
-        "the Triton FP8 gmm takes a contraction's last partial scale piece as one narrower dot "
-        "(K = 192: 64 wide) instead of a 128-wide chunk masked past K"),
-}
+# and without it before it becomes the module's only path or goes. None waits now.
+SWITCHES: dict[str, Switch] = {}
 
 
 def switch_value(key: str) -> int:

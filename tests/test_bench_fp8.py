@@ -61,24 +61,6 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   assert anchors["fwd_tflops", "triton"]["value"] == 400.0
   assert anchors["fwd_bwd_tflops", "triton"]["value"] == 380.0
   assert anchors["fwd_tflops", "xla"] is None and anchors["fwd_bwd_tflops", "xla"] is None
-  # the kernel switches a run sets (bench/gmm.py --fp8_narrow_tail) in every fp8 row's overrides
-  path = str(tmp_path / "switched.jsonl")
-  gmm_fp8.record_shape(path, "base-up", 4e12, {"triton_fp8": dict(t, kernel_fwd_ms=1.0)}, ["triton"],
-                       {"narrow_tail": 1})
-  written = results.load_file(path)
-  assert len(written) == 4 and all(r["overrides"]["narrow_tail"] == 1 for r in written)
-  assert all(r["overrides"]["backend"] == "triton" for r in written)
-
-
-def test_the_switch_table_names_real_module_switches():
-  """Each switch of bench/train_step.py's table is a module attribute of its kind (a 0/1 boolean,
-  or an int >= least) and its default is the module's own setting, so a row's flag sets what the
-  step reads."""
-  for key, sw in train_step.SWITCHES.items():
-    value = getattr(sw.module, sw.attr)
-    assert isinstance(value, bool) if sw.least is None else value >= sw.least, key
-    assert train_step.SWITCH_DEFAULTS[key] == int(value), key
-  assert train_step.SWITCHES["fp8_narrow_tail"].attr == "NARROW_TAIL"
 
 
 def test_precision_list_is_checked():

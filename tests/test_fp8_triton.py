@@ -49,16 +49,13 @@ def test_tiles_and_launch_geometry():
       tf.gmm_launch(256, 256, 256, 2, bad)
 
 
-def test_narrow_tail_chunks():
-  # (loop chunks, tail width): off, every piece a TILE-wide chunk; on, the last partial piece as one
-  # dot of the next power of two >= 32 (FP8 wgmma's K step), none where kc is whole pieces
-  assert [tf.chunks(kc, False) for kc in (192, 256, 200, 40, 768)] == [
-      (2, 0), (2, 0), (2, 0), (1, 0), (6, 0)]
-  assert [tf.chunks(kc, True) for kc in (192, 256, 200, 136, 40, 8, 768)] == [
-      (1, 64), (2, 0), (1, 128), (1, 32), (0, 64), (0, 32), (6, 0)]
-  cfg = tf.default_config("gmm", 192, 768)
-  assert {k: tf.gmm_launch(1000, 192, 768, 8, cfg)[k] for k in ("KF", "TAIL")} == dict(
-      KF=tf.chunks(192)[0], TAIL=tf.chunks(192)[1])
+def test_the_last_short_piece_is_one_narrower_dot():
+  # (whole chunks in the loop, the tail dot's width): the last piece shorter than 128 as one dot of
+  # the next power of two >= 32 (FP8 wgmma's K step), none where kc is whole pieces
+  assert [tf.chunks(kc) for kc in (192, 256, 200, 136, 40, 8, 768, 128)] == [
+      (1, 64), (2, 0), (1, 128), (1, 32), (0, 64), (0, 32), (6, 0), (1, 0)]
+  launch = tf.gmm_launch(1000, 192, 768, 8, tf.default_config("gmm", 192, 768))
+  assert (launch["KF"], launch["TAIL"]) == (1, 64)
 
 
 def test_epilogue_quantisation_needs_whole_scale_pieces():
@@ -329,6 +326,7 @@ GMM_CASES = [  # M, K, N, group sizes, (bm, bn) or None for the default tiles
     (200, 384, 160, [0, 190, 3, 0, 7], (16, 64)),  # skewed, empty first group, no row past the groups;
                                                    # K 3 scale blocks, N 2: their strides differ
     (150, 136, 96, [40, 60, 30], None),            # default tiles (128 x 96 = 64 + 32)
+    (150, 192, 192, [40, 0, 90], None),            # UMoE-base's 192: a 64-wide tail dot, 128 + 64 columns
 ]
 
 
@@ -595,17 +593,6 @@ def _interpreter_check():
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
   for transpose in (False, True):
     _check_gmm_index(rng, transpose)
-  # the last partial scale piece as a narrower dot of its own (NARROW_TAIL): tails of 72 (a
-  # 128-wide dot), 16 and 8 (32-wide) and UMoE-base's 64 (K = 192), both layouts, the specials' inf
-  # and NaN in the tail, rows through an index
-  tf.NARROW_TAIL = True
-  for m, k, n, gs, tile in GMM_CASES + [(150, 192, 192, [40, 0, 90], None)]:
-    for transpose in (False, True):
-      _check_gmm(rng, m, k, n, gs, tile, transpose, special=False, reverse=not transpose)
-  for transpose in (False, True):
-    _check_gmm(rng, *GMM_CASES[0], transpose, special=True)
-    _check_gmm_index(rng, transpose)
-  tf.NARROW_TAIL = False
   # the epilogue's act(out) in FP8 tiles (`quantize_out`); the one-pass quantiser (its reference
   # here, and fp8_gmm's below) through the interpreter too, with its correctly rounded e4m3 cast
   # (test_fp8_quant_triton's)

@@ -9,7 +9,7 @@ gradient runs in bf16 by the bf16 kernels):
 It contracts in chunks of 128, one scale piece each: a chunk is one FP8 `tl.dot` into a fresh float32
 partial product, which is multiplied by its two scales and added to the float32 accumulator
 (DeepSeek-V3's promotion every 128 elements of the contraction), so no product is ever summed across
-two scales. Inside a chunk the tensor cores accumulate at their own FP8 precision (Triton's default
+two scales. A last piece shorter than 128 is one dot of its own width after the loop (`chunks`). Inside a chunk the tensor cores accumulate at their own FP8 precision (Triton's default
 `max_num_imprecise_acc` on sm_90 leaves the whole dot to them): a chunk is exactly one promotion.
 A piece holding inf or NaN has a non-finite scale, which multiplies every partial product it enters:
 such outputs are inf or NaN, never finite.
@@ -71,8 +71,8 @@ if HAVE_TRITON:
     # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
     # o // BK at sb_ptr + g*s_sg + (c // BK)*s_sk + (o // BK)*s_sn. BK = TILE (one chunk a scale).
-    # The loop takes KF chunks; with TAIL > 0 the last piece (KC % BK wide) is one TAIL-wide dot
-    # after it, else the loop's last chunk is masked past KC.
+    # The loop takes the KF whole chunks; with TAIL > 0 the last piece (KC % BK wide) is one
+    # TAIL-wide dot after it.
     pid = tl.program_id(0)
     offs_g, sizes, tiles, cum_tiles, cum_sizes = triton_gmm._row_schedule(gs_ptr, M, G, GP, BM)
     pid_m = pid // N_TILES
@@ -99,23 +99,19 @@ if HAVE_TRITON:
         acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
       if compute:
         for ks in range(0, KF):
-          k_ok = offs_k < KC - ks * BK
-          if KF * BK <= KC:
-            a = tl.load(a_ptrs)
-          else:
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-          b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < NO), other=0.0)
+          a = tl.load(a_ptrs)
+          b = tl.load(b_ptrs, mask=offs_n[None, :] < NO, other=0.0)
           sa = tl.load(sa_ptrs + ks)
           sb = tl.load(sb_ptrs + ks * s_sk, mask=offs_n < NO, other=0.0)
           acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
           if BN2 > 0:
-            b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & (offs_n2[None, :] < NO), other=0.0)
+            b2 = tl.load(b2_ptrs, mask=offs_n2[None, :] < NO, other=0.0)
             sb2 = tl.load(sb2_ptrs + ks * s_sk, mask=offs_n2 < NO, other=0.0)
             acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
             b2_ptrs += BK * s_bk
           a_ptrs += BK
           b_ptrs += BK * s_bk
-        if TAIL > 0:  # the last scale piece, KC - KF*BK wide: no MMA work on a masked half chunk
+        if TAIL > 0:  # the last scale piece, KC - KF*BK wide
           offs_t = tl.arange(0, TAIL)
           t_ok = offs_t < KC - KF * BK
           a = tl.load(a_ptr + rows[:, None] * KC + KF * BK + offs_t[None, :], mask=t_ok[None, :],
@@ -190,22 +186,15 @@ def _tile_width(n: int) -> int:
   return min(128, pow2_at_least(max(n, 16)))
 
 
-# The contraction's last scale piece, where KC is no multiple of TILE, as one dot of its own width
-# (the next power of two >= 32, FP8 wgmma's K step) after the loop, instead of a TILE-wide chunk
-# masked past KC: at UMoE-base's 192-wide contractions (the down projection's forward, the up
-# projection's input gradient) the tensor cores then do 192 of the products' K, not 256. Off until
-# its rows are measured (bench/train_step.py --fp8_narrow_tail, bench/gmm.py --fp8_narrow_tail).
-NARROW_TAIL = False
-
-
-def chunks(kc: int, narrow_tail: bool | None = None) -> tuple[int, int]:
-  """(KF, TAIL): the loop's TILE-wide chunks and the width of the dot after it (0: none) for a
-  contraction of kc, under `narrow_tail` (default NARROW_TAIL)."""
-  narrow = NARROW_TAIL if narrow_tail is None else narrow_tail
+def chunks(kc: int) -> tuple[int, int]:
+  """(KF, TAIL): the loop's whole TILE-wide chunks of a contraction of kc and the width of the one
+  dot after it (0: none) for its last, shorter piece: the next power of two >= 32 (FP8 wgmma's K
+  step), not a TILE-wide chunk masked past kc. At UMoE-base's 192-wide contractions (the down
+  projection's forward, the up projection's input gradient) the tensor cores then do 192 of K, not
+  256: the base-down forward ran at 189 against 174 TFLOP/s, the UMoE-base step in 145.9 against
+  148.0 ms (one H100, rows of 2026-12-07)."""
   rest = kc % TILE
-  if not narrow or rest == 0:
-    return _cdiv(kc, TILE), 0
-  return kc // TILE, max(32, pow2_at_least(rest))
+  return kc // TILE, (max(32, pow2_at_least(rest)) if rest else 0)
 
 
 # The most shared memory one block may ask on an H100 / H200 (227 KiB).
