@@ -731,20 +731,14 @@ def test_act_quantised_after_the_first_matmul_feeds_the_last(monkeypatch):
   (xla) they come from the passes the last matmul would make, so values and gradients are the bits
   of the two ops composed without it, and the last matmul quantises nothing of its own in the
   forward; bad uses are one clear error."""
-  from umoe_jax.model.expert_mlp import routed_mlp
+  from test_fp8_triton import fp8_pools
   from umoe_jax.ops import fused_dispatch
   rng = np.random.default_rng(46)
   x, plan, w1, w2, gates, g = _expert_layer(rng)
   k = gates.shape[1]
-  pools = {
-      False: lambda x_, a, b, c: fused_dispatch.gmm_combine(
-          fused_dispatch.gather_gmm(x_, a, plan, k, backend="xla", fp8=True), b, plan, c,
-          backend="xla", activation="silu", fp8=True),
-      True: lambda x_, a, b, c: routed_mlp(x_, plan, c, a, b, activation="silu", backend="xla",
-                                           fuse_activation=True, fp8=True)}
   runs = {}
   real = fused_dispatch.quantize
-  for on, pool in pools.items():
+  for on, pool in fp8_pools(plan, k, "xla").items():
     calls = []
     monkeypatch.setattr(fused_dispatch, "quantize", lambda b, v: calls.append(v.shape) or real(b, v))
     y, pull = jax.vjp(pool, x, w1, w2, gates)
@@ -763,8 +757,15 @@ def test_act_quantised_after_the_first_matmul_feeds_the_last(monkeypatch):
   up, qs = fused_dispatch.gather_gmm(x, w1, plan, k, backend="xla", fp8=True, quantize_out="silu")
   with pytest.raises(ValueError, match="FP8 only"):
     fused_dispatch.gmm_combine(up, w2, plan, gates, backend="xla", activation="silu", quantized=qs)
-  with pytest.raises(ValueError, match="q like h"):
-    fused_dispatch.gmm_combine(up, w2, plan, gates, backend="xla", fp8=True, quantized=(qs[0][:-1], qs[1]))
+  with pytest.raises(ValueError, match="an activation is needed"):
+    fused_dispatch.gmm_combine(up, w2, plan, gates, backend="xla", fp8=True, quantized=qs)
+  m_rows = up.shape[0]
+  for bad in ((qs[0][:-1], qs[1]), (qs[0], qs[1].astype(jnp.bfloat16)), (qs[0].astype(jnp.bfloat16), qs[1]),
+              qs[:1]):
+    with pytest.raises(ValueError, match=rf"must be \(q float8_e4m3fn\[{m_rows}, 136\], "
+                                         rf"scale float32\[{m_rows}, 2\]\)"):
+      fused_dispatch.gmm_combine(up, w2, plan, gates, backend="xla", activation="silu", fp8=True,
+                                 quantized=bad)
 
 
 def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):

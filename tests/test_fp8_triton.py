@@ -60,20 +60,31 @@ def test_the_last_short_piece_is_one_narrower_dot():
 
 def test_epilogue_quantisation_needs_whole_scale_pieces():
   # each column part of the tile one whole 128-wide piece of the row (or its last, shorter one)
-  piece = lambda no, bn: tf.quantizes_pieces(tf.gmm_launch(512, 256, no, 4, tuning.TileConfig(128, bn, 128)))
+  piece = lambda no, bn: tf.quantizes_pieces(
+      tf.gmm_launch(512, 256, no, 4, tuning.TileConfig(128, bn, 128)), no)
   assert piece(192, 192) and piece(256, 128) and piece(300, 128) and piece(96, 128) and piece(128, 128)
-  # 96 = 64 + 32 is one piece in two parts: each part's amax alone is not the piece's
+  # 96 = 64 + 32 is one piece in two parts: each part's amax alone is not the piece's; a 128 + 64
+  # tile over 96 columns has a second part past the output, whose piece the row does not have
   assert not piece(96, 96) and not piece(192, 64) and not piece(144, 48) and not piece(256, 256)
-  assert not piece(384, 192)
+  assert not piece(384, 192) and not piece(96, 192)
   assert tf.QUANTIZE_OUT == {"silu": 1, "relu": 2}
+  # the tile a quantising launch takes: the given one where it can, else 128 wide, and never one
+  # past shared memory or the register bound (256 x 128 is both): then the default, 128 wide
+  tile = lambda no, cfg: tf.quantizing_tile("gmm", 512, 256, no, 4, cfg)
+  t = tuning.TileConfig
+  assert tile(192, t(128, 192, 128, 8, 3)) == t(128, 192, 128, 8, 3)
+  assert tile(144, t(32, 48, 128, 4, 2)) == t(32, 128, 128, 4, 2)
+  assert tile(96, t(32, 192, 128, 4, 2)) == t(32, 128, 128, 4, 2)
+  assert tile(384, t(256, 64, 128, 8, 4)) == t(128, 128, 128, 8, 4) == tf.default_config("gmm", 256, 384)
 
 
-def test_table_rows_are_launchable_tiles_the_launch_takes():
+def test_table_rows_are_tiles_the_kernel_can_take():
+  # within shared memory and the two float32 tiles' register bound (`candidates`), bk the scale
+  # piece, one program a tile (gmm_launch refuses others), no wider than the output's tile width
   for (op, kc, no), cfg in tf.TABLE.items():
-    assert tf.config_for(op, kc, no) == cfg and tf.shared_memory(cfg) <= tf.SMEM_LIMIT, (op, kc, no)
-    assert tf.gmm_launch(4096, kc, no, 8, cfg)["BM"] == cfg.bm and cfg.bk == tf.TILE
-  assert tf.config_for("gmm_t", 192, 768) == tuning.TileConfig(64, 128, 128, 4, 4)
-  assert tf.config_for("gmm", 192, 768) == tf.default_config("gmm", 192, 768)
+    tf.gmm_launch(4096, kc, no, 8, cfg)
+    assert tf.shared_memory(cfg) <= tf.SMEM_LIMIT, (op, kc, no)
+    assert 2 * cfg.bm * cfg.bn <= 192 * 32 * cfg.num_warps and cfg.bn <= tf._tile_width(no), (op, kc, no)
 
 
 def test_default_tiles_fit_shared_memory():
@@ -437,6 +448,7 @@ QUANT_OUT_CASES = [  # M, K, N, group sizes, (bm, bn) or None, activation, throu
     (260, 200, 144, [70, 0, 133, 40], (32, 48), "silu", True),   # 32 + 16: narrowed to 128 wide
     (150, 136, 96, [40, 60, 30], None, "relu", False),   # one short piece
     (200, 144, 300, [0, 190, 3, 0, 7], (32, 128), "silu", False),   # three column tiles of 128
+    (150, 136, 96, [40, 60, 30], (32, 192), "silu", False),   # 128 + 64 over 96: narrowed to 128
 ]
 
 
@@ -455,7 +467,7 @@ def _exact_bf16():
   interp._convert_float = exact
 
 
-def _check_gmm_quant_out(rng, m, k, n, gs, tile, act, through_index):
+def _check_gmm_quant_out(rng, m, k, n, gs, tile, act, through_index, reverse=False):
   """`triton_fp8_gmm(quantize_out=act)`: out within float32 summation order of the plain launch;
   (q, scale) the bits of the one-pass quantiser's on act(out) (XLA's activation of the kernel's own
   out) except where the two activations round apart, there one e4m3 step; rows past the groups
@@ -469,16 +481,18 @@ def _check_gmm_quant_out(rng, m, k, n, gs, tile, act, through_index):
   if through_index:
     index = jnp.asarray(rng.permutation(m), jnp.int32)
   cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
-  call = lambda **kw: jax.jit(lambda *a: tf.triton_fp8_gmm(
-      *a, out_dtype=jnp.bfloat16, config=cfg, lhs_index=index, **kw))(lq, ls, rq, rs, jnp.asarray(gs))
+  call = lambda c, **kw: jax.jit(lambda *a: tf.triton_fp8_gmm(
+      *a, out_dtype=jnp.bfloat16, config=c, lhs_index=index, **kw))(lq, ls, rq, rs, jnp.asarray(gs))
   n0 = len(LAUNCHES)
-  out, q, scale = call(quantize_out=act)
-  plain = call()
+  REVERSED[0] = reverse
+  out, q, scale = call(cfg, quantize_out=act)
+  REVERSED[0] = False
+  # the plain launch of the tile the quantising one took: the same chunks in the same order
+  plain = call(tf.quantizing_tile("gmm", m, k, n, len(gs), cfg or tf.config_for("gmm", k, n)))
   assert LAUNCHES[n0:] == ["_fp8_gmm_quant_kernel", "_fp8_gmm_kernel"], LAUNCHES[n0:]
   what = f"quantize_out M={m} K={k} N={n} tile={tile} act={act} index={through_index}"
   assert q.shape == out.shape == (m, n) and q.dtype == F8 and scale.shape == (m, -(-n // 128)), what
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(plain, np.float32), rtol=2 ** -7,
-                             atol=1e-6, err_msg=what)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32), err_msg=what)
   want_q, want_s = tq.quantize_rows(epilogue.activate(act, out))
   got_s, want_s = np.asarray(scale), np.asarray(want_s)
   np.testing.assert_allclose(got_s, want_s, rtol=2 ** -7, err_msg=what)
@@ -600,8 +614,8 @@ def _interpreter_check():
   tqt._exact_e4m3()
   tq._launch = tqt._interpreter_launch
   _exact_bf16()
-  for case in QUANT_OUT_CASES:
-    _check_gmm_quant_out(rng, *case)
+  for i, case in enumerate(QUANT_OUT_CASES):   # every other one with its programs last to first
+    _check_gmm_quant_out(rng, *case, reverse=i % 2 == 1)
   # fp8_gmm's triton backend quantises with its own kernel (kernels/gmm/triton_fp8_quant.py), through
   # the interpreter (set above)
   n0 = len(tqt.LAUNCHES)
@@ -615,13 +629,26 @@ def _interpreter_check():
   print("FP8_TRITON_INTERPRETER_OK")
 
 
+def fp8_pools(plan, slots: int, backend: str) -> dict:
+  """The FP8 expert pool two ways, each f(x, w_up, w_down, gates) with a SiLU: False, gather_gmm
+  and gmm_combine composed, the last matmul quantising act(up) by its own pass; True, routed_mlp,
+  which hands it act(up)'s tiles from the first matmul. Also tests/test_fp8.py's."""
+  from umoe_jax.model.expert_mlp import routed_mlp
+  from umoe_jax.ops import fused_dispatch
+  return {
+      False: lambda x, a, b, g: fused_dispatch.gmm_combine(
+          fused_dispatch.gather_gmm(x, a, plan, slots, backend=backend, fp8=True), b, plan, g,
+          backend=backend, activation="silu", fp8=True),
+      True: lambda x, a, b, g: routed_mlp(x, plan, g, a, b, activation="silu", backend=backend,
+                                          fuse_activation=True, fp8=True)}
+
+
 def _expert_pool_check(tqt):
   """The expert pool's FP8 path (routed_mlp: act(up) quantised in the first matmul's epilogue)
   against its two ops composed without it (act(up) quantised by a pass of its own): the same values
   and gradients up to the activation's rounding, one quantiser launch fewer, and the first matmul's
   launch the quantising kernel."""
-  from umoe_jax.model.expert_mlp import routed_mlp
-  from umoe_jax.ops import dispatch, fused_dispatch
+  from umoe_jax.ops import dispatch
   rng = np.random.default_rng(11)
   n_tok, slots, d, f, e = 50, 3, 136, 192, 4
   plan = dispatch.make_plan(jnp.asarray(rng.integers(0, e, (n_tok, slots)), jnp.int32), e)
@@ -630,14 +657,8 @@ def _expert_pool_check(tqt):
   w2 = jnp.asarray(_operand(rng, (e, f, d), (1, 2)) / 10)
   gates = jnp.asarray(rng.uniform(0.05, 1.0, (n_tok, slots)).astype(np.float32))
   cot = jnp.asarray(_operand(rng, (n_tok, d), (0,)), jnp.bfloat16)
-  pools = {
-      False: lambda a, b, c, g: fused_dispatch.gmm_combine(
-          fused_dispatch.gather_gmm(a, b, plan, slots, backend="triton", fp8=True), c, plan, g,
-          backend="triton", activation="silu", fp8=True),
-      True: lambda a, b, c, g: routed_mlp(a, plan, g, b, c, activation="silu", backend="triton",
-                                          fuse_activation=True, fp8=True)}
   runs = {}
-  for fused, pool in pools.items():
+  for fused, pool in fp8_pools(plan, slots, "triton").items():
     n0, q0 = len(LAUNCHES), len(tqt.LAUNCHES)
     runs[fused] = jax.jit(jax.value_and_grad(
         lambda *a: jnp.sum(pool(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3)))(x, w1, w2, gates)

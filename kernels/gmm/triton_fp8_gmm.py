@@ -9,7 +9,8 @@ gradient runs in bf16 by the bf16 kernels):
 It contracts in chunks of 128, one scale piece each: a chunk is one FP8 `tl.dot` into a fresh float32
 partial product, which is multiplied by its two scales and added to the float32 accumulator
 (DeepSeek-V3's promotion every 128 elements of the contraction), so no product is ever summed across
-two scales. A last piece shorter than 128 is one dot of its own width after the loop (`chunks`). Inside a chunk the tensor cores accumulate at their own FP8 precision (Triton's default
+two scales. A last piece shorter than 128 is one dot of its own width after the loop (`chunks`).
+Inside a chunk the tensor cores accumulate at their own FP8 precision (Triton's default
 `max_num_imprecise_acc` on sm_90 leaves the whole dot to them): a chunk is exactly one promotion.
 A piece holding inf or NaN has a non-finite scale, which multiplies every partial product it enters:
 such outputs are inf or NaN, never finite.
@@ -134,7 +135,7 @@ if HAVE_TRITON:
       if BN2 > 0:
         tl.store(o_rows + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
                  mask=row_ok & (offs_n2[None, :] < NO))
-      if Q_ACT >= 0:  # each column part one whole scale piece (`quantizes_pieces`)
+      if Q_ACT >= 0:  # each column part one whole scale piece (`quantizing_tile`)
         piece = (pid % N_TILES) * (BN + BN2) // BK
         _quantized_act(acc, o_ptr, q_ptr, qs_ptr, offs_m, offs_n, row_ok, piece, NO, QB, Q_ACT)
         if BN2 > 0:
@@ -311,13 +312,27 @@ def _launch(kernel, grid, args, out_shape, **meta):
                         **triton_launch.launch_kwargs())
 
 
-def quantizes_pieces(launch: dict) -> bool:
-  """Whether each column part of a launch's output tile (BN, then BN2) is one whole 128-wide scale
-  piece of the output row (or the row's last, shorter piece), so its epilogue can quantise it."""
+def quantizes_pieces(launch: dict, no: int) -> bool:
+  """Whether each column part of a launch's output tile (BN, then BN2) over `no` output columns is
+  one whole 128-wide scale piece of the output row (or the row's last, shorter piece), so its
+  epilogue can quantise it."""
   bn, bn2, tiles = launch["BN"], launch["BN2"], launch["N_TILES"]
   if bn2 == 0:
     return bn == TILE or (tiles == 1 and bn <= TILE)
-  return bn == TILE and tiles == 1
+  return bn == TILE and tiles == 1 and no > TILE   # (else BN2 holds no column of the output)
+
+
+def quantizing_tile(op: str, m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> tuning.TileConfig:
+  """The tile a `quantize_out` launch takes: `cfg` where its column parts are whole scale pieces
+  (`quantizes_pieces`), else `cfg` 128 columns wide, or the default tile 128 wide where that one
+  would pass SMEM_LIMIT or the two float32 tiles' register bound (`candidates`)."""
+  if quantizes_pieces(gmm_launch(m, kc, no, g, cfg), no):
+    return cfg
+  for base in (cfg, default_config(op, kc, no)):
+    tile = dataclasses.replace(base, bn=TILE)
+    if shared_memory(tile) <= SMEM_LIMIT and 2 * tile.bm * tile.bn <= 192 * 32 * tile.num_warps:
+      return tile
+  return tuning.TileConfig(bm=128, bn=TILE, bk=TILE, num_warps=8, num_stages=4)
 
 
 def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
@@ -331,8 +346,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   With `quantize_out` (a QUANTIZE_OUT name) it returns (out, q, scale): also act(out) in 1 x 128
   tiles, the bits of `triton_fp8_quant.quantize_rows(epilogue.activate(name, out))` up to the
   activation's rounding, written by the epilogue from the tile it holds (the next FP8 product's
-  operand without a pass over out). The tile is narrowed to 128 columns where its column parts
-  are not whole scale pieces (`quantizes_pieces`)."""
+  operand without a pass over out). Its tile is `quantizing_tile`'s: 128 columns wide where the
+  given one's column parts are not whole scale pieces."""
   what = "triton fp8 gmm" + ("^T" if transpose_rhs else "")
   src = lhs_q.shape[0]
   m = src if lhs_index is None else lhs_index.shape[0]
@@ -349,18 +364,17 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   _check_device(what)
   op = "gmm_t" if transpose_rhs else "gmm"
   cfg = config or config_for(op, kc, no)
-  launch = gmm_launch(m, kc, no, g, cfg)
   out_shape = jax.ShapeDtypeStruct((m, no), jnp.dtype(out_dtype))
   kernel, extra = _fp8_gmm_kernel, {}
   if quantize_out is not None:
     if quantize_out not in QUANTIZE_OUT:
       raise ValueError(f"{what}: quantize_out={quantize_out!r}; the epilogue quantises act(out) for "
                        f"{', '.join(QUANTIZE_OUT)}")
-    if not quantizes_pieces(launch):
-      launch = gmm_launch(m, kc, no, g, dataclasses.replace(cfg, bn=TILE))
+    cfg = quantizing_tile(op, m, kc, no, g, cfg)
     kernel, extra = _fp8_gmm_quant_kernel, dict(QB=_cdiv(no, TILE), Q_ACT=QUANTIZE_OUT[quantize_out])
     out_shape = (out_shape, jax.ShapeDtypeStruct((m, no), DTYPE),
                  jax.ShapeDtypeStruct((m, _cdiv(no, TILE)), jnp.float32))
+  launch = gmm_launch(m, kc, no, g, cfg)
   grid = launch.pop("grid")
   # (group, contraction, output column) strides of the weights and of their scales. FP8 wgmma
   # reads its operands K-major: with N-major weights the same kernel ran 2-3x slower on an H100, so
@@ -382,7 +396,8 @@ def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
 available = gpu_available
 
 # The activations whose FP8 tiles the epilogue writes (`quantize_out`), by the kernels' code
-# (triton_gmm._act's: SiLU with the exact sigmoid, as XLA computes it, not the fast one).
+# (triton_gmm._act's; SiLU through tl.sigmoid, not the tanh.approx form, to stay within rounding of
+# XLA's activation, which the unfused path applies).
 QUANTIZE_OUT = dict(triton_gmm.FUSED_ACTIVATIONS)
 
 FP8_GMM = triton_fp8_gmm

@@ -47,11 +47,13 @@ if HAVE_TRITON:
 
   @triton.jit
   def _sigmoid(x, FAST_SIGMOID: tl.constexpr):
-    """Sigmoid of float32 x. FAST_SIGMOID (every GPU launch): 0.5 + 0.5 * tanh(x / 2) through the
-    one-instruction `tanh.approx.f32` (sm_75 and later; on an H200 within 7.8e-6 of tanh over
-    [-12, 12], the sigmoid within 3.9e-6), instead of `tl.sigmoid`'s exponential and reciprocal: two
-    special-function ops an element that a matmul epilogue cannot hide. False, `tl.sigmoid`: for
-    Triton's interpreter, which runs no inline PTX (the CPU tests' launches)."""
+    """Sigmoid of float32 x. FAST_SIGMOID (the bf16 kernels' GPU launches): 0.5 + 0.5 * tanh(x / 2)
+    through the one-instruction `tanh.approx.f32` (sm_75 and later; on an H200 within 7.8e-6 of
+    tanh over [-12, 12], the sigmoid within 3.9e-6), instead of `tl.sigmoid`'s exponential and
+    reciprocal: two special-function ops an element that a matmul epilogue cannot hide. False,
+    `tl.sigmoid`: for Triton's interpreter, which runs no inline PTX (the CPU tests' launches), and
+    for the FP8 kernel's act(out) tiles, which stand in for XLA's activation
+    (`triton_fp8_gmm.QUANTIZE_OUT`)."""
     if FAST_SIGMOID:
       t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5],
                                     dtype=tl.float32, is_pure=True, pack=1)

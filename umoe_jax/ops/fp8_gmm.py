@@ -67,8 +67,8 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
   quantised before they are gathered into expert order, since their tiles run along the row. With
   `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the index by
   a backend with `row_index`, gathered by XLA for the others. The weights are quantised here, in
-  blocks (XLA computes a weight's blocks once for its forward and its input gradient: keeping them
-  as a residual saved no kernel time, rows of 2026-12-07)."""
+  blocks; within a step XLA computes a weight's blocks once for its forward and its input
+  gradient (the same expression of the same weights)."""
   return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
                      group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                      lhs_index=lhs_index)

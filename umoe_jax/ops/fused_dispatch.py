@@ -137,7 +137,7 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
 
 def gather_gmm(x: jax.Array, rhs: jax.Array, plan: DispatchPlan, slots: int, *,
                backend: str = "auto", first_slot: int = 0, fp8: bool = False,
-               quantize_out: str | None = None) -> jax.Array:
+               quantize_out: str | None = None):
   """`gmm(dispatch.permute(x, plan, slots), rhs, plan.group_sizes)` without the permuted copy.
 
   Args:
@@ -293,7 +293,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   FUSABLE_ACTIVATIONS name) h holds the pre-activations z and the op is the same with act(z) for h:
   the backward takes act'(z) in the input-gradient matmul's epilogue (on backends that fuse it,
   else XLA), so d act(z) is never written and act(z) is not kept (the forward and the weight
-  gradient's gate-scaled operand recompute it in XLA passes they make anyway). With
+  gradient's gate-scaled operand recompute it in XLA passes they make anyway; under FP8 the forward
+  reads `quantized` where given). With
   `fuse_weight_rows` (`moe.fuse_weight_rows`) that operand, gate * act(z), is written by the
   input-gradient matmul's epilogue instead (backends with `GmmBackend.scaled_row_dot`; act(z)
   rounded to h's dtype first, as the XLA pass has it; the Triton epilogue's sigmoid comes from
@@ -306,9 +307,10 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     gates: [N, K].
     fp8: FP8 operands in the two matmuls that take them (train.precision=fp8;
       `_fp8_gmm_combine_fn`; `fuse_weight_rows` does not apply).
-    quantized: with fp8, the product's operand (act(h) with `activation`, else h) already in FP8
-      tiles, (q [M, F], scale [M, ceil(F/128)]), as `gather_gmm(..., quantize_out=)` returns it:
-      read instead of quantising h here. It gets no gradient.
+    quantized: with fp8 and `activation`, the product's operand act(h) already in FP8 tiles,
+      (q [M, F] float8_e4m3fn, scale [M, ceil(F/128)] float32), as `gather_gmm(...,
+      quantize_out=activation)` returns it: read instead of quantising act(h) here. It gets no
+      gradient.
   Returns:
     [N, D] in h.dtype (the K-way sum accumulated in float32).
   """
@@ -321,8 +323,16 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
   if activation is not None and activation not in epilogue.FUSABLE_ACTIVATIONS:
     raise ValueError(f"gmm_combine activation={activation!r}; fusable: "
                      f"{', '.join(epilogue.FUSABLE_ACTIVATIONS)}")
-  if quantized is not None and (len(quantized) != 2 or quantized[0].shape != h.shape):
-    raise ValueError(f"gmm_combine quantized= must be (q, scale) with q like h {h.shape}")
+  if quantized is not None:
+    if activation is None:
+      raise ValueError("gmm_combine quantized=...: the tiles of act(h) (gather_gmm's quantize_out), "
+                       "so an activation is needed")
+    want = ((h.shape, jnp.dtype(jnp.float8_e4m3fn)), ((h.shape[0], -(-h.shape[1] // 128)),
+                                                        jnp.dtype(jnp.float32)))
+    got = tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in quantized) if len(quantized) == 2 else ()
+    if got != want:
+      raise ValueError(f"gmm_combine quantized= must be (q float8_e4m3fn{list(h.shape)}, scale "
+                       f"float32{list(want[1][0])}) for h {list(h.shape)}")
   if fp8:
     return _fp8_gmm_combine_fn(fp8_backend(backend), k, activation)(
         h, rhs.astype(h.dtype), plan.group_sizes, plan.order, plan.inverse, gates, quantized)
