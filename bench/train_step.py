@@ -34,7 +34,8 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--KEY=VALUE]   (a module switch of SWITCHES, none now)
+      [--fp8_one_block_scales=0|1]   (a module switch of SWITCHES:
+                    kernels/gmm/triton_fp8_gmm.ONE_BLOCK_SCALES)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -79,6 +80,7 @@ import numpy as np  # noqa: E402
 import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
+from kernels.gmm import triton_fp8_gmm  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -128,8 +130,13 @@ class Switch(NamedTuple):
 
 # The module switches awaiting their rows, by flag (--KEY for every row, /KEY= for one): a change
 # not yet timed on a GPU lands behind a switch of its module, listed here, and is timed by rows with
-# and without it before it becomes the module's only path or goes. None waits now.
-SWITCHES: dict[str, Switch] = {}
+# and without it before it becomes the module's only path or goes.
+SWITCHES: dict[str, Switch] = {
+    "fp8_one_block_scales": Switch(
+        triton_fp8_gmm, "ONE_BLOCK_SCALES", None,
+        "the Triton FP8 gmm scales each row once a chunk where a tile's column part lies in one "
+        "weight block (one multiply-add an element in the promotion, not an outer product too)"),
+}
 
 
 def switch_value(key: str) -> int:

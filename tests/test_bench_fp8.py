@@ -63,6 +63,18 @@ def test_gmm_fp8_rows_carry_the_precision_and_count_flops_as_bf16(tmp_path):
   assert anchors["fwd_tflops", "xla"] is None and anchors["fwd_bwd_tflops", "xla"] is None
 
 
+def test_the_switch_table_names_real_module_switches():
+  """Each switch of bench/train_step.py's table is a module attribute of its kind (a 0/1 boolean,
+  or an int >= least) and its default is the module's own setting, so a row's flag sets what the
+  step reads."""
+  assert train_step.SWITCHES, "a switch awaits its rows (bench/results/to_measure.md)"
+  for key, sw in train_step.SWITCHES.items():
+    value = getattr(sw.module, sw.attr)
+    assert isinstance(value, bool) if sw.least is None else value >= sw.least, key
+    assert train_step.SWITCH_DEFAULTS[key] == int(value), key
+  assert train_step.SWITCHES["fp8_one_block_scales"].attr == "ONE_BLOCK_SCALES"
+
+
 def test_precision_list_is_checked():
   assert gmm_fp8.parse_precisions("bf16,fp8") == ["bf16", "fp8"]
   for bad in ("fp16", "bf16,fp4", ""):

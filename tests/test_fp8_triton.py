@@ -58,6 +58,19 @@ def test_the_last_short_piece_is_one_narrower_dot():
   assert (launch["KF"], launch["TAIL"]) == (1, 64)
 
 
+def test_column_parts_in_one_weight_block(monkeypatch):
+  # each column part (BN, then BN2) of every output tile inside one 128-column block of the weights
+  assert tf.parts_in_one_block(128, 64, 1) and tf.parts_in_one_block(128, 0, 6)
+  assert tf.parts_in_one_block(64, 32, 1) and tf.parts_in_one_block(32, 16, 3)
+  assert not tf.parts_in_one_block(32, 16, 6)      # the sixth tile, columns 240-271, spans two
+  assert not tf.parts_in_one_block(256, 0, 1) and not tf.parts_in_one_block(128, 64, 2)
+  cfg = tf.default_config("gmm", 768, 192)        # 128 + 64 over 192 columns
+  assert tf.gmm_launch(1000, 768, 192, 8, cfg)["ONE_BLOCK"] is False
+  monkeypatch.setattr(tf, "ONE_BLOCK_SCALES", True)
+  assert tf.gmm_launch(1000, 768, 192, 8, cfg)["ONE_BLOCK"] is True
+  assert tf.gmm_launch(1000, 768, 300, 8, tuning.TileConfig(128, 48, 128))["ONE_BLOCK"] is False
+
+
 def test_epilogue_quantisation_needs_whole_scale_pieces():
   # each column part of the tile one whole 128-wide piece of the row (or its last, shorter one)
   piece = lambda no, bn: tf.quantizes_pieces(
@@ -415,6 +428,24 @@ def _check_gmm(rng, m, k, n, gs, tile, transpose, special, out_dtype=jnp.float32
     assert not np.all(np.isfinite(got[:rows])), f"{what}: the inf / NaN pieces reached no output"
 
 
+def _check_one_block_bits(rng, m, k, n, gs, tile, transpose, special):
+  """ONE_BLOCK_SCALES: the launch gives the bits of the outer-product promotion's launch on the same
+  operands (NaN and inf scales included), where its tiles' parts lie in one block and where not."""
+  gs = np.asarray(gs, np.int32)
+  lq, ls, rq, rs = _quantized(*_gmm_operands(rng, m, k, n, gs, transpose, special))
+  if special:
+    busy = int(np.argmax(gs))
+    rs = _nan_pieces(rs, [(busy, 0, rs.shape[2] - 1)])
+  cfg = None if tile is None else tuning.TileConfig(tile[0], tile[1], tf.TILE)
+  run = lambda: np.asarray(jax.jit(lambda *a: tf.triton_fp8_gmm(
+      *a, transpose_rhs=transpose, out_dtype=jnp.float32, config=cfg))(lq, ls, rq, rs, jnp.asarray(gs)))
+  outer = run()
+  tf.ONE_BLOCK_SCALES = True
+  one = run()
+  tf.ONE_BLOCK_SCALES = False
+  np.testing.assert_array_equal(one, outer, err_msg=f"one-block scales {m} {k} {n} {tile} {transpose}")
+
+
 def _check_gmm_index(rng, transpose):
   """The kernel reading its rows through `lhs_index` (the fused dispatch's sort order: every source
   row read by several product rows, in another order) gives the bits of the same launch on the
@@ -607,6 +638,12 @@ def _interpreter_check():
   _check_gmm(rng, *GMM_CASES[2], False, special=False, out_dtype=jnp.bfloat16)
   for transpose in (False, True):
     _check_gmm_index(rng, transpose)
+  # the promotion's row scales where the weights' block scale is one number a part: the
+  # (32, 48) tile's parts span blocks at some tiles, the others' never
+  for case in GMM_CASES:
+    for transpose in (False, True):
+      _check_one_block_bits(rng, *case, transpose, special=False)
+  _check_one_block_bits(rng, *GMM_CASES[3], False, special=True)
   # the epilogue's act(out) in FP8 tiles (`quantize_out`); the one-pass quantiser (its reference
   # here, and fp8_gmm's below) through the interpreter too, with its correctly rounded e4m3 cast
   # (test_fp8_quant_triton's)

@@ -61,13 +61,28 @@ if HAVE_TRITON:
     tl.store(qs_ptr + rows * QB + piece, scale, mask=row_ok)
 
   @triton.jit
+  def _scales(sa, sb_ptrs, sb_part, n0, offs_n, k_off, NO: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    # A chunk's scales for the column part starting at n0: sa [BM] times the weights' block scales.
+    # With ONE_BLOCK the part lies in one 128-column block, whose one scale (at sb_part) joins sa
+    # first: the promotion is then one multiply-add an element, not an outer product as well; the
+    # products are the same floats, sa[i] * sb.
+    if ONE_BLOCK:
+      sb = tl.load(sb_part + k_off, mask=n0 < NO, other=0.0)
+      s = (sa * sb)[:, None]
+    else:
+      sb = tl.load(sb_ptrs + k_off, mask=offs_n < NO, other=0.0)
+      s = sa[:, None] * sb[None, :]
+    return s
+
+  @triton.jit
   def _fp8_gmm_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, q_ptr, qs_ptr,
                     M: tl.constexpr, KC: tl.constexpr, NO: tl.constexpr, KB: tl.constexpr,
                     G: tl.constexpr, GP: tl.constexpr, s_bg: tl.constexpr, s_bk: tl.constexpr,
                     s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
                     s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
                     BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
-                    KF: tl.constexpr, TAIL: tl.constexpr, QB: tl.constexpr, Q_ACT: tl.constexpr):
+                    KF: tl.constexpr, TAIL: tl.constexpr, QB: tl.constexpr, Q_ACT: tl.constexpr,
+                    ONE_BLOCK: tl.constexpr):
     # out[M, NO] = (a * sa)[M, KC] @ (b * sb)[g][KC, NO]: a row-major with scales sa [M, KB] (with
     # HAS_INDEX, output row r reads a's row idx[r] and its scales: idx_ptr [M] int32);
     # b[g][c, o] at b_ptr + g*s_bg + c*s_bk + o*s_bn, its scale for chunk c // BK and column block
@@ -87,28 +102,30 @@ if HAVE_TRITON:
         rows = tl.load(idx_ptr + rows)
       rows = rows.to(tl.int64)
       offs_k = tl.arange(0, BK)
-      offs_n = (pid % N_TILES) * (BN + BN2) + tl.arange(0, BN)
+      n0 = (pid % N_TILES) * (BN + BN2)
+      offs_n = n0 + tl.arange(0, BN)
       a_ptrs = a_ptr + rows[:, None] * KC + offs_k[None, :]
       sa_ptrs = sa_ptr + rows * KB
       b_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn
       sb_ptrs = sb_ptr + g * s_sg + (offs_n // BK) * s_sn
+      sb_part = sb_ptr + g * s_sg + (n0 // BK) * s_sn
       acc = tl.zeros((BM, BN), dtype=tl.float32)
       if BN2 > 0:
         offs_n2 = (pid % N_TILES) * (BN + BN2) + BN + tl.arange(0, BN2)
         b2_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
         sb2_ptrs = sb_ptr + g * s_sg + (offs_n2 // BK) * s_sn
+        sb2_part = sb_ptr + g * s_sg + ((n0 + BN) // BK) * s_sn
         acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
       if compute:
         for ks in range(0, KF):
           a = tl.load(a_ptrs)
           b = tl.load(b_ptrs, mask=offs_n[None, :] < NO, other=0.0)
           sa = tl.load(sa_ptrs + ks)
-          sb = tl.load(sb_ptrs + ks * s_sk, mask=offs_n < NO, other=0.0)
-          acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+          acc += tl.dot(a, b) * _scales(sa, sb_ptrs, sb_part, n0, offs_n, ks * s_sk, NO, ONE_BLOCK)
           if BN2 > 0:
             b2 = tl.load(b2_ptrs, mask=offs_n2[None, :] < NO, other=0.0)
-            sb2 = tl.load(sb2_ptrs + ks * s_sk, mask=offs_n2 < NO, other=0.0)
-            acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+            acc2 += tl.dot(a, b2) * _scales(sa, sb2_ptrs, sb2_part, n0 + BN, offs_n2, ks * s_sk,
+                                            NO, ONE_BLOCK)
             b2_ptrs += BK * s_bk
           a_ptrs += BK
           b_ptrs += BK * s_bk
@@ -121,13 +138,12 @@ if HAVE_TRITON:
           b = tl.load(bt_ptrs + offs_n[None, :] * s_bn, mask=t_ok[:, None] & (offs_n[None, :] < NO),
                       other=0.0)
           sa = tl.load(sa_ptrs + KF)
-          sb = tl.load(sb_ptrs + KF * s_sk, mask=offs_n < NO, other=0.0)
-          acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+          acc += tl.dot(a, b) * _scales(sa, sb_ptrs, sb_part, n0, offs_n, KF * s_sk, NO, ONE_BLOCK)
           if BN2 > 0:
             b2 = tl.load(bt_ptrs + offs_n2[None, :] * s_bn,
                          mask=t_ok[:, None] & (offs_n2[None, :] < NO), other=0.0)
-            sb2 = tl.load(sb2_ptrs + KF * s_sk, mask=offs_n2 < NO, other=0.0)
-            acc2 += tl.dot(a, b2) * (sa[:, None] * sb2[None, :])
+            acc2 += tl.dot(a, b2) * _scales(sa, sb2_ptrs, sb2_part, n0 + BN, offs_n2, KF * s_sk,
+                                            NO, ONE_BLOCK)
       row_ok = (offs_m < row_end)[:, None]
       o_rows = o_ptr + offs_m.to(tl.int64)[:, None] * NO
       tl.store(o_rows + offs_n[None, :], acc.to(o_ptr.dtype.element_ty),
@@ -149,10 +165,10 @@ if HAVE_TRITON:
                       s_bn: tl.constexpr, s_sg: tl.constexpr, s_sk: tl.constexpr,
                       s_sn: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr,
                       BK: tl.constexpr, N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr,
-                      KF: tl.constexpr, TAIL: tl.constexpr):
+                      KF: tl.constexpr, TAIL: tl.constexpr, ONE_BLOCK: tl.constexpr):
     _fp8_gmm_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, o_ptr, o_ptr, M, KC, NO,
                   KB, G, GP, s_bg, s_bk, s_bn, s_sg, s_sk, s_sn, BM, BN, BN2, BK, N_TILES,
-                  HAS_INDEX, KF, TAIL, 1, -1)
+                  HAS_INDEX, KF, TAIL, 1, -1, ONE_BLOCK)
 
   @triton.jit
   def _fp8_gmm_quant_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, q_ptr, qs_ptr,
@@ -162,12 +178,13 @@ if HAVE_TRITON:
                             s_sk: tl.constexpr, s_sn: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                             N_TILES: tl.constexpr, HAS_INDEX: tl.constexpr, KF: tl.constexpr,
-                            TAIL: tl.constexpr, QB: tl.constexpr, Q_ACT: tl.constexpr):
+                            TAIL: tl.constexpr, QB: tl.constexpr, Q_ACT: tl.constexpr,
+                            ONE_BLOCK: tl.constexpr):
     # _fp8_gmm_kernel that also writes act(out) quantised (`triton_fp8_gmm(quantize_out=...)`):
     # q [M, NO] float8_e4m3fn, qs [M, QB] float32; rows past the groups zero, as out's.
     _fp8_gmm_tile(a_ptr, sa_ptr, b_ptr, sb_ptr, gs_ptr, idx_ptr, o_ptr, q_ptr, qs_ptr, M, KC, NO,
                   KB, G, GP, s_bg, s_bk, s_bn, s_sg, s_sk, s_sn, BM, BN, BN2, BK, N_TILES,
-                  HAS_INDEX, KF, TAIL, QB, Q_ACT)
+                  HAS_INDEX, KF, TAIL, QB, Q_ACT, ONE_BLOCK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,9 +287,28 @@ def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict
     raise ValueError(f"FP8 gmm tile {cfg}: one program a tile (no persistent grid)")
   base = triton_gmm.gmm_launch(m, kc, no, g, cfg)
   kf, tail = chunks(kc)
+  one_block = ONE_BLOCK_SCALES and parts_in_one_block(base["BN"], base["BN2"], base["N_TILES"])
   return dict(grid=base["grid"], BM=cfg.bm, BN=base["BN"], BN2=base["BN2"], BK=TILE,
               N_TILES=base["N_TILES"], GP=base["GP"], num_warps=cfg.num_warps,
-              num_stages=cfg.num_stages, KF=kf, TAIL=tail)
+              num_stages=cfg.num_stages, KF=kf, TAIL=tail, ONE_BLOCK=one_block)
+
+
+# Where every column part of the output tiles lies in one 128-column block of the weights, a
+# chunk's weight scale is one number a part, so the promotion scales each row once (sa * sb) and
+# adds with one multiply-add an element, instead of forming the outer product sa x sb as well: the
+# same floats, fewer CUDA-core instructions in the step that follows every chunk's MMA. Off until
+# its rows are measured (bench/train_step.py --fp8_one_block_scales).
+ONE_BLOCK_SCALES = False
+
+
+def parts_in_one_block(bn: int, bn2: int, tiles: int) -> bool:
+  """Whether each column part of every output tile (BN then BN2 columns, tile t from t*(BN+BN2))
+  lies in one TILE-wide block of columns."""
+  for t in range(tiles):
+    for lo, width in ((t * (bn + bn2), bn), (t * (bn + bn2) + bn, bn2)):
+      if width and lo // TILE != (lo + width - 1) // TILE:
+        return False
+  return True
 
 
 # ----------------------------------------------------------------------------------------------

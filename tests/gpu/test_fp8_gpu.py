@@ -97,9 +97,12 @@ def _raw(op, shape, special):
           _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)[:rows])
 
 
+# ONE_BLOCK_SCALES: the promotion's row scales where a tile's column part is in one weight block
+@pytest.mark.parametrize("one_block", [False, True])
 @pytest.mark.parametrize("shape", ["base", "odd"])
 @pytest.mark.parametrize("op", ["gmm", "gmm_t"])
-def test_raw_op_matches_float64_loop(op, shape):
+def test_raw_op_matches_float64_loop(op, shape, one_block, monkeypatch):
+  monkeypatch.setattr(tf, "ONE_BLOCK_SCALES", one_block)
   gs, got, want, bound = _raw(op, shape, special=False)
   _compare(got, want, bound, None, f"{op} {shape}", rel=REL_BOUND)
   assert np.all(np.isfinite(got))
