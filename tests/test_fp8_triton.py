@@ -89,6 +89,9 @@ def test_epilogue_quantisation_needs_whole_scale_pieces():
   assert tile(144, t(32, 48, 128, 4, 2)) == t(32, 128, 128, 4, 2)
   assert tile(96, t(32, 192, 128, 4, 2)) == t(32, 128, 128, 4, 2)
   assert tile(384, t(256, 64, 128, 8, 4)) == t(128, 128, 128, 8, 4) == tf.default_config("gmm", 256, 384)
+  for width in range(1, 4097):   # the last resort, every default 128 wide, always fits
+    for op in ("gmm", "gmm_t"):
+      assert tf.fits(dataclasses.replace(tf.default_config(op, width, width), bn=tf.TILE)), (op, width)
 
 
 def test_table_rows_are_tiles_the_kernel_can_take():

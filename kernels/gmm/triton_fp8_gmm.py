@@ -111,7 +111,7 @@ if HAVE_TRITON:
       sb_part = sb_ptr + g * s_sg + (n0 // BK) * s_sn
       acc = tl.zeros((BM, BN), dtype=tl.float32)
       if BN2 > 0:
-        offs_n2 = (pid % N_TILES) * (BN + BN2) + BN + tl.arange(0, BN2)
+        offs_n2 = n0 + BN + tl.arange(0, BN2)
         b2_ptrs = b_ptr + g * s_bg + offs_k[:, None] * s_bk + offs_n2[None, :] * s_bn
         sb2_ptrs = sb_ptr + g * s_sg + (offs_n2 // BK) * s_sn
         sb2_part = sb_ptr + g * s_sg + ((n0 + BN) // BK) * s_sn
@@ -152,7 +152,7 @@ if HAVE_TRITON:
         tl.store(o_rows + offs_n2[None, :], acc2.to(o_ptr.dtype.element_ty),
                  mask=row_ok & (offs_n2[None, :] < NO))
       if Q_ACT >= 0:  # each column part one whole scale piece (`quantizing_tile`)
-        piece = (pid % N_TILES) * (BN + BN2) // BK
+        piece = n0 // BK
         _quantized_act(acc, o_ptr, q_ptr, qs_ptr, offs_m, offs_n, row_ok, piece, NO, QB, Q_ACT)
         if BN2 > 0:
           _quantized_act(acc2, o_ptr, q_ptr, qs_ptr, offs_m, offs_n2, row_ok, piece + 1, NO, QB,
@@ -272,10 +272,15 @@ def candidates(op: str, kc: int, no: int) -> list[tuning.TileConfig]:
   out = [config_for(op, kc, no)]
   for bm, bn, nw, ns in shapes:
     cfg = tuning.TileConfig(bm=bm, bn=min(bn, width), bk=TILE, num_warps=nw, num_stages=ns)
-    if (cfg not in out and shared_memory(cfg) <= SMEM_LIMIT
-        and 2 * cfg.bm * cfg.bn <= 192 * 32 * cfg.num_warps):
+    if cfg not in out and fits(cfg):
       out.append(cfg)
   return out
+
+
+def fits(cfg: tuning.TileConfig) -> bool:
+  """Within SMEM_LIMIT (`shared_memory`) and with the tile's two float32 tiles (the accumulator and
+  a chunk's partial product) within 192 registers a thread."""
+  return shared_memory(cfg) <= SMEM_LIMIT and 2 * cfg.bm * cfg.bn <= 192 * 32 * cfg.num_warps
 
 
 def gmm_launch(m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> dict:
@@ -360,15 +365,12 @@ def quantizes_pieces(launch: dict, no: int) -> bool:
 
 def quantizing_tile(op: str, m: int, kc: int, no: int, g: int, cfg: tuning.TileConfig) -> tuning.TileConfig:
   """The tile a `quantize_out` launch takes: `cfg` where its column parts are whole scale pieces
-  (`quantizes_pieces`), else `cfg` 128 columns wide, or the default tile 128 wide where that one
-  would pass SMEM_LIMIT or the two float32 tiles' register bound (`candidates`)."""
+  (`quantizes_pieces`), else `cfg` 128 columns wide, or the default tile 128 wide (128 rows on 8
+  warps: it always fits) where that one does not fit (`fits`)."""
   if quantizes_pieces(gmm_launch(m, kc, no, g, cfg), no):
     return cfg
-  for base in (cfg, default_config(op, kc, no)):
-    tile = dataclasses.replace(base, bn=TILE)
-    if shared_memory(tile) <= SMEM_LIMIT and 2 * tile.bm * tile.bn <= 192 * 32 * tile.num_warps:
-      return tile
-  return tuning.TileConfig(bm=128, bn=TILE, bk=TILE, num_warps=8, num_stages=4)
+  tile = dataclasses.replace(cfg, bn=TILE)
+  return tile if fits(tile) else dataclasses.replace(default_config(op, kc, no), bn=TILE)
 
 
 def triton_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine
+from umoe_jax.ops.fp8 import DTYPE as FP8_DTYPE, TILE as FP8_TILE
 from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm, quantized_gmm_out
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
@@ -327,8 +328,8 @@ def gmm_combine(h: jax.Array, rhs: jax.Array, plan: DispatchPlan, gates: jax.Arr
     if activation is None:
       raise ValueError("gmm_combine quantized=...: the tiles of act(h) (gather_gmm's quantize_out), "
                        "so an activation is needed")
-    want = ((h.shape, jnp.dtype(jnp.float8_e4m3fn)), ((h.shape[0], -(-h.shape[1] // 128)),
-                                                        jnp.dtype(jnp.float32)))
+    want = ((h.shape, jnp.dtype(FP8_DTYPE)), ((h.shape[0], -(-h.shape[1] // FP8_TILE)),
+                                              jnp.dtype(jnp.float32)))
     got = tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in quantized) if len(quantized) == 2 else ()
     if got != want:
       raise ValueError(f"gmm_combine quantized= must be (q float8_e4m3fn{list(h.shape)}, scale "
