@@ -19,8 +19,9 @@ $OUT/rows.jsonl when $OUT is set, else bench/results/<device>.jsonl; none: no ro
 (backend, op, shape): the rows to paste into tuning.TABLE. --sweep-gathered does the same for the
 calls as fused_dispatch makes them and also writes the rows to $OUT/gmm_tiles.json, which
 bench/train_step.py --gmm_tiles loads (the step timed with them before they go into the table).
---sweep-fp8 times the Triton FP8 kernels' candidate tiles (forward and input gradient, on
-operands quantised beforehand; bench/gmm_fp8.py) and prints the rows for triton_fp8_gmm.TABLE.
+--sweep-fp8 times the FP8 kernels' candidate tiles of the triton and mosaic backends among --backends
+(forward and input gradient, on operands quantised beforehand; bench/gmm_fp8.py) and prints the
+rows for triton_fp8_gmm.TABLE and the fastest mosaic_fp8_gmm tiles.
 Group sizes: Dirichlet(alpha=4) as in shared/anchors/grouped_matmul_anchors.py. Inputs are random bf16.
 JAX timings: CUPTI kernel time (jax.experimental.mosaic.gpu.profiler.measure), median of 10 runs;
 torch: CUDA events, median of 20 (as the anchors). The sweeps are bench/gmm_sweep.py, the dispatch
@@ -139,8 +140,9 @@ def main():
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--sweep-backends", default="triton")
   ap.add_argument("--sweep-fp8", action="store_true",
-                  help="time the Triton FP8 kernels' candidate tiles (kernels/gmm/triton_fp8_gmm.py "
-                       "candidates) at --shapes; prints the TABLE rows of the fastest")
+                  help="time the FP8 kernels' candidate tiles (triton: kernels/gmm/triton_fp8_gmm.py "
+                       "candidates, printing the TABLE rows of the fastest; mosaic: "
+                       "kernels/gmm/mosaic_fp8_gmm.py candidates) of --backends at --shapes")
   ap.add_argument("--sweep-gathered", action="store_true", help="tiles of the fused-dispatch calls")
   ap.add_argument("--gathered-configs", default="",
                   help="with --sweep-gathered: base,large,base_att (default all)")
@@ -217,15 +219,22 @@ def main():
           log(traceback.format_exc())
     _save(args.out, results)
   if args.sweep_fp8:
-    if "triton" not in backends or G.BACKENDS.get("triton").fp8_gmm is None:
-      log("  --sweep-fp8: the triton backend is not available here")
-    else:
-      best = gmm_fp8.sweep(shapes, jax_ms, args.results, args.max_cands)
-      results["fp8_best"] = {str(k): [v[0], str(v[1])] for k, v in best.items()}
-      log("\nFP8 tiles, fastest per (op, kc, no) (kernels/gmm/triton_fp8_gmm.py TABLE):")
-      for line in gmm_fp8.table_lines(best):
-        log(line)
-      _save(args.out, results)
+    swept = [b for b in gmm_fp8.SWEEP_BACKENDS
+             if b in backends and G.BACKENDS.get(b).fp8_gmm is not None]
+    if not swept:
+      log(f"  --sweep-fp8: none of {', '.join(gmm_fp8.SWEEP_BACKENDS)} has its FP8 kernel here")
+    for b in swept:
+      best = gmm_fp8.sweep(shapes, jax_ms, args.results, args.max_cands, backend=b)
+      results.setdefault("fp8_best", {})[b] = {str(k): [v[0], str(v[1])] for k, v in best.items()}
+      if b == "triton":
+        log("\nFP8 tiles, fastest per (op, kc, no) (kernels/gmm/triton_fp8_gmm.py TABLE):")
+        for line in gmm_fp8.table_lines(best):
+          log(line)
+      else:
+        log(f"\n{b} FP8 tiles, fastest per (op, kc, no):")
+        for key, (tflops, tile) in sorted(best.items()):
+          log(f"  {key}: {tile}  # {tflops:.0f} TFLOP/s")
+    _save(args.out, results)
   if args.sweep_gathered and "triton" in backends:
     os.makedirs(args.out, exist_ok=True)
     sweep_gathered(results, args.max_cands,

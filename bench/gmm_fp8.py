@@ -5,6 +5,8 @@ against a float32 product; the results rows (overrides {"backend", "precision": 
 fp8 / bf16 ratios of the short table."""
 from __future__ import annotations
 
+import functools
+
 import results as results_lib  # noqa: E402  (bench/results.py)
 
 PRECISIONS = ("bf16", "fp8")
@@ -121,48 +123,67 @@ def ratio_lines(shapes, results: dict, backends) -> list[str]:
 
 
 SWEEP_METRICS = {"gmm": "fwd_tflops", "gmm_t": "dgrad_tflops"}
+SWEEP_BACKENDS = ("triton", "mosaic")   # the gmm backends with FP8 kernels of several tiles
 
 
-def sweep(shapes, timer, results_path=None, max_cands: int = 0) -> dict:
-  """Times the Triton FP8 kernels' candidate tiles (`triton_fp8_gmm.candidates`) at each shape on
-  operands quantised beforehand: the forward (gmm) and the input gradient (gmm_t: dout @ w[g].T).
-  Each tile's output is checked against the tabled tile's (the same
-  chunks in the same order: equal up to the tensor cores' rounding inside a chunk). Returns
-  {(op, kc, no): (TFLOP/s, TileConfig)} of the fastest tiles and records each one's row (TFLOP/s,
+def _fp8_kernel(backend: str):
+  """(candidates(op, kc, no) -> tiles, the tabled one first; call(*operands, transpose, tile);
+  tile_text(tile)) of a backend's FP8 kernel."""
+  import jax.numpy as jnp
+  if backend == "triton":
+    from kernels.gmm import triton_fp8_gmm as k8
+    return (lambda op, kc, no: k8.candidates(op, kc, no),
+            lambda *a, transpose, tile: k8.triton_fp8_gmm(*a, transpose_rhs=transpose,
+                                                          out_dtype=jnp.bfloat16, config=tile),
+            _tile_text)
+  if backend == "mosaic":
+    from kernels.gmm import mosaic_fp8_gmm as mf
+    return (lambda op, kc, no: [t for t in mf.candidates() if mf.supported(kc, no, t)],
+            lambda *a, transpose, tile: mf.mosaic_fp8_gmm(*a, transpose_rhs=transpose,
+                                                          out_dtype=jnp.bfloat16, tile=tile),
+            lambda t: f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}")
+  raise ValueError(f"--sweep-fp8: no FP8 tile sweep for backend {backend!r} (one of {SWEEP_BACKENDS})")
+
+
+def sweep(shapes, timer, results_path=None, max_cands: int = 0, backend: str = "triton") -> dict:
+  """Times a backend's FP8 kernel at its candidate tiles (`_fp8_kernel`: triton_fp8_gmm.candidates,
+  mosaic_fp8_gmm.candidates) at each shape on operands quantised beforehand: the forward (gmm) and
+  the input gradient (gmm_t: dout @ w[g].T). Each tile's output is checked against the tabled
+  tile's (the same chunks in the same order: equal up to the tensor cores' rounding inside a chunk).
+  Returns {(op, kc, no): (TFLOP/s, tile)} of the fastest tiles and records each one's row (TFLOP/s,
   the tabled tile's figure as its anchor)."""
   import jax
   import jax.numpy as jnp
   from gmm_common import log, make_inputs
-  from kernels.gmm import triton_fp8_gmm as k8
   from umoe_jax.ops import fp8
+  candidates, call, text = _fp8_kernel(backend)
   best = {}
   for name, M, K, N, E in shapes:
     x, w, dy, gs = make_inputs(M, K, N, E)
     flops = 2.0 * M * K * N
     xq, dq, wq = fp8.quantize_tiles(x, axis=1), fp8.quantize_tiles(dy, axis=1), fp8.quantize_blocks(w)
-    calls = {  # op -> (kc, no, f(config) -> jitted call, its operands)
-        "gmm": (K, N, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_gmm(
-            a, sa, b, sb, g, transpose_rhs=False, out_dtype=jnp.bfloat16, config=c)), (*xq, *wq, gs)),
-        "gmm_t": (N, K, lambda c: jax.jit(lambda a, sa, b, sb, g: k8.triton_fp8_gmm(
-            a, sa, b, sb, g, transpose_rhs=True, out_dtype=jnp.bfloat16, config=c)), (*dq, *wq, gs)),
+    calls = {  # op -> (kc, no, transposed, its operands)
+        "gmm": (K, N, False, (*xq, *wq, gs)),
+        "gmm_t": (N, K, True, (*dq, *wq, gs)),
     }
-    for op, (kc, no, make, operands) in calls.items():
-      cands = k8.candidates(op, kc, no)[:max_cands or None]
+    for op, (kc, no, transpose, operands) in calls.items():
+      cands = candidates(op, kc, no)[:max_cands or None]
       ref, timed = None, []
-      for i, cfg in enumerate(cands):
+      for i, tile in enumerate(cands):
         try:
-          f = make(cfg)
+          f = jax.jit(functools.partial(call, transpose=transpose, tile=tile))
           out = f(*operands).astype(jnp.float32)
           if ref is None:
             ref = out
           err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
           if not err < 1e-3:
-            log(f"  fp8 sweep {name} {op} {_tile_text(cfg)}: WRONG (differs from the tabled tile by {err:.3g})")
+            log(f"  {backend} fp8 sweep {name} {op} {text(tile)}: WRONG (differs from the tabled "
+                f"tile by {err:.3g})")
             continue
-          timed.append((flops / (timer(f, *operands) / 1e3) / 1e12, cfg))
-          log(f"  fp8 sweep {name} {op} [{i}] {_tile_text(cfg)}: {timed[-1][0]:.0f} TFLOP/s")
+          timed.append((flops / (timer(f, *operands) / 1e3) / 1e12, tile))
+          log(f"  {backend} fp8 sweep {name} {op} [{i}] {text(tile)}: {timed[-1][0]:.0f} TFLOP/s")
         except Exception as e:  # noqa: BLE001  (a tile that does not compile: the next)
-          log(f"  fp8 sweep {name} {op} {_tile_text(cfg)}: FAILED {type(e).__name__}: {str(e)[:200]}")
+          log(f"  {backend} fp8 sweep {name} {op} {text(tile)}: FAILED {type(e).__name__}: {str(e)[:200]}")
       if not timed:
         continue
       top = max(timed, key=lambda t: t[0])
@@ -171,9 +192,9 @@ def sweep(shapes, timer, results_path=None, max_cands: int = 0) -> dict:
       if results_path is not None:
         results_lib.record(
             results_path, config=f"gmm:{name}", metric=SWEEP_METRICS[op], value=top[0],
-            overrides={"backend": "triton", **FP8, "operands": "quantised beforehand",
-                       "tile": _tile_text(top[1])},
-            anchor=results_lib.anchor(f"the tabled FP8 tile {_tile_text(cands[0])}, same process",
+            overrides={"backend": backend, **FP8, "operands": "quantised beforehand",
+                       "tile": text(top[1])},
+            anchor=results_lib.anchor(f"the tabled FP8 tile {text(cands[0])}, same process",
                                       tabled, "TFLOP/s", "bench/gmm.py --sweep-fp8") if tabled else None,
             extra={"candidates": len(cands)})
   return best

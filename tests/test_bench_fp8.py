@@ -434,3 +434,35 @@ def test_report_keeps_bf16_and_fp8_rows_on_separate_lines():
   assert settings == sorted(["backend=triton", "backend=triton, precision=fp8", "backend=triton, precision=fp8",
                              "backend=triton, op=quantize_tiles (activations), precision=fp8", "defaults", "precision=fp8",
                              "precision=fp8, routing=balanced"])
+
+
+def test_fp8_tile_sweep_of_the_mosaic_kernel(tmp_path, monkeypatch):
+  """`gmm_fp8.sweep(..., backend="mosaic")` on CPU, the Mosaic FP8 kernel stood in for by the xla
+  backend's raw FP8 form: the tiles tried are the candidates that take the shape, each called with
+  its own tile; the rows name the backend and the tile."""
+  from kernels.gmm import mosaic_fp8_gmm as mf
+  from umoe_jax.ops import gmm_backends as gb
+  xla = gb.BACKENDS.get("xla")
+  seen = []
+
+  def stand_in(*args, tile=None, **kw):
+    seen.append(("gmm_t" if kw["transpose_rhs"] else "gmm", tile))
+    return xla.fp8_gmm(*args, **kw)
+  monkeypatch.setattr(mf, "mosaic_fp8_gmm", stand_in)
+  ms = lambda t: 1.0 + t.stages / 10 - t.ctas_per_sm / 3 - t.bm / 1000
+
+  def timer(f, *args):
+    return ms(seen[-1][1])
+  path = tmp_path / "rows.jsonl"
+  best = gmm_fp8.sweep([("large-up", 200, 512, 192, 2)], timer, str(path), backend="mosaic")
+  # gmm: contraction 512, 192 columns (64-wide tiles only); gmm_t: contraction 192 (not taken)
+  takes = [t for t in mf.candidates() if mf.supported(512, 192, t)]
+  assert set(best) == {("gmm", 512, 192)} and takes and all(t.bn == 64 for t in takes)
+  assert [t for op, t in seen if op == "gmm"] == takes and not any(op == "gmm_t" for op, _ in seen)
+  assert best[("gmm", 512, 192)][1] == min(takes, key=ms)
+  (row,) = results.load_file(str(path))
+  t = min(takes, key=ms)
+  assert row["overrides"]["backend"] == "mosaic"
+  assert row["overrides"]["tile"] == f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}"
+  with pytest.raises(ValueError, match="no FP8 tile sweep for backend 'xla'"):
+    gmm_fp8.sweep([("large-up", 200, 512, 192, 2)], timer, backend="xla")

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import interpreter_loop_bounds, run_in_triton_interpreter
+from mgpu_interpret import mosaic_interpreter
 from umoe_jax.ops import gmm_backends as GB
 from umoe_jax.ops import ragged
 from kernels.gmm import schedule, tuning
@@ -478,57 +479,6 @@ def test_group_row_blocks():
 # Kernels under interpreters.
 
 
-def _mgpu_interpreter(monkeypatch):
-  """Runs `plgpu.kernel` in the Mosaic GPU interpreter (returns a list that counts the kernels run).
-
-  Strict: a read past the end of a buffer gives NaN (real TMA gives zeros), as does memory never
-  written, so a kernel that uses padding rows or leaves output rows unwritten fails. The interpreter
-  of jax 0.10 lacks two things the kernels use, taught here: a wgmma operand read through a transpose
-  (the transposed gmm's B tile, tgmm's A tile) is first copied, transposed, into scoped shared memory;
-  `layout_cast` (a register-layout hint for the compiler) is the identity on values.
-  """
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    from jax._src.state.types import TransposeTransform
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-  except Exception as e:  # noqa: BLE001
-    pytest.skip(f"no Mosaic GPU interpreter in this jax: {e!r}")
-  from kernels.gmm import mosaic_gmm as mgpu_gmm
-  if not mgpu_gmm.HAVE_MGPU:
-    pytest.skip("this jax lacks the Pallas Mosaic GPU API the kernels use (kernels/gmm/mosaic_gmm.py)")
-  params = InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="nan")
-  kernel, wgmma, launched = plgpu.kernel, plgpu.wgmma, []
-
-  def interpreted(*args, **kw):
-    launched.append(kw.get("out_type"))
-    return kernel(*args, interpret=params, **kw)
-
-  def transposed(ref):
-    t = getattr(ref, "transforms", ())
-    return bool(t) and isinstance(t[-1], TransposeTransform)
-
-  def wgmma_through_copies(acc, a, b, **kw):
-    ops = [a, b]
-    moved = [i for i, ref in enumerate(ops) if transposed(ref)]
-
-    def run(*copies):
-      for i, copy in zip(moved, copies):
-        ref = ops[i]
-        base = dataclasses.replace(ref, transforms=ref.transforms[:-1])
-        copy[...] = jnp.transpose(base[...], ref.transforms[-1].permutation)
-        ops[i] = copy
-      wgmma(acc, *ops, **kw)
-
-    pl.run_scoped(run, *[plgpu.SMEM(ops[i].shape, ops[i].dtype) for i in moved])
-
-  monkeypatch.setattr(plgpu, "kernel", interpreted)
-  monkeypatch.setattr(plgpu, "wgmma", wgmma_through_copies)
-  monkeypatch.setattr(plgpu, "layout_cast", lambda x, layout: x)
-  monkeypatch.setattr(mgpu_gmm, "_num_sms", lambda: 2)  # two persistent programs share the work
-  return launched
-
-
 # Empty groups, groups smaller than a tile, group boundaries inside row blocks, padding rows past
 # sum(group_sizes); M % 8 != 0 (the row padding TMA needs). gmm / gmm^T: 64-row blocks, so the last
 # block reads past the padded M = 144; tgmm: M pads to 160 = 5 blocks of 32 rows (an aligned block
@@ -544,7 +494,7 @@ MOSAIC_CASES = {  # op: (M, K, N, group sizes, TileConfig(bm, bn, bk))
 @pytest.mark.parametrize("op", sorted(MOSAIC_CASES))
 def test_mosaic_kernels_in_interpreter(monkeypatch, op):
   """Every Mosaic GPU op (gmm, gmm with a transposed rhs, tgmm) under the interpreter against numpy."""
-  launched = _mgpu_interpreter(monkeypatch)
+  launched = mosaic_interpreter(monkeypatch)
   from kernels.gmm import mosaic_gmm as mgpu_gmm
   m, k, n, gs, cfg = MOSAIC_CASES[op]
   gs = np.asarray(gs, np.int32)

@@ -134,7 +134,8 @@ KERNELS = {
     "triton": dict(module="kernels.gmm.triton_gmm", gmm="triton_gmm", tgmm="triton_tgmm", priority=20,
                    fan_in="kernels.gmm.triton_fan_in", row_index=True, activations=True, scaled_row_dot=True,
                    fp8="kernels.gmm.triton_fp8_gmm", fp8_quantize="kernels.gmm.triton_fp8_quant"),
-    "mosaic": dict(module="kernels.gmm.mosaic_gmm", gmm="mgpu_gmm", tgmm="mgpu_tgmm", priority=10),
+    "mosaic": dict(module="kernels.gmm.mosaic_gmm", gmm="mgpu_gmm", tgmm="mgpu_tgmm", priority=10,
+                   fp8="kernels.gmm.mosaic_fp8_gmm"),
     "megablox": dict(module="kernels.gmm.megablox_gmm", gmm="megablox_gmm", tgmm="megablox_tgmm",
                      priority=10),
 }
