@@ -455,14 +455,17 @@ def test_fp8_tile_sweep_of_the_mosaic_kernel(tmp_path, monkeypatch):
     return ms(seen[-1][1])
   path = tmp_path / "rows.jsonl"
   best = gmm_fp8.sweep([("large-up", 200, 512, 192, 2)], timer, str(path), backend="mosaic")
-  # gmm: contraction 512, 192 columns (64-wide tiles only); gmm_t: contraction 192 (not taken)
-  takes = [t for t in mf.candidates() if mf.supported(512, 192, t)]
-  assert set(best) == {("gmm", 512, 192)} and takes and all(t.bn == 64 for t in takes)
-  assert [t for op, t in seen if op == "gmm"] == takes and not any(op == "gmm_t" for op, _ in seen)
-  assert best[("gmm", 512, 192)][1] == min(takes, key=ms)
-  (row,) = results.load_file(str(path))
-  t = min(takes, key=ms)
-  assert row["overrides"]["backend"] == "mosaic"
-  assert row["overrides"]["tile"] == f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}"
+  # gmm: 192 output columns (64-wide tiles only); gmm_t: 512 (every tile)
+  takes = {"gmm": [t for t in mf.candidates() if mf.supported(512, 192, t)], "gmm_t": mf.candidates()}
+  assert set(best) == {("gmm", 512, 192), ("gmm_t", 192, 512)}
+  assert takes["gmm"] and all(t.bn == 64 for t in takes["gmm"]) and len(takes["gmm_t"]) > len(takes["gmm"])
+  rows = {r["metric"]: r for r in results.load_file(str(path))}
+  for op, (kc, no) in (("gmm", (512, 192)), ("gmm_t", (192, 512))):
+    assert [t for o, t in seen if o == op] == takes[op]
+    t = min(takes[op], key=ms)
+    assert best[(op, kc, no)][1] == t
+    row = rows[gmm_fp8.SWEEP_METRICS[op]]
+    assert row["overrides"]["backend"] == "mosaic"
+    assert row["overrides"]["tile"] == f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}"
   with pytest.raises(ValueError, match="no FP8 tile sweep for backend 'xla'"):
     gmm_fp8.sweep([("large-up", 200, 512, 192, 2)], timer, backend="xla")

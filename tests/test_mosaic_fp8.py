@@ -39,11 +39,13 @@ def test_tiles_and_shared_memory():
 
 
 def test_shapes_it_takes():
-  # two 128-wide chunks a pipeline step; output columns in whole tiles, each in one weight block
+  # output columns in whole tiles, each in one weight block; any contraction (padded to whole chunks)
   assert mf.supported(768, 192, mf.Fp8Tile(64, 64)) and not mf.supported(768, 192, mf.Fp8Tile(64, 128))
-  assert mf.supported(2048, 512) and mf.supported(512, 2048)
-  assert not mf.supported(192, 768) and not mf.supported(640, 256) and not mf.supported(0, 128)
+  assert mf.supported(2048, 512) and mf.supported(512, 2048) and mf.supported(192, 768)
+  assert mf.supported(200, 128) and not mf.supported(0, 128)
+  assert not mf.supported(256, 100) and not mf.supported(256, 0)
   assert mf.tile_for(2048, 512) == mf.DEFAULT and mf.tile_for(192, 768) == mf.DEFAULT
+  assert mf.tile_for(256, 100) == mf.DEFAULT   # taken by none: the default, for the hand-off
   base = mf.tile_for(768, 192)
   assert base.bn == 64 and mf.supported(768, 192, base) and base in mf.candidates()
 
@@ -51,7 +53,8 @@ def test_shapes_it_takes():
 def _operands(rng, m, kc, no, g, transpose):
   """Quantised operands whose pieces' magnitudes differ by up to e^6 (every row tile and weight block
   its own scale), and rhs [G, K, N] in the layout the product reads."""
-  x = rng.standard_normal((m, kc)) * np.exp(rng.uniform(-3, 3, (m, kc // 128))).repeat(128, axis=1)
+  x = rng.standard_normal((m, kc)) * np.exp(rng.uniform(-3, 3, (m, -(-kc // 128)))).repeat(
+      128, axis=1)[:, :kc]
   shape = (g, no, kc) if transpose else (g, kc, no)
   w = rng.standard_normal(shape) * np.exp(rng.uniform(-3, 3, (g, 1, 1)))
   w *= np.exp(rng.uniform(-2, 2, (g, shape[1] // 64 + 1, shape[2] // 64 + 1))).repeat(
@@ -70,7 +73,16 @@ CASES = {  # M, contraction, output width, group sizes, tile
     "tall": (200, 256, 128, [7, 0, 150, 43], mf.Fp8Tile(128, 64, 2, 1)),
     # 128-wide column tiles (one weight block each)
     "wide": (96, 512, 256, [40, 56], mf.Fp8Tile(64, 128, 2, 1)),
+    # contractions of part chunks (padded to whole ones) and part steps (the last step's second
+    # chunk past the array: TMA's zero fill, ZERO_FILL): a chunk and a half-empty one (UMoE-base's
+    # 192); two and a half chunks; three chunks (an empty fourth)
+    "k192": (150, 192, 256, [70, 0, 72], mf.Fp8Tile(64, 128, 2, 1)),
+    "k336": (90, 336, 128, [30, 60], mf.Fp8Tile(64, 64, 2, 2)),
+    "k384": (100, 384, 128, [60, 40], mf.Fp8Tile(128, 64, 3, 1)),
 }
+# Cases whose operand boxes run past the contraction: the interpreter reads zeros there, as TMA
+# does (and so then for memory never written; the other cases keep it NaN).
+ZERO_FILL = {"k336", "k384"}
 
 
 def _case_operands(case, transpose, special=False):
@@ -87,7 +99,7 @@ def _case_operands(case, transpose, special=False):
 
 def _run(monkeypatch, case, transpose, special=False):
   """(the kernel's output under the interpreter, float32, the emulation's, rows in the groups)."""
-  mosaic_interpreter(monkeypatch)
+  mosaic_interpreter(monkeypatch, zero_fill=case in ZERO_FILL)
   fp8_partials_on_smem(monkeypatch, mf)
   _, _, _, gs, tile = CASES[case]
   lq, ls, wq, ws = _case_operands(case, transpose, special)
@@ -140,10 +152,10 @@ def test_zero_pieces_and_nan_scales(monkeypatch, transpose):
 def test_shapes_it_does_not_take_go_to_triton(monkeypatch):
   from kernels.gmm import triton_fp8_gmm
   rng = np.random.default_rng(1)
-  lq, ls, wq, ws = _operands(rng, 64, 384, 128, 2, False)   # 3 chunks: not whole pipeline steps
+  lq, ls, wq, ws = _operands(rng, 64, 256, 96, 2, False)   # 96 columns: no whole tile of 64 or 128
   gs = jnp.asarray([30, 34], jnp.int32)
   monkeypatch.setattr(triton_fp8_gmm, "available", lambda: False)
-  with pytest.raises(ValueError, match="contraction 384 / output width 128 not taken"):
+  with pytest.raises(ValueError, match="contraction 256 / output width 96 not taken"):
     mf.mosaic_fp8_gmm(lq, ls, wq, ws, gs)
   calls = []
 
@@ -155,22 +167,23 @@ def test_shapes_it_does_not_take_go_to_triton(monkeypatch):
   monkeypatch.setattr(triton_fp8_gmm, "triton_fp8_gmm", triton)
   out = mf.mosaic_fp8_gmm(lq, ls, wq, ws, gs, out_dtype=jnp.float32)
   assert calls == [dict(transpose_rhs=False, out_dtype=jnp.dtype(jnp.float32))]
-  assert out.shape == (64, 128)
-  assert mf.mosaic_fp8_gmm(lq[:0], ls[:0], wq, ws, gs).shape == (0, 128)   # no rows: nothing to launch
+  assert out.shape == (64, 96)
+  assert mf.mosaic_fp8_gmm(lq[:0], ls[:0], wq, ws, gs).shape == (0, 96)   # no rows: nothing to launch
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
-@pytest.mark.parametrize("tile", [mf.DEFAULT, mf.Fp8Tile(128, 64, 3, 1), mf.Fp8Tile(64, 64, 2, 2)],
-                         ids=str)
-def test_hardware_path_lowers_for_cuda(transpose, tile):
+@pytest.mark.parametrize("kc,no,tile", [(512, 256, mf.DEFAULT), (192, 768, mf.DEFAULT), (200, 128, mf.DEFAULT),
+                                        (768, 192, mf.Fp8Tile(64, 64, 2, 2)),
+                                        (384, 256, mf.Fp8Tile(128, 64, 3, 1))], ids=str)
+def test_hardware_path_lowers_for_cuda(transpose, kc, no, tile):
   """The kernel as a GPU runs it (wgmma accumulators, the waits, accumulator stores) through Pallas'
   Mosaic GPU lowering, on this machine: what the interpreter's stand-ins above do not reach."""
-  m, kc, no, g = 1000, 512, 256, 4
+  m, g = 1000, 4
   f8 = jnp.float8_e4m3fn
-  args = (jax.ShapeDtypeStruct((m, kc), f8), jax.ShapeDtypeStruct((m, kc // 128), jnp.float32),
+  kb, nb = -(-kc // 128), -(-no // 128)
+  args = (jax.ShapeDtypeStruct((m, kc), f8), jax.ShapeDtypeStruct((m, kb), jnp.float32),
           jax.ShapeDtypeStruct((g, no, kc) if transpose else (g, kc, no), f8),
-          jax.ShapeDtypeStruct((g, no // 128, kc // 128) if transpose else (g, kc // 128, no // 128),
-                               jnp.float32),
+          jax.ShapeDtypeStruct((g, nb, kb) if transpose else (g, kb, nb), jnp.float32),
           jax.ShapeDtypeStruct((g,), jnp.int32))
   fn = lambda *a: mf.mosaic_fp8_gmm(*a, transpose_rhs=transpose, out_dtype=jnp.bfloat16, tile=tile)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -18,8 +18,13 @@ shared memory with the operands (transposed to [chunks, M] so a chunk's row scal
 a tile's column part lies in one 128-column weight block (bn divides 128), whose scale per chunk is
 one scalar read.
 
-What it takes (else `mosaic_fp8_gmm` hands the call to the Triton FP8 kernel): contraction a multiple of 256 (two chunks a pipeline step), output width a
-multiple of `bn`. The persistent schedule and the row-block work list are `kernels.gmm.mosaic_gmm`'s.
+A contraction that is not whole chunks is padded with zeros to the next one (TMA's swizzled boxes
+take an array dimension only in whole 128-byte tiles): UMoE-base's 192 becomes a chunk and a
+half-empty one, one pass over the FP8 rows. One that is not whole pipeline steps (two chunks) ends
+in a step whose second chunk lies past it: TMA fills its operands and row scales with zeros. What it
+takes (else `mosaic_fp8_gmm` hands the call to the Triton FP8 kernel): an output of whole `bn`-wide
+tiles.
+The persistent schedule and the row-block work list are `kernels.gmm.mosaic_gmm`'s.
 """
 from __future__ import annotations
 
@@ -97,7 +102,7 @@ def candidates() -> list[Fp8Tile]:
 
 def supported(kc: int, no: int, t: Fp8Tile = DEFAULT) -> bool:
   """Whether the kernel takes a product of contraction kc and output width no."""
-  return kc > 0 and kc % STEP_K == 0 and no > 0 and no % t.bn == 0
+  return kc > 0 and no > 0 and no % t.bn == 0
 
 
 def tile_for(kc: int, no: int) -> Fp8Tile:
@@ -133,14 +138,15 @@ def _rows(v, bn: int):
 
 
 def _kernel_call(lhs_q, sa_t, rhs_t, sb_t, group_sizes, out_dtype, t: Fp8Tile, programs: int):
-  """lhs_q [M, Kc] e4m3 (M % 8 == 0), sa_t [Kc/128, M] f32, rhs_t [G, No, Kc] e4m3, sb_t [G,
-  No/128 (ceil), Kc/128] f32 -> out [M, No]: rows of group g times rhs_t[g].T, rows past the groups
-  zero."""
+  """lhs_q [M, Kc] e4m3 (M % 8 == 0, Kc % 128 == 0), sa_t [Kc/128, M] f32, rhs_t [G, No, Kc] e4m3,
+  sb_t [G, No/128 (ceil), Kc/128] f32 -> out [M, No]: rows of group g times rhs_t[g].T, rows past
+  the groups zero."""
   m, kc = lhs_q.shape
   g, no, _ = rhs_t.shape
   bm, bn = t.bm, t.bn
   n_tiles = no // bn
-  k_steps = kc // STEP_K
+  k_steps = -(-kc // STEP_K)
+  n_chunks = kc // TILE   # (padded to whole chunks by mosaic_fp8_gmm)
   stages = max(2, min(t.stages, k_steps))
   n_items = schedule.max_row_block_items(m, bm, g)
   items = schedule.row_block_items(group_sizes, m, bm)
@@ -166,7 +172,9 @@ def _kernel_call(lhs_q, sa_t, rhs_t, sb_t, group_sizes, out_dtype, t: Fp8Tile, p
             j = idxs[0]
             c0 = 2 * j
             sb0 = sb_gmem[gc, nb, c0]
-            sb1 = sb_gmem[gc, nb, c0 + 1]
+            # a chunk past the contraction (an odd count's last): its operands and row scales are
+            # TMA's zero fill, its weight scale read clamped into the array
+            sb1 = sb_gmem[gc, nb, jnp.minimum(c0 + 1, n_chunks - 1)]
             b0 = plgpu.transpose_ref(b_smem.at[:, pl.ds(0, TILE)], (1, 0))     # K-major
             b1 = plgpu.transpose_ref(b_smem.at[:, pl.ds(TILE, TILE)], (1, 0))
             plgpu.wgmma(p0, a_smem.at[:, pl.ds(0, TILE)], b0)
@@ -216,9 +224,8 @@ def _fallback(kc: int, no: int, t: Fp8Tile):
   from kernels.gmm import triton_fp8_gmm
   if triton_fp8_gmm.available():
     return triton_fp8_gmm.triton_fp8_gmm
-  raise ValueError(f"mosaic FP8 gmm: contraction {kc} / output width {no} not taken (contraction a "
-                   f"multiple of {STEP_K}, output a multiple of the tile's {t.bn} columns) and no "
-                   "Triton FP8 kernel here to take it")
+  raise ValueError(f"mosaic FP8 gmm: contraction {kc} / output width {no} not taken (an output of "
+                   f"whole {t.bn}-wide tiles) and no Triton FP8 kernel here to take it")
 
 
 def mosaic_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose_rhs=False,
@@ -243,6 +250,10 @@ def mosaic_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   sb_t = rhs_scale if transpose_rhs else jnp.swapaxes(rhs_scale, 1, 2)
   pad = (-m) % mosaic_gmm._ROW_ALIGN   # TMA's row tiling; padded rows lie past every group
   lhs_p = mosaic_gmm._pad_rows(lhs_q, pad)
+  kp = -kc % TILE                      # whole chunks (module docstring)
+  if kp:
+    lhs_p = jnp.pad(lhs_p, ((0, 0), (0, kp)))
+    rhs_t = jnp.pad(rhs_t, ((0, 0), (0, 0), (0, kp)))
   sa_t = jnp.swapaxes(mosaic_gmm._pad_rows(lhs_scale.astype(jnp.float32), pad), 0, 1)
   programs = mosaic_gmm._num_sms() * t.ctas_per_sm
   out = _kernel_call(lhs_p, sa_t, rhs_t, sb_t.astype(jnp.float32), group_sizes.astype(jnp.int32),

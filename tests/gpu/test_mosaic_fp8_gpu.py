@@ -1,9 +1,9 @@
 """GPU checks of the FP8 grouped matmul in Pallas Mosaic GPU (kernels/gmm/mosaic_fp8_gmm.py; CPU
 interpreter runs: tests/test_mosaic_fp8.py): what only the hardware shows, the two wgmma accumulators
 in flight at once and the waits between them, in a tile of each shape and residency, both layouts, at
-UMoE-large's expert shapes and UMoE-base's 768-wide contraction, against a float64 loop over the
-dequantised operands; NaN and inf inputs; and `fp8_gmm(..., backend="mosaic")`'s values and gradients.
-Skipped without a Hopper GPU. Timing: bench/gmm.py --precision=bf16,fp8 --backends=triton,mosaic.
+UMoE-large's and UMoE-base's expert shapes (its 192-wide contraction padded to whole chunks), against
+a float64 loop over the dequantised operands; NaN and inf inputs; and `fp8_gmm(..., backend="mosaic")`'s
+values and gradients. Skipped without a Hopper GPU. Timing: bench/gmm.py --precision=bf16,fp8 --backends=triton,mosaic.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ SHAPES = {  # M, contraction, output width, groups (Dirichlet-skewed, one empty,
     "large-up": (6000, 2048, 512, 16),
     "large-down": (6000, 512, 2048, 16),
     "base-up": (6000, 768, 192, 32),
+    "base-down": (6000, 192, 768, 32),   # the contraction padded to whole chunks
 }
 
 
