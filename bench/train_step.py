@@ -34,8 +34,8 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_one_block_scales=0|1]   (a module switch of SWITCHES:
-                    kernels/gmm/triton_fp8_gmm.ONE_BLOCK_SCALES)
+      [--fp8_one_block_scales=0|1] [--fp8_mosaic_products=0|1]   (module switches of SWITCHES:
+                    kernels/gmm/triton_fp8_gmm.ONE_BLOCK_SCALES, umoe_jax/ops/fp8_gmm.MOSAIC_PRODUCTS)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -81,6 +81,7 @@ import balanced_routing  # noqa: E402  (bench/balanced_routing.py)
 import results  # noqa: E402  (bench/results.py)
 from kernels import triton_launch  # noqa: E402
 from kernels.gmm import triton_fp8_gmm  # noqa: E402
+from umoe_jax.ops import fp8_gmm  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
 # The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
@@ -136,6 +137,10 @@ SWITCHES: dict[str, Switch] = {
         triton_fp8_gmm, "ONE_BLOCK_SCALES", None,
         "the Triton FP8 gmm scales each row once a chunk where a tile's column part lies in one "
         "weight block (one multiply-add an element in the promotion, not an outer product too)"),
+    "fp8_mosaic_products": Switch(
+        fp8_gmm, "MOSAIC_PRODUCTS", None,
+        "the FP8 products on the Mosaic GPU kernel (kernels/gmm/mosaic_fp8_gmm.py: the promotion "
+        "overlapped with the next chunk's wgmma), the rest on the gmm backend"),
 }
 
 

@@ -198,3 +198,46 @@ def test_registered_as_the_mosaic_backends_fp8_form():
     pytest.skip("the mosaic backend is not registered in this jax")
   assert gb.BACKENDS.get("mosaic").fp8_gmm is mf.mosaic_fp8_gmm
   assert "mosaic" in fp8_backends() and "mosaic" not in AUTO_FP8   # auto takes it once GPU-timed
+
+
+def test_mosaic_products_switch_takes_the_fp8_products_only(monkeypatch):
+  """fp8_gmm.MOSAIC_PRODUCTS: the forward and input-gradient products go to the mosaic backend's FP8
+  form (here a recording stand-in), the weight gradient and the quantisers stay the chosen
+  backend's; the mosaic form gets rows gathered (it reads no index) and no epilogue request."""
+  import dataclasses
+  from umoe_jax.ops import fp8_gmm as F
+  from umoe_jax.ops import gmm_backends as gb
+  gb.register_builtin_kernels()
+  calls = []
+
+  def stand_in(*args, **kw):
+    calls.append(kw)
+    return fp8.emulated_gmm(*args, **kw)
+  entries = gb.BACKENDS._entries
+  monkeypatch.setitem(entries, "mosaic", dataclasses.replace(entries["xla"], fp8_gmm=stand_in))
+  keys = jax.random.split(jax.random.key(5), 4)
+  x = jax.random.normal(keys[0], (40, 256), jnp.float32)
+  w = jax.random.normal(keys[1], (3, 256, 128), jnp.float32)
+  dy = jax.random.normal(keys[2], (40, 128), jnp.float32)
+  gs = jnp.asarray([10, 0, 26], jnp.int32)
+
+  def run():
+    y, pull = jax.vjp(lambda a, b: F.fp8_gmm(a, b, gs, backend="xla"), x, w)
+    return (y, *pull(dy))
+  want = run()
+  assert calls == []                                  # off: the chosen backend's own form
+  monkeypatch.setattr(F, "MOSAIC_PRODUCTS", True)
+  got = run()
+  assert [c["transpose_rhs"] for c in calls] == [False, True]
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  calls.clear()
+  q, s = F.quantize("xla", x)
+  index = jnp.asarray(np.random.default_rng(0).permutation(40), jnp.int32)
+  out = F.quantized_gmm("xla", q, s, w, gs, False, jnp.float32, lhs_index=index)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(
+      fp8.emulated_gmm(q[index], s[index], *fp8.quantize_blocks(w), gs, transpose_rhs=False,
+                       out_dtype=jnp.float32)))
+  out2, q2, s2 = F.quantized_gmm_out("xla", q, s, w, gs, jnp.float32, "silu")
+  assert all("lhs_index" not in c and "quantize_out" not in c for c in calls) and len(calls) == 2
+  np.testing.assert_array_equal(np.asarray(q2), np.asarray(F.quantize("xla", jax.nn.silu(out2))[0]))

@@ -30,6 +30,12 @@ from umoe_jax.ops.varying import vary_like, varying_axes
 # The FP8 forms "auto" may take: those whose GPU tests (tests/gpu/test_fp8_gpu.py) pass on a GPU.
 AUTO_FP8 = frozenset({"xla", "triton"})
 
+# The forward and input-gradient products on the mosaic backend's FP8 kernel (where it is
+# registered), the rest (quantisers, weight gradients, bf16 products) on the chosen backend: the
+# Mosaic kernel overlaps the promotion with the tensor cores (kernels/gmm/mosaic_fp8_gmm.py). Off
+# until a step is timed with it (bench/train_step.py --fp8_mosaic_products).
+MOSAIC_PRODUCTS = False
+
 
 def fp8_backends() -> list[str]:
   """The gmm backends that have FP8 forms (the kernel backends registered first)."""
@@ -54,6 +60,13 @@ def fp8_backend(name: str) -> str:
   return name
 
 
+def _product_backend(backend_name: str) -> GmmBackend:
+  """The backend whose raw FP8 gmm takes the products (`MOSAIC_PRODUCTS`)."""
+  if MOSAIC_PRODUCTS and "mosaic" in BACKENDS.names() and BACKENDS.get("mosaic").fp8_gmm is not None:
+    return BACKENDS.get("mosaic")
+  return BACKENDS.get(backend_name)
+
+
 def quantize(backend_name: str, x):
   """`fp8.quantize_tiles(x, axis=1)` (x [M, C]: 1 x 128 tiles along the rows, the same bits) by the
   backend's one-pass quantiser where it has one."""
@@ -69,7 +82,7 @@ def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpo
   a backend with `row_index`, gathered by XLA for the others. The weights are quantised here, in
   blocks; within a step XLA computes a weight's blocks once for its forward and its input
   gradient (the same expression of the same weights)."""
-  return raw_fp8_gmm(BACKENDS.get(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
+  return raw_fp8_gmm(_product_backend(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
                      group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                      lhs_index=lhs_index)
 
@@ -82,7 +95,7 @@ def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out
   else by passes after the product. The expert pool's first matmul hands them to its last one;
   from the epilogue this took the UMoE-base step on one H100 from 149.6 to 147.3 ms (rows of
   2026-12-07): one [M, F] activation pass and one quantiser pass fewer."""
-  backend = BACKENDS.get(backend_name)
+  backend = _product_backend(backend_name)
   if activation in backend.fp8_quantize_out:
     return raw_fp8_gmm(backend, lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
                        transpose_rhs=False, out_dtype=out_dtype, lhs_index=lhs_index,
