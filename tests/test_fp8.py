@@ -805,6 +805,49 @@ def test_a_backends_own_quantiser_makes_every_operand(monkeypatch):
   assert calls == [(24, 200)]
 
 
+def test_a_backends_block_quantiser_makes_the_weights_under_its_switch(monkeypatch):
+  """Under fp8_gmm.KERNEL_BLOCKS a backend's `fp8_quantize_blocks` (the triton backend's one-pass
+  kernel) quantises the weights of both FP8 products, its output is what they take; off, XLA's
+  quantize_blocks does."""
+  import dataclasses
+  from umoe_jax.ops import dispatch, fp8_gmm as F, gmm_backends
+  from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
+  calls = []
+
+  def own(w, scale_by=1.0):
+    calls.append(w.shape)
+    q, s = fp8.quantize_blocks(w)
+    return q, s * scale_by
+  xla = gmm_backends.BACKENDS.get("xla")
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla",
+                      dataclasses.replace(xla, fp8_quantize_blocks=own))
+  rng = np.random.default_rng(13)
+  gs = jnp.asarray([100, 0, 140, 16], jnp.int32)
+  x = jnp.asarray(rng.normal(size=(256, 200)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, 200, 72)) / 14, jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(256, 72)), jnp.float32)
+
+  def run():
+    y, pull = jax.vjp(lambda a, b: fp8_gmm(a, b, gs, backend="xla"), x, w)
+    return (y, *pull(dy))
+  want = run()
+  assert calls == []
+  monkeypatch.setattr(F, "KERNEL_BLOCKS", True)
+  got = run()
+  assert calls == [(4, 200, 72)] * 2    # the forward's and the input gradient's
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  monkeypatch.setitem(gmm_backends.BACKENDS._entries, "xla",
+                      dataclasses.replace(xla, fp8_quantize_blocks=lambda w: own(w, 2.0)))
+  np.testing.assert_allclose(np.asarray(fp8_gmm(x, w, gs, backend="xla")), 2 * np.asarray(want[0]),
+                             rtol=1e-6)
+  calls.clear()   # the fused dispatch's two matmuls
+  plan = dispatch.make_plan(jnp.asarray(rng.integers(0, 4, (24, 3)), jnp.int32), 4)
+  h = gather_gmm(x[:24], w, plan, 3, backend="xla", fp8=True)
+  gmm_combine(h, jnp.swapaxes(w, 1, 2), plan, jnp.ones((24, 3)) / 3, backend="xla", fp8=True)
+  assert calls == [(4, 200, 72), (4, 72, 200)]
+
+
 # ----------------------------------------------------------------------------------------------
 # The model under train.precision=fp8.
 

@@ -36,6 +36,16 @@ def test_launch_geometry():
   assert (rows["grid"], rows["CB"], rows["CBP"], rows["BM"]) == ((7,), 8, 8, tq.ROWS_BM) == ((7,), 8, 8, 32)
   assert (tq.rows_launch(64, 768)["CB"], tq.rows_launch(64, 768)["CBP"]) == (6, 8)
   assert (tq.rows_launch(5, 40)["grid"], tq.rows_launch(5, 40)["CB"], tq.rows_launch(5, 40)["CBP"]) == ((1,), 1, 1)
+  blocks = tq.blocks_launch(3, 300, 200)   # 3 x 2 blocks a matrix, the last ones part-filled
+  assert (blocks["grid"], blocks["KB"], blocks["NB"]) == ((18,), 3, 2)
+
+
+def test_bad_weights_are_one_line_naming_the_array():
+  for w, shown in ((jnp.ones((2, 3, 4, 5)), r"float32\[2, 3, 4, 5\]"), (jnp.ones((8,)), r"float32\[8\]"),
+                   (jnp.ones((8, 128), jnp.float16), r"float16\[8, 128\]")):
+    with pytest.raises(ValueError, match=rf"^triton fp8 quantize_blocks: w is {shown}, expected a 3-D "
+                                         r"\[G, K, N\] or 2-D \[K, N\] bfloat16 or float32 array$"):
+      tq.quantize_blocks(w)
 
 
 def test_bad_input_is_one_line_naming_the_array():
@@ -51,6 +61,10 @@ def test_empty_arrays_launch_nothing(monkeypatch):
   for shape in ((0, 200), (5, 0)):
     x = jnp.zeros(shape, jnp.bfloat16)
     got, want = tq.quantize_rows(x), fp8.quantize_tiles(x, axis=1)
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+  for shape in ((0, 128, 64), (2, 0, 64), (3, 5, 0), (0, 7)):
+    w = jnp.zeros(shape, jnp.float32)
+    got, want = tq.quantize_blocks(w), fp8.quantize_blocks(w)
     assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
 
 
@@ -197,6 +211,38 @@ ROW_CASES = [  # M, C, input dtype: M not a multiple of the row block but in the
 ]
 
 
+def _special_blocks(w, rng, straddle):
+  """w [G, K, N] with, in its blocks taken in turn: +inf among finite values (an inf scale), all
+  zeros, a NaN, +inf and -inf (a NaN scale), -inf in the last (possibly part-filled) block; with
+  `straddle` the further blocks each hold one (amax, v) pair of `_straddlers` (the rest far below)."""
+  t = fp8.TILE
+  w = w.copy()
+  blocks = [(g, i, j) for g in range(w.shape[0]) for i in range(0, w.shape[1], t)
+            for j in range(0, w.shape[2], t)]
+  block = lambda b: w[b[0], b[1]:b[1] + t, b[2]:b[2] + t]
+  specials = [lambda x: x.__setitem__((0, 0), np.inf), lambda x: x.fill(0.0),
+              lambda x: x.__setitem__((-1, -1), np.nan),
+              lambda x: (x.__setitem__((0, -1), np.inf), x.__setitem__((-1, 0), -np.inf))]
+  for b, put in zip(blocks[:-1], specials):
+    put(block(b))
+  block(blocks[-1])[-1, -1] = -np.inf
+  if straddle:
+    for b, (amax, v) in zip(blocks[len(specials):-1], _straddlers(rng, len(blocks))):
+      x = block(b)
+      x *= 1e-3 * amax / np.abs(x).max()
+      x[0, 0], x[-1, -1] = -amax, v
+  return w
+
+
+BLOCK_CASES = [  # w's shape and dtype: blocks part-filled along K and N, one and several matrices, 2-D
+    ((3, 300, 200), jnp.bfloat16),
+    ((2, 128, 384), jnp.float32),
+    ((1, 40, 136), jnp.float32),
+    ((200, 130), jnp.float32),
+    ((4, 256, 256), jnp.float32),   # 16 blocks: 11 with a rounding straddler
+]
+
+
 def _interpreter_check():
   from test_kernels import _NP_DTYPES, _NpDtype
   _NP_DTYPES.setdefault(np.dtype(F8), _NpDtype("float8_e4m3fn"))
@@ -214,6 +260,16 @@ def _interpreter_check():
       assert LAUNCHES[n0:] == ["_rows_kernel"]
       _same_bits(got, fp8.quantize_tiles(x, axis=1), f"quantize_rows M={m} C={c} {x.dtype} special={special}")
   assert sum(CONVERSIONS) >= sum(m * c for m, c, _ in ROW_CASES) * 2, "casts not seen"
+  for shape, dtype in BLOCK_CASES:
+    for special in (False, True):
+      w = _operand(rng, int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
+      if special:
+        w = _special_blocks(w.reshape((-1,) + shape[-2:]), rng, dtype == jnp.float32).reshape(shape)
+      w = jnp.asarray(w, dtype)
+      n0 = len(LAUNCHES)
+      got = jax.jit(lambda a: tq.QUANTIZE_BLOCKS(a))(w)   # (a fresh trace: one launch each)
+      assert LAUNCHES[n0:] == ["_blocks_kernel"]
+      _same_bits(got, fp8.quantize_blocks(w), f"quantize_blocks {shape} {w.dtype} special={special}")
   # the backend's form (`GmmBackend.fp8_quantize`) is the kernel
   m, c, dtype = ROW_CASES[1]
   x = jnp.asarray(_operand(rng, m, c), dtype)
@@ -234,7 +290,7 @@ def test_kernels_in_interpreter_match_quantize_tiles_bit_for_bit():
 # Compiled for Hopper (no GPU needed): what the interpreter's numpy arithmetic cannot show.
 
 
-def _compile(kernel, launch, x_type):
+def _compile(kernel, launch, x_type, x_name="x_ptr"):
   """(ptxas's resources, PTX) of `kernel` for sm_90a at `launch`, through bench/kernel_resources.py."""
   import triton
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -254,7 +310,7 @@ def _compile(kernel, launch, x_type):
     return compiled[-1]
   triton.compile = keep
   try:
-    res = kr.compile_resources(kernel, dict(x_ptr=x_type, q_ptr="*fp8e4nv", s_ptr="*fp32"), meta,
+    res = kr.compile_resources(kernel, {x_name: x_type, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, meta,
                                num_warps=warps, num_stages=stages)
   finally:
     triton.compile = compile_
@@ -281,3 +337,14 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
   loads = ["v4.b32" if op.endswith(".v4.b32") else op.split(".")[-1]
            for op in re.findall(r"\bld\.global[\w.]*", ptx)]
   assert set(loads) == {"v4.b32"}, (what, loads)
+
+
+@pytest.mark.extras("triton")
+@pytest.mark.parametrize("x_type", ["*bf16", "*fp32"])
+def test_block_kernel_compiles_for_hopper_with_exact_arithmetic_and_no_spills(x_type):
+  res, ptx = _compile(tq._blocks_kernel, tq.blocks_launch(128, 192, 768), x_type, "w_ptr")
+  what = (x_type, res)
+  assert res["spill_stores"] == res["spill_loads"] == res["stack"] == 0, what
+  assert "div.rn.f32" in ptx and not re.search(r"div\.(full|approx)", ptx), what
+  assert re.search(r"min\.NaN\.xorsign\.abs\.f32", ptx) and not re.search(r"\bmin(\.ftz)?\.f32", ptx), what
+  assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, what

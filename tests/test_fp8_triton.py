@@ -242,6 +242,7 @@ def test_registered_as_the_triton_backends_fp8_forms():
   gb.register_builtin_kernels()
   triton = gb.BACKENDS.get("triton")
   assert triton.fp8_gmm is tf.triton_fp8_gmm and triton.fp8_quantize is tq.quantize_rows
+  assert triton.fp8_quantize_blocks is tq.quantize_blocks
   assert triton.tgmm is triton_gmm.triton_tgmm   # the weight gradient's, in bf16
   assert triton.platforms == ("gpu",)
   if jax.devices()[0].platform == "cpu":  # auto keeps the emulation off GPU; triton is GPU-only

@@ -175,6 +175,26 @@ def test_one_pass_quantisers_give_the_cpus_bits(dtype):
   np.testing.assert_array_equal(np.asarray(s), np.asarray(ws), err_msg=what)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_block_quantiser_gives_the_cpus_bits(dtype):
+  """The one-pass block quantiser (`GmmBackend.fp8_quantize_blocks`) on the GPU against
+  `fp8.quantize_blocks` on the CPU device, bit for bit, at UMoE-base's expert weights [128, 768,
+  192] (a part-filled block column) with an inf, a NaN and a zero block."""
+  from kernels.gmm import triton_fp8_quant as tq
+  rng = np.random.default_rng(10)
+  w = _operand(rng, (128, 768, 192), (0, 1, 2), SPREAD)
+  w[3, :128, :128] = 0.0
+  w[5, 300, 150] = np.nan
+  w[7, 700, 10] = np.inf
+  q, s = jax.jit(tq.QUANTIZE_BLOCKS)(jnp.asarray(w, dtype))
+  wq, ws = jax.jit(fp8.quantize_blocks)(jax.device_put(np.asarray(jnp.asarray(w, dtype)), CPU))
+  q, wq = np.asarray(q).view(np.uint8), np.asarray(wq).view(np.uint8)
+  nan = (wq & 0x7F) == 0x7F
+  np.testing.assert_array_equal((q & 0x7F) == 0x7F, nan)
+  np.testing.assert_array_equal(q[~nan], wq[~nan])
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(ws))
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_gmm_through_a_row_index_gives_the_gathered_launchs_bits(transpose):
   """The gmm kernel reading its rows through `lhs_index` (top-k dispatch's sort order: each source

@@ -36,6 +36,11 @@ AUTO_FP8 = frozenset({"xla", "triton"})
 # until a step is timed with it (bench/train_step.py --fp8_mosaic_products).
 MOSAIC_PRODUCTS = False
 
+# The weights' 128 x 128 blocks by the backend's one-pass kernel (`GmmBackend.fp8_quantize_blocks`,
+# the same bits) instead of XLA's reduction over two strided axes. Off until a step is timed with it
+# (bench/train_step.py --fp8_block_quantiser).
+KERNEL_BLOCKS = False
+
 
 def fp8_backends() -> list[str]:
   """The gmm backends that have FP8 forms (the kernel backends registered first)."""
@@ -74,17 +79,23 @@ def quantize(backend_name: str, x):
   return own(x) if own is not None else fp8.quantize_tiles(x, axis=1)
 
 
+def quantize_weights(backend_name: str, w):
+  """`fp8.quantize_blocks(w)` (the same bits), by the backend's kernel under `KERNEL_BLOCKS`."""
+  own = BACKENDS.get(backend_name).fp8_quantize_blocks if KERNEL_BLOCKS else None
+  return own(w) if own is not None else fp8.quantize_blocks(w)
+
+
 def quantized_gmm(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, transpose_rhs: bool, out_dtype,
                   lhs_index=None):
   """The forward product from already quantised rows (`quantize(backend_name, lhs)`): rows may be
   quantised before they are gathered into expert order, since their tiles run along the row. With
   `lhs_index` the product's rows are lhs_q[lhs_index] (and their scales), read through the index by
   a backend with `row_index`, gathered by XLA for the others. The weights are quantised here, in
-  blocks; within a step XLA computes a weight's blocks once for its forward and its input
-  gradient (the same expression of the same weights)."""
-  return raw_fp8_gmm(_product_backend(backend_name), lhs_q, lhs_scale, *fp8.quantize_blocks(rhs),
-                     group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                     lhs_index=lhs_index)
+  blocks (`quantize_weights`); within a step XLA computes a weight's blocks once for its forward
+  and its input gradient (the same expression of the same weights)."""
+  return raw_fp8_gmm(_product_backend(backend_name), lhs_q, lhs_scale,
+                     *quantize_weights(backend_name, rhs), group_sizes, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, lhs_index=lhs_index)
 
 
 def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out_dtype,
@@ -97,7 +108,7 @@ def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out
   2026-12-07): one [M, F] activation pass and one quantiser pass fewer."""
   backend = _product_backend(backend_name)
   if activation in backend.fp8_quantize_out:
-    return raw_fp8_gmm(backend, lhs_q, lhs_scale, *fp8.quantize_blocks(rhs), group_sizes,
+    return raw_fp8_gmm(backend, lhs_q, lhs_scale, *quantize_weights(backend_name, rhs), group_sizes,
                        transpose_rhs=False, out_dtype=out_dtype, lhs_index=lhs_index,
                        quantize_out=activation)
   out = quantized_gmm(backend_name, lhs_q, lhs_scale, rhs, group_sizes, False, out_dtype, lhs_index)

@@ -67,6 +67,9 @@ class GmmBackend:
     fp8_quantize: optional `(x [M, C]) -> (q, scale)`, bit for bit
       `umoe_jax.ops.fp8.quantize_tiles(x, axis=1)`, in one pass over x (XLA's takes two); None:
       that.
+    fp8_quantize_blocks: optional `(w [G, K, N] or [K, N]) -> (q, scale)`, bit for bit
+      `umoe_jax.ops.fp8.quantize_blocks(w)`, in one pass over w; taken under
+      `umoe_jax.ops.fp8_gmm.KERNEL_BLOCKS`.
     fp8_quantize_out: activation names for which `fp8_gmm` also takes `quantize_out=NAME` and
       returns (out, q, scale), (q, scale) the tiles of act(out) (`umoe_jax.ops.epilogue.activate`,
       then `fp8_quantize`) from its epilogue: the next FP8 product's operand
@@ -84,6 +87,7 @@ class GmmBackend:
   fp8_gmm: Optional[GmmFn] = None
   fp8_quantize: Optional[Callable] = None
   fp8_quantize_out: tuple[str, ...] = ()
+  fp8_quantize_blocks: Optional[Callable] = None
 
 
 BACKENDS: Registry[GmmBackend] = Registry("gmm backend")
@@ -127,7 +131,7 @@ BACKENDS.register("masked")(GmmBackend(
 
 # The kernel backends: (module, gmm, tgmm, fan-in module or None, row-index and epilogue extras, FP8
 # module or None: its FP8_GMM is the backend's fp8_gmm; FP8 quantiser module or None: its
-# QUANTIZE_ROWS is the backend's fp8_quantize).
+# QUANTIZE_ROWS and QUANTIZE_BLOCKS are the backend's fp8_quantize and fp8_quantize_blocks).
 # auto priority, higher wins: set from the H200 measurements (2026-11-29-h200-fwd_tflops-97a81b91
 # and the gmm rows beside it in bench/results/h200.jsonl); megablox is the one TPU kernel.
 KERNELS = {
@@ -156,24 +160,25 @@ def _register_kernel(name: str, module: str, gmm: str, tgmm: str, priority: int,
       gather_sum = importlib.import_module(fan_in).gather_sum
     except Exception as e:  # noqa: BLE001  (the backend still registers; XLA does the fan-ins)
       _log.debug("fan-in kernel %s not loaded: %r", fan_in, e)
-  fp8_form, quantize, quantize_out = None, None, ()
+  fp8_form, quantize, quantize_out, quantize_blocks = None, None, (), None
   if fp8 is not None:  # the FP8 forms (`GmmBackend.fp8_gmm` / `fp8_quantize` / `fp8_quantize_out`)
     try:
       fp8_module = importlib.import_module(fp8)
       fp8_form = fp8_module.FP8_GMM
       if fp8_quantize is not None:
-        quantize = importlib.import_module(fp8_quantize).QUANTIZE_ROWS
+        quantizers = importlib.import_module(fp8_quantize)
+        quantize, quantize_blocks = quantizers.QUANTIZE_ROWS, quantizers.QUANTIZE_BLOCKS
         quantize_out = tuple(getattr(fp8_module, "QUANTIZE_OUT", ()))
     except Exception as e:  # noqa: BLE001  (the backend still registers, without FP8 forms)
       _log.debug("FP8 kernel %s not loaded: %r", fp8, e)
-      fp8_form, quantize, quantize_out = None, None, ()
+      fp8_form, quantize, quantize_out, quantize_blocks = None, None, (), None
   BACKENDS.register(name)(GmmBackend(
       gmm=getattr(mod, gmm), tgmm=getattr(mod, tgmm),
       platforms=tuple(getattr(mod, "PLATFORMS", ("gpu",))), auto_priority=priority,
       available=mod.available, row_index=row_index,
       fused_activations=tuple(getattr(mod, "FUSED_ACTIVATIONS", ())) if activations else (),
       scaled_row_dot=scaled_row_dot, gather_sum=gather_sum, fp8_gmm=fp8_form,
-      fp8_quantize=quantize, fp8_quantize_out=quantize_out))
+      fp8_quantize=quantize, fp8_quantize_out=quantize_out, fp8_quantize_blocks=quantize_blocks))
 
 
 _KERNELS_LOADED = False
