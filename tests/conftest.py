@@ -172,6 +172,26 @@ def interpreter_loop_bounds() -> None:
   interp._patch_lang_tensor = patched
 
 
+def exact_interpreter_cast(dst_name: str, np_dtype, seen: list | None = None) -> None:
+  """Makes Triton's interpreter cast float32 to `dst_name` ("float8e4nv", "bfloat16") correctly
+  rounded, through numpy's `np_dtype` (ml_dtypes' round to nearest even, as a GPU and XLA do): its
+  own rounds otherwise (e4m3: the first dropped bit added, ties away from zero, a mantissa carry ORed
+  into the exponent; bfloat16: toward zero). Every other cast is left alone; `seen` collects the
+  sizes of the casts taken."""
+  import triton.language as tl
+  import triton.runtime.interpreter as interp
+  convert = interp._convert_float
+  dst, bits = getattr(tl, dst_name), np.dtype(f"uint{np.dtype(np_dtype).itemsize * 8}")
+
+  def exact(data, src, to, rounding_mode):
+    if src == tl.float32 and to == dst:
+      if seen is not None:
+        seen.append(data.size)
+      return np.asarray(data, np.float32).astype(np_dtype).view(bits)
+    return convert(data, src, to, rounding_mode)
+  interp._convert_float = exact
+
+
 def run_in_triton_interpreter(module: str, check: str, marker: str, timeout: int = 300) -> None:
   """Runs `<module>.<check>()` of a test module in a fresh CPU process with TRITON_INTERPRET=1 (it
   must be set before Triton is imported) and asserts that it printed `marker`."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRETER_LOCK, run_in_triton_interpreter
+from conftest import INTERPRETER_LOCK, exact_interpreter_cast, run_in_triton_interpreter
 from kernels.gmm import triton_fp8_quant as tq
 from umoe_jax.ops import fp8
 
@@ -116,20 +116,9 @@ def _interpreter_launch(kernel, grid, args, out_shape, num_warps=None, num_stage
 
 
 def _exact_e4m3():
-  """The interpreter's float32 -> e4m3 cast, correctly rounded. Its own (`_convert_float`) rounds by
-  adding the first dropped bit (ties away from zero, and a carry out of the mantissa ORed into the
-  exponent), where a GPU's cvt.rn.satfinite.e4m3x2.f32 and XLA round to nearest even: without this
-  the kernels' bits could not be compared with `quantize_tiles`'. Every other cast is left alone."""
-  import triton.language as tl
-  import triton.runtime.interpreter as interp
-  convert = interp._convert_float
-
-  def exact(data, src, dst, rounding_mode):
-    if src == tl.float32 and dst == tl.float8e4nv:
-      CONVERSIONS.append(data.size)
-      return np.asarray(data, np.float32).astype(F8).view(np.uint8)
-    return convert(data, src, dst, rounding_mode)
-  interp._convert_float = exact
+  """The interpreter's float32 -> e4m3 cast correctly rounded (`conftest.exact_interpreter_cast`):
+  without it the kernels' bits could not be compared with `quantize_tiles`'."""
+  exact_interpreter_cast("float8e4nv", F8, CONVERSIONS)
 
 
 def _operand(rng, m, c):

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import INTERPRETER_LOCK, interpreter_loop_bounds, run_in_triton_interpreter
+from conftest import (INTERPRETER_LOCK, exact_interpreter_cast, interpreter_loop_bounds,
+                      run_in_triton_interpreter)
 from kernels.gmm import triton_fp8_gmm as tf
 from kernels.gmm import triton_fp8_quant as tq
 from kernels.gmm import triton_gmm, tuning
@@ -489,21 +490,6 @@ QUANT_OUT_CASES = [  # M, K, N, group sizes, (bm, bn) or None, activation, throu
 ]
 
 
-def _exact_bf16():
-  """The interpreter's float32 -> bfloat16 cast, correctly rounded (its own rounds toward zero
-  here, where a GPU and XLA round to nearest even): without this an epilogue's bf16 rounding is
-  biased low against XLA's."""
-  import triton.language as tl
-  import triton.runtime.interpreter as interp
-  convert = interp._convert_float
-
-  def exact(data, src, dst, rounding_mode):
-    if src == tl.float32 and dst == tl.bfloat16:
-      return np.asarray(data, np.float32).astype(jnp.bfloat16).view(np.uint16)
-    return convert(data, src, dst, rounding_mode)
-  interp._convert_float = exact
-
-
 def _check_gmm_quant_out(rng, m, k, n, gs, tile, act, through_index, reverse=False):
   """`triton_fp8_gmm(quantize_out=act)`: out within float32 summation order of the plain launch;
   (q, scale) the bits of the one-pass quantiser's on act(out) (XLA's activation of the kernel's own
@@ -657,7 +643,7 @@ def _interpreter_check():
   import test_fp8_quant_triton as tqt
   tqt._exact_e4m3()
   tq._launch = tqt._interpreter_launch
-  _exact_bf16()
+  exact_interpreter_cast("bfloat16", jnp.bfloat16)   # an epilogue's bf16 rounding, as XLA's
   for i, case in enumerate(QUANT_OUT_CASES):   # every other one with its programs last to first
     _check_gmm_quant_out(rng, *case, reverse=i % 2 == 1)
   # fp8_gmm's triton backend quantises with its own kernel (kernels/gmm/triton_fp8_quant.py), through
