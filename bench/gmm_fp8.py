@@ -141,7 +141,7 @@ def _fp8_kernel(backend: str):
     return (lambda op, kc, no: [t for t in mf.candidates() if mf.supported(kc, no, t)],
             lambda *a, transpose, tile: mf.mosaic_fp8_gmm(*a, transpose_rhs=transpose,
                                                           out_dtype=jnp.bfloat16, tile=tile),
-            lambda t: f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}")
+            lambda t: f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}{'' if t.overlap else ' serial'}")
   raise ValueError(f"--sweep-fp8: no FP8 tile sweep for backend {backend!r} (one of {SWEEP_BACKENDS})")
 
 
@@ -194,7 +194,7 @@ def sweep(shapes, timer, results_path=None, max_cands: int = 0, backend: str = "
             results_path, config=f"gmm:{name}", metric=SWEEP_METRICS[op], value=top[0],
             overrides={"backend": backend, **FP8, "operands": "quantised beforehand",
                        "tile": text(top[1])},
-            anchor=results_lib.anchor(f"the tabled FP8 tile {text(cands[0])}, same process",
+            anchor=results_lib.anchor(f"the default FP8 tile {text(cands[0])}, same process",
                                       tabled, "TFLOP/s", "bench/gmm.py --sweep-fp8") if tabled else None,
             extra={"candidates": len(cands)})
   return best

@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import pytest
 
 
-def mosaic_interpreter(monkeypatch, zero_fill: bool = False):
+def mosaic_interpreter(monkeypatch, reads_past: str = "nan"):
   """Runs `plgpu.kernel` in the Mosaic GPU interpreter (returns a list that counts the kernels run).
 
   Strict: a read past the end of a buffer gives NaN (real TMA gives zeros), as does memory never
-  written, so a kernel that uses padding rows or leaves output rows unwritten fails. `zero_fill`:
-  zeros instead, for a kernel that relies on TMA's zero fill past the array (and then on nothing
-  else being read unwritten). The interpreter
+  written, so a kernel that uses padding rows or leaves output rows unwritten fails. `reads_past`
+  "zero": zeros instead, for a kernel that relies on TMA's zero fill past the array (and then on
+  nothing else being read unwritten); "raise": any read past an array raises (a case whose every
+  TMA box lies inside its arrays). The interpreter
   of jax 0.10 lacks two things the kernels use, taught here: a wgmma operand read through a transpose
   (the transposed gmm's B tile, tgmm's A tile) is first copied, transposed, into scoped shared memory;
   `layout_cast` (a register-layout hint for the compiler) is the identity on values.
@@ -30,8 +31,9 @@ def mosaic_interpreter(monkeypatch, zero_fill: bool = False):
   from kernels.gmm import mosaic_gmm as mgpu_gmm
   if not mgpu_gmm.HAVE_MGPU:
     pytest.skip("this jax lacks the Pallas Mosaic GPU API the kernels use (kernels/gmm/mosaic_gmm.py)")
-  params = InterpretGPUParams(out_of_bounds_reads="uninitialized",
-                              uninitialized_memory="zero" if zero_fill else "nan")
+  params = InterpretGPUParams(
+      out_of_bounds_reads="raise" if reads_past == "raise" else "uninitialized",
+      uninitialized_memory="zero" if reads_past == "zero" else "nan")
   kernel, wgmma, launched = plgpu.kernel, plgpu.wgmma, []
 
   def interpreted(*args, **kw):

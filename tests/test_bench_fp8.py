@@ -449,7 +449,7 @@ def test_fp8_tile_sweep_of_the_mosaic_kernel(tmp_path, monkeypatch):
     seen.append(("gmm_t" if kw["transpose_rhs"] else "gmm", tile))
     return xla.fp8_gmm(*args, **kw)
   monkeypatch.setattr(mf, "mosaic_fp8_gmm", stand_in)
-  ms = lambda t: 1.0 + t.stages / 10 - t.ctas_per_sm / 3 - t.bm / 1000
+  ms = lambda t: 1.0 + t.stages / 10 - t.ctas_per_sm / 3 - t.bm / 1000 + (not t.overlap)
 
   def timer(f, *args):
     return ms(seen[-1][1])
@@ -466,6 +466,6 @@ def test_fp8_tile_sweep_of_the_mosaic_kernel(tmp_path, monkeypatch):
     assert best[(op, kc, no)][1] == t
     row = rows[gmm_fp8.SWEEP_METRICS[op]]
     assert row["overrides"]["backend"] == "mosaic"
-    assert row["overrides"]["tile"] == f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}"
+    assert row["overrides"]["tile"] == f"{t.bm}x{t.bn} s{t.stages} c{t.ctas_per_sm}" and t.overlap
   with pytest.raises(ValueError, match="no FP8 tile sweep for backend 'xla'"):
     gmm_fp8.sweep([("large-up", 200, 512, 192, 2)], timer, backend="xla")

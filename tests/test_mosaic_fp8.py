@@ -3,7 +3,7 @@ the shapes it takes, the hand-off of the others; the kernel under the Mosaic GPU
 the emulation (`umoe_jax.ops.fp8.emulated_gmm`) on fresh random operands whose scale pieces differ by
 orders of magnitude (a scale read for the wrong chunk, row or weight block is far off): ragged and empty
 groups, rows past the groups, M not a multiple of 8, several column tiles to one weight block, both
-layouts, zero pieces and NaN; and the hardware path (wgmma accumulators, the waits) lowered for CUDA.
+layouts, zero pieces and NaN; and the hardware path (wgmma accumulators, TMA boxes) lowered for CUDA.
 GPU runs: tests/gpu/test_mosaic_fp8_gpu.py.
 """
 from __future__ import annotations
@@ -25,7 +25,11 @@ def test_tiles_and_shared_memory():
   # stages x (A [64, 256] + B [128, 256] e4m3 + the rows' scales [2, 64] float32) + a bf16 64 x 128 tile
   assert mf.shared_memory(mf.Fp8Tile(64, 128, 3, 1)) == 3 * (64 * 256 + 128 * 256 + 2 * 64 * 4) + 64 * 128 * 2
   cands = mf.candidates()
-  assert cands[0] == mf.DEFAULT and len(set(cands)) == len(cands) > 5
+  assert cands[0] == mf.DEFAULT and cands[1] == mf.Fp8Tile(64, 128, 3, 1, overlap=False)
+  assert len(set(cands)) == len(cands) > 5
+  # tiles that load ahead (stages >= 3) before those that cannot, so tile_for takes one
+  first_two = next(i for i, t in enumerate(cands) if t.stages == 2)
+  assert all(t.stages == 2 for t in cands[first_two:])
   for t in cands:
     mf.check_tile(t)
     assert t.ctas_per_sm * (mf.shared_memory(t) + mf.SMEM_RESERVED) <= mf.SMEM_LIMIT
@@ -47,7 +51,7 @@ def test_shapes_it_takes():
   assert mf.tile_for(2048, 512) == mf.DEFAULT and mf.tile_for(192, 768) == mf.DEFAULT
   assert mf.tile_for(256, 100) == mf.DEFAULT   # taken by none: the default, for the hand-off
   base = mf.tile_for(768, 192)
-  assert base.bn == 64 and mf.supported(768, 192, base) and base in mf.candidates()
+  assert base.bn == 64 and base.stages >= 3 and mf.supported(768, 192, base) and base in mf.candidates()
 
 
 def _operands(rng, m, kc, no, g, transpose):
@@ -71,8 +75,13 @@ CASES = {  # M, contraction, output width, group sizes, tile
     "base-up": (130, 768, 192, [50, 80], mf.Fp8Tile(64, 64, 2, 2)),
     # 128-row tiles over 64 columns; one step (the last chunk read after the pipeline only)
     "tall": (200, 256, 128, [7, 0, 150, 43], mf.Fp8Tile(128, 64, 2, 1)),
-    # 128-wide column tiles (one weight block each)
-    "wide": (96, 512, 256, [40, 56], mf.Fp8Tile(64, 128, 2, 1)),
+    # 128-wide column tiles (one weight block each), every wgmma waited for at once
+    "wide": (96, 512, 256, [40, 56], mf.Fp8Tile(64, 128, 2, 1, overlap=False)),
+    # every TMA box inside its arrays (READS_PAST "raise"): the zero tail's product reads the
+    # clamped last group's weights, not past them
+    "inside": (128, 512, 128, [60, 0, 60], mf.Fp8Tile(64, 128, 3, 1)),
+    # fewer rows than a tile (padded to one)
+    "tiny": (20, 256, 128, [5, 0, 10], mf.Fp8Tile(64, 128, 3, 1)),
     # contractions of part chunks (padded to whole ones) and part steps (the last step's second
     # chunk past the array: TMA's zero fill, ZERO_FILL): a chunk and a half-empty one (UMoE-base's
     # 192); two and a half chunks; three chunks (an empty fourth)
@@ -80,9 +89,10 @@ CASES = {  # M, contraction, output width, group sizes, tile
     "k336": (90, 336, 128, [30, 60], mf.Fp8Tile(64, 64, 2, 2)),
     "k384": (100, 384, 128, [60, 40], mf.Fp8Tile(128, 64, 3, 1)),
 }
-# Cases whose operand boxes run past the contraction: the interpreter reads zeros there, as TMA
-# does (and so then for memory never written; the other cases keep it NaN).
-ZERO_FILL = {"k336", "k384"}
+# What the interpreter gives a read past an array (`mgpu_interpret.mosaic_interpreter`): NaN, but
+# zeros where operand boxes run past the contraction, as TMA's (and so then for memory never
+# written), and an error where no box may.
+READS_PAST = {"k336": "zero", "k384": "zero", "inside": "raise"}
 
 
 def _case_operands(case, transpose, special=False):
@@ -99,7 +109,7 @@ def _case_operands(case, transpose, special=False):
 
 def _run(monkeypatch, case, transpose, special=False):
   """(the kernel's output under the interpreter, float32, the emulation's, rows in the groups)."""
-  mosaic_interpreter(monkeypatch, zero_fill=case in ZERO_FILL)
+  mosaic_interpreter(monkeypatch, reads_past=READS_PAST.get(case, "nan"))
   fp8_partials_on_smem(monkeypatch, mf)
   _, _, _, gs, tile = CASES[case]
   lq, ls, wq, ws = _case_operands(case, transpose, special)
@@ -172,13 +182,17 @@ def test_shapes_it_does_not_take_go_to_triton(monkeypatch):
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])
-@pytest.mark.parametrize("kc,no,tile", [(512, 256, mf.DEFAULT), (192, 768, mf.DEFAULT), (200, 128, mf.DEFAULT),
-                                        (768, 192, mf.Fp8Tile(64, 64, 2, 2)),
-                                        (384, 256, mf.Fp8Tile(128, 64, 3, 1))], ids=str)
-def test_hardware_path_lowers_for_cuda(transpose, kc, no, tile):
-  """The kernel as a GPU runs it (wgmma accumulators, the waits, accumulator stores) through Pallas'
-  Mosaic GPU lowering, on this machine: what the interpreter's stand-ins above do not reach."""
-  m, g = 1000, 4
+@pytest.mark.parametrize("m,kc,no,tile", [(1000, 512, 256, mf.DEFAULT), (1000, 192, 768, mf.DEFAULT),
+                                          (1001, 200, 128, mf.DEFAULT),
+                                          (1000, 768, 192, mf.Fp8Tile(64, 64, 2, 2)),
+                                          (40, 384, 256, mf.Fp8Tile(128, 64, 3, 1, overlap=False))],
+                         ids=str)
+def test_hardware_path_lowers_for_cuda(transpose, m, kc, no, tile):
+  """The kernel as a GPU runs it (wgmma accumulators and their stores, TMA boxes whose shapes must
+  fit the arrays: M padded to 8, the contraction to whole chunks) through Pallas' Mosaic GPU
+  lowering, on this machine: what the interpreter's stand-ins above do not reach. (The wait counts
+  lower whatever they are: only the GPU tests see them.)"""
+  g = 4
   f8 = jnp.float8_e4m3fn
   kb, nb = -(-kc // 128), -(-no // 128)
   args = (jax.ShapeDtypeStruct((m, kc), f8), jax.ShapeDtypeStruct((m, kb), jnp.float32),
@@ -202,19 +216,36 @@ def test_registered_as_the_mosaic_backends_fp8_form():
 
 def test_mosaic_products_switch_takes_the_fp8_products_only(monkeypatch):
   """fp8_gmm.MOSAIC_PRODUCTS: the forward and input-gradient products go to the mosaic backend's FP8
-  form (here a recording stand-in), the weight gradient and the quantisers stay the chosen
-  backend's; the mosaic form gets rows gathered (it reads no index) and no epilogue request."""
+  form, everything else stays the chosen backend's: its quantiser, its weight gradient (tgmm), its
+  epilogue quantisation never asked of the mosaic form (which has none: act(out) by a pass and
+  the chosen quantiser); rows read through an index are gathered for the mosaic form. Both
+  backends here are recording stand-ins over the emulation; a mosaic backend that is not available
+  takes nothing."""
   import dataclasses
   from umoe_jax.ops import fp8_gmm as F
   from umoe_jax.ops import gmm_backends as gb
+  from umoe_jax.ops import ragged
   gb.register_builtin_kernels()
   calls = []
 
-  def stand_in(*args, **kw):
-    calls.append(kw)
-    return fp8.emulated_gmm(*args, **kw)
+  def record(name, fn):
+    def run(*args, **kw):
+      calls.append((name, tuple(sorted(kw))))
+      return fn(*args, **kw)
+    return run
+
+  xla = gb.BACKENDS.get("xla")
+  strip = lambda fn: lambda *a, quantize_out=None, lhs_index=None, **kw: fn(*a, **kw)
+  chosen = dataclasses.replace(
+      xla, tgmm=record("chosen.tgmm", ragged.xla_tgmm),
+      fp8_gmm=record("chosen.fp8_gmm", strip(fp8.emulated_gmm)),
+      fp8_quantize=record("chosen.quantize", lambda a: fp8.quantize_tiles(a, axis=1)),
+      fp8_quantize_out=("silu",))
+  mosaic = dataclasses.replace(xla, fp8_gmm=record("mosaic.fp8_gmm", fp8.emulated_gmm),
+                               available=lambda: True)
   entries = gb.BACKENDS._entries
-  monkeypatch.setitem(entries, "mosaic", dataclasses.replace(entries["xla"], fp8_gmm=stand_in))
+  monkeypatch.setitem(entries, "chosen", chosen)
+  monkeypatch.setitem(entries, "mosaic", mosaic)
   keys = jax.random.split(jax.random.key(5), 4)
   x = jax.random.normal(keys[0], (40, 256), jnp.float32)
   w = jax.random.normal(keys[1], (3, 256, 128), jnp.float32)
@@ -222,22 +253,31 @@ def test_mosaic_products_switch_takes_the_fp8_products_only(monkeypatch):
   gs = jnp.asarray([10, 0, 26], jnp.int32)
 
   def run():
-    y, pull = jax.vjp(lambda a, b: F.fp8_gmm(a, b, gs, backend="xla"), x, w)
+    y, pull = jax.vjp(lambda a, b: F._differentiable("chosen", False, None)(a, b, gs), x, w)
     return (y, *pull(dy))
   want = run()
-  assert calls == []                                  # off: the chosen backend's own form
+  names = lambda: [n for n, _ in calls]
+  assert sorted(names()) == ["chosen.fp8_gmm", "chosen.fp8_gmm", "chosen.quantize", "chosen.quantize",
+                             "chosen.tgmm"]                         # off: all the chosen backend's
+  calls.clear()
   monkeypatch.setattr(F, "MOSAIC_PRODUCTS", True)
   got = run()
-  assert [c["transpose_rhs"] for c in calls] == [False, True]
+  assert sorted(names()) == ["chosen.quantize", "chosen.quantize", "chosen.tgmm", "mosaic.fp8_gmm",
+                             "mosaic.fp8_gmm"]
   for a, b in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   calls.clear()
-  q, s = F.quantize("xla", x)
+  q, s = F.quantize("chosen", x)
   index = jnp.asarray(np.random.default_rng(0).permutation(40), jnp.int32)
-  out = F.quantized_gmm("xla", q, s, w, gs, False, jnp.float32, lhs_index=index)
+  out = F.quantized_gmm("chosen", q, s, w, gs, False, jnp.float32, lhs_index=index)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(
       fp8.emulated_gmm(q[index], s[index], *fp8.quantize_blocks(w), gs, transpose_rhs=False,
                        out_dtype=jnp.float32)))
-  out2, q2, s2 = F.quantized_gmm_out("xla", q, s, w, gs, jnp.float32, "silu")
-  assert all("lhs_index" not in c and "quantize_out" not in c for c in calls) and len(calls) == 2
-  np.testing.assert_array_equal(np.asarray(q2), np.asarray(F.quantize("xla", jax.nn.silu(out2))[0]))
+  out2, q2, _ = F.quantized_gmm_out("chosen", q, s, w, gs, jnp.float32, "silu")
+  assert names() == ["chosen.quantize", "mosaic.fp8_gmm", "mosaic.fp8_gmm", "chosen.quantize"]
+  assert all("lhs_index" not in kw and "quantize_out" not in kw for _, kw in calls)
+  np.testing.assert_array_equal(np.asarray(q2), np.asarray(fp8.quantize_tiles(jax.nn.silu(out2), axis=1)[0]))
+  calls.clear()
+  monkeypatch.setitem(entries, "mosaic", dataclasses.replace(mosaic, available=lambda: False))
+  F.quantized_gmm("chosen", q, s, w, gs, False, jnp.float32)
+  assert names() == ["chosen.fp8_gmm"]

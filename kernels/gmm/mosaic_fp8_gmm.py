@@ -5,25 +5,26 @@ float32 accumulation promoted every 128 elements of the contraction.
 
 Why a second kernel: each 128-wide chunk's partial product must be scaled and added to the float32
 accumulator on the CUDA cores, and in the Triton kernel that promotion waits for the chunk's MMA
-and the next MMA waits for the promotion, so the tensor cores idle for about as long as they work.
+and the next MMA waits for the promotion, so a chunk costs its promotion as well as its MMA.
 Here the partial products alternate between two wgmma accumulators: chunk k+1's wgmma is issued
 before chunk k's partial is read (`wgmma_accumulator_load(..., wait_n=1)` waits for chunk k only),
 so chunk k's promotion runs while the tensor cores compute chunk k+1. Three float32 tiles live in
 registers (two partials and the sum), which bounds a warpgroup's tile at bm * bn <= 8192.
 
-FP8 wgmma reads both operands contraction-major, so the weights go in as [G, N_out, K_contract]:
-the transposed product (gmm^T) takes `rhs_q` as it is, the plain product a transposed copy (a pass
-over the FP8 weights, a quarter of the bf16 bytes). Scales: the rows' per chunk are staged into
+FP8 wgmma reads both operands contraction-major, so the weights go in as [G, N_out, K_contract]: the
+transposed product (gmm^T) takes `rhs_q` as it is, the plain product a transposed copy (an XLA pass
+over the FP8 weights, one byte an element each way). Scales: the rows' per chunk are staged into
 shared memory with the operands (transposed to [chunks, M] so a chunk's row scales are one TMA box);
 a tile's column part lies in one 128-column weight block (bn divides 128), whose scale per chunk is
 one scalar read.
 
 A contraction that is not whole chunks is padded with zeros to the next one (TMA's swizzled boxes
 take an array dimension only in whole 128-byte tiles): UMoE-base's 192 becomes a chunk and a
-half-empty one, one pass over the FP8 rows. One that is not whole pipeline steps (two chunks) ends
-in a step whose second chunk lies past it: TMA fills its operands and row scales with zeros. What it
-takes (else `mosaic_fp8_gmm` hands the call to the Triton FP8 kernel): an output of whole `bn`-wide
-tiles.
+half-empty one, at the price of an XLA pass that copies the FP8 rows and the weights padded. One
+that is not whole pipeline steps (two chunks) ends in a step whose second chunk lies past it: TMA
+fills its operands and row scales with zeros. What it takes (else `mosaic_fp8_gmm` hands the call
+to the Triton FP8 kernel): an output of whole `bn`-wide tiles. Fewer rows than a tile are padded to
+one.
 The persistent schedule and the row-block work list are `kernels.gmm.mosaic_gmm`'s.
 """
 from __future__ import annotations
@@ -50,19 +51,22 @@ STEP_K = 2 * TILE               # two chunks a pipeline step: one per partial ac
 MAX_TILE_ELEMS = 8192           # bm * bn: three float32 tiles in one warpgroup's registers
 
 
-SMEM_LIMIT = 232448             # an H100's / H200's shared memory an SM (227 KiB)
+SMEM_LIMIT = 232448             # the shared memory one block may ask on an H100 / H200 (227 KiB)
 SMEM_RESERVED = 1024            # the driver's reservation per resident block
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tile:
-  """bm x bn output tile of one warpgroup, `stages` pipeline steps in flight, `ctas_per_sm`
-  persistent programs an SM (two let one program's epilogue and promotion overlap the other's
-  MMAs, at the price of fewer stages)."""
+  """bm x bn output tile of one warpgroup; `stages` shared-memory slots of a pipeline step (a slot
+  is refilled only after the step after its own, so stages - 2 steps load ahead: 2 leaves each load
+  exposed); `ctas_per_sm` persistent programs an SM (two let one program's epilogue and promotion
+  overlap the other's MMAs, at the price of fewer stages); `overlap`: chunk k's promotion while
+  chunk k+1's wgmma runs, or (False, for timing the overlap itself) each wgmma waited for at once."""
   bm: int = 64
   bn: int = 128
   stages: int = 3
   ctas_per_sm: int = 1
+  overlap: bool = True
 
 
 DEFAULT = Fp8Tile()
@@ -85,18 +89,20 @@ def check_tile(t: Fp8Tile, out_bytes: int = 2) -> None:
 
 
 def candidates() -> list[Fp8Tile]:
-  """The tiles `bench/gmm.py --sweep-fp8` times for this kernel, DEFAULT first."""
-  out = [DEFAULT]
-  for bm, bn in ((64, 128), (128, 64), (64, 64)):
-    for ctas in (1, 2):
-      for stages in (2, 3, 4, 6):
-        t = Fp8Tile(bm, bn, stages, ctas)
-        try:
-          check_tile(t)
-        except ValueError:
-          continue
-        if t not in out:
-          out.append(t)
+  """The tiles `bench/gmm.py --sweep-fp8` times for this kernel: DEFAULT, DEFAULT without the
+  overlap, then per tile shape the ones that load ahead (stages >= 3) before those that cannot."""
+  out = [DEFAULT, dataclasses.replace(DEFAULT, overlap=False)]
+  for stages_first in (True, False):
+    for bm, bn in ((64, 128), (128, 64), (64, 64)):
+      for ctas in (1, 2):
+        for stages in (3, 4, 6) if stages_first else (2,):
+          t = Fp8Tile(bm, bn, stages, ctas)
+          try:
+            check_tile(t)
+          except ValueError:
+            continue
+          if t not in out:
+            out.append(t)
   return out
 
 
@@ -107,7 +113,8 @@ def supported(kc: int, no: int, t: Fp8Tile = DEFAULT) -> bool:
 
 def tile_for(kc: int, no: int) -> Fp8Tile:
   """DEFAULT where it takes the shape, else the first candidate that does (64 columns wide where the
-  output is not whole 128-wide tiles: 192 at UMoE-base), else DEFAULT (the shape goes to Triton)."""
+  output is not whole 128-wide tiles: 192 at UMoE-base; one that loads ahead), else DEFAULT (the
+  shape goes to Triton)."""
   return next((t for t in candidates() if supported(kc, no, t)), DEFAULT)
 
 
@@ -151,6 +158,7 @@ def _kernel_call(lhs_q, sa_t, rhs_t, sb_t, group_sizes, out_dtype, t: Fp8Tile, p
   n_items = schedule.max_row_block_items(m, bm, g)
   items = schedule.row_block_items(group_sizes, m, bm)
   blocks_per_scale = TILE // bn   # column tiles of one 128-column weight block
+  wait = 1 if t.overlap else 0    # wgmmas left in flight when a partial is read
 
   def body(ig_ref, ib_ref, lo_ref, hi_ref, sb_gmem, lhs_gmem, sa_gmem, rhs_gmem, o_gmem):
     @plgpu.nd_loop((n_items * n_tiles,), collective_axes="sm")
@@ -179,11 +187,11 @@ def _kernel_call(lhs_q, sa_t, rhs_t, sb_t, group_sizes, out_dtype, t: Fp8Tile, p
             b1 = plgpu.transpose_ref(b_smem.at[:, pl.ds(TILE, TILE)], (1, 0))
             plgpu.wgmma(p0, a_smem.at[:, pl.ds(0, TILE)], b0)
             # chunk 2j-1 (the last step's second) is done once at most one wgmma is in flight
-            part = _take(p1, 1)
+            part = _take(p1, wait)
             acc = acc + part * _rows(prev, bn)
             _clear(p1)
             plgpu.wgmma(p1, a_smem.at[:, pl.ds(TILE, TILE)], b1)
-            part = _take(p0, 1)            # chunk 2j
+            part = _take(p0, wait)         # chunk 2j
             acc = acc + part * _rows(s_smem[0, :] * _splat(sb0, (bm,)), bn)
             _clear(p0)
             return acc, s_smem[1, :] * _splat(sb1, (bm,))
@@ -248,7 +256,9 @@ def mosaic_fp8_gmm(lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, transpose
   # contraction-major weights [G, No, Kc] and their block scales [G, ceil(No/128), Kc/128]
   rhs_t = rhs_q if transpose_rhs else jnp.swapaxes(rhs_q, 1, 2)
   sb_t = rhs_scale if transpose_rhs else jnp.swapaxes(rhs_scale, 1, 2)
-  pad = (-m) % mosaic_gmm._ROW_ALIGN   # TMA's row tiling; padded rows lie past every group
+  # TMA's row tiling wants M a multiple of 8, and a row box no taller than the array (as the bf16
+  # kernel, which refuses M < bm); padded rows lie past every group
+  pad = max((-m) % mosaic_gmm._ROW_ALIGN, t.bm - m)
   lhs_p = mosaic_gmm._pad_rows(lhs_q, pad)
   kp = -kc % TILE                      # whole chunks (module docstring)
   if kp:
@@ -265,4 +275,4 @@ def available() -> bool:
   return HAVE_MGPU_FP8 and mosaic_gmm.available()
 
 
-FP8_GMM = mosaic_fp8_gmm
+FP8_GMM = mosaic_fp8_gmm if HAVE_MGPU_FP8 else None   # (no FP8 form where jax lacks the API)

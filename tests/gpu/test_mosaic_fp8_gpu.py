@@ -25,14 +25,19 @@ SHAPES = {  # M, contraction, output width, groups (Dirichlet-skewed, one empty,
     "large-down": (6000, 512, 2048, 16),
     "base-up": (6000, 768, 192, 32),
     "base-down": (6000, 192, 768, 32),   # the contraction padded to whole chunks
+    # three chunks (the last step's second past the contraction: TMA's zero fill, its weight scale
+    # read clamped), M not a multiple of 8 (padded); and fewer rows than a tile
+    "odd": (6001, 384, 256, 8),
+    "small": (40, 512, 128, 4),
 }
 
 
 def _group_sizes(m, g, seed):
   rng = np.random.default_rng(seed)
-  gs = np.floor(rng.dirichlet(np.full(g, 2.0)) * (m - 29)).astype(np.int32)
-  gs[3] = 0
-  gs[-1] += m - 29 - gs.sum()
+  past = min(29, m // 4)   # rows past the groups
+  gs = np.floor(rng.dirichlet(np.full(g, 2.0)) * (m - past)).astype(np.int32)
+  gs[min(3, g - 2)] = 0
+  gs[-1] += m - past - gs.sum()
   return gs
 
 
@@ -64,9 +69,11 @@ def _raw(shape, transpose, tile, special=False):
           _loop_gmm(np.abs(dl), np.abs(dr), gs, transpose)[:rows])
 
 
-# One tile of each shape and residency (a compile each: the whole candidate list would take minutes);
-# a float32 output, so two programs an SM only with two stages.
-TILES = (mf.DEFAULT, mf.Fp8Tile(128, 64, 3, 1), mf.Fp8Tile(64, 64, 2, 2))
+# One tile of each shape and residency, and the default without the overlap (a compile each: the
+# whole candidate list would take minutes); a float32 output, so two programs an SM only with two
+# stages.
+TILES = (mf.DEFAULT, mf.Fp8Tile(128, 64, 3, 1), mf.Fp8Tile(64, 64, 2, 2),
+         mf.Fp8Tile(64, 128, 3, 1, overlap=False))
 
 
 def _tiles_for(shape):

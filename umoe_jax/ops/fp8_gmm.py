@@ -31,9 +31,11 @@ from umoe_jax.ops.varying import vary_like, varying_axes
 AUTO_FP8 = frozenset({"xla", "triton"})
 
 # The forward and input-gradient products on the mosaic backend's FP8 kernel (where it is
-# registered), the rest (quantisers, weight gradients, bf16 products) on the chosen backend: the
-# Mosaic kernel overlaps the promotion with the tensor cores (kernels/gmm/mosaic_fp8_gmm.py). Off
-# until a step is timed with it (bench/train_step.py --fp8_mosaic_products).
+# registered and available), the rest (quantisers, weight gradients, bf16 products) on the chosen
+# backend: the Mosaic kernel overlaps the promotion with the tensor cores
+# (kernels/gmm/mosaic_fp8_gmm.py). The dense FP8 projections (`model.layers`) go through fp8_gmm
+# too, so they move with it. Off until a step is timed with it (bench/train_step.py
+# --fp8_mosaic_products).
 MOSAIC_PRODUCTS = False
 
 # The weights' 128 x 128 blocks by the backend's one-pass kernel (`GmmBackend.fp8_quantize_blocks`,
@@ -67,8 +69,10 @@ def fp8_backend(name: str) -> str:
 
 def _product_backend(backend_name: str) -> GmmBackend:
   """The backend whose raw FP8 gmm takes the products (`MOSAIC_PRODUCTS`)."""
-  if MOSAIC_PRODUCTS and "mosaic" in BACKENDS.names() and BACKENDS.get("mosaic").fp8_gmm is not None:
-    return BACKENDS.get("mosaic")
+  if MOSAIC_PRODUCTS and "mosaic" in BACKENDS.names():
+    mosaic = BACKENDS.get("mosaic")
+    if mosaic.fp8_gmm is not None and mosaic.available():
+      return mosaic
   return BACKENDS.get(backend_name)
 
 
