@@ -15,15 +15,14 @@ def mosaic_interpreter(monkeypatch, reads_past: str = "nan"):
   Strict: a read past the end of a buffer gives NaN (real TMA gives zeros), as does memory never
   written, so a kernel that uses padding rows or leaves output rows unwritten fails. `reads_past`
   "zero": zeros instead, for a kernel that relies on TMA's zero fill past the array (and then on
-  nothing else being read unwritten); "raise": any read past an array raises (a case whose every
-  TMA box lies inside its arrays). The interpreter
-  of jax 0.10 lacks two things the kernels use, taught here: a wgmma operand read through a transpose
-  (the transposed gmm's B tile, tgmm's A tile) is first copied, transposed, into scoped shared memory;
-  `layout_cast` (a register-layout hint for the compiler) is the identity on values.
+  nothing else being read unwritten); "raise": any read past an array raises (a case whose every TMA
+  box lies inside its arrays). The interpreter of jax 0.10 lacks two things the kernels use, taught
+  here: a wgmma operand read through a transpose (the transposed gmm's B tile, tgmm's A tile) is
+  first copied, transposed, into scoped shared memory; `layout_cast` (a register-layout hint for the
+  compiler) is the identity on values.
   """
   try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    from jax._src.state.types import TransposeTransform
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
   except Exception as e:  # noqa: BLE001
@@ -40,19 +39,13 @@ def mosaic_interpreter(monkeypatch, reads_past: str = "nan"):
     launched.append(kw.get("out_type"))
     return kernel(*args, interpret=params, **kw)
 
-  def transposed(ref):
-    t = getattr(ref, "transforms", ())
-    return bool(t) and isinstance(t[-1], TransposeTransform)
-
   def wgmma_through_copies(acc, a, b, **kw):
     ops = [a, b]
-    moved = [i for i, ref in enumerate(ops) if transposed(ref)]
+    moved = [i for i, ref in enumerate(ops) if _transposed(ref)]
 
     def run(*copies):
       for i, copy in zip(moved, copies):
-        ref = ops[i]
-        base = dataclasses.replace(ref, transforms=ref.transforms[:-1])
-        copy[...] = jnp.transpose(base[...], ref.transforms[-1].permutation)
+        copy[...] = _value(ops[i])
         ops[i] = copy
       wgmma(acc, *ops, **kw)
 
@@ -65,12 +58,18 @@ def mosaic_interpreter(monkeypatch, reads_past: str = "nan"):
   return launched
 
 
-def _value(ref):
-  """A shared-memory ref's value, read through a trailing transpose the interpreter cannot."""
+def _transposed(ref) -> bool:
+  """Whether a ref is read through a trailing transpose (which the interpreter cannot read)."""
   from jax._src.state.types import TransposeTransform
   t = getattr(ref, "transforms", ())
-  if t and isinstance(t[-1], TransposeTransform):
-    return jnp.transpose(dataclasses.replace(ref, transforms=t[:-1])[...], t[-1].permutation)
+  return bool(t) and isinstance(t[-1], TransposeTransform)
+
+
+def _value(ref):
+  """A shared-memory ref's value, its trailing transpose applied to the value read without it."""
+  if _transposed(ref):
+    return jnp.transpose(dataclasses.replace(ref, transforms=ref.transforms[:-1])[...],
+                         ref.transforms[-1].permutation)
   return ref[...]
 
 

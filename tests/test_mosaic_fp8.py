@@ -15,6 +15,7 @@ import pytest
 
 from kernels.gmm import mosaic_fp8_gmm as mf
 from mgpu_interpret import fp8_partials_on_smem, mosaic_interpreter
+from test_fp8_triton import _loop_gmm
 from umoe_jax.ops import fp8
 
 pytestmark = pytest.mark.skipif(not mf.HAVE_MGPU_FP8,
@@ -134,16 +135,11 @@ def test_kernel_in_interpreter_matches_emulation(monkeypatch, case, transpose):
 
 
 def _loop(lq, ls, wq, ws, gs, transpose):
-  """float64 per-group products of the dequantised operands, rows past the groups zero (where XLA's
-  grouped product lets a NaN of one group reach every row, this keeps it in its group)."""
-  x = np.asarray(fp8.dequantize_tiles(lq, ls, axis=1), np.float64)
-  w = np.asarray(fp8.dequantize_blocks(wq, ws), np.float64)
-  out = np.zeros((x.shape[0], w.shape[1] if transpose else w.shape[2]))
-  start = 0
-  for g, size in enumerate(gs):
-    out[start:start + size] = x[start:start + size] @ (w[g].T if transpose else w[g])
-    start += size
-  return out
+  """`test_fp8_triton._loop_gmm` (float64, one product a group, rows past the groups zero: where
+  XLA's grouped product lets a NaN of one group reach every row, this keeps it in its group) on the
+  dequantised operands."""
+  return _loop_gmm(np.asarray(fp8.dequantize_tiles(lq, ls, axis=1)),
+                   np.asarray(fp8.dequantize_blocks(wq, ws)), np.asarray(gs), transpose)
 
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["gmm", "gmm_t"])

@@ -173,6 +173,7 @@ def _kernel_call(lhs_q, sa_t, rhs_t, sb_t, group_sizes, out_dtype, t: Fp8Tile, p
       @pl.when(hi > lo)
       def _():
         def scoped(p0, p1):
+          # (scoped accumulators start at zero on a GPU; the tests' shared-memory stand-ins do not)
           _clear(p0)
           _clear(p1)
           def step(idxs, a_smem, b_smem, s_smem, carry):
