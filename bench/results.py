@@ -9,6 +9,8 @@ first written down). `docs/performance.md` is generated from the rows (`python3 
   (`gmm:base-up`, `attention_core:base`).
 - `overrides`: the settings the measurement ran with that differ from the defaults ({} for none);
   measurements of one config are compared only between rows of equal overrides.
+  A setting the scripts no longer take goes in `RETIRED` with the value the code now always has,
+  so the page reads old rows as today's code where they ran that value (`as_today`).
 - `anchor`: what the figure is compared with, or null: {"what", "value", "unit", "source"}.
 
 Files: one per device kind, `bench/results/<device slug>.jsonl` (`device_slug`: "NVIDIA H200" ->
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -58,6 +61,23 @@ METRICS = {
     "compile_s": ("s", False),
 }
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+# Settings rows carry that no bench script takes any more: {name: (the value the code now always
+# has, what became of the setting)}. A row that ran the setting at that value measured what today's
+# code does there; a row at another value measured code that is gone.
+RETIRED = {
+    "fp8_rowwise": (0, "removed in 3ad6050: the row-wise FP8 recipe lost to the fine-grained one"),
+    "fp8_wgrad": (0, "3ad6050: the FP8 weight gradients are always bf16 (FP8 ones were slower)"),
+    "fp8_fused_combine": (1, "3ad6050: the fused FP8 combine is the only one"),
+    "fp8_rows_through_index": (1, "49b7111: the FP8 token rows are always read through the index"),
+    "fp8_keep_weight_blocks": (0, "removed in 4424681: XLA already quantises each weight once"),
+    "fp8_quantize_in_epilogue": (1, "4424681: always, where the backend has the form"),
+    "fp8_narrow_tail": (1, "7a8f87e: the FP8 gmm's last partial chunk is always one narrow dot"),
+    "narrow_tail": (1, "7a8f87e: the FP8 gmm's last partial chunk is always one narrow dot"),
+    "split_key_width": (1, "bed83e8: the Triton attention core always splits 192 as 128 + 64"),
+}
+# Settings that say how a row was taken, not what ran: a traced step is not a timed one.
+HOW_TAKEN = ("trace_step",)
 
 
 class RowError(ValueError):
@@ -141,6 +161,38 @@ def make_row(*, date: str, commit: str, device: str, config: str, metric: str, v
   return validate(row, f"row {row['id']}")
 
 
+def _runnable(command: str) -> str:
+  """`command` as it runs today: without the flags (`--name=...`) and run-spec pieces (`/name=...`)
+  of settings in `RETIRED` or `HOW_TAKEN`, which no script takes or which change no figure."""
+  gone = lambda piece: piece.partition("=")[0] in RETIRED or piece.partition("=")[0] in HOW_TAKEN
+  words = []
+  for w in shlex.split(command):
+    if w.startswith("--") and gone(w[2:]):
+      continue
+    if w.startswith("--runs="):
+      w = "--runs=" + ",".join("/".join(p for p in run.split("/") if not gone(p))
+                               for run in w[len("--runs="):].split(","))
+    words.append(w)
+  return shlex.join(words)
+
+
+def as_today(row: dict) -> tuple[dict, list[str]]:
+  """(`row` as today's code reads it, the notes of the retired settings it ran otherwise).
+
+  Its overrides lose the settings of `HOW_TAKEN` and those of `RETIRED` at the value the code now
+  always has; a retired setting at another value stays, and its note says what became of it (the
+  row measured code that is gone). Its command loses every retired and how-taken flag: a row whose
+  overrides do not name one did not depend on it."""
+  notes = [f"`{k}={v}`: {RETIRED[k][1]}" for k, v in sorted(row["overrides"].items())
+           if k in RETIRED and str(v) != str(RETIRED[k][0])]
+  overrides = {k: v for k, v in row["overrides"].items()
+               if k not in HOW_TAKEN and (k not in RETIRED or str(v) != str(RETIRED[k][0]))}
+  command = _runnable(row["command"])
+  if overrides == row["overrides"] and command == row["command"]:
+    return row, notes
+  return dict(row, overrides=overrides, command=command), notes
+
+
 def git_commit() -> str:
   """The checkout's short HEAD, '+' appended when tracked files differ from it ('unknown' outside
   a git checkout, as on a device machine given the tree without .git)."""
@@ -157,7 +209,6 @@ def git_commit() -> str:
 
 def command_line(argv: list[str] | None = None) -> str:
   """The exact command: the interpreter's name and argv, each word quoted where the shell needs it."""
-  import shlex
   argv = sys.argv if argv is None else argv
   return " ".join(shlex.quote(a) for a in ["python3", *argv])
 

@@ -254,6 +254,61 @@ def test_attention_core_rows():
 
 def test_a_config_docstring_shows_its_rows_command_for_that_config_alone():
   row = _row(command="python3 bench/train_step.py --runs=dense_base:single,umoe_base:single,"
-                     "umoe_base:expert@2 --steps=10 --results=/root/out/rows.jsonl --out=/root/out")
+                     "umoe_base:expert@2,umoe_base:single/precision=fp8 --steps=10 "
+                     "--results=/root/out/rows.jsonl --out=/root/out")
   assert report._row_command(row) == (
       "python3 bench/train_step.py --runs=umoe_base:single,umoe_base:expert@2 --steps=10")
+  fp8 = dict(row, overrides={"precision": "fp8"})
+  assert report._row_command(fp8) == (
+      "python3 bench/train_step.py --runs=umoe_base:single,umoe_base:expert@2,"
+      "umoe_base:single/precision=fp8 --steps=10")
+
+
+# Rows read as today's code: retired settings (results.RETIRED) and how a row was taken.
+
+def _retired(monkeypatch):
+  monkeypatch.setattr(results, "RETIRED", {"old_on": (1, "now always on"), "old_off": (0, "removed")})
+
+
+def test_a_retired_setting_at_todays_value_leaves_the_row(monkeypatch):
+  _retired(monkeypatch)
+  row = _row(overrides={"old_on": 1, "trace_step": 4, "precision": "fp8"},
+             command="python3 bench/train_step.py --runs=umoe_base:single/old_on=1/precision=fp8 "
+                     "--trace_step=4 --old_off=0 --steps=6")
+  today, notes = results.as_today(row)
+  assert notes == [] and today["overrides"] == {"precision": "fp8"} and today["id"] == row["id"]
+  assert today["command"] == "python3 bench/train_step.py --runs=umoe_base:single/precision=fp8 --steps=6"
+  assert row["overrides"] == {"old_on": 1, "trace_step": 4, "precision": "fp8"}   # not changed in place
+  plain = _row(overrides={"zipf": 1.1})
+  assert results.as_today(plain) == (plain, [])
+
+
+def test_a_retired_setting_at_another_value_is_history(monkeypatch):
+  _retired(monkeypatch)
+  today, notes = results.as_today(_row(overrides={"old_off": 1, "old_on": 0},
+                                       command="python3 bench/train_step.py --old_off=1"))
+  assert today["overrides"] == {"old_off": 1, "old_on": 0} and today["command"] == "python3 bench/train_step.py"
+  assert notes == ["`old_off=1`: removed", "`old_on=0`: now always on"]
+  # A string value read from a command equals the table's number.
+  assert results.as_today(_row(overrides={"old_on": "1"}))[0]["overrides"] == {}
+
+
+def test_the_page_reads_rows_as_todays_code(monkeypatch):
+  _retired(monkeypatch)
+  new = _row(value=300e3, overrides={"old_on": 1}, extra={"step_ms": 109.0})
+  old = _row(value=250e3, date="2026-12-01", extra={"step_ms": 131.0})
+  gone = _row(value=400e3, overrides={"old_off": 1})
+  text = report.page([old, new, gone], "nothing")
+  assert new["id"] in text and old["id"] not in text            # one group: the defaults, best row
+  assert "old_on" not in text and gone["id"] not in text and "400.0k" not in text
+  assert "- `old_off=1`: removed (1 row: umoe_base)" in text.split("### Settings no longer offered")[1]
+  assert new["id"] in report.readme_block([new])                 # a default row once read as today's
+
+
+def test_no_bench_script_takes_a_retired_setting():
+  for name in sorted(os.listdir(os.path.join(ROOT, "bench"))):
+    if name.endswith(".py") and name != "results.py":
+      with open(os.path.join(ROOT, "bench", name)) as f:
+        text = f.read()
+      for setting in results.RETIRED:
+        assert not re.search(rf"[\"'/-]{setting}\b", text), f"bench/{name} still names {setting}"
