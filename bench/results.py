@@ -63,20 +63,21 @@ METRICS = {
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 # Settings rows carry that no bench script takes any more: {name: (the value the code now always
-# has, what became of the setting)}. A row that ran the setting at that value measured what today's
-# code does there; a row at another value measured code that is gone.
+# has, the commit that made it so, what became of the setting)}. A row that ran the setting at that
+# value measured what today's code does there; a row at another value measured code that is gone.
 RETIRED = {
-    "fp8_rowwise": (0, "removed in 3ad6050: the row-wise FP8 recipe lost to the fine-grained one"),
-    "fp8_wgrad": (0, "3ad6050: the FP8 weight gradients are always bf16 (FP8 ones were slower)"),
-    "fp8_fused_combine": (1, "3ad6050: the fused FP8 combine is the only one"),
-    "fp8_rows_through_index": (1, "49b7111: the FP8 token rows are always read through the index"),
-    "fp8_keep_weight_blocks": (0, "removed in 4424681: XLA already quantises each weight once"),
-    "fp8_quantize_in_epilogue": (1, "4424681: always, where the backend has the form"),
-    "fp8_narrow_tail": (1, "7a8f87e: the FP8 gmm's last partial chunk is always one narrow dot"),
-    "narrow_tail": (1, "7a8f87e: the FP8 gmm's last partial chunk is always one narrow dot"),
-    "split_key_width": (1, "bed83e8: the Triton attention core always splits 192 as 128 + 64"),
+    "fp8_rowwise": (0, "3ad6050", "removed: the row-wise FP8 recipe lost to the fine-grained one"),
+    "fp8_wgrad": (0, "3ad6050", "the FP8 weight gradients are always bf16 (FP8 ones were slower)"),
+    "fp8_fused_combine": (1, "3ad6050", "the fused FP8 combine is the only one"),
+    "fp8_rows_through_index": (1, "49b7111", "the FP8 token rows are always read through the index"),
+    "fp8_keep_weight_blocks": (0, "4424681", "removed: XLA already quantises each weight once"),
+    "fp8_quantize_in_epilogue": (1, "4424681", "always, where the backend has the form"),
+    "fp8_narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot"),
+    "narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot"),
+    "split_key_width": (1, "bed83e8", "the Triton attention core always splits 192 as 128 + 64"),
 }
-# Settings that say how a row was taken, not what ran: a traced step is not a timed one.
+# Settings that say how a row was taken, not what ran: the traced step is one of the timed steps,
+# whose median is the figure.
 HOW_TAKEN = ("trace_step",)
 
 
@@ -161,32 +162,69 @@ def make_row(*, date: str, commit: str, device: str, config: str, metric: str, v
   return validate(row, f"row {row['id']}")
 
 
+def _same(a, b) -> bool:
+  """Two settings' values alike, as numbers where both are (1 == "1" == 1.0 == True)."""
+  try:
+    return float(a) == float(b)
+  except (TypeError, ValueError):
+    return str(a) == str(b)
+
+
+def _today(name: str, value) -> bool:
+  """The setting `name=value` is what today's code always does, or says nothing about what ran."""
+  return name in HOW_TAKEN or (name in RETIRED and _same(value, RETIRED[name][0]))
+
+
+def join_command(words: list[str]) -> str:
+  """`shlex.join`, but a leading NAME=value word (an environment setting) keeps NAME unquoted, so
+  the shell still reads it as an assignment."""
+  out, leading = [], True
+  for w in words:
+    name, eq, value = w.partition("=")
+    leading = leading and bool(eq) and name.isidentifier()
+    out.append(f"{name}={shlex.quote(value)}" if leading else shlex.quote(w))
+  return " ".join(out)
+
+
 def _runnable(command: str) -> str:
-  """`command` as it runs today: without the flags (`--name=...`) and run-spec pieces (`/name=...`)
-  of settings in `RETIRED` or `HOW_TAKEN`, which no script takes or which change no figure."""
-  gone = lambda piece: piece.partition("=")[0] in RETIRED or piece.partition("=")[0] in HOW_TAKEN
-  words = []
+  """`command` as it runs today: without the flags of retired and how-taken settings (`--name=v`,
+  `--name v`; a row whose overrides do not name one did not depend on it), its runs' `/name=v`
+  pieces at today's value dropped, runs with a retired piece at another value left out, and runs
+  that thereby repeat kept once."""
+  gone = lambda name: name in RETIRED or name in HOW_TAKEN
+  words, skip = [], False
   for w in shlex.split(command):
-    if w.startswith("--") and gone(w[2:]):
+    if skip:
+      skip = False
+      continue
+    if w.startswith("--") and gone(w[2:].partition("=")[0]):
+      skip = "=" not in w
       continue
     if w.startswith("--runs="):
-      w = "--runs=" + ",".join("/".join(p for p in run.split("/") if not gone(p))
-                               for run in w[len("--runs="):].split(","))
+      runs = []
+      for run in w[len("--runs="):].split(","):
+        head, *pieces = run.split("/")
+        kv = [p.partition("=")[::2] for p in pieces]
+        if any(k in RETIRED and not _today(k, v) for k, v in kv):
+          continue
+        run = "/".join([head, *(f"{k}={v}" for k, v in kv if not _today(k, v))])
+        if run not in runs:
+          runs.append(run)
+      w = "--runs=" + ",".join(runs)
     words.append(w)
-  return shlex.join(words)
+  return join_command(words)
 
 
 def as_today(row: dict) -> tuple[dict, list[str]]:
-  """(`row` as today's code reads it, the notes of the retired settings it ran otherwise).
+  """(`row` as today's code names its settings, the notes of the retired settings it ran otherwise).
 
-  Its overrides lose the settings of `HOW_TAKEN` and those of `RETIRED` at the value the code now
-  always has; a retired setting at another value stays, and its note says what became of it (the
-  row measured code that is gone). Its command loses every retired and how-taken flag: a row whose
-  overrides do not name one did not depend on it."""
-  notes = [f"`{k}={v}`: {RETIRED[k][1]}" for k, v in sorted(row["overrides"].items())
-           if k in RETIRED and str(v) != str(RETIRED[k][0])]
-  overrides = {k: v for k, v in row["overrides"].items()
-               if k not in HOW_TAKEN and (k not in RETIRED or str(v) != str(RETIRED[k][0]))}
+  Its overrides lose the settings at today's value (`_today`); a retired setting at another value
+  stays, and its note says what became of it (the row measured code that is gone). Its command is
+  `_runnable`. Settings that were defaults when the row ran are in neither: a figure is what the
+  code of the row's commit gave."""
+  notes = [f"`{k}={v}`: {RETIRED[k][2]} (since {RETIRED[k][1]})"
+           for k, v in sorted(row["overrides"].items()) if k in RETIRED and not _today(k, v)]
+  overrides = {k: v for k, v in row["overrides"].items() if not _today(k, v)}
   command = _runnable(row["command"])
   if overrides == row["overrides"] and command == row["command"]:
     return row, notes
@@ -210,7 +248,7 @@ def git_commit() -> str:
 def command_line(argv: list[str] | None = None) -> str:
   """The exact command: the interpreter's name and argv, each word quoted where the shell needs it."""
   argv = sys.argv if argv is None else argv
-  return " ".join(shlex.quote(a) for a in ["python3", *argv])
+  return join_command(["python3", *argv])
 
 
 def default_path(device: str | None = None) -> str:

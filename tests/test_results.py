@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shlex
 import sys
 
 import pytest
@@ -254,43 +255,61 @@ def test_attention_core_rows():
 
 def test_a_config_docstring_shows_its_rows_command_for_that_config_alone():
   row = _row(command="python3 bench/train_step.py --runs=dense_base:single,umoe_base:single,"
-                     "umoe_base:expert@2,umoe_base:single/precision=fp8 --steps=10 "
-                     "--results=/root/out/rows.jsonl --out=/root/out")
+                     "umoe_base:expert@2,umoe_base:single/precision=fp8,umoe_base:single/zipf=1.1 "
+                     "--steps=10 --results=/root/out/rows.jsonl --out=/root/out")
   assert report._row_command(row) == (
       "python3 bench/train_step.py --runs=umoe_base:single,umoe_base:expert@2 --steps=10")
   fp8 = dict(row, overrides={"precision": "fp8"})
   assert report._row_command(fp8) == (
-      "python3 bench/train_step.py --runs=umoe_base:single,umoe_base:expert@2,"
-      "umoe_base:single/precision=fp8 --steps=10")
+      "python3 bench/train_step.py --runs=umoe_base:single/precision=fp8 --steps=10")
+  skew = dict(row, overrides={"zipf": 1.1})    # the number, not its spelling
+  assert report._row_command(dict(skew, command=row["command"].replace("zipf=1.1", "zipf=1.10"))) == (
+      "python3 bench/train_step.py --runs=umoe_base:single/zipf=1.10 --steps=10")
+  # A piece at its default leaves no setting: rather every run of the config than none.
+  plain = _row(command="python3 bench/train_step.py --runs=umoe_base:single/precision=bf16")
+  assert report._row_command(plain) == plain["command"]
+
+
+def test_an_environment_setting_stays_an_assignment():
+  words = ["XLA_FLAGS=--a=1 --b=2", "python3", "bench/x.py", "--name=a b"]
+  assert results.join_command(words) == "XLA_FLAGS='--a=1 --b=2' python3 bench/x.py '--name=a b'"
+  assert shlex.split(results.join_command(words)) == words
+  row = _row(command=results.join_command(words + ["--results=/o/rows.jsonl"]))
+  assert report._row_command(row) == results.join_command(words)
+  assert results.command_line(["bench/x.py", "A=1"]) == "python3 bench/x.py A=1"
 
 
 # Rows read as today's code: retired settings (results.RETIRED) and how a row was taken.
 
 def _retired(monkeypatch):
-  monkeypatch.setattr(results, "RETIRED", {"old_on": (1, "now always on"), "old_off": (0, "removed")})
+  monkeypatch.setattr(results, "RETIRED", {"old_on": (1, "abc1234", "now always on"),
+                                           "old_off": (0, "abc1234", "removed")})
 
 
 def test_a_retired_setting_at_todays_value_leaves_the_row(monkeypatch):
   _retired(monkeypatch)
   row = _row(overrides={"old_on": 1, "trace_step": 4, "precision": "fp8"},
-             command="python3 bench/train_step.py --runs=umoe_base:single/old_on=1/precision=fp8 "
-                     "--trace_step=4 --old_off=0 --steps=6")
+             command="python3 bench/train_step.py --runs=umoe_base:single/old_on=1/precision=fp8,"
+                     "umoe_base:single/precision=fp8,umoe_base:single/old_off=1/precision=fp8 "
+                     "--trace_step 4 --old_off=0 --steps=6")
   today, notes = results.as_today(row)
   assert notes == [] and today["overrides"] == {"precision": "fp8"} and today["id"] == row["id"]
+  # the runs at today's value and the one left repeat: kept once; the gone run cannot run today
   assert today["command"] == "python3 bench/train_step.py --runs=umoe_base:single/precision=fp8 --steps=6"
   assert row["overrides"] == {"old_on": 1, "trace_step": 4, "precision": "fp8"}   # not changed in place
   plain = _row(overrides={"zipf": 1.1})
   assert results.as_today(plain) == (plain, [])
+  for same in ("1", 1.0, True):    # a value read from a command, or written as a float
+    today, notes = results.as_today(_row(overrides={"old_on": same}))
+    assert today["overrides"] == {} and notes == []
 
 
 def test_a_retired_setting_at_another_value_is_history(monkeypatch):
   _retired(monkeypatch)
-  today, notes = results.as_today(_row(overrides={"old_off": 1, "old_on": 0},
+  today, notes = results.as_today(_row(overrides={"old_off": 1, "old_on": "0"},
                                        command="python3 bench/train_step.py --old_off=1"))
-  assert today["overrides"] == {"old_off": 1, "old_on": 0} and today["command"] == "python3 bench/train_step.py"
-  assert notes == ["`old_off=1`: removed", "`old_on=0`: now always on"]
-  # A string value read from a command equals the table's number.
-  assert results.as_today(_row(overrides={"old_on": "1"}))[0]["overrides"] == {}
+  assert today["overrides"] == {"old_off": 1, "old_on": "0"} and today["command"] == "python3 bench/train_step.py"
+  assert notes == ["`old_off=1`: removed (since abc1234)", "`old_on=0`: now always on (since abc1234)"]
 
 
 def test_the_page_reads_rows_as_todays_code(monkeypatch):
@@ -301,8 +320,15 @@ def test_the_page_reads_rows_as_todays_code(monkeypatch):
   text = report.page([old, new, gone], "nothing")
   assert new["id"] in text and old["id"] not in text            # one group: the defaults, best row
   assert "old_on" not in text and gone["id"] not in text and "400.0k" not in text
-  assert "- `old_off=1`: removed (1 row: umoe_base)" in text.split("### Settings no longer offered")[1]
+  assert "- `old_off=1`: removed (since abc1234); 1 row of umoe_base" in (
+      text.split("### Settings no longer offered")[1])
   assert new["id"] in report.readme_block([new])                 # a default row once read as today's
+  # A device whose rows all ran gone settings still has its section, with that line alone.
+  lone = _row(device="NVIDIA H100", overrides={"old_off": 1}, config="gmm:base-up", metric="fwd_tflops",
+              value=400.0)
+  section = report.page([new, lone], "nothing").split("## NVIDIA H100\n")[1].split("\n## ")[0]
+  assert "`old_off=1`: removed (since abc1234); 1 row of gmm:base-up" in section
+  assert "| " not in section
 
 
 def test_no_bench_script_takes_a_retired_setting():
