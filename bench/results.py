@@ -219,11 +219,13 @@ def as_today(row: dict) -> tuple[dict, list[str]]:
   """(`row` as today's code names its settings, the notes of the retired settings it ran otherwise).
 
   Its overrides lose the settings at today's value (`_today`); a retired setting at another value
-  stays, and its note says what became of it (the row measured code that is gone). Its command is
-  `_runnable`. Settings that were defaults when the row ran are in neither: a figure is what the
-  code of the row's commit gave."""
+  stays, and its note says what became of it (the row measured code that is gone); so does a
+  switch recorded in its `extra["switches"]` (bench/train_step.py writes every switch's value).
+  Its command is `_runnable`. Older rows name only the settings that differed from the defaults
+  of their day: a figure is what the code of the row's commit gave."""
+  ran = {**row.get("extra", {}).get("switches", {}), **row["overrides"]}
   notes = [f"`{k}={v}`: {RETIRED[k][2]} (since {RETIRED[k][1]})"
-           for k, v in sorted(row["overrides"].items()) if k in RETIRED and not _today(k, v)]
+           for k, v in sorted(ran.items()) if k in RETIRED and not _today(k, v)]
   overrides = {k: v for k, v in row["overrides"].items() if not _today(k, v)}
   command = _runnable(row["command"])
   if overrides == row["overrides"] and command == row["command"]:

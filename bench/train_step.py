@@ -628,7 +628,8 @@ BOOKKEEPING = ("configs", "layouts", "runs", "steps", "warmup", "out", "results"
 
 def measurement(r: dict, args) -> dict | None:
   """The results row of a measured row `r` (bench/results.py; None for a failed row or one whose
-  loss check failed): tokens/s, with step time, MFU and peak memory beside it; overrides = the
+  loss check failed): tokens/s, with step time, MFU, peak memory and the switches' values beside
+  it; overrides = the
   flags that differ from their defaults, and the layout of a row over several devices; anchor = the
   official PyTorch code's tokens/s for a one-device row, linear scaling of this command's single row
   for one over several."""
@@ -654,7 +655,10 @@ def measurement(r: dict, args) -> dict | None:
                steps=len(r["step_times_ms"]), batch=r["batch"], seq_len=r["seq_len"],
                scaling_efficiency=r.get("scaling_efficiency"), vs_bf16=r.get("vs_bf16"),
                xla_flags=r.get("xla_flags") or None,
-               mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+               mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+               # every switch as it ran, so a row still says what it ran once a switch's default
+               # changes or the switch goes (bench/results.py RETIRED)
+               switches={k: r[k] for k in SWITCHES if k in r} or None)
   return dict(config=r["config"], metric="tokens_per_s", value=r["tokens_per_s"],
               overrides=overrides, anchor=anchor, extra=extra, device=r["device_kind"],
               devices=r["devices"])

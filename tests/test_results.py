@@ -213,6 +213,10 @@ def test_train_step_rows():
   assert row["overrides"] == {"zipf": 1.1} and row["value"] == 293.8e3
   assert row["anchor"]["value"] == train_step.ANCHORS["umoe_base"]
   assert row["extra"]["step_ms"] == 111.5 and row["extra"]["step_ms_range"] == [110.8, 112.5]
+  assert "switches" not in row["extra"]    # a row made without them says nothing of them
+  ran = {key: i % 2 for i, key in enumerate(train_step.SWITCHES)}
+  row = _valid(train_step.measurement(dict(r, **ran), args))
+  assert row["extra"]["switches"] == ran and row["overrides"] == {"zipf": 1.1}
   multi = dict(r, layout="data@2", devices=2, exchange="auto", chunks=1, tokens_per_s=560e3,
                scaling_efficiency=560 / 587.6)
   row = _valid(train_step.measurement(multi, train_step.parser().parse_args([])))
@@ -310,6 +314,14 @@ def test_a_retired_setting_at_another_value_is_history(monkeypatch):
                                        command="python3 bench/train_step.py --old_off=1"))
   assert today["overrides"] == {"old_off": 1, "old_on": "0"} and today["command"] == "python3 bench/train_step.py"
   assert notes == ["`old_off=1`: removed (since abc1234)", "`old_on=0`: now always on (since abc1234)"]
+
+
+def test_a_recorded_switch_that_went_makes_the_row_history(monkeypatch):
+  _retired(monkeypatch)
+  ran_off = _row(extra={"step_ms": 1.0, "switches": {"old_on": 0, "other": 1}})
+  assert results.as_today(ran_off)[1] == ["`old_on=0`: now always on (since abc1234)"]
+  ran_on = _row(extra={"step_ms": 1.0, "switches": {"old_on": 1, "old_off": 0}})
+  assert results.as_today(ran_on) == (ran_on, [])
 
 
 def test_the_page_reads_rows_as_todays_code(monkeypatch):
