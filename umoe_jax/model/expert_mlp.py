@@ -9,6 +9,7 @@ import jax
 from umoe_jax.model.layers import ACTIVATION_FNS
 from umoe_jax.ops import dispatch
 from umoe_jax.ops.epilogue import FUSABLE_ACTIVATIONS
+from umoe_jax.ops.fp8_gmm import in_fp8
 from umoe_jax.ops.fused_dispatch import gather_gmm, gmm_combine
 from umoe_jax.ops.gmm import gmm
 
@@ -35,7 +36,9 @@ def routed_mlp(x: jax.Array, plan: dispatch.DispatchPlan, gates: jax.Array, w_up
   fused = fuse_activation and w_gate is None and activation in FUSABLE_ACTIVATIONS
   quantized = None
   with jax.named_scope("expert_up"):
-    if fused and fp8:  # act(up) in FP8 tiles for the last matmul, from the first one's epilogue
+    # act(up) in FP8 tiles for the last matmul, from the first one's epilogue, where the last
+    # matmul's forward takes FP8 operands
+    if fused and fp8 and in_fp8(w_up.shape[-1]):
       up, quantized = gather_gmm(x, w_up, plan, k, backend=backend, first_slot=first_slot, fp8=fp8,
                                  quantize_out=activation)
     else:

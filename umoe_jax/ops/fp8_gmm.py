@@ -9,9 +9,8 @@ contraction, the expert weights in 128 x 128 blocks) and handed to the backend's
             drhs = tgmm(lhs, dout)                               (bf16 operands, over tokens)
 
 each accumulating in float32. The weight gradient takes its operands as they are, by the backend's
-own tgmm: in FP8 it needs both operands quantised again in 128-row column tiles (two more passes
-over [M, K] and [M, N]), and its FP8 kernel ran at 0.4x the bf16 one, so the UMoE-base training step
-on one H100 took 216 ms with it against 175 ms without (bench/results, 2026-12-07).
+own tgmm: in FP8 it would need both operands quantised again in 128-row column tiles (two more
+passes over [M, K] and [M, N]), and its FP8 kernel runs well below the bf16 one.
 A backend without FP8 forms is refused (`fp8_backend`).
 """
 from __future__ import annotations
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 
 from umoe_jax.ops import epilogue, fp8
 from umoe_jax.ops.gmm_backends import BACKENDS, GmmBackend, register_builtin_kernels, resolve_backend
-from umoe_jax.ops.row_index import raw_fp8_gmm, raw_tgmm
+from umoe_jax.ops.row_index import raw_fp8_gmm, raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
 
 
@@ -42,6 +41,20 @@ MOSAIC_PRODUCTS = False
 # the same bits) instead of XLA's reduction over two strided axes. Off until a step is timed with it
 # (bench/train_step.py --fp8_block_quantiser).
 KERNEL_BLOCKS = False
+
+
+# Products whose contraction is shorter than this take their operands in bf16, by the backend's bf16
+# gmm (0: every forward and input-gradient product in FP8). A short contraction is one or two scale
+# pieces, each promoted on the CUDA cores, so the FP8 kernel gains nothing there over bf16 while its
+# operands still cost a quantiser pass: at UMoE-base's experts (768 <-> 192) the products that
+# contract over 192 are half the expert FLOPs. Off until a step is timed with it
+# (bench/train_step.py --fp8_min_contraction=256).
+MIN_CONTRACTION = 0
+
+
+def in_fp8(contraction: int) -> bool:
+  """Whether a product contracting over `contraction` takes FP8 operands (`MIN_CONTRACTION`)."""
+  return contraction >= MIN_CONTRACTION
 
 
 def fp8_backends() -> list[str]:
@@ -106,10 +119,9 @@ def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out
                       activation: str, lhs_index=None):
   """(out, q, scale): `quantized_gmm` (not transposed) and act(out) in 1 x 128 tiles along its rows
   (`quantize(backend_name, epilogue.activate(activation, out))`), the next FP8 product's operand:
-  from the kernel's epilogue where the backend has it for `activation` (`fp8_quantize_out`),
-  else by passes after the product. The expert pool's first matmul hands them to its last one;
-  from the epilogue this took the UMoE-base step on one H100 from 149.6 to 147.3 ms (rows of
-  2026-12-07): one [M, F] activation pass and one quantiser pass fewer."""
+  from the kernel's epilogue where the backend has it for `activation` (`fp8_quantize_out`:
+  one [M, F] activation pass and one quantiser pass fewer), else by passes after the product.
+  The expert pool's first matmul hands them to its last one."""
   backend = _product_backend(backend_name)
   if activation in backend.fp8_quantize_out:
     return raw_fp8_gmm(backend, lhs_q, lhs_scale, *quantize_weights(backend_name, rhs), group_sizes,
@@ -121,10 +133,15 @@ def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out
 
 def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`): the input
-  gradient in FP8, the weight gradient in the operands' dtype (`wgrad`). With `lhs_index` the
-  product's rows are lhs[lhs_index], read through it."""
-  dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, group_sizes,
-                       not transpose_rhs, lhs.dtype)
+  gradient in FP8 (in bf16 where its contraction, dout's width, is short: `in_fp8`), the weight
+  gradient in the operands' dtype (`wgrad`). With `lhs_index` the product's rows are
+  lhs[lhs_index], read through it."""
+  if in_fp8(dout.shape[1]):
+    dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, group_sizes,
+                         not transpose_rhs, lhs.dtype)
+  else:
+    dlhs = raw_gmm(BACKENDS.get(backend_name), dout.astype(lhs.dtype), rhs, group_sizes,
+                   transpose_rhs=not transpose_rhs, out_dtype=lhs.dtype)
   return dlhs, wgrad(BACKENDS.get(backend_name), lhs, dout.astype(lhs.dtype), group_sizes, rhs,
                      transpose_rhs, lhs_index)
 
@@ -154,8 +171,12 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
-                        transpose_rhs, out_dtype or lhs.dtype)
+    if in_fp8(lhs.shape[1]):
+      out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
+                          transpose_rhs, out_dtype or lhs.dtype)
+    else:
+      out = raw_gmm(BACKENDS.get(backend_name), lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                    out_dtype=out_dtype or lhs.dtype)
     return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   def fwd(lhs, rhs, group_sizes):
@@ -174,7 +195,8 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 def fp8_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str = "auto",
             transpose_rhs: bool = False, preferred_element_type=None) -> jax.Array:
   """`gmm(lhs, rhs, group_sizes)` (same shapes and arguments) with FP8 operands in the forward and
-  input-gradient products and the weight gradient in lhs's dtype (module docstring); float32
+  input-gradient products (those with a long enough contraction: `in_fp8`) and the weight
+  gradient in lhs's dtype (module docstring); float32
   accumulation; output in `preferred_element_type` (default lhs.dtype)."""
   name = fp8_backend(backend)
   out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else None

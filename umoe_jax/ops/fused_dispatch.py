@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine
 from umoe_jax.ops.fp8 import DTYPE as FP8_DTYPE, TILE as FP8_TILE
-from umoe_jax.ops.fp8_gmm import fp8_backend, gradients, quantize, quantized_gmm, quantized_gmm_out
+from umoe_jax.ops.fp8_gmm import (fp8_backend, gradients, in_fp8, quantize, quantized_gmm,
+                                  quantized_gmm_out)
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -102,19 +103,24 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   they are (a row's tiles run along the row, so this equals quantising the gathered copy, at N
   source rows instead of M = N*K) and the FP8 gmm reads them and their scales through the sort
   order (`fp8_gmm.quantized_gmm` with an index; XLA gathers first for a backend without
-  `row_index`). With the weight gradient then in FP8 and quantised through the index too, this
-  took the UMoE-base step on one H100 from 216 to 202 ms (rows of 2026-12-07): the kernels' time
-  stayed, XLA's gathers (jnp.take's bounds selects) fell from 22 to 8 ms. Backward:
-  fp8_gmm's gradients, the weight gradient's rows read through the sort order as the bf16 form's,
-  the input gradient fanned in as `_gather_gmm_fn`'s. With `quantize_out` the op returns (out, q,
-  scale), act(out)'s FP8 tiles too (`fp8_gmm.quantized_gmm_out`), whose cotangents it ignores:
-  they are an operand of FP8 products, which pass no gradient to it."""
+  `row_index`), with no gathered copy of the rows (nor XLA's bounds selects of one). A forward
+  whose contraction is short (`fp8_gmm.in_fp8`) is the bf16 form's product. Backward: fp8_gmm's
+  gradients, the weight gradient's rows read through the sort order as the bf16 form's, the input
+  gradient fanned in as `_gather_gmm_fn`'s. With `quantize_out` the op returns (out, q, scale),
+  act(out)'s FP8 tiles too (`fp8_gmm.quantized_gmm_out`), whose cotangents it ignores: they are an
+  operand of FP8 products, which pass no gradient to it."""
   backend = BACKENDS.get(backend_name)
 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
-    q, scale = quantize(backend_name, x)
     axes = varying_axes(x) | varying_axes(rhs)
+    if not in_fp8(x.shape[1]):
+      out = raw_gmm(backend, x, rhs, gs, transpose_rhs=False, out_dtype=x.dtype, lhs_index=src)
+      if quantize_out is not None:
+        return tuple(vary_like(a, axes) for a in (
+            out, *quantize(backend_name, epilogue.activate(quantize_out, out))))
+      return vary_like(out, axes)
+    q, scale = quantize(backend_name, x)
     if quantize_out is not None:
       out, q2, s2 = quantized_gmm_out(backend_name, q, scale, rhs, gs, x.dtype, quantize_out,
                                       lhs_index=src)
@@ -263,21 +269,27 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   """`_gmm_combine_fn` with FP8 operands (`umoe_jax.ops.fp8_gmm`'s quantiser and raw gmm), the same
   algebra: u = dout[token] @ rhs[g].T from dout's N token rows quantised along D once (a row's tiles
   run along the row, so they are the per-slot rows' before the gate, which scales u instead) and
-  read through the sort order, never the per-slot cotangent [M, D]; it gives dh = gate * u
-  (* act'(z)) and dgate = <u, act(z)>; dw = tgmm(gate * act(z), dout[token]) in bf16, as the bf16
-  form's. Those elementwise passes run in XLA over the F-wide rows. Against an FP8 gmm, unpermute
-  and combine, this took the UMoE-base step on one H100 from 175 to 157 ms (bench/results,
-  2026-12-07)."""
+  read through the sort order, never the per-slot cotangent [M, D] (an FP8 gmm, unpermute and
+  combine would quantise that whole copy); it gives dh = gate * u (* act'(z)) and
+  dgate = <u, act(z)>; dw = tgmm(gate * act(z), dout[token]) in bf16, as the bf16 form's. Those
+  elementwise passes run in XLA over the F-wide rows. A product whose contraction is short
+  (`fp8_gmm.in_fp8`) takes bf16 operands, as the bf16 form's."""
   backend = BACKENDS.get(backend_name)
   operand = _operand(activation)
 
   def product(h, rhs, gs, given=None):
+    if given is None and not in_fp8(h.shape[1]):
+      return raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False, out_dtype=h.dtype)
     q, scale = quantize(backend_name, operand(h)) if given is None else given
     return quantized_gmm(backend_name, q, scale, rhs, gs, False, h.dtype)
 
   def gradients(h, rhs, gs, dout, token, gate_sorted):
-    u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
-                      lhs_index=token)                                                     # [M, F]
+    if in_fp8(dout.shape[1]):
+      u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
+                        lhs_index=token)                                                   # [M, F]
+    else:
+      u = raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=jnp.float32,
+                  lhs_index=token)
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
     return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
