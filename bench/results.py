@@ -63,18 +63,23 @@ METRICS = {
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 # Settings rows carry that no bench script takes any more: {name: (the value the code now always
-# has, the commit that made it so, what became of the setting)}. A row that ran the setting at that
-# value measured what today's code does there; a row at another value measured code that is gone.
+# has, the commit that made it so, what became of the setting, the settings a row must have for it
+# to matter)}. A row that ran the setting at that value measured what today's code does there; a
+# row at another value measured code that is gone; a row outside its scope (a bf16 row, for an
+# FP8 setting) did not depend on it.
+_FP8 = {"precision": "fp8"}
 RETIRED = {
-    "fp8_rowwise": (0, "3ad6050", "removed: the row-wise FP8 recipe lost to the fine-grained one"),
-    "fp8_wgrad": (0, "3ad6050", "the FP8 weight gradients are always bf16 (FP8 ones were slower)"),
-    "fp8_fused_combine": (1, "3ad6050", "the fused FP8 combine is the only one"),
-    "fp8_rows_through_index": (1, "49b7111", "the FP8 token rows are always read through the index"),
-    "fp8_keep_weight_blocks": (0, "4424681", "removed: XLA already quantises each weight once"),
-    "fp8_quantize_in_epilogue": (1, "4424681", "always, where the backend has the form"),
-    "fp8_narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot"),
-    "narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot"),
-    "split_key_width": (1, "bed83e8", "the Triton attention core always splits 192 as 128 + 64"),
+    "fp8_rowwise": (0, "3ad6050", "removed: the row-wise FP8 recipe lost to the fine-grained one", _FP8),
+    "fp8_wgrad": (0, "3ad6050", "the FP8 weight gradients are always bf16 (FP8 ones were slower)", _FP8),
+    "fp8_fused_combine": (1, "3ad6050", "the fused FP8 combine is the only one", _FP8),
+    "fp8_rows_through_index": (1, "49b7111", "the FP8 token rows are always read through the index",
+                               _FP8),
+    "fp8_keep_weight_blocks": (0, "4424681", "removed: XLA already quantises each weight once", _FP8),
+    "fp8_quantize_in_epilogue": (1, "4424681", "always, where the backend has the form", _FP8),
+    "fp8_narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot", _FP8),
+    "narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot", _FP8),
+    "split_key_width": (1, "bed83e8", "the Triton attention core always splits 192 as 128 + 64", {}),
+    "fp8_min_contraction": (256, "MINC", "FP8 products contracting over fewer than 256 take bf16", _FP8),
 }
 # Settings that say how a row was taken, not what ran: the traced step is one of the timed steps,
 # whose median is the figure.
@@ -170,9 +175,16 @@ def _same(a, b) -> bool:
     return str(a) == str(b)
 
 
-def _today(name: str, value) -> bool:
-  """The setting `name=value` is what today's code always does, or says nothing about what ran."""
-  return name in HOW_TAKEN or (name in RETIRED and _same(value, RETIRED[name][0]))
+def _today(name: str, value, overrides: dict) -> bool:
+  """The setting `name=value` of a row with `overrides` is what today's code always does, or says
+  nothing about what ran (how the row was taken; a retired setting outside its scope)."""
+  if name in HOW_TAKEN:
+    return True
+  if name not in RETIRED:
+    return False
+  today, _, _, scope = RETIRED[name]
+  in_scope = all(_same(overrides.get(k), v) for k, v in scope.items())
+  return not in_scope or _same(value, today)
 
 
 def join_command(words: list[str]) -> str:
@@ -205,9 +217,9 @@ def _runnable(command: str) -> str:
       for run in w[len("--runs="):].split(","):
         head, *pieces = run.split("/")
         kv = [p.partition("=")[::2] for p in pieces]
-        if any(k in RETIRED and not _today(k, v) for k, v in kv):
+        if any(k in RETIRED and not _today(k, v, dict(kv)) for k, v in kv):
           continue
-        run = "/".join([head, *(f"{k}={v}" for k, v in kv if not _today(k, v))])
+        run = "/".join([head, *(f"{k}={v}" for k, v in kv if not _today(k, v, dict(kv)))])
         if run not in runs:
           runs.append(run)
       w = "--runs=" + ",".join(runs)
@@ -218,15 +230,16 @@ def _runnable(command: str) -> str:
 def as_today(row: dict) -> tuple[dict, list[str]]:
   """(`row` as today's code names its settings, the notes of the retired settings it ran otherwise).
 
-  Its overrides lose the settings at today's value (`_today`); a retired setting at another value
-  stays, and its note says what became of it (the row measured code that is gone); so does a
-  switch recorded in its `extra["switches"]` (bench/train_step.py writes every switch's value).
+  Its overrides lose the settings at today's value or outside their scope (`_today`); a retired
+  setting at another value stays, and its note says what became of it (the row measured code that
+  is gone); so does a switch recorded in its `extra["switches"]` (bench/train_step.py writes every
+  switch's value).
   Its command is `_runnable`. Older rows name only the settings that differed from the defaults
   of their day: a figure is what the code of the row's commit gave."""
   ran = {**row.get("extra", {}).get("switches", {}), **row["overrides"]}
   notes = [f"`{k}={v}`: {RETIRED[k][2]} (since {RETIRED[k][1]})"
-           for k, v in sorted(ran.items()) if k in RETIRED and not _today(k, v)]
-  overrides = {k: v for k, v in row["overrides"].items() if not _today(k, v)}
+           for k, v in sorted(ran.items()) if k in RETIRED and not _today(k, v, ran)]
+  overrides = {k: v for k, v in row["overrides"].items() if not _today(k, v, ran)}
   command = _runnable(row["command"])
   if overrides == row["overrides"] and command == row["command"]:
     return row, notes

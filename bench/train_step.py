@@ -34,10 +34,9 @@ memory. Usage (GPU):
                     routing; bench-only, bench/balanced_routing.py)
       [--tgmm_big_first_skew=N]   (kernels/triton_gmm.TGMM_BIG_FIRST_SKEW: the Triton weight
                     gradient's tiles largest groups first under skew >= N, N >= 1)
-      [--fp8_one_block_scales=0|1] [--fp8_mosaic_products=0|1] [--fp8_min_contraction=N]
-      [--fp8_block_quantiser=0|1]
+      [--fp8_one_block_scales=0|1] [--fp8_mosaic_products=0|1] [--fp8_block_quantiser=0|1]
                     (module switches of SWITCHES: kernels/gmm/triton_fp8_gmm.ONE_BLOCK_SCALES,
-                    umoe_jax/ops/fp8_gmm.MOSAIC_PRODUCTS, .MIN_CONTRACTION, .KERNEL_BLOCKS)
+                    umoe_jax/ops/fp8_gmm.MOSAIC_PRODUCTS, umoe_jax/ops/fp8_gmm.KERNEL_BLOCKS)
       [--results=PATH]   (one JSON row a measured row, bench/results.py: default $OUT/rows.jsonl
                     when $OUT is set, else bench/results/<device>.jsonl; none: no rows)
   python bench/train_step.py --runs=umoe_base:single,umoe_base:data@4,umoe_base:expert@8:ragged:2
@@ -143,10 +142,6 @@ SWITCHES: dict[str, Switch] = {
         fp8_gmm, "MOSAIC_PRODUCTS", None,
         "the FP8 products on the Mosaic GPU kernel (kernels/gmm/mosaic_fp8_gmm.py: the promotion "
         "overlapped with the next chunk's wgmma), the rest on the gmm backend"),
-    "fp8_min_contraction": Switch(
-        fp8_gmm, "MIN_CONTRACTION", 0,
-        "FP8 products whose contraction is shorter than N take bf16 operands (umoe_jax/ops/"
-        "fp8_gmm.in_fp8; 256: UMoE-base's 192-wide contractions in bf16, 0: every product in FP8)"),
     "fp8_block_quantiser": Switch(
         fp8_gmm, "KERNEL_BLOCKS", None,
         "the weights' FP8 blocks by the backend's one-pass kernel (kernels/gmm/triton_fp8_quant.py), "

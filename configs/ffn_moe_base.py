@@ -3,8 +3,8 @@
 Train (checkpoints and TensorBoard logs in the workdir):
   python3 train.py --config=configs/ffn_moe_base.py --workdir=runs/ffn_moe_base
 Training step on NVIDIA H100 80GB HBM3 (bench/train_step.py, random tokens):
-  python3 bench/train_step.py --runs=ffn_moe_base:single --steps=5 --warmup=2 --time_limit_s=225
-  94.2 ms a step, 347.8k tokens/s, 27.3% MFU (32 x 1024 tokens, 2026-12-06), result 2026-12-06-h100-80gb-hbm3-tokens_per_s-ecc7fa7a
+  python3 bench/train_step.py --steps=6 --warmup=2 --compilation_cache_dir=/tmp/jcc --runs=ffn_moe_base:single
+  93.7 ms a step, 349.8k tokens/s, 27.5% MFU (32 x 1024 tokens, 2026-12-07), result 2026-12-07-h100-80gb-hbm3-tokens_per_s-6c29253c
 Training step on NVIDIA H200 (bench/train_step.py, random tokens):
   python3 bench/train_step.py --runs=ffn_moe_base:single --steps=10 --time_limit_s=250
   85.8 ms a step, 382.1k tokens/s, 30.0% MFU (32 x 1024 tokens, 2026-12-05), result 2026-12-05-h200-tokens_per_s-21782a13

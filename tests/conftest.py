@@ -30,6 +30,7 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -41,6 +42,15 @@ import reference  # noqa: E402,F401
 from ci_checks import pytest_runtest_makereport, pytest_runtest_setup  # noqa: E402,F401  (extras)
 import gpu_report  # noqa: E402
 import gpu_tiers  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def every_fp8_product(monkeypatch):
+  """The FP8 tests run at small widths, where `fp8_gmm.MIN_CONTRACTION` would give every product
+  bf16 operands: every product takes FP8 here, so they reach the FP8 forms. The threshold's own
+  tests (test_fp8_min_contraction.py) set it."""
+  from umoe_jax.ops import fp8_gmm
+  monkeypatch.setattr(fp8_gmm, "MIN_CONTRACTION", 0)
 
 
 def pytest_addoption(parser):

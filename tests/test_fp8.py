@@ -1098,6 +1098,8 @@ sys.path.insert(0, os.path.join(sys.argv[1], "tests", "parallel_scripts"))
 import jax
 import common
 from umoe_jax.parallel import mesh as mesh_lib, sharding
+from umoe_jax.ops import fp8_gmm
+fp8_gmm.MIN_CONTRACTION = 0   # every product in FP8 at the tiny widths (tests/conftest.py)
 cfg = dataclasses.replace(common.tiny_cfg("umoe"), matmul_precision="fp8")
 graphdef, abstract = common.model_parts(cfg)
 params, batch = common.init_params(cfg), common.tokens()

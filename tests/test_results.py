@@ -286,8 +286,9 @@ def test_an_environment_setting_stays_an_assignment():
 # Rows read as today's code: retired settings (results.RETIRED) and how a row was taken.
 
 def _retired(monkeypatch):
-  monkeypatch.setattr(results, "RETIRED", {"old_on": (1, "abc1234", "now always on"),
-                                           "old_off": (0, "abc1234", "removed")})
+  monkeypatch.setattr(results, "RETIRED", {"old_on": (1, "abc1234", "now always on", {}),
+                                           "old_off": (0, "abc1234", "removed", {}),
+                                           "fp8_only": (1, "abc1234", "fp8 always", {"precision": "fp8"})})
 
 
 def test_a_retired_setting_at_todays_value_leaves_the_row(monkeypatch):
@@ -322,6 +323,21 @@ def test_a_recorded_switch_that_went_makes_the_row_history(monkeypatch):
   assert results.as_today(ran_off)[1] == ["`old_on=0`: now always on (since abc1234)"]
   ran_on = _row(extra={"step_ms": 1.0, "switches": {"old_on": 1, "old_off": 0}})
   assert results.as_today(ran_on) == (ran_on, [])
+
+
+def test_a_retired_setting_outside_its_scope_says_nothing(monkeypatch):
+  """An FP8 setting recorded on a bf16 row (every row records every switch) did not decide what it
+  ran: the bf16 row is today's; the fp8 row at another value is history."""
+  _retired(monkeypatch)
+  bf16 = _row(overrides={"fp8_only": 0}, extra={"switches": {"fp8_only": 0}})
+  today, notes = results.as_today(bf16)
+  assert notes == [] and today["overrides"] == {}
+  f8 = _row(overrides={"precision": "fp8"}, extra={"switches": {"fp8_only": 0}})
+  assert results.as_today(f8)[1] == ["`fp8_only=0`: fp8 always (since abc1234)"]
+  assert results.as_today(dict(f8, extra={"switches": {"fp8_only": 1}}))[1] == []
+  cmd = "python3 bench/train_step.py --runs=u:single/fp8_only=0,u:single/precision=fp8/fp8_only=0"
+  assert results.as_today(_row(command=cmd))[0]["command"] == (
+      "python3 bench/train_step.py --runs=u:single")
 
 
 def test_the_page_reads_rows_as_todays_code(monkeypatch):

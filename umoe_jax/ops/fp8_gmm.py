@@ -45,11 +45,12 @@ KERNEL_BLOCKS = False
 
 # Products whose contraction is shorter than this take their operands in bf16, by the backend's bf16
 # gmm (0: every forward and input-gradient product in FP8). A short contraction is one or two scale
-# pieces, each promoted on the CUDA cores, so the FP8 kernel gains nothing there over bf16 while its
-# operands still cost a quantiser pass: at UMoE-base's experts (768 <-> 192) the products that
-# contract over 192 are half the expert FLOPs. Off until a step is timed with it
-# (bench/train_step.py --fp8_min_contraction=256).
-MIN_CONTRACTION = 0
+# pieces, each promoted on the CUDA cores, so the FP8 kernel runs it at about half the bf16 kernel's
+# speed while its operands still cost a quantiser pass; at UMoE-base's and FFN-MoE-base's experts
+# (768 <-> 192) the products that contract over 192 are half the expert FLOPs, and with them in
+# bf16 their fp8 steps on an H100 are 7-9% faster (bench/results: the rows of fp8_min_contraction=256
+# beside the fp8 rows of the same commands).
+MIN_CONTRACTION = 256
 
 
 def in_fp8(contraction: int) -> bool:
