@@ -63,10 +63,10 @@ METRICS = {
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 # Settings rows carry that no bench script takes any more: {name: (the value the code now always
-# has, the commit that made it so, what became of the setting, the settings a row must have for it
-# to matter)}. A row that ran the setting at that value measured what today's code does there; a
-# row at another value measured code that is gone; a row outside its scope (a bf16 row, for an
-# FP8 setting) did not depend on it.
+# has, the commit that made it so, what became of the setting, its scope: the settings (and config)
+# a row must have for it to matter, a tuple naming values any of which does)}. A row that ran the
+# setting at that value measured what today's code does there; a row at another value measured
+# code that is gone; a row outside its scope (a bf16 row, for an FP8 setting) did not depend on it.
 _FP8 = {"precision": "fp8"}
 RETIRED = {
     "fp8_rowwise": (0, "3ad6050", "removed: the row-wise FP8 recipe lost to the fine-grained one", _FP8),
@@ -79,7 +79,9 @@ RETIRED = {
     "fp8_narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot", _FP8),
     "narrow_tail": (1, "7a8f87e", "the FP8 gmm's last partial chunk is always one narrow dot", _FP8),
     "split_key_width": (1, "bed83e8", "the Triton attention core always splits 192 as 128 + 64", {}),
-    "fp8_min_contraction": (256, "MINC", "FP8 products contracting over fewer than 256 take bf16", _FP8),
+    "fp8_min_contraction": (256, "82e4bdd", "FP8 products contracting over fewer than 256 take bf16",
+                            # the measured configs with such products (192-wide experts)
+                            dict(_FP8, config=("umoe_base", "ffn_moe_base"))),
 }
 # Settings that say how a row was taken, not what ran: the traced step is one of the timed steps,
 # whose median is the figure.
@@ -183,7 +185,8 @@ def _today(name: str, value, overrides: dict) -> bool:
   if name not in RETIRED:
     return False
   today, _, _, scope = RETIRED[name]
-  in_scope = all(_same(overrides.get(k), v) for k, v in scope.items())
+  in_scope = all(any(_same(overrides.get(k), one) for one in (v if isinstance(v, tuple) else (v,)))
+                 for k, v in scope.items())
   return not in_scope or _same(value, today)
 
 
@@ -237,9 +240,10 @@ def as_today(row: dict) -> tuple[dict, list[str]]:
   Its command is `_runnable`. Older rows name only the settings that differed from the defaults
   of their day: a figure is what the code of the row's commit gave."""
   ran = {**row.get("extra", {}).get("switches", {}), **row["overrides"]}
+  where = dict(ran, config=row["config"])
   notes = [f"`{k}={v}`: {RETIRED[k][2]} (since {RETIRED[k][1]})"
-           for k, v in sorted(ran.items()) if k in RETIRED and not _today(k, v, ran)]
-  overrides = {k: v for k, v in row["overrides"].items() if not _today(k, v, ran)}
+           for k, v in sorted(ran.items()) if k in RETIRED and not _today(k, v, where)]
+  overrides = {k: v for k, v in row["overrides"].items() if not _today(k, v, where)}
   command = _runnable(row["command"])
   if overrides == row["overrides"] and command == row["command"]:
     return row, notes

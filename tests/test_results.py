@@ -335,6 +335,9 @@ def test_a_retired_setting_outside_its_scope_says_nothing(monkeypatch):
   f8 = _row(overrides={"precision": "fp8"}, extra={"switches": {"fp8_only": 0}})
   assert results.as_today(f8)[1] == ["`fp8_only=0`: fp8 always (since abc1234)"]
   assert results.as_today(dict(f8, extra={"switches": {"fp8_only": 1}}))[1] == []
+  monkeypatch.setitem(results.RETIRED, "moe_only", (1, "abc1234", "moe", {"config": ("a", "umoe_base")}))
+  assert results.as_today(_row(extra={"switches": {"moe_only": 0}}))[1] == ["`moe_only=0`: moe (since abc1234)"]
+  assert results.as_today(_row(config="dense_base", extra={"switches": {"moe_only": 0}}))[1] == []
   cmd = "python3 bench/train_step.py --runs=u:single/fp8_only=0,u:single/precision=fp8/fp8_only=0"
   assert results.as_today(_row(command=cmd))[0]["command"] == (
       "python3 bench/train_step.py --runs=u:single")
