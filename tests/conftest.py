@@ -45,12 +45,15 @@ import gpu_tiers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def every_fp8_product(monkeypatch):
+def every_fp8_product():
   """The FP8 tests run at small widths, where `fp8_gmm.MIN_CONTRACTION` would give every product
   bf16 operands: every product takes FP8 here, so they reach the FP8 forms. The threshold's own
-  tests (test_fp8_min_contraction.py) set it."""
+  tests (test_fp8_min_contraction.py) set it. Not through the test's `monkeypatch`, whose `undo()`
+  some tests call between their runs."""
   from umoe_jax.ops import fp8_gmm
-  monkeypatch.setattr(fp8_gmm, "MIN_CONTRACTION", 0)
+  before, fp8_gmm.MIN_CONTRACTION = fp8_gmm.MIN_CONTRACTION, 0
+  yield
+  fp8_gmm.MIN_CONTRACTION = before
 
 
 def pytest_addoption(parser):

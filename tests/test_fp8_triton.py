@@ -614,6 +614,8 @@ def _differentiable_check():
 
 def _interpreter_check():
   from test_kernels import _NP_DTYPES, _NpDtype
+  from umoe_jax.ops import fp8_gmm
+  fp8_gmm.MIN_CONTRACTION = 0   # every product in FP8 at these widths (as tests/conftest.py)
   _NP_DTYPES.setdefault(np.dtype(F8), _NpDtype("float8_e4m3fn"))
   _NP_DTYPES.setdefault(np.dtype(jnp.bfloat16), _NpDtype("bfloat16"))
   interpreter_loop_bounds()
