@@ -201,7 +201,7 @@ def _row_command(row: dict) -> str:
       continue
     if w.startswith("--runs="):
       runs = [r for r in w[len("--runs="):].split(",") if r.split(":")[0] == row["config"]]
-      pieces = {r: [p.partition("=")[::2] for p in r.split("/")[1:]] for r in runs}
+      pieces = {r: results.run_pieces(r)[1] for r in runs}
       fit = [r for r in runs if all(k in row["overrides"] and results._same(row["overrides"][k], v)
                                     for k, v in pieces[r])]
       most = max((len(pieces[r]) for r in fit), default=0)

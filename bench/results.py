@@ -201,6 +201,12 @@ def join_command(words: list[str]) -> str:
   return " ".join(out)
 
 
+def run_pieces(run: str) -> tuple[str, list[tuple[str, str]]]:
+  """A `--runs` item 'CONFIG:LAYOUT/name=value/...' -> ('CONFIG:LAYOUT', [(name, value), ...])."""
+  head, *pieces = run.split("/")
+  return head, [tuple(p.partition("=")[::2]) for p in pieces]
+
+
 def _runnable(command: str) -> str:
   """`command` as it runs today: without the flags of retired and how-taken settings (`--name=v`,
   `--name v`; a row whose overrides do not name one did not depend on it), its runs' `/name=v`
@@ -218,8 +224,7 @@ def _runnable(command: str) -> str:
     if w.startswith("--runs="):
       runs = []
       for run in w[len("--runs="):].split(","):
-        head, *pieces = run.split("/")
-        kv = [p.partition("=")[::2] for p in pieces]
+        head, kv = run_pieces(run)
         if any(k in RETIRED and not _today(k, v, dict(kv)) for k, v in kv):
           continue
         run = "/".join([head, *(f"{k}={v}" for k, v in kv if not _today(k, v, dict(kv)))])
