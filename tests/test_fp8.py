@@ -737,17 +737,20 @@ def test_act_quantised_after_the_first_matmul_feeds_the_last(monkeypatch):
   x, plan, w1, w2, gates, g = _expert_layer(rng)
   k = gates.shape[1]
   runs = {}
-  real = fused_dispatch.quantize
+  real, real_gmm = fused_dispatch.quantize, fused_dispatch.threshold_gmm
   for on, pool in fp8_pools(plan, k, "xla").items():
     calls = []
     monkeypatch.setattr(fused_dispatch, "quantize", lambda b, v: calls.append(v.shape) or real(b, v))
+    monkeypatch.setattr(fused_dispatch, "threshold_gmm",
+                        lambda b, v, *a, **kw: calls.append(v.shape) or real_gmm(b, v, *a, **kw))
     y, pull = jax.vjp(pool, x, w1, w2, gates)
     runs[on] = (y, pull(g), list(calls))
   for a, b in zip(jax.tree_util.tree_leaves(runs[False][:2]), jax.tree_util.tree_leaves(runs[True][:2])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   m = plan.order.shape[0]
-  # fused_dispatch's own quantiser calls: the tokens, act(up) [M, F] (off only: on, the first
-  # matmul's op makes it), the two backward cotangents
+  # what fused_dispatch quantises itself or hands to threshold_gmm (which quantises it at these
+  # widths): the tokens, act(up) [M, F] (off only: on, the first matmul's op makes it), the
+  # combine's cotangent
   assert (m, w1.shape[2]) in runs[False][2] and (m, w1.shape[2]) not in runs[True][2]
   assert len(runs[True][2]) == len(runs[False][2]) - 1
   with pytest.raises(ValueError, match="FP8 only"):

@@ -132,6 +132,18 @@ def quantized_gmm_out(backend_name: str, lhs_q, lhs_scale, rhs, group_sizes, out
   return (out, *quantize(backend_name, epilogue.activate(activation, out)))
 
 
+def threshold_gmm(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, out_dtype,
+                  lhs_index=None):
+  """gmm(lhs, rhs, group_sizes) (rows through `lhs_index` where given): from lhs quantised here
+  where its contraction, lhs's width, is long enough (`in_fp8`), else by the backend's bf16 gmm on
+  the operands as they come."""
+  if in_fp8(lhs.shape[1]):
+    return quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
+                         transpose_rhs, out_dtype, lhs_index)
+  return raw_gmm(BACKENDS.get(backend_name), lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                 out_dtype=out_dtype, lhs_index=lhs_index)
+
+
 def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dout, lhs_index=None):
   """(dlhs, drhs) of `out = gmm(lhs, rhs, group_sizes)` (rhs[g].T with `transpose_rhs`): the input
   gradient in FP8 (in bf16 where its contraction, dout's width, is short: `in_fp8`), the weight
@@ -172,12 +184,7 @@ def _differentiable(backend_name: str, transpose_rhs: bool, out_dtype):
 
   @jax.custom_vjp
   def fn(lhs, rhs, group_sizes):
-    if in_fp8(lhs.shape[1]):
-      out = quantized_gmm(backend_name, *quantize(backend_name, lhs), rhs, group_sizes,
-                          transpose_rhs, out_dtype or lhs.dtype)
-    else:
-      out = raw_gmm(BACKENDS.get(backend_name), lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                    out_dtype=out_dtype or lhs.dtype)
+    out = threshold_gmm(backend_name, lhs, rhs, group_sizes, transpose_rhs, out_dtype or lhs.dtype)
     return vary_like(out, varying_axes(lhs) | varying_axes(rhs) | varying_axes(group_sizes))
 
   def fwd(lhs, rhs, group_sizes):

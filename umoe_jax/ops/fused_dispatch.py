@@ -32,7 +32,7 @@ from umoe_jax.ops import epilogue
 from umoe_jax.ops.dispatch import DispatchPlan, combine
 from umoe_jax.ops.fp8 import DTYPE as FP8_DTYPE, TILE as FP8_TILE
 from umoe_jax.ops.fp8_gmm import (fp8_backend, gradients, in_fp8, quantize, quantized_gmm,
-                                  quantized_gmm_out)
+                                  quantized_gmm_out, threshold_gmm)
 from umoe_jax.ops.gmm import BACKENDS, resolve_backend
 from umoe_jax.ops.row_index import raw_gmm, raw_tgmm
 from umoe_jax.ops.varying import vary_like, varying_axes
@@ -114,19 +114,15 @@ def _fp8_gather_gmm_fn(backend_name: str, fan_out: int, slot_layout: tuple[int, 
   @jax.custom_vjp
   def fn(x, rhs, gs, src, inverse):
     axes = varying_axes(x) | varying_axes(rhs)
-    if not in_fp8(x.shape[1]):
+    if quantize_out is None:
+      return vary_like(threshold_gmm(backend_name, x, rhs, gs, False, x.dtype, lhs_index=src), axes)
+    if in_fp8(x.shape[1]):
+      outs = quantized_gmm_out(backend_name, *quantize(backend_name, x), rhs, gs, x.dtype,
+                               quantize_out, lhs_index=src)
+    else:
       out = raw_gmm(backend, x, rhs, gs, transpose_rhs=False, out_dtype=x.dtype, lhs_index=src)
-      if quantize_out is not None:
-        return tuple(vary_like(a, axes) for a in (
-            out, *quantize(backend_name, epilogue.activate(quantize_out, out))))
-      return vary_like(out, axes)
-    q, scale = quantize(backend_name, x)
-    if quantize_out is not None:
-      out, q2, s2 = quantized_gmm_out(backend_name, q, scale, rhs, gs, x.dtype, quantize_out,
-                                      lhs_index=src)
-      return vary_like(out, axes), vary_like(q2, axes), vary_like(s2, axes)
-    return vary_like(quantized_gmm(backend_name, q, scale, rhs, gs, False, x.dtype, lhs_index=src),
-                     axes)
+      outs = (out, *quantize(backend_name, epilogue.activate(quantize_out, out)))
+    return tuple(vary_like(a, axes) for a in outs)
 
   def fwd(x, rhs, gs, src, inverse):
     return fn(x, rhs, gs, src, inverse), (x, rhs, gs, src, inverse)
@@ -278,18 +274,12 @@ def _fp8_gmm_combine_fn(backend_name: str, slots: int, activation: str | None = 
   operand = _operand(activation)
 
   def product(h, rhs, gs, given=None):
-    if given is None and not in_fp8(h.shape[1]):
-      return raw_gmm(backend, operand(h), rhs, gs, transpose_rhs=False, out_dtype=h.dtype)
-    q, scale = quantize(backend_name, operand(h)) if given is None else given
-    return quantized_gmm(backend_name, q, scale, rhs, gs, False, h.dtype)
+    if given is None:
+      return threshold_gmm(backend_name, operand(h), rhs, gs, False, h.dtype)
+    return quantized_gmm(backend_name, *given, rhs, gs, False, h.dtype)
 
   def gradients(h, rhs, gs, dout, token, gate_sorted):
-    if in_fp8(dout.shape[1]):
-      u = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, gs, True, jnp.float32,
-                        lhs_index=token)                                                   # [M, F]
-    else:
-      u = raw_gmm(backend, dout, rhs, gs, transpose_rhs=True, out_dtype=jnp.float32,
-                  lhs_index=token)
+    u = threshold_gmm(backend_name, dout, rhs, gs, True, jnp.float32, lhs_index=token)      # [M, F]
     dh, dgate_sorted = epilogue.row_dot_epilogue(u, gate_sorted, h, activation, h.dtype)
     hg = epilogue.gate_scaled(h, gate_sorted, activation)                                  # [M, F]
     return dh, dgate_sorted, raw_tgmm(backend, hg, dout, gs, num_groups=rhs.shape[0],
