@@ -85,8 +85,18 @@ from kernels.gmm import triton_fp8_gmm  # noqa: E402
 from umoe_jax.ops import fp8_gmm  # noqa: E402
 from umoe_jax.train import host_gc  # noqa: E402
 
-# The official PyTorch UMoE code on one H200 (bf16, 32x1024 tokens a step), tokens/s.
-ANCHORS = {"dense_base": 213.6e3, "ffn_moe_base": 71.2e3, "umoe_base": 58.2e3}
+# The official PyTorch UMoE code's tokens/s (bf16, 32 x 1024 tokens a step) by device kind: on one
+# H200, and on one H100 in the same run as this script's rows of 2026-12-05. A row is compared only
+# with the official code on its own kind of device.
+ANCHORS = {
+    "NVIDIA H200": {"dense_base": 213.6e3, "ffn_moe_base": 71.2e3, "umoe_base": 58.2e3},
+    "NVIDIA H100 80GB HBM3": {"dense_base": 180.7e3, "ffn_moe_base": 59.9e3, "umoe_base": 49.3e3},
+}
+
+
+def official_tokens_per_s(device_kind: str, config: str) -> float | None:
+  """The official code's tokens/s for `config` on one `device_kind` device (None: not measured)."""
+  return ANCHORS.get(device_kind, {}).get(config)
 
 
 def log(*a):
@@ -387,7 +397,7 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
-             anchor_tokens_per_s=ANCHORS.get(name), zipf=args.zipf, routing_load=load,
+             anchor_tokens_per_s=official_tokens_per_s(jax.devices()[0].device_kind, name), zipf=args.zipf, routing_load=load,
              precision=args.precision, routing=args.routing,
              tgmm_big_first_skew=_tgmm_skew(), **{key: switch_value(key) for key in SWITCHES})
   if profile is not None:
@@ -642,9 +652,10 @@ def measurement(r: dict, args) -> dict | None:
     overrides.update(layout=r["layout"], exchange=r["exchange"], chunks=r["chunks"])
     if r.get("capacity_factor") is not None:
       overrides["capacity_factor"] = r["capacity_factor"]
-  anchor = None
-  if r["devices"] == 1 and r["config"] in ANCHORS:
-    anchor = results.anchor("official PyTorch code, one H200", ANCHORS[r["config"]], "tokens/s",
+  anchor, official = None, official_tokens_per_s(r["device_kind"], r["config"])
+  if r["devices"] == 1 and official is not None:
+    kind = r["device_kind"].removeprefix("NVIDIA ").split()[0]    # "H100" of "NVIDIA H100 80GB HBM3"
+    anchor = results.anchor(f"official PyTorch code, one {kind}", official, "tokens/s",
                             "bench/train_step.py ANCHORS")
   elif r.get("scaling_efficiency"):
     linear = r["tokens_per_s"] / r["scaling_efficiency"]

@@ -211,7 +211,12 @@ def test_train_step_rows():
            loss_check=True, step_times_ms=[110.8, 111.5, 112.5], xla_flags="")
   row = _valid(train_step.measurement(r, args))
   assert row["overrides"] == {"zipf": 1.1} and row["value"] == 293.8e3
-  assert row["anchor"]["value"] == train_step.ANCHORS["umoe_base"]
+  assert row["anchor"]["value"] == train_step.ANCHORS["NVIDIA H200"]["umoe_base"]
+  assert row["anchor"]["what"] == "official PyTorch code, one H200"
+  # each device kind against the official code on its own kind; a kind never measured: no anchor
+  h100 = _valid(train_step.measurement(dict(r, device_kind="NVIDIA H100 80GB HBM3"), args))
+  assert h100["anchor"]["value"] == 49.3e3 and h100["anchor"]["what"].endswith("one H100")
+  assert _valid(train_step.measurement(dict(r, device_kind="NVIDIA A100-SXM4-80GB"), args))["anchor"] is None
   assert row["extra"]["step_ms"] == 111.5 and row["extra"]["step_ms_range"] == [110.8, 112.5]
   assert "switches" not in row["extra"]    # a row made without them says nothing of them
   ran = {key: i % 2 for i, key in enumerate(train_step.SWITCHES)}
