@@ -397,7 +397,8 @@ def bench_one(name: str, layout: str, args, exchange=None, chunks=None,
              fuse_weight_rows=model_cfg.moe.fuse_weight_rows, scan_layers=model_cfg.scan_layers,
              triton_launch=triton_launch.route(), step_times_ms=[1e3 * x for x in times],
              trace_step=args.trace_step or None, trace_dir=trace_dir, freeze_heap=bool(args.freeze_heap),
-             anchor_tokens_per_s=official_tokens_per_s(jax.devices()[0].device_kind, name), zipf=args.zipf, routing_load=load,
+             anchor_tokens_per_s=official_tokens_per_s(jax.devices()[0].device_kind, name),
+             zipf=args.zipf, routing_load=load,
              precision=args.precision, routing=args.routing,
              tgmm_big_first_skew=_tgmm_skew(), **{key: switch_value(key) for key in SWITCHES})
   if profile is not None:
@@ -657,7 +658,7 @@ def measurement(r: dict, args) -> dict | None:
     kind = r["device_kind"].removeprefix("NVIDIA ").split()[0]    # "H100" of "NVIDIA H100 80GB HBM3"
     anchor = results.anchor(f"official PyTorch code, one {kind}", official, "tokens/s",
                             "bench/train_step.py ANCHORS")
-  elif r.get("scaling_efficiency"):
+  elif r["devices"] > 1 and r.get("scaling_efficiency"):
     linear = r["tokens_per_s"] / r["scaling_efficiency"]
     anchor = results.anchor(f"linear scaling of this command's single row ({r['devices']} x)",
                             linear, "tokens/s", "the same command")

@@ -216,7 +216,8 @@ def test_train_step_rows():
   # each device kind against the official code on its own kind; a kind never measured: no anchor
   h100 = _valid(train_step.measurement(dict(r, device_kind="NVIDIA H100 80GB HBM3"), args))
   assert h100["anchor"]["value"] == 49.3e3 and h100["anchor"]["what"].endswith("one H100")
-  assert _valid(train_step.measurement(dict(r, device_kind="NVIDIA A100-SXM4-80GB"), args))["anchor"] is None
+  a100 = dict(r, device_kind="NVIDIA A100-SXM4-80GB", scaling_efficiency=1.0)   # (as add_efficiency)
+  assert _valid(train_step.measurement(a100, args))["anchor"] is None
   assert row["extra"]["step_ms"] == 111.5 and row["extra"]["step_ms_range"] == [110.8, 112.5]
   assert "switches" not in row["extra"]    # a row made without them says nothing of them
   ran = {key: i % 2 for i, key in enumerate(train_step.SWITCHES)}
