@@ -225,9 +225,10 @@ def _runnable(command: str) -> str:
       runs = []
       for run in w[len("--runs="):].split(","):
         head, kv = run_pieces(run)
-        if any(k in RETIRED and not _today(k, v, dict(kv)) for k, v in kv):
+        ran = dict(kv)
+        if any(k in RETIRED and not _today(k, v, ran) for k, v in kv):
           continue
-        run = "/".join([head, *(f"{k}={v}" for k, v in kv if not _today(k, v, dict(kv)))])
+        run = "/".join([head, *(f"{k}={v}" for k, v in kv if not _today(k, v, ran))])
         if run not in runs:
           runs.append(run)
       w = "--runs=" + ",".join(runs)

@@ -46,10 +46,9 @@ KERNEL_BLOCKS = False
 # Products whose contraction is shorter than this take their operands in bf16, by the backend's bf16
 # gmm (0: every forward and input-gradient product in FP8). A short contraction is one or two scale
 # pieces, each promoted on the CUDA cores, so the FP8 kernel runs it at about half the bf16 kernel's
-# speed while its operands still cost a quantiser pass; at UMoE-base's and FFN-MoE-base's experts
-# (768 <-> 192) the products that contract over 192 are half the expert FLOPs, and with them in
-# bf16 their fp8 steps on an H100 are 7-9% faster (bench/results: the rows of fp8_min_contraction=256
-# beside the fp8 rows of the same commands).
+# speed while its operands still cost a quantiser pass. At UMoE-base's and FFN-MoE-base's experts
+# (768 <-> 192) the products that contract over 192 are half the expert FLOPs (bench/results: the
+# fp8 rows with fp8_min_contraction=0 ran every product in FP8).
 MIN_CONTRACTION = 256
 
 
@@ -149,14 +148,14 @@ def gradients(backend_name: str, lhs, rhs, group_sizes, transpose_rhs: bool, dou
   gradient in FP8 (in bf16 where its contraction, dout's width, is short: `in_fp8`), the weight
   gradient in the operands' dtype (`wgrad`). With `lhs_index` the product's rows are
   lhs[lhs_index], read through it."""
+  backend, cast = BACKENDS.get(backend_name), dout.astype(lhs.dtype)
   if in_fp8(dout.shape[1]):
     dlhs = quantized_gmm(backend_name, *quantize(backend_name, dout), rhs, group_sizes,
                          not transpose_rhs, lhs.dtype)
   else:
-    dlhs = raw_gmm(BACKENDS.get(backend_name), dout.astype(lhs.dtype), rhs, group_sizes,
-                   transpose_rhs=not transpose_rhs, out_dtype=lhs.dtype)
-  return dlhs, wgrad(BACKENDS.get(backend_name), lhs, dout.astype(lhs.dtype), group_sizes, rhs,
-                     transpose_rhs, lhs_index)
+    dlhs = raw_gmm(backend, cast, rhs, group_sizes, transpose_rhs=not transpose_rhs,
+                   out_dtype=lhs.dtype)
+  return dlhs, wgrad(backend, lhs, cast, group_sizes, rhs, transpose_rhs, lhs_index)
 
 
 def wgrad(backend: GmmBackend, lhs, dout, group_sizes, rhs, transpose_rhs: bool, lhs_index=None):
